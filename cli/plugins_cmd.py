@@ -1,0 +1,83 @@
+"""``fw plugins list`` and ``fw plugins check``."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Inspect installed plugins.", no_args_is_help=True)
+
+
+def _registrations() -> dict[str, dict[str, list[str]]]:
+    """plugin name -> {registry kind: [keys]} over every register_* hook, without importing torch."""
+    from framework import registries
+
+    found: dict[str, dict[str, list[str]]] = {}
+    for hook_name, (kind, _, _) in registries.REGISTRY_HOOKS.items():
+        registry = registries.registry_for(hook_name)
+        for spec in registry:
+            found.setdefault(registry.plugin_of(spec.key), {}).setdefault(kind, []).append(spec.key)
+    return found
+
+
+@app.command("list")
+def list_plugins(
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """List loaded plugins: name, version, distribution, hooks and what each registers."""
+    from framework import plugins
+
+    registered = _registrations()
+    rows = [
+        {
+            "name": info.name,
+            "version": info.version,
+            "distribution": info.distribution,
+            "module": info.module,
+            "hooks": info.hooks,
+            "registers": registered.get(info.name, {}),
+        }
+        for info in plugins.loaded_plugins()
+    ]
+    errors = [{"name": e.name, "distribution": e.distribution, "error": e.error} for e in plugins.load_errors()]
+    if as_json:
+        typer.echo(json.dumps({"plugins": rows, "errors": errors}, indent=2))
+        return
+    for row in rows:
+        typer.echo(f"{row['name']} {row['version'] or ''} ({row['distribution'] or row['module']})".replace("  ", " "))
+        typer.echo(f"  hooks: {', '.join(row['hooks'])}")
+        for kind, keys in sorted(row["registers"].items()):
+            typer.echo(f"  {kind}: {', '.join(keys)}")
+    for error in errors:
+        typer.echo(f"FAILED {error['error']}", err=True)
+
+
+def _import_problem(spec) -> list[str]:
+    """A spec that looks available but whose implementation fails to import is not available."""
+    try:
+        spec.load()
+    except Exception as exc:
+        return [f"implementation {spec.impl} failed to import: {type(exc).__name__}: {exc}"]
+    return []
+
+
+@app.command("check")
+def check_plugins() -> None:
+    """Say which registered backends, methods and kernels can run on this machine, and why not."""
+    from framework import registries
+    from framework.platform import detect_platform
+
+    platform = detect_platform()
+    typer.echo(f"platform: {platform.describe()}")
+    for hook_name, (kind, _, _) in registries.REGISTRY_HOOKS.items():
+        registry = registries.registry_for(hook_name, platform)
+        if not len(registry):
+            continue
+        typer.echo(f"{kind}s:")
+        unavailable = registry.unavailable(platform)
+        for spec in registry:
+            reasons = unavailable.get(spec.key) or _import_problem(spec)
+            status = "ok" if not reasons else "unavailable: " + "; ".join(reasons)
+            typer.echo(f"  {spec.key} [{registry.plugin_of(spec.key)}] {status}")

@@ -1,0 +1,33 @@
+"""Error types that carry a message meant for the user.
+
+Every error raised because of user input (a flag, a model path, a request field) is an
+:class:`FwError` whose message says what was wrong and what is valid. Internal invariants use
+``assert``.
+"""
+
+
+class FwError(Exception):
+    """Base class for errors whose message is shown to the user as is."""
+
+
+class ConfigError(FwError, ValueError):
+    """A setting, flag or argument has a value fw cannot use."""
+
+
+class UnknownNameError(ConfigError, KeyError):
+    """A name was looked up in a registry that does not hold it; the message lists valid names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateNameError(FwError):
+    """Two plugins registered the same name in one registry; the message names both."""
+
+
+class PluginError(FwError):
+    """A plugin could not be loaded or implements a hook wrongly; the message names it."""
+
+
+class ModelLoadError(FwError):
+    """A model could not be found or read; the message names the source and the cause."""

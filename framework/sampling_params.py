@@ -1,0 +1,146 @@
+"""Per-request sampling parameters, in the shape vLLM and OpenAI users already know.
+
+A `SamplingParams` travels from the API process to the engine process, so it is a
+`msgspec.Struct`; it validates itself on construction, on `replace()` and on decoding, and
+every error names the field, the value given and the valid range.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+_MAX_LOGPROBS = 20
+_MAX_ABS_LOGIT_BIAS = 100.0
+_MAX_ABS_OPENAI_PENALTY = 2.0
+_GREEDY_TEMPERATURE = 1e-5
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to pick each next token of one request, and when to stop.
+
+    ==============================  ==========================================================
+    field                           meaning
+    ==============================  ==========================================================
+    ``n``                           completions to return for the prompt (>= 1).
+    ``temperature``                 divides the logits; < 1e-5 means greedy (argmax).
+    ``top_p``                       nucleus: keep the smallest set of most likely tokens whose
+                                    probability sums to >= top_p; in (0, 1], 1 = off.
+    ``top_k``                       keep the k most likely tokens; 0 or -1 = off (-1 is
+                                    stored as 0).
+    ``min_p``                       drop tokens less likely than min_p x the top token's
+                                    probability; in [0, 1], 0 = off.
+    ``presence_penalty``            OpenAI: subtracted once from every token already in the
+                                    output; in [-2, 2].
+    ``frequency_penalty``           OpenAI: subtracted per occurrence in the output; [-2, 2].
+    ``repetition_penalty``          HF/CTRL: tokens seen in prompt or output get positive
+                                    logits divided and negative ones multiplied; > 0, 1 = off.
+    ``logit_bias``                  token id -> value in [-100, 100] added to its logit.
+    ``seed``                        seeds a per-request generator: the same seed gives the
+                                    same tokens whatever else shares the batch.
+    ``max_tokens``                  tokens to generate at most (>= 1); None = until the model's
+                                    max length.
+    ``min_tokens``                  stop tokens (EOS, ``stop_token_ids``) are banned until this
+                                    many tokens were generated.
+    ``stop``                        strings that end the output (matched on the text).
+    ``stop_token_ids``              token ids that end the output.
+    ``include_stop_str_in_output``  keep the matched stop string in the returned text.
+    ``ignore_eos``                  keep generating past EOS (until max_tokens / a stop).
+    ``logprobs``                    None = no logprobs; 0 = the sampled token's logprob;
+                                    k = also the k most likely alternatives; in [0, 20].
+    ``prompt_logprobs``             as ``logprobs``, for every prompt token.
+    ``skip_special_tokens``         drop special tokens when detokenizing.
+    ==============================  ==========================================================
+
+    Logprobs are of the model's raw distribution (before penalties, temperature and
+    truncation), as in vLLM by default.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Comparisons are written as `not (valid)` so that NaN fails them too.
+        _check(self.n >= 1, "n", self.n, ">= 1")
+        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        _check(math.isfinite(self.temperature), "temperature", self.temperature, "finite")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k, "-1 or 0 (disabled), or >= 1")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-_MAX_ABS_OPENAI_PENALTY <= value <= _MAX_ABS_OPENAI_PENALTY, name, value, "in [-2, 2]")
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(math.isfinite(self.repetition_penalty), "repetition_penalty", self.repetition_penalty, "finite")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(token_id >= 0, "logit_bias token ids", token_id, ">= 0")
+            _check(-_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS, f"logit_bias[{token_id}]", bias,
+                   "in [-100, 100]")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1 or None")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"<= max_tokens ({self.max_tokens})")
+        if isinstance(self.stop, str):  # a single stop string is a common shorthand
+            self.stop = [self.stop]
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", "stop strings", s, "non-empty")
+        for token_id in self.stop_token_ids:
+            _check(token_id >= 0, "stop_token_ids", token_id, ">= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= _MAX_LOGPROBS, name, value, "in [0, 20] or None")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the sampler takes the argmax instead of sampling."""
+        return self.temperature < _GREEDY_TEMPERATURE
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when presence, frequency or repetition penalty changes the logits."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def max_num_logprobs(self) -> int:
+        """The most top-logprob alternatives asked for, by ``logprobs`` or ``prompt_logprobs``."""
+        return max(self.logprobs or 0, self.prompt_logprobs or 0)
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with ``changes`` applied."""
+        return msgspec.structs.replace(self, **changes)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (the lists and dict are not shared)."""
+        return self.replace(
+            logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+        )
+
+
+def _check(ok: bool, field: str, value: object, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {valid}, got {value!r}")

@@ -1,0 +1,131 @@
+"""The cheap, declarative specs that plugins return from ``register_*`` hooks.
+
+A spec names a capability, states what it needs (devices, packages, compute capability) and
+points at its implementation with a lazy ``"module:attr"`` reference. Building a spec must not
+import torch or any heavy dependency: the implementation is imported by :meth:`Spec.load` only
+when the capability is selected.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from framework.platform import Platform
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spec:
+    """Fields every spec shares.
+
+    ``name`` is the registry key users type (``--attention-backend triton``). ``impl`` is a
+    ``"package.module:attribute"`` reference resolved by :meth:`load`. ``priority`` orders
+    candidates where several can serve (higher wins). ``devices``, ``requires`` (importable
+    package names) and ``min_compute_capability`` are checked by :meth:`unavailable_reasons`.
+    """
+
+    name: str
+    impl: str = ""
+    description: str = ""
+    priority: int = 0
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    requires: tuple[str, ...] = ()
+    min_compute_capability: tuple[int, int] | None = None
+
+    @property
+    def key(self) -> str:
+        """The registry key; unique within one registry."""
+        return self.name
+
+    def load(self) -> Any:
+        """Import and return the implementation named by ``impl``."""
+        if not self.impl or ":" not in self.impl:
+            raise ValueError(f"{type(self).__name__} {self.key!r} has no 'module:attr' impl: {self.impl!r}")
+        module_name, _, attr = self.impl.partition(":")
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def unavailable_reasons(self, platform: Platform) -> list[str]:
+        """Why this capability cannot run on ``platform``; an empty list means it can."""
+        reasons = []
+        if platform.device_type not in self.devices:
+            reasons.append(f"needs device {' or '.join(self.devices)}, this machine has {platform.device_type}")
+        for package in self.requires:
+            if not platform.has_package(package):
+                reasons.append(f"package {package!r} is not installed")
+        cc, need = platform.compute_capability, self.min_compute_capability
+        if need and platform.is_cuda and cc is not None and cc < need:
+            reasons.append(f"needs compute capability >= {need[0]}.{need[1]}, device has {cc[0]}.{cc[1]}")
+        return reasons
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec(Spec):
+    """A model architecture: ``name`` is the Hugging Face ``architectures[0]`` string.
+
+    ``impl`` is a class taking ``(config, quant_config, prefix)`` (DESIGN §4).
+    ``kv_cache_layout`` names the KV layout its attention needs (``"standard"`` K/V per head,
+    ``"mla"`` compressed latent); ``supports_tensor_parallel`` says whether it can be sharded.
+    """
+
+    kv_cache_layout: str = "standard"
+    supports_tensor_parallel: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightFormatSpec(Spec):
+    """A weight format (safetensors, gguf): ``impl`` is a :class:`framework.loader.WeightFormat`.
+
+    Formats are tried in ``priority`` order to detect a model source.
+    """
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuantMethodSpec(Spec):
+    """A quantization method: ``impl`` is its ``QuantConfig`` class (which makes LinearMethods)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheDtypeSpec(Spec):
+    """A KV-cache storage type. ``bits`` per element; ``backends`` that can read it."""
+
+    bits: int = 16
+    backends: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionBackendSpec(Spec):
+    """An attention backend: ``impl`` is its backend class.
+
+    ``kv_cache_layouts`` and ``kv_cache_dtypes`` list what it can read; the class's
+    ``validate(...)`` may add model-specific reasons (head size, soft-cap) at selection time.
+    """
+
+    kv_cache_layouts: tuple[str, ...] = ("standard",)
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KernelSpec(Spec):
+    """One implementation of the op ``op`` (``rms_norm``, ``rotary_embedding``, ...).
+
+    Several implementations of one op coexist; the registry picks the available one with the
+    highest ``priority``. Its key is ``"op/name"``.
+    """
+
+    op: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParserSpec(Spec):
+    """A per-request incremental output parser; ``kind`` is ``"tool"`` or ``"reasoning"``."""
+
+    kind: str = "tool"

@@ -1,0 +1,1 @@
+"""fw plugin: the reference paged-attention backend in plain torch."""

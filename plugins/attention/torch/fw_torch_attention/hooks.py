@@ -1,0 +1,18 @@
+"""Entry point of the ``torch_attention`` plugin: registration only, no torch import here."""
+
+from framework import hookimpl
+from framework.specs import AttentionBackendSpec
+
+
+@hookimpl
+def register_attention_backends():
+    return [
+        AttentionBackendSpec(
+            name="torch",
+            impl="fw_torch_attention.backend:TorchAttentionBackend",
+            description="reference paged attention in plain torch; runs anywhere, slow, exact",
+            priority=0,
+            kv_cache_layouts=("standard",),
+            kv_cache_dtypes=("auto",),
+        )
+    ]
