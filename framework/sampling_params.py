@@ -95,13 +95,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(math.isfinite(self.repetition_penalty), "repetition_penalty", self.repetition_penalty, "finite")
         for token_id, bias in (self.logit_bias or {}).items():
             _check(token_id >= 0, "logit_bias token ids", token_id, ">= 0")
-            _check(-_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS, f"logit_bias[{token_id}]", bias,
-                   "in [-100, 100]")
+            _check(
+                -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS, f"logit_bias[{token_id}]", bias, "in [-100, 100]"
+            )
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1 or None")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-                   f"<= max_tokens ({self.max_tokens})")
+            _check(
+                self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})"
+            )
         if isinstance(self.stop, str):  # a single stop string is a common shorthand
             self.stop = [self.stop]
         for s in self.stop:
@@ -120,8 +122,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def needs_penalties(self) -> bool:
         """True when presence, frequency or repetition penalty changes the logits."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def max_num_logprobs(self) -> int:

@@ -22,6 +22,7 @@ import itertools
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from framework.sampling_params import SamplingParams
@@ -155,7 +156,9 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     return logits.index_put(index, _tensor(values, torch.float32, device), accumulate=True)
 
 
-def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+def apply_min_tokens(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int] = ()
+) -> torch.Tensor:
     """Ban the stop tokens (``stop_token_ids``, and EOS unless ``ignore_eos``) of rows that
     have generated fewer than ``min_tokens`` tokens."""
     row_idx, token_idx = [], []
@@ -172,7 +175,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_toke
         return logits
     device = logits.device
     index = (_tensor(row_idx, torch.int64, device), _tensor(token_idx, torch.int64, device))
-    return logits.index_put(index, torch.tensor(float("-inf"), device=device))
+    return logits.index_put(index, torch.full((len(row_idx),), float("-inf"), device=device))
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -195,7 +198,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         in_prompt = _token_counts([rows[i].prompt_token_ids for i in rows_idx], vocab_size, device) > 0
         penalty = _column([p.repetition_penalty for p in params], device)
         penalized = torch.where(selected > 0, selected / penalty, selected * penalty)
-        selected = torch.where(in_output, penalized, selected)
+        selected = torch.where(in_prompt | in_output, penalized, selected)
 
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
         frequency = _column([p.frequency_penalty for p in params], device)
@@ -276,17 +279,20 @@ def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator |
 
 
 def _token_counts(token_lists: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab_size] float32: how often each token occurs in each list."""
+    """[len(token_lists), vocab_size] float32: how often each token occurs in each list.
+
+    The flat indices (row * vocab_size + token) are built on the host with numpy, which reads
+    Python ints about five times faster than torch.tensor(list), and cross in one copy.
+    """
     counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
     lengths = [len(tokens) for tokens in token_lists]
-    if sum(lengths) == 0:
+    num_tokens = sum(lengths)
+    if num_tokens == 0:
         return counts
-    token_ids = _tensor(list(itertools.chain.from_iterable(token_lists)), torch.int64, device)
-    row_ids = torch.repeat_interleave(
-        torch.arange(len(token_lists), device=device), _tensor(lengths, torch.int64, device),
-        output_size=sum(lengths),  # known on the host: no device sync
-    )
-    counts.view(-1).scatter_add_(0, row_ids * vocab_size + token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
+    token_ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=num_tokens)
+    token_ids += np.repeat(np.arange(len(token_lists), dtype=np.int64) * vocab_size, lengths)
+    flat_index = torch.from_numpy(token_ids).to(device, non_blocking=True)
+    counts.view(-1).scatter_add_(0, flat_index, torch.ones(num_tokens, dtype=counts.dtype, device=device))
     return counts
 
 

@@ -82,9 +82,11 @@ def test_repetition_penalty_matches_transformers_over_prompt_and_output():
     logits = random_logits(4, seed=1)
     penalties = [1.3, 0.7, 1.0, 2.5]
     rows = [
-        Row(SamplingParams(repetition_penalty=p),
+        Row(
+            SamplingParams(repetition_penalty=p),
             prompt_token_ids=random_tokens(40, 120, seed=10 + i),
-            output_token_ids=random_tokens(25, 200, seed=20 + i))
+            output_token_ids=random_tokens(25, 200, seed=20 + i),
+        )
         for i, p in enumerate(penalties)
     ]
 
@@ -102,9 +104,11 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = random_logits(3, seed=2)
     settings = [(0.5, 0.0), (0.0, 1.5), (-0.7, 0.9)]  # (presence, frequency)
     rows = [
-        Row(SamplingParams(presence_penalty=pres, frequency_penalty=freq),
+        Row(
+            SamplingParams(presence_penalty=pres, frequency_penalty=freq),
             prompt_token_ids=list(range(500, 540)),
-            output_token_ids=random_tokens(60, 50, seed=30 + i))
+            output_token_ids=random_tokens(60, 50, seed=30 + i),
+        )
         for i, (pres, freq) in enumerate(settings)
     ]
 
@@ -121,8 +125,11 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
 
 def test_repetition_penalty_comes_before_openai_penalties():
     logits = random_logits(1, seed=3)
-    row = Row(SamplingParams(repetition_penalty=1.8, frequency_penalty=0.4, presence_penalty=0.3),
-              prompt_token_ids=random_tokens(30, 100, seed=4), output_token_ids=random_tokens(30, 100, seed=5))
+    row = Row(
+        SamplingParams(repetition_penalty=1.8, frequency_penalty=0.4, presence_penalty=0.3),
+        prompt_token_ids=random_tokens(30, 100, seed=4),
+        output_token_ids=random_tokens(30, 100, seed=5),
+    )
 
     out = apply_penalties(logits, [row])
 
@@ -135,9 +142,11 @@ def test_repetition_penalty_comes_before_openai_penalties():
 
 def test_rows_without_penalties_are_left_alone_and_a_batch_without_any_skips_the_work():
     logits = random_logits(3, seed=6)
-    rows = [Row(SamplingParams(), [1, 2, 3], [4, 4]),
-            Row(SamplingParams(frequency_penalty=1.0), [1, 2, 3], [4, 4]),
-            Row(SamplingParams(), [7], [7])]
+    rows = [
+        Row(SamplingParams(), [1, 2, 3], [4, 4]),
+        Row(SamplingParams(frequency_penalty=1.0), [1, 2, 3], [4, 4]),
+        Row(SamplingParams(), [7], [7]),
+    ]
     out = apply_penalties(logits, rows)
     torch.testing.assert_close(out[[0, 2]], logits[[0, 2]], rtol=0, atol=0)
     assert out[1, 4] == pytest.approx(logits[1, 4].item() - 2.0, abs=1e-5)
@@ -213,9 +222,11 @@ def test_top_k_then_top_p_matches_the_transformers_chain():
 
 def test_min_tokens_bans_stop_tokens_and_eos_unless_ignore_eos():
     logits = random_logits(3, seed=12)
-    rows = [Row(SamplingParams(min_tokens=5, stop_token_ids=[10, 11]), output_token_ids=[1, 2]),
-            Row(SamplingParams(min_tokens=5, stop_token_ids=[10], ignore_eos=True), output_token_ids=[1]),
-            Row(SamplingParams(min_tokens=2, stop_token_ids=[10]), output_token_ids=[1, 2])]
+    rows = [
+        Row(SamplingParams(min_tokens=5, stop_token_ids=[10, 11]), output_token_ids=[1, 2]),
+        Row(SamplingParams(min_tokens=5, stop_token_ids=[10], ignore_eos=True), output_token_ids=[1]),
+        Row(SamplingParams(min_tokens=2, stop_token_ids=[10]), output_token_ids=[1, 2]),
+    ]
     out = apply_min_tokens(logits, rows, eos_token_ids=[2])
     assert kept(out)[0] == set(range(VOCAB_SIZE)) - {2, 10, 11}
     assert kept(out)[1] == set(range(VOCAB_SIZE)) - {10}
@@ -275,8 +286,14 @@ def test_greedy_rows_take_the_argmax_after_bias_and_penalties():
     [
         SamplingParams(temperature=0.7, top_k=6, top_p=0.8),
         SamplingParams(temperature=1.3, min_p=0.08),
-        SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.5, presence_penalty=0.5,
-                       frequency_penalty=0.3, logit_bias={0: 1.5}),
+        SamplingParams(
+            temperature=1.0,
+            top_p=0.9,
+            repetition_penalty=1.5,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            logit_bias={0: 1.5},
+        ),
     ],
     ids=["temperature-top_k-top_p", "min_p", "penalties-bias-top_p"],
 )
@@ -321,7 +338,9 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch():
     alone = generate_with_seed(42, 0, [])
     torch.manual_seed(7)  # the unseeded rows draw from a different global state
     crowded = generate_with_seed(
-        42, 2, [SamplingParams(), SamplingParams(seed=42), SamplingParams(temperature=0.0), SamplingParams(seed=5, top_k=3)]
+        42,
+        2,
+        [SamplingParams(), SamplingParams(seed=42), SamplingParams(temperature=0.0), SamplingParams(seed=5, top_k=3)],
     )
     torch.manual_seed(8)
     first = generate_with_seed(42, 0, [SamplingParams(top_p=0.5), SamplingParams(seed=1)])
@@ -352,8 +371,9 @@ def test_logprobs_are_of_the_raw_distribution_with_top_k_per_batch():
         assert out.logprobs[i].item() == pytest.approx(values[token] - log_z, abs=1e-4)
         ranked = sorted(range(len(values)), key=lambda t: -values[t])[:5]
         assert [values[t] for t in out.top_logprob_ids[i].tolist()] == [values[t] for t in ranked]  # ties in bf16
-        torch.testing.assert_close(out.top_logprobs[i], torch.tensor([values[t] - log_z for t in ranked]),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            out.top_logprobs[i], torch.tensor([values[t] - log_z for t in ranked]), rtol=0, atol=1e-4
+        )
     assert out.logprobs[2].item() < -1.0  # the raw logprob, not the biased one
     assert out.top_logprobs[0].diff().le(0).all()
 
@@ -385,8 +405,11 @@ def test_compute_logprobs_for_prompt_tokens():
 def test_sampler_accepts_half_precision_and_leaves_the_input_untouched():
     logits = random_logits(3, seed=18)
     before = logits.clone()
-    rows = [Row(SamplingParams(frequency_penalty=1.0, logit_bias={1: 5.0}), [1], [1, 1]),
-            Row(SamplingParams(top_k=3)), Row(SamplingParams(temperature=0.0))]
+    rows = [
+        Row(SamplingParams(frequency_penalty=1.0, logit_bias={1: 5.0}), [1], [1, 1]),
+        Row(SamplingParams(top_k=3)),
+        Row(SamplingParams(temperature=0.0)),
+    ]
     Sampler()(logits, rows)
     torch.testing.assert_close(logits, before, rtol=0, atol=0)
 
