@@ -1,0 +1,245 @@
+"""``EngineBuilder``: the steps from a model name to a running engine, one method each.
+
+``EngineBuilder(model=...).build()`` does everything; plugin authors and tests can run the
+steps one by one (``open_source``, ``model_config``, ``load_model``, ``select_attention_backend``,
+``allocate_kv_cache``) and inspect or replace what each produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from framework import plugins, registries
+from framework.attention_backend import AttentionBackend, AttentionLayerConfig
+from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from framework.engine.engine import EngineCore
+from framework.engine.kv_cache_manager import KVCacheManager
+from framework.engine.model_runner import ModelRunner
+from framework.engine.sampler import Sampler
+from framework.errors import ConfigError
+from framework.layers.attention import Attention
+from framework.loader import model_loader
+from framework.loader.format import WeightFormat
+from framework.loader.source import resolve_local_path
+from framework.platform import Platform, detect_platform
+from framework.tokenizer import Tokenizer
+
+log = logging.getLogger("fw.engine")
+
+#: Without --mem, a CPU KV cache takes at most this much (kv_fraction of free RAM is too greedy
+#: on a shared machine, and CPU decoding is compute-bound long before it needs more).
+CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+@dataclass(slots=True)
+class Engine:
+    """A built engine: the core plus what callers need to speak text to it."""
+
+    core: EngineCore
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    generation_config: dict[str, Any]
+    attention_backend: str
+    summary: dict[str, Any]
+
+
+class EngineBuilder:
+    """Builds an :class:`Engine`; keyword arguments mirror the ``fw serve`` flags."""
+
+    def __init__(self, model: str | None = None, *, weights: str | None = None, file: str | None = None,
+                 revision: str | None = None, dtype: str | torch.dtype = "auto", device: str | None = None,
+                 max_model_len: int | None = None, block_size: int = 16, kv_fraction: float = 0.7,
+                 mem_mb: int | None = None, num_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 prefix_cache_max_tokens: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, prefill_chunk_size: int = 8192,
+                 attention_backend: str = "auto", quantization: str | None = None, seed: int = 0) -> None:
+        self.model, self.weights, self.file, self.revision = model, weights, file, revision
+        self.dtype_name = dtype
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.max_model_len = max_model_len
+        self.cache = CacheConfig(block_size=block_size, kv_fraction=kv_fraction, mem_mb=mem_mb,
+                                 enable_prefix_caching=enable_prefix_caching,
+                                 prefix_cache_max_tokens=prefix_cache_max_tokens, num_blocks=num_blocks)
+        self.scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=max_num_batched_tokens or max(prefill_chunk_size, max_num_seqs),
+                                         prefill_chunk_size=prefill_chunk_size)
+        self.attention_backend = attention_backend
+        self.quantization = quantization
+        self.seed = seed
+        self.platform: Platform = detect_platform()
+        self.source: WeightFormat | None = None
+        self.config: ModelConfig | None = None
+        self.torch_model: torch.nn.Module | None = None
+
+    # --- steps ---------------------------------------------------------------------------
+    def open_source(self) -> WeightFormat:
+        """Resolve ``model``/``weights``/``file`` to a local path and open its weight format."""
+        plugins.load_plugins()
+        path = resolve_local_path(self.model, self.weights, self.file, self.revision)
+        self.source = model_loader.open_model_source(Path(path), self.file)
+        return self.source
+
+    def model_config(self) -> ModelConfig:
+        source = self.source or self.open_source()
+        hf_config = source.hf_config()
+        generation = source.generation_config()
+        tokenizer = source.tokenizer()
+        eos = set(_as_list(generation.get("eos_token_id"))) | set(_as_list(hf_config.get("eos_token_id")))
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        eos |= tokenizer.extra_eos_token_ids
+        dtype = resolve_dtype(self.dtype_name, self.device, hf_config.get("torch_dtype") or hf_config.get("dtype"))
+        self.config = ModelConfig.from_hf_config(hf_config, dtype=dtype, max_model_len=self.max_model_len,
+                                                 eos_token_ids=frozenset(eos), source=str(self.model or self.weights))
+        self._tokenizer, self._generation = tokenizer, generation
+        return self.config
+
+    def load_model(self) -> torch.nn.Module:
+        """Build the architecture's class and stream the weights in."""
+        config = self.config or self.model_config()
+        spec = registries.model_architectures(self.platform).get(config.architecture)
+        model_cls = spec.load()
+        quant_config = self._quant_config()
+        torch.manual_seed(self.seed)
+        model = model_loader.build_model(model_cls, config, quant_config, self.device)
+        assert self.source is not None
+        weights = model_loader.with_progress(self.source.iter_weights(), self.source.num_weights(), "Loading weights")
+        loaded = model_loader.load_weights(model, weights)
+        model_loader.check_all_loaded(model, loaded, config.source)
+        model_loader.finish_loading(model, self.device)
+        self.torch_model = model.eval()
+        return self.torch_model
+
+    def _quant_config(self):
+        assert self.source is not None and self.config is not None
+        checkpoint = self.source.quantization_config()
+        name = plugins.call_first("resolve_quantization_method", model_config=self.config, quantization_config=checkpoint,
+                                  requested=self.quantization, platform=self.platform)
+        if name is None:
+            return None
+        spec = registries.quantization_methods(self.platform).get(name)
+        reasons = spec.unavailable_reasons(self.platform)
+        if reasons:
+            raise ConfigError(f"quantization method {name!r} cannot run here: {'; '.join(reasons)}")
+        return spec.load().from_config(checkpoint or {})
+
+    def attention_layers(self) -> list[AttentionLayerConfig]:
+        model = self.torch_model or self.load_model()
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        return [m.config for m in sorted(layers, key=lambda m: m.layer_index)]
+
+    def select_attention_backend(self) -> AttentionBackend:
+        """Choose among backends that validate; a requested one that cannot run says why."""
+        registry = registries.attention_backends(self.platform)
+        layers = self.attention_layers()
+        layout = registries.model_architectures(self.platform).get(self.config.architecture).kv_cache_layout
+        refusals: dict[str, list[str]] = {}
+        candidates = []
+        for spec in registry:
+            reasons = spec.unavailable_reasons(self.platform)
+            if layout not in spec.kv_cache_layouts:
+                reasons.append(f"KV layout {layout!r} unsupported")
+            if self.cache.cache_dtype not in spec.kv_cache_dtypes:
+                reasons.append(f"kv dtype {self.cache.cache_dtype} unsupported")
+            if not reasons:
+                reasons = spec.load().validate(layers, self.cache.cache_dtype, self.platform)
+            if reasons:
+                refusals[spec.name] = reasons
+            else:
+                candidates.append(spec)
+        requested = self.attention_backend
+        if requested not in (None, "auto"):
+            registry.get(requested)  # unknown names list the valid ones
+            if requested in refusals:
+                raise ConfigError(f"attention backend {requested!r} cannot run: {'; '.join(refusals[requested])}")
+        if not candidates:
+            detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
+            raise ConfigError(f"no attention backend can run this model here ({detail})")
+        name = plugins.call_first("select_attention_backend", candidates=candidates, requested=requested,
+                                  model_config=self.config, platform=self.platform)
+        self.backend_name = name
+        return registry.get(name).load()()
+
+    def num_kv_blocks(self, bytes_per_block: int) -> int:
+        """Blocks that fit the budget: ``num_blocks``, ``--mem``, or ``kv_fraction`` of free memory."""
+        cache = self.cache
+        if cache.num_blocks:
+            return cache.num_blocks
+        if cache.mem_mb:
+            budget = cache.mem_mb << 20
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.kv_fraction)
+        else:
+            budget = min(int(_available_ram() * cache.kv_fraction), CPU_DEFAULT_KV_BYTES)
+        most_useful = -(-self.config.max_model_len // cache.block_size) * self.scheduler.max_num_seqs
+        return max(1, min(budget // bytes_per_block, most_useful))
+
+    def allocate_kv_cache(self, backend: AttentionBackend) -> list[torch.Tensor]:
+        config = self.config
+        layers = self.attention_layers()
+        dtype = config.dtype
+        element = torch.empty((), dtype=dtype).element_size()
+        per_block = sum(2 * self.cache.block_size * layer.num_kv_heads * layer.head_size * element for layer in layers)
+        num_blocks = self.num_kv_blocks(per_block)
+        if num_blocks * self.cache.block_size < config.max_model_len:
+            log.warning("KV cache holds %d tokens, less than the context length %d: long requests will be preempted "
+                        "or refused; raise --mem / --kv-fraction or lower --max-model-len",
+                        num_blocks * self.cache.block_size, config.max_model_len)
+        caches = [torch.zeros(backend.kv_cache_shape(num_blocks, self.cache.block_size, layer.num_kv_heads, layer.head_size),
+                              dtype=dtype, device=self.device) for layer in layers]
+        self.num_blocks = num_blocks
+        self.kv_cache_bytes = per_block * num_blocks
+        return caches
+
+    def build(self) -> Engine:
+        """Run every step and return the engine."""
+        self.load_model()
+        backend = self.select_attention_backend()
+        kv_caches = self.allocate_kv_cache(backend)
+        cache = self.cache
+        max_cached = None if cache.prefix_cache_max_tokens is None else cache.prefix_cache_max_tokens // cache.block_size
+        kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
+        sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
+        runner = ModelRunner(self.torch_model, backend, kv_caches, cache.block_size, self.device, sampler)
+        engine_config = EngineConfig(self.config, cache, self.scheduler, str(self.device), self.backend_name, self.seed)
+        core = EngineCore(engine_config, runner, kv_manager)
+        summary = {
+            "model": self.config.source,
+            "architecture": self.config.architecture,
+            "dtype": str(self.config.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "max_model_len": self.config.max_model_len,
+            "kv_blocks": self.num_blocks,
+            "kv_tokens": self.num_blocks * cache.block_size,
+            "kv_bytes": self.kv_cache_bytes,
+            "attention_backend": self.backend_name,
+            "weight_format": self.source.name,
+            "plugins": [info.name for info in plugins.loaded_plugins()],
+        }
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", self.num_blocks, cache.block_size,
+                 self.num_blocks * cache.block_size, self.kv_cache_bytes / 2**20)
+        return Engine(core, self._tokenizer, self.config, self._generation, self.backend_name, summary)
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,156 @@
+"""The engine core: ``add_request / step / abort`` over the scheduler and the model runner.
+
+It deals in token ids only; text (templates, detokenization, stop strings) belongs to the
+caller (:class:`framework.llm.LLM` in-process, the API process when serving).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from framework.config import EngineConfig
+from framework.engine.kv_cache_manager import KVCacheManager
+from framework.engine.model_runner import LogprobEntry, ModelRunner
+from framework.engine.request import FinishReason, Request
+from framework.engine.sampler import make_generator
+from framework.engine.scheduler import Scheduler
+from framework.errors import ConfigError
+from framework.sampling_params import SamplingParams
+
+log = logging.getLogger("fw.engine")
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """What one step produced for one request (crosses the process boundary when serving)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # sent once, with the first token
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """Counters for ``/metrics`` and tests."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class EngineCore:
+    """Continuous batching over one model. Not thread-safe: one caller drives ``step``."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.runner = runner
+        self.kv_cache = kv_cache
+        self.scheduler = Scheduler(config.scheduler, kv_cache)
+        self.requests: dict[str, Request] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # --- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ConfigError (with the limits) if it can never be served."""
+        if request_id in self.requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        model = self.config.model
+        if not prompt_token_ids:
+            raise ConfigError("the prompt is empty: give at least one token")
+        vocab = model.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        if len(prompt_token_ids) >= model.max_model_len:
+            raise ConfigError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context length is "
+                              f"{model.max_model_len}, which must leave room for at least one generated token")
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=model.eos_token_ids,
+                          max_model_len=model.max_model_len)
+        if params.seed is not None:
+            request.generator = make_generator(params.seed, self.runner.device)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, sample, and report what each request produced."""
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        sampled = self.runner.execute(batch)
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_prompt_tokens += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
+            request.num_computed_tokens += num_new
+            self.kv_cache.cache_full_blocks(request)
+        outputs = []
+        for item in sampled:
+            request = item.request
+            first = request.num_output_tokens == 0
+            request.output_token_ids.append(item.token_id)
+            self.num_generation_tokens += 1
+            reason = request.check_stop()
+            output = RequestOutput(
+                request_id=request.request_id,
+                new_token_ids=[item.token_id],
+                new_logprobs=[item.logprob] if item.logprob is not None else None,
+                prompt_logprobs=request.prompt_logprobs if first and request.sampling_params.prompt_logprobs is not None else None,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                self.requests.pop(request.request_id, None)
+                output.finish_reason = reason.value
+                output.stop_token_id = request.stop_token_id
+            outputs.append(output)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.kv_cache.num_free_blocks,
+            num_blocks=self.kv_cache.num_blocks,
+            kv_cache_usage=self.kv_cache.usage,
+            prefix_cache_queries=self.kv_cache.num_queried_tokens,
+            prefix_cache_hits=self.kv_cache.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+        )
+
+    def run_until_done(self, timeout_s: float | None = None) -> list[RequestOutput]:
+        """Step until no request is left (tests, offline use); returns every output in order."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        outputs: list[RequestOutput] = []
+        while self.has_unfinished():
+            outputs.extend(self.step())
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("engine did not finish in time")
+        return outputs

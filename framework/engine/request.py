@@ -1,0 +1,102 @@
+"""The state of one request inside the engine: plain data with derived properties."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from framework.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the values are OpenAI's ``finish_reason`` strings."""
+
+    STOP = "stop"  # EOS, a stop token id, or a stop string (the API process aborts with STOP)
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # the client went away or the user aborted
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated. ``num_computed_tokens`` catches up to ``num_tokens``.
+
+    The scheduler gives each running request ``num_tokens - num_computed_tokens`` more tokens
+    per step (chunked by the budget); when they meet, the model's output at the last position
+    is sampled and appended. Preemption frees the blocks and sets ``num_computed_tokens`` to 0:
+    the request is recomputed later, usually from the prefix cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 30
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = -1  # prefix-cache hit of the first schedule; -1 = not yet looked up
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    generator: torch.Generator | None = None
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id(self, index: int) -> int:
+        """The token at absolute position ``index`` (prompt then output)."""
+        num_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < num_prompt else self.output_token_ids[index - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def max_tokens(self) -> int:
+        """The most output tokens this request may produce (max_tokens and the context length)."""
+        room = self.max_model_len - self.num_prompt_tokens
+        asked = self.sampling_params.max_tokens
+        return room if asked is None else min(asked, room)
+
+    def check_stop(self) -> FinishReason | None:
+        """After a token was appended: the reason to finish now, or None."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.stop_token_id = last
+                return FinishReason.STOP
+            if last in params.stop_token_ids:
+                self.stop_token_id = last
+                return FinishReason.STOP
+        if self.num_output_tokens >= self.max_tokens:
+            return FinishReason.LENGTH
+        return None

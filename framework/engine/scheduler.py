@@ -1,0 +1,111 @@
+"""Token-budget continuous batching with chunked prefill and preemption by recompute.
+
+There is no prefill or decode phase: each step, every running request gets the tokens it still
+needs (``num_tokens - num_computed_tokens``), capped by the prefill chunk size and the step's
+token budget; then waiting requests are admitted while budget, sequence slots and blocks last.
+When a running request cannot get a block, the newest running request is preempted (its blocks
+freed, to be recomputed later — usually from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from framework.config import SchedulerConfig
+from framework.engine.kv_cache_manager import KVCacheManager
+from framework.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: requests in execution order and how many tokens each computes."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    """Owns the waiting and running queues; decides each step's batch."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _tokens_wanted(self, request: Request, budget: int) -> int:
+        return min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, budget)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's batch and allocate its blocks."""
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._tokens_wanted(request, budget)
+            while not self.kv_cache.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                batch.requests.append(request)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                index += 1
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not request.block_ids:
+                request.num_computed_tokens = self.kv_cache.allocate_cached_prefix(request)
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = request.num_computed_tokens
+            num_new = self._tokens_wanted(request, budget)
+            if not self.kv_cache.allocate(request, num_new):
+                break  # keep FCFS order: the head waits for blocks, cached blocks stay attached
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Remove a request from whichever queue holds it and free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

@@ -1,0 +1,40 @@
+"""The building blocks of model plugins (DESIGN §4): every op goes through the kernel registry.
+
+Import from here: ``from framework.layers import QKVParallelLinear, RMSNorm, get_rope``.
+"""
+
+from framework.layers.activation import GeluTanhAndMul, SiluAndMul
+from framework.layers.embedding import LMHead, VocabEmbedding
+from framework.layers.layernorm import LayerNorm, RMSNorm
+from framework.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    LinearMethod,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+    set_weight_attrs,
+)
+from framework.layers.rotary import RotaryEmbedding, get_rope
+
+__all__ = [
+    "ColumnParallelLinear",
+    "GeluTanhAndMul",
+    "LMHead",
+    "LayerNorm",
+    "LinearBase",
+    "LinearMethod",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "ReplicatedLinear",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "UnquantizedLinearMethod",
+    "VocabEmbedding",
+    "get_rope",
+    "set_weight_attrs",
+]

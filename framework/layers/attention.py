@@ -1,0 +1,27 @@
+"""The ``Attention`` layer: holds its layer constants, delegates to the step's backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from framework.attention_backend import AttentionLayerConfig
+from framework.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention for layer ``layer_index``; q/k/v are ``[T, heads * head_size]``.
+
+    The backend and this layer's KV cache come from the forward context, so the module holds no
+    cache tensor and models stay ``forward(input_ids, positions)``.
+    """
+
+    def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.config = AttentionLayerConfig(num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        context = get_forward_context()
+        return context.backend.forward(self.config, query, key, value, context.kv_caches[self.layer_index], context.metadata)

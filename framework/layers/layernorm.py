@@ -1,0 +1,43 @@
+"""Normalisation layers. :class:`RMSNorm` runs on the kernel registry's ``rms_norm`` ops."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from framework.kernels import get_kernel
+
+
+class RMSNorm(nn.Module):
+    """RMS norm with an optional fused residual add.
+
+    ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)`` first adds the
+    residual stream and returns ``(normalised, new_residual)`` (one fused kernel where a plugin
+    provides it). ``offset=1.0`` gives Gemma's ``x * (1 + weight)`` with its float32 scaling
+    (see :func:`framework.ops.rms_norm`); the weight starts at ``1 - offset`` (the identity).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.hidden_size, self.eps, self.offset = hidden_size, eps, offset
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, dtype=params_dtype), requires_grad=False)
+        self._rms_norm = get_kernel("rms_norm")
+        self._fused_add_rms_norm = get_kernel("fused_add_rms_norm")
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return self._rms_norm(x, self.weight, self.eps, self.offset)
+        return self._fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}"
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` with :class:`RMSNorm`'s ``forward(x, residual=None)`` interface (StableLM, Phi)."""
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # type: ignore[override]
+        if residual is None:
+            return super().forward(x)
+        residual = x + residual
+        return super().forward(residual), residual

@@ -1,0 +1,400 @@
+"""Linear layers (Megatron tensor-parallel) that delegate storage and matmul to a LinearMethod.
+
+Every layer owns a :class:`LinearMethod`: :class:`UnquantizedLinearMethod` by default, or the
+one the model's ``QuantConfig`` returns for the layer's prefix. The method creates the weight
+parameters; the layer knows how checkpoint tensors map onto them. Each parameter carries:
+
+* ``weight_loader(param, loaded_weight, shard_id=None)``: copies a checkpoint tensor (the full,
+  unsharded tensor) into this rank's part of the parameter;
+* ``output_dim`` / ``input_dim``: which parameter dimension runs along output features / input
+  features (``None`` or absent: the parameter is not split along it, e.g. a per-tensor scale).
+
+Loaders work on parameter rows, whatever a row holds: a quantized method may pack several
+output features per row (its parameter then has proportionally fewer rows) and the offsets scale
+with it. The model's loader calls ``getattr(param, "weight_loader", default)`` for each
+checkpoint tensor, then ``linear_method.process_weights_after_loading(layer)`` once per layer.
+
+Tensor parallelism (``tp_size`` ranks, this one ``tp_rank``)::
+
+    ColumnParallelLinear   W [out, in] split by rows:    rank r holds W[r*out/tp:(r+1)*out/tp]
+    RowParallelLinear      W [out, in] split by columns: rank r holds W[:, r*in/tp:(r+1)*in/tp]
+                           and the partial outputs are summed (all-reduce)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from framework.quantization import QuantConfig
+
+
+def set_weight_attrs(param: Tensor, attrs: dict[str, Any]) -> None:
+    """Attach loader attributes (``weight_loader``, ``output_dim``, ...) to ``param``."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+class KeepsWeightAttrs(nn.Module):
+    """A module whose parameters keep their loader attributes through ``to()`` / ``to_empty()``.
+
+    Materialising a ``meta`` model with ``to_empty`` replaces each Parameter object and drops
+    attributes set on it; this copies them onto the replacements.
+    """
+
+    def _apply(self, fn: Any, recurse: bool = True) -> KeepsWeightAttrs:
+        attrs = {name: dict(vars(param)) for name, param in self._parameters.items() if param is not None}
+        super()._apply(fn, recurse)
+        for name, extra in attrs.items():
+            param = self._parameters.get(name)
+            if param is not None:
+                set_weight_attrs(param, extra)
+        return self
+
+
+class LinearMethod(ABC):
+    """How one layer stores and multiplies its weights (unquantized, GGUF, GPTQ, ...).
+
+    Lifecycle, in order: :meth:`create_weights` from the layer's constructor (possibly on the
+    ``meta`` device); the loader copies checkpoint tensors through each parameter's
+    ``weight_loader``; :meth:`process_weights_after_loading` once; :meth:`apply` every forward.
+    """
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Register this rank's parameters on ``layer``.
+
+        ``output_partition_sizes`` are this rank's output features per fused shard (``[q, k, v]``
+        for QKV, ``[gate, up]`` for gate_up, one entry otherwise); ``input_size`` and
+        ``output_size`` are the unsharded sizes. Every parameter gets ``weight_loader`` (use
+        ``layer.weight_loader`` unless the format needs its own) and ``output_dim`` /
+        ``input_dim`` (see the module docstring). Create tensors with ``torch.empty`` so that
+        a ``meta`` device context applies. Parameters are inference-only
+        (``requires_grad=False``).
+        """
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once after all checkpoint tensors are loaded (repack, transpose, dequantize on CPU)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """``x @ W.T + bias`` for ``x`` ``[..., input_size_per_partition]``; no communication."""
+
+    def embedding(self, layer: nn.Module, input_ids: Tensor) -> Tensor:
+        """Rows ``input_ids`` of the weight, for a ``VocabEmbedding`` using this method."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be used for an embedding table")
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """A plain ``[out, in]`` weight in ``params_dtype``; ``F.linear``."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        shape = (sum(output_partition_sizes), input_size_per_partition)
+        weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": layer.weight_loader})
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        return F.linear(x, layer.weight, bias)
+
+    def embedding(self, layer: nn.Module, input_ids: Tensor) -> Tensor:
+        return F.embedding(input_ids, layer.weight)
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    """``numerator // denominator``, refusing a remainder (tensor-parallel shards must be equal)."""
+    if numerator % denominator:
+        raise ValueError(f"{what} {numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def copy_weight(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` with a readable error when a checkpoint tensor has the wrong shape."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter (shard) of shape {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def load_column_shard(param: Tensor, loaded_weight: Tensor, tp_rank: int) -> None:
+    """Copy rank ``tp_rank``'s rows (along ``param.output_dim``) of the full ``loaded_weight``."""
+    output_dim = getattr(param, "output_dim", None)
+    if output_dim is not None:
+        rows = param.size(output_dim)
+        loaded_weight = loaded_weight.narrow(output_dim, tp_rank * rows, rows)
+    copy_weight(param.data, loaded_weight)
+
+
+def tensor_parallel_all_reduce(x: Tensor) -> Tensor:
+    """Sum ``x`` over the tensor-parallel ranks (the default process group), in place."""
+    torch.distributed.all_reduce(x)
+    return x
+
+
+def tensor_parallel_all_gather(x: Tensor, dim: int = -1) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order."""
+    parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+class LinearBase(KeepsWeightAttrs):
+    """Shared construction: sizes, the LinearMethod, its weights and an optional bias.
+
+    Sets, before asking the QuantConfig: ``input_size``, ``output_size`` (unsharded),
+    ``input_size_per_partition``, ``output_partition_sizes``, ``output_size_per_partition``,
+    ``tp_size``, ``tp_rank``, ``prefix``, ``params_dtype``. The bias has this rank's
+    ``output_size_per_partition`` entries and ``output_dim=0``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        bias: bool,
+        quant_config: QuantConfig | None,
+        prefix: str,
+        params_dtype: torch.dtype | None,
+        tp_size: int,
+        tp_rank: int,
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = input_size_per_partition
+        self.output_partition_sizes = list(output_partition_sizes)
+        self.output_size_per_partition = sum(output_partition_sizes)
+        self.tp_size, self.tp_rank, self.prefix = tp_size, tp_rank, prefix
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        method = quant_config.get_linear_method(self, prefix) if quant_config is not None else None
+        self.linear_method: LinearMethod = method or UnquantizedLinearMethod()
+        self.linear_method.create_weights(
+            self, input_size_per_partition, self.output_partition_sizes, input_size, output_size, self.params_dtype
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=self.params_dtype), requires_grad=False)
+            set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, bias={self.bias is not None}, "
+                f"tp={self.tp_rank}/{self.tp_size}, method={type(self.linear_method).__name__}")
+
+
+class ReplicatedLinear(LinearBase):
+    """The full weight on every rank (small projections, routers)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+        params_dtype: torch.dtype | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        super().__init__(input_size, output_size, input_size, [output_size], bias, quant_config, prefix, params_dtype, tp_size, tp_rank)
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        copy_weight(param.data, loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank's output is its slice (no communication)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+        params_dtype: torch.dtype | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        *,
+        output_partition_sizes: list[int] | None = None,
+    ) -> None:
+        partitions = output_partition_sizes or [divide(output_size, tp_size, "output size")]
+        super().__init__(input_size, output_size, input_size, partitions, bias, quant_config, prefix, params_dtype, tp_size, tp_rank)
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        load_column_shard(param, loaded_weight, self.tp_rank)
+
+    def _param_rows(self, param: Tensor, num_features: int) -> int:
+        """Rows of ``param`` that hold ``num_features`` output features (packing scales them)."""
+        rows, remainder = divmod(num_features * param.size(param.output_dim), self.output_size_per_partition)
+        assert remainder == 0, f"{num_features} features do not map to whole rows of {tuple(param.shape)}"
+        return rows
+
+    def _load_fused_shard(self, param: Tensor, loaded_weight: Tensor, offset: int, size: int, source_index: int) -> None:
+        """Copy shard ``source_index`` (of ``size`` features per rank) of the full checkpoint
+        tensor into this rank's parameter rows starting at feature ``offset``::
+
+            param rows:  [ shard 0 | shard 1 | ... ]     loaded rows: [ rank 0 | rank 1 | ... ]
+                                   ^ offset, size                              ^ source_index * size
+        """
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:  # not split by output (a per-tensor quantity): same on every shard
+            copy_weight(param.data, loaded_weight)
+            return
+        offset, size = self._param_rows(param, offset), self._param_rows(param, size)
+        copy_weight(param.data.narrow(output_dim, offset, size), loaded_weight.narrow(output_dim, source_index * size, size))
+
+    def _split_fused(self, param: Tensor, loaded_weight: Tensor, shard_ids: list[Any], sizes: list[int]) -> None:
+        """Load a checkpoint tensor that already holds every shard, concatenated (Phi-3's qkv_proj)."""
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:
+            copy_weight(param.data, loaded_weight)
+            return
+        offset = 0
+        for shard_id, size in zip(shard_ids, sizes, strict=True):
+            rows = size * loaded_weight.size(output_dim) // sum(sizes)
+            self.weight_loader(param, loaded_weight.narrow(output_dim, offset, rows), shard_id)
+            offset += rows
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul (``gate_up_proj``: gate=0, up=1)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+        params_dtype: torch.dtype | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        partitions = [divide(size, tp_size, "output size") for size in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, quant_config, prefix, params_dtype, tp_size, tp_rank,
+                         output_partition_sizes=partitions)
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: int | None = None) -> None:
+        """``shard_id`` is the index into ``output_sizes``; ``None`` means all shards, concatenated."""
+        if shard_id is None:
+            self._split_fused(param, loaded_weight, list(range(len(self.output_sizes))), self.output_sizes)
+            return
+        if not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id {shard_id!r} out of range; valid: 0..{len(self.output_sizes) - 1}")
+        offset = sum(self.output_partition_sizes[:shard_id])
+        self._load_fused_shard(param, loaded_weight, offset, self.output_partition_sizes[shard_id], self.tp_rank)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused query/key/value projection, split by heads across ranks.
+
+    Rank r holds query heads ``[r*H/tp, (r+1)*H/tp)`` and their key/value heads; when there are
+    fewer KV heads than ranks, each KV head is replicated on ``tp_size / total_num_kv_heads``
+    consecutive ranks. Output layout per rank: ``[q | k | v]``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+        params_dtype: torch.dtype | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size, self.total_num_heads, self.total_num_kv_heads = head_size, total_num_heads, total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads, self.num_kv_head_replicas = 1, divide(tp_size, total_num_kv_heads, "tp size over KV heads")
+        else:
+            self.num_kv_heads, self.num_kv_head_replicas = divide(total_num_kv_heads, tp_size, "number of KV heads"), 1
+        q_size, kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
+        super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size, bias, quant_config,
+                         prefix, params_dtype, tp_size, tp_rank, output_partition_sizes=[q_size, kv_size, kv_size])
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: str | None = None) -> None:
+        """``shard_id`` is ``"q"``, ``"k"`` or ``"v"``; ``None`` means ``[q | k | v]`` concatenated."""
+        q_size, kv_size, _ = self.output_partition_sizes
+        kv_source = self.tp_rank // self.num_kv_head_replicas
+        shards = {"q": (0, q_size, self.tp_rank), "k": (q_size, kv_size, kv_source), "v": (q_size + kv_size, kv_size, kv_source)}
+        if shard_id is None:
+            total_q, total_kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
+            self._split_fused(param, loaded_weight, ["q", "k", "v"], [total_q, total_kv, total_kv])
+            return
+        if shard_id not in shards:
+            raise ValueError(f"unknown QKV shard_id {shard_id!r}; valid: 'q', 'k', 'v'")
+        self._load_fused_shard(param, loaded_weight, *shards[shard_id])
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed over ranks.
+
+    The input is expected already split (it is the output of a column-parallel layer). The
+    bias is added once: by rank 0, inside the matmul, before the all-reduce (the same sum as
+    adding it after). ``reduce_results=False`` leaves the sum to the caller (fused MoE).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+        params_dtype: torch.dtype | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        *,
+        reduce_results: bool = True,
+    ) -> None:
+        self.reduce_results = reduce_results
+        input_size_per_partition = divide(input_size, tp_size, "input size")
+        super().__init__(input_size, output_size, input_size_per_partition, [output_size], bias, quant_config,
+                         prefix, params_dtype, tp_size, tp_rank)
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        input_dim = getattr(param, "input_dim", None)
+        if input_dim is not None:
+            columns = param.size(input_dim)
+            loaded_weight = loaded_weight.narrow(input_dim, self.tp_rank * columns, columns)
+        copy_weight(param.data, loaded_weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        output = self.linear_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1 and self.reduce_results:
+            output = tensor_parallel_all_reduce(output)
+        return output

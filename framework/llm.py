@@ -1,0 +1,114 @@
+"""The programmatic API in the shape vLLM users know: ``LLM(...).generate(...)`` and ``.chat(...)``.
+
+    from framework import LLM, SamplingParams
+    llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from framework.engine.builder import Engine, EngineBuilder
+from framework.engine.engine import LogprobEntry
+from framework.engine.request import FinishReason
+from framework.output_text import SequenceText
+from framework.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence of a prompt."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """All outputs of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[LogprobEntry | None] | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """An in-process engine with text in and text out; keyword arguments go to :class:`EngineBuilder`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine: Engine = EngineBuilder(model, **engine_args).build()
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[GenerationResult]:
+        """Generate for every prompt (batched together); one result per prompt, in order."""
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        core = self.engine.core
+        results: list[GenerationResult] = []
+        sequences: dict[str, tuple[CompletionOutput, SequenceText, GenerationResult]] = {}
+        for prompt, params in zip(prompts, params_list):
+            text, ids = self._prompt_ids(prompt)
+            result = GenerationResult(str(next(self._ids)), text, ids, [])
+            results.append(result)
+            for index in range(params.n):
+                child = params if params.n == 1 else params.replace(n=1, seed=None if params.seed is None else params.seed + index)
+                request_id = f"{result.request_id}-{index}"
+                output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
+                result.outputs.append(output)
+                sequences[request_id] = (output, SequenceText(self.tokenizer, child), result)
+                core.add_request(request_id, ids, child)
+        while core.has_unfinished():
+            for step in core.step():
+                output, text, result = sequences[step.request_id]
+                output.token_ids.extend(step.new_token_ids)
+                if step.new_logprobs and output.logprobs is not None:
+                    output.logprobs.extend(step.new_logprobs)
+                if step.prompt_logprobs is not None:
+                    result.prompt_logprobs = step.prompt_logprobs
+                result.num_cached_tokens = step.num_cached_tokens
+                if text.add(step.new_token_ids) and step.finish_reason is None:
+                    core.abort(step.request_id)
+                    output.finish_reason, output.stop_reason = FinishReason.STOP.value, text.stop_string
+                elif step.finish_reason is not None:
+                    output.finish_reason, output.stop_reason = step.finish_reason, step.stop_token_id
+                output.text = text.text
+        return results
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             add_generation_prompt: bool = True) -> list[GenerationResult]:
+        """Apply the chat template to one conversation (or a list of them) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                                   **(chat_template_kwargs or {}))}
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params)

@@ -1,0 +1,125 @@
+"""Open a model source, build the model on the meta device and stream its weights in.
+
+The model is constructed under ``torch.device("meta")`` (no memory, no init cost), then
+materialised once on the target device with ``to_empty``; each checkpoint tensor is copied
+from the mmap'd file into its parameter by the parameter's ``weight_loader``. Peak memory is
+the model plus one tensor, never two copies of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from framework import registries
+from framework.errors import ModelLoadError
+from framework.loader.format import WeightFormat
+
+log = logging.getLogger("fw.loader")
+
+
+def open_model_source(path: Path, file: str | None = None) -> WeightFormat:
+    """The first registered weight format (by priority) that recognises ``path``."""
+    formats = list(registries.weight_formats())
+    for spec in formats:
+        format_cls = spec.load()
+        if format_cls.detect(path, file):
+            return format_cls(path, file)
+    names = ", ".join(spec.name for spec in formats)
+    raise ModelLoadError(f"{path}: no installed weight format recognises it (tried: {names}); "
+                         "expected a directory with config.json and *.safetensors, or a .gguf file with the gguf plugin")
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(model_cls: type[nn.Module], model_config, quant_config, device: torch.device) -> nn.Module:
+    """Construct on meta, then allocate (uninitialised) on ``device`` in the model's dtype."""
+    with torch.device("meta"), default_dtype(model_config.dtype):
+        model = model_cls(model_config, quant_config, prefix="")
+    return model.to_empty(device=device)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy checkpoint tensors into the model's parameters; return the parameter names filled.
+
+    Checkpoint names fold into fused parameters through the model's ``packed_modules_mapping``
+    (``{"q_proj": ("qkv_proj", "q"), ...}``); names the model lists in
+    ``ignored_weight_patterns`` are skipped. A model may replace all of this with its own
+    ``load_weights(weights)`` returning the loaded names.
+    """
+    if hasattr(model, "load_weights"):
+        return model.load_weights(weights)
+    packed = getattr(model, "packed_modules_mapping", {})
+    ignored = getattr(model, "ignored_weight_patterns", ())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if any(pattern in name for pattern in ignored):
+            continue
+        shard_id = None
+        for source, (target, shard) in packed.items():
+            if f".{source}." in name:
+                name, shard_id = name.replace(f".{source}.", f".{target}."), shard
+                break
+        param = params.get(name)
+        if param is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            _copy_checked(param, tensor, name)
+        elif shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+        loaded.add(name)
+    return loaded
+
+
+def _copy_checked(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def finish_loading(model: nn.Module, device: torch.device) -> None:
+    """After weights: let quant methods repack, and modules with computed buffers fill them."""
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+        init = getattr(module, "init_buffers", None)
+        if init is not None:
+            init(device)
+
+
+def with_progress(weights: Iterable[tuple[str, torch.Tensor]], total: int | None, label: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Wrap the weight stream in a progress bar on an interactive terminal."""
+    if not sys.stderr.isatty():
+        yield from weights
+        return
+    from rich.progress import track
+
+    yield from track(weights, total=total, description=label, transient=True)
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
+    """Every parameter must have come from the checkpoint (tied ones count once)."""
+    tied = getattr(model, "tied_parameter_names", set())
+    missing = [name for name, _ in model.named_parameters() if name not in loaded and name not in tied]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ModelLoadError(f"{source}: the checkpoint lacks weights for {shown}")

@@ -1,0 +1,62 @@
+"""Turning ``--m`` / ``--w`` / ``--f`` into a local path: a directory, a file, or a Hub download.
+
+Hub access goes through ``huggingface_hub`` (its cache, ``HF_HUB_OFFLINE``, tokens); a repo that
+cannot be reached and is not cached fails with a message naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from framework.errors import ModelLoadError
+
+#: Files a model needs besides its weights.
+_META_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken"]
+
+
+def resolve_local_path(model: str | None, weights: str | None = None, file: str | None = None,
+                       revision: str | None = None) -> Path:
+    """A local path holding the model: ``weights`` (``--w``) wins, then ``model`` as a path, then the Hub."""
+    if weights:
+        path = Path(weights).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"weight path {weights!r} (--w) does not exist")
+        return path
+    if not model:
+        raise ModelLoadError("no model given: pass --m <Hugging Face id, local directory or .gguf file>")
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") != 1:
+        raise ModelLoadError(f"model {model!r} is neither an existing path nor a Hugging Face repo id (owner/name)")
+    return _download(model, file, revision)
+
+
+def _download(repo_id: str, file: str | None, revision: str | None) -> Path:
+    import huggingface_hub
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if file:
+        patterns = [file, f"{file}/*", *_META_PATTERNS]
+    else:
+        patterns = [*_META_PATTERNS, "*.safetensors"]
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and the Hub cannot be reached "
+            "(offline, or HF_HUB_OFFLINE=1): download it on a connected machine or pass a local path with --m"
+        ) from None
+    except GatedRepoError:
+        raise ModelLoadError(f"model {repo_id!r} is gated: accept its licence on the Hub and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"model {repo_id!r} was not found on the Hugging Face Hub (or is private: set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"revision {revision!r} of model {repo_id!r} does not exist") from None
+    except OSError as exc:
+        raise ModelLoadError(f"could not download model {repo_id!r}: {exc}") from None

@@ -1,0 +1,106 @@
+"""The torch reference implementation of every op in the kernel registry.
+
+These run on any device (CPU included), compute in float32 where the models do, and are the
+oracle that fast kernels (Triton, FlashInfer) are tested against. Layers never import this
+module: they ask ``framework.kernels.get_kernel(op)``, which returns these functions unless a
+plugin registered a faster implementation (``framework.builtin.REFERENCE_KERNELS`` registers
+them under the name ``torch``).
+
+Contract shared by every implementation of an op: the signatures below, and that the returned
+tensors are the ones to use. A fast implementation may update its inputs in place (vLLM's
+``fused_add_rms_norm`` and ``rotary_embedding`` do), so callers treat the inputs as consumed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    """RMS-normalise ``x`` over its last dimension and scale by ``offset + weight``.
+
+    Computes ``x * rsqrt(mean(x**2) + eps)`` in float32 and returns ``x.dtype``. The rounding
+    order follows the model family, exactly as transformers does:
+
+    * ``offset == 0`` (Llama, Qwen, Mistral, ...): the normalised activations are rounded to
+      ``x.dtype`` first, then multiplied by ``weight`` (``LlamaRMSNorm``).
+    * ``offset != 0`` (Gemma's ``1 + weight``): the scale ``offset + weight`` is applied in
+      float32 and the product rounded once (``Gemma3RMSNorm``).
+    """
+    dtype = x.dtype
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    if offset == 0.0:
+        return (weight * hidden.to(dtype)).to(dtype)
+    return (hidden * (offset + weight.float())).to(dtype)
+
+
+def fused_add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Add the residual stream, then normalise: returns ``(rms_norm(x + residual), x + residual)``.
+
+    The sum is taken in ``x.dtype``, as the Hugging Face decoder layers do, and the second
+    result is the new residual stream for the next layer.
+    """
+    residual = (x + residual).to(x.dtype)
+    return rms_norm(residual, weight, eps, offset), residual
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """SwiGLU: ``x`` is ``[..., 2 * d]`` (gate then up); returns ``silu(gate) * up``, ``[..., d]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """GeGLU with the tanh approximation (Gemma): ``gelu_tanh(gate) * up`` over ``[..., 2 * d]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def rotary_embedding(
+    positions: Tensor,
+    query: Tensor,
+    key: Tensor,
+    head_size: int,
+    cos_sin_cache: Tensor,
+    is_neox_style: bool,
+) -> tuple[Tensor, Tensor]:
+    """Rotate ``query`` and ``key`` by their tokens' positions (vLLM's ``rotary_embedding``).
+
+    Shapes: ``positions`` ``[*tokens]`` (int64); ``query`` ``[*tokens, num_heads * head_size]``
+    (or ``[*tokens, num_heads, head_size]``); ``key`` likewise with ``num_kv_heads``;
+    ``cos_sin_cache`` ``[max_position, rotary_dim]`` holding ``cos`` in its first half and
+    ``sin`` in its second (any attention scaling already folded in).
+
+    Only the first ``rotary_dim`` features of each head rotate (partial rotary); the rest pass
+    through. The pairs that rotate together::
+
+        neox style (HF rotate_half):   (x[i], x[i + rotary_dim/2])   first half with second half
+        GPT-J style (interleaved):     (x[2i], x[2i + 1])            neighbours
+
+    Computed in float32; returns new tensors of the inputs' dtypes and shapes.
+    """
+    cos, sin = cos_sin_cache.index_select(0, positions.flatten()).float().chunk(2, dim=-1)
+    cos = cos.view(*positions.shape, 1, -1)  # broadcast over heads
+    sin = sin.view(*positions.shape, 1, -1)
+    return (
+        _rotate(query, cos, sin, positions.dim(), head_size, is_neox_style),
+        _rotate(key, cos, sin, positions.dim(), head_size, is_neox_style),
+    )
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, num_token_dims: int, head_size: int, is_neox_style: bool) -> Tensor:
+    heads = x.reshape(*x.shape[:num_token_dims], -1, head_size)
+    rotary_dim = 2 * cos.shape[-1]
+    rot, rest = heads[..., :rotary_dim].float(), heads[..., rotary_dim:]
+    if is_neox_style:
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((rotated.to(x.dtype), rest), dim=-1).reshape(x.shape)

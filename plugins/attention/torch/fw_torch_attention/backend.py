@@ -1,0 +1,74 @@
+"""Reference paged attention in plain torch: exact, device-agnostic, slow.
+
+It loops over the requests of a step on the host and gathers each sequence's keys and values
+from the paged cache, so it is easy to check by eye. It is the oracle every faster backend is
+tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from framework.attention_backend import AttentionBackend, AttentionLayerConfig, AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the step's keys/values ``[T, H_kv, D]`` into their flat slots of the cache."""
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+    flat[0, slot_mapping] = key.to(kv_cache.dtype)
+    flat[1, slot_mapping] = value.to(kv_cache.dtype)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first ``seq_len`` keys and values, each ``[seq_len, H_kv, D]``."""
+    blocks = kv_cache[:, block_ids]  # [2, n, block_size, H, D]
+    flat = blocks.reshape(2, -1, *kv_cache.shape[3:])
+    return flat[0, :seq_len], flat[1, :seq_len]
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: AttentionLayerConfig,
+           query_start: int) -> torch.Tensor:
+    """Causal attention of queries at absolute positions ``query_start..`` over keys ``0..``.
+
+    ``query`` ``[q, H, D]``, ``key``/``value`` ``[k, H_kv, D]``; computed in float32.
+    """
+    group = layer.num_heads // layer.num_kv_heads
+    q = query.float().transpose(0, 1)  # [H, q, D]
+    k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, k, D]
+    v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (q @ k.transpose(1, 2)) * layer.scale  # [H, q, k]
+    if layer.logits_soft_cap:
+        scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
+    q_pos = torch.arange(query_start, query_start + q.shape[1], device=q.device)[:, None]
+    k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if layer.sliding_window:
+        allowed &= k_pos > q_pos - layer.sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v  # [H, q, D]
+    return out.transpose(0, 1)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Stores K/V by slot mapping, then per request: gather its cache, causal softmax attention."""
+
+    name = "torch"
+
+    def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, layer.num_heads, layer.head_size)
+        key = key.view(num_tokens, layer.num_kv_heads, layer.head_size)
+        value = value.view(num_tokens, layer.num_kv_heads, layer.head_size)
+        store_kv(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
+        output = torch.empty_like(query)
+        starts = metadata.cu_seqlens_q_cpu.tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        block_size = kv_cache.shape[2]
+        for r in range(metadata.num_reqs):
+            start, end, seq_len = starts[r], starts[r + 1], seq_lens[r]
+            num_blocks = -(-seq_len // block_size)
+            keys, values = gather_kv(kv_cache, metadata.block_table[r, :num_blocks], seq_len)
+            output[start:end] = attend(query[start:end], keys, values, layer, seq_len - (end - start)).to(query.dtype)
+        return output.view(num_tokens, layer.num_heads * layer.head_size)

@@ -1,0 +1,1 @@
+"""fw plugin: the Llama family of decoder-only transformers."""

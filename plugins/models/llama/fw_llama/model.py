@@ -1,0 +1,141 @@
+"""The Llama family as one implementation with config switches.
+
+| switch | Llama | Mistral | Qwen2 | Yi / SmolLM |
+| --- | --- | --- | --- | --- |
+| bias on q/k/v | ``attention_bias`` | no | yes | no |
+| sliding window | no | ``sliding_window`` on every layer | per ``layer_types`` | no |
+| rope scaling | llama3 / linear / dynamic / yarn | default | yarn (long context) | default |
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from framework.config import ModelConfig
+from framework.layers import (
+    LMHead,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabEmbedding,
+)
+from framework.layers.attention import Attention
+from framework.layers.rotary import get_rope
+from framework.quantization import QuantConfig
+
+
+def layer_sliding_window(config: ModelConfig, layer_index: int) -> int | None:
+    """The sliding window of one layer, or None for full attention."""
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types")
+    if not window:
+        return None
+    if layer_types:
+        return window if layer_types[layer_index] == "sliding_attention" else None
+    if config.get("use_sliding_window") is False:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
+        super().__init__()
+        hidden, head_size = config.hidden_size, config.head_size
+        self.q_size = config.num_heads * head_size
+        self.kv_size = config.num_kv_heads * head_size
+        qkv_bias = bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2"
+        self.qkv_proj = QKVParallelLinear(hidden, head_size, config.num_heads, config.num_kv_heads, bias=qkv_bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=bool(config.get("attention_bias", False)),
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = get_rope(head_size, head_size, config.max_model_len, config.rope_theta, config.rope_scaling)
+        self.attn = Attention(layer_index, config.num_heads, config.num_kv_heads, head_size, head_size**-0.5,
+                              sliding_window=layer_sliding_window(config, layer_index))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, int(config.get("intermediate_size"))
+        bias = bool(config.get("mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias, quant_config=quant_config,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
+        super().__init__()
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.self_attn = LlamaAttention(config, layer_index, quant_config, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                           prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}") for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, float(config.get("rms_norm_eps", 1e-6)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids, positions) -> hidden``; ``compute_logits(hidden) -> logits``."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    ignored_weight_patterns: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, quant_config, "model")
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
+        if config.get("tie_word_embeddings", False):
+            self.lm_head.tie_weights(self.model.embed_tokens)
+            self.ignored_weight_patterns = (*self.ignored_weight_patterns, "lm_head.weight")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

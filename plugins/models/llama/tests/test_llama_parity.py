@@ -1,0 +1,113 @@
+"""The Llama family through the whole engine matches transformers (fp32, tiny random models).
+
+Logits of a batch of mixed-length prompts at every position, and 32 greedy tokens, with a
+prefill chunk smaller than the prompt, a prefix-cache hit, and a request preempted and resumed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from framework import LLM, SamplingParams
+from framework.testing import write_tiny_model
+
+SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+
+CONFIGS = {
+    "llama3_rope": lambda: transformers.LlamaConfig(**SMALL, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "llama_tied_mqa": lambda: transformers.LlamaConfig(**{**SMALL, "num_key_value_heads": 1}, tie_word_embeddings=True),
+    "mistral_sliding_window": lambda: transformers.MistralConfig(**SMALL, sliding_window=7),
+    "qwen2_qkv_bias": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=False),
+}
+
+PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))]]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    reference = write_tiny_model(path, CONFIGS[request.param]())
+    return path, reference
+
+
+def hf_logits(reference, prompt):
+    with torch.no_grad():
+        return reference(torch.tensor([prompt])).logits[0].float()
+
+
+def hf_greedy(reference, prompt, steps=32):
+    """Argmax of a full transformers forward per step (no KV cache, EOS not special)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def capture_logits(llm):
+    """Record the engine's logits at every position it computes: {(request id, position): logits}."""
+    runner, records = llm.engine.core.runner, {}
+    forward = runner.forward
+
+    def recording_forward(batch):
+        hidden = forward(batch)
+        logits = runner.model.compute_logits(hidden).float()
+        offset = 0
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            for j in range(num_new):
+                records[(request.request_id, request.num_computed_tokens + j)] = logits[offset + j]
+            offset += num_new
+        return hidden
+
+    runner.forward = recording_forward
+    return records
+
+
+def test_batched_chunked_prefill_logits_match_transformers(tiny):
+    path, reference = tiny
+    llm = LLM(str(path), num_blocks=64, prefill_chunk_size=8, max_num_batched_tokens=16)
+    records = capture_logits(llm)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=1))
+    for index, prompt in enumerate(PROMPTS):
+        expected = hf_logits(reference, prompt)
+        got = torch.stack([records[(f"{index}-0", pos)] for pos in range(len(prompt))])
+        scale = expected.abs().max()
+        assert (got - expected).abs().max() <= 1e-4 * scale, f"prompt {index}"
+
+
+def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
+    path, reference = tiny
+    llm = LLM(str(path), num_blocks=64, prefill_chunk_size=8, max_num_batched_tokens=24)
+    results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.outputs[0].token_ids == hf_greedy(reference, prompt)
+        assert result.outputs[0].finish_reason == "length"
+
+
+def test_greedy_tokens_match_after_prefix_cache_hit(tiny):
+    path, reference = tiny
+    llm = LLM(str(path), num_blocks=64)
+    shared = PROMPTS[2] + PROMPTS[1]  # 42 tokens: two full blocks of 16 can be reused
+    llm.generate({"prompt_token_ids": shared + [7]}, GREEDY)
+    second = llm.generate({"prompt_token_ids": shared + [8, 9]}, GREEDY)[0]
+    assert second.num_cached_tokens == 32
+    assert llm.engine.core.stats().prefix_cache_hits >= 32
+    assert second.outputs[0].token_ids == hf_greedy(reference, shared + [8, 9])
+
+
+def test_greedy_tokens_match_when_preempted_and_resumed(tiny):
+    path, reference = tiny
+    # 4 requests of up to 29 + 32 tokens need 16 blocks of 16; 9 blocks force preemptions.
+    llm = LLM(str(path), num_blocks=9, max_num_seqs=4)
+    prompts = [*PROMPTS, PROMPTS[0][::-1]]
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert llm.engine.core.stats().num_preemptions > 0
+    for prompt, result in zip(prompts, results):
+        assert result.outputs[0].token_ids == hf_greedy(reference, prompt)
+    assert llm.engine.core.kv_cache.num_free_blocks == 9

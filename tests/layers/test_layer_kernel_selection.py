@@ -1,0 +1,77 @@
+"""Layers resolve their ops through the kernel registry once, at construction."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from framework import hookimpl, ops
+from framework.layers import GeluTanhAndMul, RMSNorm, SiluAndMul
+from framework.layers.rotary import RotaryEmbedding
+from framework.plugins import register_plugin, unregister_plugin
+from framework.specs import KernelSpec
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """A plugin whose kernels (priority 10) record their calls and defer to the reference ops."""
+    calls: list[str] = []
+    module = types.ModuleType("fw_fake_kernels")
+    for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding"):
+        def kernel(*args, _op=op, **kwargs):
+            calls.append(_op)
+            return getattr(ops, _op)(*args, **kwargs)
+        setattr(module, op, kernel)
+    monkeypatch.setitem(sys.modules, "fw_fake_kernels", module)
+
+    class FakeKernelsPlugin:
+        @hookimpl
+        def register_kernels(self):
+            return [KernelSpec(op=op, name="fake", impl=f"fw_fake_kernels:{op}", priority=10)
+                    for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding")]
+
+    register_plugin(FakeKernelsPlugin(), "fake-kernels")
+    yield calls
+    unregister_plugin("fake-kernels")
+
+
+def test_layers_call_the_highest_priority_kernel(fake_kernels):
+    x = torch.randn(3, 8)
+    norm = RMSNorm(8)
+    norm(x)
+    norm(x, torch.randn(3, 8))
+    SiluAndMul()(x)
+    GeluTanhAndMul()(x)
+    RotaryEmbedding(4, 4, 16, 10000.0)(torch.arange(3), x, x)
+    assert fake_kernels == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding"]
+
+
+def test_fw_kernels_forces_the_reference_kernel(fake_kernels, monkeypatch):
+    monkeypatch.setenv("FW_KERNELS", "rms_norm=torch")
+    RMSNorm(8)(torch.randn(2, 8))
+    SiluAndMul()(torch.randn(2, 8))
+    assert fake_kernels == ["silu_and_mul"]
+
+
+def test_layers_built_after_the_plugin_is_removed_use_the_reference_again(fake_kernels):
+    unregister_plugin("fake-kernels")
+    norm = RMSNorm(8)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(8))
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(norm(x), ops.rms_norm(x, norm.weight, 1e-6), rtol=0, atol=0)
+    assert fake_kernels == []
+
+
+def test_rmsnorm_layer_matches_reference_with_gemma_offset():
+    norm = RMSNorm(8, eps=1e-6, offset=1.0)
+    assert torch.equal(norm.weight, torch.zeros(8))  # (1 + 0): the identity scale
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(8))
+    x, residual = torch.randn(4, 8), torch.randn(4, 8)
+    out, new_residual = norm(x, residual)
+    torch.testing.assert_close(new_residual, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, ops.rms_norm(x + residual, norm.weight, 1e-6, 1.0), rtol=0, atol=0)
