@@ -31,8 +31,13 @@ def build_app() -> typer.Typer:
 
 
 def _builtin_commands() -> dict:
-    """Commands whose modules exist; filled as capabilities arrive."""
-    return {}
+    """Engine commands; their modules import torch only when run."""
+    from cli import bench_cmd, generate_cmd
+
+    return {
+        "generate": {"function": generate_cmd.generate, "kwargs": {"help": "Generate text for one prompt."}},
+        "bench": {"function": bench_cmd.bench, "kwargs": {"help": "Offline throughput benchmark with random prompts."}},
+    }
 
 
 def main() -> None:

@@ -1,0 +1,45 @@
+"""``fw generate``: one-shot generation from the command line."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from cli import options as o
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt (with --chat: the user message).")],
+    m: o.Model = None, w: o.Weights = None, f: o.File = None, revision: o.Revision = None,
+    dtype: o.Dtype = "auto", device: o.Device = None, max_model_len: o.MaxModelLen = None,
+    mem: o.Mem = None, attention_backend: o.AttentionBackend = "auto",
+    chat: Annotated[bool, typer.Option("--chat", help="Apply the model's chat template.")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k")] = 0,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print token ids and metadata as JSON.")] = False,
+) -> None:
+    """Generate a completion for PROMPT and print it."""
+    from framework import LLM, SamplingParams
+    from framework.errors import FwError
+
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        llm = LLM(**o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device,
+                                    max_model_len=max_model_len, mem_mb=mem, attention_backend=attention_backend))
+        if chat:
+            result = llm.chat([{"role": "user", "content": prompt}], params)[0]
+        else:
+            result = llm.generate(prompt, params)[0]
+    except (FwError, ValueError) as exc:
+        raise o.fail(str(exc)) from None
+    output = result.outputs[0]
+    if as_json:
+        typer.echo(json.dumps({"text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
+                               "prompt_token_ids": result.prompt_token_ids}))
+    else:
+        typer.echo(output.text)
