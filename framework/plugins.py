@@ -15,6 +15,7 @@ A plugin that fails to import, or implements a hook that does not exist, is repo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class _State:
 
 
 _state: _State | None = None
+_generations = itertools.count(1)  # never restarts, so caches keyed on it cannot go stale after a reset
 
 
 def _env_names(var: str) -> set[str] | None:
@@ -83,7 +85,7 @@ def load_plugins() -> pluggy.PluginManager:
         return _state.manager
     manager = pluggy.PluginManager("fw")
     manager.add_hookspecs(hookspecs)
-    _state = _State(manager)
+    _state = _State(manager, generation=next(_generations))
     allowed, blocked = _env_names("FW_PLUGINS"), _env_names("FW_DISABLE_PLUGINS") or set()
     if CORE_PLUGIN not in blocked:
         from framework import builtin
@@ -122,7 +124,7 @@ def unregister_plugin(name: str) -> None:
     if plugin is not None:
         state.manager.unregister(plugin)
     state.infos.pop(name, None)
-    state.generation += 1
+    state.generation = next(_generations)
 
 
 def reset_plugins() -> None:
@@ -156,7 +158,7 @@ def _register(plugin: Any, name: str, distribution: str | None) -> None:
     hooks = sorted(caller.name for caller in manager.get_hookcallers(plugin) or [])
     module_name = getattr(plugin, "__name__", type(plugin).__module__)
     state.infos[name] = PluginInfo(name, module_name, distribution, version, hooks)
-    state.generation += 1
+    state.generation = next(_generations)
 
 
 def _record_error(name: str, distribution: str | None, error: str) -> None:

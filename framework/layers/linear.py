@@ -88,6 +88,7 @@ class LinearMethod(ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Called once after all checkpoint tensors are loaded (repack, transpose, dequantize on CPU)."""
+        return None
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -199,6 +200,8 @@ class LinearBase(KeepsWeightAttrs):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        """Copy the full checkpoint tensor ``loaded_weight`` (shard ``shard_id`` of a fused layer)
+        into this rank's part of ``param``."""
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
@@ -210,7 +213,8 @@ class LinearBase(KeepsWeightAttrs):
 
 
 class ReplicatedLinear(LinearBase):
-    """The full weight on every rank (small projections, routers)."""
+    """The full weight on every rank (small projections, routers); ``tp_size`` / ``tp_rank`` are
+    recorded but split nothing."""
 
     def __init__(
         self,
@@ -339,7 +343,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size, self.total_num_heads, self.total_num_kv_heads = head_size, total_num_heads, total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
         if tp_size >= total_num_kv_heads:
-            self.num_kv_heads, self.num_kv_head_replicas = 1, divide(tp_size, total_num_kv_heads, "tp size over KV heads")
+            if tp_size % total_num_kv_heads:
+                raise ValueError(f"tensor-parallel size {tp_size} is not a multiple of the {total_num_kv_heads} KV heads")
+            self.num_kv_heads, self.num_kv_head_replicas = 1, tp_size // total_num_kv_heads
         else:
             self.num_kv_heads, self.num_kv_head_replicas = divide(total_num_kv_heads, tp_size, "number of KV heads"), 1
         q_size, kv_size = self.num_heads * head_size, self.num_kv_heads * head_size

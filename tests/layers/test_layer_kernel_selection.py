@@ -10,17 +10,18 @@ import torch
 
 from framework import hookimpl, ops
 from framework.layers import GeluTanhAndMul, RMSNorm, SiluAndMul
-from framework.layers.rotary import RotaryEmbedding
-from framework.plugins import register_plugin, unregister_plugin
+from framework.layers.rotary import RotaryEmbedding, get_rope
+from framework.plugins import unregister_plugin
 from framework.specs import KernelSpec
 
+OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding")
 
-@pytest.fixture
-def fake_kernels(monkeypatch):
-    """A plugin whose kernels (priority 10) record their calls and defer to the reference ops."""
+
+def install_fake_kernels(monkeypatch, register_fw_plugin) -> list[str]:
+    """Register a plugin whose kernels (priority 10) record their calls and defer to the reference ops."""
     calls: list[str] = []
     module = types.ModuleType("fw_fake_kernels")
-    for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding"):
+    for op in OPS:
         def kernel(*args, _op=op, **kwargs):
             calls.append(_op)
             return getattr(ops, _op)(*args, **kwargs)
@@ -30,12 +31,15 @@ def fake_kernels(monkeypatch):
     class FakeKernelsPlugin:
         @hookimpl
         def register_kernels(self):
-            return [KernelSpec(op=op, name="fake", impl=f"fw_fake_kernels:{op}", priority=10)
-                    for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding")]
+            return [KernelSpec(op=op, name="fake", impl=f"fw_fake_kernels:{op}", priority=10) for op in OPS]
 
-    register_plugin(FakeKernelsPlugin(), "fake-kernels")
-    yield calls
-    unregister_plugin("fake-kernels")
+    register_fw_plugin(FakeKernelsPlugin(), name="fake-kernels")
+    return calls
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch, register_fw_plugin):
+    return install_fake_kernels(monkeypatch, register_fw_plugin)
 
 
 def test_layers_call_the_highest_priority_kernel(fake_kernels):
@@ -46,7 +50,7 @@ def test_layers_call_the_highest_priority_kernel(fake_kernels):
     SiluAndMul()(x)
     GeluTanhAndMul()(x)
     RotaryEmbedding(4, 4, 16, 10000.0)(torch.arange(3), x, x)
-    assert fake_kernels == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding"]
+    assert fake_kernels == list(OPS)
 
 
 def test_fw_kernels_forces_the_reference_kernel(fake_kernels, monkeypatch):
@@ -75,3 +79,14 @@ def test_rmsnorm_layer_matches_reference_with_gemma_offset():
     out, new_residual = norm(x, residual)
     torch.testing.assert_close(new_residual, x + residual, rtol=0, atol=0)
     torch.testing.assert_close(out, ops.rms_norm(x + residual, norm.weight, 1e-6, 1.0), rtol=0, atol=0)
+
+
+def test_get_rope_builds_a_new_module_when_the_plugins_change(monkeypatch, register_fw_plugin):
+    before = get_rope(8, 8, 32, 10000.0)
+    calls = install_fake_kernels(monkeypatch, register_fw_plugin)
+    after = get_rope(8, 8, 32, 10000.0)
+    assert after is not before and after is get_rope(8, 8, 32, 10000.0)
+    q, k = torch.randn(3, 16), torch.randn(3, 8)
+    for got, expected in zip(after(torch.arange(3), q, k), before(torch.arange(3), q, k), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert calls == ["rotary_embedding"]

@@ -113,7 +113,7 @@ def test_row_parallel_partial_outputs_sum_to_the_full_output_with_bias_once():
         load(layer, "weight", weight)
         load(layer, "bias", bias)
     assert torch.equal(torch.cat([layer.weight for layer in ranks], dim=1), weight)
-    partials = [layer(x_part) for layer, x_part in zip(ranks, x.chunk(2, dim=-1))]
+    partials = [layer(x_part) for layer, x_part in zip(ranks, x.chunk(2, dim=-1), strict=True)]
     torch.testing.assert_close(partials[0] + partials[1], F.linear(x, weight, bias))
 
 
