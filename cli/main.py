@@ -42,6 +42,10 @@ def _builtin_commands() -> dict:
 
 def main() -> None:
     """Console-script entry point."""
+    import logging
+    import os
+
+    logging.basicConfig(level=os.environ.get("FW_LOG_LEVEL", "INFO").upper(), format="%(message)s")
     build_app()()
 
 
