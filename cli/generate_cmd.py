@@ -14,7 +14,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The prompt (with --chat: the user message).")],
     m: o.Model = None, w: o.Weights = None, f: o.File = None, revision: o.Revision = None,
     dtype: o.Dtype = "auto", device: o.Device = None, max_model_len: o.MaxModelLen = None,
-    mem: o.Mem = None, attention_backend: o.AttentionBackend = "auto",
+    mem: o.Mem = None, attention_backend: o.AttentionBackend = "auto", no_cuda_graph: o.NoCudaGraph = False,
     chat: Annotated[bool, typer.Option("--chat", help="Apply the model's chat template.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option("--temperature")] = 0.0,
@@ -30,7 +30,8 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         llm = LLM(**o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device,
-                                    max_model_len=max_model_len, mem_mb=mem, attention_backend=attention_backend))
+                                    max_model_len=max_model_len, mem_mb=mem, attention_backend=attention_backend,
+                                    no_cuda_graph=no_cuda_graph))
         if chat:
             result = llm.chat([{"role": "user", "content": prompt}], params)[0]
         else:

@@ -19,15 +19,18 @@ MaxNumSeqs = Annotated[int, typer.Option("--max-num-seqs", help="Most requests i
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk-size", help="Most prompt tokens of one request per step.")]
 NoPrefixCache = Annotated[bool, typer.Option("--disable-prefix-cache", help="Do not reuse KV blocks across requests.")]
 PrefixCacheMax = Annotated[int | None, typer.Option("--prefix-cache-max-tokens", help="Cap on tokens kept in the prefix cache.")]
+NoCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run decode steps eagerly (no CUDA graphs).")]
 AttentionBackend = Annotated[str, typer.Option("--attention-backend", help="auto or a registered backend name (fw plugins check).")]
 
 
 def engine_kwargs(**values: Any) -> dict[str, Any]:
     """Map CLI option values to :class:`framework.engine.builder.EngineBuilder` keyword arguments."""
-    names = {"m": "model", "w": "weights", "f": "file", "no_prefix_cache": None}
+    names = {"m": "model", "w": "weights", "f": "file", "no_prefix_cache": None, "no_cuda_graph": None}
     kwargs = {names.get(key, key): value for key, value in values.items() if names.get(key, key)}
     if "no_prefix_cache" in values:
         kwargs["enable_prefix_caching"] = not values["no_prefix_cache"]
+    if "no_cuda_graph" in values:
+        kwargs["enable_cuda_graphs"] = not values["no_cuda_graph"]
     return kwargs
 
 

@@ -63,6 +63,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    #: True if ``forward`` reads no host tensors and never syncs, so decode steps can be graphed.
+    supports_cuda_graphs: bool = False
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ import torch
 from framework import plugins, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from framework.engine.cuda_graphs import CUDAGraphRunner
 from framework.engine.engine import EngineCore
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import ModelRunner
@@ -58,7 +59,8 @@ class EngineBuilder:
                  mem_mb: int | None = None, num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  prefix_cache_max_tokens: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, prefill_chunk_size: int = 8192,
-                 attention_backend: str = "auto", quantization: str | None = None, seed: int = 0) -> None:
+                 attention_backend: str = "auto", quantization: str | None = None, seed: int = 0,
+                 enable_cuda_graphs: bool = True) -> None:
         self.model, self.weights, self.file, self.revision = model, weights, file, revision
         self.dtype_name = dtype
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -72,6 +74,7 @@ class EngineBuilder:
         self.attention_backend = attention_backend
         self.quantization = quantization
         self.seed = seed
+        self.enable_cuda_graphs = enable_cuda_graphs
         self.platform: Platform = detect_platform()
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
@@ -192,11 +195,28 @@ class EngineBuilder:
             log.warning("KV cache holds %d tokens, less than the context length %d: long requests will be preempted "
                         "or refused; raise --mem / --kv-fraction or lower --max-model-len",
                         num_blocks * self.cache.block_size, config.max_model_len)
-        caches = [torch.zeros(backend.kv_cache_shape(num_blocks, self.cache.block_size, layer.num_kv_heads, layer.head_size),
+        # one extra block at the end: the sink that CUDA-graph padding rows write into
+        caches = [torch.zeros(backend.kv_cache_shape(num_blocks + 1, self.cache.block_size, layer.num_kv_heads, layer.head_size),
                               dtype=dtype, device=self.device) for layer in layers]
         self.num_blocks = num_blocks
         self.kv_cache_bytes = per_block * num_blocks
         return caches
+
+    def capture_cuda_graphs(self, backend: AttentionBackend, kv_caches: list[torch.Tensor]) -> CUDAGraphRunner | None:
+        """Capture decode graphs when on CUDA, enabled, and the backend allows it."""
+        self.graph_summary = "off"
+        if self.device.type != "cuda" or not self.enable_cuda_graphs:
+            return None
+        if not backend.supports_cuda_graphs:
+            self.graph_summary = f"off (attention backend {self.backend_name} cannot be graphed)"
+            return None
+        graphs = CUDAGraphRunner(self.torch_model, backend, kv_caches, max_num_seqs=self.scheduler.max_num_seqs,
+                                 max_model_len=self.config.max_model_len, block_size=self.cache.block_size,
+                                 sink_block=self.num_blocks, device=self.device)
+        seconds, memory = graphs.capture()
+        self.graph_summary = f"{len(graphs.buckets)} decode graphs (batch 1..{graphs.buckets[-1]}) in {seconds:.1f} s, {memory / 2**20:.0f} MiB"
+        log.info("CUDA graphs: %s", self.graph_summary)
+        return graphs
 
     def build(self) -> Engine:
         """Run every step and return the engine."""
@@ -208,6 +228,8 @@ class EngineBuilder:
         kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
         sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
         runner = ModelRunner(self.torch_model, backend, kv_caches, cache.block_size, self.device, sampler)
+        graphs = self.capture_cuda_graphs(backend, kv_caches)
+        runner.graph_runner = graphs
         engine_config = EngineConfig(self.config, cache, self.scheduler, str(self.device), self.backend_name, self.seed)
         core = EngineCore(engine_config, runner, kv_manager)
         summary = {
@@ -220,6 +242,7 @@ class EngineBuilder:
             "kv_tokens": self.num_blocks * cache.block_size,
             "kv_bytes": self.kv_cache_bytes,
             "attention_backend": self.backend_name,
+            "cuda_graphs": self.graph_summary,
             "weight_format": self.source.name,
             "plugins": [info.name for info in plugins.loaded_plugins()],
         }

@@ -47,6 +47,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Build ``input_ids``, ``positions`` and the attention metadata for ``batch``."""
@@ -90,6 +91,9 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the model over the batch; returns hidden states ``[T, hidden]``."""
         input_ids, positions, metadata = self.prepare(batch)
+        graphs = self.graph_runner
+        if graphs is not None and metadata.is_decode_only and graphs.bucket_for(metadata.num_reqs):
+            return graphs.run(input_ids, positions, metadata)
         self.backend.prepare(metadata)
         with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
             return self.model(input_ids, positions)

@@ -1,0 +1,104 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, one shared memory pool.
+
+A decode-only step of ``n`` requests replays the graph of the smallest bucket ``>= n``. Inputs
+are copied into static buffers; rows beyond ``n`` are padding that writes its K/V into a
+reserved sink block and attends to one token, so it is harmless::
+
+    static rows  [ r0 r1 ... r(n-1) | pad ... pad ]   bucket size B >= n
+    slot_mapping [ real slots       | sink slots  ]
+    seq_lens     [ real lengths     | 1 ...       ]
+
+The attention backend must declare ``supports_cuda_graphs``: its forward may not read host
+tensors or sync, and ``max_seq_len`` is the model's context length (an upper bound) inside the
+graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from framework.attention_backend import AttentionBackend, AttentionMetadata
+from framework.forward_context import ForwardContext, forward_context
+
+log = logging.getLogger("fw.engine")
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to ``max_num_seqs`` (vLLM's sizes)."""
+    sizes = [size for size in (1, 2, 4) if size < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class CUDAGraphRunner:
+    """Captures and replays decode steps of ``model`` on ``backend``."""
+
+    def __init__(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor], *, max_num_seqs: int,
+                 max_model_len: int, block_size: int, sink_block: int, device: torch.device) -> None:
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_model_len, self.block_size, self.sink_block = max_model_len, block_size, sink_block
+        size, width = self.buckets[-1], -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((size,), sink_block * block_size, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.block_table = torch.full((size, width), sink_block, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_reqs=size, num_tokens=size, cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
+            max_seq_len=self.max_model_len, cu_seqlens_q_cpu=torch.arange(size + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.ones(size, dtype=torch.int32), is_decode_only=True)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        metadata = self._metadata(size)
+        self.backend.prepare(metadata)
+        with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
+            return self.model(self.input_ids[:size], self.positions[:size])
+
+    @torch.inference_mode()
+    def capture(self) -> tuple[float, int]:
+        """Capture every bucket, largest first (so smaller ones reuse its pool); returns (seconds, bytes)."""
+        started, before = time.perf_counter(), torch.cuda.memory_allocated()
+        for size in reversed(self.buckets):
+            self._forward(size)  # warm-up: kernel compilation and autotuning stay out of the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[size] = self._forward(size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        return time.perf_counter() - started, torch.cuda.memory_allocated() - before
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        return next((size for size in self.buckets if size >= num_reqs), None)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Replay the bucket for a decode-only step; returns hidden states of the real rows."""
+        num = metadata.num_reqs
+        size = self.bucket_for(num)
+        assert size is not None and metadata.is_decode_only
+        self.input_ids[:num].copy_(input_ids, non_blocking=True)
+        self.positions[:num].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num].copy_(metadata.slot_mapping, non_blocking=True)
+        self.seq_lens[:num].copy_(metadata.seq_lens, non_blocking=True)
+        width = metadata.block_table.shape[1]
+        self.block_table[:num, :width].copy_(metadata.block_table, non_blocking=True)
+        if num < size:  # padding rows: sink slot, one token of context
+            self.slot_mapping[num:size].fill_(self.sink_block * self.block_size)
+            self.seq_lens[num:size].fill_(1)
+            self.block_table[num:size, 0].fill_(self.sink_block)
+        self.graphs[size].replay()
+        return self.outputs[size][:num]
