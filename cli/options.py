@@ -20,6 +20,7 @@ PrefillChunk = Annotated[int, typer.Option("--prefill-chunk-size", help="Most pr
 NoPrefixCache = Annotated[bool, typer.Option("--disable-prefix-cache", help="Do not reuse KV blocks across requests.")]
 PrefixCacheMax = Annotated[int | None, typer.Option("--prefix-cache-max-tokens", help="Cap on tokens kept in the prefix cache.")]
 NoCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run decode steps eagerly (no CUDA graphs).")]
+LoadFormat = Annotated[str, typer.Option("--load-format", help="auto (detect), or a weight format by name: safetensors, gguf, dummy (random weights for a config.json).")]
 AttentionBackend = Annotated[str, typer.Option("--attention-backend", help="auto or a registered backend name (fw plugins check).")]
 
 

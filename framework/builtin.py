@@ -27,7 +27,13 @@ def register_weight_formats() -> list[WeightFormatSpec]:
             name="safetensors",
             impl="framework.loader.safetensors_format:SafetensorsFormat",
             description="Hugging Face checkpoints: config.json + *.safetensors (sharded, mmap)",
-        )
+        ),
+        WeightFormatSpec(
+            name="dummy",
+            impl="framework.loader.dummy_format:DummyFormat",
+            description="random weights for a config.json (benchmarks of large shapes); only by name",
+            priority=-100,
+        ),
     ]
 
 

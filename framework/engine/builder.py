@@ -60,7 +60,7 @@ class EngineBuilder:
                  prefix_cache_max_tokens: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, prefill_chunk_size: int = 8192,
                  attention_backend: str = "auto", quantization: str | None = None, seed: int = 0,
-                 enable_cuda_graphs: bool = True) -> None:
+                 enable_cuda_graphs: bool = True, load_format: str = "auto") -> None:
         self.model, self.weights, self.file, self.revision = model, weights, file, revision
         self.dtype_name = dtype
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -75,6 +75,7 @@ class EngineBuilder:
         self.quantization = quantization
         self.seed = seed
         self.enable_cuda_graphs = enable_cuda_graphs
+        self.load_format = load_format
         self.platform: Platform = detect_platform()
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
@@ -85,7 +86,7 @@ class EngineBuilder:
         """Resolve ``model``/``weights``/``file`` to a local path and open its weight format."""
         plugins.load_plugins()
         path = resolve_local_path(self.model, self.weights, self.file, self.revision)
-        self.source = model_loader.open_model_source(Path(path), self.file)
+        self.source = model_loader.open_model_source(Path(path), self.file, self.load_format)
         return self.source
 
     def model_config(self) -> ModelConfig:

@@ -24,8 +24,10 @@ from framework.loader.format import WeightFormat
 log = logging.getLogger("fw.loader")
 
 
-def open_model_source(path: Path, file: str | None = None) -> WeightFormat:
-    """The first registered weight format (by priority) that recognises ``path``."""
+def open_model_source(path: Path, file: str | None = None, load_format: str = "auto") -> WeightFormat:
+    """The format named ``load_format``, or the first registered one (by priority) that recognises ``path``."""
+    if load_format != "auto":
+        return registries.weight_formats().get(load_format).load()(path, file)
     formats = list(registries.weight_formats())
     for spec in formats:
         format_cls = spec.load()

@@ -140,3 +140,16 @@ def test_cli_generate_and_bench(tiny_dir, tmp_path, expected_ids):
     assert "out tok/s" in result.output
     result = CliRunner().invoke(app, ["generate", "hi", "--m", "./missing-model"])
     assert result.exit_code == 2 and "neither an existing path" in result.output
+
+
+def test_dummy_load_format_fills_every_parameter_through_the_name_mapping(tmp_path):
+    config = transformers.LlamaConfig(**{**TINY.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    llm = LLM(str(tmp_path), load_format="dummy", num_blocks=16, device="cpu")
+    model = llm.engine.core.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    assert qkv.shape == (3 * 32, 32) and 0.01 < qkv.std().item() < 0.04
+    assert torch.equal(model.model.norm.weight, torch.ones(32))
+    assert len(llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids) == 8
+    with pytest.raises(ModelLoadError, match="config.json"):
+        LLM(str(tmp_path / "nothing"), load_format="dummy") if (tmp_path / "nothing").mkdir() is None else None

@@ -1,0 +1,189 @@
+"""The Litestar app: ``create_app(engine_client, config)``.
+
+Routes are grouped by resource (OpenAI API under ``/v1``, service endpoints at the root); the
+shared :class:`ServerState` is injected. The lifespan starts the engine process in the
+background, so ``/health`` answers 503 while the model loads, and stops it on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from litestar import Controller, Litestar, Request, Response, get, post
+from litestar.di import Provide
+from litestar.exceptions import HTTPException
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import framework
+from framework.server.engine_client import AsyncEngineClient
+from framework.server.errors import (
+    APIError,
+    api_error_handler,
+    bad_request,
+    decode_body,
+    http_exception_handler,
+    internal_error_handler,
+)
+from framework.server.messages import Ready
+from framework.server.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from framework.server.serving_chat import chat_prompt_ids, create_chat_completion, template_messages
+from framework.server.serving_completion import create_completion
+from framework.server.state import ServerConfig, ServerState
+
+log = logging.getLogger("fw.server")
+
+#: Paths that answer without an API key and while the model loads.
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+
+class OpenAIController(Controller):
+    path = "/v1"
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(self, server: ServerState, request: Request) -> Response:
+        return await create_chat_completion(server, request)
+
+    @post("/completions", status_code=200)
+    async def completions(self, server: ServerState, request: Request) -> Response:
+        return await create_completion(server, request)
+
+    @get("/models")
+    async def models(self, server: ServerState) -> ModelList:
+        return ModelList(data=[_model_card(server, name) for name in server.config.served_model_names or [server.model_name]])
+
+    @get("/models/{model_id:path}")
+    async def model(self, server: ServerState, model_id: str) -> ModelCard:
+        model_id = model_id.lstrip("/")
+        server.check_model(model_id)
+        return _model_card(server, model_id)
+
+class ServiceController(Controller):
+    path = "/"
+
+    @get("/health")
+    async def health(self, server: ServerState) -> Response:
+        client = server.client
+        if server.is_draining:
+            return Response({"status": "draining"}, status_code=503)
+        if client.dead_reason is not None:
+            return Response({"status": "error", "message": client.dead_reason}, status_code=503)
+        if not client.is_ready:
+            return Response({"status": "loading"}, status_code=503)
+        return Response({"status": "ok"}, status_code=200)
+
+    @get("/version")
+    async def version(self) -> dict[str, str]:
+        return {"version": framework.__version__}
+
+    @get("/metrics")
+    async def metrics(self, server: ServerState) -> Response:
+        stats = None
+        if server.client.is_healthy:
+            with contextlib.suppress(Exception):
+                stats = await server.client.stats(timeout_s=5.0)
+        return Response(server.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @post("/tokenize", status_code=200)
+    async def tokenize(self, server: ServerState, request: Request) -> TokenizeResponse:
+        body = decode_body(await request.body(), TokenizeRequest)
+        server.check_model(body.model)
+        tokenizer = server.client.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+        if body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            template_messages(body.messages)  # validates roles and content parts
+
+            chat = ChatCompletionRequest(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs,
+                                         add_generation_prompt=body.add_generation_prompt)
+            tokens = chat_prompt_ids(tokenizer, chat)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len)
+
+    @post("/detokenize", status_code=200)
+    async def detokenize(self, server: ServerState, request: Request) -> DetokenizeResponse:
+        body = decode_body(await request.body(), DetokenizeRequest)
+        server.check_model(body.model)
+        vocab = server.client.ready.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
+        return DetokenizeResponse(prompt=server.client.tokenizer.decode(body.tokens))
+
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.started, max_model_len=state.max_model_len, root=state.config.model_root)
+
+def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_engine: bool = True,
+               on_ready: Callable[[Ready], None] | None = None,
+               on_load_error: Callable[[str], None] | None = None) -> Litestar:
+    """Build the app around ``engine_client``.
+
+    With ``start_engine`` the lifespan starts the engine process (``on_ready`` / ``on_load_error``
+    are called when it reports) and shuts it down when the app stops; otherwise the caller has
+    started it already.
+    """
+    state = ServerState(engine_client, config)
+
+    async def guard(request: Request) -> None:
+        path = request.url.path
+        if path in OPEN_PATHS:
+            return
+        if config.api_keys:
+            header = request.headers.get("authorization", "")
+            key = header[7:].strip() if header[:7].lower() == "bearer " else None
+            if key not in config.api_keys:
+                raise APIError(401, "Incorrect API key provided" if key else "Missing API key: send 'Authorization: "
+                                    "Bearer <key>'", code="invalid_api_key")
+        if state.is_draining:
+            raise APIError(503, "the server is shutting down", code="server_draining")
+        client = state.client
+        if client.dead_reason is not None:
+            raise APIError(503, f"the engine is not running: {client.dead_reason}", code="engine_dead")
+        if not client.is_ready:
+            raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
+                           headers={"Retry-After": "1"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        task = None
+        if start_engine:
+            task = asyncio.create_task(engine_client.start())
+            task.add_done_callback(_report)
+        try:
+            yield
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+            await engine_client.shutdown()
+
+    def _report(task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            if on_ready is not None:
+                on_ready(task.result())
+        elif on_load_error is not None:
+            on_load_error(str(error))
+        else:
+            log.error("the engine failed to start: %s", error)
+
+    handlers: dict[Any, Callable] = {APIError: api_error_handler, HTTPException: http_exception_handler,
+                                     Exception: internal_error_handler}
+    app = Litestar(route_handlers=[OpenAIController, ServiceController],
+                   dependencies={"server": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
+                   before_request=guard, exception_handlers=handlers, lifespan=[lifespan],
+                   request_max_body_size=config.max_request_bytes, openapi_config=None)
+    app.state.server = state
+    return app

@@ -1,0 +1,229 @@
+"""``AsyncEngineClient``: the API process's handle on the engine process.
+
+It starts ``python -m framework.server.engine_process``, sends msgspec-encoded requests over a ZMQ
+PUSH socket, and one background task routes the batched step outputs to per-request queues.
+A watcher thread notices when the engine process exits: every waiting ``generate`` then raises
+:class:`EngineDeadError` instead of hanging, and ``is_healthy`` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import tokenizers
+import zmq
+import zmq.asyncio
+
+from framework.engine.engine import EngineStats, RequestOutput
+from framework.errors import ConfigError, FwError
+from framework.sampling_params import SamplingParams
+from framework.server.messages import (
+    AbortRequests,
+    AddFailed,
+    AddRequest,
+    EngineFailed,
+    EngineReply,
+    GetStats,
+    LoadFailed,
+    Ready,
+    Shutdown,
+    StatsReply,
+    StepOutputs,
+)
+from framework.tokenizer import Tokenizer
+
+
+class EngineDeadError(FwError):
+    """The engine process exited or failed; requests in flight cannot finish."""
+
+
+class EngineLoadError(FwError):
+    """The engine process could not load the model; the message says why."""
+
+
+class AsyncEngineClient:
+    """Start, talk to and stop one engine process. Methods must be called on one event loop."""
+
+    def __init__(self, builder_kwargs: dict[str, Any]) -> None:
+        self.builder_kwargs = builder_kwargs
+        self.ready: Ready | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.dead_reason: str | None = None
+        self.process: subprocess.Popen | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
+        self._ready_future: asyncio.Future | None = None
+        self._reader: asyncio.Task | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineReply)
+
+    # --- life cycle ----------------------------------------------------------------------
+    async def start(self) -> Ready:
+        """Spawn the engine process and wait until it reports ready; raises EngineLoadError."""
+        loop = asyncio.get_running_loop()
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="fw-ipc-")
+        input_addr = f"ipc://{self._tmpdir.name}/input"
+        output_addr = f"ipc://{self._tmpdir.name}/output"
+        self._sync_context = zmq.Context()
+        self._input = self._sync_context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_addr)
+        self._context = zmq.asyncio.Context()
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_addr)
+        self._ready_future = loop.create_future()
+        self._reader = asyncio.create_task(self._read_outputs())
+        self.process = subprocess.Popen([sys.executable, "-m", "framework.server.engine_process", input_addr, output_addr],
+                                        stdin=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process.stdin.write(json.dumps(self.builder_kwargs).encode())
+        self.process.stdin.close()
+        process = self.process
+        threading.Thread(target=lambda: (process.wait(), loop.call_soon_threadsafe(self._on_exit, process)),
+                         name="fw-engine-watcher", daemon=True).start()
+        self.ready = await self._ready_future
+        spec = self.ready.tokenizer
+        self.tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(spec.tokenizer_json), spec.chat_template, spec.bos_token,
+                                   spec.eos_token, spec.pad_token, frozenset(spec.extra_eos_token_ids), spec.template_vars)
+        return self.ready
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask the engine process to exit, kill it if it does not, and close the sockets."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            self._send(Shutdown())
+            try:
+                await asyncio.wait_for(asyncio.to_thread(process.wait), timeout_s)
+            except asyncio.TimeoutError:
+                process.kill()
+                await asyncio.to_thread(process.wait)
+        self._fail_all("the server is shutting down")
+        if self._reader is not None:
+            self._reader.cancel()
+        if hasattr(self, "_input"):
+            self._input.close()
+            self._output.close()
+            self._context.term()
+            self._sync_context.term()
+            self._tmpdir.cleanup()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready is not None and self.dead_reason is None
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.is_ready and self.process is not None and self.process.poll() is None
+
+    # --- requests ------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs until one has a finish reason.
+
+        Raises ConfigError if the engine refuses the request and EngineDeadError if the engine
+        dies. Leaving early (break, cancellation, a client disconnect) aborts the request.
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self._queues:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params))
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, *request_ids: str) -> None:
+        """Stop requests in the engine (unknown or finished ids are ignored)."""
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
+        if request_ids and self.dead_reason is None and self.process is not None:
+            self._send(AbortRequests(request_ids=list(request_ids)))
+
+    async def stats(self, timeout_s: float = 10.0) -> EngineStats:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        query_id = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._stats_waiters[query_id] = future
+        try:
+            self._send(GetStats(query_id=query_id))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._stats_waiters.pop(query_id, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # --- internals -----------------------------------------------------------------------
+    def _send(self, message) -> None:
+        self._input.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
+
+    async def _read_outputs(self) -> None:
+        while True:
+            message = self._decoder.decode(await self._output.recv())
+            if isinstance(message, StepOutputs):
+                for output in message.outputs:
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+            elif isinstance(message, StatsReply):
+                future = self._stats_waiters.get(message.query_id)
+                if future is not None and not future.done():
+                    future.set_result(message.stats)
+            elif isinstance(message, AddFailed):
+                queue = self._queues.get(message.request_id)
+                if queue is not None:
+                    queue.put_nowait(ConfigError(message.message))
+            elif isinstance(message, Ready):
+                if not self._ready_future.done():
+                    self._ready_future.set_result(message)
+            elif isinstance(message, LoadFailed):
+                if not self._ready_future.done():
+                    self._ready_future.set_exception(EngineLoadError(message.message))
+            elif isinstance(message, EngineFailed):
+                self._mark_dead(message.message)
+
+    def _on_exit(self, process: subprocess.Popen) -> None:
+        if self._ready_future is not None and not self._ready_future.done():
+            self._ready_future.set_exception(EngineLoadError(f"the engine process exited with code {process.returncode} "
+                                                             "before the model was loaded"))
+        self._mark_dead(self.dead_reason or f"the engine process exited (code {process.returncode})")
+
+    def _mark_dead(self, reason: str) -> None:
+        self.dead_reason = reason
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        for queue in list(self._queues.values()):
+            queue.put_nowait(EngineDeadError(reason))
+        for future in self._stats_waiters.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))

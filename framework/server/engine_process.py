@@ -1,0 +1,148 @@
+"""The engine process: load the model, then step while work exists, else block on the input socket.
+
+Started by :class:`~framework.server.engine_client.AsyncEngineClient` as
+``python -m framework.server.engine_process <input addr> <output addr>`` with the builder's
+keyword arguments as JSON on stdin. It never touches HTTP or text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from framework.server.messages import (
+    AbortRequests,
+    AddFailed,
+    AddRequest,
+    EngineFailed,
+    EngineRequest,
+    GetStats,
+    LoadFailed,
+    Ready,
+    Shutdown,
+    StatsReply,
+    StepOutputs,
+    TokenizerSpec,
+)
+
+log = logging.getLogger("fw.engine")
+
+#: How often an idle engine wakes up to check that the API process still exists.
+_IDLE_POLL_MS = 1000
+
+
+def _tokenizer_spec(tokenizer) -> TokenizerSpec:
+    return TokenizerSpec(tokenizer_json=tokenizer.backend.to_str(), chat_template=tokenizer.chat_template,
+                         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
+                         extra_eos_token_ids=sorted(tokenizer.extra_eos_token_ids),
+                         template_vars=dict(tokenizer.template_vars))
+
+
+class EngineLoop:
+    """Owns the sockets and the :class:`EngineCore`; ``run()`` returns when told to shut down."""
+
+    def __init__(self, input_addr: str, output_addr: str) -> None:
+        self.context = zmq.Context()
+        self.input = self.context.socket(zmq.PULL)
+        self.input.connect(input_addr)
+        self.output = self.context.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.SNDHWM, 0)
+        self.output.setsockopt(zmq.LINGER, 2000)
+        self.output.connect(output_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineRequest)
+        self.parent_pid = os.getppid()
+        self.core = None
+
+    def send(self, message) -> None:
+        self.output.send(self.encoder.encode(message))
+
+    def load(self, builder_kwargs: dict) -> bool:
+        from framework.engine.builder import EngineBuilder
+        from framework.errors import FwError
+
+        try:
+            engine = EngineBuilder(**builder_kwargs).build()
+        except FwError as error:
+            self.send(LoadFailed(message=str(error)))
+            return False
+        except Exception as error:  # an unexpected failure still reaches the user, with its type
+            traceback.print_exc()
+            self.send(LoadFailed(message=f"{type(error).__name__}: {error}"))
+            return False
+        self.core = engine.core
+        config = engine.model_config
+        self.send(Ready(summary=engine.summary, max_model_len=config.max_model_len, vocab_size=config.vocab_size,
+                        eos_token_ids=sorted(config.eos_token_ids), tokenizer=_tokenizer_spec(engine.tokenizer)))
+        return True
+
+    def run(self) -> None:
+        core = self.core
+        while True:
+            busy = core.has_unfinished()
+            if not busy and not self.input.poll(_IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:  # the API process is gone: nobody to serve
+                    return
+                continue
+            while self.input.poll(0):
+                if not self.handle(self.decoder.decode(self.input.recv())):
+                    return
+            if core.has_unfinished():
+                outputs = core.step()
+                if outputs:
+                    self.send(StepOutputs(outputs=outputs))
+
+    def handle(self, message) -> bool:
+        """Apply one request message; False means shut down."""
+        from framework.errors import FwError
+
+        if isinstance(message, AddRequest):
+            try:
+                self.core.add_request(message.request_id, message.prompt_token_ids, message.params)
+            except FwError as error:
+                self.send(AddFailed(request_id=message.request_id, message=str(error)))
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self.core.abort(request_id)
+        elif isinstance(message, GetStats):
+            self.send(StatsReply(query_id=message.query_id, stats=self.core.stats()))
+        elif isinstance(message, Shutdown):
+            return False
+        return True
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close()
+        self.context.term()
+
+
+def main(argv: list[str]) -> int:
+    input_addr, output_addr = argv[1], argv[2]
+    builder_kwargs = json.loads(sys.stdin.read())
+    # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("FW_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    loop = EngineLoop(input_addr, output_addr)
+    try:
+        if not loop.load(builder_kwargs):
+            return 1
+        try:
+            loop.run()
+        except Exception as error:
+            traceback.print_exc()
+            loop.send(EngineFailed(message=f"the engine failed: {type(error).__name__}: {error}"))
+            return 1
+        return 0
+    finally:
+        loop.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

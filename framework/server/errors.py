@@ -1,0 +1,95 @@
+"""Errors in OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``.
+
+Handlers raise :class:`APIError`; the app's exception handlers turn it, Litestar's own HTTP
+exceptions (404 route, 405, 413 body too large) and unexpected exceptions into that envelope.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from framework.server.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("fw.server")
+
+T = TypeVar("T")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered to the client with ``status`` and the OpenAI error envelope."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+_AT = re.compile(r" - at `\$\.?(.*)`$")
+_MISSING = re.compile(r"Object missing required field `([^`]+)`")
+
+
+def decode_body(body: bytes, type_: type[T]) -> T:
+    """Decode a JSON body into ``type_``; errors become a 400 naming the field."""
+    if not body.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as error:
+        text = str(error)
+        at = _AT.search(text)
+        path = at.group(1) if at else ""
+        missing = _MISSING.search(text)
+        if missing:
+            param = f"{path}.{missing.group(1)}" if path else missing.group(1)
+            raise APIError(400, f"missing required parameter {param!r}", param=param,
+                           code="missing_required_parameter") from None
+        message = _AT.sub("", text)
+        raise APIError(400, f"invalid type or value for {path!r}: {message}" if path else message, param=path or None,
+                       code="invalid_type") from None
+    except msgspec.DecodeError as error:
+        raise APIError(400, f"could not parse the JSON body of the request: {error}", code="invalid_json") from None
+
+
+def api_error_handler(_: Request, error: APIError) -> Response:
+    return Response(error.body(), status_code=error.status, headers=error.headers)
+
+
+def http_exception_handler(_: Request, error: HTTPException) -> Response:
+    status = error.status_code
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+    message = error.detail or "error"
+    if status == 413:
+        message = f"the request body is too large ({message})"
+    return Response(APIError(status, message, code=code).body(), status_code=status, headers=error.headers or None)
+
+
+def internal_error_handler(_: Request, error: Exception) -> Response:
+    log.exception("unhandled error", exc_info=error)
+    body = APIError(500, f"internal server error: {type(error).__name__}: {error}", code="internal_error").body()
+    return Response(body, status_code=500)
+
+
+def error_event(error: APIError | Exception) -> dict[str, Any]:
+    """The SSE ``data:`` payload for an error that happens mid-stream."""
+    if not isinstance(error, APIError):
+        error = APIError(500, str(error), code="internal_error")
+    return msgspec.to_builtins(error.body())

@@ -1,0 +1,130 @@
+"""Run the server: parse the bind address, start uvicorn, print the summary and the ready line.
+
+SIGTERM / Ctrl-C: the server stops accepting, ``/health`` turns 503 (draining), in-flight requests
+finish for up to ``shutdown_timeout`` seconds, the rest are cancelled (which aborts them in the
+engine), then the engine process is stopped.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+from typing import Any, NamedTuple
+
+import uvicorn
+
+import framework
+from framework.errors import ConfigError
+from framework.server.app import create_app
+from framework.server.engine_client import AsyncEngineClient
+from framework.server.messages import Ready
+from framework.server.state import ServerConfig, ServerState
+
+DEFAULT_HOST = "0.0.0.0"
+
+
+class BindAddress(NamedTuple):
+    host: str | None
+    port: int | None
+    uds: str | None
+
+    @property
+    def url(self) -> str:
+        if self.uds is not None:
+            return f"unix://{self.uds}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def parse_bind(address: str | None, port: int) -> BindAddress:
+    """``host``, ``host:port``, ``[ipv6]:port``, bare IPv6, ``tcp://host[:port]``, or ``unix:// | file:// | socket:///path``."""
+    address = (address or DEFAULT_HOST).strip()
+    for scheme in ("unix://", "file://", "socket://"):
+        if address.startswith(scheme):
+            path = address[len(scheme):]
+            if not path:
+                raise ConfigError(f"--h {address!r}: give a socket path, e.g. unix:///tmp/fw.sock")
+            return BindAddress(None, None, path)
+    address = address.removeprefix("tcp://").removeprefix("http://").rstrip("/")
+    host, port_text = address, None
+    if address.startswith("["):
+        end = address.find("]")
+        if end < 0:
+            raise ConfigError(f"--h {address!r}: an IPv6 address in brackets needs the closing ']'")
+        host, rest = address[1:end], address[end + 1:]
+        if rest:
+            if not rest.startswith(":"):
+                raise ConfigError(f"--h {address!r}: expected [ipv6]:port")
+            port_text = rest[1:]
+    elif address.count(":") == 1:
+        host, port_text = address.split(":")
+    if port_text is not None:
+        if not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+            raise ConfigError(f"--h {address!r}: the port must be a number in [0, 65535]")
+        port = int(port_text)
+    return BindAddress(host or DEFAULT_HOST, port, None)
+
+
+def format_summary(ready: Ready) -> str:
+    s = ready.summary
+    lines = [f"fw {framework.__version__}",
+             f"  model      {s.get('model')} ({s.get('architecture')}, {s.get('weight_format')})",
+             f"  dtype      {s.get('dtype')} on {s.get('device')}; attention backend {s.get('attention_backend')}",
+             f"  context    {ready.max_model_len} tokens",
+             f"  KV cache   {s.get('kv_blocks')} blocks, {s.get('kv_tokens')} tokens, {s.get('kv_bytes', 0) / 2**20:.1f} MiB",
+             f"  plugins    {', '.join(s.get('plugins', []))}"]
+    return "\n".join(lines)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a draining flag, a ready line once both the socket and the engine are up, and exit 0 on SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, url: str) -> None:
+        super().__init__(config)
+        self.state, self.url = state, url
+        self.engine_ready = False
+        self.announced = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.state.is_draining = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        self.announce()
+
+    def announce(self) -> None:
+        if self.started and self.engine_ready and not self.announced and not self.should_exit:
+            self.announced = True
+            print(f"fw: ready, serving {self.state.model_name!r} at {self.url} (OpenAI API under {self.url}/v1)",
+                  flush=True)
+
+
+def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAddress, *, shutdown_timeout: float = 30.0,
+               log_level: str = "warning") -> int:
+    """Serve until stopped; returns the process exit code (1 if the model failed to load)."""
+    client = AsyncEngineClient(engine_kwargs)
+    failure: list[str] = []
+    server: _Server | None = None
+
+    def on_ready(ready: Ready) -> None:
+        print(format_summary(ready), flush=True)
+        server.engine_ready = True
+        server.announce()
+
+    def on_load_error(message: str) -> None:
+        failure.append(message)
+        print(f"fw: error: could not load the model: {message}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    app = create_app(client, config, on_ready=on_ready, on_load_error=on_load_error)
+    uv_config = uvicorn.Config(app, host=bind.host or DEFAULT_HOST, port=bind.port or 0, uds=bind.uds,
+                               log_level=log_level, access_log=False, lifespan="on",
+                               timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
+    server = _Server(uv_config, app.state.server, bind.url)
+    server.run()
+    return 1 if failure else 0

@@ -1,0 +1,236 @@
+"""Request and response bodies of the OpenAI-compatible API, as msgspec Structs.
+
+Requests ignore unknown fields (as OpenAI does); fields OpenAI defines that fw does not support
+yet are declared with a ``None`` default so that setting one is rejected with a 400 naming it
+(see :data:`UNSUPPORTED_CHAT_FIELDS`) instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+Stop = str | list[str] | None
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completions requests."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+    # OpenAI fields fw does not support yet: setting one is a 400 naming it.
+    best_of: int | None = None
+    service_tier: Any = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any]  # a string, strings, token ids, or lists of token ids (checked by the handler)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+#: Fields that fw rejects when set (not None / not their default).
+UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
+                           "audio", "modalities", "prediction", "web_search_options", "service_tier")
+UNSUPPORTED_COMPLETION_FIELDS = ("suffix", "service_tier")
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+# --- responses ---------------------------------------------------------------------------
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class ResponseMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    system_fingerprint: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    model: str
+    choices: list[ChatStreamChoice]
+    created: int
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    model: str
+    choices: list[CompletionChoice]
+    created: int
+    usage: Usage | None = None
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "fw"
+    root: str | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    error: ErrorInfo

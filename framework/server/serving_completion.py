@@ -1,0 +1,174 @@
+"""``POST /v1/completions``: a string, strings, token ids or lists of token ids; ``echo``; logprobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from litestar import Request, Response
+from litestar.response import Stream
+
+from framework.engine.engine import LogprobEntry
+from framework.server.errors import APIError, bad_request, decode_body
+from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
+from framework.server.protocol import (
+    UNSUPPORTED_COMPLETION_FIELDS,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from framework.server.serving_chat import reject_unsupported
+from framework.server.state import ServerState, new_id, sse_stream, until_disconnect
+from framework.tokenizer import Tokenizer
+
+
+def prompt_token_lists(tokenizer: Tokenizer, prompt: object) -> tuple[list[list[int]], list[str]]:
+    """Every prompt as token ids, plus its text (for ``echo``)."""
+    def is_ids(value: object) -> bool:
+        return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif is_ids(prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        items = prompt
+    else:
+        raise APIError(400, "'prompt' must be a non-empty string, a list of strings, a list of token ids, or a list of "
+                            "lists of token ids", param="prompt", code="invalid_type")
+    ids, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            ids.append(tokenizer.encode(item))
+            texts.append(item)
+        else:
+            ids.append(list(item))
+            texts.append(tokenizer.decode(item, skip_special_tokens=False))
+        if not ids[-1]:
+            raise bad_request("the prompt is empty: give at least one token", "prompt")
+    return ids, texts
+
+
+class _LogprobBuilder:
+    """Accumulates OpenAI's completions logprobs layout (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, tokenizer: Tokenizer, offset: int = 0) -> None:
+        self.tokenizer, self.offset = tokenizer, offset
+        self.result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+
+    def add(self, token_ids: list[int], entries: list[LogprobEntry | None]) -> CompletionLogprobs:
+        decode = self.tokenizer.decode
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            token = decode([token_id], skip_special_tokens=False)
+            self.result.tokens.append(token)
+            self.result.text_offset.append(self.offset)
+            self.offset += len(token)
+            if entry is None:
+                self.result.token_logprobs.append(None)
+                self.result.top_logprobs.append(None)
+            else:
+                self.result.token_logprobs.append(entry[0])
+                self.result.top_logprobs.append({decode([tid], skip_special_tokens=False): lp for tid, lp in entry[1]})
+        return self.result
+
+
+async def create_completion(state: ServerState, request: Request) -> Response | Stream:
+    arrival = time.perf_counter()
+    body = decode_body(await request.body(), CompletionRequest)
+    state.check_model(body.model)
+    reject_unsupported(body, UNSUPPORTED_COMPLETION_FIELDS)
+    client = state.client
+    num_prompts = len(body.prompt) if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else 1
+    release = state.admit(max(body.n, 1) * num_prompts)
+    try:
+        prompts, texts = prompt_token_lists(client.tokenizer, body.prompt)
+        for ids in prompts:
+            bad = [t for t in ids if not 0 <= t < client.ready.vocab_size]
+            if bad:
+                raise bad_request(f"prompt token ids must be in [0, {client.ready.vocab_size}); got {bad[:5]}", "prompt")
+        params = build_sampling_params(body, max_tokens=16 if body.max_tokens is None else body.max_tokens,
+                                       prompt_lens=[len(p) for p in prompts], max_model_len=state.max_model_len,
+                                       vocab_size=client.ready.vocab_size, logprobs=body.logprobs,
+                                       prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+    except BaseException:
+        release()
+        raise
+    request_id = new_id("cmpl")
+    events = run_choices(client, request_id, prompts, params, state.metrics, arrival)
+    job = _Completion(state, request_id, body, prompts, texts, params.n)
+    if body.stream:
+        return Stream(sse_stream(job.chunks(events), finalize=release), media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache"})
+    try:
+        return Response(await until_disconnect(request, job.response(events)))
+    finally:
+        release()
+
+
+class _Completion:
+    def __init__(self, state: ServerState, request_id: str, body: CompletionRequest, prompts: list[list[int]],
+                 texts: list[str], n: int) -> None:
+        self.state, self.request_id, self.body, self.prompts, self.texts, self.n = state, request_id, body, prompts, texts, n
+        self.tokenizer = state.client.tokenizer
+        self.created = int(time.time())
+
+    def _usage(self, completion_tokens: int, num_cached: int) -> Usage:
+        prompt_tokens = sum(len(p) for p in self.prompts) * self.n
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None)
+
+    def _echo_logprobs(self, builder: _LogprobBuilder, prompt_index: int, prompt_logprobs) -> None:
+        if self.body.echo and prompt_logprobs is not None:
+            builder.add(self.prompts[prompt_index], prompt_logprobs)
+
+    async def response(self, events: AsyncIterator[ChoiceDelta]) -> CompletionResponse:
+        choices = [ChoiceState() for _ in range(len(self.prompts) * self.n)]
+        num_cached = 0
+        async for delta in events:
+            choices[delta.index].add(delta)
+            num_cached = max(num_cached, delta.num_cached_tokens)
+        result = []
+        for index, choice in enumerate(choices):
+            prompt_index = index // self.n
+            prefix = self.texts[prompt_index] if self.body.echo else ""
+            logprobs = None
+            if self.body.logprobs is not None:
+                builder = _LogprobBuilder(self.tokenizer)
+                self._echo_logprobs(builder, prompt_index, choice.prompt_logprobs)
+                logprobs = builder.add(choice.token_ids, choice.logprobs)
+            result.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=logprobs,
+                                           finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+        return CompletionResponse(id=self.request_id, model=self.state.model_name, created=self.created, choices=result,
+                                  usage=self._usage(sum(len(c.token_ids) for c in choices), num_cached))
+
+    async def chunks(self, events: AsyncIterator[ChoiceDelta]) -> AsyncIterator[CompletionResponse]:
+        started: set[int] = set()
+        builders: dict[int, _LogprobBuilder] = {}
+        completion_tokens = num_cached = 0
+        async for delta in events:
+            completion_tokens += len(delta.token_ids)
+            num_cached = max(num_cached, delta.num_cached_tokens)
+            text = delta.text
+            logprobs = None
+            if self.body.logprobs is not None:
+                builder = _LogprobBuilder(self.tokenizer, builders[delta.index].offset if delta.index in builders else 0)
+                if delta.index not in started:
+                    self._echo_logprobs(builder, delta.prompt_index, delta.prompt_logprobs)
+                logprobs = builder.add(delta.token_ids, delta.logprobs or [])
+                builders[delta.index] = builder
+            if delta.index not in started:
+                started.add(delta.index)
+                if self.body.echo:
+                    text = self.texts[delta.prompt_index] + text
+            if not text and delta.finish_reason is None and logprobs is None:
+                continue
+            yield CompletionResponse(id=self.request_id, model=self.state.model_name, created=self.created,
+                                     choices=[CompletionChoice(index=delta.index, text=text, logprobs=logprobs,
+                                                               finish_reason=delta.finish_reason,
+                                                               stop_reason=delta.stop_reason)])
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            yield CompletionResponse(id=self.request_id, model=self.state.model_name, created=self.created, choices=[],
+                                     usage=self._usage(completion_tokens, num_cached))

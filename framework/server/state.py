@@ -1,0 +1,142 @@
+"""What every handler shares: the engine client, the server config, metrics and admission."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request
+
+from framework.errors import ConfigError
+from framework.server.engine_client import AsyncEngineClient, EngineDeadError
+from framework.server.errors import APIError, error_event
+from framework.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Settings of the HTTP layer (the engine's settings go to the engine process)."""
+
+    served_model_names: list[str] = field(default_factory=list)
+    model_root: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    max_num_seqs: int = 256
+    #: Sequences admitted beyond ``max_num_seqs`` before answering 429; None = unlimited.
+    max_queued_requests: int | None = None
+    max_request_bytes: int = 8 << 20
+    retry_after_s: int = 1
+
+
+class ServerState:
+    """Per-app state; handlers get it by dependency injection."""
+
+    def __init__(self, client: AsyncEngineClient, config: ServerConfig) -> None:
+        self.client = client
+        self.config = config
+        self.metrics = ServerMetrics(self.model_name)
+        self.num_admitted = 0
+        self.is_draining = False
+        self.started = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        names = self.config.served_model_names
+        if names:
+            return names[0]
+        return self.config.model_root or "fw"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.ready.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        names = self.config.served_model_names or [self.model_name]
+        if model is not None and model not in names:
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
+                           param="model", code="model_not_found")
+
+    def admit(self, num_seqs: int) -> Callable[[], None]:
+        """Count sequences in flight; 429 with Retry-After when the queue cap is reached.
+
+        Returns the release function (idempotent), to call when the response is complete.
+        """
+        cap = self.config.max_queued_requests
+        if cap is not None and self.num_admitted + num_seqs > self.config.max_num_seqs + cap:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"the server is at capacity ({self.num_admitted} sequences in flight, "
+                                f"--max-queued-requests {cap}); retry later", code="too_many_requests",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        self.num_admitted += num_seqs
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.num_admitted -= num_seqs
+
+        return release
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def engine_error(error: Exception) -> APIError:
+    """Map an engine-side failure to the API error a client sees."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ConfigError):
+        return APIError(400, str(error), code="invalid_value")
+    if isinstance(error, EngineDeadError):
+        return APIError(503, str(error), code="engine_dead")
+    return APIError(500, f"{type(error).__name__}: {error}", code="internal_error")
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return task.result()
+    except asyncio.CancelledError:
+        raise APIError(499, "the client disconnected", code="client_disconnected") from None
+    except Exception as error:
+        raise engine_error(error) from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def sse_stream(events: AsyncIterator[Any], finalize: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
+    """SSE framing: each event as ``data: {json}``, an error as an error event, then ``data: [DONE]``."""
+    try:
+        async for event in events:
+            yield sse(event)
+    except Exception as error:
+        yield sse(error_event(engine_error(error)))
+    finally:
+        if finalize is not None:
+            finalize()
+    yield b"data: [DONE]\n\n"
