@@ -1,0 +1,113 @@
+"""Decode speed of fw's engine on random weights of a real model shape (run on the GPU machine).
+
+    python benchmarks/decode.py --shape llama3-8b --batch 1 64 --context 128 4096 --out $OUT/decode.json
+
+For each case it builds the engine once (random weights through the model's own weight loaders,
+``load_format="dummy"``), fills ``batch`` requests with ``context`` prompt tokens, then times
+whole engine steps (schedule, inputs, graph replay, sampling, host ids): the median step time gives tokens/s (batch / step time) and the
+fraction of the roofline (weight bytes / device copy bandwidth, GPU.md: 4.28 TB/s on the H200).
+Prints a table last and writes the full JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "qwen3-0.6b-like-llama": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=1024, max_position_embeddings=4096),
+}
+COPY_BANDWIDTH = 4.28e12  # bytes/s read+written, measured on the H200 (GPU.md)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def run_case(llm, batch: int, context: int, steps: int, weight_bytes: int) -> dict:
+    from framework import SamplingParams
+
+    core = llm.engine.core
+    vocab = llm.engine.model_config.vocab_size
+    generator = torch.Generator().manual_seed(batch * 7919 + context)
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
+    for i in range(batch):
+        core.add_request(f"b{batch}-c{context}-{i}", torch.randint(0, vocab, (context,), generator=generator).tolist(), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.requests.values()):
+        core.step()  # prefill (chunked) until every request decodes
+    for _ in range(3):
+        core.step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        wall = time.perf_counter()
+        outputs = core.step()  # returns host token ids, so the step has finished on the device
+        times.append(time.perf_counter() - wall)
+        assert len(outputs) == batch
+    for request_id in list(core.requests):
+        core.abort(request_id)
+    step = statistics.median(times)
+    return {"batch": batch, "context": context, "steps": steps, "median_step_ms": step * 1e3,
+            "tokens_per_s": batch / step, "roofline_tokens_per_s": COPY_BANDWIDTH / weight_bytes,
+            "roofline_fraction": (batch / step) / (COPY_BANDWIDTH / weight_bytes) if batch == 1 else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, nargs="+", default=[128, 4096])
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    from framework import LLM
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5, **SHAPES[args.shape]}
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(config))
+    started = time.perf_counter()
+    llm = LLM(str(folder), load_format="dummy", dtype=args.dtype, attention_backend=args.attention_backend,
+              max_num_seqs=max(args.batch), max_model_len=max(args.context) + args.steps + 64,
+              enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False)
+    build_s = time.perf_counter() - started
+    model = llm.engine.core.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()  # rows gathered, not read
+    results = [run_case(llm, b, c, args.steps, weight_bytes) for b in args.batch for c in args.context]
+    report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "commit": git_commit(),
+              "command": "python benchmarks/decode.py " + " ".join(
+                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                  for k, v in vars(args).items() if k != "out" and v not in (None, False)),
+              "shape": args.shape, "dtype": args.dtype, "weight_bytes": weight_bytes, "build_s": build_s,
+              "summary": llm.engine.summary, "torch": torch.__version__, "results": results}
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"{args.shape} {args.dtype} on {report['device']}: attention {llm.engine.attention_backend}, "
+          f"graphs {llm.engine.summary.get('cuda_graphs')}, weights {weight_bytes / 1e9:.2f} GB, build {build_s:.0f} s")
+    print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'roofline':>9}")
+    for r in results:
+        frac = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] else "-"
+        print(f"{r['batch']:>6} {r['context']:>8} {r['median_step_ms']:>9.2f} {r['tokens_per_s']:>9.1f} {frac:>9}")
+
+
+if __name__ == "__main__":
+    main()
