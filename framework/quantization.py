@@ -25,7 +25,13 @@ class QuantConfig(ABC):
 
     Instances are built once per model and shared by every layer; they hold settings only
     (bits, group size, which modules stay unquantized), never tensors.
+
+    ``packed_modules_mapping`` is set by the engine, before the model is built, to the model
+    class's mapping of checkpoint names onto fused layers (``{"q_proj": ("qkv_proj", "q"),
+    ...}``), for methods whose settings are per checkpoint tensor.
     """
+
+    packed_modules_mapping: dict[str, tuple[str, Any]] = {}
 
     @classmethod
     @abstractmethod

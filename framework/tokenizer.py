@@ -133,6 +133,7 @@ def _token_text(token: Any) -> str | None:
 
 def _jinja_env():
     import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:

@@ -35,7 +35,7 @@ log = logging.getLogger("fw.engine")
 
 #: Without --mem, a CPU KV cache takes at most this much (kv_fraction of free RAM is too greedy
 #: on a shared machine, and CPU decoding is compute-bound long before it needs more).
-CPU_DEFAULT_KV_BYTES = 4 << 30
+CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
 @dataclass(slots=True)
@@ -86,6 +86,7 @@ class EngineBuilder:
         """Resolve ``model``/``weights``/``file`` to a local path and open its weight format."""
         plugins.load_plugins()
         path = resolve_local_path(self.model, self.weights, self.file, self.revision)
+        self.source_path = path
         self.source = model_loader.open_model_source(Path(path), self.file, self.load_format)
         return self.source
 
@@ -100,7 +101,7 @@ class EngineBuilder:
         eos |= tokenizer.extra_eos_token_ids
         dtype = resolve_dtype(self.dtype_name, self.device, hf_config.get("torch_dtype") or hf_config.get("dtype"))
         self.config = ModelConfig.from_hf_config(hf_config, dtype=dtype, max_model_len=self.max_model_len,
-                                                 eos_token_ids=frozenset(eos), source=str(self.model or self.weights))
+                                                 eos_token_ids=frozenset(eos), source=str(self.model or self.weights or self.source_path))
         self._tokenizer, self._generation = tokenizer, generation
         return self.config
 
@@ -110,6 +111,8 @@ class EngineBuilder:
         spec = registries.model_architectures(self.platform).get(config.architecture)
         model_cls = spec.load()
         quant_config = self._quant_config()
+        if quant_config is not None:
+            quant_config.packed_modules_mapping = dict(getattr(model_cls, "packed_modules_mapping", {}))
         torch.manual_seed(self.seed)
         model = model_loader.build_model(model_cls, config, quant_config, self.device)
         assert self.source is not None

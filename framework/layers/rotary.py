@@ -104,7 +104,9 @@ class LinearScalingRotaryEmbedding(RotaryEmbedding):
         super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype)
 
     def num_cached_positions(self) -> int:
-        return int(self.max_position_embeddings * self.factor)
+        # Models pass their context length, which for linear scaling already includes the factor
+        # (Gemma 3 4B: 131072 with factor 8); a table of max_position * factor rows would be 8x too big.
+        return self.max_position_embeddings
 
     def compute_inv_freq(self) -> Tensor:
         return default_inv_freq(self.base, self.rotary_dim) / self.factor

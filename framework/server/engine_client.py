@@ -9,6 +9,7 @@ A watcher thread notices when the engine process exits: every waiting ``generate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -103,7 +104,10 @@ class AsyncEngineClient:
         """Ask the engine process to exit, kill it if it does not, and close the sockets."""
         process = self.process
         if process is not None and process.poll() is None:
-            self._send(Shutdown())
+            try:
+                self._send(Shutdown())
+            except zmq.Again:  # the engine has not connected yet
+                process.terminate()
             try:
                 await asyncio.wait_for(asyncio.to_thread(process.wait), timeout_s)
             except asyncio.TimeoutError:
@@ -164,7 +168,8 @@ class AsyncEngineClient:
         for request_id in request_ids:
             self._queues.pop(request_id, None)
         if request_ids and self.dead_reason is None and self.process is not None:
-            self._send(AbortRequests(request_ids=list(request_ids)))
+            with contextlib.suppress(zmq.Again):  # no engine connected: nothing to abort
+                self._send(AbortRequests(request_ids=list(request_ids)))
 
     async def stats(self, timeout_s: float = 10.0) -> EngineStats:
         if self.dead_reason is not None:

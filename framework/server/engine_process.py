@@ -45,6 +45,20 @@ def _tokenizer_spec(tokenizer) -> TokenizerSpec:
                          template_vars=dict(tokenizer.template_vars))
 
 
+def _leave_a_core_to_the_api_process(device: str | None) -> None:
+    """On CPU, compute with one core less than torch would take (unless OMP_NUM_THREADS says otherwise).
+
+    With every core busy in the engine's OpenMP pool, the API process (detokenizing, streaming)
+    preempts a pool thread, and each parallel region then waits for it: on 2 cores, steps ran up to
+    10x slower than with 1 thread.
+    """
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ or (device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu":
+        return
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1)))
+
+
 class EngineLoop:
     """Owns the sockets and the :class:`EngineCore`; ``run()`` returns when told to shut down."""
 
@@ -62,12 +76,21 @@ class EngineLoop:
         self.core = None
 
     def send(self, message) -> None:
-        self.output.send(self.encoder.encode(message))
+        data = self.encoder.encode(message)
+        while True:
+            try:
+                self.output.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:  # no API process connected (yet, or any more)
+                if os.getppid() != self.parent_pid:
+                    raise SystemExit(0) from None
+                self.output.poll(100, zmq.POLLOUT)
 
     def load(self, builder_kwargs: dict) -> bool:
         from framework.engine.builder import EngineBuilder
         from framework.errors import FwError
 
+        _leave_a_core_to_the_api_process(builder_kwargs.get("device"))
         try:
             engine = EngineBuilder(**builder_kwargs).build()
         except FwError as error:

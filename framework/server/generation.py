@@ -21,6 +21,7 @@ from framework.sampling_params import SamplingParams
 from framework.server.engine_client import AsyncEngineClient
 from framework.server.errors import APIError, bad_request
 from framework.server.metrics import ServerMetrics
+from framework.server.state import ServerConfig
 
 
 @dataclass(slots=True)
@@ -61,8 +62,15 @@ class ChoiceState:
 
 
 def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: list[int], max_model_len: int,
-                          vocab_size: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """Validate the sampling fields of a request; errors are 400s naming the field."""
+                          vocab_size: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                          defaults: ServerConfig | None = None, default_max_tokens: int | None = None) -> SamplingParams:
+    """Validate the sampling fields of a request; errors are 400s naming the field.
+
+    Fields the request leaves unset take the server's defaults (``default_max_tokens``,
+    ``--presence-penalty``, ``--frequency-penalty``); a default ``max_tokens`` never exceeds the
+    room left in the context.
+    """
+    defaults = defaults or ServerConfig()
     longest = max(prompt_lens)
     if longest >= max_model_len or (max_tokens is not None and longest + max_tokens > max_model_len):
         requested = max_tokens if max_tokens is not None else 0
@@ -88,11 +96,12 @@ def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: lis
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     fields = {"n": body.n, "temperature": 1.0 if body.temperature is None else body.temperature,
               "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k or 0,
-              "min_p": body.min_p or 0.0, "presence_penalty": body.presence_penalty or 0.0,
-              "frequency_penalty": body.frequency_penalty or 0.0,
+              "min_p": body.min_p or 0.0, "presence_penalty": _default(body.presence_penalty, defaults.presence_penalty),
+              "frequency_penalty": _default(body.frequency_penalty, defaults.frequency_penalty),
               "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
               "logit_bias": logit_bias, "seed": body.seed,
-              "max_tokens": max_tokens if max_tokens is not None else max_model_len - longest,
+              "max_tokens": max_tokens if max_tokens is not None else min(max_model_len - longest,
+                                                                          default_max_tokens or max_model_len),
               "min_tokens": body.min_tokens, "stop": stop, "stop_token_ids": list(body.stop_token_ids or []),
               "include_stop_str_in_output": body.include_stop_str_in_output, "ignore_eos": body.ignore_eos,
               "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
@@ -104,6 +113,10 @@ def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: lis
         param = message.split()[0]
         param = {"stop": "stop", "logprobs": "top_logprobs" if hasattr(body, "messages") else "logprobs"}.get(param, param)
         raise bad_request(message, param if param in fields or param == "top_logprobs" else None) from None
+
+
+def _default(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 async def run_choices(client: AsyncEngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,

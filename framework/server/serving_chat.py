@@ -29,7 +29,7 @@ from framework.server.protocol import (
     TopLogprob,
     Usage,
 )
-from framework.server.state import ServerState, new_id, sse_stream, until_disconnect
+from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
 from framework.tokenizer import Tokenizer
 
 
@@ -107,7 +107,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(prompt_ids)],
                                        max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,
-                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                       defaults=state.config, default_max_tokens=state.config.max_gen_tokens)
     except BaseException:
         release()
         raise
@@ -116,8 +117,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _chunks(state, request_id, events, params.n, len(prompt_ids), include_usage)
-        return Stream(sse_stream(chunks, finalize=release), media_type="text/event-stream",
-                      headers={"Cache-Control": "no-cache"})
+        body = sse_stream(chunks, finalize=release)
+        return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                      background=release_after(release, body, chunks, events))
     try:
         return Response(await until_disconnect(request, _response(state, request_id, events, params.n, len(prompt_ids))))
     finally:

@@ -20,7 +20,7 @@ from framework.server.protocol import (
     Usage,
 )
 from framework.server.serving_chat import reject_unsupported
-from framework.server.state import ServerState, new_id, sse_stream, until_disconnect
+from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
 from framework.tokenizer import Tokenizer
 
 
@@ -88,10 +88,12 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
             bad = [t for t in ids if not 0 <= t < client.ready.vocab_size]
             if bad:
                 raise bad_request(f"prompt token ids must be in [0, {client.ready.vocab_size}); got {bad[:5]}", "prompt")
-        params = build_sampling_params(body, max_tokens=16 if body.max_tokens is None else body.max_tokens,
+        params = build_sampling_params(body, max_tokens=body.max_tokens,
                                        prompt_lens=[len(p) for p in prompts], max_model_len=state.max_model_len,
                                        vocab_size=client.ready.vocab_size, logprobs=body.logprobs,
-                                       prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+                                       prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+                                       defaults=state.config,
+                                       default_max_tokens=state.config.max_gen_tokens or 16)  # OpenAI's default: 16
     except BaseException:
         release()
         raise
@@ -99,8 +101,10 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
     events = run_choices(client, request_id, prompts, params, state.metrics, arrival)
     job = _Completion(state, request_id, body, prompts, texts, params.n)
     if body.stream:
-        return Stream(sse_stream(job.chunks(events), finalize=release), media_type="text/event-stream",
-                      headers={"Cache-Control": "no-cache"})
+        chunks = job.chunks(events)
+        body = sse_stream(chunks, finalize=release)
+        return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                      background=release_after(release, body, chunks, events))
     try:
         return Response(await until_disconnect(request, job.response(events)))
     finally:

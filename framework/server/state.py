@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request
+from litestar.background_tasks import BackgroundTask
 
 from framework.errors import ConfigError
 from framework.server.engine_client import AsyncEngineClient, EngineDeadError
@@ -31,6 +32,11 @@ class ServerConfig:
     #: Sequences admitted beyond ``max_num_seqs`` before answering 429; None = unlimited.
     max_queued_requests: int | None = None
     max_request_bytes: int = 8 << 20
+    #: Default ``max_tokens`` when a request gives none (None: the room left in the context).
+    max_gen_tokens: int | None = None
+    #: Defaults for requests that leave the penalties unset.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     retry_after_s: int = 1
 
 
@@ -85,6 +91,23 @@ class ServerState:
         return release
 
 
+def release_after(release: Callable[[], None], *generators: AsyncGenerator) -> BackgroundTask:
+    """After a streamed response: close its generators and release admission.
+
+    Litestar cancels a stream whose client disconnected but does not close its iterator; closing
+    ``generators`` (outermost first) runs their ``finally`` blocks now, which aborts the engine
+    requests, instead of whenever they are garbage-collected. Also runs when the stream never started.
+    """
+    async def run() -> None:
+        try:
+            for generator in generators:
+                await generator.aclose()
+        finally:
+            release()
+
+    return BackgroundTask(run)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -105,15 +128,16 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
+    if task not in done:
+        await asyncio.gather(task, return_exceptions=True)  # let it abort its engine requests
+        raise APIError(499, "the client disconnected", code="client_disconnected")
     try:
         return task.result()
-    except asyncio.CancelledError:
-        raise APIError(499, "the client disconnected", code="client_disconnected") from None
     except Exception as error:
         raise engine_error(error) from None
 

@@ -1,0 +1,1 @@
+"""fw plugin: paged attention in Triton (KV store, prefill over a cached prefix, split-KV decode)."""

@@ -1,0 +1,178 @@
+"""Decode attention (one query token per request) with split-KV, flash-decoding style.
+
+At batch 1 a request has only ``num_kv_heads`` programs' worth of work per step; splitting its
+context into ``S`` segments processed by separate programs keeps all SMs streaming K/V. Grid
+``(request, kv_head, split)``; each program holds the ``GROUP`` query heads of its KV head as the
+rows of one tile (padded to ``BLOCK_H >= 16`` for the tensor-core dot)::
+
+    keys of request r (the query sits at position seq_len - 1):
+      lo = max(0, seq_len - window)                                   (0 without a window)
+      |<---- seg ---->|<---- seg ---->|<---- seg ---->|<- seg ->|      seg = ceil((seq_len - lo) / S),
+      lo  split 0       split 1         split 2         split 3  seq_len   rounded up to BLOCK_N
+    each split writes its unnormalised (acc [GROUP, D], max m, sum l) in fp32;
+    the reduce kernel combines them: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+
+The segment length is computed in the kernel from ``seq_len``, so any ``S`` is correct for any
+context (surplus splits find an empty segment and contribute nothing); the host picks ``S`` from
+the batch shape only, which keeps a captured CUDA graph valid as contexts grow. With ``S == 1``
+the kernel normalises and writes the output itself and no reduce runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fw_triton_attention.tile_math import INTERPRET, online_softmax_step, paged_kv_offsets
+
+#: A split streams at least this many keys (fewer would spend more on the reduce than it saves).
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, block_table_ptr,
+    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, stride_table,
+    sm_scale, soft_cap, sliding_window, head_size, num_heads,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, IS_SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, FP32: tl.constexpr,
+):
+    request = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq_len = tl.load(seq_lens_ptr + request)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - sliding_window, 0)
+    seg = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+    start = kv_lo + split * seg
+    end = tl.minimum(start + seg, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_size
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + request.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+                mask=io_mask, other=0.0)
+    if FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table_row = block_table_ptr + request.to(tl.int64) * stride_table
+    for tile in range(start, end, BLOCK_N):
+        kv_pos = tile + tl.arange(0, BLOCK_N)
+        kv_mask = kv_pos < end
+        offsets = paged_kv_offsets(table_row, kv_pos, kv_mask, kv_head, stride_cache_block, stride_cache_offset,
+                                   stride_cache_head, PAGE)
+        tile_mask = kv_mask[:, None] & dim_mask[None, :]
+        k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+        v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+        if FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        allowed = row_mask[:, None] & kv_mask[None, :]
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
+
+    if not IS_SPLIT:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + request.to(tl.int64) * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # partials: acc [R, H, S, BLOCK_D], (m, l) [R, H, S, 2]
+        part = (request.to(tl.int64) * num_heads + head) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_mask[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_out_token, stride_out_head, head_size,
+                          num_heads, num_splits, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+    request = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    split_mask = splits < num_splits
+    part = (request.to(tl.int64) * num_heads + head) * num_splits + splits
+    m = tl.load(part_ml_ptr + part * 2, mask=split_mask, other=-1.0e30)
+    partial_sum = tl.load(part_ml_ptr + part * 2 + 1, mask=split_mask, other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0))
+    total = tl.sum(weight * partial_sum, 0)
+    dims = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + request.to(tl.int64) * stride_out_token + head * stride_out_head + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_size)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per (request, KV head): enough programs for ~2 per SM, each with >= MIN_SPLIT_TOKENS keys.
+
+    Depends on host ints only. For a CUDA graph captured once for all contexts, pass the model's
+    maximum length as ``max_seq_len``: the split count then depends on the batch shape alone.
+    """
+    wanted = triton.cdiv(2 * num_sms, max(1, num_reqs * num_kv_heads))
+    useful = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                     *, num_reqs: int, max_seq_len: int, sm_scale: float, sliding_window: int | None = None,
+                     soft_cap: float | None = None, num_splits: int | None = None, num_sms: int | None = None,
+                     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per request (``query`` ``[R, H, D]``) over the paged cache.
+
+    ``num_splits`` defaults to :func:`num_kv_splits`; ``block_n``/``num_warps``/``num_stages`` tune
+    the tiles (the defaults suit an H200: 64 keys × head 128 per tile, 4 warps, 2 stages).
+    """
+    _, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query) if out is None else out
+    if num_reqs == 0:
+        return out
+    if sliding_window:
+        max_seq_len = min(max_seq_len, sliding_window)
+    if num_splits is None:
+        num_splits = num_kv_splits(num_reqs, num_kv_heads, max_seq_len, num_sms or _num_sms(query.device))
+    block_d = max(16, triton.next_power_of_2(head_size))
+    block_n = block_n or (64 if head_size <= 128 else 32)
+    if num_splits > 1:
+        part_acc = torch.empty(num_reqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(num_reqs, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
+        query, kv_cache, out, part_acc, part_ml, seq_lens, block_table,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        sm_scale, soft_cap or 1.0, sliding_window or 0, head_size, num_heads,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        PAGE=kv_cache.shape[2], IS_SPLIT=num_splits > 1,
+        USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap), FP32=INTERPRET or query.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_reqs, num_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1), head_size, num_heads,
+            num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out

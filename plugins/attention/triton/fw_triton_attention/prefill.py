@@ -1,0 +1,140 @@
+"""Prefill / mixed attention over the paged cache: any query lengths, cached prefixes, GQA.
+
+Grid ``(q_block, kv_head, request)``. A program takes ``BLOCK_Q`` consecutive query tokens of one
+request and *all* the query heads that share one KV head (``GROUP`` of them, padded to
+``GROUP_P2``), flattened into ``BLOCK_M = BLOCK_Q * GROUP_P2`` rows, so every K/V tile is loaded
+once per KV-head group::
+
+    row i ─► query token  q_block * BLOCK_Q + i // GROUP_P2      (of this request)
+             query head   kv_head * GROUP   + i %  GROUP_P2      (rows with i % GROUP_P2 >= GROUP: padding)
+
+The request's new tokens sit at the END of its sequence (``context = seq_len - query_len`` tokens
+were cached before this step), so query token ``j`` is at absolute position ``context + j``::
+
+    positions  0 ............ context-1 | context ........ seq_len-1
+               cached prefix            | this step's queries (their K/V already stored)
+    keys seen by query j:  max(0, pos_j - window + 1) .. pos_j
+
+The program walks KV tiles of ``BLOCK_N`` positions from the window start of its first query to
+its last query, looking up each position's page in the block table, with an online softmax.
+Decode rows of a mixed batch are requests with ``query_len == 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fw_triton_attention.tile_math import INTERPRET, online_softmax_step, paged_kv_offsets
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
+    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, stride_table,
+    sm_scale, soft_cap, sliding_window, head_size,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, FP32: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    request = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + request)
+    q_len = tl.load(cu_seqlens_q_ptr + request + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(seq_lens_ptr + request) - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = q_block * BLOCK_Q + rows // GROUP_P2
+    head_in_group = rows % GROUP_P2
+    row_mask = (q_tok < q_len) & (head_in_group < GROUP)
+    head = kv_head * GROUP + head_in_group
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_size
+    token = (q_start + q_tok).to(tl.int64)
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+                mask=io_mask, other=0.0)
+    if FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(cache_ptr.dtype.element_ty)
+    q_pos = context_len + q_tok
+
+    kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # one past the last query's position
+    kv_start = 0
+    if USE_WINDOW:
+        first_pos = context_len + q_block * BLOCK_Q
+        kv_start = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = block_table_ptr + request.to(tl.int64) * stride_table
+    for start in range(kv_start, kv_end, BLOCK_N):
+        kv_pos = start + tl.arange(0, BLOCK_N)
+        kv_mask = kv_pos < kv_end
+        offsets = paged_kv_offsets(table_row, kv_pos, kv_mask, kv_head, stride_cache_block, stride_cache_offset,
+                                   stride_cache_head, PAGE)
+        tile_mask = kv_mask[:, None] & dim_mask[None, :]
+        k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+        v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+        if FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        allowed = (kv_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _tiles(head_size: int, group_p2: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_Q, BLOCK_N, num_warps, num_stages)``: ~128 rows per program (H100/H200 flash-attention
+    shapes), fewer when every request is short so decode rows of mixed batches waste little."""
+    rows = 128 if head_size <= 128 else 64
+    block_q = max(1, rows // group_p2)
+    block_q = min(block_q, max(triton.next_power_of_2(max_query_len), 16 // group_p2, 1))
+    block_n = 64 if head_size <= 128 else 32
+    if INTERPRET:
+        block_n = 128  # the interpreter pays per tile iteration, not per element
+    num_warps = 8 if block_q * group_p2 >= 128 else 4
+    return block_q, block_n, num_warps, 3 if head_size <= 128 else 2
+
+
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, *, num_reqs: int, max_query_len: int, sm_scale: float,
+                      sliding_window: int | None = None, soft_cap: float | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``query`` ``[T, H, D]`` (requests' new tokens, contiguous per request) over the cache.
+
+    ``max_query_len`` (a host int) sizes the grid, so nothing syncs with the device.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    out = torch.empty_like(query) if out is None else out
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    block_q, block_n, num_warps, num_stages = _tiles(head_size, group_p2, max_query_len)
+    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_reqs)
+    _prefill_attention_kernel[grid](
+        query, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        sm_scale, soft_cap or 1.0, sliding_window or 0, head_size,
+        GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_size)), PAGE=kv_cache.shape[2],
+        USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap), FP32=INTERPRET or query.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

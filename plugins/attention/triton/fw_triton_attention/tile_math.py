@@ -1,0 +1,67 @@
+"""The Triton helpers the attention kernels share: paged K/V tile loads and one online-softmax step.
+
+Scores live in the log2 domain (multiplied by ``log2(e)``) so the kernels use ``exp2``; a row's
+running maximum starts at ``-1e30`` (finite, not ``-inf``) so a tile in which a row sees no
+allowed key adds exactly zero instead of ``exp2(-inf - -inf) = nan``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+#: Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors through numpy, which computes bf16
+#: wrongly: every load is then cast to float32 and dots run in full fp32 (``FP32`` constexpr).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def paged_kv_offsets(block_table_row_ptr, kv_pos, kv_mask, kv_head, stride_cache_block, stride_cache_offset,
+                     stride_cache_head, PAGE: tl.constexpr):
+    """Element offsets (int64) of the K rows of positions ``kv_pos`` of one sequence, one KV head.
+
+    ::
+
+        position p ──► block_table_row[p // PAGE] = page      (physical block of the cache)
+                       p % PAGE                    = offset   (row inside the block)
+        key element d of head h:  cache[0, page, offset, h, d]; the value sits stride_cache_kv later
+    """
+    page = tl.load(block_table_row_ptr + kv_pos // PAGE, mask=kv_mask, other=0)
+    return page.to(tl.int64) * stride_cache_block + (kv_pos % PAGE) * stride_cache_offset + kv_head * stride_cache_head
+
+
+@triton.jit
+def soft_cap_scores(scores, soft_cap):
+    """``soft_cap * tanh(scores / soft_cap)``, written with ``exp`` so it runs compiled and interpreted."""
+    return soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / soft_cap) + 1.0))
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap,
+                        USE_SOFT_CAP: tl.constexpr, FP32: tl.constexpr):
+    """Fold one KV tile into the running ``(acc [M, D], max m_i [M], sum l_i [M])`` of flash attention.
+
+    ``q`` ``[M, D]``, ``k``/``v`` ``[N, D]``, ``allowed`` ``[M, N]`` (causal, window and bounds masks).
+    Returns the updated triple; the caller divides ``acc`` by ``l_i`` at the end.
+    """
+    if FP32:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))  # fp16/bf16 tensor cores, fp32 accumulation
+    if USE_SOFT_CAP:
+        scores = soft_cap_scores(scores * sm_scale, soft_cap) * 1.4426950408889634
+    else:
+        scores = scores * (sm_scale * 1.4426950408889634)
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP32:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i

@@ -1,0 +1,193 @@
+"""The Triton backend against dense attention: interpreted on CPU (fp32), compiled on CUDA (bf16/fp16)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from framework.attention_backend import AttentionLayerConfig
+from framework.platform import Platform
+from framework.testing import ATTENTION_CASES, check_attention_backend, dense_attention
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
+                allow_module_level=True)
+
+from fw_triton_attention.backend import TritonAttentionBackend  # noqa: E402
+from fw_triton_attention.decode import decode_attention, num_kv_splits  # noqa: E402
+from fw_triton_attention.kv_store import store_kv  # noqa: E402
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
+
+#: Interpreter-sized cases: (name, query lens, cached context lens, heads, KV heads, head size, window, soft-cap).
+CPU_CASES = [
+    ("prefill_gqa1", [7, 1, 19], [0, 0, 0], 4, 4, 32, None, None),
+    ("prefill_with_prefix_gqa4", [5, 16, 3], [11, 32, 40], 8, 2, 64, None, None),
+    ("decode_short_gqa8", [1, 1, 1, 1], [3, 17, 1, 30], 8, 1, 64, None, None),
+    ("decode_long_split_gqa1", [1, 1], [300, 530], 4, 4, 128, None, None),
+    ("decode_long_split_gqa8", [1, 1, 1], [257, 420, 40], 16, 2, 64, None, None),
+    ("mixed_gqa4", [9, 1, 4], [20, 64, 0], 8, 2, 64, None, None),
+    ("mixed_gqa8_long_query", [40, 1, 1, 5], [33, 70, 0, 9], 16, 2, 32, None, None),
+    ("sliding_window_prefill", [12, 1, 6], [30, 50, 0], 4, 2, 32, 9, None),
+    ("sliding_window_decode_split", [1, 1], [600, 45], 4, 2, 32, 300, None),
+    ("soft_cap_prefill", [6, 1], [10, 25], 4, 4, 64, None, 5.0),
+    ("soft_cap_decode_split", [1, 1], [290, 25], 4, 4, 64, None, 5.0),
+    ("head_size_80", [9, 1], [5, 20], 4, 2, 80, None, None),
+]
+#: Enough "SMs" that the decode cases above split their contexts (see test_cpu_decode_cases_split).
+CPU_NUM_SMS = 64
+
+
+@interpreted
+@pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_interpreted_kernels_match_dense_attention_fp32(case):
+    check_attention_backend(TritonAttentionBackend(num_sms=CPU_NUM_SMS), device="cpu", dtype=torch.float32,
+                            atol=1e-4, cases=[case])
+
+
+@interpreted
+def test_interpreted_kernels_read_and_write_bf16():
+    # loads are cast to fp32 under the interpreter (it computes bf16 wrongly); I/O stays bf16
+    check_attention_backend(TritonAttentionBackend(num_sms=CPU_NUM_SMS), device="cpu", dtype=torch.bfloat16,
+                            atol=2e-2, cases=[CPU_CASES[1], CPU_CASES[10]])
+
+
+def test_cpu_decode_cases_split_their_contexts():
+    for name, query_lens, context_lens, _, num_kv_heads, _, window, _ in CPU_CASES:
+        if "split" in name:
+            max_seq_len = max(c + q for c, q in zip(context_lens, query_lens, strict=True))
+            max_seq_len = min(max_seq_len, window or max_seq_len)
+            assert num_kv_splits(len(query_lens), num_kv_heads, max_seq_len, CPU_NUM_SMS) > 1, name
+
+
+def _paged_decode_case(seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, seed=0):
+    """Random query ``[R, H, D]``, a paged cache with shuffled blocks, and the dense reference per request."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // page) for s in seq_lens]
+    num_blocks = sum(blocks) + 2
+    order = torch.randperm(num_blocks, generator=generator)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = order[start:start + n]
+        start += n
+    cache = torch.randn(2, num_blocks, page, num_kv_heads, head_size, generator=generator).to(dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=generator).to(dtype)
+    expected = []
+    for r, s in enumerate(seq_lens):
+        k, v = (cache[i, table[r].long()].flatten(0, 1)[:s] for i in (0, 1))
+        expected.append(dense_attention(query[r:r + 1], k, v, head_size**-0.5)[0])
+    to = dict(device=device)
+    return (query.to(**to), cache.to(**to), torch.tensor(seq_lens, dtype=torch.int32, **to), table.to(**to),
+            torch.stack(expected))
+
+
+def _decode_error(query, cache, seq_lens, table, expected, **kwargs):
+    out = decode_attention(query, cache, seq_lens, table, num_reqs=len(seq_lens), max_seq_len=int(seq_lens.max()),
+                           sm_scale=query.shape[-1] ** -0.5, **kwargs)
+    return (out.double().cpu() - expected).abs().max().item()
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_decode_split_count_never_changes_the_result(num_splits):
+    # 16 splits over 33..70 keys: most segments are empty, as when a CUDA graph is captured for
+    # longer contexts than the step has
+    case = _paged_decode_case([70, 33, 64], 8, 2, 32, 16, "cpu", torch.float32)
+    assert _decode_error(*case, num_splits=num_splits) < 1e-5
+
+
+@interpreted
+def test_store_kv_writes_slots_and_skips_negative_padding_slots():
+    cache = torch.zeros(2, 4, 16, 2, 32)
+    key, value = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    store_kv(key, value, cache, torch.tensor([17, -1, 63]))
+    flat = cache.view(2, 64, 2, 32)
+    assert torch.equal(flat[0, 17], key[0]) and torch.equal(flat[1, 63], value[2])
+    assert flat.abs().sum(dim=(2, 3)).count_nonzero() == 4  # two slots, keys and values; padding wrote nothing
+
+
+def test_validate_names_unsupported_head_size_gqa_and_kv_dtype():
+    good = AttentionLayerConfig(32, 8, 128, 128**-0.5)
+    assert TritonAttentionBackend.validate([good], "auto", None) == []
+    reasons = TritonAttentionBackend.validate([AttentionLayerConfig(6, 4, 512, 0.1)], "fp8", None)
+    assert any("fp8" in r for r in reasons)
+    assert any("head size 512" in r for r in reasons)
+    assert any("not a multiple" in r for r in reasons)
+
+
+def test_registration_selects_triton_on_cuda_and_never_on_cpu():
+    from framework import registries
+
+    spec = registries.attention_backends().get("triton")
+    assert registries.attention_backends().plugin_of("triton") == "triton_attention"
+    assert spec.load() is TritonAttentionBackend
+    assert spec.priority > registries.attention_backends().get("torch").priority
+    assert spec.unavailable_reasons(Platform("cpu", packages=frozenset({"triton"})))
+    hopper = Platform("cuda", num_devices=1, compute_capability=(9, 0), packages=frozenset({"triton"}), probed=True)
+    assert spec.unavailable_reasons(hopper) == []
+    no_triton = Platform("cuda", num_devices=1, compute_capability=(9, 0), probed=True)
+    assert any("triton" in r for r in spec.unavailable_reasons(no_triton))
+
+
+# --- compiled on the GPU ----------------------------------------------------------------------
+
+#: 8 requests with up to 32k cached tokens, Llama-3-8B heads (32 query / 8 KV, head 128).
+LONG_DECODE = ("decode_32k_gqa4", [1] * 8, [32767, 20000, 32767, 8191, 32767, 1000, 32767, 16], 32, 8, 128, None, None)
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_match_dense_attention_on_cuda_bf16():
+    check_attention_backend(TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2,
+                            cases=ATTENTION_CASES + CPU_CASES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, atol", [(torch.float16, 2e-2), (torch.float32, 1e-4)], ids=["fp16", "fp32"])
+def test_compiled_kernels_match_dense_attention_on_cuda(dtype, atol):
+    check_attention_backend(TritonAttentionBackend(), device="cuda", dtype=dtype, atol=atol)
+
+
+@pytest.mark.gpu
+def test_long_context_split_kv_decode_matches_dense_attention_on_cuda():
+    check_attention_backend(TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2,
+                            cases=[LONG_DECODE])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 7, 64])
+def test_compiled_decode_split_count_never_changes_the_result(num_splits):
+    case = _paged_decode_case([5000, 33, 1], 32, 8, 128, 16, "cuda", torch.bfloat16)
+    assert _decode_error(*case, num_splits=num_splits) < 2e-2
+
+
+@pytest.mark.gpu
+def test_forward_does_not_sync_with_the_host():
+    from framework.attention_backend import AttentionMetadata
+
+    backend, layer = TritonAttentionBackend(), AttentionLayerConfig(8, 2, 128, 128**-0.5, None, None)
+    cache = torch.randn(2, 64, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
+    for query_lens in ([1, 1, 1], [5, 1, 40]):
+        seq_lens = [100 + q for q in query_lens]
+        cu = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        num_tokens = int(cu[-1])
+        metadata = AttentionMetadata(
+            num_reqs=3, num_tokens=num_tokens, cu_seqlens_q=cu.cuda(), seq_lens=lens.cuda(),
+            block_table=torch.arange(3 * 10, dtype=torch.int32, device="cuda").view(3, 10),
+            slot_mapping=torch.arange(num_tokens, device="cuda") + 16 * 30, max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens), cu_seqlens_q_cpu=cu, seq_lens_cpu=lens, is_decode_only=max(query_lens) == 1)
+        q = torch.randn(num_tokens, 8 * 128, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(num_tokens, 2 * 128, device="cuda", dtype=torch.bfloat16)
+        backend.forward(layer, q, kv, kv, cache, metadata)  # compile outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = backend.forward(layer, q, kv, kv, cache, metadata)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert out.isfinite().all()

@@ -1,0 +1,94 @@
+"""The GGUF weight format: config, tokenizer and (packed) weights from llama.cpp files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from framework.errors import ModelLoadError
+from framework.loader.format import WeightFormat
+from framework.tokenizer import Tokenizer
+
+from .config import hf_config_from_gguf, norm_weight_offset, qk_unpermute_heads, tensor_name_map, unpermute_qk
+from .dequant import UnsupportedQuantTypeError, as_quant_type
+from .reader import GGUFError, open_gguf_model, resolve_gguf_files
+from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
+
+class GGUFFormat(WeightFormat):
+    """A GGUF model: a ``.gguf`` file, the first shard of a split, or a directory holding one."""
+
+    name = "gguf"
+
+    @classmethod
+    def detect(cls, path: Path, file: str | None = None) -> bool:
+        target = path / file if file else path
+        if target.is_file():
+            return target.suffix == ".gguf"
+        return target.is_dir() and any(target.glob("*.gguf"))
+
+    def __init__(self, path: Path, file: str | None = None) -> None:
+        target = path / file if file else path
+        try:
+            self.files = resolve_gguf_files(target)
+            self.model = open_gguf_model(self.files[0])
+        except GGUFError as exc:
+            raise ModelLoadError(str(exc)) from None
+        self.metadata = self.model.metadata
+        self.arch = self.model.architecture
+        try:
+            self._config = hf_config_from_gguf(self.metadata, self.model.tensors.keys())
+            self._names = tensor_name_map(self.arch, int(self._config["num_hidden_layers"]))
+        except (KeyError, ValueError) as exc:
+            raise ModelLoadError(f"{self.files[0]}: cannot build a model config from its metadata: {exc}") from None
+        for info in self.model.tensors.values():
+            try:
+                as_quant_type(info.qtype)
+            except UnsupportedQuantTypeError as exc:
+                raise ModelLoadError(f"{self.files[0]}: tensor {info.name}: {exc}") from None
+
+    def hf_config(self) -> dict[str, Any]:
+        return dict(self._config)
+
+    def generation_config(self) -> dict[str, Any]:
+        return {"eos_token_id": stop_token_ids(self.metadata)}
+
+    def tokenizer(self) -> Tokenizer:
+        special = special_token_ids(self.metadata)
+        backend = tokenizer_from_gguf(self.metadata)
+        text = lambda key: None if special.get(key) is None else backend.id_to_token(special[key])  # noqa: E731
+        return Tokenizer(backend, chat_template(self.metadata), bos_token=text("bos"), eos_token=text("eos"),
+                         pad_token=text("pad"), extra_eos_token_ids=frozenset(stop_token_ids(self.metadata)))
+
+    def _is_matrix(self, hf_name: str, shape: tuple[int, ...]) -> bool:
+        """Weight matrices stay as GGUF bytes (handled by the gguf LinearMethod); the rest are floats."""
+        return len(shape) == 2 and hf_name.endswith(".weight") and "norm" not in hf_name
+
+    def quantization_config(self) -> dict[str, Any]:
+        """``tensor_types`` maps each HF weight-matrix name to its GGUF type name."""
+        types = {}
+        for name, info in self.model.tensors.items():
+            hf_name = self._names.get(name)
+            if hf_name and self._is_matrix(hf_name, info.shape):
+                types[hf_name] = as_quant_type(info.qtype).name
+        return {"quant_method": "gguf", "tensor_types": types}
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF names with packed uint8 rows (matrices, any GGUF type) or float tensors (norms, biases)."""
+        offset = norm_weight_offset(self.arch)
+        for name, info in self.model.tensors.items():
+            hf_name = self._names.get(name)
+            if hf_name is None:
+                continue  # llama.cpp-only tensors (rope_freqs, ...)
+            tensor = info.data if self._is_matrix(hf_name, info.shape) else info.dequantize(torch.float32)
+            heads = qk_unpermute_heads(self.metadata, name)
+            if heads is not None:
+                tensor = unpermute_qk(tensor, heads)  # whole rows: works on packed bytes too
+            if offset and hf_name.endswith("norm.weight"):
+                tensor = tensor - offset
+            yield hf_name, tensor
+
+    def num_weights(self) -> int | None:
+        return sum(1 for name in self.model.tensors if name in self._names)

@@ -1,0 +1,29 @@
+"""Entry point of the ``gguf`` plugin: a weight format and a quantization method (no torch import)."""
+
+from framework import hookimpl
+from framework.specs import QuantMethodSpec, WeightFormatSpec
+
+
+@hookimpl
+def register_weight_formats():
+    return [
+        WeightFormatSpec(
+            name="gguf",
+            impl="fw_gguf.format:GGUFFormat",
+            description="llama.cpp GGUF files: one file, split shards, a directory, or --m repo --f file on the Hub",
+            priority=10,
+            requires=("gguf",),
+        )
+    ]
+
+
+@hookimpl
+def register_quantization_methods():
+    return [
+        QuantMethodSpec(
+            name="gguf",
+            impl="fw_gguf.method:GGUFQuantConfig",
+            description="GGUF block quants F32/F16/BF16, Q4_0..Q8_0, Q2_K..Q6_K kept packed; dequantized in the matmul",
+            requires=("gguf",),
+        )
+    ]

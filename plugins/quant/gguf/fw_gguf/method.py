@@ -1,0 +1,130 @@
+"""The ``gguf`` quantization method: weight matrices kept as GGUF blocks, dequantized to multiply.
+
+A fused layer (``qkv_proj``, ``gate_up_proj``) is loaded from several GGUF tensors that may have
+different types (Q4_K_M files store ``attn_v`` as Q6_K beside Q4_K ``attn_q``), so every shard
+keeps its own packed buffer and type::
+
+    qkv_proj:  gguf_weight_0 [q rows, bytes(Q4_K)]   gguf_weight_1 [k rows, ...]   gguf_weight_2 [v rows, bytes(Q6_K)]
+
+``apply`` dequantizes the shards and multiplies; the GPU performance work replaces that with
+kernels that dequantize inside the matmul (one per type, see ``fw_gguf.dequant.DEQUANTIZE_BLOCKS``).
+On the CPU, where a per-step dequantization would cost more than the matmul, the weights are
+dequantized once after loading (DESIGN §4's CPU fallback); ``FW_GGUF_KEEP_PACKED=1`` keeps them
+packed there too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from framework.errors import ConfigError, ModelLoadError
+from framework.layers.linear import LinearMethod, set_weight_attrs
+from framework.quantization import QuantConfig
+
+from .dequant import as_quant_type, bytes_per_row, dequantize
+
+_QKV_ORDER = {"q": 0, "k": 1, "v": 2}
+
+
+class GGUFQuantConfig(QuantConfig):
+    """Knows the GGUF type of every weight matrix (``tensor_types``: HF name -> type name)."""
+
+    def __init__(self, tensor_types: dict[str, str]) -> None:
+        self.tensor_types = tensor_types
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "gguf"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GGUFQuantConfig:
+        if "tensor_types" not in config:
+            raise ValueError("gguf quantization config needs 'tensor_types' (it comes from the GGUF file itself)")
+        return cls(dict(config["tensor_types"]))
+
+    def shard_types(self, prefix: str) -> list[tuple[Any, str]] | None:
+        """``[(shard id, GGUF type)]`` of the checkpoint tensors behind layer ``prefix``, in output order."""
+        if f"{prefix}.weight" in self.tensor_types:
+            return [(None, self.tensor_types[f"{prefix}.weight"])]
+        parent, _, leaf = prefix.rpartition(".")
+        sources = [(source, shard) for source, (target, shard) in self.packed_modules_mapping.items() if target == leaf]
+        names = [(shard, f"{parent}.{source}.weight") for source, shard in sources]
+        if not names or any(name not in self.tensor_types for _, name in names):
+            return None
+        names.sort(key=lambda item: _QKV_ORDER.get(item[0], item[0]))
+        return [(shard, self.tensor_types[name]) for shard, name in names]
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        shards = self.shard_types(prefix)
+        return None if shards is None else GGUFLinearMethod(shards)
+
+
+class GGUFLinearMethod(LinearMethod):
+    """Packed GGUF shards per layer; ``weight`` is a placeholder whose loader routes shards."""
+
+    def __init__(self, shards: list[tuple[Any, str]]) -> None:
+        self.shards = shards
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+        if getattr(layer, "tp_size", 1) > 1:
+            raise ConfigError("GGUF weights cannot be sharded for tensor parallelism yet; run on one device")
+        rows = output_partition_sizes if len(self.shards) > 1 else [sum(output_partition_sizes)]
+        if len(rows) != len(self.shards):
+            raise ModelLoadError(f"{layer.prefix}: {len(self.shards)} GGUF tensors for {len(rows)} output shards")
+        layer.gguf_types = [as_quant_type(GGMLQuantizationType[qtype]) for _, qtype in self.shards]
+        layer.gguf_rows = rows
+        layer.gguf_in_features = input_size_per_partition
+        for index, (qtype, num_rows) in enumerate(zip(layer.gguf_types, rows)):
+            packed = torch.empty(num_rows, bytes_per_row(qtype, input_size_per_partition), dtype=torch.uint8)
+            layer.register_buffer(f"gguf_weight_{index}", packed)
+        layer.register_buffer("gguf_dense", None)
+        placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        set_weight_attrs(placeholder, {"weight_loader": functools.partial(self.load_shard, layer)})
+        layer.register_parameter("weight", placeholder)
+
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        """Copy one checkpoint tensor's packed rows into its shard buffer."""
+        index = next((i for i, (shard, _) in enumerate(self.shards) if shard == shard_id), None)
+        if index is None:
+            raise ModelLoadError(f"{layer.prefix}: no GGUF shard {shard_id!r}; shards: {[s for s, _ in self.shards]}")
+        target = getattr(layer, f"gguf_weight_{index}")
+        if loaded_weight.dtype != torch.uint8 or loaded_weight.shape != target.shape:
+            raise ModelLoadError(f"{layer.prefix} shard {shard_id!r}: expected packed {layer.gguf_types[index].name} rows "
+                                 f"{tuple(target.shape)}, got {loaded_weight.dtype} {tuple(loaded_weight.shape)}")
+        target.copy_(loaded_weight)
+
+    def dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The full weight ``[out, in]`` in ``dtype`` (every shard dequantized and concatenated)."""
+        if layer.gguf_dense is not None:
+            return layer.gguf_dense
+        parts = [dequantize(getattr(layer, f"gguf_weight_{i}"), qtype, (rows, layer.gguf_in_features), dtype)
+                 for i, (qtype, rows) in enumerate(zip(layer.gguf_types, layer.gguf_rows))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        keep_packed = os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")
+        if layer.gguf_weight_0.device.type != "cpu" or keep_packed:
+            return
+        dense = self.dequantized(layer, layer.params_dtype)
+        for index in range(len(self.shards)):
+            delattr(layer, f"gguf_weight_{index}")
+        layer.gguf_dense = dense
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.dequantized(layer, x.dtype), bias)
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the table: only the looked-up packed rows are dequantized."""
+        if layer.gguf_dense is not None:
+            return F.embedding(input_ids, layer.gguf_dense)
+        rows = layer.gguf_weight_0.index_select(0, input_ids.reshape(-1))
+        values = dequantize(rows, layer.gguf_types[0], (rows.shape[0], layer.gguf_in_features), layer.params_dtype)
+        return values.view(*input_ids.shape, layer.gguf_in_features)

@@ -1,0 +1,119 @@
+"""GGUF models through the whole engine: greedy ids against transformers loading the same file,
+the embedded default model, split files, the packed LinearMethod, and load errors."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from framework import LLM, SamplingParams
+from framework.errors import ModelLoadError
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
+STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """``hf_model(path)``: transformers' model from the GGUF file (fp32), parsed with fw's faster reader."""
+    import transformers
+    from fw_gguf._fast_reader import FastGGUFReader
+
+    def load(path):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gguf, "GGUFReader", FastGGUFReader)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return model.eval(), tokenizer
+
+    return load
+
+
+def hf_greedy(model, prompt_ids: list[int], steps: int = STEPS) -> list[int]:
+    """Greedy decoding with transformers' KV cache; EOS is not special (as ignore_eos)."""
+    ids, past, out = torch.tensor([prompt_ids]), None, []
+    with torch.no_grad():
+        for _ in range(steps):
+            result = model(ids, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            next_id = int(result.logits[0, -1].argmax())
+            out.append(next_id)
+            ids = torch.tensor([[next_id]])
+    return out
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_greedy_ids_match_transformers_on_the_real_files(which, request, hf_model):
+    path = request.getfixturevalue(f"{which}_gguf_path")
+    reference, hf_tokenizer = hf_model(path)
+    llm = LLM(str(path), num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    assert prompt_ids == [hf_tokenizer(p)["input_ids"] for p in PROMPTS]
+    results = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+    for ids, result in zip(prompt_ids, results):
+        assert result.outputs[0].token_ids == hf_greedy(reference, ids)
+
+
+def test_default_model_answers_the_capital_of_france():
+    llm = LLM(num_blocks=64)  # no model: the embedded SmolLM2-135M-Instruct
+    assert llm.engine.summary["weight_format"] == "gguf" and llm.engine.model_config.architecture == "LlamaForCausalLM"
+    reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in reply.text
+    assert reply.finish_reason == "stop"  # <|im_end|> ends the turn
+
+
+def test_split_gguf_gives_the_same_output_as_the_whole_file(smollm2_gguf_path, split_gguf, tmp_path):
+    shards = split_gguf(smollm2_gguf_path, tmp_path, 3, stem="smollm2")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    whole = LLM(str(smollm2_gguf_path), num_blocks=32).generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    for source in (str(shards[0]), str(tmp_path)):
+        assert LLM(source, num_blocks=32).generate(PROMPTS[0], params)[0].outputs[0].token_ids == whole
+    assert LLM(str(tmp_path), file=shards[0].name, num_blocks=32).generate(PROMPTS[0], params)[0].outputs[0].token_ids == whole
+
+
+def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_path, monkeypatch):
+    """The packed path (dequantize inside apply, as on GPUs) against the CPU load-time fallback."""
+    prompt = {"prompt_token_ids": [1, 504, 3575, 282, 4649, 314]}
+    logits = {}
+    for keep in ("0", "1"):
+        monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep)
+        llm = LLM(str(smollm2_gguf_path), num_blocks=16)
+        runner = llm.engine.core.runner
+        layer = runner.model.model.layers[0].self_attn.qkv_proj
+        assert (layer.gguf_dense is None) == (keep == "1")
+        forward = runner.forward
+        runner.forward = lambda batch, f=forward, r=runner, k=keep: logits.setdefault(k, r.model.compute_logits(f(batch))) is None or f(batch)
+        llm.generate(prompt, SamplingParams(max_tokens=1))
+    assert torch.equal(logits["0"], logits["1"])
+
+
+def test_mixed_type_fused_layer_keeps_one_buffer_per_shard(gemma3_gguf_path, monkeypatch):
+    monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
+    llm = LLM(str(gemma3_gguf_path), num_blocks=16)
+    qkv = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
+    names = [t.name for t in qkv.gguf_types]
+    assert len(names) == 3 and len(set(names)) > 1, names  # Q4_K_M: q/k and v differ
+    from fw_gguf.reader import open_gguf
+
+    tensors = open_gguf(gemma3_gguf_path).tensors
+    expected = torch.cat([tensors[f"blk.0.attn_{x}.weight"].dequantize() for x in "qkv"])
+    assert torch.equal(qkv.linear_method.dequantized(qkv, torch.float32), expected)
+
+
+def test_broken_files_fail_with_the_file_named(smollm2_gguf_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(smollm2_gguf_path.read_bytes()[:5_000_000])
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        LLM(str(cut))
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ModelLoadError, match="fake.gguf.*not a GGUF file"):
+        LLM(str(fake))
+    (tmp_path / "other").mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / "other" / name).write_bytes(smollm2_gguf_path.read_bytes()[:64])
+    with pytest.raises(ModelLoadError, match="--f"):
+        LLM(str(tmp_path / "other"))
