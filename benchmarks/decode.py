@@ -45,7 +45,9 @@ def run_case(llm, batch: int, context: int, steps: int, weight_bytes: int) -> di
     core = llm.engine.core
     vocab = llm.engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(batch * 7919 + context)
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
+    # requests that finish their prompt early decode while the others still prefill
+    prefill_steps = -(-batch * context // llm.engine.core.config.scheduler.max_num_batched_tokens) + 1
+    params = SamplingParams(max_tokens=steps + prefill_steps + 8, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         core.add_request(f"b{batch}-c{context}-{i}", torch.randint(0, vocab, (context,), generator=generator).tolist(), params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.requests.values()):
@@ -86,7 +88,8 @@ def main() -> None:
     (folder / "config.json").write_text(json.dumps(config))
     started = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype=args.dtype, attention_backend=args.attention_backend,
-              max_num_seqs=max(args.batch), max_model_len=max(args.context) + args.steps + 64,
+              max_num_seqs=max(args.batch),
+              max_model_len=max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192,
               enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False)
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model

@@ -56,6 +56,8 @@ def list_plugins(
 
 def _import_problem(spec) -> list[str]:
     """A spec that looks available but whose implementation fails to import is not available."""
+    if not spec.impl:
+        return []  # a declaration only (e.g. the KV-cache dtype "auto")
     try:
         spec.load()
     except Exception as exc:
