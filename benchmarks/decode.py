@@ -33,6 +33,11 @@ COPY_BANDWIDTH = 4.28e12  # bytes/s read+written, measured on the H200 (GPU.md)
 
 
 def git_commit() -> str:
+    """The checkout's commit; ``FW_COMMIT`` where the tree was copied without ``.git`` (GPU machine)."""
+    import os
+
+    if os.environ.get("FW_COMMIT"):
+        return os.environ["FW_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:
