@@ -131,50 +131,107 @@ def check_attention_backend(backend, *, device="cpu", dtype=None, block_size: in
     """
     import torch
 
-    from framework.attention_backend import AttentionLayerConfig, AttentionMetadata
-
     dtype = dtype or torch.float32
     generator = torch.Generator().manual_seed(seed)
-    for name, query_lens, context_lens, num_heads, num_kv_heads, head_size, window, cap in cases or ATTENTION_CASES:
-        layer = AttentionLayerConfig(num_heads, num_kv_heads, head_size, head_size**-0.5, window, cap)
-        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-        num_blocks = sum(blocks_per_seq) + 3
-        order = torch.randperm(num_blocks, generator=generator).tolist()
-        starts = torch.tensor([0, *blocks_per_seq]).cumsum(0).tolist()
-        tables = [order[starts[r]:starts[r + 1]] for r in range(len(seq_lens))]
-        kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype, device=device)
-        rand = lambda n, h: torch.randn(n, h, head_size, generator=generator).to(dtype)  # noqa: E731
-        keys, values = [rand(s, num_kv_heads) for s in seq_lens], [rand(s, num_kv_heads) for s in seq_lens]
-        queries = [rand(s, num_heads) for s in seq_lens]
+    for case in cases or ATTENTION_CASES:
+        _check_attention_case(backend, case, device, dtype, block_size, atol, generator)
 
-        def run(spans: dict[int, tuple[int, int]]) -> torch.Tensor:
-            """One backend call computing positions ``spans[r] = (first, end)`` of sequences ``r``."""
-            rows = sorted(spans)
-            q_lens = [spans[r][1] - spans[r][0] for r in rows]
-            cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
-            lens = torch.tensor([spans[r][1] for r in rows], dtype=torch.int32)
-            width = max(len(tables[r]) for r in rows)
-            table = torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r in rows], dtype=torch.int32, device=device)
-            slots = [tables[r][p // block_size] * block_size + p % block_size for r in rows for p in range(*spans[r])]
-            take = lambda xs: torch.cat([xs[r][slice(*spans[r])] for r in rows]).to(device).flatten(1)  # noqa: E731
-            metadata = AttentionMetadata(
-                num_reqs=len(rows), num_tokens=int(cu[-1]), cu_seqlens_q=cu.to(device), seq_lens=lens.to(device),
-                block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-                max_query_len=max(q_lens), max_seq_len=int(lens.max()), cu_seqlens_q_cpu=cu, seq_lens_cpu=lens,
-                is_decode_only=all(n == 1 for n in q_lens))
-            backend.prepare(metadata)
-            out = backend.forward(layer, take(queries), take(keys), take(values), kv_cache, metadata)
-            return out.view(-1, num_heads, head_size).double().cpu()
 
-        context = {r: (0, c) for r, c in enumerate(context_lens) if c}
-        if context:
-            run(context)
-        out = run({r: (c, s) for r, (c, s) in enumerate(zip(context_lens, seq_lens))})
+def _check_attention_case(backend, case, device, dtype, block_size: int, atol: float, generator) -> None:
+    """One case of :func:`check_attention_backend`."""
+    import torch
+
+    from framework.attention_backend import AttentionLayerConfig, AttentionMetadata
+
+    name, query_lens, context_lens, num_heads, num_kv_heads, head_size, window, cap = case
+    layer = AttentionLayerConfig(num_heads, num_kv_heads, head_size, head_size**-0.5, window, cap)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    starts = torch.tensor([0, *blocks_per_seq]).cumsum(0).tolist()
+    tables = [order[starts[r]:starts[r + 1]] for r in range(len(seq_lens))]
+    kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype, device=device)
+    rand = lambda n, h: torch.randn(n, h, head_size, generator=generator).to(dtype)  # noqa: E731
+    keys, values = [rand(s, num_kv_heads) for s in seq_lens], [rand(s, num_kv_heads) for s in seq_lens]
+    queries = [rand(s, num_heads) for s in seq_lens]
+
+    def run(spans: dict[int, tuple[int, int]]) -> torch.Tensor:
+        """One backend call computing positions ``spans[r] = (first, end)`` of sequences ``r``."""
+        rows = sorted(spans)
+        q_lens = [spans[r][1] - spans[r][0] for r in rows]
+        cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+        lens = torch.tensor([spans[r][1] for r in rows], dtype=torch.int32)
+        width = max(len(tables[r]) for r in rows)
+        table = torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r in rows], dtype=torch.int32, device=device)
+        slots = [tables[r][p // block_size] * block_size + p % block_size for r in rows for p in range(*spans[r])]
+        take = lambda xs: torch.cat([xs[r][slice(*spans[r])] for r in rows]).to(device).flatten(1)  # noqa: E731
+        metadata = AttentionMetadata(
+            num_reqs=len(rows), num_tokens=int(cu[-1]), cu_seqlens_q=cu.to(device), seq_lens=lens.to(device),
+            block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(q_lens), max_seq_len=int(lens.max()), cu_seqlens_q_cpu=cu, seq_lens_cpu=lens,
+            is_decode_only=all(n == 1 for n in q_lens))
+        backend.prepare(metadata)
+        out = backend.forward(layer, take(queries), take(keys), take(values), kv_cache, metadata)
+        return out.view(-1, num_heads, head_size).double().cpu()
+
+    context = {r: (0, c) for r, c in enumerate(context_lens) if c}
+    if context:
+        run(context)
+    out = run({r: (c, s) for r, (c, s) in enumerate(zip(context_lens, seq_lens))})
+    offset = 0
+    for r, (c, s) in enumerate(zip(context_lens, seq_lens)):
+        expected = dense_attention(queries[r][c:s], keys[r][:s], values[r][:s], layer.scale, window, cap)
+        error = (out[offset:offset + s - c] - expected).abs().max().item()
+        bound = atol * max(expected.abs().max().item(), 1.0)
+        assert error <= bound, f"{type(backend).__name__} case {name!r} sequence {r}: max error {error:.3g} > {bound:.3g}"
+        offset += s - c
+
+
+# --- references for model parity tests -------------------------------------------------------
+
+
+def reference_logits(model, prompt: list[int]):
+    """transformers' logits ``[len(prompt), vocab]`` (float32) for one prompt, full forward."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+def reference_greedy(model, prompt: list[int], steps: int = 32) -> list[int]:
+    """Greedy ids from a full transformers forward per step (no KV cache; EOS is not special).
+
+    transformers' ``generate`` would suppress EOS under ``min_new_tokens``; this loop does not,
+    matching the engine with ``ignore_eos=True``.
+    """
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def capture_logits(llm) -> dict:
+    """Record the engine's logits at every position it computes: ``{(request id, position): logits}``.
+
+    Wraps the model runner's forward, so the logits come through the whole engine (scheduler,
+    chunked prefill, paged cache, attention backend).
+    """
+    runner, records = llm.engine.core.runner, {}
+    forward = runner.forward
+
+    def recording_forward(batch):
+        hidden = forward(batch)
+        logits = runner.model.compute_logits(hidden).float()
         offset = 0
-        for r, (c, s) in enumerate(zip(context_lens, seq_lens)):
-            expected = dense_attention(queries[r][c:s], keys[r][:s], values[r][:s], layer.scale, window, cap)
-            error = (out[offset:offset + s - c] - expected).abs().max().item()
-            bound = atol * max(expected.abs().max().item(), 1.0)
-            assert error <= bound, f"{type(backend).__name__} case {name!r} sequence {r}: max error {error:.3g} > {bound:.3g}"
-            offset += s - c
+        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
+            for j in range(num_new):
+                records[(request.request_id, request.num_computed_tokens + j)] = logits[offset + j]
+            offset += num_new
+        return hidden
+
+    runner.forward = recording_forward
+    return records

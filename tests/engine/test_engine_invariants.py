@@ -28,7 +28,7 @@ def test_random_requests_with_aborts_free_every_block(tiny_path):
     core, rng = llm.engine.core, random.Random(0)
     shared_prefix = [rng.randrange(2, 96) for _ in range(40)]
     added, aborted, finished = 0, 0, 0
-    for step in range(100_000):
+    for _ in range(100_000):
         while added < 1000 and len(core.requests) < 40:
             prompt = (shared_prefix[: rng.randrange(0, 40)] if rng.random() < 0.5 else []) + [rng.randrange(2, 96) for _ in range(rng.randrange(1, 30))]
             params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=rng.choice([0.0, 0.8]),

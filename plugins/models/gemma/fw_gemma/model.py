@@ -23,7 +23,6 @@ from torch import nn
 from framework.config import ModelConfig
 from framework.layers import (
     GeluTanhAndMul,
-    LMHead,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RMSNorm,
@@ -31,6 +30,7 @@ from framework.layers import (
     VocabEmbedding,
 )
 from framework.layers.attention import Attention
+from framework.layers.causal_lm import CausalLM
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
@@ -190,31 +190,16 @@ class GemmaModel(nn.Module):
         return hidden
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(CausalLM):
     """``forward(input_ids, positions) -> hidden``; ``compute_logits(hidden) -> logits``."""
-
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-    ignored_weight_patterns: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.config = config
         generation = gemma_generation(config)
         self.model = GemmaModel(config, generation, quant_config, "model")
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
-        if config.get("tie_word_embeddings", True):  # every released Gemma ties them
-            self.lm_head.tie_weights(self.model.embed_tokens)
-            self.ignored_weight_patterns = (*self.ignored_weight_patterns, "lm_head.weight")
+        self.init_lm_head(config, quant_config, tie_by_default=True)  # every released Gemma ties them
         self.final_logit_softcapping = config.get("final_logit_softcapping") if generation >= 2 else None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

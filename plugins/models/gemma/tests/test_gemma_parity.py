@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from framework import LLM, SamplingParams
-from framework.testing import write_tiny_model
+from framework.testing import capture_logits, reference_greedy, reference_logits, write_tiny_model
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=512, initializer_range=0.1)
@@ -59,37 +59,10 @@ def tiny(one_thread, request, tmp_path_factory):
     return path, reference
 
 
-def hf_logits(reference, prompt):
-    with torch.no_grad():
-        return reference(torch.tensor([prompt])).logits[0].float()
 
 
-def hf_greedy(reference, prompt, steps=32):
-    """Argmax of a full transformers forward per step (no KV cache, EOS not special)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
-def capture_logits(llm):
-    """Record the engine's logits at every position it computes: {(request id, position): logits}."""
-    runner, records = llm.engine.core.runner, {}
-    forward = runner.forward
-
-    def recording_forward(batch):
-        hidden = forward(batch)
-        logits = runner.model.compute_logits(hidden).float()
-        offset = 0
-        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
-            for j in range(num_new):
-                records[(request.request_id, request.num_computed_tokens + j)] = logits[offset + j]
-            offset += num_new
-        return hidden
-
-    runner.forward = recording_forward
-    return records
 
 
 def test_batched_chunked_prefill_logits_match_transformers(tiny):
@@ -98,7 +71,7 @@ def test_batched_chunked_prefill_logits_match_transformers(tiny):
     records = capture_logits(llm)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=1))
     for index, prompt in enumerate(PROMPTS):
-        expected = hf_logits(reference, prompt)
+        expected = reference_logits(reference, prompt)
         got = torch.stack([records[(f"{index}-0", pos)] for pos in range(len(prompt))])
         scale = expected.abs().max()
         assert (got - expected).abs().max() <= 1e-4 * scale, f"prompt {index}"
@@ -109,7 +82,7 @@ def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
     llm = LLM(str(path), num_blocks=64, prefill_chunk_size=8, max_num_batched_tokens=16)
     results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     for prompt, result in zip(PROMPTS, results, strict=True):
-        assert result.outputs[0].token_ids == hf_greedy(reference, prompt)
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
         assert result.outputs[0].finish_reason == "length"
 
 
@@ -118,12 +91,12 @@ def test_soft_caps_are_active():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS["gemma2_soft_caps"](), attn_implementation="eager").eval()
     prompt = PROMPTS[2]
-    capped = hf_logits(model, prompt)
+    capped = reference_logits(model, prompt)
     for layer in model.model.layers:
         layer.self_attn.attn_logit_softcapping = None
-    uncapped_attention = hf_logits(model, prompt)
+    uncapped_attention = reference_logits(model, prompt)
     model.config.final_logit_softcapping = None
-    uncapped = hf_logits(model, prompt)
+    uncapped = reference_logits(model, prompt)
     scale = capped.abs().max()
     assert (uncapped_attention - capped).abs().max() > 0.05 * scale
     assert (uncapped - uncapped_attention).abs().max() > 0.05 * scale

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from framework import LLM, SamplingParams
-from framework.testing import write_tiny_model
+from framework.testing import capture_logits, reference_greedy, reference_logits, write_tiny_model
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -36,37 +36,10 @@ def tiny(request, tmp_path_factory):
     return path, reference
 
 
-def hf_logits(reference, prompt):
-    with torch.no_grad():
-        return reference(torch.tensor([prompt])).logits[0].float()
 
 
-def hf_greedy(reference, prompt, steps=32):
-    """Argmax of a full transformers forward per step (no KV cache, EOS not special)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
-def capture_logits(llm):
-    """Record the engine's logits at every position it computes: {(request id, position): logits}."""
-    runner, records = llm.engine.core.runner, {}
-    forward = runner.forward
-
-    def recording_forward(batch):
-        hidden = forward(batch)
-        logits = runner.model.compute_logits(hidden).float()
-        offset = 0
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
-            for j in range(num_new):
-                records[(request.request_id, request.num_computed_tokens + j)] = logits[offset + j]
-            offset += num_new
-        return hidden
-
-    runner.forward = recording_forward
-    return records
 
 
 def test_batched_chunked_prefill_logits_match_transformers(tiny):
@@ -75,7 +48,7 @@ def test_batched_chunked_prefill_logits_match_transformers(tiny):
     records = capture_logits(llm)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=1))
     for index, prompt in enumerate(PROMPTS):
-        expected = hf_logits(reference, prompt)
+        expected = reference_logits(reference, prompt)
         got = torch.stack([records[(f"{index}-0", pos)] for pos in range(len(prompt))])
         scale = expected.abs().max()
         assert (got - expected).abs().max() <= 1e-4 * scale, f"prompt {index}"
@@ -86,7 +59,7 @@ def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
     llm = LLM(str(path), num_blocks=64, prefill_chunk_size=8, max_num_batched_tokens=24)
     results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     for prompt, result in zip(PROMPTS, results):
-        assert result.outputs[0].token_ids == hf_greedy(reference, prompt)
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
         assert result.outputs[0].finish_reason == "length"
 
 
@@ -98,7 +71,7 @@ def test_greedy_tokens_match_after_prefix_cache_hit(tiny):
     second = llm.generate({"prompt_token_ids": shared + [8, 9]}, GREEDY)[0]
     assert second.num_cached_tokens == 32
     assert llm.engine.core.stats().prefix_cache_hits >= 32
-    assert second.outputs[0].token_ids == hf_greedy(reference, shared + [8, 9])
+    assert second.outputs[0].token_ids == reference_greedy(reference, shared + [8, 9])
 
 
 def test_greedy_tokens_match_when_preempted_and_resumed(tiny):
@@ -109,5 +82,5 @@ def test_greedy_tokens_match_when_preempted_and_resumed(tiny):
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert llm.engine.core.stats().num_preemptions > 0
     for prompt, result in zip(prompts, results):
-        assert result.outputs[0].token_ids == hf_greedy(reference, prompt)
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
     assert llm.engine.core.kv_cache.num_free_blocks == 9

@@ -17,6 +17,7 @@ from .dequant import UnsupportedQuantTypeError, as_quant_type
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
 
+
 class GGUFFormat(WeightFormat):
     """A GGUF model: a ``.gguf`` file, the first shard of a split, or a directory holding one."""
 
