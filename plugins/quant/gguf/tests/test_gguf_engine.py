@@ -117,3 +117,25 @@ def test_broken_files_fail_with_the_file_named(smollm2_gguf_path, tmp_path):
         (tmp_path / "other" / name).write_bytes(smollm2_gguf_path.read_bytes()[:64])
     with pytest.raises(ModelLoadError, match="--f"):
         LLM(str(tmp_path / "other"))
+
+
+def test_hub_repo_with_file_loads_from_the_cache_offline(smollm2_gguf_path, tmp_path, monkeypatch):
+    """``--m owner/repo --f file.gguf`` resolves through huggingface_hub's cache (offline)."""
+    import os
+
+    import huggingface_hub.constants as constants
+
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = tmp_path / "hub" / "models--fwtest--smollm2-gguf"
+    (repo / "snapshots" / commit / "quant").mkdir(parents=True)
+    os.symlink(smollm2_gguf_path, repo / "snapshots" / commit / "quant" / "model-q4_1.gguf")
+    os.symlink(smollm2_gguf_path, repo / "snapshots" / commit / "mmproj-model-f16.gguf")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = LLM(str(smollm2_gguf_path), num_blocks=16).generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    for file in ("quant/model-q4_1.gguf", "quant"):
+        llm = LLM("fwtest/smollm2-gguf", file=file, num_blocks=16)
+        assert llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids == expected
