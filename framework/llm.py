@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from framework.engine.builder import Engine, EngineBuilder
-from framework.engine.engine import LogprobEntry
+from framework.engine.outputs import LogprobEntry
 from framework.engine.request import FinishReason
 from framework.output_text import SequenceText
 from framework.sampling_params import SamplingParams

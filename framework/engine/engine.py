@@ -9,11 +9,10 @@ from __future__ import annotations
 import logging
 import time
 
-import msgspec
-
 from framework.config import EngineConfig
 from framework.engine.kv_cache_manager import KVCacheManager
-from framework.engine.model_runner import LogprobEntry, ModelRunner
+from framework.engine.model_runner import ModelRunner
+from framework.engine.outputs import EngineStats, RequestOutput
 from framework.engine.request import FinishReason, Request
 from framework.engine.sampler import make_generator
 from framework.engine.scheduler import Scheduler
@@ -21,34 +20,6 @@ from framework.errors import ConfigError
 from framework.sampling_params import SamplingParams
 
 log = logging.getLogger("fw.engine")
-
-
-class RequestOutput(msgspec.Struct, kw_only=True):
-    """What one step produced for one request (crosses the process boundary when serving)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[LogprobEntry] | None = None
-    prompt_logprobs: list[LogprobEntry | None] | None = None  # sent once, with the first token
-    finish_reason: str | None = None
-    stop_token_id: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-class EngineStats(msgspec.Struct, kw_only=True):
-    """Counters for ``/metrics`` and tests."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
 
 
 class EngineCore:

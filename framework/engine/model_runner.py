@@ -20,13 +20,11 @@ import torch
 from torch import nn
 
 from framework.attention_backend import AttentionBackend, AttentionMetadata
+from framework.engine.outputs import LogprobEntry
 from framework.engine.request import Request
 from framework.engine.sampler import Sampler, compute_logprobs
 from framework.engine.scheduler import ScheduledBatch
 from framework.forward_context import ForwardContext, forward_context
-
-#: One sampled token's logprob entry: (logprob, [(token id, logprob), ...] top alternatives).
-LogprobEntry = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass(slots=True)

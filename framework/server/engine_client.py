@@ -25,7 +25,7 @@ import tokenizers
 import zmq
 import zmq.asyncio
 
-from framework.engine.engine import EngineStats, RequestOutput
+from framework.engine.outputs import EngineStats, RequestOutput
 from framework.errors import ConfigError, FwError
 from framework.sampling_params import SamplingParams
 from framework.server.messages import (

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from framework.engine.engine import LogprobEntry
+from framework.engine.outputs import LogprobEntry
 from framework.output_text import SequenceText
 from framework.sampling_params import SamplingParams
 from framework.server.engine_client import AsyncEngineClient

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from framework.engine.engine import EngineStats, RequestOutput
+from framework.engine.outputs import EngineStats, RequestOutput
 from framework.sampling_params import SamplingParams
 
 

@@ -6,11 +6,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2.ext  # noqa: F401  (framework.tokenizer uses jinja2.ext and relies on someone importing it)
 from litestar import Request, Response
 from litestar.response import Stream
 
-from framework.engine.engine import LogprobEntry
+from framework.engine.outputs import LogprobEntry
 from framework.errors import ConfigError
 from framework.server.errors import APIError, bad_request, decode_body
 from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from litestar import Request, Response
 from litestar.response import Stream
 
-from framework.engine.engine import LogprobEntry
+from framework.engine.outputs import LogprobEntry
 from framework.server.errors import APIError, bad_request, decode_body
 from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
 from framework.server.protocol import (

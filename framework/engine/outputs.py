@@ -1,0 +1,40 @@
+"""What the engine reports: per-request outputs and counters (msgspec, no torch import).
+
+These cross the process boundary when serving, so the API process imports this module without
+importing torch.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+#: One token's logprob entry: (logprob, [(token id, logprob), ...] top alternatives).
+LogprobEntry = tuple[float, list[tuple[int, float]]]
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """What one step produced for one request (crosses the process boundary when serving)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # sent once, with the first token
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """Counters for ``/metrics`` and tests."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int

@@ -1,0 +1,110 @@
+"""Fixtures that run a real ``fw serve`` process on the tiny random-weight Llama.
+
+``serve_process(args)`` starts ``python -m cli.main serve ...``
+and waits for the ready line. Servers are module-scoped: starting one costs seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant{% endif %}")
+
+
+def serve_argv() -> list[str]:
+    """The real CLI: ``python -m cli.main serve``."""
+    return [sys.executable, "-m", "cli.main", "serve"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    base_url: str
+    lines: list[str] = field(default_factory=list)
+    _queue: queue.Queue = field(default_factory=queue.Queue)
+
+    def _pump(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError("fw serve exited before it was ready:\n" + "\n".join(self.lines))
+            if line.startswith("fw: ready"):
+                return
+        raise TimeoutError("fw serve was not ready in time:\n" + "\n".join(self.lines))
+
+    @property
+    def engine_pid(self) -> int:
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        assert len(children) == 1, children
+        return int(children[0])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_server(args: list[str], base_url: str) -> ServerProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(serve_argv() + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    server = ServerProcess(process, base_url)
+    threading.Thread(target=server._pump, daemon=True).start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    import transformers
+
+    from framework.testing import write_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    write_tiny_model(path, config, chat_template=CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def launch_fw_server():
+    """``launch_fw_server(args, base_url)`` starts ``fw serve`` (not yet ready); stop() it when done."""
+    return start_server
+
+
+@pytest.fixture(scope="session")
+def free_tcp_port():
+    return free_port
