@@ -103,6 +103,19 @@ class LLM:
                 output.text = text.text
         return results
 
+    def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean") -> list[list[float]]:
+        """L2-normalized pooled final hidden states (``mean`` over the prompt, or the ``last`` token)."""
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        core, ids = self.engine.core, []
+        for prompt in prompts:
+            request_id = f"embd-{next(self._ids)}"
+            core.add_request(request_id, self._prompt_ids(prompt)[1], SamplingParams(max_tokens=1), pooling=pooling)
+            ids.append(request_id)
+        found: dict[str, list[float]] = {}
+        while core.has_unfinished():
+            found.update((out.request_id, out.embedding) for out in core.step() if out.embedding is not None)
+        return [found[request_id] for request_id in ids]
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
              add_generation_prompt: bool = True) -> list[GenerationResult]:

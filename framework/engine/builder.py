@@ -60,7 +60,8 @@ class EngineBuilder:
                  prefix_cache_max_tokens: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, prefill_chunk_size: int = 8192,
                  attention_backend: str = "auto", quantization: str | None = None, seed: int = 0,
-                 enable_cuda_graphs: bool = True, load_format: str = "auto") -> None:
+                 enable_cuda_graphs: bool = True, load_format: str = "auto",
+                 yarn_scaling_factor: float | None = None) -> None:
         self.model, self.weights, self.file, self.revision = model, weights, file, revision
         self.dtype_name = dtype
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -76,6 +77,7 @@ class EngineBuilder:
         self.seed = seed
         self.enable_cuda_graphs = enable_cuda_graphs
         self.load_format = load_format
+        self.yarn_scaling_factor = yarn_scaling_factor
         self.platform: Platform = detect_platform()
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
@@ -93,6 +95,8 @@ class EngineBuilder:
     def model_config(self) -> ModelConfig:
         source = self.source or self.open_source()
         hf_config = source.hf_config()
+        if self.yarn_scaling_factor:
+            hf_config = with_yarn_scaling(hf_config, self.yarn_scaling_factor)
         generation = source.generation_config()
         tokenizer = source.tokenizer()
         eos = set(_as_list(generation.get("eos_token_id"))) | set(_as_list(hf_config.get("eos_token_id")))
@@ -253,6 +257,21 @@ class EngineBuilder:
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", self.num_blocks, cache.block_size,
                  self.num_blocks * cache.block_size, self.kv_cache_bytes / 2**20)
         return Engine(core, self._tokenizer, self.config, self._generation, self.backend_name, summary)
+
+
+def with_yarn_scaling(hf_config: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The config with YaRN rope scaling by ``factor`` (``--yarn-scaling-factor``), as candle-vllm does:
+    the context grows ``factor`` times from the model's own ``max_position_embeddings``."""
+    if factor <= 1.0:
+        raise ConfigError(f"--yarn-scaling-factor must be > 1, got {factor}")
+    config = dict(hf_config)
+    original = int(config.get("max_position_embeddings") or 2048)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original}
+    params = config.pop("rope_parameters", None) or {}
+    if "rope_theta" in params and "rope_theta" not in config:
+        config["rope_theta"] = params["rope_theta"]
+    config["max_position_embeddings"] = int(original * factor)
+    return config
 
 
 def _as_list(value: Any) -> list[int]:

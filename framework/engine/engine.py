@@ -21,6 +21,8 @@ from framework.sampling_params import SamplingParams
 
 log = logging.getLogger("fw.engine")
 
+POOLING_TYPES = (None, "mean", "last")
+
 
 class EngineCore:
     """Continuous batching over one model. Not thread-safe: one caller drives ``step``."""
@@ -35,8 +37,15 @@ class EngineCore:
         self.num_generation_tokens = 0
 
     # --- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ConfigError (with the limits) if it can never be served."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    pooling: str | None = None) -> None:
+        """Queue a request; raises ConfigError (with the limits) if it can never be served.
+
+        With ``pooling`` (``"mean"`` or ``"last"``) the request is an embedding: the prompt is
+        run once and its output carries the L2-normalized pooled hidden state, no tokens.
+        """
+        if pooling not in POOLING_TYPES:
+            raise ConfigError(f"unknown pooling {pooling!r}; valid: mean, last")
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
         model = self.config.model
@@ -46,11 +55,13 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        if len(prompt_token_ids) >= model.max_model_len:
+        if pooling and len(prompt_token_ids) > model.max_model_len:
+            raise ConfigError(f"the input has {len(prompt_token_ids)} tokens; this model's context length is {model.max_model_len}")
+        if not pooling and len(prompt_token_ids) >= model.max_model_len:
             raise ConfigError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context length is "
                               f"{model.max_model_len}, which must leave room for at least one generated token")
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=model.eos_token_ids,
-                          max_model_len=model.max_model_len)
+                          max_model_len=model.max_model_len, pooling=pooling)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.runner.device)
         self.requests[request_id] = request
@@ -82,6 +93,12 @@ class EngineCore:
         outputs = []
         for item in sampled:
             request = item.request
+            if item.embedding is not None:
+                self.scheduler.finish(request, FinishReason.STOP)
+                self.requests.pop(request.request_id, None)
+                outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="stop",
+                                             num_prompt_tokens=request.num_prompt_tokens, embedding=item.embedding))
+                continue
             first = request.num_output_tokens == 0
             request.output_token_ids.append(item.token_id)
             self.num_generation_tokens += 1

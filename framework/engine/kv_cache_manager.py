@@ -95,8 +95,8 @@ class KVCacheManager:
         token is always left to compute, so the step produces logits to sample from.
         """
         assert not request.block_ids and request.num_computed_tokens == 0
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every prompt position computed
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None or request.pooling:
+            return 0  # prompt logprobs and pooling need every prompt position computed
         lookup_tokens = request.num_tokens - 1
         self.num_queried_tokens += request.num_tokens
         hits = []

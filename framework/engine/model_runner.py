@@ -32,6 +32,7 @@ class SampledToken:
     request: Request
     token_id: int
     logprob: LogprobEntry | None = None
+    embedding: list[float] | None = None  # set instead of a token for pooling requests
 
 
 class ModelRunner:
@@ -103,14 +104,21 @@ class ModelRunner:
         offsets = torch.tensor([0, *batch.num_new_tokens]).cumsum(0).tolist()
         sampling: list[Request] = []
         last_rows: list[int] = []
+        pooled: list[SampledToken] = []
         for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            done = request.num_computed_tokens + num_new == request.num_tokens
+            if request.pooling:
+                embedding = self._pool(request, hidden[offsets[index]:offsets[index + 1]], done)
+                if embedding is not None:
+                    pooled.append(SampledToken(request, -1, embedding=embedding))
+                continue
             if request.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(request, hidden[offsets[index]:offsets[index + 1]], num_new)
-            if request.num_computed_tokens + num_new == request.num_tokens:
+            if done:
                 sampling.append(request)
                 last_rows.append(offsets[index + 1] - 1)
         if not sampling:
-            return []
+            return pooled
         logits = self.model.compute_logits(hidden[last_rows]).float()
         out = self.sampler(logits, sampling)
         token_ids = out.token_ids.tolist()
@@ -125,7 +133,20 @@ class ModelRunner:
                     continue
                 top = list(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if top_ids else []
                 result.logprob = (logprobs[row], top)
-        return results
+        return results + pooled
+
+    @staticmethod
+    def _pool(request: Request, hidden: torch.Tensor, done: bool) -> list[float] | None:
+        """Accumulate this chunk's hidden states; at the end of the prompt, the normalized embedding."""
+        if request.pooling == "last":
+            request.pooled = hidden[-1].float()
+        else:
+            chunk = hidden.float().sum(0)
+            request.pooled = chunk if request.pooled is None else request.pooled + chunk
+        if not done:
+            return None
+        vector = request.pooled / (request.num_prompt_tokens if request.pooling == "mean" else 1)
+        return torch.nn.functional.normalize(vector, dim=0).tolist()
 
     def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, num_new: int) -> None:
         """Logprobs of prompt tokens 1.. from this chunk's positions (token 0 gets None)."""

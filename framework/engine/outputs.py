@@ -23,6 +23,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # pooling requests: the normalized pooled hidden state
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -53,6 +53,8 @@ class Request:
     stop_token_id: int | None = None
     generator: torch.Generator | None = None
     prompt_logprobs: list = field(default_factory=list)
+    pooling: str | None = None  # "mean" or "last": an embedding request (no tokens are generated)
+    pooled: torch.Tensor | None = None  # running sum (mean) or last hidden state over the prompt
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -95,6 +95,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
+        request.pooled = None
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

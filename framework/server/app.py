@@ -34,6 +34,7 @@ from framework.server.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -41,6 +42,7 @@ from framework.server.protocol import (
 )
 from framework.server.serving_chat import chat_prompt_ids, create_chat_completion, template_messages
 from framework.server.serving_completion import create_completion
+from framework.server.serving_embedding import create_embedding
 from framework.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("fw.server")
@@ -61,6 +63,10 @@ class OpenAIController(Controller):
     @post("/completions", status_code=200)
     async def completions(self, server: Server, request: Request) -> Response:
         return await create_completion(server, request)
+
+    @post("/embeddings", status_code=200)
+    async def embeddings(self, server: Server, request: Request) -> EmbeddingResponse:
+        return await create_embedding(server, request)
 
     @get("/models")
     async def models(self, server: Server) -> ModelList:

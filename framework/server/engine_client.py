@@ -132,9 +132,10 @@ class AsyncEngineClient:
         return self.is_ready and self.process is not None and self.process.poll() is None
 
     # --- requests ------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Yield this request's outputs until one has a finish reason.
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       pooling: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs until one has a finish reason (with ``pooling``: one output
+        carrying the embedding).
 
         Raises ConfigError if the engine refuses the request and EngineDeadError if the engine
         dies. Leaving early (break, cancellation, a client disconnect) aborts the request.
@@ -147,7 +148,7 @@ class AsyncEngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params))
+            self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, pooling=pooling))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -128,7 +128,7 @@ class EngineLoop:
 
         if isinstance(message, AddRequest):
             try:
-                self.core.add_request(message.request_id, message.prompt_token_ids, message.params)
+                self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.pooling)
             except FwError as error:
                 self.send(AddFailed(request_id=message.request_id, message=str(error)))
         elif isinstance(message, AbortRequests):

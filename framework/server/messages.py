@@ -23,6 +23,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    pooling: str | None = None  # an embedding request
 
 
 class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):

@@ -225,6 +225,38 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
 
 
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    input: str | list[Any]  # strings, token ids, or lists of token ids (checked by the handler)
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+    # fw extension: how hidden states are pooled (mean over the input, or the last token)
+    pooling: Literal["mean", "last"] = "mean"
+    # OpenAI field fw does not support: setting it is a 400 naming it.
+    dimensions: int | None = None
+
+
+UNSUPPORTED_EMBEDDING_FIELDS = ("dimensions",)
+
+
+class EmbeddingData(msgspec.Struct, kw_only=True):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
 class ErrorInfo(msgspec.Struct, kw_only=True):
     message: str
     type: str

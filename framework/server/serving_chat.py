@@ -37,7 +37,7 @@ def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
     for name in names:
         if getattr(body, name) is not None:
             raise APIError(400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter")
-    if body.best_of not in (None, 1, body.n):
+    if getattr(body, "best_of", None) not in (None, 1, getattr(body, "n", 1)):
         raise APIError(400, "'best_of' is not supported by this server yet", param="best_of",
                        code="unsupported_parameter")
 
@@ -103,6 +103,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     try:
         client = state.client
         prompt_ids = chat_prompt_ids(client.tokenizer, body)
+        release.add_tokens(len(prompt_ids) * max(body.n, 1))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(prompt_ids)],
                                        max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,

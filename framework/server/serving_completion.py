@@ -84,6 +84,7 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
     release = state.admit(max(body.n, 1) * num_prompts)
     try:
         prompts, texts = prompt_token_lists(client.tokenizer, body.prompt)
+        release.add_tokens(sum(len(p) for p in prompts) * max(body.n, 1))
         for ids in prompts:
             bad = [t for t in ids if not 0 <= t < client.ready.vocab_size]
             if bad:

@@ -31,6 +31,8 @@ class ServerConfig:
     max_num_seqs: int = 256
     #: Sequences admitted beyond ``max_num_seqs`` before answering 429; None = unlimited.
     max_queued_requests: int | None = None
+    #: Prompt tokens in flight at which new requests get 429; None = unlimited.
+    max_queued_tokens: int | None = None
     max_request_bytes: int = 8 << 20
     #: Default ``max_tokens`` when a request gives none (None: the room left in the context).
     max_gen_tokens: int | None = None
@@ -48,6 +50,7 @@ class ServerState:
         self.config = config
         self.metrics = ServerMetrics(self.model_name)
         self.num_admitted = 0
+        self.num_admitted_tokens = 0
         self.is_draining = False
         self.started = int(time.time())
 
@@ -68,27 +71,45 @@ class ServerState:
             raise APIError(404, f"The model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
                            param="model", code="model_not_found")
 
-    def admit(self, num_seqs: int) -> Callable[[], None]:
-        """Count sequences in flight; 429 with Retry-After when the queue cap is reached.
+    def admit(self, num_seqs: int) -> Admission:
+        """Admit a request of ``num_seqs`` sequences, or answer 429 with Retry-After.
 
-        Returns the release function (idempotent), to call when the response is complete.
+        Checked before the request is tokenized, against what is already in flight: sequences
+        beyond ``max_num_seqs + --max-queued-requests``, or prompt tokens at
+        ``--max-queued-tokens``. The returned :class:`Admission` counts the request's tokens once
+        they are known and releases everything when called (idempotent).
         """
-        cap = self.config.max_queued_requests
-        if cap is not None and self.num_admitted + num_seqs > self.config.max_num_seqs + cap:
-            self.metrics.rejected.inc()
-            raise APIError(429, f"the server is at capacity ({self.num_admitted} sequences in flight, "
-                                f"--max-queued-requests {cap}); retry later", code="too_many_requests",
-                           headers={"Retry-After": str(self.config.retry_after_s)})
-        self.num_admitted += num_seqs
-        released = False
+        config = self.config
+        cap, token_cap = config.max_queued_requests, config.max_queued_tokens
+        if cap is not None and self.num_admitted + num_seqs > config.max_num_seqs + cap:
+            reason = f"{self.num_admitted} sequences in flight, --max-queued-requests {cap}"
+        elif token_cap is not None and self.num_admitted_tokens >= token_cap:
+            reason = f"{self.num_admitted_tokens} prompt tokens in flight, --max-queued-tokens {token_cap}"
+        else:
+            self.num_admitted += num_seqs
+            return Admission(self, num_seqs)
+        self.metrics.rejected.inc()
+        raise APIError(429, f"the server is at capacity ({reason}); retry later", code="too_many_requests",
+                       headers={"Retry-After": str(config.retry_after_s)})
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.num_admitted -= num_seqs
 
-        return release
+class Admission:
+    """One admitted request's share of the queue; call it to release (idempotent)."""
+
+    def __init__(self, state: ServerState, num_seqs: int) -> None:
+        self.state, self.num_seqs, self.num_tokens, self.released = state, num_seqs, 0, False
+
+    def add_tokens(self, num_tokens: int) -> None:
+        """Count the request's prompt tokens (after tokenizing) toward ``--max-queued-tokens``."""
+        if not self.released:
+            self.num_tokens += num_tokens
+            self.state.num_admitted_tokens += num_tokens
+
+    def __call__(self) -> None:
+        if not self.released:
+            self.released = True
+            self.state.num_admitted -= self.num_seqs
+            self.state.num_admitted_tokens -= self.num_tokens
 
 
 def release_after(release: Callable[[], None], *generators: AsyncGenerator) -> BackgroundTask:

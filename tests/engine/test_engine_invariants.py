@@ -170,3 +170,22 @@ def test_bad_inputs_fail_with_clear_errors(tiny_path):
         llm.generate({"prompt_token_ids": []})
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_embeddings_are_normalized_pooled_hidden_states(tiny_path):
+    import torch
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    llm = LLM(tiny_path, num_blocks=32, prefill_chunk_size=8, max_num_batched_tokens=8)
+    prompts = [[5, 6, 7], list(range(10, 40))]  # the second spans four chunks
+    for pooling in ("mean", "last"):
+        got = llm.embed([{"prompt_token_ids": p} for p in prompts], pooling=pooling)
+        for prompt, vector in zip(prompts, got):
+            with torch.no_grad():
+                hidden = reference.model(torch.tensor([prompt])).last_hidden_state[0]
+            pooled = hidden.mean(0) if pooling == "mean" else hidden[-1]
+            expected = torch.nn.functional.normalize(pooled, dim=0)
+            assert torch.allclose(torch.tensor(vector), expected, atol=1e-5)
+    assert llm.engine.core.kv_cache.num_free_blocks == 32
+    with pytest.raises(ConfigError, match="valid: mean, last"):
+        llm.embed({"prompt_token_ids": [5]}, pooling="max")

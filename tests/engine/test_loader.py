@@ -153,3 +153,32 @@ def test_dummy_load_format_fills_every_parameter_through_the_name_mapping(tmp_pa
     assert len(llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids) == 8
     with pytest.raises(ModelLoadError, match="config.json"):
         LLM(str(tmp_path / "nothing"), load_format="dummy") if (tmp_path / "nothing").mkdir() is None else None
+
+
+def test_yarn_scaling_factor_extends_the_context_like_transformers(tiny_dir):
+    from framework.testing import capture_logits, reference_logits
+
+    llm = LLM(str(tiny_dir), num_blocks=32, yarn_scaling_factor=4.0)
+    assert llm.engine.model_config.max_model_len == 4 * TINY.max_position_embeddings
+    records = capture_logits(llm)
+    prompt = [int(t) for t in torch.randint(2, 64, (40,), generator=torch.Generator().manual_seed(3))]
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    scaled = transformers.LlamaConfig(**{**TINY.to_dict(), "max_position_embeddings": 4 * TINY.max_position_embeddings,
+                                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": TINY.max_position_embeddings}})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, config=scaled, dtype=torch.float32).eval()
+    expected = reference_logits(reference, prompt)
+    got = torch.stack([records[("0-0", p)] for p in range(len(prompt))])
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    with pytest.raises(ConfigError, match="must be > 1"):
+        LLM(str(tiny_dir), yarn_scaling_factor=0.5)
+
+
+def test_device_ordinals_flag():
+    from cli.options import device_from_ordinals
+
+    assert device_from_ordinals("1", None) == "cuda:1"
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        device_from_ordinals("0,1", None)
+    with pytest.raises(ConfigError, match="GPU ordinals"):
+        device_from_ordinals("gpu0", None)

@@ -278,6 +278,31 @@ def test_unknown_route_is_404_in_the_error_envelope(http):
     _error(http.get("/v1/nothing-here"), 404, "not_found")
 
 
+def test_embeddings_equal_the_engines_pooled_hidden_states(client, reference_llm, tokenizer, http):
+    import base64
+
+    import numpy as np
+
+    texts = ["t5 t9 t12", "t3 t4 t5 t6 t7 t8 t9"]
+    result = client.embeddings.create(model=client.models.list().data[0].id, input=texts)
+    expected = reference_llm.embed([{"prompt_token_ids": tokenizer.encode(t)} for t in texts])
+    assert [d.index for d in result.data] == [0, 1]
+    for data, vector in zip(result.data, expected):
+        assert np.allclose(data.embedding, vector, atol=1e-5)
+        assert abs(np.linalg.norm(data.embedding) - 1) < 1e-5
+    assert result.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts)
+    ids = tokenizer.encode(texts[0])
+    raw = http.post("/v1/embeddings", json={"input": [ids], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(decoded, expected[0], atol=1e-5)
+    last = http.post("/v1/embeddings", json={"input": ids, "pooling": "last"}).json()["data"][0]["embedding"]
+    assert np.allclose(last, reference_llm.embed({"prompt_token_ids": ids}, pooling="last")[0], atol=1e-5)
+    bad = http.post("/v1/embeddings", json={"input": "t5", "dimensions": 8})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
+    empty = http.post("/v1/embeddings", json={"input": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+
+
 # --- concurrency, disconnects, metrics -------------------------------------------------------
 def test_64_concurrent_streaming_clients_complete(client, aclient_factory):
     expected = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,

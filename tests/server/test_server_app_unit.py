@@ -90,3 +90,26 @@ def test_model_ids_with_slashes_are_found():
     with TestClient(app) as http:
         assert http.get("/v1/models/org/model-1").json()["id"] == "org/model-1"
         assert http.get("/v1/models/org/other").json()["error"]["code"] == "model_not_found"
+
+
+def test_token_cap_is_checked_before_the_request_is_tokenized():
+    app, _ = _app(ready=True, max_queued_tokens=100)
+    with TestClient(app) as http:
+        app.state.server.num_admitted_tokens = 100
+        response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert response.status_code == 429 and "--max-queued-tokens 100" in response.json()["error"]["message"]
+        assert response.headers["Retry-After"] == "1"
+
+
+def test_admission_counts_tokens_and_releases_once():
+    app, _ = _app(ready=True, max_queued_tokens=10)
+    state = app.state.server
+    admission = state.admit(2)
+    admission.add_tokens(12)
+    assert (state.num_admitted, state.num_admitted_tokens) == (2, 12)
+    with pytest.raises(Exception, match="max-queued-tokens"):
+        state.admit(1)
+    admission()
+    admission()
+    assert (state.num_admitted, state.num_admitted_tokens) == (0, 0)
+    state.admit(1)()
