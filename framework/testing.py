@@ -235,3 +235,32 @@ def capture_logits(llm) -> dict:
 
     runner.forward = recording_forward
     return records
+
+
+def check_logits_parity(path, reference, prompts: list[list[int]], *, rel_tol: float = 1e-4, **engine_args) -> None:
+    """The engine's logits at every prompt position (batched, chunked prefill) equal transformers'
+    within ``rel_tol`` of the largest logit. ``engine_args`` go to :class:`framework.LLM`."""
+    import torch
+
+    from framework import LLM, SamplingParams
+
+    llm = LLM(str(path), **{"num_blocks": 64, "prefill_chunk_size": 8, "max_num_batched_tokens": 16, **engine_args})
+    records = capture_logits(llm)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
+    for index, prompt in enumerate(prompts):
+        expected = reference_logits(reference, prompt)
+        got = torch.stack([records[(f"{index}-0", pos)] for pos in range(len(prompt))])
+        error, bound = (got - expected).abs().max().item(), rel_tol * expected.abs().max().item()
+        assert error <= bound, f"prompt {index}: max logit error {error:.3g} > {bound:.3g}"
+
+
+def check_greedy_parity(path, reference, prompts: list[list[int]], steps: int = 32, **engine_args) -> None:
+    """``steps`` greedy ids of every prompt through the engine equal :func:`reference_greedy`'s."""
+    from framework import LLM, SamplingParams
+
+    llm = LLM(str(path), **{"num_blocks": 64, "prefill_chunk_size": 8, "max_num_batched_tokens": 24, **engine_args})
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt, steps), f"prompt {index}"
+        assert result.outputs[0].finish_reason == "length"

@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from framework import LLM, SamplingParams
-from framework.testing import capture_logits, reference_greedy, reference_logits, write_tiny_model
+from framework import SamplingParams
+from framework.testing import check_greedy_parity, check_logits_parity, reference_logits, write_tiny_model
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=512, initializer_range=0.1)
@@ -59,31 +59,12 @@ def tiny(one_thread, request, tmp_path_factory):
     return path, reference
 
 
-
-
-
-
-
-
 def test_batched_chunked_prefill_logits_match_transformers(tiny):
-    path, reference = tiny
-    llm = LLM(str(path), num_blocks=64, prefill_chunk_size=8, max_num_batched_tokens=16)
-    records = capture_logits(llm)
-    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=1))
-    for index, prompt in enumerate(PROMPTS):
-        expected = reference_logits(reference, prompt)
-        got = torch.stack([records[(f"{index}-0", pos)] for pos in range(len(prompt))])
-        scale = expected.abs().max()
-        assert (got - expected).abs().max() <= 1e-4 * scale, f"prompt {index}"
+    check_logits_parity(*tiny, PROMPTS)
 
 
 def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
-    path, reference = tiny
-    llm = LLM(str(path), num_blocks=64, prefill_chunk_size=8, max_num_batched_tokens=16)
-    results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-    for prompt, result in zip(PROMPTS, results, strict=True):
-        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
-        assert result.outputs[0].finish_reason == "length"
+    check_greedy_parity(*tiny, PROMPTS)
 
 
 def test_soft_caps_are_active():
