@@ -55,13 +55,17 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
+        if len(prompt_token_ids) >= capacity:
+            raise ConfigError(f"the prompt has {len(prompt_token_ids)} tokens but the KV cache holds {capacity}; "
+                              "start the server with a larger --mem / --kv-fraction, or send a shorter prompt")
         if pooling and len(prompt_token_ids) > model.max_model_len:
             raise ConfigError(f"the input has {len(prompt_token_ids)} tokens; this model's context length is {model.max_model_len}")
         if not pooling and len(prompt_token_ids) >= model.max_model_len:
             raise ConfigError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context length is "
                               f"{model.max_model_len}, which must leave room for at least one generated token")
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=model.eos_token_ids,
-                          max_model_len=model.max_model_len, pooling=pooling)
+                          max_model_len=min(model.max_model_len, capacity), pooling=pooling)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.runner.device)
         self.requests[request_id] = request

@@ -189,3 +189,12 @@ def test_embeddings_are_normalized_pooled_hidden_states(tiny_path):
     assert llm.engine.core.kv_cache.num_free_blocks == 32
     with pytest.raises(ConfigError, match="valid: mean, last"):
         llm.embed({"prompt_token_ids": [5]}, pooling="max")
+
+
+def test_a_request_never_outgrows_the_kv_cache(tiny_path):
+    llm = LLM(tiny_path, num_blocks=4)  # 64 tokens in all, less than the 256-token context
+    out = llm.generate({"prompt_token_ids": list(range(2, 52))}, SamplingParams(max_tokens=100, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 14 and out.finish_reason == "length"
+    with pytest.raises(ConfigError, match="KV cache holds 64"):
+        llm.generate({"prompt_token_ids": list(range(2, 70))})
+    assert llm.engine.core.kv_cache.num_free_blocks == 4
