@@ -1,0 +1,22 @@
+"""Entry point of the ``triton_ops`` plugin: registration only, no torch or triton import here."""
+
+from framework import hookimpl
+from framework.specs import KernelSpec
+
+#: op name -> (implementation, description); signatures and results are those of ``framework.ops``.
+TRITON_KERNELS = {
+    "rms_norm": ("fw_triton_ops.norm:rms_norm", "one program per row, float32 accumulation"),
+    "fused_add_rms_norm": ("fw_triton_ops.norm:fused_add_rms_norm", "residual add and RMS norm in one kernel"),
+    "silu_and_mul": ("fw_triton_ops.activation:silu_and_mul", "SwiGLU in one kernel"),
+    "gelu_tanh_and_mul": ("fw_triton_ops.activation:gelu_tanh_and_mul", "GeGLU (tanh) in one kernel"),
+    "rotary_embedding": ("fw_triton_ops.rotary:rotary_embedding", "query and key in one kernel; neox/GPT-J, partial"),
+}
+
+
+@hookimpl
+def register_kernels():
+    return [
+        KernelSpec(op=op, name="triton", impl=impl, description=description, priority=10,
+                   devices=("cuda",), requires=("triton",))
+        for op, (impl, description) in TRITON_KERNELS.items()
+    ]
