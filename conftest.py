@@ -1,4 +1,4 @@
-"""Shared test set-up: the ``gpu`` marker skips without CUDA; plugin state is reset per test."""
+"""Shared test set-up: Triton runs under its interpreter without CUDA; the ``gpu`` marker skips without CUDA."""
 
 from __future__ import annotations
 
