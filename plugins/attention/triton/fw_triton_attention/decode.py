@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fw_triton_attention.tile_math import INTERPRET, online_softmax_step, paged_kv_offsets
+from fw_triton_attention.tile_math import INTERPRET, load_kv_tile, online_softmax_step
 
 #: A split streams at least this many keys (fewer would spend more on the reduce than it saves).
 MIN_SPLIT_TOKENS = 256
@@ -75,14 +75,8 @@ def _decode_attention_kernel(
     for tile in range(start, end, BLOCK_N):
         kv_pos = tile + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < end
-        offsets = paged_kv_offsets(table_row, kv_pos, kv_mask, kv_head, stride_cache_block, stride_cache_offset,
-                                   stride_cache_head, PAGE)
-        tile_mask = kv_mask[:, None] & dim_mask[None, :]
-        k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-        v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-        if FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(cache_ptr, table_row, kv_pos, kv_mask, kv_head, dims, dim_mask, stride_cache_block,
+                            stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE, FP32)
         allowed = row_mask[:, None] & kv_mask[None, :]
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
 

@@ -33,6 +33,25 @@ def paged_kv_offsets(block_table_row_ptr, kv_pos, kv_mask, kv_head, stride_cache
 
 
 @triton.jit
+def load_kv_tile(cache_ptr, table_row, kv_pos, kv_mask, kv_head, dims, dim_mask, stride_cache_block,
+                 stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE: tl.constexpr, FP32: tl.constexpr):
+    """Keys and values ``[BLOCK_N, BLOCK_D]`` of positions ``kv_pos`` (masked rows read as 0).
+
+    With ``FP32`` the tiles are cast to float32 (fp32 inputs, and the interpreter, which computes
+    bf16 wrongly); otherwise they stay in the cache dtype for tensor-core dots.
+    """
+    offsets = paged_kv_offsets(table_row, kv_pos, kv_mask, kv_head, stride_cache_block, stride_cache_offset,
+                               stride_cache_head, PAGE)
+    tile_mask = kv_mask[:, None] & dim_mask[None, :]
+    k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+    if FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def soft_cap_scores(scores, soft_cap):
     """``soft_cap * tanh(scores / soft_cap)``, written with ``exp`` so it runs compiled and interpreted."""
     return soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / soft_cap) + 1.0))
