@@ -14,6 +14,7 @@ its last generated token); requests in the middle of a chunked prompt do not.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +102,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         """Forward, prompt logprobs where asked, then sample the requests that reached their end."""
         hidden = self.forward(batch)
-        offsets = torch.tensor([0, *batch.num_new_tokens]).cumsum(0).tolist()
+        offsets = list(itertools.accumulate(batch.num_new_tokens, initial=0))
         sampling: list[Request] = []
         last_rows: list[int] = []
         pooled: list[SampledToken] = []

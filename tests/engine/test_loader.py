@@ -151,8 +151,9 @@ def test_dummy_load_format_fills_every_parameter_through_the_name_mapping(tmp_pa
     assert qkv.shape == (3 * 32, 32) and 0.01 < qkv.std().item() < 0.04
     assert torch.equal(model.model.norm.weight, torch.ones(32))
     assert len(llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids) == 8
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="config.json"):
-        LLM(str(tmp_path / "nothing"), load_format="dummy") if (tmp_path / "nothing").mkdir() is None else None
+        LLM(str(tmp_path / "empty"), load_format="dummy")
 
 
 def test_yarn_scaling_factor_extends_the_context_like_transformers(tiny_dir):

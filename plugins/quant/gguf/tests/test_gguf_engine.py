@@ -76,17 +76,18 @@ def test_split_gguf_gives_the_same_output_as_the_whole_file(smollm2_gguf_path, s
 
 def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_path, monkeypatch):
     """The packed path (dequantize inside apply, as on GPUs) against the CPU load-time fallback."""
+    from framework.testing import capture_logits
+
     prompt = {"prompt_token_ids": [1, 504, 3575, 282, 4649, 314]}
     logits = {}
     for keep in ("0", "1"):
         monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep)
         llm = LLM(str(smollm2_gguf_path), num_blocks=16)
-        runner = llm.engine.core.runner
-        layer = runner.model.model.layers[0].self_attn.qkv_proj
+        layer = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
         assert (layer.gguf_dense is None) == (keep == "1")
-        forward = runner.forward
-        runner.forward = lambda batch, f=forward, r=runner, k=keep: logits.setdefault(k, r.model.compute_logits(f(batch))) is None or f(batch)
+        records = capture_logits(llm)
         llm.generate(prompt, SamplingParams(max_tokens=1))
+        logits[keep] = torch.stack([records[key] for key in sorted(records)])
     assert torch.equal(logits["0"], logits["1"])
 
 
