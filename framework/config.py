@@ -109,15 +109,21 @@ class ModelConfig:
         return int(self.get("vocab_size"))
 
     @property
+    def rope_parameters(self) -> dict[str, Any]:
+        """transformers 5's ``rope_parameters`` for full-attention layers (per-layer-type dicts,
+        as Gemma 3 writes them, are resolved to their ``full_attention`` entry)."""
+        params = self.get("rope_parameters") or {}
+        return params.get("full_attention", params) if isinstance(params.get("full_attention"), dict) else params
+
+    @property
     def rope_theta(self) -> float:
         """The rotary base, from ``rope_theta`` or transformers 5's ``rope_parameters``."""
-        params = self.get("rope_parameters") or {}
-        return float(params.get("rope_theta") or self.get("rope_theta") or 10000.0)
+        return float(self.rope_parameters.get("rope_theta") or self.get("rope_theta") or 10000.0)
 
     @property
     def rope_scaling(self) -> dict[str, Any] | None:
         """The rope scaling dict (``rope_type`` / ``factor`` / ...), or None for plain rope."""
-        scaling = self.get("rope_scaling") or {k: v for k, v in (self.get("rope_parameters") or {}).items() if k != "rope_theta"}
+        scaling = self.get("rope_scaling") or {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
         kind = scaling.get("rope_type") or scaling.get("type")
         return None if not scaling or kind in (None, "default") else {**scaling, "rope_type": kind}
 
