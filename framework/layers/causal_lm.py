@@ -19,6 +19,25 @@ FUSED_QKV_GATE_UP = {
 }
 
 
+class DecoderStack(nn.Module):
+    """``embed_tokens`` -> ``layers`` -> ``norm``: the body of a decoder-only model.
+
+    Subclasses build the three; each layer is called ``layer(positions, hidden, residual)`` and
+    returns ``(hidden, residual)`` (the residual add is fused into the next norm). Override
+    :meth:`embed` to scale embeddings (Gemma).
+    """
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
 class CausalLM(nn.Module):
     """Base of ``XForCausalLM`` classes: ``self.model`` maps ids to hidden states, the head to logits.
 

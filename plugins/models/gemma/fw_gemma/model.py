@@ -30,7 +30,7 @@ from framework.layers import (
     VocabEmbedding,
 )
 from framework.layers.attention import Attention
-from framework.layers.causal_lm import CausalLM
+from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
@@ -166,7 +166,7 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(DecoderStack):
     def __init__(self, config: ModelConfig, generation: int, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
         if config.get("use_bidirectional_attention"):
@@ -182,12 +182,8 @@ class GemmaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, float(config.get("rms_norm_eps", 1e-6)), offset=1.0)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids) * self.embed_scale, None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
 
 class GemmaForCausalLM(CausalLM):

@@ -22,7 +22,7 @@ from framework.layers import (
     VocabEmbedding,
 )
 from framework.layers.attention import Attention
-from framework.layers.causal_lm import CausalLM
+from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
@@ -95,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
@@ -104,13 +104,6 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}") for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, float(config.get("rms_norm_eps", 1e-6)))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class LlamaForCausalLM(CausalLM):
