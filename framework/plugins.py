@@ -20,7 +20,6 @@ import logging
 import os
 from dataclasses import dataclass, field
 from importlib import metadata
-from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -71,11 +70,6 @@ def _env_names(var: str) -> set[str] | None:
     if value is None:
         return None
     return {name.strip() for name in value.split(",") if name.strip()}
-
-
-def get_plugin_manager() -> pluggy.PluginManager:
-    """The process's PluginManager, with plugins loaded."""
-    return load_plugins()
 
 
 def load_plugins() -> pluggy.PluginManager:
@@ -218,8 +212,3 @@ def call_first(hook_name: str, **kwargs: Any) -> Any:
 def call_all(hook_name: str, **kwargs: Any) -> list[Any]:
     """Call a hook on every plugin and return the non-``None`` results (lifecycle hooks)."""
     return getattr(load_plugins().hook, hook_name)(**kwargs)
-
-
-def plugin_module(name: str) -> ModuleType | Any | None:
-    """The registered plugin object called ``name``, or ``None``."""
-    return load_plugins().get_plugin(name)

@@ -72,15 +72,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_id(self, index: int) -> int:
-        """The token at absolute position ``index`` (prompt then output)."""
-        num_prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < num_prompt else self.output_token_ids[index - num_prompt]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
-
     @property
     def max_tokens(self) -> int:
         """The most output tokens this request may produce (max_tokens and the context length)."""

@@ -17,10 +17,12 @@ from framework.layers.linear import (
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
+from framework.layers.mlp import GatedMLP
 from framework.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
     "ColumnParallelLinear",
+    "GatedMLP",
     "GeluTanhAndMul",
     "LMHead",
     "LayerNorm",

@@ -23,7 +23,6 @@ from torch import nn
 from framework.config import ModelConfig
 from framework.layers import (
     GeluTanhAndMul,
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -31,6 +30,7 @@ from framework.layers import (
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
+from framework.layers.mlp import GatedMLP
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
@@ -115,21 +115,16 @@ class GemmaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class GemmaMLP(nn.Module):
+class GemmaMLP(GatedMLP):
+    """GeGLU (tanh GELU); other activations are refused."""
+
     def __init__(self, config: ModelConfig, generation: int, quant_config: QuantConfig | None, prefix: str) -> None:
-        super().__init__()
         hidden, inter = config.hidden_size, int(config.get("intermediate_size"))
         # Gemma 1 configs say "gelu" and mean the tanh approximation (transformers rewrites it the same way).
         act = config.get("hidden_activation") or config.get("hidden_act") or TANH_GELUS[0]
         if act not in TANH_GELUS and not (generation == 1 and act == "gelu"):
             raise ValueError(f"fw_gemma supports hidden_activation {' or '.join(TANH_GELUS)}; got {act!r}")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=False, quant_config=quant_config,
-                                                       prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(inter, hidden, bias=False, quant_config=quant_config, prefix=f"{prefix}.down_proj")
-        self.act_fn = GeluTanhAndMul()
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+        super().__init__(hidden, inter, GeluTanhAndMul(), quant_config=quant_config, prefix=prefix)
 
 
 class GemmaDecoderLayer(nn.Module):

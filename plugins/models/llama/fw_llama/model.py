@@ -14,7 +14,6 @@ from torch import nn
 
 from framework.config import ModelConfig
 from framework.layers import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -23,6 +22,7 @@ from framework.layers import (
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
+from framework.layers.mlp import GatedMLP
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
@@ -61,26 +61,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
-        super().__init__()
-        hidden, inter = config.hidden_size, int(config.get("intermediate_size"))
-        bias = bool(config.get("mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias, quant_config=quant_config,
-                                                       prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj")
-        self.act_fn = SiluAndMul()
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
         eps = float(config.get("rms_norm_eps", 1e-6))
         self.self_attn = LlamaAttention(config, layer_index, quant_config, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        self.mlp = GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
+                            bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
