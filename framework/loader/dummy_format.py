@@ -8,6 +8,7 @@ exactly as for a real checkpoint; tensors are drawn on the target device, normal
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +44,9 @@ class DummyFormat(WeightFormat):
 
         return Tokenizer(make_tiny_tokenizer(int(self.hf_config()["vocab_size"])), eos_token="</s>")
 
+    @functools.cached_property
     def _shapes(self) -> dict[str, torch.Size]:
+        """Checkpoint names and shapes of transformers' implementation (built once, on meta)."""
         import transformers
 
         config = transformers.AutoConfig.for_model(**self.hf_config())
@@ -53,11 +56,11 @@ class DummyFormat(WeightFormat):
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         generator = torch.Generator(device=self.device).manual_seed(0)
-        for name, shape in self._shapes().items():
+        for name, shape in self._shapes.items():
             if name.endswith("norm.weight") or "layernorm" in name:
                 yield name, torch.ones(shape, device=self.device)
             else:
                 yield name, torch.empty(shape, device=self.device).normal_(0, 0.02, generator=generator)
 
     def num_weights(self) -> int | None:
-        return len(self._shapes())
+        return len(self._shapes)
