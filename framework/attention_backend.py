@@ -40,6 +40,9 @@ class AttentionMetadata:
     cu_seqlens_q_cpu: torch.Tensor  # the same on the host, for backends that loop on the CPU
     seq_lens_cpu: torch.Tensor
     is_decode_only: bool = False  # every request computes exactly one token
+    block_table_cpu: torch.Tensor | None = None  # the block table on the host, for backends that plan there
+    #: set when the step captures or replays the decode CUDA graph of this many (padded) rows
+    graph_batch_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +79,14 @@ class AttentionBackend(ABC):
         """Reasons this backend cannot run these layers on ``platform``; empty if it can."""
         return []
 
+    def initialize(self, layers: list[AttentionLayerConfig], dtype: torch.dtype, block_size: int,  # noqa: B027
+                   device: torch.device) -> None:
+        """Called once after selection with the model's attention layers, before any step."""
+
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
-        """Called once per step, before the forward pass (plan work, outside CUDA graphs)."""
+        """Called once per step before the forward pass, always outside CUDA-graph capture: a
+        decode step replaying a graph is prepared with the graph's padded rows
+        (``metadata.graph_batch_size``), so a backend can plan into its static buffers here."""
 
     @abstractmethod
     def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

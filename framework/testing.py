@@ -152,6 +152,7 @@ def _check_attention_case(backend, case, device, dtype, block_size: int, atol: f
     starts = torch.tensor([0, *blocks_per_seq]).cumsum(0).tolist()
     tables = [order[starts[r]:starts[r + 1]] for r in range(len(seq_lens))]
     kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype, device=device)
+    backend.initialize([layer], dtype, block_size, torch.device(device))
     rand = lambda n, h: torch.randn(n, h, head_size, generator=generator).to(dtype)  # noqa: E731
     keys, values = [rand(s, num_kv_heads) for s in seq_lens], [rand(s, num_kv_heads) for s in seq_lens]
     queries = [rand(s, num_heads) for s in seq_lens]
@@ -170,7 +171,7 @@ def _check_attention_case(backend, case, device, dtype, block_size: int, atol: f
             num_reqs=len(rows), num_tokens=int(cu[-1]), cu_seqlens_q=cu.to(device), seq_lens=lens.to(device),
             block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             max_query_len=max(q_lens), max_seq_len=int(lens.max()), cu_seqlens_q_cpu=cu, seq_lens_cpu=lens,
-            is_decode_only=all(n == 1 for n in q_lens))
+            is_decode_only=all(n == 1 for n in q_lens), block_table_cpu=table.cpu())
         backend.prepare(metadata)
         out = backend.forward(layer, take(queries), take(keys), take(values), kv_cache, metadata)
         return out.view(-1, num_heads, head_size).double().cpu()

@@ -158,6 +158,9 @@ class EngineBuilder:
                 reasons.append(f"KV layout {layout!r} unsupported")
             if self.cache.cache_dtype not in spec.kv_cache_dtypes:
                 reasons.append(f"kv dtype {self.cache.cache_dtype} unsupported")
+            dtype_name = str(self.config.dtype).removeprefix("torch.")
+            if spec.model_dtypes and dtype_name not in spec.model_dtypes:
+                reasons.append(f"model dtype {dtype_name} unsupported (supports {', '.join(spec.model_dtypes)})")
             if not reasons:
                 reasons = spec.load().validate(layers, self.cache.cache_dtype, self.platform)
             if reasons:
@@ -175,7 +178,9 @@ class EngineBuilder:
         name = plugins.call_first("select_attention_backend", candidates=candidates, requested=requested,
                                   model_config=self.config, platform=self.platform)
         self.backend_name = name
-        return registry.get(name).load()()
+        backend = registry.get(name).load()()
+        backend.initialize(layers, self.config.dtype, self.cache.block_size, self.device)
+        return backend
 
     def num_kv_blocks(self, bytes_per_block: int) -> int:
         """Blocks that fit the budget: ``num_blocks``, ``--mem``, or ``kv_fraction`` of free memory."""

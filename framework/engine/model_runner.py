@@ -68,7 +68,8 @@ class ModelRunner:
             cu_seqlens.append(cu_seqlens[-1] + num_new)
             seq_lens.append(end)
         max_blocks = max(len(r.block_ids) for r in batch.requests)
-        table = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in batch.requests]
+        table = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in batch.requests],
+                             dtype=torch.int32)
         to = dict(device=self.device)
         cu_cpu = torch.tensor(cu_seqlens, dtype=torch.int32)
         lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
@@ -77,7 +78,8 @@ class ModelRunner:
             num_tokens=len(input_ids),
             cu_seqlens_q=cu_cpu.to(**to),
             seq_lens=lens_cpu.to(**to),
-            block_table=torch.tensor(table, dtype=torch.int32, **to),
+            block_table=table.to(**to),
+            block_table_cpu=table,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, **to),
             max_query_len=max(batch.num_new_tokens),
             max_seq_len=max(seq_lens),
