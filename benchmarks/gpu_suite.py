@@ -143,6 +143,8 @@ def main() -> None:
     config = model_config(args.shape)
     longest = max([n[1] + n[2] for k, n in cases if k == "decode"] + [n[0] + 1 for k, n in cases if k == "prefill"]
                   + [2048 for k, _ in cases if k == "nano"])
+    # a long-context case needs the shape's context raised (Llama 3.1 has the 3-8B shape with 128k)
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], longest + 16)
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(config))
     started = time.perf_counter()
@@ -155,7 +157,10 @@ def main() -> None:
     embed = model.model.embed_tokens.weight
     if not config.get("tie_word_embeddings"):
         weight_bytes -= embed.numel() * embed.element_size()  # rows gathered, not read
-    command = "python benchmarks/gpu_suite.py " + " ".join(a for a in sys.argv[1:] if not a.startswith(("$", "/")))
+    argv = sys.argv[1:]
+    if "--out" in argv:  # the output path is the machine's, not part of the setup
+        del argv[argv.index("--out"):argv.index("--out") + 2]
+    command = "python benchmarks/gpu_suite.py " + " ".join(argv)
     common = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
               "model": f"{args.shape} shape ({config['architectures'][0]}), random weights", "dtype": args.dtype,
               "attention_backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.summary.get("cuda_graphs"),
