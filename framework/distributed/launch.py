@@ -139,9 +139,15 @@ def run_node(builder_kwargs: dict[str, Any]) -> int:
     print(f"fw: node {parallel.node_rank} of {parallel.num_nodes}: running tensor-parallel rank(s) "
           f"{', '.join(map(str, ranks))}, joining {kwargs['master_addr'] if 'master_addr' in kwargs else '127.0.0.1'}:"
           f"{kwargs['master_port']}", flush=True)
-    group = WorkerGroup.spawn(kwargs, ranks)
+    from framework.distributed.worker import run_worker
+
+    group = WorkerGroup.spawn(kwargs, ranks[1:])  # the node's first rank runs in this process
+    # The rank waits for steps inside gloo, where Python signal handlers never run: let Ctrl-C and
+    # SIGTERM end the process at once (the spawned ranks follow through PR_SET_PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        return group.wait()
-    except KeyboardInterrupt:
+        code = run_worker({**kwargs, "tp_rank": ranks[0]})
+        return code or group.wait()
+    finally:
         group.close()
-        return 130

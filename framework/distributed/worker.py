@@ -43,7 +43,11 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
     logging.basicConfig(level=os.environ.get("FW_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
-    kwargs = json.loads(sys.stdin.read())
+    return run_worker(json.loads(sys.stdin.read()))
+
+
+def run_worker(kwargs: dict) -> int:
+    """Build rank ``kwargs["tp_rank"]`` and serve steps until rank 0 ends the group; the exit code."""
     rank = kwargs.get("tp_rank")
     from framework.distributed.state import destroy_tensor_parallel
     from framework.engine.builder import EngineBuilder

@@ -92,6 +92,8 @@ class EngineBuilder:
         self.parallel = ParallelConfig(tensor_parallel_size, num_nodes, node_rank, device_ids, master_addr, master_port,
                                        rendezvous_timeout, distributed_timeout, tp_rank)
         self.device = self.parallel.device(device)
+        if self.parallel.is_parallel and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
         self.workers: WorkerGroup | None = None
         self.max_model_len = max_model_len
         self.cache = CacheConfig(block_size=block_size, kv_fraction=kv_fraction, mem_mb=mem_mb,

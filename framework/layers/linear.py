@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from framework import distributed
 from framework.distributed.partition import attention_heads_per_rank
+from framework.loader.checkpoint_slice import materialize
 
 if TYPE_CHECKING:
     from framework.quantization import QuantConfig
@@ -135,10 +136,14 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
 
 
 def copy_weight(dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)`` with a readable error when a checkpoint tensor has the wrong shape."""
+    """``dst.copy_(src)`` with a readable error when a checkpoint tensor has the wrong shape.
+
+    ``src`` may be a lazy :class:`~framework.loader.checkpoint_slice.CheckpointSlice` (tensor
+    parallelism): only the selected block is read from the file, here.
+    """
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter (shard) of shape {tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(materialize(src))
 
 
 def load_column_shard(param: Tensor, loaded_weight: Tensor, tp_rank: int) -> None:

@@ -79,3 +79,30 @@ def test_numa_binding_reads_the_nodes_cpulist(tmp_path):
     assert bind_to_numa_node(0, "", str(tmp_path)) is None
     with pytest.raises(ConfigError, match="NUMA node 7 does not exist"):
         bind_to_numa_node(0, "7", str(tmp_path))
+
+
+def test_tensor_parallel_safetensors_loading_reads_only_each_ranks_slice(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from framework.distributed import state
+    from framework.layers import RowParallelLinear
+    from framework.loader.checkpoint_slice import CheckpointSlice
+    from framework.loader.model_loader import load_weights
+    from framework.loader.safetensors_format import SafetensorsFormat
+
+    weight = torch.randn(6, 8)
+    save_file({"proj.weight": weight}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(state._state, "size", 2)
+    [(name, lazy)] = list(SafetensorsFormat(tmp_path).iter_weights())
+    assert isinstance(lazy, CheckpointSlice) and lazy.shape == (6, 8)
+    assert torch.equal(lazy.narrow(1, 4, 4).narrow(0, 1, 2).materialize(), weight[1:3, 4:8])
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = RowParallelLinear(8, 6, tp_size=2, tp_rank=1)
+
+    model = Model().to_empty(device="cpu")
+    assert load_weights(model, SafetensorsFormat(tmp_path).iter_weights()) == {"proj.weight"}
+    assert torch.equal(model.proj.weight, weight[:, 4:])
