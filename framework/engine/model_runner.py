@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from framework.attention_backend import AttentionBackend, AttentionMetadata
+from framework.distributed.messages import StepInput, StepMessage
 from framework.engine.outputs import LogprobEntry
 from framework.engine.request import Request
 from framework.engine.sampler import Sampler, compute_logprobs
-from framework.distributed.messages import StepInput, StepMessage
 from framework.engine.scheduler import ScheduledBatch
 from framework.forward_context import ForwardContext, forward_context
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fw_gguf.dequant import dequantize
+from fw_gguf.method import GGUFLinearMethod
 from gguf import GGMLQuantizationType as Q
 
 from framework.errors import ConfigError
 from framework.layers import QKVParallelLinear, RowParallelLinear, VocabEmbedding
-from fw_gguf.dequant import dequantize
-from fw_gguf.method import GGUFLinearMethod
 
 
 class OneMethod:
