@@ -24,10 +24,17 @@ CASES = {
 }
 
 
-def greedy_ids(path, **engine_args) -> list[list[int]]:
+# a chunked prompt scored with prompt logprobs: extra compute_logits calls every rank must join
+SCORED = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+
+
+def run(path, **engine_args) -> tuple[list[list[int]], list]:
+    """Greedy ids of PROMPTS, and the prompt + sampled logprobs of the scored request (as flat floats / ids)."""
     with LLM(str(path), **ENGINE, **engine_args) as llm:
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-    return [r.outputs[0].token_ids for r in results]
+        scored = llm.generate({"prompt_token_ids": PROMPTS[1]}, SCORED)[0]
+    entries = scored.prompt_logprobs[1:] + scored.outputs[0].logprobs
+    return [r.outputs[0].token_ids for r in results], entries
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -35,5 +42,10 @@ def test_tensor_parallel_greedy_ids_match_one_device_and_transformers(case, tmp_
     make_config, tp = CASES[case]
     reference = write_tiny_model(tmp_path, make_config())
     expected = [reference_greedy(reference, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
-    assert greedy_ids(tmp_path) == expected
-    assert greedy_ids(tmp_path, tensor_parallel_size=tp) == expected
+    one_ids, one_logprobs = run(tmp_path)
+    ids, logprobs = run(tmp_path, tensor_parallel_size=tp)
+    assert one_ids == expected and ids == expected
+    assert len(logprobs) == len(one_logprobs) == len(PROMPTS[1]) - 1 + SCORED.max_tokens
+    for (value, top), (one_value, one_top) in zip(logprobs, one_logprobs, strict=True):
+        assert value == pytest.approx(one_value, abs=1e-4)
+        assert [i for i, _ in top] == [i for i, _ in one_top]
