@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,11 +60,12 @@ def is_tensor_parallel() -> bool:
 
 
 def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: int,
-                     timeout_s: float) -> dist.TCPStore:
+                     timeout_s: float, check_workers: Callable[[], str | None] | None = None) -> dist.TCPStore:
     """Meet every rank at ``master_addr:master_port`` (rank 0 hosts the TCP store).
 
     Raises :class:`ConfigError` naming the address and the ranks that never arrived when the
-    rendezvous does not complete within ``timeout_s``.
+    rendezvous does not complete within ``timeout_s``, or at once when ``check_workers()`` (this
+    node's worker processes) reports one that exited.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
@@ -81,6 +83,9 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         if not missing:
             return store
+        reason = check_workers() if check_workers is not None else None
+        if reason is not None:
+            raise ConfigError(f"{reason} before the tensor-parallel rendezvous completed (its error is printed above)")
         if time.monotonic() > deadline:
             raise ConfigError(f"tensor-parallel rendezvous at {master_addr}:{master_port} timed out after {timeout_s:g} s: "
                               f"rank(s) {', '.join(map(str, missing))} of {world_size} never joined (start every node "
@@ -90,18 +95,19 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
 
 def init_tensor_parallel(rank: int, world_size: int, device: torch.device, *, master_addr: str = "127.0.0.1",
                          master_port: int = 29500, rendezvous_timeout_s: float = 300.0,
-                         timeout_s: float = 600.0) -> None:
+                         timeout_s: float = 600.0, check_workers: Callable[[], str | None] | None = None) -> None:
     """Join the tensor-parallel group as ``rank`` of ``world_size``; layers built after this are sharded.
 
     NCCL on CUDA devices (this rank's device becomes current), gloo on CPU. ``timeout_s`` bounds
     every collective of the model, so a hung rank fails the step instead of hanging it.
+    ``check_workers`` reports a local worker that died before the rendezvous completed.
     """
     if world_size & (world_size - 1) or world_size < 1:
         raise ConfigError(f"the tensor-parallel size must be a power of two; got {world_size}")
     if world_size == 1:
         _state.rank, _state.size = 0, 1
         return
-    store = rendezvous_store(master_addr, master_port, rank, world_size, rendezvous_timeout_s)
+    store = rendezvous_store(master_addr, master_port, rank, world_size, rendezvous_timeout_s, check_workers)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

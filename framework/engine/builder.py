@@ -27,7 +27,7 @@ from framework.engine.engine import EngineCore
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import ModelRunner
 from framework.engine.sampler import Sampler
-from framework.errors import ConfigError
+from framework.errors import ConfigError, FwError, ModelLoadError
 from framework.layers.attention import Attention
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
@@ -291,7 +291,8 @@ class EngineBuilder:
         distributed.init_tensor_parallel(parallel.rank, parallel.tensor_parallel_size, self.device,
                                          master_addr=parallel.master_addr, master_port=parallel.master_port,
                                          rendezvous_timeout_s=parallel.rendezvous_timeout,
-                                         timeout_s=parallel.distributed_timeout)
+                                         timeout_s=parallel.distributed_timeout,
+                                         check_workers=self.workers.failure if self.workers is not None else None)
 
     def _parallel_kwargs(self) -> dict[str, Any]:
         """The builder keyword arguments that place another rank of this group."""
@@ -320,10 +321,13 @@ class EngineBuilder:
         """Run every step and return the engine (on rank 0 of a tensor-parallel group: with its workers)."""
         try:
             runner = self._build_runner()
-        except BaseException:
+        except BaseException as error:
+            reason = self.workers.wait_for_failure(1.0) if self.workers is not None else None
             if self.workers is not None:
                 self.workers.close()
             distributed.destroy_tensor_parallel()
+            if reason is not None and not isinstance(error, FwError):  # the worker's own error is above in the log
+                raise ModelLoadError(f"{reason} while the model was loading (its error is printed above)") from error
             raise
         if self.parallel.is_parallel:
             runner.broadcast = functools.partial(distributed.broadcast_message, message_type=StepMessage)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -55,3 +56,17 @@ def test_architecture_without_tensor_parallel_support_is_refused_at_start_up(tin
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "architectures": ["NoShardingForCausalLM"]}))
     with pytest.raises(ConfigError, match="NoShardingForCausalLM cannot be sharded for tensor parallelism"):
         LLM(str(tmp_path / "m"), device="cpu", tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/devices/system/node/node0/cpulist"), reason="no NUMA sysfs on this machine")
+def test_a_worker_that_fails_at_start_up_fails_the_build_at_once_with_its_reason(tiny_llama, monkeypatch):
+    monkeypatch.setenv("MAP_NUMA_NODE", "0,97")  # rank 0 on node 0; rank 1's node does not exist
+    allowed = os.sched_getaffinity(0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=r"worker rank 1 \(pid \d+\) exited with code 1 before the tensor-parallel "
+                                              r"rendezvous completed"):
+            LLM(str(tiny_llama), device="cpu", tensor_parallel_size=2, rendezvous_timeout=120)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert time.monotonic() - started < 100
