@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import tokenizers
+import torch
 
 from framework.testing import reference_greedy
 
@@ -126,3 +127,21 @@ def test_killed_worker_fails_the_stream_turns_health_503_and_leaves_no_process(t
         server.stop()
     assert server.process.returncode is not None
     assert worker_pids(master_port) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_serve_on_two_gpus_gives_the_ids_of_transformers(tiny_model_dir, launch_fw_server, free_tcp_port, reference):
+    port = free_tcp_port()
+    server = launch_fw_server(["--m", str(tiny_model_dir), "--d", "0,1", "--dtype", "f32", "--h", "127.0.0.1", "--p", str(port),
+                               "--served-model-name", "tiny"], f"http://127.0.0.1:{port}")
+    try:
+        server.wait_ready()
+        assert any("tensor parallel 2" in line for line in server.lines)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        completion = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=10, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        tokenizer = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+        assert completion.choices[0].text.split() == tokenizer.decode(reference_greedy(reference, PROMPT_IDS, 10)).split()
+    finally:
+        server.stop()
