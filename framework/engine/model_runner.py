@@ -12,7 +12,7 @@ A request samples when its computed tokens reach ``num_tokens`` (the end of its 
 its last generated token); requests in the middle of a chunked prompt do not.
 
 Tensor parallelism: on rank 0 ``broadcast`` sends each step's :class:`StepMessage` (the new
-tokens, first position and block ids per request, and the hidden rows of every
+tokens, first position and not yet sent block ids per request, and the hidden rows of every
 ``compute_logits`` call) before running it; workers replay it with :meth:`execute_message`, so
 every rank joins the same collectives in the same order.
 """
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from framework.attention_backend import AttentionBackend, AttentionMetadata
-from framework.distributed.messages import StepInput, StepMessage
+from framework.distributed.messages import BlockTableSync, StepInput, StepMessage
 from framework.engine.outputs import LogprobEntry
 from framework.engine.request import Request
 from framework.engine.sampler import Sampler, compute_logprobs
@@ -56,12 +56,13 @@ class ModelRunner:
         self.sampler = sampler
         self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
         self.broadcast: Callable[[StepMessage], object] | None = None  # rank 0 of a tensor-parallel group
+        self.block_tables = BlockTableSync()  # what the workers know of each request's block ids
 
     @staticmethod
     def step_inputs(batch: ScheduledBatch) -> list[StepInput]:
         """What each request computes this step: its new tokens, first position and block ids."""
         return [StepInput(request.all_token_ids[request.num_computed_tokens:request.num_computed_tokens + num_new],
-                          request.num_computed_tokens, list(request.block_ids))
+                          request.num_computed_tokens, list(request.block_ids), request.request_id)
                 for request, num_new in zip(batch.requests, batch.num_new_tokens)]
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -112,7 +113,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:
         """A tensor-parallel worker's step: the forward pass and the ``compute_logits`` calls of rank 0."""
-        hidden = self.run_model(*self.prepare_inputs(message.inputs))
+        hidden = self.run_model(*self.prepare_inputs(self.block_tables.expand(message.inputs)))
         for rows in message.logits_rows:
             self.model.compute_logits(hidden[rows])
 
@@ -130,7 +131,8 @@ class ModelRunner:
         """Forward, prompt logprobs where asked, then sample the requests that reached their end."""
         offsets = list(itertools.accumulate(batch.num_new_tokens, initial=0))
         if self.broadcast is not None:
-            self.broadcast(StepMessage(self.step_inputs(batch), self._logits_rows(batch, offsets)))
+            inputs = self.block_tables.compress(self.step_inputs(batch))
+            self.broadcast(StepMessage(inputs, self._logits_rows(batch, offsets)))
         hidden = self.forward(batch)
         sampling: list[Request] = []
         last_rows: list[int] = []

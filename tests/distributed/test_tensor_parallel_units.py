@@ -106,3 +106,30 @@ def test_tensor_parallel_safetensors_loading_reads_only_each_ranks_slice(tmp_pat
     model = Model().to_empty(device="cpu")
     assert load_weights(model, SafetensorsFormat(tmp_path).iter_weights()) == {"proj.weight"}
     assert torch.equal(model.proj.weight, weight[:, 4:])
+
+
+def test_step_messages_carry_only_new_block_ids_and_workers_rebuild_the_tables():
+    import msgspec
+
+    from framework.distributed.messages import BlockTableSync, StepInput, StepMessage
+
+    sender, receiver = BlockTableSync(), BlockTableSync()
+    tables = {"a": [4, 9], "b": [7]}
+    steps = [
+        ["a", "b"],       # first sight: whole tables
+        ["a", "b"],       # decode, no new block: nothing
+        ["a"],            # b waits (not scheduled): forgotten on both sides
+        ["a", "b"],       # b again: sent whole
+        ["a", "b"],       # a grew by one block; b preempted and given new blocks
+    ]
+    sent_sizes = []
+    for number, ids in enumerate(steps):
+        if number == 4:
+            tables["a"] = tables["a"] + [11]
+            tables["b"] = [2, 3]
+        inputs = [StepInput([5], 17, list(tables[r]), r) for r in ids]
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(StepMessage(sender.compress(inputs))), type=StepMessage)
+        received = receiver.expand(wire.inputs)
+        assert [(i.request_id, i.block_ids) for i in received] == [(r, tables[r]) for r in ids]
+        sent_sizes.append(sum(len(i.block_ids) for i in wire.inputs))
+    assert sent_sizes == [3, 0, 0, 1, 3]

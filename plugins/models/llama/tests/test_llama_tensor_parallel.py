@@ -13,9 +13,10 @@ from framework.testing import reference_greedy, write_tiny_model
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59)), [3, 150, 77]]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-# a small prefill chunk makes the 19-token prompt span steps that mix prefill and decode
-ENGINE = dict(device="cpu", num_blocks=48, prefill_chunk_size=8, max_num_batched_tokens=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+# a small prefill chunk makes the 19-token prompt span steps that mix prefill and decode; 4 blocks
+# of 16 for 5 blocks' worth of requests force a preemption (the workers then get new block tables)
+ENGINE = dict(device="cpu", num_blocks=4, prefill_chunk_size=8, max_num_batched_tokens=16)
 
 CASES = {
     "llama_gqa_tp2": (lambda: transformers.LlamaConfig(**SMALL), 2),
@@ -32,6 +33,7 @@ def run(path, **engine_args) -> tuple[list[list[int]], list]:
     """Greedy ids of PROMPTS, and the prompt + sampled logprobs of the scored request (as flat floats / ids)."""
     with LLM(str(path), **ENGINE, **engine_args) as llm:
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        assert llm.engine.core.stats().num_preemptions > 0
         scored = llm.generate({"prompt_token_ids": PROMPTS[1]}, SCORED)[0]
     entries = scored.prompt_logprobs[1:] + scored.outputs[0].logprobs
     return [r.outputs[0].token_ids for r in results], entries
