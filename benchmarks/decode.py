@@ -1,11 +1,13 @@
 """Decode speed of fw's engine on random weights of a real model shape (run on the GPU machine).
 
     python benchmarks/decode.py --shape llama3-8b --batch 1 64 --context 128 4096 --out $OUT/decode.json
+    python benchmarks/decode.py --shape llama3-8b --tp 2 --out $OUT/decode-tp2.json   # GPUs 0,1 (or --d 0,1)
 
 For each case it builds the engine once (random weights through the model's own weight loaders,
 ``load_format="dummy"``), fills ``batch`` requests with ``context`` prompt tokens, then times
 whole engine steps (schedule, inputs, graph replay, sampling, host ids): the median step time gives tokens/s (batch / step time) and the
 fraction of the roofline (weight bytes / device copy bandwidth, GPU.md: 4.28 TB/s on the H200).
+With ``--tp N`` each GPU reads its shard, so the roofline uses one rank's weight bytes.
 Prints a table last and writes the full JSON.
 """
 
@@ -83,8 +85,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (GPUs 0..N-1 unless --d)")
+    parser.add_argument("--d", default=None, help="GPU ordinals, e.g. 0,1 (tensor parallelism over them)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    device_ids = [int(x) for x in args.d.split(",")] if args.d else list(range(args.tp)) if (args.tp or 1) > 1 else None
+    tp = len(device_ids) if device_ids else 1
 
     from framework import LLM
 
@@ -95,7 +101,8 @@ def main() -> None:
     llm = LLM(str(folder), load_format="dummy", dtype=args.dtype, attention_backend=args.attention_backend,
               max_num_seqs=max(args.batch),
               max_model_len=max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192,
-              enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False)
+              enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False,
+              **({"device_ids": device_ids, "tensor_parallel_size": tp} if device_ids else {}))
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -105,11 +112,13 @@ def main() -> None:
               "command": "python benchmarks/decode.py " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                   for k, v in vars(args).items() if k != "out" and v not in (None, False)),
-              "shape": args.shape, "dtype": args.dtype, "weight_bytes": weight_bytes, "build_s": build_s,
+              "shape": args.shape, "dtype": args.dtype, "tp": tp, "devices": device_ids or [0],
+              "weight_bytes": weight_bytes, "weight_bytes_note": "per rank" if tp > 1 else "whole model", "build_s": build_s,
               "summary": llm.engine.summary, "torch": torch.__version__, "results": results}
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"{args.shape} {args.dtype} on {report['device']}: attention {llm.engine.attention_backend}, "
+    llm.close()
+    print(f"{args.shape} {args.dtype} TP={tp} on {report['device']}: attention {llm.engine.attention_backend}, "
           f"graphs {llm.engine.summary.get('cuda_graphs')}, weights {weight_bytes / 1e9:.2f} GB, build {build_s:.0f} s")
     print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'roofline':>9}")
     for r in results:

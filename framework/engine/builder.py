@@ -7,6 +7,7 @@ steps one by one (``open_source``, ``model_config``, ``load_model``, ``select_at
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -15,15 +16,18 @@ from typing import Any
 
 import torch
 
-from framework import plugins, registries
+from framework import distributed, plugins, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig, free_port
+from framework.distributed.launch import WorkerGroup
+from framework.distributed.messages import StepMessage
 from framework.engine.cuda_graphs import CUDAGraphRunner
 from framework.engine.engine import EngineCore
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import ModelRunner
 from framework.engine.sampler import Sampler
-from framework.errors import ConfigError
+from framework.errors import ConfigError, FwError, ModelLoadError
 from framework.layers.attention import Attention
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
@@ -48,6 +52,20 @@ class Engine:
     generation_config: dict[str, Any]
     attention_backend: str
     summary: dict[str, Any]
+    workers: WorkerGroup | None = None  # this node's other tensor-parallel ranks (rank 0 only)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the group (no-op on one device); idempotent."""
+        if self.workers is not None:
+            self.workers.stopping = True
+        if distributed.is_tensor_parallel():
+            try:
+                distributed.broadcast_message(StepMessage(shutdown=True), StepMessage)
+            except Exception:  # a worker is already gone: reaping below is all that is left
+                pass
+        if self.workers is not None:
+            self.workers.close()
+        distributed.destroy_tensor_parallel()
 
 
 class EngineBuilder:
@@ -61,10 +79,22 @@ class EngineBuilder:
                  max_num_batched_tokens: int | None = None, prefill_chunk_size: int = 8192,
                  attention_backend: str = "auto", quantization: str | None = None, seed: int = 0,
                  enable_cuda_graphs: bool = True, load_format: str = "auto",
-                 yarn_scaling_factor: float | None = None) -> None:
+                 yarn_scaling_factor: float | None = None, tensor_parallel_size: int | None = None,
+                 device_ids: list[int] | None = None, num_nodes: int = 1, node_rank: int = 0,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None, rendezvous_timeout: float = 300.0,
+                 distributed_timeout: float = 600.0, tp_rank: int | None = None) -> None:
+        # every argument, for the other tensor-parallel ranks (which build the same engine as their rank)
+        self._init_kwargs = {name: value for name, value in locals().items() if name != "self"}
+        if isinstance(dtype, torch.dtype):
+            self._init_kwargs["dtype"] = str(dtype).removeprefix("torch.")
         self.model, self.weights, self.file, self.revision = model, weights, file, revision
         self.dtype_name = dtype
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.parallel = ParallelConfig(tensor_parallel_size, num_nodes, node_rank, device_ids, master_addr, master_port,
+                                       rendezvous_timeout, distributed_timeout, tp_rank)
+        self.device = self.parallel.device(device)
+        if self.parallel.is_parallel and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
+        self.workers: WorkerGroup | None = None
         self.max_model_len = max_model_len
         self.cache = CacheConfig(block_size=block_size, kv_fraction=kv_fraction, mem_mb=mem_mb,
                                  enable_prefix_caching=enable_prefix_caching,
@@ -120,6 +150,8 @@ class EngineBuilder:
         torch.manual_seed(self.seed)
         model = model_loader.build_model(model_cls, config, quant_config, self.device)
         assert self.source is not None
+        if self.source.name == "dummy":
+            self.source.device = self.device  # each rank draws the (identical, seeded) tensors on its own device
         weights = model_loader.with_progress(self.source.iter_weights(), self.source.num_weights(), "Loading weights")
         loaded = model_loader.load_weights(model, weights)
         model_loader.check_all_loaded(model, loaded, config.source)
@@ -195,7 +227,8 @@ class EngineBuilder:
         else:
             budget = min(int(_available_ram() * cache.kv_fraction), CPU_DEFAULT_KV_BYTES)
         most_useful = -(-self.config.max_model_len // cache.block_size) * self.scheduler.max_num_seqs
-        return max(1, min(budget // bytes_per_block, most_useful))
+        # every rank holds the same blocks (of its own heads): the tightest device decides
+        return distributed.min_over_ranks(max(1, min(budget // bytes_per_block, most_useful)))
 
     def allocate_kv_cache(self, backend: AttentionBackend) -> list[torch.Tensor]:
         config = self.config
@@ -231,18 +264,81 @@ class EngineBuilder:
         log.info("CUDA graphs: %s", self.graph_summary)
         return graphs
 
-    def build(self) -> Engine:
-        """Run every step and return the engine."""
+    def start_tensor_parallel(self) -> None:
+        """Join the tensor-parallel group (no-op with one rank); rank 0 first starts its node's workers.
+
+        Refuses, before any process starts, an architecture that cannot be sharded.
+        """
+        parallel = self.parallel
+        if not parallel.is_parallel:
+            return
+        if distributed.is_tensor_parallel():
+            raise ConfigError("this process already runs a tensor-parallel engine; close it (LLM.close() or "
+                              "Engine.shutdown()) before building another")
+        config = self.config or self.model_config()
+        spec = registries.model_architectures(self.platform).get(config.architecture)
+        if not spec.supports_tensor_parallel:
+            raise ConfigError(f"architecture {config.architecture} cannot be sharded for tensor parallelism yet "
+                              f"(its plugin sets supports_tensor_parallel=False); run it on one device (--tp 1)")
+        if parallel.master_port is None:
+            if parallel.num_nodes > 1:
+                parallel.master_port = DEFAULT_MASTER_PORT
+            else:
+                parallel.master_port = free_port(parallel.master_addr)
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, torch.get_num_threads() // parallel.ranks_per_node))
+        from framework.distributed.numa import bind_to_numa_node
+
+        bind_to_numa_node(parallel.local_rank)
+        if parallel.rank == 0 and parallel.ranks_per_node > 1:
+            kwargs = {**self._init_kwargs, **self._parallel_kwargs()}
+            self.workers = WorkerGroup.spawn(kwargs, list(range(1, parallel.ranks_per_node)))
+        distributed.init_tensor_parallel(parallel.rank, parallel.tensor_parallel_size, self.device,
+                                         master_addr=parallel.master_addr, master_port=parallel.master_port,
+                                         rendezvous_timeout_s=parallel.rendezvous_timeout,
+                                         timeout_s=parallel.distributed_timeout,
+                                         check_workers=self.workers.failure if self.workers is not None else None)
+
+    def _parallel_kwargs(self) -> dict[str, Any]:
+        """The builder keyword arguments that place another rank of this group."""
+        p = self.parallel
+        return dict(device=None if p.device_ids is not None else self.device.type, device_ids=p.device_ids,
+                    tensor_parallel_size=p.tensor_parallel_size, num_nodes=p.num_nodes, node_rank=p.node_rank,
+                    master_addr=p.master_addr, master_port=p.master_port, rendezvous_timeout=p.rendezvous_timeout,
+                    distributed_timeout=p.distributed_timeout)
+
+    def _build_runner(self) -> ModelRunner:
+        """Every rank's part: the sharded model, attention backend, KV cache and decode graphs."""
+        self.start_tensor_parallel()
         self.load_model()
         backend = self.select_attention_backend()
         kv_caches = self.allocate_kv_cache(backend)
+        sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
+        runner = ModelRunner(self.torch_model, backend, kv_caches, self.cache.block_size, self.device, sampler)
+        runner.graph_runner = self.capture_cuda_graphs(backend, kv_caches)
+        return runner
+
+    def build_worker(self) -> ModelRunner:
+        """A tensor-parallel worker's runner (rank > 0): no scheduler, tokenizer work or sampling."""
+        return self._build_runner()
+
+    def build(self) -> Engine:
+        """Run every step and return the engine (on rank 0 of a tensor-parallel group: with its workers)."""
+        try:
+            runner = self._build_runner()
+        except BaseException as error:
+            reason = self.workers.wait_for_failure(1.0) if self.workers is not None else None
+            if self.workers is not None:
+                self.workers.close()
+            distributed.destroy_tensor_parallel()
+            if reason is not None and not isinstance(error, FwError):  # the worker's own error is above in the log
+                raise ModelLoadError(f"{reason} while the model was loading (its error is printed above)") from error
+            raise
+        if self.parallel.is_parallel:
+            runner.broadcast = functools.partial(distributed.broadcast_message, message_type=StepMessage)
         cache = self.cache
         max_cached = None if cache.prefix_cache_max_tokens is None else cache.prefix_cache_max_tokens // cache.block_size
         kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
-        sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
-        runner = ModelRunner(self.torch_model, backend, kv_caches, cache.block_size, self.device, sampler)
-        graphs = self.capture_cuda_graphs(backend, kv_caches)
-        runner.graph_runner = graphs
         engine_config = EngineConfig(self.config, cache, self.scheduler, str(self.device), self.backend_name, self.seed)
         core = EngineCore(engine_config, runner, kv_manager)
         summary = {
@@ -258,10 +354,14 @@ class EngineBuilder:
             "cuda_graphs": self.graph_summary,
             "weight_format": self.source.name,
             "plugins": [info.name for info in plugins.loaded_plugins()],
+            "tensor_parallel_size": self.parallel.tensor_parallel_size,
         }
+        if self.parallel.is_parallel:
+            summary["device"] = (f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "
+                                 f"(tensor parallel {self.parallel.tensor_parallel_size}, {self.parallel.num_nodes} node(s))")
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", self.num_blocks, cache.block_size,
                  self.num_blocks * cache.block_size, self.kv_cache_bytes / 2**20)
-        return Engine(core, self._tokenizer, self.config, self._generation, self.backend_name, summary)
+        return Engine(core, self._tokenizer, self.config, self._generation, self.backend_name, summary, self.workers)
 
 
 def with_yarn_scaling(hf_config: dict[str, Any], factor: float) -> dict[str, Any]:

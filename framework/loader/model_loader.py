@@ -19,6 +19,7 @@ from torch import nn
 
 from framework import registries
 from framework.errors import ModelLoadError
+from framework.loader.checkpoint_slice import materialize
 from framework.loader.format import WeightFormat
 
 log = logging.getLogger("fw.loader")
@@ -81,6 +82,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
+        if not _reads_checkpoint_slices(loader):
+            tensor = materialize(tensor)
         if loader is None:
             _copy_checked(param, tensor, name)
         elif shard_id is None:
@@ -89,6 +92,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             loader(param, tensor, shard_id)
         loaded.add(name)
     return loaded
+
+
+def _reads_checkpoint_slices(loader) -> bool:
+    """The core layers' loaders only narrow and copy, so they take a lazy CheckpointSlice; others get tensors."""
+    from framework.layers.embedding import VocabEmbedding
+    from framework.layers.linear import LinearBase
+
+    return isinstance(getattr(loader, "__self__", None), (LinearBase, VocabEmbedding))
 
 
 def _copy_checked(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:

@@ -44,15 +44,16 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
         hidden, head_size = config.hidden_size, config.head_size
-        self.q_size = config.num_heads * head_size
-        self.kv_size = config.num_kv_heads * head_size
         qkv_bias = bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2"
         self.qkv_proj = QKVParallelLinear(hidden, head_size, config.num_heads, config.num_kv_heads, bias=qkv_bias,
                                           quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=bool(config.get("attention_bias", False)),
+        # this tensor-parallel rank's heads (all of them on one device)
+        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
+        self.o_proj = RowParallelLinear(config.num_heads * head_size, hidden, bias=bool(config.get("attention_bias", False)),
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = get_rope(head_size, head_size, config.max_model_len, config.rope_theta, config.rope_scaling)
-        self.attn = Attention(layer_index, config.num_heads, config.num_kv_heads, head_size, head_size**-0.5,
+        self.attn = Attention(layer_index, num_heads, num_kv_heads, head_size, head_size**-0.5,
                               sliding_window=layer_sliding_window(config, layer_index))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
