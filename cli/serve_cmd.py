@@ -30,6 +30,7 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="Seconds in-flight requests may take to finish after SIGTERM.")] = 30.0,
     seed: Annotated[int, typer.Option("--seed", help="Engine seed (weights a format leaves uninitialized).")] = 0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
+    ui_server: Annotated[bool, typer.Option("--ui-server", help="Also serve the chat web UI, on the API port minus one (--p 2000: http://host:1999).")] = False,
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", hidden=True)] = None,
 ) -> None:
     """Serve a model with an OpenAI-compatible API (without --m: the embedded default model)."""
@@ -74,6 +75,10 @@ def serve(
                                         attention_backend=attention_backend, load_format=load_format, seed=seed)
     except FwError as error:
         raise o.fail(str(error)) from None
-    code = run_server(engine_kwargs, config, bind, shutdown_timeout=shutdown_timeout, log_level=log_level)
+    try:
+        code = run_server(engine_kwargs, config, bind, shutdown_timeout=shutdown_timeout, log_level=log_level,
+                          ui_server=ui_server)
+    except ConfigError as error:
+        raise o.fail(str(error)) from None
     if code:
         raise typer.Exit(code)
