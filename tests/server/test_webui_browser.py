@@ -236,6 +236,7 @@ def test_chat_in_the_browser_against_fw_serve(fw_ui, browser):
     time.sleep(1.0)
     assert _metric(api_url, "fw:generation_tokens_total") == generated
     assert _last_reply(page).inner_text() == text
+    page.screenshot(path=str(ARTIFACTS / "stopped-light.png"))
 
     # Reload: both conversations are kept; the first one still holds its answer.
     page.reload()
@@ -288,8 +289,14 @@ def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
         page.get_by_test_id("key-save").click()
         expect(page.get_by_test_id("model-picker")).to_have_value(FAKE_MODEL)
 
-        page.get_by_test_id("composer").fill("hello")
-        page.get_by_test_id("composer").press("Enter")
+        composer = page.get_by_test_id("composer")
+        composer.press_sequentially("line one")
+        composer.press("Shift+Enter")
+        composer.press_sequentially("line two")
+        expect(composer).to_have_value("line one\nline two")  # Shift+Enter: a new line, not sent
+        expect(page.get_by_test_id("user-message")).to_have_count(0)
+        composer.fill("hello")
+        composer.press("Enter")
         reply = _last_reply(page)
         expect(reply.get_by_test_id("stats")).to_have_text(re.compile(r"^42 tokens"))
         markdown = reply.get_by_test_id("reply-content")

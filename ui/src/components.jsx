@@ -88,7 +88,7 @@ function Stats({ stats }) {
   if (stats.tokensPerSecond) parts.push(`${stats.tokensPerSecond.toFixed(1)} tok/s`);
   if (stats.promptTokens != null) parts.push(`${stats.promptTokens} prompt`);
   if (stats.ttft != null) parts.push(`${(stats.ttft * 1000).toFixed(0)} ms to first token`);
-  if (stats.stopped) parts.push('stopped');
+  if (stats.stopped) parts.push(`stopped after ${stats.elapsed.toFixed(1)} s`);
   return <div class="stats" data-testid="stats">{parts.join(' · ')}</div>;
 }
 
@@ -188,7 +188,7 @@ export function Composer({ onSend, onStop, isStreaming, disabled }) {
   };
   return (
     <form class="composer" onSubmit={(e) => { e.preventDefault(); send(); }}>
-      <textarea ref={area} rows={1} value={text} placeholder="Message fw…  (Enter to send, Shift+Enter for a new line)"
+      <textarea ref={area} rows={1} value={text} placeholder="Message fw…"
         aria-label="Message" data-testid="composer"
         onInput={(e) => setText(e.currentTarget.value)}
         onKeyDown={(e) => {

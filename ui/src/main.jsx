@@ -11,6 +11,12 @@ import {
 } from './store.js';
 import './style.css';
 
+const SUGGESTIONS = [
+  'Explain what a KV cache is',
+  'Write a haiku about GPUs',
+  'A Python function that reverses a string',
+];
+
 function App() {
   const [conversations, setConversations] = useState(loadConversations);
   const [currentId, setCurrentId] = useState(loadCurrentId);
@@ -126,13 +132,15 @@ function App() {
       const end = performance.now();
       const seconds = firstToken !== null ? (end - firstToken) / 1000 : null;
       const completionTokens = usage ? usage.completion_tokens : null;
-      reply.stats = firstToken === null && !usage ? (reply.stopped ? { stopped: true } : null) : {
+      const elapsed = (end - started) / 1000;
+      reply.stats = firstToken === null && !usage ? (reply.stopped ? { stopped: true, elapsed } : null) : {
         completionTokens,
         promptTokens: usage ? usage.prompt_tokens : null,
         // Tokens after the first over the time since it: the decode rate.
         tokensPerSecond: completionTokens > 1 && seconds > 0 ? (completionTokens - 1) / seconds : null,
         ttft: firstToken !== null ? (firstToken - started) / 1000 : null,
         stopped: !!reply.stopped,
+        elapsed,
       };
       flush();
       setStreaming(null);
@@ -235,6 +243,11 @@ function App() {
               <div class="logo big">fw</div>
               <h1>How can I help?</h1>
               <p>{models.length ? <>Chatting with <code>{model}</code></> : 'Connecting to the server…'}</p>
+              {models.length > 0 && !streaming && (
+                <div class="suggestions">
+                  {SUGGESTIONS.map((text) => <button type="button" key={text} onClick={() => send(text)}>{text}</button>)}
+                </div>
+              )}
             </div>
           ) : (
             <div class="thread">
@@ -248,7 +261,7 @@ function App() {
         </div>
         <div class="composer-wrap">
           <Composer onSend={send} onStop={stop} isStreaming={!!isStreamingHere} disabled={!models.length || !!streaming} />
-          <p class="hint">Esc stops a reply · replies are generated locally by fw and can be wrong</p>
+          <p class="hint">Enter to send · Shift+Enter for a new line · Esc to stop · replies can be wrong</p>
         </div>
       </main>
       {keyPrompt && (
