@@ -39,6 +39,7 @@ $(CHROMIUM):
 	$(SUDO) apt-get install -y -q chromium
 
 # Rebuild the web UI bundle (framework/server/webui/static, committed) from ui/; needs Node.js and npm.
+# (vite is pinned to ~8.3: 8.4 lists an optional dependency the npm registry lacks, and npm ci fails.)
 ui:
 	cd ui && npm ci --no-audit --no-fund && npm run build
 

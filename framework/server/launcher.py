@@ -166,6 +166,10 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
     uv_config = uvicorn.Config(asgi_app, host=bind.host or DEFAULT_HOST, port=bind.port or 0, uds=bind.uds,
                                log_level=log_level, access_log=False, lifespan="on",
                                timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
-    server = _Server(uv_config, app.state.server, bind.url, ui_bind.url if ui_bind is not None else None)
+    ui_url = None
+    if ui_bind is not None:  # a wildcard address is not one to browse to
+        browsable = ui_bind._replace(host="localhost") if ui_bind.host in ("0.0.0.0", "::") else ui_bind
+        ui_url = browsable.url
+    server = _Server(uv_config, app.state.server, bind.url, ui_url)
     server.run(sockets=sockets)
     return 1 if failure else 0

@@ -285,6 +285,7 @@ def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
 
         # The server wants a key: the UI asks for it, then lists the models.
         expect(page.get_by_test_id("key-dialog")).to_be_visible()
+        page.screenshot(path=str(ARTIFACTS / "api-key.png"))
         page.get_by_test_id("key-input").fill(API_KEY)
         page.get_by_test_id("key-save").click()
         expect(page.get_by_test_id("model-picker")).to_have_value(FAKE_MODEL)
@@ -298,7 +299,7 @@ def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
         composer.fill("hello")
         composer.press("Enter")
         reply = _last_reply(page)
-        expect(reply.get_by_test_id("stats")).to_have_text(re.compile(r"^42 tokens"))
+        expect(reply.get_by_test_id("stats")).to_have_text(re.compile(r"^42 tokens · (\S+ tok/s · )?11 prompt"))
         markdown = reply.get_by_test_id("reply-content")
         expect(markdown).to_contain_text('<img src=x onerror="window.__xss=1;alert(1)">')
         expect(markdown).to_contain_text("<script>window.__xss=2</script>")
@@ -319,6 +320,12 @@ def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
         expect(reply.locator(".copy-code")).to_have_text("Copied")
         assert page.evaluate("navigator.clipboard.readText()") == CODE
         page.screenshot(path=str(ARTIFACTS / "markup-tools.png"))
+        page.get_by_test_id("theme-toggle").click()
+        reply.get_by_test_id("reasoning").locator("summary").click()
+        page.get_by_test_id("settings-toggle").click()
+        expect(page.get_by_test_id("settings")).to_be_visible()
+        page.screenshot(path=str(ARTIFACTS / "markup-tools-dark.png"))
+        page.get_by_test_id("settings-toggle").click()
 
         # Edit-and-resend replaces the exchange; regenerate asks again.
         page.get_by_test_id("user-message").hover()

@@ -6,8 +6,8 @@ import { applyDelta, chatRequest, emptyReply, titleFrom } from './chat.js';
 import { Composer, KeyDialog, Message, SettingsPanel, Sidebar } from './components.jsx';
 import { KeyIcon, MenuIcon, MoonIcon, SlidersIcon, SunIcon } from './icons.jsx';
 import {
-  loadApiKey, loadConversations, loadCurrentId, loadTheme, newConversation, saveApiKey, saveConversations,
-  saveCurrentId, saveTheme,
+  loadApiKey, loadConversations, loadCurrentId, loadModel, loadTheme, newConversation, saveApiKey, saveConversations,
+  saveCurrentId, saveModel, saveTheme,
 } from './store.js';
 import './style.css';
 
@@ -21,6 +21,7 @@ function App() {
   const [conversations, setConversations] = useState(loadConversations);
   const [currentId, setCurrentId] = useState(loadCurrentId);
   const [models, setModels] = useState([]);
+  const [preferredModel, setPreferredModel] = useState(loadModel);
   const [theme, setTheme] = useState(loadTheme);
   const [apiKey, setApiKey] = useState(loadApiKey);
   const [keyPrompt, setKeyPrompt] = useState(null);
@@ -38,8 +39,14 @@ function App() {
     saveTheme(theme);
   }, [theme]);
 
+  // Saved at once when idle, at most every second while a reply streams in.
+  const lastSave = useRef(0);
   useEffect(() => {
-    if (!streaming) saveConversations(conversations);
+    const now = Date.now();
+    if (!streaming || now - lastSave.current > 1000) {
+      saveConversations(conversations);
+      lastSave.current = now;
+    }
   }, [conversations, streaming]);
   useEffect(() => saveCurrentId(current ? current.id : null), [current?.id]);
 
@@ -63,6 +70,8 @@ function App() {
     load();
     return () => clearTimeout(timer);
   }, [apiKey]);
+
+  const defaultModel = models.includes(preferredModel) ? preferredModel : models[0];
 
   const update = useCallback((id, change) => {
     setConversations((list) => list.map((c) => (c.id === id ? { ...change(c), updatedAt: Date.now() } : c)));
@@ -137,7 +146,7 @@ function App() {
         completionTokens,
         promptTokens: usage ? usage.prompt_tokens : null,
         // Tokens after the first over the time since it: the decode rate.
-        tokensPerSecond: completionTokens > 1 && seconds > 0 ? (completionTokens - 1) / seconds : null,
+        tokensPerSecond: completionTokens > 1 && seconds > 0.01 ? (completionTokens - 1) / seconds : null,
         ttft: firstToken !== null ? (firstToken - started) / 1000 : null,
         stopped: !!reply.stopped,
         elapsed,
@@ -149,7 +158,7 @@ function App() {
 
   const ensureConversation = () => {
     if (current) return current;
-    const conversation = newConversation(models[0]);
+    const conversation = newConversation(defaultModel);
     setConversations((list) => [conversation, ...list]);
     setCurrentId(conversation.id);
     return conversation;
@@ -159,7 +168,7 @@ function App() {
     const base = ensureConversation();
     const conversation = {
       ...base,
-      model: base.model && models.includes(base.model) ? base.model : models[0],
+      model: base.model && models.includes(base.model) ? base.model : defaultModel,
       title: base.messages.length === 0 ? titleFrom(text) : base.title,
       messages: [...base.messages, { role: 'user', content: text }],
     };
@@ -185,7 +194,7 @@ function App() {
       setSidebarOpen(false);
       return;
     }
-    const conversation = newConversation(models[0]);
+    const conversation = newConversation(defaultModel);
     setConversations((list) => [conversation, ...list]);
     setCurrentId(conversation.id);
     setSidebarOpen(false);
@@ -199,7 +208,7 @@ function App() {
   };
 
   const isStreamingHere = streaming && current && streaming.id === current.id;
-  const model = current?.model && models.includes(current.model) ? current.model : models[0] || '';
+  const model = (current?.model && models.includes(current.model) ? current.model : defaultModel) || '';
 
   return (
     <div class="app">
@@ -214,6 +223,8 @@ function App() {
           <select class="model-picker" value={model} aria-label="Model" data-testid="model-picker"
             onChange={(e) => {
               const value = e.currentTarget.value;
+              setPreferredModel(value);
+              saveModel(value);
               if (current) update(current.id, (c) => ({ ...c, model: value }));
             }}>
             {models.length === 0 && <option value="">no model</option>}

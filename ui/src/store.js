@@ -43,3 +43,6 @@ export const saveTheme = (theme) => localStorage.setItem('fw.theme', theme);
 
 export const loadApiKey = () => localStorage.getItem('fw.apiKey') || '';
 export const saveApiKey = (key) => (key ? localStorage.setItem('fw.apiKey', key) : localStorage.removeItem('fw.apiKey'));
+
+export const loadModel = () => localStorage.getItem('fw.model') || '';
+export const saveModel = (model) => localStorage.setItem('fw.model', model);
