@@ -130,3 +130,24 @@ def test_ui_server_binds_the_api_port_and_the_one_below():
 
 def test_without_ui_server_uvicorn_binds_the_api_itself():
     assert bind_sockets(BindAddress("127.0.0.1", 2000, None), ui_server=False) == (None, None)
+
+
+def test_ui_port_applies_the_api_key_rules_of_the_real_app():
+    from types import SimpleNamespace
+
+    from framework.server.app import create_app
+    from framework.server.state import ServerConfig
+
+    client = SimpleNamespace(ready=SimpleNamespace(max_model_len=64, vocab_size=32), dead_reason=None, is_ready=True)
+    api = create_app(client, ServerConfig(served_model_names=["m"], api_keys=["secret"]), start_engine=False)
+    webui = WebUIApp(api, ui_port=1999)
+
+    async def main() -> tuple[httpx.Response, ...]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=webui), base_url="http://127.0.0.1:1999") as http:
+            return (await http.get("/"), await http.get("/v1/models"),
+                    await http.get("/v1/models", headers={"Authorization": "Bearer secret"}))
+
+    page, refused, allowed = asyncio.run(main())
+    assert page.status_code == 200  # the page itself needs no key: it asks for one
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert allowed.status_code == 200 and [m["id"] for m in allowed.json()["data"]] == ["m"]
