@@ -30,6 +30,7 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="Seconds in-flight requests may take to finish after SIGTERM.")] = 30.0,
     seed: Annotated[int, typer.Option("--seed", help="Engine seed (weights a format leaves uninitialized).")] = 0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
+    ui_server: Annotated[bool, typer.Option("--ui-server", help="Also serve the chat web UI, on the API port minus one (--p 2000: http://host:1999).")] = False,
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", hidden=True)] = None,
     tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0, master_addr: o.MasterAddr = "127.0.0.1",
     master_port: o.MasterPort = None, rendezvous_timeout: o.RendezvousTimeout = 300.0,
@@ -86,6 +87,10 @@ def serve(
             return
     except FwError as error:
         raise o.fail(str(error)) from None
-    code = run_server(engine_kwargs, config, bind, shutdown_timeout=shutdown_timeout, log_level=log_level)
+    try:
+        code = run_server(engine_kwargs, config, bind, shutdown_timeout=shutdown_timeout, log_level=log_level,
+                          ui_server=ui_server)
+    except ConfigError as error:
+        raise o.fail(str(error)) from None
     if code:
         raise typer.Exit(code)
