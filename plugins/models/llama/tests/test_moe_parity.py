@@ -17,7 +17,7 @@ from framework import LLM, SamplingParams
 from framework.errors import ModelLoadError
 from framework.testing import check_greedy_parity, check_logits_parity, write_tiny_model
 
-SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False)
 QWEN_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96)
 
