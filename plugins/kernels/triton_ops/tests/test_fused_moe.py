@@ -140,8 +140,9 @@ def test_compiled_fused_moe_fp32_matches_reference_on_cuda():
 
 
 @pytest.mark.gpu
-def test_compiled_fused_moe_does_not_sync_and_replays_in_a_cuda_graph():
-    inputs = moe_inputs(4, *QWEN3_30B_A3B, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("num_tokens", [4, 64], ids=["one_program_alignment", "sorted_alignment"])
+def test_compiled_fused_moe_does_not_sync_and_replays_in_a_cuda_graph(num_tokens):
+    inputs = moe_inputs(num_tokens, *QWEN3_30B_A3B, device="cuda", dtype=torch.bfloat16)
     fused_moe(*inputs)  # compile outside the checks
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -152,7 +153,7 @@ def test_compiled_fused_moe_does_not_sync_and_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe(*inputs)
-    fresh = moe_inputs(4, *QWEN3_30B_A3B, seed=9, device="cuda", dtype=torch.bfloat16)
+    fresh = moe_inputs(num_tokens, *QWEN3_30B_A3B, seed=9, device="cuda", dtype=torch.bfloat16)
     for static, new in zip(inputs, fresh, strict=True):
         static.copy_(new)
     graph.replay()
