@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from decode import COPY_BANDWIDTH, SHAPES, git_commit
+from decode import COPY_BANDWIDTH, SHAPES, bytes_read_per_token, git_commit
 
 #: Architectures of the shapes; ``decode.SHAPES`` are Llama-architecture shapes.
 EXTRA_SHAPES = {
@@ -153,10 +153,10 @@ def main() -> None:
               enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False)
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.model.embed_tokens.weight
-    if not config.get("tie_word_embeddings"):
-        weight_bytes -= embed.numel() * embed.element_size()  # rows gathered, not read
+    weight_bytes = bytes_read_per_token(model)  # MoE: only the experts one token uses
+    if config.get("tie_word_embeddings"):  # the LM head reads the embedding table
+        embed = model.model.embed_tokens.weight
+        weight_bytes += embed.numel() * embed.element_size()
     argv = sys.argv[1:]
     if "--out" in argv:  # the output path is the machine's, not part of the setup
         del argv[argv.index("--out"):argv.index("--out") + 2]
