@@ -1,12 +1,15 @@
 """Decode speed of fw's engine on random weights of a real model shape (run on the GPU machine).
 
     python benchmarks/decode.py --shape llama3-8b --batch 1 64 --context 128 4096 --out $OUT/decode.json
+    python benchmarks/decode.py --shape qwen3-30b-a3b --batch 1 --context 128 --out $OUT/decode-moe.json
 
 For each case it builds the engine once (random weights through the model's own weight loaders,
 ``load_format="dummy"``), fills ``batch`` requests with ``context`` prompt tokens, then times
 whole engine steps (schedule, inputs, graph replay, sampling, host ids): the median step time gives tokens/s (batch / step time) and the
 fraction of the roofline (weight bytes / device copy bandwidth, GPU.md: 4.28 TB/s on the H200).
-Prints a table last and writes the full JSON.
+For MoE shapes the batch-1 roofline counts the bytes one token reads: the dense weights and
+``top_k / num_experts`` of the experts. Prints a table last and writes the full JSON. On a CPU
+(``--shape tiny`` or ``tiny-moe``) it runs the same steps, for checking the script itself.
 """
 
 from __future__ import annotations
@@ -28,6 +31,16 @@ SHAPES = {
                                   num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=1024, max_position_embeddings=4096),
+    # Qwen3-30B-A3B: 48 layers of 128 experts (top-8, width 768), QK norm
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "tiny-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=256, intermediate_size=512,
+                     moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
+                     max_position_embeddings=4096, tie_word_embeddings=False),
 }
 COPY_BANDWIDTH = 4.28e12  # bytes/s read+written, measured on the H200 (GPU.md)
 
@@ -42,6 +55,26 @@ def git_commit() -> str:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:
         return "unknown"
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bytes_read_per_token(model) -> int:
+    """Weight bytes a batch-1 decode step reads: every parameter but the embedding table (rows are
+    gathered), and of each MoE layer's stacked experts only the ``top_k`` a token uses."""
+    from framework.layers.fused_moe import FusedMoE
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    total -= embed.numel() * embed.element_size()
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            experts = sum(p.numel() * p.element_size() for p in (module.w13_weight, module.w2_weight))
+            total -= experts - experts * module.top_k // module.num_experts
+    return total
 
 
 def run_case(llm, batch: int, context: int, steps: int, weight_bytes: int) -> dict:
@@ -61,7 +94,7 @@ def run_case(llm, batch: int, context: int, steps: int, weight_bytes: int) -> di
         core.step()
     times = []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        synchronize()
         wall = time.perf_counter()
         outputs = core.step()  # returns host token ids, so the step has finished on the device
         times.append(time.perf_counter() - wall)
@@ -98,10 +131,10 @@ def main() -> None:
               enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False)
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()  # rows gathered, not read
+    weight_bytes = bytes_read_per_token(model)
     results = [run_case(llm, b, c, args.steps, weight_bytes) for b in args.batch for c in args.context]
-    report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "commit": git_commit(),
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    report = {"date": time.strftime("%Y-%m-%d"), "device": device, "commit": git_commit(),
               "command": "python benchmarks/decode.py " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                   for k, v in vars(args).items() if k != "out" and v not in (None, False)),

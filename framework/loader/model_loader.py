@@ -60,33 +60,39 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
 
     Checkpoint names fold into fused parameters through the model's ``packed_modules_mapping``
     (``{"q_proj": ("qkv_proj", "q"), ...}``); names the model lists in
-    ``ignored_weight_patterns`` are skipped. A model may replace all of this with its own
-    ``load_weights(weights)`` returning the loaded names.
+    ``ignored_weight_patterns`` are skipped. A model with other layouts (stacked MoE experts)
+    defines ``map_weight_name(name) -> (name, loader_args)``, asked first: ``loader_args`` is a
+    tuple passed to the parameter's ``weight_loader`` after the tensor, or None to go on with
+    the (possibly renamed) name through ``packed_modules_mapping``. A model may replace all of
+    this with its own ``load_weights(weights)`` returning the loaded names.
     """
     if hasattr(model, "load_weights"):
         return model.load_weights(weights)
     packed = getattr(model, "packed_modules_mapping", {})
     ignored = getattr(model, "ignored_weight_patterns", ())
+    map_name = getattr(model, "map_weight_name", None)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for name, tensor in weights:
         if any(pattern in name for pattern in ignored):
             continue
-        shard_id = None
-        for source, (target, shard) in packed.items():
-            if f".{source}." in name:
-                name, shard_id = name.replace(f".{source}.", f".{target}."), shard
-                break
+        loader_args = None
+        if map_name is not None:
+            name, loader_args = map_name(name)
+        if loader_args is None:
+            loader_args = ()
+            for source, (target, shard) in packed.items():
+                if f".{source}." in name:
+                    name, loader_args = name.replace(f".{source}.", f".{target}."), (shard,)
+                    break
         param = params.get(name)
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
         if loader is None:
             _copy_checked(param, tensor, name)
-        elif shard_id is None:
-            loader(param, tensor)
         else:
-            loader(param, tensor, shard_id)
+            loader(param, tensor, *loader_args)
         loaded.add(name)
     return loaded
 

@@ -77,7 +77,11 @@ class GGUFFormat(WeightFormat):
         return {"quant_method": "gguf", "tensor_types": types}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF names with packed uint8 rows (matrices, any GGUF type) or float tensors (norms, biases)."""
+        """HF names with packed uint8 rows (matrices, any GGUF type) or float tensors (norms, biases).
+
+        MoE experts stacked per projection (``[experts, out, in]``) are dequantized here: FusedMoE
+        holds plain weights (a packed-expert MoE method is future work).
+        """
         offset = norm_weight_offset(self.arch)
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
@@ -87,6 +91,8 @@ class GGUFFormat(WeightFormat):
             heads = qk_unpermute_heads(self.metadata, name)
             if heads is not None:
                 tensor = unpermute_qk(tensor, heads)  # whole rows: works on packed bytes too
+            if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+                tensor = tensor.unsqueeze(0)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as a vector
             if offset and hf_name.endswith("norm.weight"):
                 tensor = tensor - offset
             yield hf_name, tensor
