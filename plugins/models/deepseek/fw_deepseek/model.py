@@ -27,6 +27,7 @@ from framework.config import ModelConfig
 from framework.layers import ReplicatedLinear, RMSNorm, SiluAndMul, UnquantizedLinearMethod, VocabEmbedding
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
+from framework.layers.fused_moe import expert_weight_target
 from framework.layers.mlp import GatedMLP
 from framework.layers.rotary import get_rope, yarn_get_mscale
 from framework.quantization import QuantConfig
@@ -161,3 +162,10 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.config = config
         self.model = DeepseekV2Model(config, quant_config, "model")
         self.init_lm_head(config, quant_config, tie_by_default=False)
+
+    @staticmethod
+    def map_weight_name(name: str) -> tuple[str, tuple | None]:
+        """Routed-expert tensors go to the stacked FusedMoE weights; the rest folds through
+        ``packed_modules_mapping`` (shared experts and dense MLPs included)."""
+        target = expert_weight_target(name)
+        return target if target is not None else (name, None)

@@ -8,9 +8,9 @@ routed experts weighted by their scores, plus always-on shared experts.
     weights = top-k scores (renormalised to sum 1 when norm_topk_prob) * routed_scaling_factor
     out     = sum_k weights_k * expert_{id_k}(x) + shared_experts(x)
 
-Routing (:func:`select_experts`) is separate from running the experts
-(:meth:`DeepseekV2MoE.run_experts`, given precomputed ``topk_weights`` / ``topk_ids``), so the
-per-expert loop here can be swapped for a fused MoE kernel without touching the routing.
+Routing (:func:`deepseek_v2_routing`) is DeepSeek's own; the routed experts are a
+:class:`framework.layers.fused_moe.FusedMoE` (stacked weights, the kernel registry's
+``fused_moe`` op) given the precomputed ``topk_weights`` / ``topk_ids``.
 """
 
 from __future__ import annotations
@@ -19,17 +19,18 @@ import torch
 from torch import nn
 
 from framework.config import ModelConfig
-from framework.layers import SiluAndMul
+from framework.layers import ReplicatedLinear, SiluAndMul
+from framework.layers.fused_moe import FusedMoE, RoutedExperts
 from framework.layers.mlp import GatedMLP
 from framework.quantization import QuantConfig
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, *, topk_method: str = "greedy", n_group: int | None = None,
-                   topk_group: int | None = None, norm_topk_prob: bool = False,
-                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V2 routing: ``router_logits`` ``[T, E]`` -> ``(topk_weights [T, k] float32, topk_ids [T, k] int64)``.
+def deepseek_v2_routing(router_logits: torch.Tensor, top_k: int, *, topk_method: str = "greedy",
+                        n_group: int | None = None, topk_group: int | None = None, norm_topk_prob: bool = False,
+                        routed_scaling_factor: float = 1.0) -> RoutedExperts:
+    """DeepSeek-V2 routing: ``router_logits`` ``[T, E]`` -> ``(topk_weights [T, k] float32, topk_ids [T, k] int32)``.
 
     ``norm_topk_prob`` renormalises the chosen scores to sum 1 before ``routed_scaling_factor``
     (as DeepSeek-V3 and vLLM do; transformers' DeepSeek-V2 ignores the flag, and every released
@@ -47,15 +48,16 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, topk_method: str 
     topk_weights, topk_ids = scores.topk(top_k, dim=-1, sorted=False)
     if norm_topk_prob and top_k > 1:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_weights * routed_scaling_factor, topk_ids
+    return RoutedExperts(topk_weights * routed_scaling_factor, topk_ids.to(torch.int32))
 
 
 class DeepseekV2MoE(nn.Module):
     """The MoE feed-forward of a DeepSeek-V2 layer: ``gate`` (router), ``experts``, ``shared_experts``.
 
-    Parameter names follow the checkpoint: ``gate.weight`` ``[E, hidden]``,
-    ``experts.{i}.gate_up_proj`` / ``down_proj`` (from ``gate_proj`` + ``up_proj`` / ``down_proj``)
-    and ``shared_experts.*``.
+    Checkpoint names: ``gate.weight`` ``[E, hidden]`` (kept and applied in float32, as
+    transformers does), ``experts.{i}.gate_proj`` / ``up_proj`` / ``down_proj`` (stacked into the
+    FusedMoE's ``w13_weight`` / ``w2_weight`` by the model's ``map_weight_name``) and
+    ``shared_experts.*`` (one SwiGLU ``n_shared_experts`` times an expert's width).
     """
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
@@ -73,36 +75,22 @@ class DeepseekV2MoE(nn.Module):
             raise ValueError(f"unknown topk_method {self.topk_method!r}; valid: {', '.join(TOPK_METHODS)}")
         self.norm_topk_prob = bool(config.get("norm_topk_prob", False))
         self.routed_scaling_factor = float(config.get("routed_scaling_factor") or 1.0)
-        self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.empty(self.num_experts, hidden), requires_grad=False)
-        self.experts = nn.ModuleList(
-            GatedMLP(hidden, size, SiluAndMul(), quant_config=quant_config, prefix=f"{prefix}.experts.{i}")
-            for i in range(self.num_experts)
-        )
+        self.gate = ReplicatedLinear(hidden, self.num_experts, prefix=f"{prefix}.gate", params_dtype=torch.float32)
+        self.experts = FusedMoE(self.num_experts, self.top_k, hidden, size, renormalize=self.norm_topk_prob,
+                                quant_config=quant_config, prefix=f"{prefix}.experts")
         num_shared = int(config.get("n_shared_experts") or 0)
         self.shared_experts = (GatedMLP(hidden, size * num_shared, SiluAndMul(), quant_config=quant_config,
                                         prefix=f"{prefix}.shared_experts") if num_shared else None)
 
-    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(topk_weights, topk_ids)`` of every token; router logits in float32 as transformers."""
-        logits = torch.nn.functional.linear(hidden.float(), self.gate.weight.float())
-        return select_experts(logits, self.top_k, topk_method=self.topk_method, n_group=self.n_group,
-                              topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
-                              routed_scaling_factor=self.routed_scaling_factor)
-
-    def run_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """``sum_k topk_weights[t, k] * experts[topk_ids[t, k]](hidden[t])``: one matmul chain per expert hit."""
-        output = torch.zeros_like(hidden)
-        flat_ids = topk_ids.flatten()
-        for expert_id in flat_ids.unique().tolist():
-            token, slot = torch.nonzero(topk_ids == expert_id, as_tuple=True)
-            out = self.experts[expert_id](hidden[token]) * topk_weights[token, slot, None].to(hidden.dtype)
-            output.index_add_(0, token, out)
-        return output
+    def route(self, hidden: torch.Tensor) -> RoutedExperts:
+        """Each token's ``(topk_weights, topk_ids)``; router logits in float32 as transformers."""
+        return deepseek_v2_routing(self.gate(hidden.float()), self.top_k, topk_method=self.topk_method,
+                                   n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                                   routed_scaling_factor=self.routed_scaling_factor)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(hidden)
-        output = self.run_experts(hidden, topk_weights, topk_ids)
+        output = self.experts(hidden, topk_weights=topk_weights, topk_ids=topk_ids)
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden)
         return output

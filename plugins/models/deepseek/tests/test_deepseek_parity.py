@@ -120,3 +120,30 @@ def test_plugins_check_shows_which_backends_read_the_mla_layout():
     assert lines["DeepseekV2ForCausalLM"].endswith("ok (KV layout: mla)")
     assert lines["torch"].endswith("(KV layouts: standard, mla)")
     assert lines["triton"].endswith("(KV layouts: standard)")
+
+
+def test_routing_group_limit_and_renormalisation():
+    from fw_deepseek.moe import deepseek_v2_routing
+
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.0, 4.0, 4.5, 0.0, 0.0]])  # groups of 2: best per group 5, 1, 4.5, 0
+    weights, ids = deepseek_v2_routing(logits, 2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                       routed_scaling_factor=2.0)
+    assert sorted(ids[0].tolist()) == [1, 5]  # expert 4 (score 4.0) is in group 2 too, but 5 beats it
+    probs = logits.softmax(-1)[0]
+    assert torch.allclose(weights[0].sort().values, (2.0 * probs[[5, 1]]).sort().values)
+    weights, ids = deepseek_v2_routing(logits, 3, topk_method="greedy", norm_topk_prob=True, routed_scaling_factor=2.0)
+    assert sorted(ids[0].tolist()) == [1, 4, 5] and torch.allclose(weights.sum(), torch.tensor(2.0))
+    with pytest.raises(ValueError, match="valid: greedy, group_limited_greedy"):
+        deepseek_v2_routing(logits, 2, topk_method="noaux_tc")
+
+
+@pytest.mark.gpu
+def test_greedy_tokens_match_transformers_on_cuda(tiny):
+    """On the GPU: the torch backend over the MLA cache (Triton cannot read it yet) and the
+    fused_moe kernel of the registry, fp32, against transformers on the CPU."""
+    path, reference = tiny
+    llm = LLM(str(path), device="cuda", dtype="float32", num_blocks=64, prefill_chunk_size=8)
+    assert llm.engine.attention_backend == "torch"
+    results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
