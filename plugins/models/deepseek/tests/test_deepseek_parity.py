@@ -3,8 +3,8 @@
 Two shapes: V2-Lite-like (no q_lora_rank, grouped routing) and V2-like (q_lora_rank, YaRN with
 DeepSeek's mscale, greedy routing). Both have a dense first layer, then MoE layers with shared
 experts. Logits of mixed-length prompts at every position with chunked prefill over the paged
-latent ("mla") cache, 32 greedy tokens, the same after a prefix-cache hit; and the cache takes
-``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer.
+latent ("mla") cache, 32 greedy tokens, the same after a prefix-cache hit and after preemption;
+and the cache takes ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer.
 """
 
 from __future__ import annotations
@@ -72,6 +72,18 @@ def test_greedy_tokens_match_after_prefix_cache_hit(tiny):
     assert second.num_cached_tokens == 32
     assert llm.engine.core.stats().prefix_cache_hits >= 32
     assert second.outputs[0].token_ids == reference_greedy(reference, shared + [8, 9])
+
+
+def test_greedy_tokens_match_when_preempted_and_resumed(tiny):
+    path, reference = tiny
+    # 4 requests of up to 29 + 32 tokens need 16 blocks of 16; 9 blocks force preemptions.
+    llm = LLM(str(path), num_blocks=9, max_num_seqs=4)
+    prompts = [*PROMPTS, PROMPTS[0][::-1]]
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert llm.engine.core.stats().num_preemptions > 0
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
+    assert llm.engine.core.kv_cache.num_free_blocks == 9
 
 
 def test_mla_cache_holds_the_latent_only(tiny):
