@@ -159,3 +159,27 @@ def test_greedy_tokens_match_transformers_on_cuda(tiny):
     results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     for prompt, result in zip(PROMPTS, results, strict=True):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
+
+
+def test_absorption_through_a_quantized_kv_b_proj(tiny):
+    """A kv_b_proj whose LinearMethod is not the plain weight (any quantized method) is absorbed
+    through ``W.T = kv_b_proj(identity)``: the tokens stay transformers'."""
+    from fw_deepseek.model import DeepseekV2Attention
+
+    from framework.layers import LinearMethod
+
+    class OpaqueLinearMethod(LinearMethod):  # only apply() is used after loading
+        def create_weights(self, *args) -> None:
+            raise AssertionError("not used")
+
+        def apply(self, layer, x, bias=None):
+            return torch.nn.functional.linear(x, layer.weight, bias)
+
+    path, reference = tiny
+    llm = LLM(str(path), num_blocks=16)
+    attentions = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, DeepseekV2Attention)]
+    for attention in attentions:
+        attention.kv_b_proj.linear_method = OpaqueLinearMethod()
+    result = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
+    assert all(a._dense_kv_b is not None for a in attentions)
+    assert result.outputs[0].token_ids == reference_greedy(reference, PROMPTS[1])
