@@ -105,6 +105,7 @@ class FusedMoE(KeepsWeightAttrs):
                                       requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             set_weight_attrs(param, {"weight_loader": self.weight_loader})
+        self._loaded_experts: dict[str, set[int]] = {"w1": set(), "w3": set(), "w2": set()}
         self._kernel = get_kernel("fused_moe")
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: str, expert_id: int | None = None) -> None:
@@ -123,6 +124,20 @@ class FusedMoE(KeepsWeightAttrs):
             raise ValueError(f"{self.prefix}: expert {expert_id} out of range; this layer has {self.num_experts} experts")
         target = param.data if expert_id is None else param.data[expert_id]
         copy_weight(target[..., rows[shard_id], :], loaded_weight)
+        experts = range(self.num_experts) if expert_id is None else (expert_id,)
+        for shard in ("w1", "w3") if shard_id == "w13" else (shard_id,):
+            self._loaded_experts[shard].update(experts)
+
+    def missing_weights(self) -> list[str]:
+        """The expert shards no checkpoint tensor has filled (``check_all_loaded`` reports them)."""
+        names = {"w1": "gate (w13_weight)", "w3": "up (w13_weight)", "w2": "down (w2_weight)"}
+        missing = []
+        for shard, loaded in self._loaded_experts.items():
+            absent = sorted(set(range(self.num_experts)) - loaded)
+            if absent:
+                shown = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
+                missing.append(f"{names[shard]} of expert(s) {shown}")
+        return missing
 
     def forward(self, hidden: Tensor, router_logits: Tensor | None = None, *,
                 topk_weights: Tensor | None = None, topk_ids: Tensor | None = None) -> Tensor:

@@ -125,9 +125,16 @@ def with_progress(weights: Iterable[tuple[str, torch.Tensor]], total: int | None
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
-    """Every parameter must have come from the checkpoint (tied ones count once)."""
+    """Every parameter must have come from the checkpoint (tied ones count once).
+
+    A module filled piece by piece (stacked MoE experts) reports the pieces it still lacks
+    through ``missing_weights() -> [description]``.
+    """
     tied = getattr(model, "tied_parameter_names", set())
     missing = [name for name, _ in model.named_parameters() if name not in loaded and name not in tied]
+    for module_name, module in model.named_modules():
+        if (report := getattr(module, "missing_weights", None)) is not None:
+            missing += [f"{module_name}.{piece}" for piece in report()]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ModelLoadError(f"{source}: the checkpoint lacks weights for {shown}")

@@ -64,6 +64,15 @@ def test_every_checkpoint_layout_loads_the_same_stacked_weights(layout):
             _load(layer, f"{prefix}.{proj}.weight", tensor)
     assert torch.equal(layer.w13_weight, torch.cat([gate, up], dim=1))
     assert torch.equal(layer.w2_weight, down)
+    assert layer.missing_weights() == []
+
+
+def test_layer_reports_the_expert_shards_not_loaded():
+    gate, up, _ = _experts()
+    layer = FusedMoE(4, 2, 16, 8, renormalize=True)
+    layer.weight_loader(layer.w13_weight, gate, "w1")
+    layer.weight_loader(layer.w13_weight, up[1], "w3", 1)
+    assert layer.missing_weights() == ["up (w13_weight) of expert(s) 0, 2, 3", "down (w2_weight) of expert(s) 0, 1, 2, 3"]
 
 
 def test_loader_refuses_wrong_shapes_shards_and_experts():

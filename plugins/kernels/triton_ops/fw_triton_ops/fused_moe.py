@@ -44,7 +44,7 @@ def _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, top_k, H, I,
+def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, top_k, HIDDEN, INTER,
                          stride_xm, stride_we, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          CAST_FP32: tl.constexpr, PRECISION: tl.constexpr):
@@ -53,17 +53,17 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr
         return
     tokens = pairs // top_k
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < I
+    col_mask = cols < INTER
     w_base = w_ptr + expert * stride_we
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(0, HIDDEN, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < H
+        k_mask = ks < HIDDEN
         a = tl.load(x_ptr + tokens[:, None] * stride_xm + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & col_mask[None, :]
         gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)  # [K, N]
-        up = tl.load(w_base + (cols[None, :] + I) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        up = tl.load(w_base + (cols[None, :] + INTER) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         if CAST_FP32:  # the interpreter computes bf16 wrongly
             a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
@@ -72,11 +72,11 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr
     g = acc_gate.to(out_dtype).to(tl.float32)
     u = acc_up.to(out_dtype).to(tl.float32)
     act = (g * _sigmoid(g)).to(out_dtype).to(tl.float32) * u
-    tl.store(act_ptr + pairs[:, None] * I + cols[None, :], act.to(out_dtype), mask=valid[:, None] & col_mask[None, :])
+    tl.store(act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype), mask=valid[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _down_weighted_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, H, I,
+def _down_weighted_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, HIDDEN, INTER,
                           stride_we, stride_wn,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           CAST_FP32: tl.constexpr, PRECISION: tl.constexpr):
@@ -84,13 +84,13 @@ def _down_weighted_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, 
     if expert < 0:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < H
+    col_mask = cols < HIDDEN
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(0, INTER, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < I
-        a = tl.load(act_ptr + pairs[:, None] * I + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        k_mask = ks < INTER
+        a = tl.load(act_ptr + pairs[:, None] * INTER + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         if CAST_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
@@ -98,7 +98,7 @@ def _down_weighted_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, 
     out_dtype = out_ptr.dtype.element_ty
     routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     out = acc.to(out_dtype).to(tl.float32) * routing[:, None]
-    tl.store(out_ptr + pairs[:, None] * H + cols[None, :], out.to(out_dtype), mask=valid[:, None] & col_mask[None, :])
+    tl.store(out_ptr + pairs[:, None] * HIDDEN + cols[None, :], out.to(out_dtype), mask=valid[:, None] & col_mask[None, :])
 
 
 def launch_config(num_pairs: int) -> dict[str, int]:

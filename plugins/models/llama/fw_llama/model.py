@@ -5,6 +5,11 @@
 | bias on q/k/v | ``attention_bias`` | no | yes | no |
 | sliding window | no | ``sliding_window`` on every layer | per ``layer_types`` | no |
 | rope scaling | llama3 / linear / dynamic / yarn | default | yarn (long context) | default |
+
+``LlamaAttention(qk_norm=...)`` adds Qwen3's per-head RMSNorm of q and k before RoPE (on by
+default for ``model_type`` in :data:`QK_NORM_MODEL_TYPES`). The mixture-of-experts members
+(Mixtral, Qwen2-MoE, Qwen3-MoE, ``moe.py``) reuse this decoder and swap its feed-forward through
+``LlamaModel(make_mlp=...)``.
 """
 
 from __future__ import annotations
