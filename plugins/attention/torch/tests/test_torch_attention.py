@@ -43,3 +43,8 @@ def test_mla_cache_shape_and_size():
     layer = AttentionLayerConfig(16, 1, mla.latent_size, 0.1, mla=mla)
     assert TorchAttentionBackend().layer_kv_cache_shape(layer, 10, 16) == (10, 16, 576)
     assert layer.kv_cache_layout == "mla" and layer.kv_elements_per_token == 576 and layer.output_size == 16 * 512
+
+
+@pytest.mark.gpu
+def test_torch_backend_mla_layout_on_cuda():
+    check_mla_attention_backend(TorchAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2)
