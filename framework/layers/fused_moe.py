@@ -86,6 +86,10 @@ class FusedMoE(KeepsWeightAttrs):
     (``renormalize`` as the model says); ``forward(hidden, topk_weights=..., topk_ids=...)``
     takes a routing computed elsewhere (grouped top-k, sigmoid scores, bias-corrected routers).
     Returns ``[T, H]``: the routing-weighted sum of the chosen experts' outputs.
+
+    The expert weights are plain tensors in ``params_dtype``: ``quant_config`` is accepted for a
+    future MoE quantization method (GGUF files load here with their experts dequantized). One
+    device only: ``tp_size > 1`` is refused.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,

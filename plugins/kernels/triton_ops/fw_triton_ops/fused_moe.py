@@ -13,7 +13,8 @@ Kernel 2 (one launch): ``act`` times ``w2[e]``, scaled by the pair's routing wei
 The ``top_k`` rows of each token are then summed in float32.
 
 Grids are sized from shapes only (``cdiv(P, BLOCK_M) + min(P, E)`` blocks bound the padded
-groups), the sort runs on the device, and nothing syncs with the host: decode steps can be
+groups), the sort runs on the device (one Triton program for a decode batch, torch's sort for
+larger ones), and nothing syncs with the host: decode steps can be
 CUDA-graphed. Rounding follows the reference: the projections are rounded to the activation
 dtype before SiLU-and-mul and before the routing weight, as transformers' experts compute them.
 """
@@ -101,6 +102,38 @@ def _down_weighted_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, 
     tl.store(out_ptr + pairs[:, None] * HIDDEN + cols[None, :], out.to(out_dtype), mask=valid[:, None] & col_mask[None, :])
 
 
+#: Up to this many pairs (batch 4 at top-8) one program sorts them (one launch instead of ~15 torch ops).
+MAX_PAIRS_ONE_PROGRAM = 32
+
+
+@triton.jit
+def _align_one_program_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
+                              BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                              BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
+    """:func:`align_pairs_to_blocks` for few pairs in one program (a counting sort)::
+
+        rank[p] = how many earlier pairs chose the same expert as p
+        slot[p] = padded_start[expert of p] + rank[p];   every other slot holds num_pairs (padding)
+    """
+    p = tl.arange(0, BLOCK_P)
+    p_mask = p < num_pairs
+    ids = tl.load(ids_ptr + p, mask=p_mask, other=-1).to(tl.int32)
+    e = tl.arange(0, BLOCK_E)
+    onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [P, E]
+    counts = tl.sum(onehot, axis=0)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    slot = tl.sum(onehot * (padded_end - padded)[None, :], axis=1) + rank
+    s = tl.arange(0, BLOCK_S)
+    tl.store(sorted_ids_ptr + s, tl.full((BLOCK_S,), 0, tl.int32) + num_pairs, mask=s < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the padding is written before the pairs overwrite their slots
+    tl.store(sorted_ids_ptr + slot, p, mask=p_mask)
+    b = tl.arange(0, BLOCK_B)
+    block_expert = tl.sum((padded_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + b, tl.where(block_expert < num_experts, block_expert, -1), mask=b < num_blocks)
+
+
 def launch_config(num_pairs: int) -> dict[str, int]:
     """Tile sizes: small ``BLOCK_M`` for decode (few rows per expert), larger tiles for prefill."""
     if num_pairs <= 256:
@@ -118,6 +151,14 @@ def align_pairs_to_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> t
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs, device = flat.numel(), flat.device
     num_blocks = triton.cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
+    if num_pairs <= MAX_PAIRS_ONE_PROGRAM:
+        sorted_pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+        block_expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+        _align_one_program_kernel[(1,)](
+            flat, sorted_pair_ids, block_expert_ids, num_pairs, num_experts, num_blocks, BLOCK_M=block_m,
+            BLOCK_P=triton.next_power_of_2(num_pairs), BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_S=triton.next_power_of_2(num_blocks * block_m), BLOCK_B=triton.next_power_of_2(num_blocks), num_warps=8)
+        return sorted_pair_ids, block_expert_ids
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)

@@ -69,10 +69,16 @@ def test_interpreted_fused_moe_reads_and_writes_bf16():
     torch.testing.assert_close(out.float(), ops.fused_moe(*inputs).float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("num_pairs_shape", [(1, 2), (9, 4), (64, 8)])
+def _distinct_ids(num_tokens, top_k, num_experts, seed=6):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)]).to(torch.int32)
+
+
+@interpreted
+@pytest.mark.parametrize("num_pairs_shape", [(1, 2), (1, 8), (9, 4), (64, 8)])
 def test_alignment_puts_every_pair_once_in_blocks_of_one_expert(num_pairs_shape):
     num_experts, block_m = 16, 16
-    topk_ids = torch.randint(0, num_experts, num_pairs_shape, generator=torch.Generator().manual_seed(6))
+    topk_ids = _distinct_ids(*num_pairs_shape, num_experts)
     sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
     num_pairs = topk_ids.numel()
     real = sorted_pair_ids[sorted_pair_ids < num_pairs]
@@ -85,6 +91,20 @@ def test_alignment_puts_every_pair_once_in_blocks_of_one_expert(num_pairs_shape)
             assert rows.numel() == 0
         else:
             assert rows.numel() > 0 and bool((flat[rows.long()] == expert).all())
+
+
+@interpreted
+@pytest.mark.parametrize("num_experts", [8, 60, 128])
+@pytest.mark.parametrize("num_pairs_shape", [(1, 1), (1, 8), (3, 5), (4, 8)])
+def test_one_program_alignment_equals_the_sort(num_pairs_shape, num_experts, monkeypatch):
+    import fw_triton_ops.fused_moe as kernels
+
+    topk_ids = _distinct_ids(*num_pairs_shape, num_experts, seed=num_experts)
+    assert topk_ids.numel() <= kernels.MAX_PAIRS_ONE_PROGRAM
+    one_program = align_pairs_to_blocks(topk_ids, num_experts, 16)
+    monkeypatch.setattr(kernels, "MAX_PAIRS_ONE_PROGRAM", 0)
+    sorted_ = align_pairs_to_blocks(topk_ids, num_experts, 16)
+    assert torch.equal(one_program[0], sorted_[0]) and torch.equal(one_program[1], sorted_[1])
 
 
 def test_empty_batch_launches_nothing():
@@ -120,8 +140,9 @@ def test_compiled_fused_moe_fp32_matches_reference_on_cuda():
 
 
 @pytest.mark.gpu
-def test_compiled_fused_moe_does_not_sync_and_replays_in_a_cuda_graph():
-    inputs = moe_inputs(4, *QWEN3_30B_A3B, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("num_tokens", [4, 64], ids=["one_program_alignment", "sorted_alignment"])
+def test_compiled_fused_moe_does_not_sync_and_replays_in_a_cuda_graph(num_tokens):
+    inputs = moe_inputs(num_tokens, *QWEN3_30B_A3B, device="cuda", dtype=torch.bfloat16)
     fused_moe(*inputs)  # compile outside the checks
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -132,7 +153,7 @@ def test_compiled_fused_moe_does_not_sync_and_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe(*inputs)
-    fresh = moe_inputs(4, *QWEN3_30B_A3B, seed=9, device="cuda", dtype=torch.bfloat16)
+    fresh = moe_inputs(num_tokens, *QWEN3_30B_A3B, seed=9, device="cuda", dtype=torch.bfloat16)
     for static, new in zip(inputs, fresh, strict=True):
         static.copy_(new)
     graph.replay()

@@ -92,3 +92,14 @@ def test_dummy_weights_load_through_transformers_stacked_names(tiny, tmp_path):
     llm = LLM(str(tmp_path), load_format="dummy", num_blocks=16)
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.gpu
+def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
+    """Triton fused_moe (both alignment paths: batch 1 decode and a 64-token prefill chunk) and
+    CUDA-graphed decode steps give transformers' greedy ids (fp32)."""
+    reference = write_tiny_model(tmp_path, CONFIGS["qwen3_moe_qk_norm"]())
+    llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
+    assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+    check_greedy_parity(tmp_path, reference, [*PROMPTS, list(range(2, 66))], device="cuda", dtype="f32",
+                        prefill_chunk_size=64, max_num_batched_tokens=128)
