@@ -71,6 +71,8 @@ class DeepseekV2MoE(nn.Module):
                                                           or self.num_experts % self.n_group):
             raise ValueError(f"topk_method 'group_limited_greedy' needs n_group dividing {self.num_experts} experts "
                              f"and topk_group; got n_group={self.n_group}, topk_group={self.topk_group}")
+        if (config.get("scoring_func") or "softmax") != "softmax":
+            raise ValueError(f"DeepSeek-V2 MoE with scoring_func {config.get('scoring_func')!r} is unsupported; valid: softmax")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"unknown topk_method {self.topk_method!r}; valid: {', '.join(TOPK_METHODS)}")
         self.norm_topk_prob = bool(config.get("norm_topk_prob", False))
