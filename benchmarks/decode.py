@@ -3,6 +3,7 @@
     python benchmarks/decode.py --shape llama3-8b --batch 1 64 --context 128 4096 --out $OUT/decode.json
     python benchmarks/decode.py --shape llama3-8b --tp 2 --out $OUT/decode-tp2.json   # GPUs 0,1 (or --d 0,1)
     python benchmarks/decode.py --shape qwen3-30b-a3b --batch 1 --context 128 --out $OUT/decode-moe.json
+    python benchmarks/decode.py --shape deepseek-v2-lite --batch 1 8 --context 128 --out $OUT/decode-mla.json
 
 For each case it builds the engine once (random weights through the model's own weight loaders,
 ``load_format="dummy"``), fills ``batch`` requests with ``context`` prompt tokens, then times
@@ -39,6 +40,17 @@ SHAPES = {
                           norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                           head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
                           rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # DeepSeek-V2-Lite: MLA (kv_lora_rank 512, rope 64: 576 cached numbers per token and layer), 26 MoE layers
+    # of 64 experts (top-6, width 1408) + 2 shared, 1 dense layer; YaRN x40
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+                             intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
+                             num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+                             routed_scaling_factor=1.0, norm_topk_prob=False, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400, max_position_embeddings=163840,
+                             rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                                               "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                                                               "mscale_all_dim": 0.707}, rms_norm_eps=1e-6, tie_word_embeddings=False),
     "tiny-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=256, intermediate_size=512,
                      moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,

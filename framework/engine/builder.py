@@ -182,12 +182,16 @@ class EngineBuilder:
         registry = registries.attention_backends(self.platform)
         layers = self.attention_layers()
         layout = registries.model_architectures(self.platform).get(self.config.architecture).kv_cache_layout
+        mismatched = sorted({layer.kv_cache_layout for layer in layers} - {layout})
+        if mismatched:
+            raise ConfigError(f"{self.config.architecture} registers KV layout {layout!r} but its attention layers "
+                              f"use {', '.join(map(repr, mismatched))}: fix the plugin's ModelSpec.kv_cache_layout")
         refusals: dict[str, list[str]] = {}
         candidates = []
         for spec in registry:
             reasons = spec.unavailable_reasons(self.platform)
             if layout not in spec.kv_cache_layouts:
-                reasons.append(f"KV layout {layout!r} unsupported")
+                reasons.append(f"KV layout {layout!r} unsupported (it reads: {', '.join(spec.kv_cache_layouts)})")
             if self.cache.cache_dtype not in spec.kv_cache_dtypes:
                 reasons.append(f"kv dtype {self.cache.cache_dtype} unsupported")
             dtype_name = str(self.config.dtype).removeprefix("torch.")
@@ -209,6 +213,8 @@ class EngineBuilder:
             raise ConfigError(f"no attention backend can run this model here ({detail})")
         name = plugins.call_first("select_attention_backend", candidates=candidates, requested=requested,
                                   model_config=self.config, platform=self.platform)
+        for refused, why in refusals.items():
+            log.info("attention backend %s not used: %s", refused, "; ".join(why))
         self.backend_name = name
         backend = registry.get(name).load()()
         backend.initialize(layers, self.config.dtype, self.cache.block_size, self.device)
@@ -235,14 +241,15 @@ class EngineBuilder:
         layers = self.attention_layers()
         dtype = config.dtype
         element = torch.empty((), dtype=dtype).element_size()
-        per_block = sum(2 * self.cache.block_size * layer.num_kv_heads * layer.head_size * element for layer in layers)
+        # standard: K and V per KV head; mla: one latent vector per token (kv_elements_per_token)
+        per_block = sum(self.cache.block_size * layer.kv_elements_per_token * element for layer in layers)
         num_blocks = self.num_kv_blocks(per_block)
         if num_blocks * self.cache.block_size < config.max_model_len:
             log.warning("KV cache holds %d tokens, less than the context length %d: long requests will be preempted "
                         "or refused; raise --mem / --kv-fraction or lower --max-model-len",
                         num_blocks * self.cache.block_size, config.max_model_len)
         # one extra block at the end: the sink that CUDA-graph padding rows write into
-        caches = [torch.zeros(backend.kv_cache_shape(num_blocks + 1, self.cache.block_size, layer.num_kv_heads, layer.head_size),
+        caches = [torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks + 1, self.cache.block_size),
                               dtype=dtype, device=self.device) for layer in layers]
         self.num_blocks = num_blocks
         self.kv_cache_bytes = per_block * num_blocks
