@@ -26,6 +26,7 @@ HF_ARCHITECTURES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "stablelm": ("stablelm", "StableLmForCausalLM"),
+    "glm4": ("glm4", "Glm4ForCausalLM"),
 }
 
 _GEMMA = ("gemma2", "gemma3")
@@ -76,8 +77,8 @@ def _layer_types(md: dict[str, Any], arch: str, num_layers: int) -> list[str]:
 def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` dict for a GGUF model with this metadata.
 
-    Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3, gemma2, gemma3 (text), phi3
-    and stablelm; raises `ValueError` listing those for any other architecture and `KeyError` naming a
+    Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3, gemma2, gemma3 (text), phi3,
+    stablelm and glm4; raises `ValueError` listing those for any other architecture and `KeyError` naming a
     missing required key. Keys follow transformers' config classes; RoPE is stated the
     `config.json` way (`rope_theta`, `rope_scaling`, plus `rope_local_base_freq` for Gemma 3),
     which transformers converts to `rope_parameters`. `tie_word_embeddings` needs `tensor_names`
@@ -137,6 +138,10 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         config["partial_rotary_factor"] = key("rope.dimension_count", head_dim) / head_dim
         if (original := key("rope.scaling.original_context_length", None)) is not None:
             config["original_max_position_embeddings"] = original
+    elif arch == "glm4":
+        config["partial_rotary_factor"] = key("rope.dimension_count", head_dim) / head_dim
+        if names is not None:
+            config["attention_bias"] = "blk.0.attn_q.bias" in names
     elif arch == "stablelm":
         # LayerNorm eps; llama.cpp tells the variants apart by which tensors exist
         config["layer_norm_eps"] = config.pop("rms_norm_eps")
@@ -192,7 +197,7 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face checkpoint name, for every tensor such a model may hold.
 
     Both `.weight` and `.bias` names are listed (biases exist for qwen2's q/k/v). Phi-3 keeps its
-    fused `qkv_proj` and `gate_up_proj` (`ffn_up` there). StableLM's QK norms map to
+    fused `qkv_proj` and `gate_up_proj` (`ffn_up` there), GLM-4 its fused `gate_up_proj`. StableLM's QK norms map to
     `self_attn.q_layernorm` / `k_layernorm`, one `[heads, head_dim]` tensor that
     `split_per_head_norm` turns into HF's per-head `norms.{h}.weight`. llama.cpp-only tensors with
     no HF checkpoint counterpart (`rope_freqs`, `rope_factors_long/short`) are absent. Raises
@@ -205,6 +210,9 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
         per_layer.update(_GEMMA_LAYER_TENSORS)
     if arch == "phi3":
         per_layer["ffn_up"] = "mlp.gate_up_proj"
+    if arch == "glm4":  # fused gate_up as Phi-3; two extra norms per layer
+        per_layer.update({"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+                          "post_ffw_norm": "post_mlp_layernorm"})
     if arch == "stablelm":
         per_layer.update({"attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"})
     names = {

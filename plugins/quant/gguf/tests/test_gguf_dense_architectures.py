@@ -1,4 +1,4 @@
-"""qwen3, phi3 and stablelm GGUF files through the whole engine give the same greedy ids as the
+"""qwen3, phi3, stablelm and glm4 GGUF files through the whole engine give the same greedy ids as the
 same model's safetensors checkpoint.
 
 Each test writes a tiny random transformers model, converts it to a float32 GGUF the way
@@ -56,7 +56,7 @@ def gguf_metadata(arch: str, config) -> dict:
         md["attention.layer_norm_epsilon"] = config.layer_norm_eps
     else:
         md["attention.layer_norm_rms_epsilon"] = config.rms_norm_eps
-    if arch == "qwen3":
+    if arch in ("qwen3", "glm4"):  # configs with head_dim
         md["attention.key_length"] = md["attention.value_length"] = head_dim
     if arch == "phi3":
         md["rope.scaling.original_context_length"] = config.original_max_position_embeddings
@@ -103,6 +103,7 @@ CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(
         **SMALL, partial_rotary_factor=0.5, original_max_position_embeddings=64,
         rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG}),
+    "glm4": lambda: transformers.Glm4Config(**SMALL, head_dim=16, partial_rotary_factor=0.5),
     "stablelm": lambda: transformers.StableLmConfig(
         **SMALL, partial_rotary_factor=0.25, use_qkv_bias=True, use_parallel_residual=True, qk_layernorm=True),
 }
