@@ -39,6 +39,11 @@ from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
 GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
+#: Architectures whose attention has q/k/v bias regardless of ``attention_bias`` (the MoE ones
+#: are served elsewhere but build their attention from :class:`LlamaAttention`).
+QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+#: Architectures with Qwen3's QK norm: one RMSNorm over ``head_size`` for all heads of q, one for k.
+QK_RMS_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +74,9 @@ class LlamaVariant:
         if act != "silu":
             raise ValueError(f"fw_llama supports hidden_act 'silu'; {arch} config has {act!r}")
         return cls(
-            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM" or (is_stablelm and bool(config.get("use_qkv_bias"))),
+            qkv_bias=attention_bias or arch in QKV_BIAS_ARCHITECTURES or (is_stablelm and bool(config.get("use_qkv_bias"))),
             o_proj_bias=attention_bias and not is_glm,
-            qk_norm="rms" if arch == "Qwen3ForCausalLM" else "layer_per_head" if is_stablelm and config.get("qk_layernorm") else None,
+            qk_norm="rms" if arch in QK_RMS_NORM_ARCHITECTURES else "layer_per_head" if is_stablelm and config.get("qk_layernorm") else None,
             norm="layer" if is_stablelm else "rms",
             eps=float(config.get("layer_norm_eps") or 1e-5) if is_stablelm else float(config.get("rms_norm_eps") or 1e-6),
             branch_norms=arch == "Glm4ForCausalLM",

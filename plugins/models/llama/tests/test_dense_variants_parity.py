@@ -145,3 +145,10 @@ def test_cli_generate_runs_a_glm4_directory(tmp_path):
     expected = reference_greedy(reference, [5, 9, 33, 2, 71], steps=8)
     eos = 1  # "</s>" ends the generation when greedy picks it
     assert output["token_ids"] == (expected[:expected.index(eos) + 1] if eos in expected else expected)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_path_greedy_tokens_match_transformers(tiny):
+    """Triton attention, Triton rotary (partial, interleaved) and norms, CUDA graphs (fp32)."""
+    path, reference = tiny
+    check_greedy_parity(path, reference, PROMPTS, device="cuda", dtype="f32")

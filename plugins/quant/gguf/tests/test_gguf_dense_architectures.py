@@ -63,8 +63,9 @@ def gguf_metadata(arch: str, config) -> dict:
     return md
 
 
-def write_gguf(hf_dir, path, arch: str, config) -> None:
-    """Convert the safetensors checkpoint in ``hf_dir`` to an all-float32 GGUF at ``path``."""
+def write_gguf(hf_dir, path, arch: str, config, matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> None:
+    """Convert the safetensors checkpoint in ``hf_dir`` to a GGUF at ``path``: weight matrices
+    as ``matrix_type``, everything else float32."""
     writer = gguf.GGUFWriter(path, arch)
     for key, value in gguf_metadata(arch, config).items():
         if isinstance(value, float):
@@ -86,7 +87,11 @@ def write_gguf(hf_dir, path, arch: str, config) -> None:
             stacked.setdefault(hf_name.split(".norms.")[0], []).append(tensor)
             continue
         base, suffix = hf_name.rsplit(".", 1)
-        writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", tensor.float().numpy())
+        gguf_name, values = f"{name_map.get_name(base)}.{suffix}", tensor.float().numpy()
+        if tensor.dim() == 2 and "norm" not in hf_name and matrix_type != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(values, matrix_type), raw_dtype=matrix_type)
+        else:
+            writer.add_tensor(gguf_name, values)
     for base, heads in stacked.items():
         writer.add_tensor(f"{name_map.get_name(base)}.weight", torch.stack(heads).float().numpy())
     if arch == "phi3":
@@ -150,3 +155,25 @@ def test_gguf_config_states_the_variant(converted):
         rope = rebuilt["rope_parameters"]
         assert rope["rope_type"] == "longrope"  # factors stored as float32 tensors, as transformers computes with them
         assert (rope["short_factor"], rope["long_factor"]) == (pytest.approx(SHORT), pytest.approx(LONG))
+
+
+@pytest.mark.parametrize("arch", ["phi3", "glm4"])
+def test_q8_0_fused_layers_kept_packed_match_transformers_on_the_dequantized_weights(arch, tmp_path, monkeypatch):
+    """Q8_0 matrices, kept packed and dequantized inside the matmul (the GPU path), including
+    the fused qkv / gate_up tensors split into shards: the logits equal transformers' on the
+    same model with every matrix replaced by its Q8_0 round trip."""
+    from framework.testing import check_logits_parity
+
+    reference = write_tiny_model(tmp_path / "hf", CONFIGS[arch]())
+    randomise_identity_params(reference)
+    reference.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    path = tmp_path / f"tiny-{arch}-q8_0.gguf"
+    write_gguf(tmp_path / "hf", path, arch, reference.config, gguf.GGMLQuantizationType.Q8_0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if param.dim() == 2 and "norm" not in name:
+                packed = gguf.quants.quantize(param.numpy(), q8)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(packed, q8)))
+    monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
+    check_logits_parity(path, reference, PROMPTS)
