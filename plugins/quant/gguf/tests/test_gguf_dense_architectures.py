@@ -26,6 +26,16 @@ PROMPTS = [[5, 9, 33, 2, 71], [int(x) for x in torch.randint(2, 160, (29,), gene
 STEPS = 32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy 2-core runner OpenMP's spinning
+    threads make them far slower; restore the setting for other modules."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def randomise_identity_params(model: torch.nn.Module) -> None:
     """Norm weights (ones) and biases (zeros) get random values, so that a misplaced one shows."""
     generator = torch.Generator().manual_seed(2)
@@ -115,7 +125,7 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def converted(request, tmp_path_factory):
+def converted(one_thread, request, tmp_path_factory):
     """``(arch, safetensors dir, gguf file, transformers model)``."""
     arch = request.param
     hf_dir = tmp_path_factory.mktemp(arch)
