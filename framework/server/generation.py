@@ -164,7 +164,11 @@ async def _pump(client: AsyncEngineClient, child_id: str, index: int, prompt_ind
                 else:
                     metrics.itl.observe(now - last)
             last = now
-            stopped = text.add(output.new_token_ids)
+            new_ids = output.new_token_ids
+            if (not params.skip_special_tokens and output.stop_token_id is not None and new_ids
+                    and new_ids[-1] == output.stop_token_id):
+                new_ids = new_ids[:-1]  # the stop token (EOS) is not text, even when special tokens are kept
+            stopped = text.add(new_ids)
             finish, stop_reason = output.finish_reason, output.stop_token_id
             if stopped:
                 finish, stop_reason = "stop", text.stop_string

@@ -56,6 +56,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -76,6 +77,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    # fw extensions: let the server run the MCP tools the model calls, for at most this many rounds
+    mcp_execute: bool = False
+    mcp_max_rounds: int = 4
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -86,7 +90,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 #: Fields that fw rejects when set (not None / not their default).
-UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "response_format",
                            "audio", "modalities", "prediction", "web_search_options", "service_tier")
 UNSUPPORTED_COMPLETION_FIELDS = ("suffix", "service_tier")
 
@@ -137,14 +141,57 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int] = []
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of a tool call: the first carries id, type and name; later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class MCPCallRecord(msgspec.Struct, kw_only=True):
+    """fw extension (``mcp_execute``): one tool call the server ran, and what the tool returned."""
+
+    id: str
+    name: str
+    arguments: str
+    result: str
+    is_error: bool = False
+
+
 class ResponseMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    #: fw extension: the MCP calls the server executed for this reply (``mcp_execute``).
+    mcp_calls: list[MCPCallRecord] | None = None
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):

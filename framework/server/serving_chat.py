@@ -6,11 +6,21 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 
 from framework.engine.outputs import LogprobEntry
 from framework.errors import ConfigError
+from framework.parsers.base import ToolParseDelta, assemble
+from framework.server.chat_tools import (
+    ParsedDelta,
+    ToolSetup,
+    choice_parser,
+    structured_outputs_for,
+    template_tool_calls,
+    tool_setup,
+)
 from framework.server.errors import APIError, bad_request, decode_body
 from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
 from framework.server.protocol import (
@@ -23,8 +33,13 @@ from framework.server.protocol import (
     ChatMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    MCPCallRecord,
     ResponseMessage,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
@@ -64,20 +79,31 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(message, key) is not None:
                 item[key] = getattr(message, key)
+        if message.tool_calls is not None:
+            item["tool_calls"] = template_tool_calls(message.tool_calls)
+        if message.reasoning is not None and message.reasoning_content is None:
+            item["reasoning_content"] = message.reasoning
         result.append(item)
     return result
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    messages = template_messages(body.messages)
+def chat_prompt_text(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
+                     messages: list[dict[str, Any]] | None = None) -> str:
+    """The rendered prompt: the messages (and ``tools``) through the model's chat template."""
+    messages = template_messages(body.messages) if messages is None else messages
     kwargs = dict(body.chat_template_kwargs or {})
     add_generation_prompt = kwargs.pop("add_generation_prompt", body.add_generation_prompt)
+    kwargs.pop("tools", None)
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
     except ConfigError as error:
         raise bad_request(str(error), "messages") from None
     except Exception as error:  # jinja2 errors from the model's own template
         raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    return tokenizer.encode(chat_prompt_text(tokenizer, body), add_special_tokens=False)
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[LogprobEntry] | None, token_ids: list[int]) -> ChatLogprobs | None:
@@ -99,59 +125,144 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     reject_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    mcp = state.mcp
+    setup = tool_setup(body, mcp.openai_tools() if mcp is not None else None)
+    if body.mcp_execute and (mcp is None or body.stream):
+        raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)" if mcp is None else
+                          "'mcp_execute' works with non-streamed requests only", "mcp_execute")
     release = state.admit(max(body.n, 1))
     try:
         client = state.client
-        prompt_ids = chat_prompt_ids(client.tokenizer, body)
-        release.add_tokens(len(prompt_ids) * max(body.n, 1))
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(prompt_ids)],
-                                       max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,
-                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                       defaults=state.config, default_max_tokens=state.config.max_gen_tokens)
+        turn = ChatTurn(state, body, setup, template_messages(body.messages))
+        release.add_tokens(len(turn.prompt_ids) * max(body.n, 1))
     except BaseException:
         release()
         raise
     request_id = new_id("chatcmpl")
-    events = run_choices(client, request_id, [prompt_ids], params, state.metrics, arrival)
     if body.stream:
+        events = run_choices(client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _chunks(state, request_id, events, params.n, len(prompt_ids), include_usage)
+        chunks = _chunks(state, request_id, events, turn, include_usage)
         body = sse_stream(chunks, finalize=release)
         return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                       background=release_after(release, body, chunks, events))
     try:
-        return Response(await until_disconnect(request, _response(state, request_id, events, params.n, len(prompt_ids))))
+        return Response(await until_disconnect(request, _response(state, request_id, turn, arrival)))
     finally:
         release()
 
 
-async def _response(state: ServerState, request_id: str, events: AsyncIterator[ChoiceDelta], n: int,
-                    num_prompt_tokens: int) -> ChatCompletionResponse:
-    choices = [ChoiceState() for _ in range(n)]
+class ChatTurn:
+    """One generation of a chat request: the prompt, its sampling params, a parser per choice."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup,
+                 messages: list[dict[str, Any]]) -> None:
+        self.body, self.setup, self.state = body, setup, state
+        client = state.client
+        self.prompt_text = chat_prompt_text(client.tokenizer, body, setup.tools, messages)
+        self.prompt_ids = client.tokenizer.encode(self.prompt_text, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(self.prompt_ids)],
+                                       max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,
+                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                       defaults=state.config, default_max_tokens=state.config.max_gen_tokens)
+        self.served = state.served_parsers()
+        self.parsers = [choice_parser(self.served, setup, self.prompt_text) for _ in range(max(params.n, 1))]
+        tools = next((p.tools for p in self.parsers if p is not None and p.tools is not None), None)
+        if tools is not None and tools.needs_special_tokens:
+            params = params.replace(skip_special_tokens=False)
+        reasoning = next((p.reasoning for p in self.parsers if p is not None and p.reasoning is not None), None)
+        start_after = reasoning.end_marker if reasoning is not None and reasoning.starts_in_reasoning else None
+        constraint = structured_outputs_for(setup, start_after)
+        if constraint is not None:
+            params = params.replace(structured_outputs=constraint)
+        self.params = params
+
+    def message(self, index: int, choice: ChoiceState) -> tuple[ResponseMessage, str | None]:
+        """The finished choice as a message, and its finish reason (``tool_calls`` when it called tools)."""
+        parser = self.parsers[index]
+        if parser is None:
+            return ResponseMessage(content=choice.text), choice.finish_reason
+        first, last = parser.feed(choice.text), parser.finish()
+        reasoning = (first.reasoning + last.reasoning) or None
+        calls = assemble([ToolParseDelta(first.content, first.tool_calls), ToolParseDelta(last.content, last.tool_calls)])
+        tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                      for c in calls.tool_calls] or None
+        finish = "tool_calls" if tool_calls and choice.finish_reason == "stop" else choice.finish_reason
+        return ResponseMessage(content=calls.content, tool_calls=tool_calls, reasoning_content=reasoning,
+                               reasoning=reasoning), finish
+
+
+async def _run_turn(state: ServerState, request_id: str, turn: ChatTurn, arrival: float) -> tuple[list[ChoiceState], int]:
+    """Generate every choice of one turn; also the number of prompt tokens found in the prefix cache."""
+    choices = [ChoiceState() for _ in range(turn.params.n)]
     num_cached = 0
-    wants_logprobs = None
-    async for delta in events:
+    async for delta in run_choices(state.client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival):
         choices[delta.index].add(delta)
         num_cached = max(num_cached, delta.num_cached_tokens)
-        wants_logprobs = wants_logprobs or delta.logprobs is not None
+    return choices, num_cached
+
+
+async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival: float) -> ChatCompletionResponse:
     tokenizer = state.client.tokenizer
-    completion_tokens = sum(len(c.token_ids) for c in choices)
+    prompt_tokens = completion_tokens = 0
+    mcp_calls: list[MCPCallRecord] = []
+    messages = template_messages(turn.body.messages)
+    for round_index in range(max(turn.body.mcp_max_rounds, 0) + 1):
+        choices, num_cached = await _run_turn(state, f"{request_id}-r{round_index}" if round_index else request_id,
+                                              turn, arrival)
+        prompt_tokens += len(turn.prompt_ids)
+        completion_tokens += sum(len(c.token_ids) for c in choices)
+        results = [turn.message(i, c) for i, c in enumerate(choices)]
+        message, _ = results[0]
+        if not (turn.body.mcp_execute and message.tool_calls and round_index < turn.body.mcp_max_rounds
+                and all(state.mcp.has_tool(call.function.name) for call in message.tool_calls)):
+            break
+        # The server runs the MCP calls of choice 0 and continues the conversation with their results.
+        messages.append({"role": "assistant", "content": message.content or "",
+                         "tool_calls": template_tool_calls([msgspec.to_builtins(c) for c in message.tool_calls])})
+        for call in message.tool_calls:
+            result, is_error = await state.mcp.call_tool(call.function.name, call.function.arguments)
+            mcp_calls.append(MCPCallRecord(id=call.id, name=call.function.name, arguments=call.function.arguments,
+                                           result=result, is_error=is_error))
+            messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result})
+        turn = ChatTurn(state, turn.body, turn.setup, messages)
+    wants_logprobs = turn.body.logprobs
+    response_choices = []
+    for i, (c, (message, finish)) in enumerate(zip(choices, results)):
+        if mcp_calls and i == 0:
+            message.mcp_calls = mcp_calls
+        response_choices.append(ChatChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
+                                           logprobs=chat_logprobs(tokenizer, c.logprobs if wants_logprobs else None,
+                                                                  c.token_ids)))
     return ChatCompletionResponse(
-        id=request_id, model=state.model_name,
-        choices=[ChatChoice(index=i, message=ResponseMessage(content=c.text),
-                            logprobs=chat_logprobs(tokenizer, c.logprobs if wants_logprobs else None, c.token_ids),
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for i, c in enumerate(choices)],
-        usage=Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
-                    total_tokens=num_prompt_tokens + completion_tokens,
+        id=request_id, model=state.model_name, choices=response_choices,
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
                     prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None))
 
 
-async def _chunks(state: ServerState, request_id: str, events: AsyncIterator[ChoiceDelta], n: int, num_prompt_tokens: int,
+def _delta_message(parsed: ParsedDelta, sent_calls: set[int]) -> DeltaMessage | None:
+    calls = []
+    for piece in parsed.tool_calls:
+        first = piece.index not in sent_calls
+        sent_calls.add(piece.index)
+        calls.append(DeltaToolCall(index=piece.index, id=piece.id if first else None, type="function" if first else None,
+                                   function=DeltaFunctionCall(name=piece.name if first else None,
+                                                              arguments=piece.arguments)))
+    if not (parsed.content or parsed.reasoning or calls):
+        return None
+    return DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
+                        reasoning=parsed.reasoning or None, tool_calls=calls or None)
+
+
+async def _chunks(state: ServerState, request_id: str, events: AsyncIterator[ChoiceDelta], turn: ChatTurn,
                   include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
     created = int(time.time())
     model = state.model_name
     tokenizer = state.client.tokenizer
+    n, num_prompt_tokens = turn.params.n, len(turn.prompt_ids)
+    sent_calls: list[set[int]] = [set() for _ in range(n)]
 
     def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=model, created=created, choices=choices, usage=usage)
@@ -162,11 +273,24 @@ async def _chunks(state: ServerState, request_id: str, events: AsyncIterator[Cho
     async for delta in events:
         completion_tokens += len(delta.token_ids)
         num_cached = max(num_cached, delta.num_cached_tokens)
-        if not delta.text and delta.finish_reason is None and delta.logprobs is None:
+        parser = turn.parsers[delta.index]
+        finish_reason = delta.finish_reason
+        if parser is None:
+            message = DeltaMessage(content=delta.text) if delta.text or finish_reason or delta.logprobs else None
+        else:
+            parsed = parser.feed(delta.text)
+            if finish_reason is not None:
+                tail = parser.finish()
+                parsed = ParsedDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content,
+                                     parsed.tool_calls + tail.tool_calls)
+                if parser.has_tool_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            message = _delta_message(parsed, sent_calls[delta.index])
+        if message is None and finish_reason is None and delta.logprobs is None:
             continue
-        yield chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
+        yield chunk([ChatStreamChoice(index=delta.index, delta=message or DeltaMessage(content=""),
                                       logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
-                                      finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                                      finish_reason=finish_reason, stop_reason=delta.stop_reason)])
     if include_usage:
         yield chunk([], Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
                               total_tokens=num_prompt_tokens + completion_tokens,
