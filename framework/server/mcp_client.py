@@ -149,7 +149,7 @@ class MCPManager:
             tool = next(t for t in server.tools if t.name == tool_name)
             result.append({"type": "function", "function": {
                 "name": name, "description": tool.description or "",
-                "parameters": tool.inputSchema or {"type": "object", "properties": {}}}})
+                "parameters": tool.input_schema or {"type": "object", "properties": {}}}})
         return result
 
     def has_tool(self, name: str) -> bool:
@@ -171,9 +171,9 @@ class MCPManager:
         except Exception as error:
             return f"calling {name} failed: {_describe(error)}", True
         texts = [getattr(part, "text", None) or json.dumps(_plain(part)) for part in result.content or []]
-        if not texts and getattr(result, "structuredContent", None) is not None:
-            texts = [json.dumps(result.structuredContent)]
-        return "\n".join(texts), bool(result.isError)
+        if not texts and getattr(result, "structured_content", None) is not None:
+            texts = [json.dumps(result.structured_content)]
+        return "\n".join(texts), bool(getattr(result, "is_error", False))
 
     def status(self) -> list[dict[str, Any]]:
         """Each server: transport, ``ok`` or ``error`` with the message, and its tool names."""
