@@ -1,6 +1,12 @@
-"""A real stdio MCP server for the tests, written with the official SDK (``python mcp_server_fixture.py``)."""
+"""A real MCP server for the tests, written with the official SDK.
+
+``python mcp_server_fixture.py`` serves over stdio; ``... --http PORT`` over streamable HTTP at
+``http://127.0.0.1:PORT/mcp``.
+"""
 
 from __future__ import annotations
+
+import sys
 
 from mcp.server.mcpserver import MCPServer
 
@@ -20,4 +26,7 @@ def shout(text: str) -> str:
 
 
 if __name__ == "__main__":
-    server.run("stdio")
+    if "--http" in sys.argv:
+        server.run("streamable-http", port=int(sys.argv[sys.argv.index("--http") + 1]))
+    else:
+        server.run("stdio")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -25,16 +28,48 @@ CALL = '<tool_call>\n{"name": "calc__add", "arguments": {"a": 2, "b": 40}}\n</to
 
 
 def scripted_reply(prompt: str) -> str:
-    """Call calc__add until a tool result is in the prompt; then answer with that result."""
+    """Call a tool (calc__add; web__shout when asked to shout) until a tool result is in the
+    prompt; then answer with that result."""
     results = re.findall(r"<\|tool\|>(.*?)(?=<\||\n|$)", prompt)
-    return f"The sum is {results[-1]}." if results else "Let me add.\n" + CALL
+    asked_to_shout = "<|user|>shout" in prompt
+    if results:
+        return f"Shouted: {results[-1]}" if asked_to_shout else f"The sum is {results[-1]}."
+    if asked_to_shout:
+        return '<tool_call>{"name": "web__shout", "arguments": {"text": "hello"}}</tool_call>'
+    return "Let me add.\n" + CALL
+
+
+def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the HTTP MCP server exited with {process.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError("the HTTP MCP server did not start")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, free_tcp_port):
+def http_mcp_url(free_tcp_port):
+    port = free_tcp_port()
+    process = subprocess.Popen([sys.executable, FIXTURE, "--http", str(port)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, process)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, free_tcp_port, http_mcp_url):
     config_file = tmp_path_factory.mktemp("mcp") / "mcp.json"
     config_file.write_text(json.dumps({"mcpServers": {
         "calc": {"command": sys.executable, "args": [FIXTURE]},
+        "web": {"url": http_mcp_url},
         "broken": {"command": sys.executable, "args": ["-c", "import sys; sys.exit(3)"]}}}))
     from framework.server.mcp_client import load_mcp_config
 
@@ -58,6 +93,8 @@ def test_servers_are_listed_with_their_tools_and_a_failed_one_with_its_error(ser
     servers = {s["name"]: s for s in httpx.get(server.base_url + "/v1/mcp/servers").json()["data"]}
     assert servers["calc"]["status"] == "ok" and servers["calc"]["transport"] == "stdio"
     assert sorted(servers["calc"]["tools"]) == ["calc__add", "calc__shout"]
+    assert servers["web"]["status"] == "ok" and servers["web"]["transport"] == "streamable-http"
+    assert sorted(servers["web"]["tools"]) == ["web__add", "web__shout"]
     assert servers["broken"]["status"] == "error" and servers["broken"]["error"] and not servers["broken"]["tools"]
 
 
@@ -65,7 +102,7 @@ def test_mcp_tools_are_offered_and_calls_returned_to_the_client(client, server):
     response = client.chat.completions.create(model="scripted", messages=MESSAGES)
     prompt = server.engine.prompts[-1]
     offered = json.loads(prompt[prompt.index("<tools>") + 7:prompt.index("</tools>")])
-    assert [t["function"]["name"] for t in offered] == ["calc__add", "calc__shout"]
+    assert [t["function"]["name"] for t in offered] == ["calc__add", "calc__shout", "web__add", "web__shout"]
     assert offered[0]["function"]["parameters"]["properties"]["a"]["type"] == "integer"
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
@@ -105,3 +142,29 @@ def test_tool_choice_none_offers_no_mcp_tools(client, server):
     response = client.chat.completions.create(model="scripted", messages=MESSAGES, tool_choice="none")
     assert "<tools>" not in server.engine.prompts[-1]
     assert response.choices[0].message.tool_calls is None and CALL in response.choices[0].message.content
+
+
+def test_mcp_execute_through_a_streamable_http_server(client):
+    response = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "shout hello"}],
+                                              extra_body={"mcp_execute": True})
+    assert response.choices[0].message.content == "Shouted: HELLO"
+    [record] = response.choices[0].message.model_extra["mcp_calls"]
+    assert (record["name"], record["result"]) == ("web__shout", "HELLO")
+
+
+def test_mcp_config_forms_and_errors(tmp_path):
+    from framework.errors import ConfigError
+    from framework.server.mcp_client import load_mcp_config
+
+    assert load_mcp_config(None, "python", "server.py --flag 'a b'") == {
+        "mcp": {"command": "python", "args": ["server.py", "--flag", "a b"]}}
+    assert load_mcp_config(None) is None
+    bad = tmp_path / "bad.json"
+    for content, message in [("{", "not valid JSON"), ('{"servers": {}}', "mcpServers"),
+                             ('{"mcpServers": {"x": {"command": "a", "url": "b"}}}', "exactly one of"),
+                             ('{"mcpServers": {"a__b": {"command": "a"}}}', "server name")]:
+        bad.write_text(content)
+        with pytest.raises(ConfigError, match=message):
+            load_mcp_config(str(bad))
+    with pytest.raises(ConfigError, match="needs --mcp-command"):
+        load_mcp_config(None, None, "x")
