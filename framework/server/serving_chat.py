@@ -178,6 +178,11 @@ class ChatTurn:
             params = params.replace(structured_outputs=constraint)
         self.params = params
 
+    @property
+    def calls_finish(self) -> bool:
+        """Whether a reply with calls finishes with ``tool_calls`` (OpenAI: ``stop`` for a named tool_choice)."""
+        return self.setup.mode in ("auto", "required")
+
     def message(self, index: int, choice: ChoiceState) -> tuple[ResponseMessage, str | None]:
         """The finished choice as a message, and its finish reason (``tool_calls`` when it called tools)."""
         parser = self.parsers[index]
@@ -188,7 +193,9 @@ class ChatTurn:
         calls = assemble([ToolParseDelta(first.content, first.tool_calls), ToolParseDelta(last.content, last.tool_calls)])
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in calls.tool_calls] or None
-        finish = "tool_calls" if tool_calls and choice.finish_reason == "stop" else choice.finish_reason
+        finish = choice.finish_reason
+        if tool_calls and finish == "stop" and self.calls_finish:
+            finish = "tool_calls"
         return ResponseMessage(content=calls.content, tool_calls=tool_calls, reasoning_content=reasoning,
                                reasoning=reasoning), finish
 
@@ -226,7 +233,9 @@ async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival
             mcp_calls.append(MCPCallRecord(id=call.id, name=call.function.name, arguments=call.function.arguments,
                                            result=result, is_error=is_error))
             messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result})
-        turn = ChatTurn(state, turn.body, turn.setup, messages)
+        # After a forced call (required / named) the model answers freely, the tools still in view.
+        setup = turn.setup if turn.setup.mode == "auto" else ToolSetup(tools=turn.setup.tools, mode="none")
+        turn = ChatTurn(state, turn.body, setup, messages)
     wants_logprobs = turn.body.logprobs
     response_choices = []
     for i, (c, (message, finish)) in enumerate(zip(choices, results)):
@@ -283,7 +292,7 @@ async def _chunks(state: ServerState, request_id: str, events: AsyncIterator[Cho
                 tail = parser.finish()
                 parsed = ParsedDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content,
                                      parsed.tool_calls + tail.tool_calls)
-                if parser.has_tool_calls and finish_reason == "stop":
+                if parser.has_tool_calls and finish_reason == "stop" and turn.calls_finish:
                     finish_reason = "tool_calls"
             message = _delta_message(parsed, sent_calls[delta.index])
         if message is None and finish_reason is None and delta.logprobs is None:
