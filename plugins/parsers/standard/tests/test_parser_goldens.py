@@ -166,3 +166,11 @@ def byte_level_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator([g[1] for g in GOLDENS] * 3, trainer)
     return Tokenizer(backend)
+
+
+def test_the_conformance_helper_accepts_every_golden():
+    from framework.testing import check_tool_parser_streaming
+
+    for name, text, content, calls in GOLDENS:
+        result = check_tool_parser_streaming(load(name), text, TOOLS)
+        assert summary(result) == (content, calls)
