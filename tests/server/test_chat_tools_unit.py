@@ -115,3 +115,51 @@ def test_serve_flags_reach_the_server_config(monkeypatch, tmp_path):
     assert config.mcp_servers == {"web": {"url": "http://127.0.0.1:1/mcp"}, "mcp": {"command": "python", "args": ["s.py", "-v"]}}
     bad = runner.invoke(app, ["serve", "--enforce-parser", "nope"])
     assert bad.exit_code != 0 and "valid:" in bad.output
+
+
+def test_reasoning_then_a_tool_call_split_the_same_streamed_and_not():
+    import random
+
+    from framework.server.chat_tools import ServedParsers, ToolSetup, choice_parser
+
+    served = resolve_parsers("qwen", "qwen3", None)
+    assert isinstance(served, ServedParsers)
+    setup = ToolSetup(tools=TOOLS, mode="auto")
+    text = ('<think>\nThe user wants weather; <tool_call> is how I call.\n</think>\n\nChecking.\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+    def run(pieces):
+        parser = choice_parser(served, setup, prompt_text="<|im_start|>assistant\n")
+        deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
+        calls: dict[int, list[str]] = {}
+        for d in deltas:
+            for c in d.tool_calls:
+                calls.setdefault(c.index, [c.name, ""])[1] += c.arguments
+        return ("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas),
+                [tuple(v) for v in calls.values()])
+
+    expected = ("The user wants weather; <tool_call> is how I call.", "Checking.", [("get_weather", '{"city": "Oslo"}')])
+    assert run([text]) == expected
+    for seed in range(6):
+        rng, pieces, i = random.Random(seed), [], 0
+        while i < len(text):
+            size = rng.randint(1, 7)
+            pieces.append(text[i:i + size])
+            i += size
+        assert run(pieces) == expected
+
+
+def test_the_constraint_starts_after_reasoning_or_is_refused_without_constrained_decoding():
+    from framework import sampling_params
+    from framework.server.chat_tools import structured_outputs_for
+
+    setup = tool_setup(request(tools=TOOLS, tool_choice="required"))
+    assert structured_outputs_for(tool_setup(request(tools=TOOLS)), "</think>") is None  # auto: unconstrained
+    if hasattr(sampling_params, "StructuredOutputsParams"):
+        constraint = structured_outputs_for(setup, "</think>")
+        assert constraint.json == setup.schema and constraint.start_after == "</think>"
+        assert structured_outputs_for(setup, None).start_after is None
+    else:
+        with pytest.raises(APIError) as error:
+            structured_outputs_for(setup, None)
+        assert error.value.status == 400 and error.value.param == "tool_choice"
