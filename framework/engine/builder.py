@@ -23,6 +23,7 @@ from framework.engine.engine import EngineCore
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import ModelRunner
 from framework.engine.sampler import Sampler
+from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError
 from framework.layers.attention import Attention
 from framework.loader import model_loader
@@ -238,8 +239,11 @@ class EngineBuilder:
         runner = ModelRunner(self.torch_model, backend, kv_caches, cache.block_size, self.device, sampler)
         graphs = self.capture_cuda_graphs(backend, kv_caches)
         runner.graph_runner = graphs
+        grammars = StructuredOutputManager(self._tokenizer, vocab_size=self.config.vocab_size,
+                                           stop_token_ids=sorted(self.config.eos_token_ids), device=self.device)
+        runner.structured_outputs = grammars
         engine_config = EngineConfig(self.config, cache, self.scheduler, str(self.device), self.backend_name, self.seed)
-        core = EngineCore(engine_config, runner, kv_manager)
+        core = EngineCore(engine_config, runner, kv_manager, structured_outputs=grammars)
         summary = {
             "model": self.config.source,
             "architecture": self.config.architecture,

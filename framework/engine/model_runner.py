@@ -48,6 +48,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
+        self.structured_outputs = None  # a StructuredOutputManager: grammar masks on the logits
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Build ``input_ids``, ``positions`` and the attention metadata for ``batch``."""
@@ -120,7 +121,12 @@ class ModelRunner:
                 last_rows.append(offsets[index + 1] - 1)
         if not sampling:
             return pooled
+        grammar = self.structured_outputs
+        # filled on the host while the device computes; applied outside any CUDA graph
+        bitmask = grammar.prepare_bitmask(sampling) if grammar is not None else None
         logits = self.model.compute_logits(hidden[last_rows]).float()
+        if bitmask is not None:
+            grammar.apply_bitmask(logits, bitmask)
         out = self.sampler(logits, sampling)
         token_ids = out.token_ids.tolist()
         results = [SampledToken(request, token) for request, token in zip(sampling, token_ids)]
