@@ -127,9 +127,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     mcp = state.mcp
     setup = tool_setup(body, mcp.openai_tools() if mcp is not None else None)
-    if body.mcp_execute and (mcp is None or body.stream):
-        raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)" if mcp is None else
-                          "'mcp_execute' works with non-streamed requests only", "mcp_execute")
+    if body.mcp_execute:
+        if mcp is None:
+            raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)", "mcp_execute")
+        if body.stream or body.n != 1:
+            raise bad_request("'mcp_execute' works with non-streamed requests of n = 1", "mcp_execute")
     release = state.admit(max(body.n, 1))
     try:
         client = state.client
@@ -225,7 +227,7 @@ async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival
         if not (turn.body.mcp_execute and message.tool_calls and round_index < turn.body.mcp_max_rounds
                 and all(state.mcp.has_tool(call.function.name) for call in message.tool_calls)):
             break
-        # The server runs the MCP calls of choice 0 and continues the conversation with their results.
+        # The server runs the MCP calls and continues the conversation with their results.
         messages.append({"role": "assistant", "content": message.content or "",
                          "tool_calls": template_tool_calls([msgspec.to_builtins(c) for c in message.tool_calls])})
         for call in message.tool_calls:

