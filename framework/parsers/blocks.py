@@ -73,6 +73,7 @@ class MarkerToolParser(ToolParser):
         self.pending_ws = ""
         self.seen_text = False  # non-space content or a block came before (start openers are off)
         self.after_call = False  # whitespace right after a call is dropped
+        self.scan_cache: dict = {}  # resumable scanning state of long arguments (see json_scan.container_end)
 
     def scan_block(self, text: str, start: int, marker: str, final: bool) -> BlockScan:
         """Read the block opened by ``marker`` at ``text[start]``; ``final``: no more text comes."""
@@ -161,11 +162,11 @@ class MarkerToolParser(ToolParser):
 
 
 def read_json_calls(text: str, i: int, *, args_keys: tuple[str, ...] = ("arguments", "parameters"),
-                    separator: str | None = None) -> tuple[list[RawCall], int | None, bool]:
+                    separator: str | None = None, cache: dict | None = None) -> tuple[list[RawCall], int | None, bool]:
     """Read a call object, an array of them, or objects joined by ``separator``, from ``text[i]``.
 
     Returns ``(calls, end, is_malformed)``: ``end`` is past the last value (or the malformed
-    position), None while the text goes on inside it.
+    position), None while the text goes on inside it. ``cache``: the parser's ``scan_cache``.
     """
     calls: list[RawCall] = []
     in_array = i < len(text) and text[i] == "["
@@ -175,7 +176,7 @@ def read_json_calls(text: str, i: int, *, args_keys: tuple[str, ...] = ("argumen
     while True:
         if j >= len(text):
             return calls, None, False
-        scan = scan_call(text, j, args_keys=args_keys)
+        scan = scan_call(text, j, args_keys=args_keys, cache=cache)
         if scan.name is not None:
             calls.append(RawCall(scan.name, scan.arguments(text)))
         if scan.malformed_at is not None:

@@ -9,11 +9,14 @@ offending position) when the text cannot be JSON. :func:`scan_call` reads one to
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\n\r"
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
 _LITERALS = ("true", "false", "null")
+_STRING_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
+_OUTSIDE_STRINGS = re.compile(r'[^"{}\[\]]*')
 
 
 class Incomplete(Exception):
@@ -36,15 +39,9 @@ def skip_ws(text: str, i: int) -> int:
 
 def scan_string(text: str, i: int) -> int:
     """``text[i]`` is ``"``; return the index past the closing quote (raw control chars allowed)."""
-    j = i + 1
-    while j < len(text):
-        char = text[j]
-        if char == "\\":
-            j += 2
-            continue
-        if char == '"':
-            return j + 1
-        j += 1
+    j = _STRING_BODY.match(text, i + 1).end()  # a regex, not a Python loop: arguments can be long code
+    if j < len(text) and text[j] == '"':
+        return j + 1
     raise Incomplete
 
 
@@ -113,6 +110,39 @@ def _scan_container(text: str, i: int, close: str, is_object: bool) -> int:
             raise Incomplete
 
 
+def container_end(text: str, start: int, cache: dict | None = None) -> int:
+    """Past the object or array at ``text[start]``, found by bracket depth alone (strings skipped).
+
+    Resumable: with a ``cache`` (one per growing text), a call scans only the characters added
+    since the last call, so streaming a long arguments object costs linear, not quadratic, time.
+    Raises Incomplete while the container is open.
+    """
+    pos, depth, in_string = (cache or {}).get(start, (start, 0, False))
+    while pos < len(text):
+        if in_string:
+            pos = _STRING_BODY.match(text, pos).end()
+            if pos >= len(text) or text[pos] != '"':  # the text ends inside the string (maybe mid-escape)
+                break
+            in_string, pos = False, pos + 1
+            continue
+        pos = _OUTSIDE_STRINGS.match(text, pos).end()
+        if pos >= len(text):
+            break
+        char = text[pos]
+        pos += 1
+        if char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        else:
+            depth -= 1
+            if depth == 0:
+                return pos
+    if cache is not None:
+        cache[start] = (pos, depth, in_string)
+    raise Incomplete
+
+
 @dataclass(slots=True)
 class CallScan:
     """How far one tool-call object has been read.
@@ -145,8 +175,11 @@ class CallScan:
 
 
 def scan_call(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
-              args_keys: tuple[str, ...] = ("arguments", "parameters")) -> CallScan:
-    """Read the call object starting at ``text[i]`` (``{``) as far as the text goes."""
+              args_keys: tuple[str, ...] = ("arguments", "parameters"), cache: dict | None = None) -> CallScan:
+    """Read the call object starting at ``text[i]`` (``{``) as far as the text goes.
+
+    An arguments object or array is delimited by :func:`container_end` (resumable with ``cache``).
+    """
     scan = CallScan()
     try:
         if i >= len(text):
@@ -179,7 +212,8 @@ def scan_call(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
                 scan.name = json.loads(text[j:value_end], strict=False)
             elif key in args_keys and scan.args_start is None:
                 scan.args_start = j
-                value_end = scan.args_end = scan_value(text, j)
+                is_container = text[j] in "{["
+                value_end = scan.args_end = container_end(text, j, cache) if is_container else scan_value(text, j)
             else:
                 value_end = scan_value(text, j)
             j = skip_ws(text, value_end)

@@ -43,5 +43,5 @@ class ConstrainedCallsParser(MarkerToolParser):
     start_openers = ("[",)
 
     def scan_block(self, text: str, start: int, marker: str, final: bool) -> BlockScan:
-        calls, end, _ = read_json_calls(text, start, args_keys=("parameters", "arguments"))
+        calls, end, _ = read_json_calls(text, start, args_keys=("parameters", "arguments"), cache=self.scan_cache)
         return BlockScan(calls, end)

@@ -13,5 +13,5 @@ class JsonToolParser(MarkerToolParser):
     start_openers = ("{", "[")
 
     def scan_block(self, text: str, start: int, marker: str, final: bool) -> BlockScan:
-        calls, end, _ = read_json_calls(text, start, args_keys=("arguments", "parameters"))
+        calls, end, _ = read_json_calls(text, start, args_keys=("arguments", "parameters"), cache=self.scan_cache)
         return BlockScan(calls, end)

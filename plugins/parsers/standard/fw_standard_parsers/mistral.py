@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from framework.parsers.blocks import BlockScan, MarkerToolParser, RawCall, expect_marker, read_json_calls
-from framework.parsers.json_scan import Incomplete, Malformed, scan_value, skip_ws
+from framework.parsers.json_scan import Incomplete, Malformed, container_end, scan_value, skip_ws
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -25,7 +25,7 @@ class MistralToolParser(MarkerToolParser):
         if i >= len(text):
             return BlockScan([], None)
         if text[i] in "[{":
-            calls, end, _ = read_json_calls(text, i, args_keys=("arguments", "parameters"))
+            calls, end, _ = read_json_calls(text, i, args_keys=("arguments", "parameters"), cache=self.scan_cache)
             return BlockScan(calls, end)
         match = _NAME.match(text, i)
         if match is None:
@@ -50,7 +50,8 @@ class MistralToolParser(MarkerToolParser):
         call = RawCall(match.group(), "")
         args_start = skip_ws(text, args_start)
         try:
-            end = scan_value(text, args_start)
+            is_container = args_start < len(text) and text[args_start] in "{["
+            end = container_end(text, args_start, self.scan_cache) if is_container else scan_value(text, args_start)
         except Incomplete:
             if args_start < len(text) and text[args_start] in "{[":
                 call.arguments = text[args_start:]
