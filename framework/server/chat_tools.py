@@ -98,13 +98,16 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def tool_setup(body: Any, extra_tools: list[dict[str, Any]] | None = None) -> ToolSetup:
-    """Validate ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (``extra_tools``: the MCP tools,
-    offered when the request brings none of its own)."""
+def tool_setup(body: Any, extra_tools: list[dict[str, Any]] | None = None, can_parse_calls: bool = True) -> ToolSetup:
+    """Validate ``tools`` / ``tool_choice`` / ``parallel_tool_calls``.
+
+    ``extra_tools`` (the MCP tools) are offered when the request brings none of its own, unless
+    the server has no tool parser (``can_parse_calls``) and the request did not ask for a call.
+    """
     tools = validate_tools(body.tools)
-    if tools is None and extra_tools:
-        tools = extra_tools
     choice = body.tool_choice
+    if tools is None and extra_tools and (can_parse_calls or choice not in (None, "auto")):
+        tools = extra_tools
     parallel = body.parallel_tool_calls is not False
     if choice is None:
         choice = "auto" if tools else "none"

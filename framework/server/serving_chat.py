@@ -126,7 +126,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     mcp = state.mcp
-    setup = tool_setup(body, mcp.openai_tools() if mcp is not None else None)
+    setup = tool_setup(body, mcp.openai_tools() if mcp is not None else None,
+                       can_parse_calls=mcp is None or state.served_parsers().tool is not None)
     if body.mcp_execute:
         if mcp is None:
             raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)", "mcp_execute")

@@ -62,6 +62,10 @@ def test_tool_choice_modes():
     assert named.mode == "named" and named.schema["items"]["properties"]["name"]["enum"] == ["get_time"]
     offered = tool_setup(request(), extra_tools=TOOLS)  # MCP tools when the request brings none
     assert offered.mode == "auto" and offered.tools == TOOLS
+    # a server without a tool parser offers them only when the request asks for a call
+    assert tool_setup(request(), extra_tools=TOOLS, can_parse_calls=False).mode == "none"
+    forced = tool_setup(request(tool_choice="required"), extra_tools=TOOLS, can_parse_calls=False)
+    assert forced.mode == "required" and forced.tools == TOOLS
 
 
 @pytest.mark.parametrize("fields,param", [

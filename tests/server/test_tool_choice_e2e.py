@@ -88,6 +88,12 @@ def test_required_tool_choice_streamed_equals_non_streamed(client):
     assert [(name, json.loads(args)) for name, args in streamed.values()] == calls
 
 
+def test_plain_chat_still_works_on_a_model_without_a_tool_format(client):
+    # SmolLM2's template has no tool markup, so the MCP tools are not offered to plain requests.
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=5)
+    assert response.choices[0].message.content and not response.choices[0].message.tool_calls
+
+
 def test_mcp_tool_is_called_and_its_result_fed_back(client, server):
     tools = {s["name"]: s for s in httpx.get(server.base_url + "/v1/mcp/servers").json()["data"]}["mcp"]["tools"]
     assert sorted(tools) == ["mcp__add", "mcp__shout"]
