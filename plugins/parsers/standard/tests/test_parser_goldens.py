@@ -174,3 +174,22 @@ def test_the_conformance_helper_accepts_every_golden():
     for name, text, content, calls in GOLDENS:
         result = check_tool_parser_streaming(load(name), text, TOOLS)
         assert summary(result) == (content, calls)
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<function=get_weather>", "<parameter=city>", "</parameter>", "</function>",
+             "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", '{"name": "get_weather", "arguments": ', '{"city": "Oslo"}',
+             "{", "}", "[", "]", '"', "\\", ",", ";", " ", "\n", "get_time", "text", "<", "<tool", "[TOOL"]
+
+
+@pytest.mark.parametrize("name", ["qwen", "hermes", "qwen_coder", "json", "mistral", "llama3"])
+def test_random_marker_soup_never_raises_and_streams_like_one_shot(name):
+    """Deterministic fuzzing: replies built from markup fragments, valid or not."""
+    parser_cls = load(name)
+    rng = random.Random(1234)
+    for _ in range(150):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 14)))
+        one_shot = parser_cls(TOOLS).parse(text)
+        streamed, _ = stream(parser_cls, text, random_pieces(text, rng.randint(0, 99)))
+        assert summary(streamed) == summary(one_shot), text
+        if not one_shot.tool_calls:
+            assert one_shot.content == text  # nothing read as a call: every character is content

@@ -65,3 +65,15 @@ def test_a_prompt_that_opens_think_starts_the_reply_in_reasoning():
 ])
 def test_default_parsers_are_picked_from_the_chat_template(template, expected):
     assert plugins.call_first("default_parsers", model_config=None, chat_template=template) == expected
+
+
+@pytest.mark.parametrize("name,starts", [("qwen3", False), ("qwen3", True), ("deepseek_r1", False)])
+def test_random_tag_soup_streams_like_one_shot(name, starts):
+    rng = random.Random(99)
+    fragments = ["<think>", "</think>", "<th", "</thi", "<", " ", "\n", "word", "x"]
+    for _ in range(200):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(1, 12)))
+        expected = make(name, starts).parse(text)
+        parser = make(name, starts)
+        pieces = [parser.feed(p) for p in chunks(text, rng.randint(0, 99))] + [parser.finish()]
+        assert ("".join(r for r, _ in pieces) or None, "".join(c for _, c in pieces)) == expected, text
