@@ -192,6 +192,8 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     reasoning_content: str | None = None
     reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    #: fw extension (``mcp_execute``): calls the server ran between two rounds, with their results.
+    mcp_calls: list[MCPCallRecord] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 
 from framework.engine.outputs import LogprobEntry
 from framework.errors import ConfigError
-from framework.parsers.base import ToolParseDelta, assemble
+from framework.parsers.base import ToolCall, ToolCallDelta, ToolParseDelta, assemble
 from framework.server.chat_tools import (
     ParsedDelta,
     ToolSetup,
@@ -22,7 +22,7 @@ from framework.server.chat_tools import (
     tool_setup,
 )
 from framework.server.errors import APIError, bad_request, decode_body
-from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
+from framework.server.generation import ChoiceState, build_sampling_params, run_choices
 from framework.server.protocol import (
     UNSUPPORTED_CHAT_FIELDS,
     ChatChoice,
@@ -131,11 +131,10 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if body.mcp_execute:
         if mcp is None:
             raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)", "mcp_execute")
-        if body.stream or body.n != 1:
-            raise bad_request("'mcp_execute' works with non-streamed requests of n = 1", "mcp_execute")
+        if body.n != 1:
+            raise bad_request("'mcp_execute' works with requests of n = 1", "mcp_execute")
     release = state.admit(max(body.n, 1))
     try:
-        client = state.client
         turn = ChatTurn(state, body, setup, template_messages(body.messages))
         release.add_tokens(len(turn.prompt_ids) * max(body.n, 1))
     except BaseException:
@@ -143,12 +142,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         raise
     request_id = new_id("chatcmpl")
     if body.stream:
-        events = run_choices(client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _chunks(state, request_id, events, turn, include_usage)
+        chunks = _chunks(state, request_id, turn, arrival, include_usage)
         body = sse_stream(chunks, finalize=release)
         return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                      background=release_after(release, body, chunks, events))
+                      background=release_after(release, body, chunks))
     try:
         return Response(await until_disconnect(request, _response(state, request_id, turn, arrival)))
     finally:
@@ -181,6 +179,12 @@ class ChatTurn:
             params = params.replace(structured_outputs=constraint)
         self.params = params
 
+    def next_round(self, messages: list[dict[str, Any]]) -> ChatTurn:
+        """The turn after the server ran MCP calls: after a forced call (required / named) the model
+        answers freely, the tools still in view."""
+        setup = self.setup if self.setup.mode == "auto" else ToolSetup(tools=self.setup.tools, mode="none")
+        return ChatTurn(self.state, self.body, setup, messages)
+
     @property
     def calls_finish(self) -> bool:
         """Whether a reply with calls finishes with ``tool_calls`` (OpenAI: ``stop`` for a named tool_choice)."""
@@ -203,6 +207,20 @@ class ChatTurn:
                                reasoning=reasoning), finish
 
 
+async def _execute_mcp_calls(state: ServerState, messages: list[dict[str, Any]], content: str,
+                             calls: list[ToolCall]) -> list[MCPCallRecord]:
+    """Run MCP ``calls`` in order; append the assistant turn and the tool results to ``messages``."""
+    messages.append({"role": "assistant", "content": content, "tool_calls": template_tool_calls(
+        [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls])})
+    records = []
+    for call in calls:
+        result, is_error = await state.mcp.call_tool(call.name, call.arguments)
+        records.append(MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result,
+                                     is_error=is_error))
+        messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
+    return records
+
+
 async def _run_turn(state: ServerState, request_id: str, turn: ChatTurn, arrival: float) -> tuple[list[ChoiceState], int]:
     """Generate every choice of one turn; also the number of prompt tokens found in the prefix cache."""
     choices = [ChoiceState() for _ in range(turn.params.n)]
@@ -217,6 +235,7 @@ async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival
     tokenizer = state.client.tokenizer
     prompt_tokens = completion_tokens = 0
     mcp_calls: list[MCPCallRecord] = []
+    contents: list[str] = []  # the text of earlier rounds, which a streaming client would have seen too
     messages = template_messages(turn.body.messages)
     for round_index in range(max(turn.body.mcp_max_rounds, 0) + 1):
         choices, num_cached = await _run_turn(state, f"{request_id}-r{round_index}" if round_index else request_id,
@@ -228,17 +247,13 @@ async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival
         if not (turn.body.mcp_execute and message.tool_calls and round_index < turn.body.mcp_max_rounds
                 and all(state.mcp.has_tool(call.function.name) for call in message.tool_calls)):
             break
-        # The server runs the MCP calls and continues the conversation with their results.
-        messages.append({"role": "assistant", "content": message.content or "",
-                         "tool_calls": template_tool_calls([msgspec.to_builtins(c) for c in message.tool_calls])})
-        for call in message.tool_calls:
-            result, is_error = await state.mcp.call_tool(call.function.name, call.function.arguments)
-            mcp_calls.append(MCPCallRecord(id=call.id, name=call.function.name, arguments=call.function.arguments,
-                                           result=result, is_error=is_error))
-            messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result})
-        # After a forced call (required / named) the model answers freely, the tools still in view.
-        setup = turn.setup if turn.setup.mode == "auto" else ToolSetup(tools=turn.setup.tools, mode="none")
-        turn = ChatTurn(state, turn.body, setup, messages)
+        calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
+        mcp_calls += await _execute_mcp_calls(state, messages, message.content or "", calls)
+        if message.content:
+            contents.append(message.content)
+        turn = turn.next_round(messages)
+    if contents:
+        message.content = "\n\n".join(contents + [message.content or ""]).rstrip("\n")
     wants_logprobs = turn.body.logprobs
     response_choices = []
     for i, (c, (message, finish)) in enumerate(zip(choices, results)):
@@ -268,42 +283,73 @@ def _delta_message(parsed: ParsedDelta, sent_calls: set[int]) -> DeltaMessage | 
                         reasoning=parsed.reasoning or None, tool_calls=calls or None)
 
 
-async def _chunks(state: ServerState, request_id: str, events: AsyncIterator[ChoiceDelta], turn: ChatTurn,
+async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: float,
                   include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+    """The SSE chunks of a streamed chat request.
+
+    With ``mcp_execute``, tool calls are held until the round ends: if they are all MCP tools the
+    server runs them, sends them with their results as ``delta.mcp_calls`` and streams the next
+    round (its text after a blank line); otherwise the calls are sent whole, then the finish.
+    """
     created = int(time.time())
-    model = state.model_name
-    tokenizer = state.client.tokenizer
-    n, num_prompt_tokens = turn.params.n, len(turn.prompt_ids)
+    model, tokenizer, n = state.model_name, state.client.tokenizer, turn.params.n
     sent_calls: list[set[int]] = [set() for _ in range(n)]
+    executing = turn.body.mcp_execute
+    messages = template_messages(turn.body.messages) if executing else []
 
     def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=model, created=created, choices=choices, usage=usage)
 
     for i in range(n):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-    completion_tokens = num_cached = 0
-    async for delta in events:
-        completion_tokens += len(delta.token_ids)
-        num_cached = max(num_cached, delta.num_cached_tokens)
-        parser = turn.parsers[delta.index]
-        finish_reason = delta.finish_reason
-        if parser is None:
-            message = DeltaMessage(content=delta.text) if delta.text or finish_reason or delta.logprobs else None
-        else:
-            parsed = parser.feed(delta.text)
-            if finish_reason is not None:
-                tail = parser.finish()
-                parsed = ParsedDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content,
-                                     parsed.tool_calls + tail.tool_calls)
-                if parser.has_tool_calls and finish_reason == "stop" and turn.calls_finish:
-                    finish_reason = "tool_calls"
-            message = _delta_message(parsed, sent_calls[delta.index])
-        if message is None and finish_reason is None and delta.logprobs is None:
-            continue
-        yield chunk([ChatStreamChoice(index=delta.index, delta=message or DeltaMessage(content=""),
-                                      logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
-                                      finish_reason=finish_reason, stop_reason=delta.stop_reason)])
+    prompt_tokens = completion_tokens = num_cached = 0
+    has_content = False
+    for round_index in range(max(turn.body.mcp_max_rounds, 0) + 1):
+        prompt_tokens += len(turn.prompt_ids)
+        held: list[ToolCallDelta] = []
+        round_content, calls = "", []
+        events = run_choices(state.client, f"{request_id}-r{round_index}" if round_index else request_id,
+                             [turn.prompt_ids], turn.params, state.metrics, arrival)
+        async with contextlib.aclosing(events):
+            async for delta in events:
+                completion_tokens += len(delta.token_ids)
+                num_cached = max(num_cached, delta.num_cached_tokens)
+                parser = turn.parsers[delta.index]
+                finish_reason = delta.finish_reason
+                if parser is None:
+                    parsed = ParsedDelta(content=delta.text)
+                else:
+                    parsed = parser.feed(delta.text)
+                    if finish_reason is not None:
+                        tail = parser.finish()
+                        parsed = ParsedDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content,
+                                             parsed.tool_calls + tail.tool_calls)
+                        if parser.has_tool_calls and finish_reason == "stop" and turn.calls_finish:
+                            finish_reason = "tool_calls"
+                if executing:
+                    held += parsed.tool_calls
+                    parsed.tool_calls = []
+                    if parsed.content and round_index and has_content and not round_content:
+                        parsed.content = "\n\n" + parsed.content  # a later round's text after a blank line
+                    round_content += parsed.content
+                has_content = has_content or bool(parsed.content)
+                calls = assemble([ToolParseDelta(tool_calls=held)]).tool_calls if finish_reason and held else []
+                if calls and round_index < turn.body.mcp_max_rounds and all(state.mcp.has_tool(c.name) for c in calls):
+                    finish_reason = None  # the server runs these calls and goes on
+                elif calls:
+                    parsed.tool_calls = [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls)]
+                    calls = []
+                message = _delta_message(parsed, sent_calls[delta.index])
+                if message is not None or finish_reason is not None or delta.logprobs is not None:
+                    yield chunk([ChatStreamChoice(index=delta.index, delta=message or DeltaMessage(content=""),
+                                                  logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
+                                                  finish_reason=finish_reason, stop_reason=delta.stop_reason)])
+        if not (executing and calls):
+            break
+        records = await _execute_mcp_calls(state, messages, round_content, calls)
+        yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(mcp_calls=records))])
+        turn = turn.next_round(messages)
     if include_usage:
-        yield chunk([], Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=num_prompt_tokens + completion_tokens,
+        yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens,
                               prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None))

@@ -123,12 +123,37 @@ def test_streamed_tool_call_deltas_assemble_to_the_non_streamed_call(client):
 def test_mcp_execute_runs_the_tool_and_continues_with_its_result(client, server):
     response = client.chat.completions.create(model="scripted", messages=MESSAGES, extra_body={"mcp_execute": True})
     message = response.choices[0].message
-    assert message.content == "The sum is 42." and not message.tool_calls
+    assert message.content == "Let me add.\n\nThe sum is 42." and not message.tool_calls
     [record] = message.model_extra["mcp_calls"]
     assert record["name"] == "calc__add" and json.loads(record["arguments"]) == {"a": 2, "b": 40}
     assert record["result"] == "42" and record["is_error"] is False
     assert response.choices[0].finish_reason == "stop"
     assert '"calc__add"' in server.engine.prompts[-1] and "<|tool|>42" in server.engine.prompts[-1]
+
+
+def test_streamed_mcp_execute_streams_each_round_and_the_calls_between(client, server):
+    chunks = list(client.chat.completions.create(model="scripted", messages=MESSAGES, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body={"mcp_execute": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Let me add.\n\nThe sum is 42."
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    [records] = [c.choices[0].delta.model_extra["mcp_calls"] for c in chunks
+                 if c.choices and c.choices[0].delta.model_extra.get("mcp_calls")]
+    assert [(r["name"], r["result"]) for r in records] == [("calc__add", "42")]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].usage.prompt_tokens > 0 and chunks[-1].usage.completion_tokens == sum(
+        len(server.engine.tokenizer.encode(t, add_special_tokens=False)) for t in ("Let me add.\n" + CALL, "The sum is 42."))
+
+
+def test_streamed_mcp_execute_sends_calls_it_cannot_run_whole(client):
+    tools = [{"type": "function", "function": {"name": "calc__add", "parameters": {"type": "object"}}}]
+    chunks = list(client.chat.completions.create(model="scripted", messages=MESSAGES, stream=True, tools=tools,
+                                                 tool_choice="auto", extra_body={"mcp_execute": True, "mcp_max_rounds": 0}))
+    pieces = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(pieces) == 1 and pieces[0].function.name == "calc__add"
+    assert json.loads(pieces[0].function.arguments) == {"a": 2, "b": 40}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_request_tools_replace_the_mcp_tools(client, server):
