@@ -346,7 +346,7 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
                                                   finish_reason=finish_reason, stop_reason=delta.stop_reason)])
         if not (executing and calls):
             break
-        records = await _execute_mcp_calls(state, messages, round_content, calls)
+        records = await _execute_mcp_calls(state, messages, round_content.strip(), calls)
         yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(mcp_calls=records))])
         turn = turn.next_round(messages)
     if include_usage:
