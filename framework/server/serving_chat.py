@@ -28,7 +28,8 @@ from framework.server.protocol import (
     TopLogprob,
     Usage,
 )
-from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
+from framework.server.state import ServerState, engine_error, new_id, release_after, sse_stream, until_disconnect
+from framework.server.structured_outputs import first_event_or_error
 from framework.tokenizer import Tokenizer
 
 
@@ -114,6 +115,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         raise
     request_id = new_id("chatcmpl")
     events = run_choices(client, request_id, [prompt_ids], params, state.metrics, arrival)
+    if body.stream and params.structured_outputs is not None:  # an invalid grammar is a 400, not an SSE error
+        events = await first_event_or_error(events, release, engine_error)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _chunks(state, request_id, events, params.n, len(prompt_ids), include_usage)
