@@ -198,13 +198,14 @@ SCHEMAS = {
     "nested": {"type": "object", "properties": {
         "point": {"type": "object", "properties": {"x": INT_0_99, "y": INT_0_99}, "required": ["x", "y"]},
         "label": {"type": "string", "maxLength": 8}}, "required": ["point", "label"]},
-    "objects": {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+    "objects": {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
         "type": "object", "properties": {"id": INT_0_99, "ok": {"type": "boolean"}}, "required": ["id", "ok"]}}},
                 "required": ["items"]},
 }
 QUESTIONS = {"person": "Describe a person (name and age) as JSON.", "enum": "Pick a color and say if it is bright, as JSON.",
              "array": "Give up to three test scores as JSON.", "nested": "Give a labeled 2D point as JSON.",
-             "objects": "List one or two items with an id and an ok flag as JSON."}
+             "objects": "List one item with an id and an ok flag as JSON."}
+SAMPLED = ("person", "enum")
 
 
 @pytest.fixture(scope="module")
@@ -217,11 +218,14 @@ def _chat(llm, question: str) -> dict:
 
 
 @needs_default_model
+@pytest.mark.slow
 def test_default_model_outputs_follow_their_grammars(default_llm):
-    """One batch: every schema greedy and sampled, regex, choice, json_object, and a free request."""
+    """One batch (CPU steps cost per request): every schema greedy, two sampled, regex, choice,
+    json_object, and a free request that must match the same request run alone."""
     prompts, params, kinds = [], [], []
     for name, schema in SCHEMAS.items():
-        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
+        samplings = [{"temperature": 0}] + ([{"temperature": 0.8, "seed": 11}] if name in SAMPLED else [])
+        for sampling in samplings:
             prompts.append(_chat(default_llm, QUESTIONS[name]))
             params.append(SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema), **sampling))
             kinds.append(name)
@@ -241,7 +245,6 @@ def test_default_model_outputs_follow_their_grammars(default_llm):
     texts = {}
     for kind, result in zip(kinds, results):
         output = result.outputs[0]
-        print(kind, repr(output.text), output.finish_reason)
         if kind in SCHEMAS:
             assert output.finish_reason == "stop", (kind, output.text)
             jsonschema.validate(json.loads(output.text), SCHEMAS[kind])
@@ -251,3 +254,33 @@ def test_default_model_outputs_follow_their_grammars(default_llm):
     assert isinstance(json.loads(texts["json_object"].text), dict)
     alone = default_llm.generate([prompts[-1]], free)[0].outputs[0]
     assert texts["free"].token_ids == alone.token_ids
+
+
+# --- on the GPU: masks applied on the device, outside the CUDA graphs -----------------------------
+@pytest.mark.gpu
+def test_gpu_grammar_masks_beside_cuda_graphs_match_the_cpu(tiny_path):
+    gpu = LLM(tiny_path, device="cuda", dtype="f32", num_blocks=64)
+    assert "decode graphs" in gpu.engine.summary["cuda_graphs"]
+    prompts = [_prompt(i) for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(t[2-9]){8}")),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["t7t8", "t9"])),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    on_gpu = [_ids(r) for r in gpu.generate(prompts, params)]
+    on_cpu = [_ids(r) for r in LLM(tiny_path, device="cpu", num_blocks=64).generate(prompts, params)]
+    assert on_gpu == on_cpu
+    assert len(on_gpu[0][0]) == 9 and set(on_gpu[0][0][:8]) <= set(range(2, 10)) and on_gpu[0][0][8] == EOS
+
+
+@pytest.mark.gpu
+@needs_default_model
+def test_gpu_default_model_json_schemas_validate():
+    llm = LLM(device="cuda")
+    prompts = [_chat(llm, QUESTIONS[name]) for name in SCHEMAS]
+    params = [SamplingParams(temperature=t, seed=1, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema))
+              for schema in SCHEMAS.values() for t in (0.0, 1.0)]
+    results = llm.generate([p for p in prompts for _ in range(2)], params)
+    for (name, _), result in zip([(n, t) for n in SCHEMAS for t in range(2)], results):
+        output = result.outputs[0]
+        assert output.finish_reason == "stop", (name, output.text)
+        jsonschema.validate(json.loads(output.text), SCHEMAS[name])
