@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -25,13 +26,19 @@ def generate(
     d: o.Devices = None, tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0,
     master_addr: o.MasterAddr = "127.0.0.1", master_port: o.MasterPort = None,
     rendezvous_timeout: o.RendezvousTimeout = 300.0, distributed_timeout: o.DistributedTimeout = 600.0,
+    json_schema: Annotated[Path | None, typer.Option("--json-schema", help="A JSON Schema file: the output is JSON "
+                                                     "valid under it.")] = None,
+    regex: Annotated[str | None, typer.Option("--regex", help="The output is a full match of this regex.")] = None,
+    choice: Annotated[list[str] | None, typer.Option("--choice", help="The output is one of these strings "
+                                                     "(repeat the option).")] = None,
 ) -> None:
     """Generate a completion for PROMPT and print it."""
     from framework import LLM, SamplingParams
     from framework.errors import FwError
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                structured_outputs=_structured_outputs(json_schema, regex, choice))
         kwargs = o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device, d=d,
                                  max_model_len=max_model_len, mem_mb=mem, attention_backend=attention_backend,
                                  no_cuda_graph=no_cuda_graph,
@@ -55,3 +62,20 @@ def generate(
                                "prompt_token_ids": result.prompt_token_ids}))
     else:
         typer.echo(output.text)
+
+
+def _structured_outputs(json_schema: Path | None, regex: str | None, choice: list[str] | None):
+    """``--json-schema`` / ``--regex`` / ``--choice`` as StructuredOutputsParams (None when none is given)."""
+    from framework.sampling_params import StructuredOutputsParams
+
+    if json_schema is None and regex is None and not choice:
+        return None
+    schema = None
+    if json_schema is not None:
+        try:
+            schema = json.loads(json_schema.read_text())
+        except OSError as exc:
+            raise ValueError(f"--json-schema: cannot read {json_schema}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--json-schema: {json_schema} is not JSON: {exc}") from None
+    return StructuredOutputsParams(json=schema, regex=regex, choice=choice or None)

@@ -31,6 +31,11 @@ def serve(
     seed: Annotated[int, typer.Option("--seed", help="Engine seed (weights a format leaves uninitialized).")] = 0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
     ui_server: Annotated[bool, typer.Option("--ui-server", help="Also serve the chat web UI, on the API port minus one (--p 2000: http://host:1999).")] = False,
+    enforce_parser: Annotated[str | None, typer.Option("--enforce-parser", help="Tool-call parser (qwen, qwen_coder, json, mistral, llama3, none); default: picked from the chat template.")] = None,
+    reasoning_parser: Annotated[str | None, typer.Option("--reasoning-parser", help="Reasoning parser (qwen3, deepseek_r1, none); default: picked from the chat template.")] = None,
+    mcp_config: Annotated[str | None, typer.Option("--mcp-config", help="JSON file of MCP servers in the mcpServers format (command/args/env for stdio, url for streamable HTTP).")] = None,
+    mcp_command: Annotated[str | None, typer.Option("--mcp-command", help="Command of one stdio MCP server (named 'mcp').")] = None,
+    mcp_args: Annotated[str | None, typer.Option("--mcp-args", help="Arguments of --mcp-command, as one shell-quoted string.")] = None,
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", hidden=True)] = None,
     tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0, master_addr: o.MasterAddr = "127.0.0.1",
     master_port: o.MasterPort = None, rendezvous_timeout: o.RendezvousTimeout = 300.0,
@@ -58,6 +63,11 @@ def serve(
                 raise ConfigError(f"{name} must be in [-2, 2], got {value}")
         if max_gen_tokens is not None and max_gen_tokens < 1:
             raise ConfigError(f"--max-gen-tokens must be >= 1, got {max_gen_tokens}")
+        from framework.server.chat_tools import check_parser_names
+        from framework.server.mcp_client import load_mcp_config
+
+        check_parser_names(enforce_parser, reasoning_parser)
+        mcp_servers = load_mcp_config(mcp_config, mcp_command, mcp_args)
         root = m or w
         if root is None:  # the embedded default model
             from framework.loader.source import DEFAULT_MODEL_FILE
@@ -68,7 +78,8 @@ def serve(
                               max_queued_requests=max_queued_requests, max_queued_tokens=max_queued_tokens,
                               max_request_bytes=max_request_bytes,
                               max_gen_tokens=max_gen_tokens, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty)
+                              frequency_penalty=frequency_penalty, tool_parser=enforce_parser,
+                              reasoning_parser=reasoning_parser, mcp_servers=mcp_servers)
         engine_kwargs = o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device, d=d,
                                         yarn_scaling_factor=yarn_scaling_factor,
                                         max_model_len=max_model_len, kv_fraction=kv_fraction, mem_mb=mem,

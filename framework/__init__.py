@@ -19,15 +19,16 @@ hookimpl = pluggy.HookimplMarker("fw")
 _LAZY = {
     "LLM": "framework.llm:LLM",
     "SamplingParams": "framework.sampling_params:SamplingParams",
+    "StructuredOutputsParams": "framework.sampling_params:StructuredOutputsParams",
     "EngineBuilder": "framework.engine.builder:EngineBuilder",
 }
 
 if TYPE_CHECKING:
     from framework.engine.builder import EngineBuilder
     from framework.llm import LLM
-    from framework.sampling_params import SamplingParams
+    from framework.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["hookimpl", "LLM", "SamplingParams", "EngineBuilder", "__version__"]
+__all__ = ["hookimpl", "LLM", "SamplingParams", "StructuredOutputsParams", "EngineBuilder", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -123,10 +123,11 @@ def register_reasoning_parsers() -> list[Any]:
 
 
 @hookspec(firstresult=True)
-def default_parsers(model_config: Any) -> dict | None:
+def default_parsers(model_config: Any, chat_template: str | None) -> dict | None:
     """Pick parsers for a model when the user named none, or ``None`` to pass.
 
-    Called once per served model. Returns ``{"tool": name | None, "reasoning": name | None}``,
+    Called once per served model (the API server calls it with ``model_config=None`` and the
+    tokenizer's ``chat_template`` text). Returns ``{"tool": name | None, "reasoning": name | None}``,
     typically from the chat template. First non-``None`` result wins; fw's default (trylast)
     returns no parsers.
     """

@@ -7,6 +7,7 @@ every error names the field, the value given and the valid range.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from typing import Any
 
@@ -16,6 +17,72 @@ _MAX_LOGPROBS = 20
 _MAX_ABS_LOGIT_BIAS = 100.0
 _MAX_ABS_OPENAI_PENALTY = 2.0
 _GREEDY_TEMPERATURE = 1e-5
+_CONSTRAINT_FIELDS = ("json", "json_object", "regex", "grammar", "choice")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A grammar that every generated token must keep the output inside (vLLM's field names).
+
+    Exactly one constraint is given:
+
+    ================  ==============================================================
+    field             the output is
+    ================  ==============================================================
+    ``json``          JSON valid under this JSON Schema (a dict, or its JSON text).
+    ``json_object``   any JSON object (OpenAI's ``{"type": "json_object"}``).
+    ``regex``         a full match of this regular expression.
+    ``grammar``       a sentence of this EBNF grammar (the GBNF dialect xgrammar reads;
+                      the start rule is ``root``).
+    ``choice``        exactly one of these strings.
+    ================  ==============================================================
+
+    ``start_after``: the constraint applies only to the text generated after this string
+    (e.g. ``"</think>"`` for a reasoning model); before it, generation is free.
+
+    The struct checks its own shape; whether a schema, regex or grammar compiles is checked by
+    the engine's grammar compiler, which reports the error to the caller.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    start_after: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, grammar, choice; "
+                f"got {'none' if not given else ', '.join(given)}"
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json must be a JSON Schema, got text that is not JSON: {exc}") from None
+            _check(isinstance(schema, (dict, bool)), "structured_outputs.json", self.json, "a JSON Schema object")
+        for name in ("regex", "grammar", "start_after"):
+            value = getattr(self, name)
+            _check(value is None or value != "", f"structured_outputs.{name}", value, "a non-empty string")
+        if self.choice is not None:
+            _check(len(self.choice) > 0, "structured_outputs.choice", self.choice, "a non-empty list of strings")
+            for option in self.choice:
+                _check(isinstance(option, str) and option != "", "structured_outputs.choice items", option, "non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name: ``json``, ``json_object``, ``regex``, ``grammar`` or ``choice``."""
+        return next(name for name in _CONSTRAINT_FIELDS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text, canonical enough to key a cache of compiled grammars."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            value = _json.loads(value)
+        return value if isinstance(value, str) else _json.dumps(value, sort_keys=True)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -52,6 +119,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                                     k = also the k most likely alternatives; in [0, 20].
     ``prompt_logprobs``             as ``logprobs``, for every prompt token.
     ``skip_special_tokens``         drop special tokens when detokenizing.
+    ``structured_outputs``          a `StructuredOutputsParams` grammar the output must follow
+                                    (JSON schema, regex, EBNF, choice); None = free text.
     ==============================  ==========================================================
 
     Logprobs are of the model's raw distribution (before penalties, temperature and
@@ -77,6 +146,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Comparisons are written as `not (valid)` so that NaN fails them too.
@@ -139,6 +209,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
+            structured_outputs=None
+            if self.structured_outputs is None
+            else msgspec.structs.replace(self.structured_outputs),
         )
 
 

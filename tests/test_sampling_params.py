@@ -121,3 +121,48 @@ def test_decoding_validates_too():
         msgspec.json.decode(b'{"temperature": -0.5}', type=SamplingParams)
     decoded = msgspec.json.decode(b'{"logit_bias": {"42": 3}, "top_k": -1}', type=SamplingParams)
     assert decoded.logit_bias == {42: 3.0} and decoded.top_k == 0
+
+
+# --- structured outputs ------------------------------------------------------------------
+def test_structured_outputs_take_exactly_one_constraint():
+    from framework.sampling_params import StructuredOutputsParams
+
+    assert StructuredOutputsParams(json={"type": "object"}).kind == "json"
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+    assert StructuredOutputsParams(choice=["yes", "no"], start_after="</think>").kind == "choice"
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, grammar, choice; got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="got regex, choice"):
+        StructuredOutputsParams(regex="a+", choice=["a"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"json": "{not json"}, "structured_outputs.json must be a JSON Schema, got text that is not JSON"),
+        ({"json": "[1, 2]"}, "structured_outputs.json must be a JSON Schema object"),
+        ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+        ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
+        ({"choice": ["a", ""]}, "structured_outputs.choice items must be non-empty strings"),
+        ({"grammar": "root ::= \"a\"", "start_after": ""}, "structured_outputs.start_after must be a non-empty string"),
+    ],
+)
+def test_structured_outputs_errors_name_the_field(kwargs, message):
+    from framework.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_structured_outputs_cross_the_process_boundary_and_key_the_cache():
+    from framework.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", "required": ["a"]}))
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded == params
+    # the same schema as a dict or as text (any key order) is one cache entry
+    as_text = StructuredOutputsParams(json='{"required": ["a"], "type": "object"}')
+    assert as_text.spec == params.structured_outputs.spec
+    with pytest.raises(msgspec.ValidationError, match="exactly one"):
+        msgspec.json.decode(b'{"structured_outputs": {"regex": "a", "grammar": "root ::= \\"a\\""}}', type=SamplingParams)
+    assert params.clone().structured_outputs == params.structured_outputs

@@ -27,6 +27,7 @@ from framework.engine.engine import EngineCore
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import ModelRunner
 from framework.engine.sampler import Sampler
+from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError, FwError, ModelLoadError
 from framework.layers.attention import Attention
 from framework.loader import model_loader
@@ -346,8 +347,11 @@ class EngineBuilder:
         cache = self.cache
         max_cached = None if cache.prefix_cache_max_tokens is None else cache.prefix_cache_max_tokens // cache.block_size
         kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
+        grammars = StructuredOutputManager(self._tokenizer, vocab_size=self.config.vocab_size,
+                                           stop_token_ids=sorted(self.config.eos_token_ids), device=self.device)
+        runner.structured_outputs = grammars
         engine_config = EngineConfig(self.config, cache, self.scheduler, str(self.device), self.backend_name, self.seed)
-        core = EngineCore(engine_config, runner, kv_manager)
+        core = EngineCore(engine_config, runner, kv_manager, structured_outputs=grammars)
         summary = {
             "model": self.config.source,
             "architecture": self.config.architecture,

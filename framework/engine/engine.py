@@ -13,9 +13,10 @@ from framework.config import EngineConfig
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import ModelRunner
 from framework.engine.outputs import EngineStats, RequestOutput
-from framework.engine.request import FinishReason, Request
+from framework.engine.request import FinishReason, Request, RequestStatus
 from framework.engine.sampler import make_generator
 from framework.engine.scheduler import Scheduler
+from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError
 from framework.sampling_params import SamplingParams
 
@@ -27,10 +28,12 @@ POOLING_TYPES = (None, "mean", "last")
 class EngineCore:
     """Continuous batching over one model. Not thread-safe: one caller drives ``step``."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, kv_cache: KVCacheManager,
+                 structured_outputs: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.runner = runner
         self.kv_cache = kv_cache
+        self.structured_outputs = structured_outputs  # None: requests with structured_outputs are refused
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
@@ -43,6 +46,8 @@ class EngineCore:
 
         With ``pooling`` (``"mean"`` or ``"last"``) the request is an embedding: the prompt is
         run once and its output carries the L2-normalized pooled hidden state, no tokens.
+        With ``params.structured_outputs`` an invalid grammar raises ConfigError here; a valid
+        one compiles in the background and the request is scheduled once it is ready.
         """
         if pooling not in POOLING_TYPES:
             raise ConfigError(f"unknown pooling {pooling!r}; valid: mean, last")
@@ -68,8 +73,13 @@ class EngineCore:
                           max_model_len=min(model.max_model_len, capacity), pooling=pooling)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.runner.device)
+        if params.structured_outputs is not None and not pooling:
+            if self.structured_outputs is None:
+                raise ConfigError("this engine was built without structured outputs support")
+            self.structured_outputs.add_request(request)  # waits in the manager until compiled
+        else:
+            self.scheduler.add(request)
         self.requests[request_id] = request
-        self.scheduler.add(request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already finished."""
@@ -77,24 +87,26 @@ class EngineCore:
         if request is None:
             return False
         self.scheduler.finish(request, FinishReason.ABORT)
+        if self.structured_outputs is not None:
+            self.structured_outputs.release(request)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.structured_outputs is not None and self.structured_outputs.num_compiling > 0)
 
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, sample, and report what each request produced."""
+        outputs = self._admit_compiled() if self.structured_outputs is not None else []
         batch = self.scheduler.schedule()
         if not batch.requests:
-            return []
+            return outputs
         sampled = self.runner.execute(batch)
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prompt_tokens += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += num_new
             self.kv_cache.cache_full_blocks(request)
-        outputs = []
         for item in sampled:
             request = item.request
             if item.embedding is not None:
@@ -107,6 +119,8 @@ class EngineCore:
             request.output_token_ids.append(item.token_id)
             self.num_generation_tokens += 1
             reason = request.check_stop()
+            if request.structured_output is not None and self.structured_outputs.accept_token(request, item.token_id):
+                reason = reason or FinishReason.STOP  # the grammar is complete
             output = RequestOutput(
                 request_id=request.request_id,
                 new_token_ids=[item.token_id],
@@ -118,9 +132,27 @@ class EngineCore:
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 self.requests.pop(request.request_id, None)
+                request.structured_output = None
                 output.finish_reason = reason.value
                 output.stop_token_id = request.stop_token_id
             outputs.append(output)
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar compiled; those whose compile failed finish ("abort")."""
+        manager = self.structured_outputs
+        if not manager.num_compiling:
+            return []
+        ready, failed = manager.pop_ready(timeout_s=0.0 if self.scheduler.has_work() else 0.05)
+        for request in ready:
+            self.scheduler.add(request)
+        outputs = []
+        for request, message in failed:
+            log.error("request %s: %s", request.request_id, message)
+            self.requests.pop(request.request_id, None)
+            request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+            outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="abort",
+                                         num_prompt_tokens=request.num_prompt_tokens))
         return outputs
 
     def stats(self) -> EngineStats:

@@ -57,6 +57,7 @@ class ModelRunner:
         self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
         self.broadcast: Callable[[StepMessage], object] | None = None  # rank 0 of a tensor-parallel group
         self.block_tables = BlockTableSync()  # what the workers know of each request's block ids
+        self.structured_outputs = None  # a StructuredOutputManager: grammar masks on the logits
 
     @staticmethod
     def step_inputs(batch: ScheduledBatch) -> list[StepInput]:
@@ -153,7 +154,12 @@ class ModelRunner:
                 last_rows.append(offsets[index + 1] - 1)
         if not sampling:
             return pooled
+        grammar = self.structured_outputs
+        # filled on the host while the device computes; applied outside any CUDA graph
+        bitmask = grammar.prepare_bitmask(sampling) if grammar is not None else None
         logits = self.model.compute_logits(hidden[last_rows]).float()
+        if bitmask is not None:
+            grammar.apply_bitmask(logits, bitmask)
         out = self.sampler(logits, sampling)
         token_ids = out.token_ids.tolist()
         results = [SampledToken(request, token) for request, token in zip(sampling, token_ids)]

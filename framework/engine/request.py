@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from framework.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from framework.engine.structured_outputs import StructuredOutputState
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +59,7 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)
     pooling: str | None = None  # "mean" or "last": an embedding request (no tokens are generated)
     pooled: torch.Tensor | None = None  # running sum (mean) or last hidden state over the prompt
+    structured_output: StructuredOutputState | None = None  # the grammar state, if structured_outputs is set
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -72,6 +72,11 @@ class OpenAIController(Controller):
     async def models(self, server: Server) -> ModelList:
         return ModelList(data=[_model_card(server, name) for name in server.config.served_model_names or [server.model_name]])
 
+    @get("/mcp/servers")
+    async def mcp_servers(self, server: Server) -> dict[str, Any]:
+        """fw extension: the configured MCP servers, each with its status (and error) and tools."""
+        return {"object": "list", "data": server.mcp.status() if server.mcp is not None else []}
+
     @get("/models/{model_id:path}")
     async def model(self, server: Server, model_id: FromPath[str]) -> ModelCard:
         model_id = model_id.lstrip("/")
@@ -170,11 +175,18 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
         if start_engine:
             task = asyncio.create_task(engine_client.start())
             task.add_done_callback(_report)
+        if config.mcp_servers:
+            from framework.server.mcp_client import MCPManager
+
+            state.mcp = MCPManager(config.mcp_servers)
+            await state.mcp.start()
         try:
             yield
         finally:
             if task is not None and not task.done():
                 task.cancel()
+            if state.mcp is not None:
+                await state.mcp.close()
             await engine_client.shutdown()
 
     def _report(task: asyncio.Task) -> None:

@@ -22,6 +22,7 @@ from framework.server.engine_client import AsyncEngineClient
 from framework.server.errors import APIError, bad_request
 from framework.server.metrics import ServerMetrics
 from framework.server.state import ServerConfig
+from framework.server.structured_outputs import structured_outputs_from_request
 
 
 @dataclass(slots=True)
@@ -105,7 +106,8 @@ def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: lis
               "min_tokens": body.min_tokens, "stop": stop, "stop_token_ids": list(body.stop_token_ids or []),
               "include_stop_str_in_output": body.include_stop_str_in_output, "ignore_eos": body.ignore_eos,
               "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-              "skip_special_tokens": body.skip_special_tokens}
+              "skip_special_tokens": body.skip_special_tokens,
+              "structured_outputs": structured_outputs_from_request(body)}
     try:
         return SamplingParams(**fields)
     except ValueError as error:
@@ -164,7 +166,11 @@ async def _pump(client: AsyncEngineClient, child_id: str, index: int, prompt_ind
                 else:
                     metrics.itl.observe(now - last)
             last = now
-            stopped = text.add(output.new_token_ids)
+            new_ids = output.new_token_ids
+            if (not params.skip_special_tokens and output.stop_token_id is not None and new_ids
+                    and new_ids[-1] == output.stop_token_id):
+                new_ids = new_ids[:-1]  # the stop token (EOS) is not text, even when special tokens are kept
+            stopped = text.add(new_ids)
             finish, stop_reason = output.finish_reason, output.stop_token_id
             if stopped:
                 finish, stop_reason = "stop", text.stop_string

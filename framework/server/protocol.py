@@ -44,6 +44,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # structured outputs (framework/server/structured_outputs.py): at most one of these
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI fields fw does not support yet: setting one is a 400 naming it.
     best_of: int | None = None
     service_tier: Any = None
@@ -56,6 +62,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -76,6 +83,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    # fw extensions: let the server run the MCP tools the model calls, for at most this many rounds
+    mcp_execute: bool = False
+    mcp_max_rounds: int = 4
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -83,10 +93,11 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    response_format: Any = None
 
 
 #: Fields that fw rejects when set (not None / not their default).
-UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call",
                            "audio", "modalities", "prediction", "web_search_options", "service_tier")
 UNSUPPORTED_COMPLETION_FIELDS = ("suffix", "service_tier")
 
@@ -137,14 +148,59 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int] = []
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of a tool call: the first carries id, type and name; later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class MCPCallRecord(msgspec.Struct, kw_only=True):
+    """fw extension (``mcp_execute``): one tool call the server ran, and what the tool returned."""
+
+    id: str
+    name: str
+    arguments: str
+    result: str
+    is_error: bool = False
+
+
 class ResponseMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    #: fw extension: the MCP calls the server executed for this reply (``mcp_execute``).
+    mcp_calls: list[MCPCallRecord] | None = None
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    #: fw extension (``mcp_execute``): calls the server ran between two rounds, with their results.
+    mcp_calls: list[MCPCallRecord] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):

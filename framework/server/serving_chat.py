@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,6 +12,15 @@ from litestar.response import Stream
 
 from framework.engine.outputs import LogprobEntry
 from framework.errors import ConfigError
+from framework.parsers.base import ToolCall, ToolCallDelta, ToolParseDelta, assemble
+from framework.server.chat_tools import (
+    ParsedDelta,
+    ToolSetup,
+    choice_parser,
+    structured_outputs_for,
+    template_tool_calls,
+    tool_setup,
+)
 from framework.server.errors import APIError, bad_request, decode_body
 from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
 from framework.server.protocol import (
@@ -23,12 +33,18 @@ from framework.server.protocol import (
     ChatMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    MCPCallRecord,
     ResponseMessage,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
-from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
+from framework.server.state import ServerState, engine_error, new_id, release_after, sse_stream, until_disconnect
+from framework.server.structured_outputs import first_event_or_error
 from framework.tokenizer import Tokenizer
 
 
@@ -64,20 +80,31 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(message, key) is not None:
                 item[key] = getattr(message, key)
+        if message.tool_calls is not None:
+            item["tool_calls"] = template_tool_calls(message.tool_calls)
+        if message.reasoning is not None and message.reasoning_content is None:
+            item["reasoning_content"] = message.reasoning
         result.append(item)
     return result
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    messages = template_messages(body.messages)
+def chat_prompt_text(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
+                     messages: list[dict[str, Any]] | None = None) -> str:
+    """The rendered prompt: the messages (and ``tools``) through the model's chat template."""
+    messages = template_messages(body.messages) if messages is None else messages
     kwargs = dict(body.chat_template_kwargs or {})
     add_generation_prompt = kwargs.pop("add_generation_prompt", body.add_generation_prompt)
+    kwargs.pop("tools", None)
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
     except ConfigError as error:
         raise bad_request(str(error), "messages") from None
     except Exception as error:  # jinja2 errors from the model's own template
         raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    return tokenizer.encode(chat_prompt_text(tokenizer, body), add_special_tokens=False)
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[LogprobEntry] | None, token_ids: list[int]) -> ChatLogprobs | None:
@@ -99,75 +126,238 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     reject_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    mcp = state.mcp
+    setup = tool_setup(body, mcp.openai_tools() if mcp is not None else None,
+                       can_parse_calls=mcp is None or state.served_parsers().tool is not None)
+    if body.mcp_execute:
+        if mcp is None:
+            raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)", "mcp_execute")
+        if body.n != 1:
+            raise bad_request("'mcp_execute' works with requests of n = 1", "mcp_execute")
     release = state.admit(max(body.n, 1))
     try:
-        client = state.client
-        prompt_ids = chat_prompt_ids(client.tokenizer, body)
-        release.add_tokens(len(prompt_ids) * max(body.n, 1))
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(prompt_ids)],
-                                       max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,
-                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                       defaults=state.config, default_max_tokens=state.config.max_gen_tokens)
+        turn = ChatTurn(state, body, setup, template_messages(body.messages))
+        release.add_tokens(len(turn.prompt_ids) * max(body.n, 1))
     except BaseException:
         release()
         raise
     request_id = new_id("chatcmpl")
-    events = run_choices(client, request_id, [prompt_ids], params, state.metrics, arrival)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _chunks(state, request_id, events, params.n, len(prompt_ids), include_usage)
+        events = run_choices(state.client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival)
+        if turn.params.structured_outputs is not None:  # an invalid grammar is a 400, not an SSE error
+            events = await first_event_or_error(events, release, engine_error)
+        chunks = _chunks(state, request_id, turn, arrival, include_usage, events)
         body = sse_stream(chunks, finalize=release)
         return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                       background=release_after(release, body, chunks, events))
     try:
-        return Response(await until_disconnect(request, _response(state, request_id, events, params.n, len(prompt_ids))))
+        return Response(await until_disconnect(request, _response(state, request_id, turn, arrival)))
     finally:
         release()
 
 
-async def _response(state: ServerState, request_id: str, events: AsyncIterator[ChoiceDelta], n: int,
-                    num_prompt_tokens: int) -> ChatCompletionResponse:
-    choices = [ChoiceState() for _ in range(n)]
+class ChatTurn:
+    """One generation of a chat request: the prompt, its sampling params, a parser per choice."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup,
+                 messages: list[dict[str, Any]]) -> None:
+        self.body, self.setup, self.state = body, setup, state
+        client = state.client
+        self.prompt_text = chat_prompt_text(client.tokenizer, body, setup.tools, messages)
+        self.prompt_ids = client.tokenizer.encode(self.prompt_text, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(self.prompt_ids)],
+                                       max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,
+                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                       defaults=state.config, default_max_tokens=state.config.max_gen_tokens)
+        self.served = state.served_parsers()
+        self.parsers = [choice_parser(self.served, setup, self.prompt_text) for _ in range(max(params.n, 1))]
+        tools = next((p.tools for p in self.parsers if p is not None and p.tools is not None), None)
+        if tools is not None and tools.needs_special_tokens:
+            params = params.replace(skip_special_tokens=False)
+        reasoning = next((p.reasoning for p in self.parsers if p is not None and p.reasoning is not None), None)
+        start_after = reasoning.end_marker if reasoning is not None and reasoning.starts_in_reasoning else None
+        constraint = structured_outputs_for(setup, start_after)
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
+                                  "response_format or structured_outputs", "tool_choice")
+            params = params.replace(structured_outputs=constraint)
+        self.params = params
+
+    def next_round(self, messages: list[dict[str, Any]]) -> ChatTurn:
+        """The turn after the server ran MCP calls: after a forced call (required / named) the model
+        answers freely, the tools still in view."""
+        setup = self.setup if self.setup.mode == "auto" else ToolSetup(tools=self.setup.tools, mode="none")
+        return ChatTurn(self.state, self.body, setup, messages)
+
+    @property
+    def calls_finish(self) -> bool:
+        """Whether a reply with calls finishes with ``tool_calls`` (OpenAI: ``stop`` for a named tool_choice)."""
+        return self.setup.mode in ("auto", "required")
+
+    def message(self, index: int, choice: ChoiceState) -> tuple[ResponseMessage, str | None]:
+        """The finished choice as a message, and its finish reason (``tool_calls`` when it called tools)."""
+        parser = self.parsers[index]
+        if parser is None:
+            return ResponseMessage(content=choice.text), choice.finish_reason
+        first, last = parser.feed(choice.text), parser.finish()
+        reasoning = (first.reasoning + last.reasoning) or None
+        calls = assemble([ToolParseDelta(first.content, first.tool_calls), ToolParseDelta(last.content, last.tool_calls)])
+        tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                      for c in calls.tool_calls] or None
+        finish = choice.finish_reason
+        if tool_calls and finish == "stop" and self.calls_finish:
+            finish = "tool_calls"
+        return ResponseMessage(content=calls.content, tool_calls=tool_calls, reasoning_content=reasoning,
+                               reasoning=reasoning), finish
+
+
+async def _execute_mcp_calls(state: ServerState, messages: list[dict[str, Any]], content: str,
+                             calls: list[ToolCall]) -> list[MCPCallRecord]:
+    """Run MCP ``calls`` in order; append the assistant turn and the tool results to ``messages``."""
+    messages.append({"role": "assistant", "content": content, "tool_calls": template_tool_calls(
+        [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls])})
+    records = []
+    for call in calls:
+        result, is_error = await state.mcp.call_tool(call.name, call.arguments)
+        records.append(MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result,
+                                     is_error=is_error))
+        messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
+    return records
+
+
+async def _run_turn(state: ServerState, request_id: str, turn: ChatTurn, arrival: float) -> tuple[list[ChoiceState], int]:
+    """Generate every choice of one turn; also the number of prompt tokens found in the prefix cache."""
+    choices = [ChoiceState() for _ in range(turn.params.n)]
     num_cached = 0
-    wants_logprobs = None
-    async for delta in events:
+    async for delta in run_choices(state.client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival):
         choices[delta.index].add(delta)
         num_cached = max(num_cached, delta.num_cached_tokens)
-        wants_logprobs = wants_logprobs or delta.logprobs is not None
+    return choices, num_cached
+
+
+async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival: float) -> ChatCompletionResponse:
     tokenizer = state.client.tokenizer
-    completion_tokens = sum(len(c.token_ids) for c in choices)
+    prompt_tokens = completion_tokens = 0
+    mcp_calls: list[MCPCallRecord] = []
+    contents: list[str] = []  # the text of earlier rounds, which a streaming client would have seen too
+    messages = template_messages(turn.body.messages)
+    for round_index in range(max(turn.body.mcp_max_rounds, 0) + 1):
+        choices, num_cached = await _run_turn(state, f"{request_id}-r{round_index}" if round_index else request_id,
+                                              turn, arrival)
+        prompt_tokens += len(turn.prompt_ids)
+        completion_tokens += sum(len(c.token_ids) for c in choices)
+        results = [turn.message(i, c) for i, c in enumerate(choices)]
+        message, _ = results[0]
+        if not (turn.body.mcp_execute and message.tool_calls and round_index < turn.body.mcp_max_rounds
+                and all(state.mcp.has_tool(call.function.name) for call in message.tool_calls)):
+            break
+        calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
+        mcp_calls += await _execute_mcp_calls(state, messages, message.content or "", calls)
+        if message.content:
+            contents.append(message.content)
+        turn = turn.next_round(messages)
+    if contents:
+        message.content = "\n\n".join(contents + [message.content or ""]).rstrip("\n")
+    wants_logprobs = turn.body.logprobs
+    response_choices = []
+    for i, (c, (message, finish)) in enumerate(zip(choices, results)):
+        if mcp_calls and i == 0:
+            message.mcp_calls = mcp_calls
+        response_choices.append(ChatChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
+                                           logprobs=chat_logprobs(tokenizer, c.logprobs if wants_logprobs else None,
+                                                                  c.token_ids)))
     return ChatCompletionResponse(
-        id=request_id, model=state.model_name,
-        choices=[ChatChoice(index=i, message=ResponseMessage(content=c.text),
-                            logprobs=chat_logprobs(tokenizer, c.logprobs if wants_logprobs else None, c.token_ids),
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for i, c in enumerate(choices)],
-        usage=Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
-                    total_tokens=num_prompt_tokens + completion_tokens,
+        id=request_id, model=state.model_name, choices=response_choices,
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
                     prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None))
 
 
-async def _chunks(state: ServerState, request_id: str, events: AsyncIterator[ChoiceDelta], n: int, num_prompt_tokens: int,
-                  include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+def _delta_message(parsed: ParsedDelta, sent_calls: set[int]) -> DeltaMessage | None:
+    calls = []
+    for piece in parsed.tool_calls:
+        first = piece.index not in sent_calls
+        sent_calls.add(piece.index)
+        calls.append(DeltaToolCall(index=piece.index, id=piece.id if first else None, type="function" if first else None,
+                                   function=DeltaFunctionCall(name=piece.name if first else None,
+                                                              arguments=piece.arguments)))
+    if not (parsed.content or parsed.reasoning or calls):
+        return None
+    return DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
+                        reasoning=parsed.reasoning or None, tool_calls=calls or None)
+
+
+async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: float, include_usage: bool,
+                  first_events: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChatCompletionChunk]:
+    """The SSE chunks of a streamed chat request.
+
+    ``first_events`` are the first round's (already started). With ``mcp_execute``, tool calls
+    are held until the round ends: if they are all MCP tools the
+    server runs them, sends them with their results as ``delta.mcp_calls`` and streams the next
+    round (its text after a blank line); otherwise the calls are sent whole, then the finish.
+    """
     created = int(time.time())
-    model = state.model_name
-    tokenizer = state.client.tokenizer
+    model, tokenizer, n = state.model_name, state.client.tokenizer, turn.params.n
+    sent_calls: list[set[int]] = [set() for _ in range(n)]
+    executing = turn.body.mcp_execute
+    messages = template_messages(turn.body.messages) if executing else []
 
     def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=model, created=created, choices=choices, usage=usage)
 
     for i in range(n):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-    completion_tokens = num_cached = 0
-    async for delta in events:
-        completion_tokens += len(delta.token_ids)
-        num_cached = max(num_cached, delta.num_cached_tokens)
-        if not delta.text and delta.finish_reason is None and delta.logprobs is None:
-            continue
-        yield chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
-                                      logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
-                                      finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+    prompt_tokens = completion_tokens = num_cached = 0
+    has_content = False
+    for round_index in range(max(turn.body.mcp_max_rounds, 0) + 1):
+        prompt_tokens += len(turn.prompt_ids)
+        held: list[ToolCallDelta] = []
+        round_content, calls = "", []
+        events = first_events if round_index == 0 else run_choices(
+            state.client, f"{request_id}-r{round_index}", [turn.prompt_ids], turn.params, state.metrics, arrival)
+        async with contextlib.aclosing(events):
+            async for delta in events:
+                completion_tokens += len(delta.token_ids)
+                num_cached = max(num_cached, delta.num_cached_tokens)
+                parser = turn.parsers[delta.index]
+                finish_reason = delta.finish_reason
+                if parser is None:
+                    parsed = ParsedDelta(content=delta.text)
+                else:
+                    parsed = parser.feed(delta.text)
+                    if finish_reason is not None:
+                        tail = parser.finish()
+                        parsed = ParsedDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content,
+                                             parsed.tool_calls + tail.tool_calls)
+                        if parser.has_tool_calls and finish_reason == "stop" and turn.calls_finish:
+                            finish_reason = "tool_calls"
+                if executing:
+                    held += parsed.tool_calls
+                    parsed.tool_calls = []
+                    if parsed.content and round_index and has_content and not round_content:
+                        parsed.content = "\n\n" + parsed.content  # a later round's text after a blank line
+                    round_content += parsed.content
+                has_content = has_content or bool(parsed.content)
+                calls = assemble([ToolParseDelta(tool_calls=held)]).tool_calls if finish_reason and held else []
+                if calls and round_index < turn.body.mcp_max_rounds and all(state.mcp.has_tool(c.name) for c in calls):
+                    finish_reason = None  # the server runs these calls and goes on
+                elif calls:
+                    parsed.tool_calls = [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls)]
+                    calls = []
+                message = _delta_message(parsed, sent_calls[delta.index])
+                if message is not None or finish_reason is not None or delta.logprobs is not None:
+                    yield chunk([ChatStreamChoice(index=delta.index, delta=message or DeltaMessage(content=""),
+                                                  logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
+                                                  finish_reason=finish_reason, stop_reason=delta.stop_reason)])
+        if not (executing and calls):
+            break
+        records = await _execute_mcp_calls(state, messages, round_content.strip(), calls)
+        yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(mcp_calls=records))])
+        turn = turn.next_round(messages)
     if include_usage:
-        yield chunk([], Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=num_prompt_tokens + completion_tokens,
+        yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens,
                               prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None))

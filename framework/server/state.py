@@ -40,6 +40,11 @@ class ServerConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     retry_after_s: int = 1
+    #: ``--enforce-parser`` / ``--reasoning-parser`` (None: picked from the chat template; "none": off).
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    #: MCP servers in the ``mcpServers`` format (``--mcp-config`` / ``--mcp-command``); None: no MCP.
+    mcp_servers: dict[str, Any] | None = None
 
 
 class ServerState:
@@ -53,6 +58,20 @@ class ServerState:
         self.num_admitted_tokens = 0
         self.is_draining = False
         self.started = int(time.time())
+        self.mcp: Any = None  # framework.server.mcp_client.MCPManager once started
+        self._parsers: Any = None
+
+    def served_parsers(self) -> Any:
+        """The tool and reasoning parsers of this server (resolved once the tokenizer is known)."""
+        if self._parsers is None:
+            from framework.server.chat_tools import resolve_parsers
+
+            try:
+                self._parsers = resolve_parsers(self.config.tool_parser, self.config.reasoning_parser,
+                                                self.client.tokenizer.chat_template)
+            except ConfigError as error:
+                raise APIError(500, str(error), code="parser_error") from None
+        return self._parsers
 
     @property
     def model_name(self) -> str:

@@ -178,7 +178,7 @@ def test_quantization_default_resolution_and_override(register_fw_plugin):
 
 
 def test_default_parsers_default_is_none():
-    assert plugins.call_first("default_parsers", model_config=None) == {"tool": None, "reasoning": None}
+    assert plugins.call_first("default_parsers", model_config=None, chat_template=None) == {"tool": None, "reasoning": None}
 
 
 def test_lifecycle_hooks_run_in_every_plugin(register_fw_plugin):

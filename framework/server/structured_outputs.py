@@ -1,0 +1,127 @@
+"""The request fields that ask for structured outputs, turned into ``StructuredOutputsParams``.
+
+Accepted on ``/v1/chat/completions`` and ``/v1/completions`` (at most one of them per request):
+
+=====================================================  ================================================
+field                                                  constraint
+=====================================================  ================================================
+``response_format: {"type": "text"}``                  none (the default)
+``response_format: {"type": "json_object"}``           any JSON object
+``response_format: {"type": "json_schema",             JSON valid under ``schema`` (always strict: no
+"json_schema": {"name", "schema", "strict"}}``         properties beyond those the schema names)
+``structured_outputs: {"json" | "regex" | "choice" |   vLLM's field; the keys of
+"grammar" | "json_object", "start_after"?}``           :class:`~framework.sampling_params.StructuredOutputsParams`
+``guided_json``, ``guided_regex``, ``guided_choice``,  vLLM's older fields: a JSON schema, a regular
+``guided_grammar``                                     expression, a list of strings, an EBNF grammar
+=====================================================  ================================================
+
+Shape errors are 400s naming the field, raised here (the API process never imports xgrammar);
+whether a schema, regex or grammar compiles is checked by the engine when the request is added,
+and its error also reaches the client as a 400.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from framework.sampling_params import StructuredOutputsParams
+from framework.server.errors import APIError, bad_request
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+_AT = re.compile(r" - at `\$\.([\w.\[\]]+)`$")
+
+
+def structured_outputs_from_request(body: Any) -> StructuredOutputsParams | None:
+    """The constraint a chat or completions request asks for, or None; a 400 naming the field if malformed."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None:
+        params = _from_response_format(response_format)
+        if params is not None:
+            found.append(("response_format", params))
+    if getattr(body, "structured_outputs", None) is not None:
+        found.append(("structured_outputs", _from_structured_outputs(body.structured_outputs)))
+    for name, key in GUIDED_FIELDS.items():
+        value = getattr(body, name, None)
+        if value is not None:
+            found.append((name, _build(name, {key: value})))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad_request(f"give at most one of response_format, structured_outputs and the guided_* fields; got {names}",
+                          found[1][0])
+    return found[0][1] if found else None
+
+
+def _from_response_format(value: Any) -> StructuredOutputsParams | None:
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMAT_TYPES:
+        kind = value.get("type") if isinstance(value, dict) else value
+        raise bad_request(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}; got {kind!r}",
+                          "response_format.type")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema must be an object with 'name' and 'schema' when type is "
+                          "'json_schema'", "response_format.json_schema")
+    schema = spec.get("schema")
+    if schema is None:
+        raise bad_request("response_format.json_schema.schema is required: the JSON Schema the output must follow",
+                          "response_format.json_schema.schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"response_format.json_schema.schema must be a JSON Schema object, got {type(schema).__name__}",
+                          "response_format.json_schema.schema")
+    return _build("response_format.json_schema.schema", {"json": schema})
+
+
+def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
+    if not isinstance(value, dict):
+        raise bad_request(f"structured_outputs must be an object, got {type(value).__name__}", "structured_outputs")
+    valid = set(StructuredOutputsParams.__struct_fields__)
+    unknown = sorted(set(value) - valid)
+    if unknown:
+        raise bad_request(f"structured_outputs has unknown keys {unknown}; valid: {', '.join(sorted(valid))}",
+                          f"structured_outputs.{unknown[0]}")
+    return _build("structured_outputs", value)
+
+
+def _build(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        return msgspec.convert(fields, StructuredOutputsParams)
+    except (msgspec.ValidationError, ValueError) as error:
+        text = str(error)
+        at = _AT.search(text)
+        if at and param == "structured_outputs":  # a wrong type: name the key
+            param, text = f"{param}.{at.group(1)}", _AT.sub("", text)
+        raise bad_request(f"{param}: {text}", param) from None
+
+
+async def first_event_or_error(events: AsyncIterator[Any], on_error: Callable[[], None],
+                               to_api_error: Callable[[Exception], APIError]) -> AsyncIterator[Any]:
+    """Wait for the stream's first event, so that an engine refusal (an invalid grammar) is an HTTP
+    error instead of an SSE error event after a 200; returns the whole stream, first event included.
+
+    On an error, ``on_error`` runs (releasing the admission slot) and the APIError is raised.
+    """
+    try:
+        first = await events.__anext__()
+    except Exception as error:
+        on_error()
+        await events.aclose()
+        raise to_api_error(error) from None
+
+    async def replay() -> AsyncIterator[Any]:
+        try:
+            yield first
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    return replay()

@@ -1,0 +1,89 @@
+"""An engine client whose "model" writes scripted replies, for API tests that need a model to do
+something specific (call a tool, use its result) deterministically.
+
+The tokenizer is a real byte-level BPE, so replies travel as token ids through the server's
+incremental detokenizer and parsers exactly as a model's would. ``reply(prompt_text)`` picks the
+reply for a prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import uvicorn
+
+from framework.engine.outputs import RequestOutput
+from framework.tokenizer import Tokenizer
+
+TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+            "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = tokenizers.Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<eos>"])
+    return Tokenizer(backend, chat_template=TEMPLATE, eos_token="<eos>")
+
+
+class ScriptedEngineClient:
+    """Just enough of AsyncEngineClient: ``generate`` streams the scripted reply a few tokens a step."""
+
+    def __init__(self, reply: Callable[[str], str]) -> None:
+        self.tokenizer = byte_level_tokenizer()
+        self.reply = reply
+        self.ready = SimpleNamespace(max_model_len=4096, vocab_size=self.tokenizer.vocab_size)
+        self.dead_reason = None
+        self.prompts: list[str] = []
+
+    is_ready = True
+    is_healthy = True
+
+    async def generate(self, request_id, prompt_token_ids, params, pooling=None):
+        prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+        self.prompts.append(prompt)
+        ids = self.tokenizer.encode(self.reply(prompt), add_special_tokens=False)[: params.max_tokens]
+        for start in range(0, len(ids), 3):
+            await asyncio.sleep(0)
+            last = start + 3 >= len(ids)
+            yield RequestOutput(request_id=request_id, new_token_ids=ids[start:start + 3],
+                                finish_reason="stop" if last else None, num_prompt_tokens=len(prompt_token_ids))
+
+    def abort(self, *request_ids):
+        pass
+
+    async def shutdown(self):
+        pass
+
+
+class ThreadedServer:
+    """The real Litestar app under uvicorn on a loopback port, in a background thread."""
+
+    def __init__(self, app, port: int) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
