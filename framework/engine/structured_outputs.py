@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -129,7 +130,7 @@ class StructuredOutputManager:
         grammar = build_grammar(params)
         key = (params.kind, params.spec)
         compiled = self._grammars.get(key)
-        if compiled is None:
+        if compiled is None or (compiled.done() and compiled.exception() is not None):
             compiled = self._submit(self._compile, grammar)
             self._grammars[key] = compiled
             while len(self._grammars) > self.max_cached_grammars:
@@ -259,7 +260,8 @@ class StructuredOutputManager:
         hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=self.vocab_size,
                                                        stop_token_ids=self.stop_token_ids or None)
-        return xgrammar.GrammarCompiler(info)
+        # the manager keeps its own LRU of compiled grammars; xgrammar's cache would be unbounded
+        return xgrammar.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
 
     def _compile(self, grammar: Any) -> Any:
         return self._compiler.result().compile_grammar(grammar)
