@@ -242,8 +242,10 @@ def test_wrong_types_are_400_naming_the_field(http):
 def test_unsupported_fields_are_rejected_and_unknown_ones_ignored(http):
     _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [{"type": "function"}]}), 400,
            "unsupported_parameter", "tools")
-    _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": {"type": "json_object"}}),
-           400, "unsupported_parameter", "response_format")
+    _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "audio": {"voice": "x"}}),
+           400, "unsupported_parameter", "audio")
+    _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": {"type": "yaml"}}),
+           400, "invalid_value", "response_format.type")
     ok = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "metadata": {"a": "b"}})
     assert ok.status_code == 200
 
