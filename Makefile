@@ -8,8 +8,11 @@ STAMP   := $(VENV)/.fw-installed
 # The tested torch; pyproject says torch>=2.9. On these machines 2.13.0 is a local CPU build.
 TORCH   ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The web UI's browser test drives Debian's Chromium (Playwright's own browser download is not used).
+CHROMIUM ?= /usr/bin/chromium
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve test test-gpu bench lint clean
+.PHONY: install serve test test-gpu bench lint clean ui
 
 install: $(STAMP)
 
@@ -27,8 +30,18 @@ $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(PLUGINS)) Makefile
 serve: install
 	$(FW) serve $(ARGS)
 
-test: install
+test: install $(CHROMIUM)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Only when it is missing: Debian's chromium for tests/server/test_webui_browser.py.
+$(CHROMIUM):
+	$(SUDO) apt-get update -q
+	$(SUDO) apt-get install -y -q chromium
+
+# Rebuild the web UI bundle (framework/server/webui/static, committed) from ui/; needs Node.js and npm.
+# (vite is pinned to ~8.3: 8.4 lists an optional dependency the npm registry lacks, and npm ci fails.)
+ui:
+	cd ui && npm ci --no-audit --no-fund && npm run build
 
 # On the GPU machine: only the tests that need CUDA.
 test-gpu: install

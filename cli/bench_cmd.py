@@ -24,6 +24,7 @@ def bench(
     range_ratio: Annotated[float, typer.Option("--range-ratio", help="Lengths vary uniformly by +- this fraction.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     output_json: Annotated[Path | None, typer.Option("--output-json", help="Write the full results here.")] = None,
+    d: o.Devices = None, tp: o.TensorParallel = None,
 ) -> None:
     """Run NUM_PROMPTS random requests through the engine and report tokens/s."""
     from framework import LLM, SamplingParams
@@ -34,7 +35,8 @@ def bench(
         llm = LLM(**o.engine_kwargs(m=m, w=w, f=f, dtype=dtype, device=device, max_model_len=max_model_len,
                                     mem_mb=mem, max_num_seqs=max_num_seqs, prefill_chunk_size=prefill_chunk_size,
                                     attention_backend=attention_backend, no_cuda_graph=no_cuda_graph,
-                                    no_prefix_cache=no_prefix_cache, load_format=load_format))
+                                    no_prefix_cache=no_prefix_cache, load_format=load_format, d=d,
+                                    tensor_parallel_size=tp))
         load_s = time.perf_counter() - started
     except (FwError, ValueError) as exc:
         raise o.fail(str(exc)) from None
@@ -52,10 +54,11 @@ def bench(
     num_in = sum(len(p["prompt_token_ids"]) for p in prompts)
     num_out = sum(len(r.outputs[0].token_ids) for r in results)
     report = {
-        "summary": llm.engine.summary, "num_prompts": num_prompts, "input_tokens": num_in, "output_tokens": num_out,
+        "summary": llm.engine.summary, "tp": llm.engine.summary.get("tensor_parallel_size", 1), "num_prompts": num_prompts, "input_tokens": num_in, "output_tokens": num_out,
         "elapsed_s": elapsed, "load_s": load_s, "requests_per_s": num_prompts / elapsed,
         "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
     }
+    llm.close()
     if output_json:
         output_json.write_text(json.dumps(report, indent=2, default=str))
     typer.echo(f"model {report['summary']['model']} on {report['summary']['device']} ({report['summary']['dtype']}, "

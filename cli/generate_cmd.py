@@ -23,6 +23,9 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k")] = 0,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print token ids and metadata as JSON.")] = False,
+    d: o.Devices = None, tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0,
+    master_addr: o.MasterAddr = "127.0.0.1", master_port: o.MasterPort = None,
+    rendezvous_timeout: o.RendezvousTimeout = 300.0, distributed_timeout: o.DistributedTimeout = 600.0,
     json_schema: Annotated[Path | None, typer.Option("--json-schema", help="A JSON Schema file: the output is JSON "
                                                      "valid under it.")] = None,
     regex: Annotated[str | None, typer.Option("--regex", help="The output is a full match of this regex.")] = None,
@@ -36,13 +39,21 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 structured_outputs=_structured_outputs(json_schema, regex, choice))
-        llm = LLM(**o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device,
-                                    max_model_len=max_model_len, mem_mb=mem, attention_backend=attention_backend,
-                                    no_cuda_graph=no_cuda_graph))
+        kwargs = o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device, d=d,
+                                 max_model_len=max_model_len, mem_mb=mem, attention_backend=attention_backend,
+                                 no_cuda_graph=no_cuda_graph,
+                                 **o.parallel_kwargs(tp, num_nodes, node_rank, master_addr, master_port,
+                                                     rendezvous_timeout, distributed_timeout))
+        if node_rank > 0:  # the other nodes only run their tensor-parallel workers
+            from framework.distributed.launch import run_node
+
+            raise typer.Exit(run_node(kwargs))
+        llm = LLM(**kwargs)
         if chat:
             result = llm.chat([{"role": "user", "content": prompt}], params)[0]
         else:
             result = llm.generate(prompt, params)[0]
+        llm.close()
     except (FwError, ValueError) as exc:
         raise o.fail(str(exc)) from None
     output = result.outputs[0]

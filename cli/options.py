@@ -11,7 +11,14 @@ Weights = Annotated[str | None, typer.Option("--w", "--weights", help="Local wei
 File = Annotated[str | None, typer.Option("--f", "--file", help="A file or subfolder of GGUFs inside --m.")]
 Revision = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")]
 Dtype = Annotated[str, typer.Option("--dtype", help="bf16, f16, f32 or auto (CPU: f32; GPU: the checkpoint's 16-bit type).")]
-Devices = Annotated[str | None, typer.Option("--d", help="GPU ordinal to run on (e.g. 0); several devices (0,1) need tensor parallelism, not available yet.")]
+Devices = Annotated[str | None, typer.Option("--d", help="GPU ordinal(s) of this node: 0, or 0,1 for tensor parallelism over both (one worker process per device).")]
+TensorParallel = Annotated[int | None, typer.Option("--tp", "--tensor-parallel-size", help="Tensor-parallel ranks in all (a power of two; default: the --d count times --num-nodes). On CPU: that many gloo processes.")]
+NumNodes = Annotated[int, typer.Option("--num-nodes", help="Machines sharing the model (each runs --tp / --num-nodes ranks).")]
+NodeRank = Annotated[int, typer.Option("--node-rank", help="This machine's index; only node 0 serves HTTP, the others run workers.")]
+MasterAddr = Annotated[str, typer.Option("--master-addr", help="Address of node 0 for the tensor-parallel rendezvous.")]
+MasterPort = Annotated[int | None, typer.Option("--master-port", help="Rendezvous port on node 0 (default 29500 with several nodes; any free port on one).")]
+RendezvousTimeout = Annotated[float, typer.Option("--rendezvous-timeout", help="Seconds to wait for every rank to join.")]
+DistributedTimeout = Annotated[float, typer.Option("--distributed-timeout", help="Seconds a collective may take before a hung rank fails the engine.")]
 YarnFactor = Annotated[float | None, typer.Option("--yarn-scaling-factor", help="Extend the context with YaRN rope scaling by this factor.")]
 Device = Annotated[str | None, typer.Option("--device", help="cpu, cuda or cuda:N (default: cuda if available).")]
 MaxModelLen = Annotated[int | None, typer.Option("--max-model-len", help="Context length (default: the model's).")]
@@ -33,22 +40,44 @@ def engine_kwargs(**values: Any) -> dict[str, Any]:
     if "no_prefix_cache" in values:
         kwargs["enable_prefix_caching"] = not values["no_prefix_cache"]
     if values.get("d") is not None:
-        kwargs["device"] = device_from_ordinals(values["d"], kwargs.get("device"))
+        ordinals = parse_ordinals(values["d"])
+        if len(ordinals) == 1 and (values.get("tensor_parallel_size") or 1) == 1 and (values.get("num_nodes") or 1) == 1:
+            kwargs["device"] = device_from_ordinals(values["d"], kwargs.get("device"))
+        else:
+            kwargs["device_ids"] = ordinals
     if "no_cuda_graph" in values:
         kwargs["enable_cuda_graphs"] = not values["no_cuda_graph"]
     return kwargs
 
 
-def device_from_ordinals(ordinals: str, device: str | None) -> str:
-    """``--d 0`` -> ``cuda:0``; several ordinals or a conflicting ``--device`` is an error."""
+def parallel_kwargs(tp: int | None, num_nodes: int, node_rank: int, master_addr: str, master_port: int | None,
+                    rendezvous_timeout: float, distributed_timeout: float) -> dict[str, Any]:
+    """The tensor-parallel / multi-node flags as :class:`EngineBuilder` keyword arguments (validated)."""
+    from framework.distributed.config import ParallelConfig
+
+    # validates sizes and ranks now, so a bad flag fails before any process starts
+    ParallelConfig(tp or None, num_nodes, node_rank, None, master_addr, master_port, rendezvous_timeout, distributed_timeout)
+    return dict(tensor_parallel_size=tp, num_nodes=num_nodes, node_rank=node_rank, master_addr=master_addr,
+                master_port=master_port, rendezvous_timeout=rendezvous_timeout, distributed_timeout=distributed_timeout)
+
+
+def parse_ordinals(ordinals: str) -> list[int]:
+    """``"0,1"`` -> ``[0, 1]``; anything but comma-separated GPU ordinals is an error."""
     from framework.errors import ConfigError
 
     parts = [p.strip() for p in ordinals.split(",") if p.strip()]
     if not parts or not all(p.isdigit() for p in parts):
         raise ConfigError(f"--d takes GPU ordinals like 0 or 0,1; got {ordinals!r}")
+    return [int(p) for p in parts]
+
+
+def device_from_ordinals(ordinals: str, device: str | None) -> str:
+    """``--d 0`` -> ``cuda:0``; a conflicting ``--device`` is an error (several ordinals: tensor parallelism)."""
+    from framework.errors import ConfigError
+
+    parts = [str(p) for p in parse_ordinals(ordinals)]
     if len(parts) > 1:
-        raise ConfigError(f"--d {ordinals}: running one model on several devices (tensor parallelism) is not "
-                          "available yet; pass one device, e.g. --d 0")
+        raise ConfigError(f"--d {ordinals}: several devices mean tensor parallelism; the engine takes them as device_ids")
     if device and device != f"cuda:{parts[0]}":
         raise ConfigError(f"--d {ordinals} and --device {device} disagree; give one of them")
     return f"cuda:{parts[0]}"

@@ -82,4 +82,12 @@ def check_plugins() -> None:
         for spec in registry:
             reasons = unavailable.get(spec.key) or _import_problem(spec)
             status = "ok" if not reasons else "unavailable: " + "; ".join(reasons)
-            typer.echo(f"  {spec.key} [{registry.plugin_of(spec.key)}] {status}")
+            typer.echo(f"  {spec.key} [{registry.plugin_of(spec.key)}] {status}{_kv_layouts(spec)}")
+
+
+def _kv_layouts(spec) -> str:
+    """The KV-cache layouts a backend reads or a model needs, which decide their pairing."""
+    if hasattr(spec, "kv_cache_layouts"):
+        return f" (KV layouts: {', '.join(spec.kv_cache_layouts)})"
+    layout = getattr(spec, "kv_cache_layout", "standard")
+    return "" if layout == "standard" else f" (KV layout: {layout})"

@@ -30,7 +30,11 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="Seconds in-flight requests may take to finish after SIGTERM.")] = 30.0,
     seed: Annotated[int, typer.Option("--seed", help="Engine seed (weights a format leaves uninitialized).")] = 0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
+    ui_server: Annotated[bool, typer.Option("--ui-server", help="Also serve the chat web UI, on the API port minus one (--p 2000: http://host:1999).")] = False,
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", hidden=True)] = None,
+    tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0, master_addr: o.MasterAddr = "127.0.0.1",
+    master_port: o.MasterPort = None, rendezvous_timeout: o.RendezvousTimeout = 300.0,
+    distributed_timeout: o.DistributedTimeout = 600.0,
 ) -> None:
     """Serve a model with an OpenAI-compatible API (without --m: the embedded default model)."""
     from framework.errors import ConfigError, FwError
@@ -71,9 +75,22 @@ def serve(
                                         num_blocks=num_blocks, no_prefix_cache=no_prefix_cache,
                                         prefix_cache_max_tokens=prefix_cache_max_tokens, max_num_seqs=max_num_seqs,
                                         prefill_chunk_size=prefill_chunk_size, no_cuda_graph=no_cuda_graph,
-                                        attention_backend=attention_backend, load_format=load_format, seed=seed)
+                                        attention_backend=attention_backend, load_format=load_format, seed=seed,
+                                        **o.parallel_kwargs(tp, num_nodes, node_rank, master_addr, master_port,
+                                                            rendezvous_timeout, distributed_timeout))
+        if node_rank > 0:  # only node 0 serves HTTP; this node runs its tensor-parallel workers
+            from framework.distributed.launch import run_node
+
+            code = run_node(engine_kwargs)
+            if code:
+                raise typer.Exit(code)
+            return
     except FwError as error:
         raise o.fail(str(error)) from None
-    code = run_server(engine_kwargs, config, bind, shutdown_timeout=shutdown_timeout, log_level=log_level)
+    try:
+        code = run_server(engine_kwargs, config, bind, shutdown_timeout=shutdown_timeout, log_level=log_level,
+                          ui_server=ui_server)
+    except ConfigError as error:
+        raise o.fail(str(error)) from None
     if code:
         raise typer.Exit(code)

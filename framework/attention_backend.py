@@ -14,6 +14,12 @@ KV cache of one layer (standard layout, NHD): ``[2, num_blocks, block_size, num_
 head_size]`` — index 0 keys, 1 values. Token ``i`` of a request lives in block
 ``block_table[r, i // block_size]`` at offset ``i % block_size``; ``slot_mapping`` gives each
 new token's flat slot ``block * block_size + offset``.
+
+KV cache of one layer (``"mla"`` layout, multi-head latent attention, DeepSeek-V2):
+``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` — per token one vector shared by
+all heads: the compressed latent ``c_kv`` (after ``kv_a_layernorm``) followed by the roped
+``k_pe``. The model absorbs ``W_UK`` into its queries and ``W_UV`` into its output, so the
+backend computes multi-query attention over the latent (see :meth:`AttentionBackend.forward`).
 """
 
 from __future__ import annotations
@@ -40,11 +46,35 @@ class AttentionMetadata:
     cu_seqlens_q_cpu: torch.Tensor  # the same on the host, for backends that loop on the CPU
     seq_lens_cpu: torch.Tensor
     is_decode_only: bool = False  # every request computes exactly one token
+    block_table_cpu: torch.Tensor | None = None  # the block table on the host, for backends that plan there
+    #: set when the step captures or replays the decode CUDA graph of this many (padded) rows
+    graph_batch_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """The latent sizes of a multi-head-latent-attention layer (``"mla"`` KV layout).
+
+    A cached token is ``kv_lora_rank + qk_rope_head_dim`` numbers: the latent ``c_kv`` then the
+    roped ``k_pe``. Values are the latent part, so outputs are ``kv_lora_rank`` wide per head.
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    @property
+    def latent_size(self) -> int:
+        """Elements per cached token: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayerConfig:
-    """The per-layer constants a backend needs."""
+    """The per-layer constants a backend needs.
+
+    For an MLA layer (``mla`` set) ``num_kv_heads`` is 1 and ``head_size`` is the latent size
+    ``kv_lora_rank + qk_rope_head_dim`` (the absorbed query's width per head).
+    """
 
     num_heads: int
     num_kv_heads: int
@@ -52,6 +82,22 @@ class AttentionLayerConfig:
     scale: float
     sliding_window: int | None = None  # attend to at most this many most recent keys (incl. self)
     logits_soft_cap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
+    mla: MLAConfig | None = None  # multi-head latent attention: the "mla" KV layout
+
+    @property
+    def kv_cache_layout(self) -> str:
+        """``"mla"`` for latent attention, else ``"standard"``."""
+        return "standard" if self.mla is None else "mla"
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Cache elements one token takes in this layer: ``2 * H_kv * D`` standard, the latent size for MLA."""
+        return 2 * self.num_kv_heads * self.head_size if self.mla is None else self.mla.latent_size
+
+    @property
+    def output_size(self) -> int:
+        """Width of the backend's output per token: ``H * D``, or ``H * kv_lora_rank`` for MLA."""
+        return self.num_heads * (self.head_size if self.mla is None else self.mla.kv_lora_rank)
 
 
 class AttentionBackend(ABC):
@@ -71,13 +117,30 @@ class AttentionBackend(ABC):
         """Shape of one layer's KV cache (default: NHD, keys then values)."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
+    @staticmethod
+    def mla_kv_cache_shape(num_blocks: int, block_size: int, latent_size: int) -> tuple[int, ...]:
+        """Shape of one MLA layer's cache: one latent vector per token slot."""
+        return (num_blocks, block_size, latent_size)
+
+    def layer_kv_cache_shape(self, layer: AttentionLayerConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The cache shape of ``layer`` in its layout (what the engine allocates per layer)."""
+        if layer.mla is not None:
+            return self.mla_kv_cache_shape(num_blocks, block_size, layer.mla.latent_size)
+        return self.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+
     @classmethod
     def validate(cls, layer_configs: list[AttentionLayerConfig], kv_cache_dtype: str, platform: Any) -> list[str]:
         """Reasons this backend cannot run these layers on ``platform``; empty if it can."""
         return []
 
+    def initialize(self, layers: list[AttentionLayerConfig], dtype: torch.dtype, block_size: int,  # noqa: B027
+                   device: torch.device) -> None:
+        """Called once after selection with the model's attention layers, before any step."""
+
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
-        """Called once per step, before the forward pass (plan work, outside CUDA graphs)."""
+        """Called once per step before the forward pass, always outside CUDA-graph capture: a
+        decode step replaying a graph is prepared with the graph's padded rows
+        (``metadata.graph_batch_size``), so a backend can plan into its static buffers here."""
 
     @abstractmethod
     def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -89,4 +152,11 @@ class AttentionBackend(ABC):
         ``kv_cache`` at ``metadata.slot_mapping`` first; token ``j`` of request ``r`` (absolute
         position ``p = seq_len - query_len + j``) attends to positions ``<= p`` of its own
         sequence (and ``> p - sliding_window`` when set).
+
+        MLA layers (``layer.mla`` set, a backend listing ``"mla"`` in its spec's
+        ``kv_cache_layouts``): ``query`` is ``[T, num_heads * (L + R)]`` (per head the absorbed
+        ``q_nope @ W_UK`` then the roped ``q_pe``), ``key`` ``[T, L + R]`` (the latent ``c_kv``
+        then the roped ``k_pe``: what is stored), ``value`` is None; returns ``[T, num_heads * L]``
+        = ``softmax(q . k * scale) @ c_kv`` with the same causal rule (``L = kv_lora_rank``,
+        ``R = qk_rope_head_dim``).
         """

@@ -52,6 +52,16 @@ class LLM:
         self.engine: Engine = EngineBuilder(model, **engine_args).build()
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

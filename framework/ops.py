@@ -104,3 +104,36 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, num_token_dims: int, head_size:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return torch.cat((rotated.to(x.dtype), rest), dim=-1).reshape(x.shape)
+
+
+def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """The routed experts of a mixture-of-experts block, summed with their routing weights.
+
+    Shapes: ``hidden`` ``[T, H]``; ``w13`` ``[E, 2 * I, H]`` (each expert's gate rows, then its
+    up rows); ``w2`` ``[E, H, I]``; ``topk_weights`` ``[T, k]`` (float32) and ``topk_ids``
+    ``[T, k]`` (integer, in ``[0, E)``) from a routing function such as
+    :func:`framework.layers.fused_moe.select_experts`. For every token ``t`` returns::
+
+        sum_j topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ hidden[t])     with e = topk_ids[t, j]
+
+    Each expert's matmuls and its SwiGLU run in ``hidden.dtype`` (as transformers' experts do);
+    the weighted sum is accumulated in float32 and rounded once. Returns ``[T, H]`` of
+    ``hidden.dtype``. This reference sorts the (token, expert) pairs by expert and loops over the
+    experts that were hit; it syncs with the host once per call (fine on CPU, not CUDA-graphable).
+    """
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # pair p = token * top_k + j, grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        act = silu_and_mul(F.linear(hidden[tokens], w13[expert]))
+        expert_out = F.linear(act, w2[expert]).float() * topk_weights.reshape(-1)[pairs, None].float()
+        out.index_add_(0, tokens, expert_out)
+    return out.to(hidden.dtype)

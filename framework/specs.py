@@ -101,12 +101,14 @@ class KVCacheDtypeSpec(Spec):
 class AttentionBackendSpec(Spec):
     """An attention backend: ``impl`` is its backend class.
 
-    ``kv_cache_layouts`` and ``kv_cache_dtypes`` list what it can read; the class's
-    ``validate(...)`` may add model-specific reasons (head size, soft-cap) at selection time.
+    ``kv_cache_layouts`` and ``kv_cache_dtypes`` list what it can read; ``model_dtypes`` the
+    model dtypes it computes in (empty = any); the class's ``validate(...)`` may add
+    model-specific reasons (head size, soft-cap) at selection time.
     """
 
     kv_cache_layouts: tuple[str, ...] = ("standard",)
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    model_dtypes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

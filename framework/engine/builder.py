@@ -7,6 +7,7 @@ steps one by one (``open_source``, ``model_config``, ``load_model``, ``select_at
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -15,16 +16,19 @@ from typing import Any
 
 import torch
 
-from framework import plugins, registries
+from framework import distributed, plugins, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig, free_port
+from framework.distributed.launch import WorkerGroup
+from framework.distributed.messages import StepMessage
 from framework.engine.cuda_graphs import CUDAGraphRunner
 from framework.engine.engine import EngineCore
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import ModelRunner
 from framework.engine.sampler import Sampler
 from framework.engine.structured_outputs import StructuredOutputManager
-from framework.errors import ConfigError
+from framework.errors import ConfigError, FwError, ModelLoadError
 from framework.layers.attention import Attention
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
@@ -49,6 +53,20 @@ class Engine:
     generation_config: dict[str, Any]
     attention_backend: str
     summary: dict[str, Any]
+    workers: WorkerGroup | None = None  # this node's other tensor-parallel ranks (rank 0 only)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the group (no-op on one device); idempotent."""
+        if self.workers is not None:
+            self.workers.stopping = True
+        if distributed.is_tensor_parallel():
+            try:
+                distributed.broadcast_message(StepMessage(shutdown=True), StepMessage)
+            except Exception:  # a worker is already gone: reaping below is all that is left
+                pass
+        if self.workers is not None:
+            self.workers.close()
+        distributed.destroy_tensor_parallel()
 
 
 class EngineBuilder:
@@ -62,10 +80,22 @@ class EngineBuilder:
                  max_num_batched_tokens: int | None = None, prefill_chunk_size: int = 8192,
                  attention_backend: str = "auto", quantization: str | None = None, seed: int = 0,
                  enable_cuda_graphs: bool = True, load_format: str = "auto",
-                 yarn_scaling_factor: float | None = None) -> None:
+                 yarn_scaling_factor: float | None = None, tensor_parallel_size: int | None = None,
+                 device_ids: list[int] | None = None, num_nodes: int = 1, node_rank: int = 0,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None, rendezvous_timeout: float = 300.0,
+                 distributed_timeout: float = 600.0, tp_rank: int | None = None) -> None:
+        # every argument, for the other tensor-parallel ranks (which build the same engine as their rank)
+        self._init_kwargs = {name: value for name, value in locals().items() if name != "self"}
+        if isinstance(dtype, torch.dtype):
+            self._init_kwargs["dtype"] = str(dtype).removeprefix("torch.")
         self.model, self.weights, self.file, self.revision = model, weights, file, revision
         self.dtype_name = dtype
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.parallel = ParallelConfig(tensor_parallel_size, num_nodes, node_rank, device_ids, master_addr, master_port,
+                                       rendezvous_timeout, distributed_timeout, tp_rank)
+        self.device = self.parallel.device(device)
+        if self.parallel.is_parallel and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
+        self.workers: WorkerGroup | None = None
         self.max_model_len = max_model_len
         self.cache = CacheConfig(block_size=block_size, kv_fraction=kv_fraction, mem_mb=mem_mb,
                                  enable_prefix_caching=enable_prefix_caching,
@@ -121,6 +151,8 @@ class EngineBuilder:
         torch.manual_seed(self.seed)
         model = model_loader.build_model(model_cls, config, quant_config, self.device)
         assert self.source is not None
+        if self.source.name == "dummy":
+            self.source.device = self.device  # each rank draws the (identical, seeded) tensors on its own device
         weights = model_loader.with_progress(self.source.iter_weights(), self.source.num_weights(), "Loading weights")
         loaded = model_loader.load_weights(model, weights)
         model_loader.check_all_loaded(model, loaded, config.source)
@@ -151,14 +183,21 @@ class EngineBuilder:
         registry = registries.attention_backends(self.platform)
         layers = self.attention_layers()
         layout = registries.model_architectures(self.platform).get(self.config.architecture).kv_cache_layout
+        mismatched = sorted({layer.kv_cache_layout for layer in layers} - {layout})
+        if mismatched:
+            raise ConfigError(f"{self.config.architecture} registers KV layout {layout!r} but its attention layers "
+                              f"use {', '.join(map(repr, mismatched))}: fix the plugin's ModelSpec.kv_cache_layout")
         refusals: dict[str, list[str]] = {}
         candidates = []
         for spec in registry:
             reasons = spec.unavailable_reasons(self.platform)
             if layout not in spec.kv_cache_layouts:
-                reasons.append(f"KV layout {layout!r} unsupported")
+                reasons.append(f"KV layout {layout!r} unsupported (it reads: {', '.join(spec.kv_cache_layouts)})")
             if self.cache.cache_dtype not in spec.kv_cache_dtypes:
                 reasons.append(f"kv dtype {self.cache.cache_dtype} unsupported")
+            dtype_name = str(self.config.dtype).removeprefix("torch.")
+            if spec.model_dtypes and dtype_name not in spec.model_dtypes:
+                reasons.append(f"model dtype {dtype_name} unsupported (supports {', '.join(spec.model_dtypes)})")
             if not reasons:
                 reasons = spec.load().validate(layers, self.cache.cache_dtype, self.platform)
             if reasons:
@@ -175,8 +214,12 @@ class EngineBuilder:
             raise ConfigError(f"no attention backend can run this model here ({detail})")
         name = plugins.call_first("select_attention_backend", candidates=candidates, requested=requested,
                                   model_config=self.config, platform=self.platform)
+        for refused, why in refusals.items():
+            log.info("attention backend %s not used: %s", refused, "; ".join(why))
         self.backend_name = name
-        return registry.get(name).load()()
+        backend = registry.get(name).load()()
+        backend.initialize(layers, self.config.dtype, self.cache.block_size, self.device)
+        return backend
 
     def num_kv_blocks(self, bytes_per_block: int) -> int:
         """Blocks that fit the budget: ``num_blocks``, ``--mem``, or ``kv_fraction`` of free memory."""
@@ -191,21 +234,23 @@ class EngineBuilder:
         else:
             budget = min(int(_available_ram() * cache.kv_fraction), CPU_DEFAULT_KV_BYTES)
         most_useful = -(-self.config.max_model_len // cache.block_size) * self.scheduler.max_num_seqs
-        return max(1, min(budget // bytes_per_block, most_useful))
+        # every rank holds the same blocks (of its own heads): the tightest device decides
+        return distributed.min_over_ranks(max(1, min(budget // bytes_per_block, most_useful)))
 
     def allocate_kv_cache(self, backend: AttentionBackend) -> list[torch.Tensor]:
         config = self.config
         layers = self.attention_layers()
         dtype = config.dtype
         element = torch.empty((), dtype=dtype).element_size()
-        per_block = sum(2 * self.cache.block_size * layer.num_kv_heads * layer.head_size * element for layer in layers)
+        # standard: K and V per KV head; mla: one latent vector per token (kv_elements_per_token)
+        per_block = sum(self.cache.block_size * layer.kv_elements_per_token * element for layer in layers)
         num_blocks = self.num_kv_blocks(per_block)
         if num_blocks * self.cache.block_size < config.max_model_len:
             log.warning("KV cache holds %d tokens, less than the context length %d: long requests will be preempted "
                         "or refused; raise --mem / --kv-fraction or lower --max-model-len",
                         num_blocks * self.cache.block_size, config.max_model_len)
         # one extra block at the end: the sink that CUDA-graph padding rows write into
-        caches = [torch.zeros(backend.kv_cache_shape(num_blocks + 1, self.cache.block_size, layer.num_kv_heads, layer.head_size),
+        caches = [torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks + 1, self.cache.block_size),
                               dtype=dtype, device=self.device) for layer in layers]
         self.num_blocks = num_blocks
         self.kv_cache_bytes = per_block * num_blocks
@@ -227,18 +272,82 @@ class EngineBuilder:
         log.info("CUDA graphs: %s", self.graph_summary)
         return graphs
 
-    def build(self) -> Engine:
-        """Run every step and return the engine."""
+    def start_tensor_parallel(self) -> None:
+        """Join the tensor-parallel group (no-op with one rank); rank 0 first starts its node's workers.
+
+        Refuses, before any process starts, an architecture that cannot be sharded.
+        """
+        parallel = self.parallel
+        if not parallel.is_parallel:
+            return
+        if distributed.is_tensor_parallel():
+            raise ConfigError("this process already runs a tensor-parallel engine; close it (LLM.close() or "
+                              "Engine.shutdown()) before building another")
+        config = self.config or self.model_config()
+        spec = registries.model_architectures(self.platform).get(config.architecture)
+        if not spec.supports_tensor_parallel:
+            raise ConfigError(f"architecture {config.architecture} cannot be sharded for tensor parallelism yet "
+                              f"(its plugin sets supports_tensor_parallel=False); run it on one device (--tp 1)")
+        if parallel.master_port is None:
+            if parallel.num_nodes > 1:
+                parallel.master_port = DEFAULT_MASTER_PORT
+            else:
+                parallel.master_port = free_port(parallel.master_addr)
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, torch.get_num_threads() // parallel.ranks_per_node))
+        from framework.distributed.numa import bind_to_numa_node
+
+        bind_to_numa_node(parallel.local_rank)
+        if parallel.rank == 0 and parallel.ranks_per_node > 1:
+            kwargs = {**self._init_kwargs, **self._parallel_kwargs()}
+            self.workers = WorkerGroup.spawn(kwargs, list(range(1, parallel.ranks_per_node)))
+        distributed.init_tensor_parallel(parallel.rank, parallel.tensor_parallel_size, self.device,
+                                         master_addr=parallel.master_addr, master_port=parallel.master_port,
+                                         rendezvous_timeout_s=parallel.rendezvous_timeout,
+                                         timeout_s=parallel.distributed_timeout,
+                                         check_workers=self.workers.failure if self.workers is not None else None)
+
+    def _parallel_kwargs(self) -> dict[str, Any]:
+        """The builder keyword arguments that place another rank of this group."""
+        p = self.parallel
+        return dict(device=None if p.device_ids is not None else self.device.type, device_ids=p.device_ids,
+                    tensor_parallel_size=p.tensor_parallel_size, num_nodes=p.num_nodes, node_rank=p.node_rank,
+                    master_addr=p.master_addr, master_port=p.master_port, rendezvous_timeout=p.rendezvous_timeout,
+                    distributed_timeout=p.distributed_timeout)
+
+    def _build_runner(self) -> ModelRunner:
+        """Every rank's part: the sharded model, attention backend, KV cache and decode graphs."""
+        self.start_tensor_parallel()
         self.load_model()
         backend = self.select_attention_backend()
         kv_caches = self.allocate_kv_cache(backend)
+        sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
+        runner = ModelRunner(self.torch_model, backend, kv_caches, self.cache.block_size, self.device, sampler)
+        runner.graph_runner = self.capture_cuda_graphs(backend, kv_caches)
+        return runner
+
+    def build_worker(self) -> ModelRunner:
+        """A tensor-parallel worker's runner (rank > 0): no scheduler, tokenizer work or sampling."""
+        return self._build_runner()
+
+    def build(self) -> Engine:
+        """Run every step and return the engine (on rank 0 of a tensor-parallel group: with its workers)."""
+        try:
+            runner = self._build_runner()
+        except BaseException as error:
+            reason = self.workers.wait_for_failure(1.0) if self.workers is not None else None
+            if self.workers is not None:
+                self.workers.close()
+            distributed.destroy_tensor_parallel()
+            if reason is not None and not isinstance(error, FwError):  # the worker's own error is above in the log
+                raise ModelLoadError(f"{reason} while the model was loading (its error is printed above)") from error
+            raise
+        if self.parallel.is_parallel:
+            runner.broadcast = functools.partial(distributed.broadcast_message, message_type=StepMessage)
         cache = self.cache
         max_cached = None if cache.prefix_cache_max_tokens is None else cache.prefix_cache_max_tokens // cache.block_size
         kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
-        sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
-        runner = ModelRunner(self.torch_model, backend, kv_caches, cache.block_size, self.device, sampler)
-        graphs = self.capture_cuda_graphs(backend, kv_caches)
-        runner.graph_runner = graphs
+        # rank 0 only: the workers of a tensor-parallel group never sample
         grammars = StructuredOutputManager(self._tokenizer, vocab_size=self.config.vocab_size,
                                            stop_token_ids=sorted(self.config.eos_token_ids), device=self.device)
         runner.structured_outputs = grammars
@@ -257,10 +366,14 @@ class EngineBuilder:
             "cuda_graphs": self.graph_summary,
             "weight_format": self.source.name,
             "plugins": [info.name for info in plugins.loaded_plugins()],
+            "tensor_parallel_size": self.parallel.tensor_parallel_size,
         }
+        if self.parallel.is_parallel:
+            summary["device"] = (f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "
+                                 f"(tensor parallel {self.parallel.tensor_parallel_size}, {self.parallel.num_nodes} node(s))")
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", self.num_blocks, cache.block_size,
                  self.num_blocks * cache.block_size, self.kv_cache_bytes / 2**20)
-        return Engine(core, self._tokenizer, self.config, self._generation, self.backend_name, summary)
+        return Engine(core, self._tokenizer, self.config, self._generation, self.backend_name, summary, self.workers)
 
 
 def with_yarn_scaling(hf_config: dict[str, Any], factor: float) -> dict[str, Any]:

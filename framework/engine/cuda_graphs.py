@@ -51,19 +51,26 @@ class CUDAGraphRunner:
         self.block_table = torch.full((size, width), sink_block, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        #: the backend plans on the host each step (FlashInfer), so replays are prepared too
+        self.backend_plans = type(backend).prepare is not AttentionBackend.prepare
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def _metadata(self, size: int, seq_lens_cpu: torch.Tensor | None = None,
+                  block_table_cpu: torch.Tensor | None = None) -> AttentionMetadata:
+        """The static buffers' metadata for ``size`` rows; host copies where a backend plans."""
         return AttentionMetadata(
             num_reqs=size, num_tokens=size, cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=self.seq_lens[:size],
             block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
             max_seq_len=self.max_model_len, cu_seqlens_q_cpu=torch.arange(size + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.ones(size, dtype=torch.int32), is_decode_only=True)
+            seq_lens_cpu=torch.ones(size, dtype=torch.int32) if seq_lens_cpu is None else seq_lens_cpu,
+            is_decode_only=True, graph_batch_size=size,
+            block_table_cpu=torch.full((size, 1), self.sink_block, dtype=torch.int32)
+            if block_table_cpu is None else block_table_cpu)
 
     def _forward(self, size: int) -> torch.Tensor:
+        """The model over the static buffers (the backend was prepared before, outside any capture)."""
         metadata = self._metadata(size)
-        self.backend.prepare(metadata)
         with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
             return self.model(self.input_ids[:size], self.positions[:size])
 
@@ -72,6 +79,7 @@ class CUDAGraphRunner:
         """Capture every bucket, largest first (so smaller ones reuse its pool); returns (seconds, bytes)."""
         started, before = time.perf_counter(), torch.cuda.memory_allocated()
         for size in reversed(self.buckets):
+            self.backend.prepare(self._metadata(size))
             self._forward(size)  # warm-up: kernel compilation and autotuning stay out of the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -100,5 +108,18 @@ class CUDAGraphRunner:
             self.slot_mapping[num:size].fill_(self.sink_block * self.block_size)
             self.seq_lens[num:size].fill_(1)
             self.block_table[num:size, 0].fill_(self.sink_block)
+        if self.backend_plans:
+            self.backend.prepare(self._padded_host_metadata(metadata, size))
         self.graphs[size].replay()
         return self.outputs[size][:num]
+
+    def _padded_host_metadata(self, metadata: AttentionMetadata, size: int) -> AttentionMetadata:
+        """The replayed step's metadata padded to ``size`` rows on the host: padding rows hold one
+        token in the sink block, as the static device buffers do."""
+        num = metadata.num_reqs
+        seq_lens = torch.ones(size, dtype=torch.int32)
+        seq_lens[:num] = metadata.seq_lens_cpu
+        table = metadata.block_table_cpu if metadata.block_table_cpu is not None else metadata.block_table.cpu()
+        block_table = torch.full((size, table.shape[1]), self.sink_block, dtype=torch.int32)
+        block_table[:num] = table
+        return self._metadata(size, seq_lens, block_table)

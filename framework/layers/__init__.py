@@ -5,6 +5,7 @@ Import from here: ``from framework.layers import QKVParallelLinear, RMSNorm, get
 
 from framework.layers.activation import GeluTanhAndMul, SiluAndMul
 from framework.layers.embedding import LMHead, VocabEmbedding
+from framework.layers.fused_moe import FusedMoE, select_experts
 from framework.layers.layernorm import LayerNorm, RMSNorm
 from framework.layers.linear import (
     ColumnParallelLinear,
@@ -22,6 +23,7 @@ from framework.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
     "ColumnParallelLinear",
+    "FusedMoE",
     "GatedMLP",
     "GeluTanhAndMul",
     "LMHead",
@@ -38,5 +40,6 @@ __all__ = [
     "UnquantizedLinearMethod",
     "VocabEmbedding",
     "get_rope",
+    "select_experts",
     "set_weight_attrs",
 ]

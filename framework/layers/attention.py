@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from framework.attention_backend import AttentionLayerConfig
+from framework.attention_backend import AttentionLayerConfig, MLAConfig
 from framework.forward_context import get_forward_context
 
 
@@ -14,14 +14,21 @@ class Attention(nn.Module):
 
     The backend and this layer's KV cache come from the forward context, so the module holds no
     cache tensor and models stay ``forward(input_ids, positions)``.
+
+    With ``mla`` it is a multi-head-latent-attention layer (``"mla"`` KV layout): build it with
+    ``num_kv_heads=1`` and ``head_size = mla.latent_size``, call it with the absorbed query, the
+    latent key and ``value=None`` (see :meth:`framework.attention_backend.AttentionBackend.forward`).
     """
 
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, mla: MLAConfig | None = None) -> None:
         super().__init__()
+        if mla is not None and (num_kv_heads != 1 or head_size != mla.latent_size):
+            raise ValueError(f"an MLA layer has one KV head of the latent size {mla.latent_size}, "
+                             f"got {num_kv_heads} heads of {head_size}")
         self.layer_index = layer_index
-        self.config = AttentionLayerConfig(num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap)
+        self.config = AttentionLayerConfig(num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
         context = get_forward_context()
         return context.backend.forward(self.config, query, key, value, context.kv_caches[self.layer_index], context.metadata)

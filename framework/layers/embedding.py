@@ -4,7 +4,9 @@ Both store a ``[vocab, hidden]`` table through a :class:`~framework.layers.linea
 (the table is a linear weight with the vocabulary as output features), so a quantization
 method can quantize either: the embedding looks rows up with ``linear_method.embedding``, the
 LM head multiplies with ``linear_method.apply``. Rank r holds token ids
-``[r * vocab/tp, (r+1) * vocab/tp)``; the vocabulary must divide evenly (no padding yet).
+``[r * V/tp, (r+1) * V/tp)`` of the vocabulary padded to ``V``, a multiple of ``tp`` (the padding
+rows are zero and the LM head drops their logits). ``tp_size``/``tp_rank`` default to this
+process's tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from framework.distributed.partition import pad_to_multiple
 from framework.layers.linear import (
     KeepsWeightAttrs,
     LinearMethod,
     UnquantizedLinearMethod,
-    divide,
-    load_column_shard,
+    copy_weight,
+    resolve_tp,
     set_weight_attrs,
     tensor_parallel_all_gather,
     tensor_parallel_all_reduce,
@@ -39,13 +42,15 @@ class VocabEmbedding(KeepsWeightAttrs):
         params_dtype: torch.dtype | None = None,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
     ) -> None:
         super().__init__()
+        tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp_size, self.tp_rank, self.prefix = tp_size, tp_rank, prefix
-        self.num_embeddings_per_partition = divide(num_embeddings, tp_size, "vocabulary size")
+        self.num_embeddings_padded = pad_to_multiple(num_embeddings, tp_size)
+        self.num_embeddings_per_partition = self.num_embeddings_padded // tp_size
         self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         # The LinearMethod view of the table: input = hidden features, output = vocabulary.
@@ -61,8 +66,18 @@ class VocabEmbedding(KeepsWeightAttrs):
         )
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
-        """Copy this rank's vocabulary rows of the full checkpoint table."""
-        load_column_shard(param, loaded_weight, self.tp_rank)
+        """Copy this rank's vocabulary rows of the full checkpoint table (padding rows: zero)."""
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:
+            copy_weight(param.data, loaded_weight)
+            return
+        rows = param.size(output_dim)
+        start = self.tp_rank * rows
+        present = max(0, min(rows, loaded_weight.size(output_dim) - start))
+        if present < rows:
+            param.data.narrow(output_dim, present, rows - present).zero_()
+        if present:
+            copy_weight(param.data.narrow(output_dim, 0, present), loaded_weight.narrow(output_dim, start, present))
 
     def forward(self, input_ids: Tensor) -> Tensor:
         if self.tp_size == 1:
@@ -79,7 +94,7 @@ class VocabEmbedding(KeepsWeightAttrs):
 
 
 class LMHead(VocabEmbedding):
-    """``forward(hidden) -> logits [..., num_embeddings]`` (full vocabulary on every rank).
+    """``forward(hidden) -> logits [..., num_embeddings]`` (full vocabulary on every rank, gathered).
 
     :meth:`tie_weights` makes it use the token embedding's table (``tie_word_embeddings``).
     """
@@ -92,8 +107,8 @@ class LMHead(VocabEmbedding):
         quant_config: QuantConfig | None = None,
         prefix: str = "",
         params_dtype: torch.dtype | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype, quant_config, prefix, tp_size, tp_rank)
         # A plain attribute, not a submodule: the embedding owns (loads, moves, post-processes) the table.
@@ -136,5 +151,5 @@ class LMHead(VocabEmbedding):
         table = self.tied_embedding if self.tied_embedding is not None else self
         logits = table.linear_method.apply(table, hidden, self.bias)
         if self.tp_size > 1:
-            logits = tensor_parallel_all_gather(logits, dim=-1)
+            logits = tensor_parallel_all_gather(logits, dim=-1)[..., : self.num_embeddings]
         return logits

@@ -14,7 +14,8 @@ output features per row (its parameter then has proportionally fewer rows) and t
 with it. The model's loader calls ``getattr(param, "weight_loader", default)`` for each
 checkpoint tensor, then ``linear_method.process_weights_after_loading(layer)`` once per layer.
 
-Tensor parallelism (``tp_size`` ranks, this one ``tp_rank``)::
+Tensor parallelism (``tp_size`` ranks, this one ``tp_rank``; both default to this process's
+tensor-parallel group, see :mod:`framework.distributed`, so model code never passes them)::
 
     ColumnParallelLinear   W [out, in] split by rows:    rank r holds W[r*out/tp:(r+1)*out/tp]
     RowParallelLinear      W [out, in] split by columns: rank r holds W[:, r*in/tp:(r+1)*in/tp]
@@ -29,6 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from framework import distributed
+from framework.distributed.partition import attention_heads_per_rank
+from framework.loader.checkpoint_slice import materialize
 
 if TYPE_CHECKING:
     from framework.quantization import QuantConfig
@@ -131,10 +136,14 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
 
 
 def copy_weight(dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)`` with a readable error when a checkpoint tensor has the wrong shape."""
+    """``dst.copy_(src)`` with a readable error when a checkpoint tensor has the wrong shape.
+
+    ``src`` may be a lazy :class:`~framework.loader.checkpoint_slice.CheckpointSlice` (tensor
+    parallelism): only the selected block is read from the file, here.
+    """
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter (shard) of shape {tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(materialize(src))
 
 
 def load_column_shard(param: Tensor, loaded_weight: Tensor, tp_rank: int) -> None:
@@ -148,15 +157,18 @@ def load_column_shard(param: Tensor, loaded_weight: Tensor, tp_rank: int) -> Non
 
 def tensor_parallel_all_reduce(x: Tensor) -> Tensor:
     """Sum ``x`` over the tensor-parallel ranks (the default process group), in place."""
-    torch.distributed.all_reduce(x)
-    return x
+    return distributed.all_reduce(x)
 
 
 def tensor_parallel_all_gather(x: Tensor, dim: int = -1) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
-    parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=dim)
+    return distributed.all_gather(x, dim)
+
+
+def resolve_tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:
+    """``(tp_size, tp_rank)``: the given values, or this process's tensor-parallel group's (1, 0 without one)."""
+    return (distributed.get_tp_size() if tp_size is None else tp_size,
+            distributed.get_tp_rank() if tp_rank is None else tp_rank)
 
 
 class LinearBase(KeepsWeightAttrs):
@@ -224,9 +236,10 @@ class ReplicatedLinear(LinearBase):
         quant_config: QuantConfig | None = None,
         prefix: str = "",
         params_dtype: torch.dtype | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
     ) -> None:
+        tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         super().__init__(input_size, output_size, input_size, [output_size], bias, quant_config, prefix, params_dtype, tp_size, tp_rank)
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
@@ -244,11 +257,12 @@ class ColumnParallelLinear(LinearBase):
         quant_config: QuantConfig | None = None,
         prefix: str = "",
         params_dtype: torch.dtype | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
         *,
         output_partition_sizes: list[int] | None = None,
     ) -> None:
+        tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         partitions = output_partition_sizes or [divide(output_size, tp_size, "output size")]
         super().__init__(input_size, output_size, input_size, partitions, bias, quant_config, prefix, params_dtype, tp_size, tp_rank)
 
@@ -299,9 +313,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         quant_config: QuantConfig | None = None,
         prefix: str = "",
         params_dtype: torch.dtype | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
     ) -> None:
+        tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         self.output_sizes = list(output_sizes)
         partitions = [divide(size, tp_size, "output size") for size in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, quant_config, prefix, params_dtype, tp_size, tp_rank,
@@ -323,7 +338,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     Rank r holds query heads ``[r*H/tp, (r+1)*H/tp)`` and their key/value heads; when there are
     fewer KV heads than ranks, each KV head is replicated on ``tp_size / total_num_kv_heads``
-    consecutive ranks. Output layout per rank: ``[q | k | v]``.
+    consecutive ranks. Output layout per rank: ``[q | k | v]``. ``num_heads`` / ``num_kv_heads``
+    are this rank's counts (:func:`framework.distributed.partition.attention_heads_per_rank`).
     """
 
     def __init__(
@@ -336,18 +352,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         quant_config: QuantConfig | None = None,
         prefix: str = "",
         params_dtype: torch.dtype | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
     ) -> None:
+        tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.head_size, self.total_num_heads, self.total_num_kv_heads = head_size, total_num_heads, total_num_kv_heads
-        self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
-        if tp_size >= total_num_kv_heads:
-            if tp_size % total_num_kv_heads:
-                raise ValueError(f"tensor-parallel size {tp_size} is not a multiple of the {total_num_kv_heads} KV heads")
-            self.num_kv_heads, self.num_kv_head_replicas = 1, tp_size // total_num_kv_heads
-        else:
-            self.num_kv_heads, self.num_kv_head_replicas = divide(total_num_kv_heads, tp_size, "number of KV heads"), 1
+        # this rank's heads: models read qkv_proj.num_heads / num_kv_heads for their Attention layer
+        self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = attention_heads_per_rank(
+            total_num_heads, total_num_kv_heads, tp_size)
         q_size, kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
         super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size, bias, quant_config,
                          prefix, params_dtype, tp_size, tp_rank, output_partition_sizes=[q_size, kv_size, kv_size])
@@ -382,11 +395,12 @@ class RowParallelLinear(LinearBase):
         quant_config: QuantConfig | None = None,
         prefix: str = "",
         params_dtype: torch.dtype | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
         *,
         reduce_results: bool = True,
     ) -> None:
+        tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         self.reduce_results = reduce_results
         input_size_per_partition = divide(input_size, tp_size, "input size")
         super().__init__(input_size, output_size, input_size_per_partition, [output_size], bias, quant_config,

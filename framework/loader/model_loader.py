@@ -19,6 +19,7 @@ from torch import nn
 
 from framework import registries
 from framework.errors import ModelLoadError
+from framework.loader.checkpoint_slice import materialize
 from framework.loader.format import WeightFormat
 
 log = logging.getLogger("fw.loader")
@@ -60,35 +61,51 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
 
     Checkpoint names fold into fused parameters through the model's ``packed_modules_mapping``
     (``{"q_proj": ("qkv_proj", "q"), ...}``); names the model lists in
-    ``ignored_weight_patterns`` are skipped. A model may replace all of this with its own
-    ``load_weights(weights)`` returning the loaded names.
+    ``ignored_weight_patterns`` are skipped. A model with other layouts (stacked MoE experts)
+    defines ``map_weight_name(name) -> (name, loader_args)``, asked first: ``loader_args`` is a
+    tuple passed to the parameter's ``weight_loader`` after the tensor, or None to go on with
+    the (possibly renamed) name through ``packed_modules_mapping``. A model may replace all of
+    this with its own ``load_weights(weights)`` returning the loaded names.
     """
     if hasattr(model, "load_weights"):
         return model.load_weights(weights)
     packed = getattr(model, "packed_modules_mapping", {})
     ignored = getattr(model, "ignored_weight_patterns", ())
+    map_name = getattr(model, "map_weight_name", None)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for name, tensor in weights:
         if any(pattern in name for pattern in ignored):
             continue
-        shard_id = None
-        for source, (target, shard) in packed.items():
-            if f".{source}." in name:
-                name, shard_id = name.replace(f".{source}.", f".{target}."), shard
-                break
+        loader_args = None
+        if map_name is not None:
+            name, loader_args = map_name(name)
+        if loader_args is None:
+            loader_args = ()
+            for source, (target, shard) in packed.items():
+                if f".{source}." in name:
+                    name, loader_args = name.replace(f".{source}.", f".{target}."), (shard,)
+                    break
         param = params.get(name)
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
+        if not _reads_checkpoint_slices(loader):
+            tensor = materialize(tensor)
         if loader is None:
             _copy_checked(param, tensor, name)
-        elif shard_id is None:
-            loader(param, tensor)
         else:
-            loader(param, tensor, shard_id)
+            loader(param, tensor, *loader_args)
         loaded.add(name)
     return loaded
+
+
+def _reads_checkpoint_slices(loader) -> bool:
+    """The core layers' loaders only narrow and copy, so they take a lazy CheckpointSlice; others get tensors."""
+    from framework.layers.embedding import VocabEmbedding
+    from framework.layers.linear import LinearBase
+
+    return isinstance(getattr(loader, "__self__", None), (LinearBase, VocabEmbedding))
 
 
 def _copy_checked(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
@@ -119,9 +136,16 @@ def with_progress(weights: Iterable[tuple[str, torch.Tensor]], total: int | None
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
-    """Every parameter must have come from the checkpoint (tied ones count once)."""
+    """Every parameter must have come from the checkpoint (tied ones count once).
+
+    A module filled piece by piece (stacked MoE experts) reports the pieces it still lacks
+    through ``missing_weights() -> [description]``.
+    """
     tied = getattr(model, "tied_parameter_names", set())
     missing = [name for name, _ in model.named_parameters() if name not in loaded and name not in tied]
+    for module_name, module in model.named_modules():
+        if (report := getattr(module, "missing_weights", None)) is not None:
+            missing += [f"{module_name}.{piece}" for piece in report()]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ModelLoadError(f"{source}: the checkpoint lacks weights for {shown}")

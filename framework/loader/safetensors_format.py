@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from framework.distributed.state import get_tp_size
 from framework.errors import ModelLoadError
+from framework.loader.checkpoint_slice import CheckpointSlice
 from framework.loader.format import WeightFormat
 from framework.tokenizer import Tokenizer
 
@@ -53,10 +55,17 @@ class SafetensorsFormat(WeightFormat):
         return self.hf_config().get("quantization_config")
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors; under tensor parallelism lazy :class:`CheckpointSlice` objects, so that each
+        rank reads only its part (``get_slice``) instead of every whole matrix."""
+        lazy = get_tp_size() > 1
         for file in self.files:
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    if lazy:
+                        part = handle.get_slice(name)
+                        yield name, CheckpointSlice(part, tuple(part.get_shape()))
+                    else:
+                        yield name, handle.get_tensor(name)
 
     def num_weights(self) -> int | None:
         total = 0

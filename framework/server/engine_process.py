@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
 import msgspec
@@ -36,6 +37,8 @@ log = logging.getLogger("fw.engine")
 
 #: How often an idle engine wakes up to check that the API process still exists.
 _IDLE_POLL_MS = 1000
+#: How long the loop has to report a dead tensor-parallel worker before the watchdog exits the process.
+_WORKER_FAILURE_GRACE_S = 10.0
 
 
 def _tokenizer_spec(tokenizer) -> TokenizerSpec:
@@ -74,6 +77,7 @@ class EngineLoop:
         self.decoder = msgspec.msgpack.Decoder(EngineRequest)
         self.parent_pid = os.getppid()
         self.core = None
+        self.engine = None
 
     def send(self, message) -> None:
         data = self.encoder.encode(message)
@@ -100,11 +104,34 @@ class EngineLoop:
             traceback.print_exc()
             self.send(LoadFailed(message=f"{type(error).__name__}: {error}"))
             return False
-        self.core = engine.core
+        self.core, self.engine = engine.core, engine
+        if engine.workers is not None:
+            engine.workers.start_watchdog(self._on_worker_failure)
         config = engine.model_config
         self.send(Ready(summary=engine.summary, max_model_len=config.max_model_len, vocab_size=config.vocab_size,
                         eos_token_ids=sorted(config.eos_token_ids), tokenizer=_tokenizer_spec(engine.tokenizer)))
         return True
+
+    def _on_worker_failure(self, reason: str) -> None:
+        """Watchdog thread: a worker died. The loop reports it within a poll; if the main thread is
+        stuck in a collective that will never finish (NCCL does not notice a dead peer), exit."""
+        time.sleep(_WORKER_FAILURE_GRACE_S)
+        print(f"fw: error: {reason}; stopping the engine", file=sys.stderr, flush=True)
+        self.engine.workers.close()
+        os._exit(1)
+
+    def check_workers(self) -> None:
+        """Raise if a tensor-parallel worker has exited (the engine cannot step without it)."""
+        workers = self.engine.workers if self.engine is not None else None
+        reason = workers.failure() if workers is not None else None
+        if reason is not None:
+            raise RuntimeError(reason)
+
+    def failure_reason(self, error: Exception) -> str:
+        """The message for an engine failure: a dead worker's exit explains more than the collective's error."""
+        workers = self.engine.workers if self.engine is not None else None
+        reason = workers.wait_for_failure(1.0) if workers is not None else None
+        return f"the engine failed: {reason or f'{type(error).__name__}: {error}'}"
 
     def run(self) -> None:
         core = self.core
@@ -113,11 +140,13 @@ class EngineLoop:
             if not busy and not self.input.poll(_IDLE_POLL_MS):
                 if os.getppid() != self.parent_pid:  # the API process is gone: nobody to serve
                     return
+                self.check_workers()
                 continue
             while self.input.poll(0):
                 if not self.handle(self.decoder.decode(self.input.recv())):
                     return
             if core.has_unfinished():
+                self.check_workers()
                 outputs = core.step()
                 if outputs:
                     self.send(StepOutputs(outputs=outputs))
@@ -160,10 +189,12 @@ def main(argv: list[str]) -> int:
             loop.run()
         except Exception as error:
             traceback.print_exc()
-            loop.send(EngineFailed(message=f"the engine failed: {type(error).__name__}: {error}"))
+            loop.send(EngineFailed(message=loop.failure_reason(error)))
             return 1
         return 0
     finally:
+        if loop.engine is not None:
+            loop.engine.shutdown()
         loop.close()
 
 

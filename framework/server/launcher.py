@@ -8,6 +8,7 @@ engine), then the engine process is stopped.
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from types import FrameType
 from typing import Any, NamedTuple
@@ -80,9 +81,9 @@ def format_summary(ready: Ready) -> str:
 class _Server(uvicorn.Server):
     """uvicorn with a draining flag, a ready line once both the socket and the engine are up, and exit 0 on SIGTERM."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, url: str) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, url: str, ui_url: str | None = None) -> None:
         super().__init__(config)
-        self.state, self.url = state, url
+        self.state, self.url, self.ui_url = state, url, ui_url
         self.engine_ready = False
         self.announced = False
 
@@ -100,13 +101,48 @@ class _Server(uvicorn.Server):
     def announce(self) -> None:
         if self.started and self.engine_ready and not self.announced and not self.should_exit:
             self.announced = True
+            if self.ui_url is not None:
+                print(f"fw: web UI at {self.ui_url}", flush=True)
             print(f"fw: ready, serving {self.state.model_name!r} at {self.url} (OpenAI API under {self.url}/v1)",
                   flush=True)
 
 
+def bind_sockets(bind: BindAddress, ui_server: bool) -> tuple[list[socket.socket] | None, BindAddress | None]:
+    """With ``ui_server``: the API socket and the web UI's socket (API port minus one), and the UI's address.
+
+    Without it: ``(None, None)`` (uvicorn binds the API address itself).
+    """
+    if not ui_server:
+        return None, None
+    from framework.server.webui import ui_port_for
+
+    if bind.uds is not None:
+        raise ConfigError("--ui-server serves the web UI on the API port minus one, so it needs a TCP address, "
+                          f"not the socket {bind.uds!r}")
+    if not bind.port or bind.port < 2:
+        raise ConfigError(f"--ui-server serves the web UI on the API port minus one; give a port >= 2 with --p "
+                          f"(e.g. --p 2000 for the API and 1999 for the UI), got {bind.port}")
+    ui_bind = BindAddress(bind.host, ui_port_for(bind.port), None)
+    family = socket.AF_INET6 if ":" in bind.host else socket.AF_INET
+    sockets = []
+    for address, role in ((bind, "the API"), (ui_bind, "the web UI (--ui-server: API port minus one)")):
+        try:
+            sock = socket.create_server((address.host, address.port), family=family)
+        except OSError as error:
+            for opened in sockets:
+                opened.close()
+            raise ConfigError(f"cannot listen on {address.url} for {role}: {error.strerror}") from None
+        sockets.append(sock)
+    return sockets, ui_bind
+
+
 def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAddress, *, shutdown_timeout: float = 30.0,
-               log_level: str = "warning") -> int:
-    """Serve until stopped; returns the process exit code (1 if the model failed to load)."""
+               log_level: str = "warning", ui_server: bool = False) -> int:
+    """Serve until stopped; returns the process exit code (1 if the model failed to load).
+
+    With ``ui_server`` the web UI is served too, on the API port minus one (see :mod:`framework.server.webui`).
+    """
+    sockets, ui_bind = bind_sockets(bind, ui_server)
     client = AsyncEngineClient(engine_kwargs)
     failure: list[str] = []
     server: _Server | None = None
@@ -122,9 +158,18 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
         server.should_exit = True
 
     app = create_app(client, config, on_ready=on_ready, on_load_error=on_load_error)
-    uv_config = uvicorn.Config(app, host=bind.host or DEFAULT_HOST, port=bind.port or 0, uds=bind.uds,
+    asgi_app = app
+    if ui_bind is not None:
+        from framework.server.webui import WebUIApp
+
+        asgi_app = WebUIApp(app, ui_bind.port)
+    uv_config = uvicorn.Config(asgi_app, host=bind.host or DEFAULT_HOST, port=bind.port or 0, uds=bind.uds,
                                log_level=log_level, access_log=False, lifespan="on",
                                timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
-    server = _Server(uv_config, app.state.server, bind.url)
-    server.run()
+    ui_url = None
+    if ui_bind is not None:  # a wildcard address is not one to browse to
+        browsable = ui_bind._replace(host="localhost") if ui_bind.host in ("0.0.0.0", "::") else ui_bind
+        ui_url = browsable.url
+    server = _Server(uv_config, app.state.server, bind.url, ui_url)
+    server.run(sockets=sockets)
     return 1 if failure else 0

@@ -31,7 +31,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: A
            query_start: int) -> torch.Tensor:
     """Causal attention of queries at absolute positions ``query_start..`` over keys ``0..``.
 
-    ``query`` ``[q, H, D]``, ``key``/``value`` ``[k, H_kv, D]``; computed in float32.
+    ``query`` ``[q, H, D]``, ``key`` ``[k, H_kv, D]``, ``value`` ``[k, H_kv, D_v]`` (``D_v`` may differ
+    from ``D``, as in MLA); computed in float32.
     """
     group = layer.num_heads // layer.num_kv_heads
     q = query.float().transpose(0, 1)  # [H, q, D]
@@ -50,13 +51,30 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: A
     return out.transpose(0, 1)
 
 
+def store_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the step's MLA latents ``[T, L + R]`` into their flat slots of an ``"mla"`` cache."""
+    num_blocks, block_size, latent_size = kv_cache.shape
+    kv_cache.view(num_blocks * block_size, latent_size)[slot_mapping] = latent.to(kv_cache.dtype)
+
+
+def gather_latent(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's first ``seq_len`` cached latents, ``[seq_len, L + R]``."""
+    return kv_cache[block_ids].reshape(-1, kv_cache.shape[-1])[:seq_len]
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Stores K/V by slot mapping, then per request: gather its cache, causal softmax attention."""
+    """Stores K/V by slot mapping, then per request: gather its cache, causal softmax attention.
+
+    Reads both KV layouts: ``"standard"`` and ``"mla"`` (multi-query attention over the cached
+    latents, whose first ``kv_lora_rank`` features are also the values).
+    """
 
     name = "torch"
 
-    def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if layer.mla is not None:
+            return self._forward_mla(layer, query, key, kv_cache, metadata)
         num_tokens = query.shape[0]
         query = query.view(num_tokens, layer.num_heads, layer.head_size)
         key = key.view(num_tokens, layer.num_kv_heads, layer.head_size)
@@ -72,3 +90,21 @@ class TorchAttentionBackend(AttentionBackend):
             keys, values = gather_kv(kv_cache, metadata.block_table[r, :num_blocks], seq_len)
             output[start:end] = attend(query[start:end], keys, values, layer, seq_len - (end - start)).to(query.dtype)
         return output.view(num_tokens, layer.num_heads * layer.head_size)
+
+    @staticmethod
+    def _forward_mla(layer: AttentionLayerConfig, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                     metadata: AttentionMetadata) -> torch.Tensor:
+        """MLA: store the step's latents, then per request attend over its cached latents (one KV head)."""
+        num_tokens, rank = query.shape[0], layer.mla.kv_lora_rank
+        query = query.view(num_tokens, layer.num_heads, layer.head_size)
+        store_latent(latent.view(num_tokens, layer.head_size), kv_cache, metadata.slot_mapping[:num_tokens])
+        output = query.new_empty(num_tokens, layer.num_heads, rank)
+        starts = metadata.cu_seqlens_q_cpu.tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        block_size = kv_cache.shape[1]
+        for r in range(metadata.num_reqs):
+            start, end, seq_len = starts[r], starts[r + 1], seq_lens[r]
+            cached = gather_latent(kv_cache, metadata.block_table[r, :-(-seq_len // block_size)], seq_len)[:, None]
+            output[start:end] = attend(query[start:end], cached, cached[..., :rank], layer,
+                                       seq_len - (end - start)).to(query.dtype)
+        return output.view(num_tokens, layer.num_heads * rank)

@@ -12,7 +12,7 @@ def register_attention_backends():
             impl="fw_torch_attention.backend:TorchAttentionBackend",
             description="reference paged attention in plain torch; runs anywhere, slow, exact",
             priority=0,
-            kv_cache_layouts=("standard",),
+            kv_cache_layouts=("standard", "mla"),
             kv_cache_dtypes=("auto",),
         )
     ]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from fw_torch_attention.backend import TorchAttentionBackend
 
-from framework.testing import check_attention_backend
+from framework.testing import check_attention_backend, check_mla_attention_backend
 
 
 def test_torch_backend_matches_dense_attention_fp32():
@@ -26,3 +26,25 @@ def test_backend_registration_is_selectable():
     spec = registries.attention_backends().get("torch")
     assert spec.load() is TorchAttentionBackend
     assert registries.attention_backends().plugin_of("torch") == "torch_attention"
+
+
+def test_torch_backend_mla_layout_matches_dense_attention():
+    check_mla_attention_backend(TorchAttentionBackend(), atol=1e-5)
+
+
+def test_torch_backend_mla_layout_bf16():
+    check_mla_attention_backend(TorchAttentionBackend(), dtype=torch.bfloat16, atol=2e-2)
+
+
+def test_mla_cache_shape_and_size():
+    from framework.attention_backend import AttentionLayerConfig, MLAConfig
+
+    mla = MLAConfig(kv_lora_rank=512, qk_rope_head_dim=64)  # DeepSeek-V2 / V2-Lite
+    layer = AttentionLayerConfig(16, 1, mla.latent_size, 0.1, mla=mla)
+    assert TorchAttentionBackend().layer_kv_cache_shape(layer, 10, 16) == (10, 16, 576)
+    assert layer.kv_cache_layout == "mla" and layer.kv_elements_per_token == 576 and layer.output_size == 16 * 512
+
+
+@pytest.mark.gpu
+def test_torch_backend_mla_layout_on_cuda():
+    check_mla_attention_backend(TorchAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2)

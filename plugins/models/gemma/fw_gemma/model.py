@@ -85,19 +85,21 @@ class GemmaAttention(nn.Module):
         super().__init__()
         hidden, head_size = config.hidden_size, config.head_size
         self.head_size = head_size
-        self.q_size = config.num_heads * head_size
-        self.kv_size = config.num_kv_heads * head_size
         bias = bool(config.get("attention_bias", False))
         self.qkv_proj = QKVParallelLinear(hidden, head_size, config.num_heads, config.num_kv_heads, bias=bias,
                                           quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=bias, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        # this tensor-parallel rank's heads (all of them on one device)
+        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
+        self.o_proj = RowParallelLinear(config.num_heads * head_size, hidden, bias=bias, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
         base, scaling = rope_parameters(config, generation, layer_type)
         self.rotary_emb = get_rope(head_size, head_size, config.max_model_len, base, scaling)
         scalar = config.get("query_pre_attn_scalar") if generation >= 2 else None
         # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never applies it (QK norm replaced it).
         soft_cap = config.get("attn_logit_softcapping") if generation == 2 else None
         window = config.get("sliding_window") if layer_type == SLIDING else None
-        self.attn = Attention(layer_index, config.num_heads, config.num_kv_heads, head_size, float(scalar or head_size) ** -0.5,
+        self.attn = Attention(layer_index, num_heads, num_kv_heads, head_size, float(scalar or head_size) ** -0.5,
                               sliding_window=window, logits_soft_cap=soft_cap)
         if generation >= 3:
             eps = float(config.get("rms_norm_eps", 1e-6))

@@ -1,1 +1,1 @@
-"""fw plugin: the Llama family of decoder-only transformers."""
+"""fw plugin: the Llama family of decoder-only transformers, and its mixture-of-experts members."""

@@ -3,18 +3,35 @@
 from framework import hookimpl
 from framework.specs import ModelSpec
 
-#: HF ``architectures`` names served by the one Llama implementation.
+#: HF ``architectures`` names served by the one Llama implementation, with whether tensor
+#: parallelism has been verified for them.
 ARCHITECTURES = {
-    "LlamaForCausalLM": "Llama 2/3, SmolLM, Yi, and most Llama derivatives",
-    "MistralForCausalLM": "Mistral (sliding-window attention)",
-    "Qwen2ForCausalLM": "Qwen2 / Qwen2.5 (bias on q/k/v)",
-    "YiForCausalLM": "Yi (Llama architecture under its own name)",
+    "LlamaForCausalLM": ("Llama 2/3, SmolLM, Yi, and most Llama derivatives", True),
+    "MistralForCausalLM": ("Mistral (sliding-window attention)", True),
+    "Qwen2ForCausalLM": ("Qwen2 / Qwen2.5 (bias on q/k/v)", True),
+    "YiForCausalLM": ("Yi (Llama architecture under its own name)", True),
+    "Qwen3ForCausalLM": ("Qwen3 dense (RMSNorm per head on q and k)", False),
+    "Phi3ForCausalLM": ("Phi-3 / Phi-3.5 / Phi-4 (fused qkv and gate_up, LongRoPE, partial rotary)", False),
+    "StableLmForCausalLM": ("StableLM 2 / StableLM 3B (LayerNorm, partial rotary, parallel residual, QK LayerNorm)", False),
+    "GlmForCausalLM": ("GLM-4 9B chat (partial interleaved rotary, fused gate_up)", False),
+    "Glm4ForCausalLM": ("GLM-4 0414 (GLM plus post-attention and post-MLP norms)", False),
+}
+
+#: Mixture-of-experts members (Llama attention, FusedMoE feed-forward); not sharded for TP yet.
+MOE_ARCHITECTURES = {
+    "MixtralForCausalLM": "Mixtral 8x7B / 8x22B (softmax top-2 experts)",
+    "Qwen2MoeForCausalLM": "Qwen1.5-MoE / Qwen2-MoE (routed experts + gated shared expert, q/k/v bias)",
+    "Qwen3MoeForCausalLM": "Qwen3-MoE, e.g. Qwen3-30B-A3B (128 experts, top-8, QK norm)",
 }
 
 
 @hookimpl
 def register_model_architectures():
     return [
-        ModelSpec(name=name, impl="fw_llama.model:LlamaForCausalLM", description=description, supports_tensor_parallel=True)
-        for name, description in ARCHITECTURES.items()
+        ModelSpec(name=name, impl="fw_llama.model:LlamaForCausalLM", description=description,
+                  supports_tensor_parallel=tensor_parallel)
+        for name, (description, tensor_parallel) in ARCHITECTURES.items()
+    ] + [
+        ModelSpec(name=name, impl="fw_llama.moe:LlamaMoeForCausalLM", description=description, supports_tensor_parallel=False)
+        for name, description in MOE_ARCHITECTURES.items()
     ]

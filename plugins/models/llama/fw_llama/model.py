@@ -1,19 +1,33 @@
-"""The Llama family as one implementation with config switches.
+"""The Llama family as one implementation with config switches (:class:`LlamaVariant`).
 
-| switch | Llama | Mistral | Qwen2 | Yi / SmolLM |
-| --- | --- | --- | --- | --- |
-| bias on q/k/v | ``attention_bias`` | no | yes | no |
-| sliding window | no | ``sliding_window`` on every layer | per ``layer_types`` | no |
-| rope scaling | llama3 / linear / dynamic / yarn | default | yarn (long context) | default |
+| switch | Llama | Mistral | Qwen2 | Qwen3 | Phi-3 / Phi-4 | StableLM | GLM | GLM-4 (0414) |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| bias on q/k/v | ``attention_bias`` | no | yes | ``attention_bias`` | no | ``use_qkv_bias`` | ``attention_bias`` | same |
+| QK norm | no | no | no | RMSNorm per head | no | ``qk_layernorm`` (a LayerNorm per head) | no | no |
+| norms | RMSNorm | RMSNorm | RMSNorm | RMSNorm | RMSNorm | LayerNorm with bias | RMSNorm | 4 per layer |
+| residual | sequential | sequential | sequential | sequential | sequential | ``use_parallel_residual`` | sequential | sequential |
+| rotary | full, NeoX | full | full | full | partial, LongRoPE | partial | partial, interleaved | same |
+| sliding window | no | every layer | per ``layer_types`` | per ``layer_types`` | every layer | no | no | no |
+
+Phi-3 and GLM checkpoints store fused ``qkv_proj`` / ``gate_up_proj`` tensors, which the fused
+layers load whole; the others store ``q_proj`` ... ``up_proj``, folded by ``packed_modules_mapping``.
+The mixture-of-experts members (Mixtral, Qwen2-MoE, Qwen3-MoE, ``moe.py``) reuse this decoder
+(their attention variant comes from their architecture name) and swap its feed-forward through
+``LlamaModel(make_mlp=...)``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from framework.config import ModelConfig
 from framework.layers import (
+    LayerNorm,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -25,6 +39,55 @@ from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.mlp import GatedMLP
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
+
+GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
+#: Architectures whose attention has q/k/v bias regardless of ``attention_bias`` (the MoE ones
+#: are served elsewhere but build their attention from :class:`LlamaAttention`).
+QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+#: Architectures with Qwen3's QK norm: one RMSNorm over ``head_size`` for all heads of q, one for k.
+QK_RMS_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaVariant:
+    """What tells one family member from another (the table in the module docstring).
+
+    ``qk_norm``: ``None``, ``"rms"`` (one RMSNorm over ``head_size`` shared by all heads, Qwen3)
+    or ``"layer_per_head"`` (a LayerNorm per head, StableLM 2 12B). ``norm``: ``"rms"`` or
+    ``"layer"``. ``branch_norms``: normalise the attention and MLP outputs before each residual
+    add (GLM-4). ``parallel_residual``: ``x + attn(norm(x)) + mlp(norm(x))`` (StableLM).
+    """
+
+    qkv_bias: bool
+    o_proj_bias: bool
+    qk_norm: str | None
+    norm: str
+    eps: float
+    branch_norms: bool
+    parallel_residual: bool
+    is_neox_style: bool
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> LlamaVariant:
+        arch = config.architecture
+        is_stablelm, is_glm = arch == "StableLmForCausalLM", arch in GLM_ARCHITECTURES
+        attention_bias = bool(config.get("attention_bias", False))
+        act = config.get("hidden_act") or "silu"
+        if act != "silu":
+            raise ValueError(f"fw_llama supports hidden_act 'silu'; {arch} config has {act!r}")
+        return cls(
+            qkv_bias=attention_bias or arch in QKV_BIAS_ARCHITECTURES or (is_stablelm and bool(config.get("use_qkv_bias"))),
+            o_proj_bias=attention_bias and not is_glm,
+            qk_norm="rms" if arch in QK_RMS_NORM_ARCHITECTURES else "layer_per_head" if is_stablelm and config.get("qk_layernorm") else None,
+            norm="layer" if is_stablelm else "rms",
+            eps=float(config.get("layer_norm_eps") or 1e-5) if is_stablelm else float(config.get("rms_norm_eps") or 1e-6),
+            branch_norms=arch == "Glm4ForCausalLM",
+            parallel_residual=is_stablelm and bool(config.get("use_parallel_residual")),
+            is_neox_style=not is_glm,
+        )
+
+    def make_norm(self, size: int) -> nn.Module:
+        return LayerNorm(size, self.eps) if self.norm == "layer" else RMSNorm(size, self.eps)
 
 
 def layer_sliding_window(config: ModelConfig, layer_index: int) -> int | None:
@@ -40,36 +103,118 @@ def layer_sliding_window(config: ModelConfig, layer_index: int) -> int | None:
     return window
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
+def rotary_dim(config: ModelConfig) -> int:
+    """Features per head that rotate: ``head_size * partial_rotary_factor`` (transformers 5 keeps
+    the factor in ``rope_parameters``, older configs at the top level)."""
+    factor = config.rope_parameters.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+    return int(config.head_size * float(factor))
+
+
+def rope_scaling(config: ModelConfig) -> dict[str, Any] | None:
+    """The config's rope scaling, with Phi-3's LongRoPE completed as transformers reads it.
+
+    Phi-3 configs name LongRoPE ``su`` (or ``yarn``, which ``Phi3Config`` also turns into
+    ``longrope``) and keep ``original_max_position_embeddings`` at the top level; the default
+    ``factor`` (which sets the attention scaling) is ``max_position_embeddings / original``
+    of the checkpoint, not of a shorter ``--max-model-len``.
+    """
+    scaling = config.rope_scaling
+    if scaling is None:
+        return None
+    kind = scaling["rope_type"]
+    if kind == "su" or (kind == "yarn" and config.architecture == "Phi3ForCausalLM"):
+        kind = "longrope"
+    if kind != "longrope":
+        return scaling
+    original = scaling.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("longrope rope scaling needs original_max_position_embeddings in the model config")
+    factor = scaling.get("factor") or int(config.get("max_position_embeddings") or config.max_model_len) / int(original)
+    return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": int(original), "factor": factor}
+
+
+class PerHeadLayerNorm(nn.Module):
+    """StableLM's QK norm: a LayerNorm (no bias) per head, each with its own weight
+    (checkpoint names ``norms.{head}.weight``). ``forward(x [..., num_heads, head_size])``."""
+
+    def __init__(self, num_heads: int, head_size: int, eps: float) -> None:
         super().__init__()
+        self.head_size, self.eps = head_size, eps
+        self.norms = nn.ModuleList(nn.LayerNorm(head_size, eps=eps, bias=False) for _ in range(num_heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.stack([norm.weight for norm in self.norms])  # [num_heads, head_size]
+        return nn.functional.layer_norm(x, (self.head_size,), eps=self.eps) * weight
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection -> optional QK norm -> rotary (full or partial) -> paged attention -> o_proj."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str,
+                 variant: LlamaVariant | None = None) -> None:
+        super().__init__()
+        variant = variant or LlamaVariant.from_config(config)
         hidden, head_size = config.hidden_size, config.head_size
-        self.q_size = config.num_heads * head_size
-        self.kv_size = config.num_kv_heads * head_size
-        qkv_bias = bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2"
-        self.qkv_proj = QKVParallelLinear(hidden, head_size, config.num_heads, config.num_kv_heads, bias=qkv_bias,
+        self.head_size = head_size
+        self.qkv_proj = QKVParallelLinear(hidden, head_size, config.num_heads, config.num_kv_heads, bias=variant.qkv_bias,
                                           quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=bool(config.get("attention_bias", False)),
+        # this tensor-parallel rank's heads (all of them on one device)
+        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
+        self.o_proj = RowParallelLinear(config.num_heads * head_size, hidden, bias=variant.o_proj_bias,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        self.rotary_emb = get_rope(head_size, head_size, config.max_model_len, config.rope_theta, config.rope_scaling)
-        self.attn = Attention(layer_index, config.num_heads, config.num_kv_heads, head_size, head_size**-0.5,
+        self.rotary_emb = get_rope(head_size, rotary_dim(config), config.max_model_len, config.rope_theta,
+                                   rope_scaling(config), is_neox_style=variant.is_neox_style)
+        self.attn = Attention(layer_index, num_heads, num_kv_heads, head_size, head_size**-0.5,
                               sliding_window=layer_sliding_window(config, layer_index))
+        self.q_norm = self.k_norm = None
+        if variant.qk_norm == "rms":  # Qwen3: checkpoint names q_norm / k_norm
+            self.q_norm, self.k_norm = RMSNorm(head_size, variant.eps), RMSNorm(head_size, variant.eps)
+        elif variant.qk_norm == "layer_per_head":  # StableLM: q_layernorm / k_layernorm (not sharded: no TP)
+            self.q_layernorm = PerHeadLayerNorm(num_heads, head_size, variant.eps)
+            self.k_layernorm = PerHeadLayerNorm(num_kv_heads, head_size, variant.eps)
+            self.q_norm, self.k_norm = self.q_layernorm, self.k_layernorm
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # per head, before RoPE
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_size))).flatten(-2)
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_size))).flatten(-2)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
+def dense_mlp(config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> nn.Module:
+    """The SwiGLU feed-forward block of every Llama-family layer (``intermediate_size`` wide)."""
+    return GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
+                    bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=prefix)
+
+
+#: Builds a layer's feed-forward block: ``make_mlp(config, layer_index, quant_config, prefix)``.
+MLPFactory = Callable[[ModelConfig, int, "QuantConfig | None", str], nn.Module]
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
+    """``x + attn(norm(x))``, then ``+ mlp(norm(.))``; the residual stream travels beside the
+    hidden state so each add fuses into the next norm. GLM-4 also normalises each branch's
+    output; StableLM's parallel residual feeds one normalised input to both branches.
+    ``make_mlp`` swaps the feed-forward (MoE models)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str,
+                 make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
-        eps = float(config.get("rms_norm_eps", 1e-6))
-        self.self_attn = LlamaAttention(config, layer_index, quant_config, f"{prefix}.self_attn")
-        self.mlp = GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
-                            bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        variant = LlamaVariant.from_config(config)
+        hidden = config.hidden_size
+        self.self_attn = LlamaAttention(config, layer_index, quant_config, f"{prefix}.self_attn", variant)
+        self.mlp = make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = variant.make_norm(hidden)
+        self.parallel_residual = variant.parallel_residual
+        if not self.parallel_residual:
+            self.post_attention_layernorm = variant.make_norm(hidden)
+        self.branch_norms = variant.branch_norms
+        if self.branch_norms:  # GLM-4's names
+            self.post_self_attn_layernorm = variant.make_norm(hidden)
+            self.post_mlp_layernorm = variant.make_norm(hidden)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
         if residual is None:
@@ -77,20 +222,28 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
+        if self.parallel_residual:
+            return self.self_attn(positions, hidden) + self.mlp(hidden), residual
         hidden = self.self_attn(positions, hidden)
+        if self.branch_norms:
+            hidden = self.post_self_attn_layernorm(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.branch_norms:
+            hidden = self.post_mlp_layernorm(hidden)
+        return hidden, residual
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
+                 make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                            prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}") for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}", make_mlp) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, float(config.get("rms_norm_eps", 1e-6)))
+        self.norm = LlamaVariant.from_config(config).make_norm(config.hidden_size)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -22,12 +22,17 @@ HF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "stablelm": ("stablelm", "StableLmForCausalLM"),
+    "glm4": ("glm4", "Glm4ForCausalLM"),
 }
 
 _GEMMA = ("gemma2", "gemma3")
+_MOE = ("qwen2moe", "qwen3moe")
 # block counts of the 27B Gemmas, the only sizes llama.cpp scales queries by hidden/heads
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -75,8 +80,8 @@ def _layer_types(md: dict[str, Any], arch: str, num_layers: int) -> list[str]:
 def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` dict for a GGUF model with this metadata.
 
-    Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3, gemma2, gemma3 (text) and
-    phi3; raises `ValueError` listing those for any other architecture and `KeyError` naming a
+    Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3, qwen2moe, qwen3moe, gemma2,
+    gemma3 (text), phi3, stablelm and glm4; raises `ValueError` listing those for any other architecture and `KeyError` naming a
     missing required key. Keys follow transformers' config classes; RoPE is stated the
     `config.json` way (`rope_theta`, `rope_scaling`, plus `rope_local_base_freq` for Gemma 3),
     which transformers converts to `rope_parameters`. `tie_word_embeddings` needs `tensor_names`
@@ -106,12 +111,13 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         "architectures": [architecture],
         "model_type": model_type,
         "hidden_size": hidden_size,
-        "intermediate_size": key("feed_forward_length"),
+        # MoE files may omit the dense width (every layer sparse): the expert width stands in
+        "intermediate_size": key("feed_forward_length", key("expert_feed_forward_length", None) if arch in _MOE else KeyError),
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rms_norm_eps": key("attention.layer_norm_epsilon" if arch == "stablelm" else "attention.layer_norm_rms_epsilon"),
         "rope_theta": key("rope.freq_base", 10000.0),
         "rope_scaling": _rope_scaling(metadata, arch),
         "max_position_embeddings": key("context_length"),
@@ -132,8 +138,24 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         config["attention_bias"] = "blk.0.attn_q.bias" in names
     elif arch == "qwen2":
         config["use_sliding_window"] = False
+    elif arch in _MOE:
+        config.update(_moe_config(arch, key, num_layers, names))
     elif arch == "phi3":
         config["partial_rotary_factor"] = key("rope.dimension_count", head_dim) / head_dim
+        if (original := key("rope.scaling.original_context_length", None)) is not None:
+            config["original_max_position_embeddings"] = original
+    elif arch == "glm4":
+        config["partial_rotary_factor"] = key("rope.dimension_count", head_dim) / head_dim
+        if names is not None:
+            config["attention_bias"] = "blk.0.attn_q.bias" in names
+    elif arch == "stablelm":
+        # LayerNorm eps; llama.cpp tells the variants apart by which tensors exist
+        config["layer_norm_eps"] = config.pop("rms_norm_eps")
+        config["partial_rotary_factor"] = key("rope.dimension_count", head_dim) / head_dim
+        if names is not None:
+            config["use_qkv_bias"] = "blk.0.attn_q.bias" in names
+            config["qk_layernorm"] = "blk.0.attn_q_norm.weight" in names
+            config["use_parallel_residual"] = "blk.0.ffn_norm.weight" not in names
     elif arch in _GEMMA:
         del config["hidden_act"]
         config["hidden_activation"] = "gelu_pytorch_tanh"
@@ -154,6 +176,26 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
     return config
 
 
+def _moe_config(arch: str, key, num_layers: int, names: set[str] | None) -> dict[str, Any]:
+    """The Qwen-MoE keys: experts, their width, the shared expert (qwen2moe), top-k renormalisation
+    (llama.cpp: on for qwen3moe, off for qwen2moe, unless `expert_weights_norm` says), and which
+    layers are dense (those without a router tensor, when the tensor names are known)."""
+    config: dict[str, Any] = {
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "norm_topk_prob": bool(key("expert_weights_norm", arch == "qwen3moe")),
+        "decoder_sparse_step": 1,
+        "use_sliding_window": False,
+    }
+    if names is not None:
+        config["mlp_only_layers"] = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length")
+        config["qkv_bias"] = names is None or "blk.0.attn_q.bias" in names
+    return config
+
+
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -169,6 +211,18 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 
+# Qwen-MoE: the router, the experts stacked per projection ([experts, out, in]) and the shared expert
+_MOE_LAYER_TENSORS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+
 # Gemma's four norms per layer: llama.cpp's ffn_norm is HF's pre_feedforward_layernorm
 _GEMMA_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
@@ -181,8 +235,10 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face checkpoint name, for every tensor such a model may hold.
 
     Both `.weight` and `.bias` names are listed (biases exist for qwen2's q/k/v). Phi-3 keeps its
-    fused `qkv_proj` and `gate_up_proj` (`ffn_up` there). llama.cpp-only tensors with no HF
-    checkpoint counterpart (`rope_freqs`, `rope_factors_long/short`) are absent. Raises
+    fused `qkv_proj` and `gate_up_proj` (`ffn_up` there), GLM-4 its fused `gate_up_proj`. StableLM's QK norms map to
+    `self_attn.q_layernorm` / `k_layernorm`, one `[heads, head_dim]` tensor that
+    `split_per_head_norm` turns into HF's per-head `norms.{h}.weight`. llama.cpp-only tensors with
+    no HF checkpoint counterpart (`rope_freqs`, `rope_factors_long/short`) are absent. Raises
     `ValueError` for architectures outside `HF_ARCHITECTURES`.
     """
     if arch not in HF_ARCHITECTURES:
@@ -192,9 +248,17 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
         per_layer.update(_GEMMA_LAYER_TENSORS)
     if arch == "phi3":
         per_layer["ffn_up"] = "mlp.gate_up_proj"
+    if arch in _MOE:
+        per_layer.update(_MOE_LAYER_TENSORS)
+    if arch == "glm4":  # fused gate_up as Phi-3; two extra norms per layer
+        per_layer.update({"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+                          "post_ffw_norm": "post_mlp_layernorm"})
+    if arch == "stablelm":
+        per_layer.update({"attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"})
     names = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
+        "output_norm.bias": "model.norm.bias",  # LayerNorm models (StableLM)
         "output.weight": "lm_head.weight",
     }
     for i in range(num_layers):
@@ -202,6 +266,13 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
             for suffix in (".weight", ".bias"):
                 names[f"blk.{i}.{gguf_name}{suffix}"] = f"model.layers.{i}.{hf_name}{suffix}"
     return names
+
+
+def split_per_head_norm(hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """StableLM's per-head QK LayerNorm: llama.cpp stacks the heads' weights into one
+    `[heads, head_dim]` tensor; HF keeps `q_layernorm.norms.{h}.weight` per head."""
+    base, suffix = hf_name.rsplit(".", 1)
+    return [(f"{base}.norms.{h}.{suffix}", row) for h, row in enumerate(tensor)]
 
 
 def norm_weight_offset(arch: str) -> float:

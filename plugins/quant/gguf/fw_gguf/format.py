@@ -12,7 +12,14 @@ from framework.errors import ModelLoadError
 from framework.loader.format import WeightFormat
 from framework.tokenizer import Tokenizer
 
-from .config import hf_config_from_gguf, norm_weight_offset, qk_unpermute_heads, tensor_name_map, unpermute_qk
+from .config import (
+    hf_config_from_gguf,
+    norm_weight_offset,
+    qk_unpermute_heads,
+    split_per_head_norm,
+    tensor_name_map,
+    unpermute_qk,
+)
 from .dequant import UnsupportedQuantTypeError, as_quant_type
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
@@ -42,6 +49,7 @@ class GGUFFormat(WeightFormat):
         try:
             self._config = hf_config_from_gguf(self.metadata, self.model.tensors.keys())
             self._names = tensor_name_map(self.arch, int(self._config["num_hidden_layers"]))
+            self._add_longrope_factors()
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{self.files[0]}: cannot build a model config from its metadata: {exc}") from None
         for info in self.model.tensors.values():
@@ -49,6 +57,19 @@ class GGUFFormat(WeightFormat):
                 as_quant_type(info.qtype)
             except UnsupportedQuantTypeError as exc:
                 raise ModelLoadError(f"{self.files[0]}: tensor {info.name}: {exc}") from None
+
+    def _add_longrope_factors(self) -> None:
+        """Phi-3 LongRoPE: llama.cpp keeps the short and long factors as tensors, not metadata."""
+        long, short = self.model.tensors.get("rope_factors_long.weight"), self.model.tensors.get("rope_factors_short.weight")
+        if long is None or short is None:
+            return
+        scaling = {"rope_type": "longrope", "long_factor": long.dequantize(torch.float32).tolist(),
+                   "short_factor": short.dequantize(torch.float32).tolist()}
+        if (factor := self.metadata.get(f"{self.arch}.rope.scaling.attn_factor")) is not None:
+            scaling["attention_factor"] = factor
+        if (original := self.metadata.get(f"{self.arch}.rope.scaling.original_context_length")) is not None:
+            scaling["original_max_position_embeddings"] = original
+        self._config["rope_scaling"] = scaling
 
     def hf_config(self) -> dict[str, Any]:
         return dict(self._config)
@@ -77,7 +98,11 @@ class GGUFFormat(WeightFormat):
         return {"quant_method": "gguf", "tensor_types": types}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF names with packed uint8 rows (matrices, any GGUF type) or float tensors (norms, biases)."""
+        """HF names with packed uint8 rows (matrices, any GGUF type) or float tensors (norms, biases).
+
+        MoE experts stacked per projection (``[experts, out, in]``) are dequantized here: FusedMoE
+        holds plain weights (a packed-expert MoE method is future work).
+        """
         offset = norm_weight_offset(self.arch)
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
@@ -87,8 +112,13 @@ class GGUFFormat(WeightFormat):
             heads = qk_unpermute_heads(self.metadata, name)
             if heads is not None:
                 tensor = unpermute_qk(tensor, heads)  # whole rows: works on packed bytes too
+            if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+                tensor = tensor.unsqueeze(0)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as a vector
             if offset and hf_name.endswith("norm.weight"):
                 tensor = tensor - offset
+            if hf_name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+                yield from split_per_head_norm(hf_name, tensor)
+                continue
             yield hf_name, tensor
 
     def num_weights(self) -> int | None:

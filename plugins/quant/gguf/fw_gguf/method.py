@@ -19,6 +19,7 @@ import functools
 import os
 from typing import Any
 
+import gguf
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -74,12 +75,12 @@ class GGUFLinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
-        if getattr(layer, "tp_size", 1) > 1:
-            raise ConfigError("GGUF weights cannot be sharded for tensor parallelism yet; run on one device")
         rows = output_partition_sizes if len(self.shards) > 1 else [sum(output_partition_sizes)]
         if len(rows) != len(self.shards):
             raise ModelLoadError(f"{layer.prefix}: {len(self.shards)} GGUF tensors for {len(rows)} output shards")
         layer.gguf_types = [as_quant_type(GGMLQuantizationType[qtype]) for _, qtype in self.shards]
+        if getattr(layer, "tp_size", 1) > 1:
+            check_shardable(layer, self.shards, layer.gguf_types)
         layer.gguf_rows = rows
         layer.gguf_in_features = input_size_per_partition
         for index, (qtype, num_rows) in enumerate(zip(layer.gguf_types, rows)):
@@ -96,6 +97,8 @@ class GGUFLinearMethod(LinearMethod):
         if index is None:
             raise ModelLoadError(f"{layer.prefix}: no GGUF shard {shard_id!r}; shards: {[s for s, _ in self.shards]}")
         target = getattr(layer, f"gguf_weight_{index}")
+        if getattr(layer, "tp_size", 1) > 1:
+            loaded_weight = rank_rows(layer, loaded_weight, shard_id, index)
         if loaded_weight.dtype != torch.uint8 or loaded_weight.shape != target.shape:
             raise ModelLoadError(f"{layer.prefix} shard {shard_id!r}: expected packed {layer.gguf_types[index].name} rows "
                                  f"{tuple(target.shape)}, got {loaded_weight.dtype} {tuple(loaded_weight.shape)}")
@@ -128,3 +131,46 @@ class GGUFLinearMethod(LinearMethod):
         rows = layer.gguf_weight_0.index_select(0, input_ids.reshape(-1))
         values = dequantize(rows, layer.gguf_types[0], (rows.shape[0], layer.gguf_in_features), layer.params_dtype)
         return values.view(*input_ids.shape, layer.gguf_in_features)
+
+
+# --- tensor parallelism: this rank's packed rows / bytes ---------------------------------------
+#
+# A GGUF matrix is rows of whole quantization blocks, so a rank's output features are whole rows
+# (column-parallel layers, the vocabulary) and its input features a byte range of every row
+# (row-parallel layers: the per-rank width must be a whole number of blocks).
+
+def check_shardable(layer: nn.Module, shards: list[tuple[Any, str]], qtypes: list[GGMLQuantizationType]) -> None:
+    """Refuse, at start-up, a GGUF layer that cannot be split for tensor parallelism."""
+    from framework.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    if isinstance(layer, MergedColumnParallelLinear | QKVParallelLinear) and len(shards) == 1:
+        raise ConfigError(f"{layer.prefix}: a GGUF tensor holding several fused projections cannot be split for tensor "
+                          "parallelism yet; run this model on one device")
+    if isinstance(layer, RowParallelLinear):
+        for qtype in qtypes:
+            block = gguf.GGML_QUANT_SIZES[qtype][0]
+            if layer.input_size_per_partition % block:
+                raise ConfigError(f"{layer.prefix}: {layer.input_size_per_partition} input features per rank is not a "
+                                  f"whole number of {qtype.name} blocks of {block}; use a smaller tensor-parallel size")
+
+
+def rank_rows(layer: nn.Module, loaded: torch.Tensor, shard_id: Any, index: int) -> torch.Tensor:
+    """This rank's part of the full packed GGUF tensor ``loaded`` (shard ``shard_id``, buffer ``index``)."""
+    from framework.layers.embedding import VocabEmbedding
+    from framework.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    rank, rows = layer.tp_rank, layer.gguf_rows[index]
+    if isinstance(layer, RowParallelLinear):
+        width = bytes_per_row(layer.gguf_types[index], layer.input_size_per_partition)
+        return loaded[:, rank * width:(rank + 1) * width]
+    if isinstance(layer, VocabEmbedding):  # padded vocabulary: missing rows are zero bytes (dequantize to 0)
+        part = loaded[rank * rows:(rank + 1) * rows]
+        if part.shape[0] < rows:
+            part = torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
+        return part
+    if isinstance(layer, QKVParallelLinear) and shard_id in ("k", "v"):
+        source = rank // layer.num_kv_head_replicas
+        return loaded[source * rows:(source + 1) * rows]
+    if isinstance(layer, ColumnParallelLinear):
+        return loaded[rank * rows:(rank + 1) * rows]
+    return loaded  # replicated

@@ -42,6 +42,9 @@ PRE_TOKENIZER_SPLITS = {
     "smaug-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "stablelm2": _QWEN2_SPLIT,
+    "glm4": _LLAMA3_SPLIT,  # llama.cpp's CHATGLM4 pre-tokenizer: the Llama 3 regex
+    "chatglm-bpe": _LLAMA3_SPLIT,
 }
 
 

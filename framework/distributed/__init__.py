@@ -1,0 +1,30 @@
+"""Tensor parallelism: the process group state, its collectives, and the worker processes.
+
+Layers read :func:`get_tp_rank` / :func:`get_tp_size` when they are built, so a model made of
+``framework.layers`` shards itself once :func:`init_tensor_parallel` has run (the engine does
+that for ``--tp`` / ``--d 0,1``). See docs/tensor-parallel.md.
+"""
+
+from framework.distributed.state import (
+    all_gather,
+    all_reduce,
+    broadcast_message,
+    destroy_tensor_parallel,
+    get_tp_rank,
+    get_tp_size,
+    init_tensor_parallel,
+    is_tensor_parallel,
+    min_over_ranks,
+)
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "broadcast_message",
+    "destroy_tensor_parallel",
+    "get_tp_rank",
+    "get_tp_size",
+    "init_tensor_parallel",
+    "is_tensor_parallel",
+    "min_over_ranks",
+]

@@ -1,0 +1,179 @@
+"""The tensor-parallel process group of this process: rank, size and the collectives layers use.
+
+One process per rank. Rank 0 runs the engine core (scheduler, sampler); every rank runs the
+model on its shard. Two groups:
+
+* the *data* group (the default group: NCCL on GPUs, gloo on CPUs): the all-reduces and
+  all-gathers inside the model, with ``--distributed-timeout`` so a hung rank becomes an error;
+* the *control* group (always gloo, no practical timeout): rank 0 broadcasts each step's
+  small message to the workers, who may wait there for as long as the server idles.
+
+Before :func:`init_tensor_parallel` (or with one rank) ``get_tp_size()`` is 1 and the layers
+build unsharded, so single-device code never touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from framework.errors import ConfigError
+
+log = logging.getLogger("fw.distributed")
+
+#: The workers' wait for rank 0's next step: effectively forever (an idle server sends nothing).
+CONTROL_TIMEOUT = datetime.timedelta(days=30)
+
+
+@dataclass(slots=True)
+class TensorParallelState:
+    """What this process is in the tensor-parallel group (``rank`` of ``size``)."""
+
+    rank: int = 0
+    size: int = 1
+    control_group: Any = None
+
+
+_state = TensorParallelState()
+
+
+def get_tp_rank() -> int:
+    """This process's tensor-parallel rank (0 without tensor parallelism)."""
+    return _state.rank
+
+
+def get_tp_size() -> int:
+    """The number of tensor-parallel ranks (1 without tensor parallelism)."""
+    return _state.size
+
+
+def is_tensor_parallel() -> bool:
+    return _state.size > 1
+
+
+def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: int,
+                     timeout_s: float, check_workers: Callable[[], str | None] | None = None) -> dist.TCPStore:
+    """Meet every rank at ``master_addr:master_port`` (rank 0 hosts the TCP store).
+
+    Raises :class:`ConfigError` naming the address and the ranks that never arrived when the
+    rendezvous does not complete within ``timeout_s``, or at once when ``check_workers()`` (this
+    node's worker processes) reports one that exited.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+    except Exception as error:  # torch raises RuntimeError / DistNetworkError with a long text
+        role = "host the rendezvous on" if rank == 0 else "reach rank 0 at"
+        raise ConfigError(f"tensor-parallel rank {rank} could not {role} {master_addr}:{master_port} within "
+                          f"{timeout_s:g} s ({type(error).__name__}: {str(error).splitlines()[0]}); check --master-addr, "
+                          "--master-port and that node 0 is running (--rendezvous-timeout sets the wait)") from None
+    store.set(f"fw/joined/{rank}", "1")
+    deadline = time.monotonic() + timeout_s
+    keys = [f"fw/joined/{r}" for r in range(world_size)]
+    while True:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            return store
+        reason = check_workers() if check_workers is not None else None
+        if reason is not None:
+            raise ConfigError(f"{reason} before the tensor-parallel rendezvous completed (its error is printed above)")
+        if time.monotonic() > deadline:
+            raise ConfigError(f"tensor-parallel rendezvous at {master_addr}:{master_port} timed out after {timeout_s:g} s: "
+                              f"rank(s) {', '.join(map(str, missing))} of {world_size} never joined (start every node "
+                              "with the same --master-addr/--master-port, --num-nodes and its own --node-rank)")
+        time.sleep(0.05)
+
+
+def init_tensor_parallel(rank: int, world_size: int, device: torch.device, *, master_addr: str = "127.0.0.1",
+                         master_port: int = 29500, rendezvous_timeout_s: float = 300.0,
+                         timeout_s: float = 600.0, check_workers: Callable[[], str | None] | None = None) -> None:
+    """Join the tensor-parallel group as ``rank`` of ``world_size``; layers built after this are sharded.
+
+    NCCL on CUDA devices (this rank's device becomes current), gloo on CPU. ``timeout_s`` bounds
+    every collective of the model, so a hung rank fails the step instead of hanging it.
+    ``check_workers`` reports a local worker that died before the rendezvous completed.
+    """
+    if world_size & (world_size - 1) or world_size < 1:
+        raise ConfigError(f"the tensor-parallel size must be a power of two; got {world_size}")
+    if world_size == 1:
+        _state.rank, _state.size = 0, 1
+        return
+    store = rendezvous_store(master_addr, master_port, rank, world_size, rendezvous_timeout_s, check_workers)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **options)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _state.rank, _state.size, _state.control_group = rank, world_size, control
+    log.info("tensor-parallel rank %d of %d on %s (%s)", rank, world_size, device, backend)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (idempotent); layers built afterwards are unsharded again."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer already gone: nothing left to tear down cleanly
+            pass
+    _state.rank, _state.size, _state.control_group = 0, 1, None
+
+
+# --- collectives ----------------------------------------------------------------------------
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place (capturable in a CUDA graph with NCCL)."""
+    if _state.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order."""
+    if _state.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_state.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest ``value`` any rank holds (the KV cache fits the tightest device)."""
+    if _state.size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_state.control_group)
+    return int(tensor.item())
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def broadcast_message(message: Any, message_type: type) -> Any:
+    """Rank 0 sends ``message`` (a msgspec struct) to every rank; every rank returns it.
+
+    Two gloo broadcasts on the control group: the length, then the msgpack bytes. Workers pass
+    ``None`` and block here until rank 0 sends (no timeout: an idle server sends nothing).
+    """
+    group = _state.control_group
+    if _state.rank == 0:
+        payload = _encoder.encode(message)
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=group)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=group)
+        return message
+    size = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0, group=group)
+    return msgspec.msgpack.decode(buffer.numpy().tobytes(), type=message_type)

@@ -1,0 +1,77 @@
+"""A tensor-parallel worker process: build this rank's shard, then run the steps rank 0 broadcasts.
+
+``python -m framework.distributed.worker --rank=R`` with the engine's builder keyword arguments
+(``tp_rank`` = R) as JSON on stdin. Started by rank 0 for the other ranks of its node, and by
+``fw serve --node-rank N`` (N > 0) for every rank of node N. It never schedules or samples:
+each :class:`~framework.distributed.messages.StepMessage` is one forward pass (joining the
+model's all-reduces) and the ``compute_logits`` calls rank 0 makes (joining their all-gathers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no orphaned workers)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: rank 0's closed connection still stops the worker
+        pass
+
+
+def serve_steps(runner) -> None:
+    """Run broadcast steps until rank 0 sends ``shutdown`` (or its connection breaks: an exception)."""
+    from framework.distributed.messages import StepMessage
+    from framework.distributed.state import broadcast_message
+
+    while True:
+        message = broadcast_message(None, StepMessage)
+        if message.shutdown:
+            return
+        runner.execute_message(message)
+
+
+def main(argv: list[str]) -> int:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
+    logging.basicConfig(level=os.environ.get("FW_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    return run_worker(json.loads(sys.stdin.read()))
+
+
+def run_worker(kwargs: dict) -> int:
+    """Build rank ``kwargs["tp_rank"]`` and serve steps until rank 0 ends the group; the exit code."""
+    rank = kwargs.get("tp_rank")
+    from framework.distributed.state import destroy_tensor_parallel
+    from framework.engine.builder import EngineBuilder
+    from framework.errors import FwError
+
+    try:
+        try:
+            runner = EngineBuilder(**kwargs).build_worker()
+        except FwError as error:
+            print(f"fw: error: tensor-parallel rank {rank}: {error}", file=sys.stderr, flush=True)
+            return 1
+        except Exception:
+            traceback.print_exc()
+            return 1
+        try:
+            serve_steps(runner)
+        except Exception as error:  # rank 0 went away or a collective failed
+            print(f"fw: tensor-parallel rank {rank} stopped: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                  file=sys.stderr, flush=True)
+            return 1
+        return 0
+    finally:
+        destroy_tensor_parallel()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,156 @@
+"""Mixture-of-experts: the routing function and :class:`FusedMoE`, the experts of one layer.
+
+The experts of a layer are stacked into two tensors, so one kernel launch serves them all::
+
+    w13_weight  [E, 2 * I, H]   expert e's gate rows [0, I) then its up rows [I, 2I)  (gate_proj | up_proj)
+    w2_weight   [E, H, I]       expert e's down projection                           (down_proj)
+
+``forward(hidden, router_logits)`` routes each token to ``top_k`` experts with a routing function
+(:func:`select_experts`: softmax then top-k, optionally renormalised; others such as DeepSeek's
+grouped top-k or sigmoid scoring plug in by passing their own ``topk_weights, topk_ids``) and
+runs the kernel registry's ``fused_moe`` op (the torch reference in ``framework.ops`` on CPU, a
+Triton grouped GEMM on GPUs). The router itself (a ``ReplicatedLinear``) and any shared expert
+belong to the model's MoE block.
+
+Checkpoints name experts in several ways; :func:`expert_weight_target` maps them all onto the
+stacked parameters, and :meth:`FusedMoE.weight_loader` copies them in:
+
+| checkpoint | names (under ``...experts.``) | loaded as |
+| --- | --- | --- |
+| Qwen2/3-MoE, DeepSeek | ``{e}.gate_proj`` / ``{e}.up_proj`` / ``{e}.down_proj`` ``.weight`` | one expert's w1 / w3 / w2 |
+| Mixtral | ``{e}.w1`` / ``{e}.w3`` / ``{e}.w2`` ``.weight`` | the same |
+| transformers 5 state dict | ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]`` | all experts at once |
+| GGUF (stacked per projection) | ``gate_proj.weight`` ``[E, I, H]``, ``up_proj``, ``down_proj`` | all experts, one shard |
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from framework.kernels import get_kernel
+from framework.layers.linear import KeepsWeightAttrs, copy_weight, set_weight_attrs
+
+if TYPE_CHECKING:
+    from framework.quantization import QuantConfig
+
+#: Checkpoint projection name -> the shard of the stacked weights it fills.
+EXPERT_SHARDS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj|gate_proj|up_proj)(?:\.weight)?$")
+
+
+class RoutedExperts(NamedTuple):
+    """What a routing function returns: per token, ``top_k`` expert ids and their weights."""
+
+    topk_weights: Tensor  # [T, k] float32
+    topk_ids: Tensor  # [T, k] int32
+
+
+def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> RoutedExperts:
+    """Softmax routing (Mixtral, Qwen-MoE): softmax over experts in float32, keep the ``top_k``
+    largest, and when ``renormalize`` rescale them to sum to one (Mixtral always; Qwen when
+    ``norm_topk_prob``). ``router_logits`` is ``[T, E]``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return RoutedExperts(topk_weights, topk_ids.to(torch.int32))
+
+
+def expert_weight_target(name: str) -> tuple[str, tuple[str, int | None]] | None:
+    """``(parameter name, (shard_id, expert_id))`` for a checkpoint name of an expert weight, else None.
+
+    ``shard_id`` is ``"w1"`` (gate), ``"w3"`` (up), ``"w13"`` (gate and up concatenated) or
+    ``"w2"`` (down); ``expert_id`` is None when the tensor holds every expert, stacked on dim 0.
+    """
+    if match := _PER_EXPERT.match(name):
+        shard = EXPERT_SHARDS[match["proj"]]
+        param = "w2_weight" if shard == "w2" else "w13_weight"
+        return f"{match['prefix']}.{param}", (shard, int(match["expert"]))
+    if match := _STACKED.match(name):
+        shard = {"gate_up_proj": "w13", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[match["proj"]]
+        param = "w2_weight" if shard == "w2" else "w13_weight"
+        return f"{match['prefix']}.{param}", (shard, None)
+    return None
+
+
+class FusedMoE(KeepsWeightAttrs):
+    """``num_experts`` SwiGLU experts of one layer, stacked; each token uses ``top_k`` of them.
+
+    ``forward(hidden [T, H], router_logits [T, E])`` routes with :func:`select_experts`
+    (``renormalize`` as the model says); ``forward(hidden, topk_weights=..., topk_ids=...)``
+    takes a routing computed elsewhere (grouped top-k, sigmoid scores, bias-corrected routers).
+    Returns ``[T, H]``: the routing-weighted sum of the chosen experts' outputs.
+
+    The expert weights are plain tensors in ``params_dtype``: ``quant_config`` is accepted for a
+    future MoE quantization method (GGUF files load here with their experts dequantized). One
+    device only: ``tp_size > 1`` is refused.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+                 renormalize: bool, quant_config: QuantConfig | None = None, prefix: str = "",
+                 params_dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"{prefix}: top_k must be in 1..num_experts ({num_experts}), got {top_k}")
+        if tp_size != 1:
+            raise ValueError(f"{prefix}: FusedMoE does not shard experts for tensor parallelism yet (tp_size={tp_size})")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size, self.prefix = hidden_size, intermediate_size, prefix
+        dtype = params_dtype or torch.get_default_dtype()
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+                                      requires_grad=False)
+        for param in (self.w13_weight, self.w2_weight):
+            set_weight_attrs(param, {"weight_loader": self.weight_loader})
+        self._loaded_experts: dict[str, set[int]] = {"w1": set(), "w3": set(), "w2": set()}
+        self._kernel = get_kernel("fused_moe")
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: str, expert_id: int | None = None) -> None:
+        """Copy a checkpoint tensor into ``param`` (``w13_weight`` or ``w2_weight``).
+
+        ``shard_id``: ``"w1"`` (gate rows of w13), ``"w3"`` (up rows), ``"w13"`` (both) or
+        ``"w2"``; ``expert_id``: the expert, or None for a tensor stacking all experts on dim 0.
+        """
+        size = self.intermediate_size
+        rows = {"w1": slice(0, size), "w3": slice(size, 2 * size), "w13": slice(0, 2 * size), "w2": slice(None)}
+        if shard_id not in rows:
+            raise ValueError(f"{self.prefix}: unknown expert shard {shard_id!r}; valid: w1 (gate), w3 (up), w13, w2 (down)")
+        if (shard_id == "w2") != (param is self.w2_weight):
+            raise ValueError(f"{self.prefix}: expert shard {shard_id!r} does not belong in this parameter")
+        if expert_id is not None and not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"{self.prefix}: expert {expert_id} out of range; this layer has {self.num_experts} experts")
+        target = param.data if expert_id is None else param.data[expert_id]
+        copy_weight(target[..., rows[shard_id], :], loaded_weight)
+        experts = range(self.num_experts) if expert_id is None else (expert_id,)
+        for shard in ("w1", "w3") if shard_id == "w13" else (shard_id,):
+            self._loaded_experts[shard].update(experts)
+
+    def missing_weights(self) -> list[str]:
+        """The expert shards no checkpoint tensor has filled (``check_all_loaded`` reports them)."""
+        names = {"w1": "gate (w13_weight)", "w3": "up (w13_weight)", "w2": "down (w2_weight)"}
+        missing = []
+        for shard, loaded in self._loaded_experts.items():
+            absent = sorted(set(range(self.num_experts)) - loaded)
+            if absent:
+                shown = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
+                missing.append(f"{names[shard]} of expert(s) {shown}")
+        return missing
+
+    def forward(self, hidden: Tensor, router_logits: Tensor | None = None, *,
+                topk_weights: Tensor | None = None, topk_ids: Tensor | None = None) -> Tensor:
+        if topk_ids is None:
+            if router_logits is None:
+                raise ValueError("FusedMoE.forward needs router_logits or precomputed topk_weights and topk_ids")
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self._kernel(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, renormalize={self.renormalize}")

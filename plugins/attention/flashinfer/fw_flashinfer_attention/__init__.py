@@ -1,0 +1,1 @@
+"""fw plugin: the FlashInfer attention backend."""

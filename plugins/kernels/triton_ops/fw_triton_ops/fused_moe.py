@@ -1,0 +1,202 @@
+"""The routed experts of a MoE layer as two grouped GEMMs (:func:`framework.ops.fused_moe`).
+
+Every (token, chosen expert) pair ``p = token * top_k + j`` is one row of work. The pairs are
+sorted by expert and each expert's group padded to a multiple of ``BLOCK_M``, so a block of
+``BLOCK_M`` rows always belongs to one expert::
+
+    sorted_pair_ids:  [ e0 e0 e0 pad | e3 e3 pad pad | e5 ... ]     (pad = num_pairs: masked out)
+    block_expert_ids: [     0        |      3        |  5  ... -1 -1 ]  (-1: an unused block exits)
+
+Kernel 1 (one launch): rows of ``hidden`` gathered by token, times expert e's gate and up rows
+of ``w13`` (two accumulators), SiLU-and-mul fused, written per pair: ``act [P, I]``.
+Kernel 2 (one launch): ``act`` times ``w2[e]``, scaled by the pair's routing weight: ``[P, H]``.
+The ``top_k`` rows of each token are then summed in float32.
+
+Grids are sized from shapes only (``cdiv(P, BLOCK_M) + min(P, E)`` blocks bound the padded
+groups), the sort runs on the device (one Triton program for a decode batch, torch's sort for
+larger ones), and nothing syncs with the host: decode steps can be
+CUDA-graphed. Rounding follows the reference: the projections are rounded to the activation
+dtype before SiLU-and-mul and before the routing weight, as transformers' experts compute them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _sigmoid(z):
+    e = tl.exp(-tl.abs(z))  # exp of a non-positive argument only: no overflow
+    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
+def _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's expert (-1: nothing to do), its pair ids and which of them are real."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return expert, pairs, pairs < num_pairs
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, top_k, HIDDEN, INTER,
+                         stride_xm, stride_we, stride_wn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         CAST_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
+    tokens = pairs // top_k
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < INTER
+    w_base = w_ptr + expert * stride_we
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < HIDDEN
+        a = tl.load(x_ptr + tokens[:, None] * stride_xm + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)  # [K, N]
+        up = tl.load(w_base + (cols[None, :] + INTER) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        if CAST_FP32:  # the interpreter computes bf16 wrongly
+            a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+        acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+    out_dtype = act_ptr.dtype.element_ty
+    g = acc_gate.to(out_dtype).to(tl.float32)
+    u = acc_up.to(out_dtype).to(tl.float32)
+    act = (g * _sigmoid(g)).to(out_dtype).to(tl.float32) * u
+    tl.store(act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype), mask=valid[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_weighted_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, HIDDEN, INTER,
+                          stride_we, stride_wn,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          CAST_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < HIDDEN
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < INTER
+        a = tl.load(act_ptr + pairs[:, None] * INTER + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if CAST_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    out_dtype = out_ptr.dtype.element_ty
+    routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    out = acc.to(out_dtype).to(tl.float32) * routing[:, None]
+    tl.store(out_ptr + pairs[:, None] * HIDDEN + cols[None, :], out.to(out_dtype), mask=valid[:, None] & col_mask[None, :])
+
+
+#: Up to this many pairs (batch 4 at top-8) one program sorts them (one launch instead of ~15 torch ops).
+MAX_PAIRS_ONE_PROGRAM = 32
+
+
+@triton.jit
+def _align_one_program_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
+                              BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                              BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
+    """:func:`align_pairs_to_blocks` for few pairs in one program (a counting sort)::
+
+        rank[p] = how many earlier pairs chose the same expert as p
+        slot[p] = padded_start[expert of p] + rank[p];   every other slot holds num_pairs (padding)
+    """
+    p = tl.arange(0, BLOCK_P)
+    p_mask = p < num_pairs
+    ids = tl.load(ids_ptr + p, mask=p_mask, other=-1).to(tl.int32)
+    e = tl.arange(0, BLOCK_E)
+    onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [P, E]
+    counts = tl.sum(onehot, axis=0)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    slot = tl.sum(onehot * (padded_end - padded)[None, :], axis=1) + rank
+    s = tl.arange(0, BLOCK_S)
+    tl.store(sorted_ids_ptr + s, tl.full((BLOCK_S,), 0, tl.int32) + num_pairs, mask=s < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the padding is written before the pairs overwrite their slots
+    tl.store(sorted_ids_ptr + slot, p, mask=p_mask)
+    b = tl.arange(0, BLOCK_B)
+    block_expert = tl.sum((padded_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + b, tl.where(block_expert < num_experts, block_expert, -1), mask=b < num_blocks)
+
+
+def launch_config(num_pairs: int) -> dict[str, int]:
+    """Tile sizes: small ``BLOCK_M`` for decode (few rows per expert), larger tiles for prefill."""
+    if num_pairs <= 256:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+
+
+def align_pairs_to_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """``(sorted_pair_ids [num_blocks * block_m], block_expert_ids [num_blocks])``, on the device.
+
+    Pairs are grouped by expert (stable: in pair order within an expert), each group padded to
+    whole blocks with the id ``num_pairs``; ``num_blocks = cdiv(P, block_m) + min(P, E)`` bounds
+    the padded groups, and blocks past the last group get expert -1.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs, device = flat.numel(), flat.device
+    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
+    if num_pairs <= MAX_PAIRS_ONE_PROGRAM:
+        sorted_pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+        block_expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+        _align_one_program_kernel[(1,)](
+            flat, sorted_pair_ids, block_expert_ids, num_pairs, num_experts, num_blocks, BLOCK_M=block_m,
+            BLOCK_P=triton.next_power_of_2(num_pairs), BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_S=triton.next_power_of_2(num_blocks * block_m), BLOCK_B=triton.next_power_of_2(num_blocks), num_warps=8)
+        return sorted_pair_ids, block_expert_ids
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    group_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    slots = padded_end[sorted_experts] - padded[sorted_experts] + torch.arange(num_pairs, device=device) - group_start[sorted_experts]
+    sorted_pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids[slots] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert_ids = torch.where(block_expert_ids < num_experts, block_expert_ids, -1).to(torch.int32)
+    return sorted_pair_ids, block_expert_ids
+
+
+def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """:func:`framework.ops.fused_moe` as two grouped-GEMM launches; returns a new ``[T, H]`` tensor."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, intermediate_size = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.empty_like(hidden)
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    num_pairs = num_tokens * top_k
+    config = launch_config(num_pairs)
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
+    num_blocks = block_expert_ids.numel()
+    meta = {**config, "CAST_FP32": os.environ.get("TRITON_INTERPRET") == "1",
+            "PRECISION": "ieee" if hidden.dtype == torch.float32 else "tf32"}
+    act = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
+    _gate_up_silu_kernel[(num_blocks, triton.cdiv(intermediate_size, block_n))](
+        hidden, w13, act, sorted_pair_ids, block_expert_ids, num_pairs, top_k, hidden_size, intermediate_size,
+        hidden.stride(0), w13.stride(0), w13.stride(1), **meta)
+    per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1).float()
+    _down_weighted_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
+        act, w2, per_pair, weights, sorted_pair_ids, block_expert_ids, num_pairs, hidden_size, intermediate_size,
+        w2.stride(0), w2.stride(1), **meta)
+    return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

@@ -1,0 +1,171 @@
+"""DeepSeek-V2 / V2-Lite: multi-head latent attention (MLA) over a compressed KV cache, then a
+dense MLP (the first ``first_k_dense_replace`` layers) or DeepSeek MoE (:mod:`fw_deepseek.moe`).
+
+MLA per token (``H`` heads, ``L = kv_lora_rank``, ``R = qk_rope_head_dim``, ``N = qk_nope_head_dim``,
+``V = v_head_dim``)::
+
+    q            = q_proj(x)  or  q_b_proj(q_a_layernorm(q_a_proj(x)))     [H, N + R]  (V2-Lite: no q_lora_rank)
+    c_kv, k_pe   = kv_a_proj_with_mqa(x)                                  [L], [R]    (k_pe shared by all heads)
+    c_kv         = kv_a_layernorm(c_kv);  q_pe, k_pe = rope(q_pe, k_pe)    (interleaved pairs, YaRN for long context)
+    kv_b_proj.weight viewed [H, N + V, L] = [W_UK ; W_UV]
+
+The cache stores ``[c_kv, k_pe]`` (L + R numbers per token and layer, the ``"mla"`` KV layout)
+instead of H * (N + R + V) for expanded keys and values. Attention runs absorbed: per head
+``q_lat = q_nope @ W_UK`` (so ``q_lat . c_kv = q_nope . k_nope``), scores ``[q_lat, q_pe] .
+[c_kv, k_pe]``, the attention-weighted ``c_kv`` goes out through ``W_UV`` and ``o_proj``. The
+softmax scale is ``(N + R)^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN, as in
+transformers' ``yarn_apply_mscale``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from framework.attention_backend import MLAConfig
+from framework.config import ModelConfig
+from framework.layers import ReplicatedLinear, RMSNorm, SiluAndMul, UnquantizedLinearMethod, VocabEmbedding
+from framework.layers.attention import Attention
+from framework.layers.causal_lm import CausalLM, DecoderStack
+from framework.layers.fused_moe import expert_weight_target
+from framework.layers.mlp import GatedMLP
+from framework.layers.rotary import get_rope, yarn_get_mscale
+from framework.quantization import QuantConfig
+from fw_deepseek.moe import DeepseekV2MoE
+
+
+def softmax_scale(config: ModelConfig, qk_head_dim: int) -> float:
+    """``qk_head_dim^-0.5``, times ``mscale^2`` when rope scaling sets ``mscale_all_dim`` (DeepSeek YaRN)."""
+    scale = qk_head_dim**-0.5
+    scaling = config.rope_scaling
+    if scaling and scaling.get("mscale_all_dim"):
+        mscale = yarn_get_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+        scale *= mscale * mscale
+    return scale
+
+
+class DeepseekV2Attention(nn.Module):
+    """Multi-head latent attention with absorbed ``W_UK`` / ``W_UV`` over the ``"mla"`` KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
+        super().__init__()
+        hidden, self.num_heads = config.hidden_size, config.num_heads
+        self.q_lora_rank = config.get("q_lora_rank")
+        self.kv_lora_rank = int(config.get("kv_lora_rank"))
+        self.nope_dim, self.rope_dim = int(config.get("qk_nope_head_dim")), int(config.get("qk_rope_head_dim"))
+        self.v_dim = int(config.get("v_head_dim"))
+        qk_head_dim = self.nope_dim + self.rope_dim
+        bias = bool(config.get("attention_bias", False))
+        linear = dict(quant_config=quant_config)
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, prefix=f"{prefix}.q_a_proj", **linear)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, self.num_heads * qk_head_dim, bias=False,
+                                             prefix=f"{prefix}.q_b_proj", **linear)
+        else:
+            self.q_proj = ReplicatedLinear(hidden, self.num_heads * qk_head_dim, bias=False, prefix=f"{prefix}.q_proj", **linear)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias,
+                                                   prefix=f"{prefix}.kv_a_proj_with_mqa", **linear)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = ReplicatedLinear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False,
+                                          prefix=f"{prefix}.kv_b_proj", **linear)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.v_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj", **linear)
+        self.rotary_emb = get_rope(self.rope_dim, self.rope_dim, config.max_model_len, config.rope_theta,
+                                   config.rope_scaling, is_neox_style=False)
+        mla = MLAConfig(self.kv_lora_rank, self.rope_dim)
+        self.attn = Attention(layer_index, self.num_heads, 1, mla.latent_size, softmax_scale(config, qk_head_dim), mla=mla)
+        self._dense_kv_b: torch.Tensor | None = None
+
+    def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
+        """``kv_b_proj``'s weight as ``[H, N + V, L]``: a view of an unquantized weight; a quantized
+        layer is dequantized once (``W.T = kv_b_proj(identity)``, any LinearMethod) to ``like``'s dtype."""
+        shape = (self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        if isinstance(self.kv_b_proj.linear_method, UnquantizedLinearMethod):
+            return self.kv_b_proj.weight.view(shape)
+        if self._dense_kv_b is None:
+            eye = torch.eye(self.kv_lora_rank, device=like.device, dtype=like.dtype)
+            self._dense_kv_b = self.kv_b_proj(eye).t().contiguous().view(shape)
+        return self._dense_kv_b
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv.contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous().view(num_tokens, 1, self.rope_dim))
+        w_uk, w_uv = self.kv_b_weight(hidden).split([self.nope_dim, self.v_dim], dim=1)  # [H, N, L], [H, V, L]
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
+        query = torch.cat((q_latent, q_pe.view(num_tokens, self.num_heads, self.rope_dim)), dim=-1)
+        latent = torch.cat((c_kv, k_pe.view(num_tokens, self.rope_dim)), dim=-1)
+        out_latent = self.attn(query.flatten(1), latent, None).view(num_tokens, self.num_heads, self.kv_lora_rank)
+        out = torch.einsum("thl,hvl->thv", out_latent, w_uv)
+        return self.o_proj(out.flatten(1))
+
+
+def is_moe_layer(config: ModelConfig, layer_index: int) -> bool:
+    """MoE from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer (DeepSeek's rule)."""
+    if not config.get("n_routed_experts"):
+        return False
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    return layer_index >= first_dense and layer_index % int(config.get("moe_layer_freq") or 1) == 0
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
+        super().__init__()
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        if (config.get("hidden_act") or "silu") != "silu":
+            raise ValueError(f"DeepSeek-V2 with hidden_act {config.get('hidden_act')!r} is unsupported; valid: silu")
+        self.self_attn = DeepseekV2Attention(config, layer_index, quant_config, f"{prefix}.self_attn")
+        if is_moe_layer(config, layer_index):
+            self.mlp = DeepseekV2MoE(config, quant_config, f"{prefix}.mlp")
+        else:
+            self.mlp = GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
+                                bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV2Model(DecoderStack):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                           prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}") for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, float(config.get("rms_norm_eps", 1e-6)))
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    """``forward(input_ids, positions) -> hidden``; ``compute_logits(hidden) -> logits``."""
+
+    #: Only gate/up fold (dense MLPs, experts, shared experts); q_proj is not part of a fused qkv here.
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV2Model(config, quant_config, "model")
+        self.init_lm_head(config, quant_config, tie_by_default=False)
+
+    @staticmethod
+    def map_weight_name(name: str) -> tuple[str, tuple | None]:
+        """Routed-expert tensors go to the stacked FusedMoE weights; the rest folds through
+        ``packed_modules_mapping`` (shared experts and dense MLPs included)."""
+        target = expert_weight_target(name)
+        return target if target is not None else (name, None)

@@ -1,0 +1,185 @@
+"""DeepSeek-V2 through the whole engine matches transformers (fp32, tiny random models).
+
+Two shapes: V2-Lite-like (no q_lora_rank, grouped routing) and V2-like (q_lora_rank, YaRN with
+DeepSeek's mscale, greedy routing). Both have a dense first layer, then MoE layers with shared
+experts. Logits of mixed-length prompts at every position with chunked prefill over the paged
+latent ("mla") cache, 32 greedy tokens, the same after a prefix-cache hit and after preemption;
+and the cache takes ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from framework import LLM, SamplingParams, hookimpl
+from framework.errors import ConfigError
+from framework.specs import AttentionBackendSpec
+from framework.testing import check_greedy_parity, check_logits_parity, reference_greedy, write_tiny_model
+
+SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+             num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+             max_position_embeddings=512, initializer_range=0.1)
+LATENT = SMALL["kv_lora_rank"] + SMALL["qk_rope_head_dim"]
+
+CONFIGS = {
+    "v2_lite_grouped_routing": lambda: transformers.DeepseekV2Config(
+        **SMALL, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5),
+    "v2_q_lora_yarn": lambda: transformers.DeepseekV2Config(
+        **SMALL, q_lora_rank=24, topk_method="greedy", routed_scaling_factor=1.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.6}),
+}
+
+PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))]]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models: intra-op threads only add synchronisation, and on a loaded CI machine (more
+    busy processes than cores) that costs ~20x here (measured: 34 s -> 1.8 s for the references)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    reference = write_tiny_model(path, CONFIGS[request.param]())
+    return path, reference
+
+
+def test_batched_chunked_prefill_logits_match_transformers(tiny):
+    check_logits_parity(*tiny, PROMPTS)
+
+
+def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
+    check_greedy_parity(*tiny, PROMPTS)
+
+
+def test_greedy_tokens_match_after_prefix_cache_hit(tiny):
+    path, reference = tiny
+    llm = LLM(str(path), num_blocks=64)
+    shared = PROMPTS[2] + PROMPTS[1]  # 42 tokens: two full blocks of 16 can be reused
+    llm.generate({"prompt_token_ids": shared + [7]}, GREEDY)
+    second = llm.generate({"prompt_token_ids": shared + [8, 9]}, GREEDY)[0]
+    assert second.num_cached_tokens == 32
+    assert llm.engine.core.stats().prefix_cache_hits >= 32
+    assert second.outputs[0].token_ids == reference_greedy(reference, shared + [8, 9])
+
+
+def test_greedy_tokens_match_when_preempted_and_resumed(tiny):
+    path, reference = tiny
+    # 4 requests of up to 29 + 32 tokens need 16 blocks of 16; 9 blocks force preemptions.
+    llm = LLM(str(path), num_blocks=9, max_num_seqs=4)
+    prompts = [*PROMPTS, PROMPTS[0][::-1]]
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert llm.engine.core.stats().num_preemptions > 0
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
+    assert llm.engine.core.kv_cache.num_free_blocks == 9
+
+
+def test_mla_cache_holds_the_latent_only(tiny):
+    """Per token and layer the cache holds kv_lora_rank + qk_rope_head_dim numbers (the point of MLA),
+    and a --mem budget buys blocks at that price."""
+    path, _ = tiny
+    llm = LLM(str(path), mem_mb=1)
+    engine, layers = llm.engine, SMALL["num_hidden_layers"]
+    caches = engine.core.runner.kv_caches
+    num_blocks, block_size = engine.summary["kv_blocks"], 16
+    assert [tuple(c.shape) for c in caches] == [(num_blocks + 1, block_size, LATENT)] * layers
+    bytes_per_token = engine.summary["kv_bytes"] / engine.summary["kv_tokens"]
+    assert bytes_per_token == layers * LATENT * 4  # fp32
+    assert num_blocks == (1 << 20) // (block_size * layers * LATENT * 4)
+    # expanded per-head keys and values would be 4 * (16 + 8 + 16) = 160 numbers per token and layer, not 40
+
+
+class StandardOnlyBackend:
+    """A plugin whose fast backend reads only the standard layout (as the Triton one does today)."""
+
+    @hookimpl
+    def register_attention_backends(self):
+        return [AttentionBackendSpec(name="standard_only", impl="fw_torch_attention.backend:TorchAttentionBackend",
+                                     priority=100, kv_cache_layouts=("standard",))]
+
+
+def test_backend_without_mla_layout_is_skipped_with_a_reason(tiny, register_fw_plugin, caplog):
+    path, _ = tiny
+    register_fw_plugin(StandardOnlyBackend(), "standard_only")
+    with caplog.at_level("INFO", logger="fw.engine"):
+        llm = LLM(str(path), num_blocks=8)
+    assert llm.engine.attention_backend == "torch"
+    assert "standard_only not used: KV layout 'mla' unsupported (it reads: standard)" in caplog.text
+    with pytest.raises(ConfigError, match="'standard_only' cannot run: KV layout 'mla' unsupported"):
+        LLM(str(path), num_blocks=8, attention_backend="standard_only")
+
+
+def test_plugins_check_shows_which_backends_read_the_mla_layout():
+    from typer.testing import CliRunner
+
+    from cli.main import build_app
+
+    result = CliRunner().invoke(build_app(), ["plugins", "check"])
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line for line in result.output.splitlines() if line.startswith("  ")}
+    assert lines["DeepseekV2ForCausalLM"].endswith("ok (KV layout: mla)")
+    assert lines["torch"].endswith("(KV layouts: standard, mla)")
+    assert lines["triton"].endswith("(KV layouts: standard)")
+
+
+def test_routing_group_limit_and_renormalisation():
+    from fw_deepseek.moe import deepseek_v2_routing
+
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.0, 4.0, 4.5, 0.0, 0.0]])  # groups of 2: best per group 5, 1, 4.5, 0
+    weights, ids = deepseek_v2_routing(logits, 2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                       routed_scaling_factor=2.0)
+    assert sorted(ids[0].tolist()) == [1, 5]  # expert 4 (score 4.0) is in group 2 too, but 5 beats it
+    probs = logits.softmax(-1)[0]
+    assert torch.allclose(weights[0].sort().values, (2.0 * probs[[5, 1]]).sort().values)
+    weights, ids = deepseek_v2_routing(logits, 3, topk_method="greedy", norm_topk_prob=True, routed_scaling_factor=2.0)
+    assert sorted(ids[0].tolist()) == [1, 4, 5] and torch.allclose(weights.sum(), torch.tensor(2.0))
+    with pytest.raises(ValueError, match="valid: greedy, group_limited_greedy"):
+        deepseek_v2_routing(logits, 2, topk_method="noaux_tc")
+
+
+@pytest.mark.gpu
+def test_greedy_tokens_match_transformers_on_cuda(tiny):
+    """On the GPU: the torch backend over the MLA cache (Triton cannot read it yet) and the
+    fused_moe kernel of the registry, fp32, against transformers on the CPU."""
+    path, reference = tiny
+    llm = LLM(str(path), device="cuda", dtype="float32", num_blocks=64, prefill_chunk_size=8)
+    assert llm.engine.attention_backend == "torch"
+    results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
+
+
+def test_absorption_through_a_quantized_kv_b_proj(tiny):
+    """A kv_b_proj whose LinearMethod is not the plain weight (any quantized method) is absorbed
+    through ``W.T = kv_b_proj(identity)``: the tokens stay transformers'."""
+    from fw_deepseek.model import DeepseekV2Attention
+
+    from framework.layers import LinearMethod
+
+    class OpaqueLinearMethod(LinearMethod):  # only apply() is used after loading
+        def create_weights(self, *args) -> None:
+            raise AssertionError("not used")
+
+        def apply(self, layer, x, bias=None):
+            return torch.nn.functional.linear(x, layer.weight, bias)
+
+    path, reference = tiny
+    llm = LLM(str(path), num_blocks=16)
+    attentions = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, DeepseekV2Attention)]
+    for attention in attentions:
+        attention.kv_b_proj.linear_method = OpaqueLinearMethod()
+    result = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
+    assert all(a._dense_kv_b is not None for a in attentions)
+    assert result.outputs[0].token_ids == reference_greedy(reference, PROMPTS[1])

@@ -1,0 +1,104 @@
+"""Mixture-of-experts members of the Llama family: Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+They are Llama decoders (the same attention, norms and residual stream, see ``model.py``) whose
+feed-forward block is, on some or all layers, a sparse MoE block built on
+:class:`framework.layers.fused_moe.FusedMoE`:
+
+| switch | Mixtral | Qwen2-MoE | Qwen3-MoE |
+| --- | --- | --- | --- |
+| experts / used | ``num_local_experts`` / ``num_experts_per_tok`` | ``num_experts`` / same | ``num_experts`` / same |
+| expert width | ``intermediate_size`` | ``moe_intermediate_size`` | ``moe_intermediate_size`` |
+| renormalise top-k | always | ``norm_topk_prob`` | ``norm_topk_prob`` |
+| shared expert | no | ``shared_expert`` with a sigmoid gate | no |
+| sparse layers | all | ``decoder_sparse_step``, minus ``mlp_only_layers`` | same |
+| attention | Llama | q/k/v bias | per-head QK RMSNorm |
+| checkpoint names | ``block_sparse_moe.experts.{e}.w1/w3/w2`` | ``mlp.experts.{e}.gate/up/down_proj`` | same as Qwen2-MoE |
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from framework.config import ModelConfig
+from framework.layers import ReplicatedLinear, SiluAndMul
+from framework.layers.causal_lm import CausalLM
+from framework.layers.fused_moe import FusedMoE, expert_weight_target
+from framework.layers.mlp import GatedMLP
+from framework.quantization import QuantConfig
+
+from .model import LlamaModel, dense_mlp
+
+#: ``architectures[0]`` of the MoE models this module serves.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def num_experts(config: ModelConfig) -> int:
+    return int(config.get("num_experts") or config.get("num_local_experts"))
+
+
+def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:
+    """Whether layer ``layer_index`` has the MoE block (transformers' rule for Qwen-MoE; Mixtral: all)."""
+    if config.get("model_type") == "mixtral":
+        return True
+    step = int(config.get("decoder_sparse_step") or 1)
+    only_dense = config.get("mlp_only_layers") or []
+    return layer_index not in only_dense and num_experts(config) > 0 and (layer_index + 1) % step == 0
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``) -> ``experts`` (FusedMoE), plus Qwen2-MoE's gated ``shared_expert``.
+
+    Qwen2-MoE adds ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` to the routed output.
+    """
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+        super().__init__()
+        hidden, experts = config.hidden_size, num_experts(config)
+        is_mixtral = config.get("model_type") == "mixtral"
+        width = int(config.get("intermediate_size") if is_mixtral else config.get("moe_intermediate_size"))
+        self.gate = ReplicatedLinear(hidden, experts, quant_config=quant_config, prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(experts, int(config.get("num_experts_per_tok")), hidden, width,
+                                renormalize=is_mixtral or bool(config.get("norm_topk_prob", False)),
+                                quant_config=quant_config, prefix=f"{prefix}.experts")
+        shared = int(config.get("shared_expert_intermediate_size") or 0)
+        if shared:
+            self.shared_expert = GatedMLP(hidden, shared, SiluAndMul(), quant_config=quant_config,
+                                          prefix=f"{prefix}.shared_expert")
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, quant_config=quant_config,
+                                                       prefix=f"{prefix}.shared_expert_gate")
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden, self.gate(hidden))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out
+
+
+def moe_or_dense_mlp(config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> nn.Module:
+    """The feed-forward of a layer: the sparse MoE block, or a dense SwiGLU on ``mlp_only_layers``."""
+    if is_sparse_layer(config, layer_index):
+        return SparseMoeBlock(config, quant_config, prefix)
+    return dense_mlp(config, layer_index, quant_config, prefix)
+
+
+class LlamaMoeForCausalLM(CausalLM):
+    """Mixtral, Qwen2-MoE, Qwen3-MoE: ``forward(input_ids, positions) -> hidden``; ``compute_logits``."""
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        if config.architecture not in MOE_ARCHITECTURES:
+            raise ValueError(f"LlamaMoeForCausalLM serves {', '.join(MOE_ARCHITECTURES)}; got {config.architecture!r}")
+        self.config = config
+        self.model = LlamaModel(config, quant_config, "model", make_mlp=moe_or_dense_mlp)
+        self.init_lm_head(config, quant_config, tie_by_default=False)
+
+    @staticmethod
+    def map_weight_name(name: str) -> tuple[str, tuple | None]:
+        """Expert tensors go to the stacked FusedMoE weights (see ``framework.layers.fused_moe``);
+        Mixtral's ``block_sparse_moe`` is this model's ``mlp``; the rest folds as in Llama."""
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        target = expert_weight_target(name)
+        return target if target is not None else (name, None)

@@ -1,0 +1,157 @@
+"""Qwen2-MoE and Qwen3-MoE from GGUF files (experts stacked per projection, as llama.cpp writes them).
+
+A tiny random model is written twice, as safetensors (transformers' ``save_pretrained``) and as a
+GGUF laid out like llama.cpp's converter output (``ffn_gate_exps`` ``[experts, width, hidden]``,
+``ffn_gate_inp``, the shared-expert tensors, a dense layer's ``ffn_gate``); both load through fw.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from framework import LLM, SamplingParams
+from framework.testing import capture_logits, check_logits_parity, write_tiny_model
+
+SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False, num_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96, rope_theta=10000.0)
+CONFIGS = {
+    "qwen2moe": lambda: transformers.Qwen2MoeConfig(**SMALL, shared_expert_intermediate_size=64, mlp_only_layers=[1]),
+    "qwen3moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=32, norm_topk_prob=True),
+}
+PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53))]
+
+_ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+_SHARED = {"gate_proj": "ffn_gate_shexp", "up_proj": "ffn_up_shexp", "down_proj": "ffn_down_shexp"}
+
+
+def gguf_tensors(model) -> dict[str, tuple[str, int | None, torch.Tensor]]:
+    """transformers' state dict under llama.cpp's GGUF names and layouts:
+    ``{gguf name: (HF name, chunk of it along dim 1 or None, tensor)}``."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            tensors["token_embd.weight"] = (name, None, tensor)
+        elif name == "model.norm.weight":
+            tensors["output_norm.weight"] = (name, None, tensor)
+        elif name == "lm_head.weight":
+            tensors["output.weight"] = (name, None, tensor)
+        else:
+            block, kind, rest = f"blk.{parts[2]}", parts[3], parts[4:]
+            if kind in ("input_layernorm", "post_attention_layernorm"):
+                tensors[f"{block}.{'attn_norm' if kind == 'input_layernorm' else 'ffn_norm'}.weight"] = (name, None, tensor)
+            elif kind == "self_attn":
+                tensors[f"{block}.{_ATTENTION[rest[0]]}.{rest[1]}"] = (name, None, tensor)
+            elif rest[0] == "experts" and rest[1] == "gate_up_proj":  # [E, 2I, H] -> gate and up stacks
+                gate, up = tensor.chunk(2, dim=1)
+                tensors[f"{block}.ffn_gate_exps.weight"] = (name, 0, gate)
+                tensors[f"{block}.ffn_up_exps.weight"] = (name, 1, up)
+            elif rest[0] == "experts":
+                tensors[f"{block}.ffn_down_exps.weight"] = (name, None, tensor)
+            elif rest[0] == "gate":
+                tensors[f"{block}.ffn_gate_inp.weight"] = (name, None, tensor)
+            elif rest[0] == "shared_expert_gate":
+                tensors[f"{block}.ffn_gate_inp_shexp.weight"] = (name, None, tensor[0])  # llama.cpp: a [hidden] vector
+            elif rest[0] == "shared_expert":
+                tensors[f"{block}.{_SHARED[rest[1]]}.weight"] = (name, None, tensor)
+            else:  # a dense layer's mlp.gate_proj / up_proj / down_proj
+                tensors[f"{block}.ffn_{rest[0].removesuffix('_proj')}.weight"] = (name, None, tensor)
+    return tensors
+
+
+def hf_state_from(model, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with the values a GGUF file holds (``stored``: GGUF name -> values)."""
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    for gguf_name, (hf_name, chunk, _) in gguf_tensors(model).items():
+        target = state[hf_name] if chunk is None else state[hf_name].chunk(2, dim=1)[chunk]
+        target.copy_(stored[gguf_name].reshape(target.shape))
+    return state
+
+
+def write_gguf(path, arch: str, model, quantized: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Write ``model`` as a GGUF of ``arch``; tensors whose name contains one of ``quantized`` as
+    Q8_0. Returns the values the file holds (dequantized), under the GGUF names."""
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["<s>", "</s>", "a", "b", "ab", *(f"t{i}" for i in range(5, config.vocab_size))])
+    writer.add_token_types([3, 3, *([1] * (config.vocab_size - 2))])
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    stored = {}
+    for name, (_, _, tensor) in gguf_tensors(model).items():
+        array = tensor.float().numpy()
+        if any(part in name for part in quantized):
+            packed = gguf.quants.quantize(array, Q.Q8_0)
+            writer.add_tensor(name, packed, raw_dtype=Q.Q8_0)
+            array = gguf.quants.dequantize(packed, Q.Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+        stored[name] = torch.from_numpy(np.array(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def engine_logits(path, prompts) -> torch.Tensor:
+    llm = LLM(str(path), num_blocks=32, prefill_chunk_size=8, max_num_batched_tokens=16)
+    records = capture_logits(llm)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
+    return torch.stack([records[key] for key in sorted(records)])
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny_moe(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    reference = write_tiny_model(folder / "safetensors", CONFIGS[request.param]())
+    return request.param, folder, reference
+
+
+def test_gguf_moe_gives_the_logits_of_the_safetensors_checkpoint(tiny_moe):
+    arch, folder, reference = tiny_moe
+    write_gguf(folder / "model-f32.gguf", arch, reference)
+    llm = LLM(str(folder / "model-f32.gguf"), num_blocks=16)
+    assert llm.engine.model_config.architecture == type(reference).__name__
+    layers = llm.engine.core.runner.model.model.layers
+    assert [hasattr(layer.mlp, "experts") for layer in layers] == [hasattr(layer.mlp, "experts") for layer in reference.model.layers]
+    from_gguf = engine_logits(folder / "model-f32.gguf", PROMPTS)
+    from_safetensors = engine_logits(folder / "safetensors", PROMPTS)
+    torch.testing.assert_close(from_gguf, from_safetensors, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny_moe):
+    """Q8_0 router (kept packed by the gguf LinearMethod) and experts (dequantized into FusedMoE)."""
+    arch, folder, reference = tiny_moe
+    stored = write_gguf(folder / "model-q8.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
+    # transformers' model holding exactly the values the file holds
+    dequantized = transformers.AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32,
+                                                                attn_implementation="eager").eval()
+    state = hf_state_from(reference, stored)
+    down = "model.layers.0.mlp.experts.down_proj"
+    assert not torch.equal(state[down], reference.state_dict()[down])  # quantization changed the values
+    dequantized.load_state_dict(state)
+    check_logits_parity(folder / "model-q8.gguf", dequantized, PROMPTS)

@@ -1,0 +1,248 @@
+// The pieces of the page: sidebar, messages, composer, settings and API-key dialogs.
+import { useEffect, useMemo, useRef, useState } from 'preact/hooks';
+import { copyText, renderMarkdown } from './markdown.js';
+import { prettyJson } from './chat.js';
+import {
+  CopyIcon, KeyIcon, PencilIcon, PlusIcon, RefreshIcon, SearchIcon, SendIcon, StopIcon, TrashIcon,
+} from './icons.jsx';
+
+export function Sidebar({ conversations, currentId, onSelect, onNew, onRename, onDelete, open, onClose, streamingId }) {
+  const [query, setQuery] = useState('');
+  const [editing, setEditing] = useState(null);
+  const shown = useMemo(() => {
+    const q = query.trim().toLowerCase();
+    const sorted = [...conversations].sort((a, b) => b.updatedAt - a.updatedAt);
+    if (!q) return sorted;
+    return sorted.filter((c) => c.title.toLowerCase().includes(q) || c.messages.some((m) => (m.content || '').toLowerCase().includes(q)));
+  }, [conversations, query]);
+
+  return (
+    <>
+      <div class={`scrim ${open ? 'show' : ''}`} onClick={onClose} />
+      <aside class={`sidebar ${open ? 'open' : ''}`} aria-label="Conversations">
+        <div class="brand"><span class="logo">fw</span><span>chat</span></div>
+        <button class="new-chat" type="button" onClick={onNew} data-testid="new-chat"><PlusIcon /> New chat</button>
+        <label class="search">
+          <SearchIcon />
+          <input type="search" placeholder="Search chats" value={query} onInput={(e) => setQuery(e.currentTarget.value)}
+            data-testid="search" aria-label="Search conversations" />
+        </label>
+        <nav class="conversations" data-testid="conversation-list">
+          {shown.length === 0 && <p class="empty-list">{query ? 'No chat matches.' : 'No chats yet.'}</p>}
+          {shown.map((c) => (
+            <div key={c.id} class={`conversation ${c.id === currentId ? 'active' : ''}`} data-testid="conversation">
+              {editing === c.id ? (
+                <input class="rename" value={c.title} autoFocus aria-label="Chat title"
+                  onKeyDown={(e) => {
+                    if (e.key === 'Enter') { onRename(c.id, e.currentTarget.value); setEditing(null); }
+                    if (e.key === 'Escape') { e.stopPropagation(); setEditing(null); }
+                  }}
+                  onBlur={(e) => { onRename(c.id, e.currentTarget.value); setEditing(null); }} />
+              ) : (
+                <button type="button" class="title" onClick={() => onSelect(c.id)} title={c.title}>
+                  {c.id === streamingId && <span class="dot" aria-label="generating" />}
+                  {c.title}
+                </button>
+              )}
+              <span class="row-actions">
+                <button type="button" class="icon" title="Rename" aria-label="Rename" onClick={() => setEditing(c.id)}><PencilIcon /></button>
+                <button type="button" class="icon" title="Delete" aria-label="Delete"
+                  onClick={() => { if (window.confirm(`Delete "${c.title}"?`)) onDelete(c.id); }}><TrashIcon /></button>
+              </span>
+            </div>
+          ))}
+        </nav>
+        <p class="sidebar-foot">Chats are kept in this browser only.</p>
+      </aside>
+    </>
+  );
+}
+
+function Markdown({ text, testId }) {
+  const html = useMemo(() => renderMarkdown(text), [text]);
+  return <div class="markdown" data-testid={testId} dangerouslySetInnerHTML={{ __html: html }} />;
+}
+
+function ToolCalls({ calls, results }) {
+  return calls.map((call, i) => {
+    const answers = results.filter((r) => r.tool_call_id && r.tool_call_id === call.id);
+    return (
+      <details class="tool" key={call.id || i} data-testid="tool-call">
+        <summary><span class="badge">tool</span> <code>{call.name || '…'}</code>{answers.length > 0 && <span class="done">result</span>}</summary>
+        <pre class="plain">{prettyJson(call.arguments)}</pre>
+        {answers.map((r, j) => <pre class="plain result" key={j} data-testid="tool-result">{r.content}</pre>)}
+      </details>
+    );
+  }).concat(results.filter((r) => !calls.some((c) => c.id && c.id === r.tool_call_id)).map((r, i) => (
+    <details class="tool" key={`r${i}`} data-testid="tool-result">
+      <summary><span class="badge">tool result</span> <code>{r.name || r.tool_call_id}</code></summary>
+      <pre class="plain result">{r.content}</pre>
+    </details>
+  )));
+}
+
+function Stats({ stats }) {
+  if (!stats) return null;
+  const parts = [];
+  if (stats.completionTokens != null) parts.push(`${stats.completionTokens} tokens`);
+  if (stats.tokensPerSecond) parts.push(`${stats.tokensPerSecond.toFixed(1)} tok/s`);
+  if (stats.promptTokens != null) parts.push(`${stats.promptTokens} prompt`);
+  if (stats.ttft != null) parts.push(`${(stats.ttft * 1000).toFixed(0)} ms to first token`);
+  if (stats.stopped) parts.push(`stopped after ${stats.elapsed.toFixed(1)} s`);
+  return <div class="stats" data-testid="stats">{parts.join(' · ')}</div>;
+}
+
+export function Message({ message, index, isLast, isStreaming, onEdit, onRegenerate, canAct }) {
+  const [editing, setEditing] = useState(false);
+  const [draft, setDraft] = useState(message.content);
+  const [copied, setCopied] = useState(false);
+
+  const onClick = async (event) => {
+    const button = event.target.closest('button[data-copy]');
+    if (!button) return;
+    const code = button.closest('.code-block')?.querySelector('code');
+    if (!code) return;
+    await copyText(code.textContent);
+    button.textContent = 'Copied';
+    setTimeout(() => { button.textContent = 'Copy'; }, 1200);
+  };
+
+  if (message.role === 'user') {
+    return (
+      <div class="msg user" data-testid="user-message">
+        {editing ? (
+          <div class="edit">
+            <textarea value={draft} onInput={(e) => setDraft(e.currentTarget.value)} rows={Math.min(10, draft.split('\n').length + 1)}
+              aria-label="Edit message" data-testid="edit-box"
+              onKeyDown={(e) => {
+                if (e.key === 'Enter' && !e.shiftKey) { e.preventDefault(); setEditing(false); onEdit(index, draft); }
+                if (e.key === 'Escape') { e.stopPropagation(); setEditing(false); }
+              }} />
+            <div class="edit-actions">
+              <button type="button" class="ghost" onClick={() => setEditing(false)}>Cancel</button>
+              <button type="button" class="primary" data-testid="edit-send" onClick={() => { setEditing(false); onEdit(index, draft); }}>Send</button>
+            </div>
+          </div>
+        ) : (
+          <>
+            <div class="bubble">{message.content}</div>
+            {canAct && (
+              <div class="actions">
+                <button type="button" class="icon" title="Edit and resend" aria-label="Edit and resend" data-testid="edit"
+                  onClick={() => { setDraft(message.content); setEditing(true); }}><PencilIcon /></button>
+              </div>
+            )}
+          </>
+        )}
+      </div>
+    );
+  }
+
+  const waiting = isStreaming && !message.content && !message.reasoning && message.toolCalls.length === 0;
+  return (
+    <div class="msg assistant" data-testid="assistant-message" onClick={onClick}>
+      {message.reasoning && (
+        <details class="reasoning" open={isStreaming && !message.content} data-testid="reasoning">
+          <summary>{isStreaming && !message.content ? 'Thinking…' : 'Reasoning'}</summary>
+          <div class="reasoning-body"><Markdown text={message.reasoning} /></div>
+        </details>
+      )}
+      <ToolCalls calls={message.toolCalls} results={message.toolResults} />
+      {waiting ? <div class="typing" aria-label="waiting for the reply"><span /><span /><span /></div> : <Markdown text={message.content} testId="reply-content" />}
+      {message.error && <div class="error" role="alert">{message.error}</div>}
+      {!isStreaming && (
+        <div class="foot">
+          <Stats stats={message.stats} />
+          <div class="actions">
+            <button type="button" class="icon" title={copied ? 'Copied' : 'Copy reply'} aria-label="Copy reply"
+              onClick={async () => { await copyText(message.content); setCopied(true); setTimeout(() => setCopied(false), 1200); }}>
+              <CopyIcon />
+            </button>
+            {isLast && canAct && (
+              <button type="button" class="icon" title="Regenerate" aria-label="Regenerate" data-testid="regenerate" onClick={onRegenerate}>
+                <RefreshIcon />
+              </button>
+            )}
+          </div>
+        </div>
+      )}
+    </div>
+  );
+}
+
+export function Composer({ onSend, onStop, isStreaming, disabled }) {
+  const [text, setText] = useState('');
+  const area = useRef(null);
+  useEffect(() => {
+    const el = area.current;
+    if (!el) return;
+    el.style.height = 'auto';
+    el.style.height = `${Math.min(el.scrollHeight, 220)}px`;
+  }, [text]);
+  useEffect(() => { area.current?.focus(); }, []);
+
+  const send = () => {
+    if (isStreaming || disabled || !text.trim()) return;
+    onSend(text);
+    setText('');
+  };
+  return (
+    <form class="composer" onSubmit={(e) => { e.preventDefault(); send(); }}>
+      <textarea ref={area} rows={1} value={text} placeholder="Message fw…"
+        aria-label="Message" data-testid="composer"
+        onInput={(e) => setText(e.currentTarget.value)}
+        onKeyDown={(e) => {
+          if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
+        }} />
+      {isStreaming ? (
+        <button type="button" class="send stop" onClick={onStop} title="Stop (Esc)" aria-label="Stop" data-testid="stop"><StopIcon /></button>
+      ) : (
+        <button type="submit" class="send" disabled={disabled || !text.trim()} title="Send (Enter)" aria-label="Send" data-testid="send"><SendIcon /></button>
+      )}
+    </form>
+  );
+}
+
+export function SettingsPanel({ settings, onChange, onClose }) {
+  const field = (name, label, attrs) => (
+    <label class="field">
+      <span>{label}</span>
+      <input type="number" value={settings[name]} data-testid={`setting-${name}`} {...attrs}
+        onInput={(e) => onChange({ ...settings, [name]: e.currentTarget.value === '' ? '' : Number(e.currentTarget.value) })} />
+    </label>
+  );
+  return (
+    <section class="settings" aria-label="Chat settings" data-testid="settings">
+      <div class="settings-head"><h2>Settings for this chat</h2><button type="button" class="ghost" onClick={onClose}>Done</button></div>
+      <label class="field wide">
+        <span>System prompt</span>
+        <textarea rows={3} value={settings.system} placeholder="You are a helpful assistant." data-testid="setting-system"
+          onInput={(e) => onChange({ ...settings, system: e.currentTarget.value })} />
+      </label>
+      <div class="grid">
+        {field('temperature', 'Temperature', { min: 0, max: 2, step: 0.1 })}
+        {field('top_p', 'Top p', { min: 0, max: 1, step: 0.05 })}
+        {field('max_tokens', 'Max tokens', { min: 1, step: 1 })}
+      </div>
+    </section>
+  );
+}
+
+export function KeyDialog({ message, onSave, onCancel }) {
+  const [key, setKey] = useState('');
+  return (
+    <div class="modal-backdrop">
+      <form class="modal" onSubmit={(e) => { e.preventDefault(); if (key.trim()) onSave(key.trim()); }} data-testid="key-dialog">
+        <h2><KeyIcon /> API key required</h2>
+        <p>{message || 'This server requires an API key (fw serve --api-key).'} It is kept in this browser.</p>
+        <input type="password" autoFocus placeholder="API key" value={key} onInput={(e) => setKey(e.currentTarget.value)}
+          aria-label="API key" data-testid="key-input" />
+        <div class="edit-actions">
+          {onCancel && <button type="button" class="ghost" onClick={onCancel}>Cancel</button>}
+          <button type="submit" class="primary" disabled={!key.trim()} data-testid="key-save">Connect</button>
+        </div>
+      </form>
+    </div>
+  );
+}
+

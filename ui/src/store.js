@@ -1,0 +1,48 @@
+// Conversations, settings, theme and API key, kept in the browser (localStorage).
+
+const KEY = 'fw.conversations.v1';
+const CURRENT = 'fw.current';
+
+export const DEFAULT_SETTINGS = { system: '', temperature: 0.7, top_p: 1, max_tokens: 512 };
+
+export function newId() {
+  return Date.now().toString(36) + Math.random().toString(36).slice(2, 8);
+}
+
+export function newConversation(model) {
+  const now = Date.now();
+  return { id: newId(), title: 'New chat', createdAt: now, updatedAt: now, model, settings: { ...DEFAULT_SETTINGS }, messages: [] };
+}
+
+export function loadConversations() {
+  try {
+    const list = JSON.parse(localStorage.getItem(KEY) || '[]');
+    return Array.isArray(list) ? list : [];
+  } catch {
+    return [];
+  }
+}
+
+export function saveConversations(list) {
+  try {
+    localStorage.setItem(KEY, JSON.stringify(list));
+  } catch (error) {
+    console.warn('could not save the conversations', error);
+  }
+}
+
+export const loadCurrentId = () => localStorage.getItem(CURRENT);
+export const saveCurrentId = (id) => (id ? localStorage.setItem(CURRENT, id) : localStorage.removeItem(CURRENT));
+
+export function loadTheme() {
+  const saved = localStorage.getItem('fw.theme');
+  if (saved === 'light' || saved === 'dark') return saved;
+  return window.matchMedia && window.matchMedia('(prefers-color-scheme: dark)').matches ? 'dark' : 'light';
+}
+export const saveTheme = (theme) => localStorage.setItem('fw.theme', theme);
+
+export const loadApiKey = () => localStorage.getItem('fw.apiKey') || '';
+export const saveApiKey = (key) => (key ? localStorage.setItem('fw.apiKey', key) : localStorage.removeItem('fw.apiKey'));
+
+export const loadModel = () => localStorage.getItem('fw.model') || '';
+export const saveModel = (model) => localStorage.setItem('fw.model', model);
