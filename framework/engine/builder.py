@@ -347,6 +347,7 @@ class EngineBuilder:
         cache = self.cache
         max_cached = None if cache.prefix_cache_max_tokens is None else cache.prefix_cache_max_tokens // cache.block_size
         kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
+        # rank 0 only: the workers of a tensor-parallel group never sample
         grammars = StructuredOutputManager(self._tokenizer, vocab_size=self.config.vocab_size,
                                            stop_token_ids=sorted(self.config.eos_token_ids), device=self.device)
         runner.structured_outputs = grammars

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -79,6 +80,14 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
         raise ConfigError(f"structured_outputs.{kind}: invalid {what}: {message}") from None
 
 
+class TokenBitmask(NamedTuple):
+    """One step's mask: ``bitmask`` [rows, ceil(vocab / 32)] int32 on the logits' device (bit set =
+    allowed; rows without an active grammar are all ones) and the rows that have a grammar."""
+
+    bitmask: torch.Tensor
+    active_rows: list[int]
+
+
 @dataclass(slots=True, eq=False)
 class StructuredOutputState:
     """One request's grammar: its compile future, then its matcher; plain data."""
@@ -121,7 +130,7 @@ class StructuredOutputManager:
         grammar = build_grammar(params)
         key = (params.kind, params.spec)
         compiled = self._grammars.get(key)
-        if compiled is None:
+        if compiled is None or (compiled.done() and compiled.exception() is not None):
             compiled = self._submit(self._compile, grammar)
             self._grammars[key] = compiled
             while len(self._grammars) > self.max_cached_grammars:
@@ -171,7 +180,7 @@ class StructuredOutputManager:
         request.structured_output = None
 
     # --- each step -----------------------------------------------------------------------
-    def prepare_bitmask(self, rows: list[Request]) -> torch.Tensor | None:
+    def prepare_bitmask(self, rows: list[Request]) -> TokenBitmask | None:
         """The allowed-token bitmask of ``rows`` (the requests sampling this step, in order) on
         the device, or None when no row has an active grammar."""
         import xgrammar
@@ -191,18 +200,19 @@ class StructuredOutputManager:
             else:
                 bitmask[i].fill_(-1)  # all ones: every token allowed
         rows_mask = bitmask[: len(rows)]
-        if self.device.type == "cpu":
-            return rows_mask
-        return rows_mask.to(self.device, non_blocking=True)
+        if self.device.type != "cpu":
+            rows_mask = rows_mask.to(self.device, non_blocking=True)
+        return TokenBitmask(rows_mask, active)
 
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    def apply_bitmask(self, logits: torch.Tensor, mask: TokenBitmask) -> None:
         """Set the logits of disallowed tokens to -inf, in place (on the logits' device)."""
         import xgrammar
 
         vocab_size = min(self.vocab_size, logits.shape[-1])
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size)
+        xgrammar.apply_token_bitmask_inplace(logits, mask.bitmask, vocab_size=vocab_size)
         if logits.shape[-1] > vocab_size:  # padded logits: ids past the vocabulary are never allowed
-            logits[:, vocab_size:] = float("-inf")
+            rows = torch.tensor(mask.active_rows).to(logits.device, non_blocking=True)
+            logits[rows, vocab_size:] = float("-inf")
 
     def accept_token(self, request: Request, token_id: int) -> bool:
         """Advance the request's grammar with its sampled token; True if the grammar has ended."""
@@ -250,7 +260,8 @@ class StructuredOutputManager:
         hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=self.vocab_size,
                                                        stop_token_ids=self.stop_token_ids or None)
-        return xgrammar.GrammarCompiler(info)
+        # the manager keeps its own LRU of compiled grammars; xgrammar's cache would be unbounded
+        return xgrammar.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
 
     def _compile(self, grammar: Any) -> Any:
         return self._compiler.result().compile_grammar(grammar)

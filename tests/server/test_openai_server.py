@@ -244,6 +244,8 @@ def test_unsupported_fields_are_rejected_and_unknown_ones_ignored(http):
            "unsupported_parameter", "functions")
     _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "modalities": ["audio"]}),
            400, "unsupported_parameter", "modalities")
+    _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": {"type": "yaml"}}),
+           400, "invalid_value", "response_format.type")
     ok = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "metadata": {"a": "b"}})
     assert ok.status_code == 200
 
