@@ -39,6 +39,10 @@ EXTRA_SHAPES = {
                          intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
                          rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
 
 
