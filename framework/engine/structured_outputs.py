@@ -182,13 +182,13 @@ class StructuredOutputManager:
     # --- each step -----------------------------------------------------------------------
     def prepare_bitmask(self, rows: list[Request]) -> TokenBitmask | None:
         """The allowed-token bitmask of ``rows`` (the requests sampling this step, in order) on
-        the device, or None when no row has an active grammar."""
-        import xgrammar
-
+        the device, or None when no row has an active grammar (then xgrammar is never imported)."""
         active = [i for i, request in enumerate(rows) if request.structured_output is not None
                   and request.structured_output.is_active]
         if not active:
             return None
+        import xgrammar
+
         bitmask = self._host_bitmask(len(rows))
         active_set = set(active)
         for i, request in enumerate(rows):
