@@ -3,8 +3,11 @@
 The main scenarios run on the embedded default model: a streamed reply, Esc stopping a long
 generation (and the server aborting it), conversations kept across a reload, the dark theme, a
 phone-sized screen. A tiny fake OpenAI stream server (behind the same WebUIApp) makes a reply hold
-``<img src=x onerror=...>``, reasoning, tool calls and MCP tool results on demand, and requires an
-API key. Screenshots go to ``test-artifacts/webui/`` (git-ignored).
+``<img src=x onerror=...>``, reasoning, tool calls and the MCP calls the server ran
+(``delta.mcp_calls``) on demand, lists MCP servers or none, and requires an API key. Last, the
+real API app with a scripted model (tests/server/scripted_engine.py) and the real stdio MCP server
+(tests/server/mcp_server_fixture.py): the UI asks for ``mcp_execute`` and shows the call the server
+ran and its result. Screenshots go to ``test-artifacts/webui/`` (git-ignored).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import importlib.util
 import json
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +29,14 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
 from playwright.sync_api import expect
 
+from framework.server.app import create_app
+from framework.server.mcp_client import load_mcp_config
+from framework.server.state import ServerConfig
 from framework.server.webui import WebUIApp
+
+from .scripted_engine import ScriptedEngineClient, ThreadedServer
+from .test_mcp_server import FIXTURE as MCP_FIXTURE
+from .test_mcp_server import scripted_reply
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -65,32 +76,56 @@ def _unauthorized(request: Request) -> Response | None:
     return None
 
 
-def create_fake_api() -> Litestar:
-    """``/v1/models`` and a streamed ``/v1/chat/completions`` that echoes the last user message."""
-    calls = {"n": 0}
+#: What the fake's ``GET /v1/mcp/servers`` lists: one server up with a tool, one that failed.
+MCP_SERVERS = [
+    {"name": "weather", "transport": "stdio", "status": "ok", "error": None, "tools": ["weather__get_weather"]},
+    {"name": "files", "transport": "streamable-http", "status": "error",
+     "error": "ConnectError: connection refused", "tools": []},
+]
+#: The calls the fake "ran" for an ``mcp_execute`` request: one that worked, one that failed.
+MCP_CALLS = [
+    {"id": "call_1", "name": "weather__get_weather", "arguments": '{"city": "Paris"}', "result": "18 C, sunny",
+     "is_error": False},
+    {"id": "call_2", "name": "weather__get_weather", "arguments": '{"city": "Atlantis"}',
+     "result": "unknown city: Atlantis", "is_error": True},
+]
+
+
+def create_fake_api(mcp_servers: list[dict], bodies: list[dict]) -> Litestar:
+    """``/v1/models``, ``/v1/mcp/servers`` (``mcp_servers``) and a streamed ``/v1/chat/completions``
+    that echoes the last user message (each request body is appended to ``bodies``). With
+    ``mcp_execute`` a first round's text, then ``delta.mcp_calls`` (MCP_CALLS), then the reply, as
+    fw's server streams them; without it the model's tool call goes to the client as ``tool_calls``."""
 
     @get("/v1/models")
     async def models(request: Request) -> Response:
         return _unauthorized(request) or Response({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]})
+
+    @get("/v1/mcp/servers")
+    async def mcp_list(request: Request) -> Response:
+        return _unauthorized(request) or Response({"object": "list", "data": mcp_servers})
 
     @post("/v1/chat/completions")
     async def chat(request: Request) -> Response | Stream:
         if (refused := _unauthorized(request)) is not None:
             return refused
         body = await request.json()
-        calls["n"] += 1
+        bodies.append(body)
         last = body["messages"][-1]["content"]
-        pieces = [f"Reply #{calls['n']}. You said: {last}\n\n", XSS_PAYLOAD, "\n\n```python\n", CODE, "\n```\n"]
+        pieces = [f"Reply #{len(bodies)}. You said: {last}\n\n", XSS_PAYLOAD, "\n\n```python\n", CODE, "\n```\n"]
 
         async def events() -> AsyncIterator[bytes]:
             yield _chunk({"role": "assistant", "content": ""})
             yield _chunk({"reasoning_content": "The user greets me; "})
             yield _chunk({"reasoning_content": "I should check the weather."})
-            yield _chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                                          "function": {"name": "get_weather", "arguments": '{"city": '}}]})
-            yield _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]})
-            yield _chunk({"tool_results": [{"tool_call_id": "call_1", "name": "get_weather",
-                                            "content": "18 C, sunny"}]})
+            if body.get("mcp_execute"):
+                yield _chunk({"content": "Let me look."})
+                yield _chunk({"mcp_calls": MCP_CALLS})
+                yield _chunk({"content": "\n\n"})
+            else:
+                yield _chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": '}}]})
+                yield _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]})
             for piece in pieces:
                 yield _chunk({"content": piece})
             yield _chunk({}, finish="stop")
@@ -99,18 +134,19 @@ def create_fake_api() -> Litestar:
 
         return Stream(events(), media_type="text/event-stream")
 
-    return Litestar(route_handlers=[models, chat], openapi_config=None)
+    return Litestar(route_handlers=[models, mcp_list, chat], openapi_config=None)
 
 
 class FakeServer:
     """The fake API behind WebUIApp on a loopback port, in a thread; ``url`` is the UI's address."""
 
-    def __init__(self) -> None:
+    def __init__(self, mcp_servers: list[dict]) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        app = WebUIApp(create_fake_api(), ui_port=port)
+        self.bodies: list[dict] = []  # the chat requests' bodies
+        app = WebUIApp(create_fake_api(mcp_servers, self.bodies), ui_port=port)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                     lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -275,7 +311,7 @@ def test_chat_in_the_browser_against_fw_serve(fw_ui, browser):
 # --- the fake server: markup, reasoning, tool calls, API key, edit and regenerate ---------------
 
 def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
-    with FakeServer() as fake:
+    with FakeServer(MCP_SERVERS) as fake:
         context = browser.new_context(viewport={"width": 1100, "height": 900})
         context.grant_permissions(["clipboard-read", "clipboard-write"], origin=fake.url)
         page = context.new_page()
@@ -289,6 +325,16 @@ def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
         page.get_by_test_id("key-input").fill(API_KEY)
         page.get_by_test_id("key-save").click()
         expect(page.get_by_test_id("model-picker")).to_have_value(FAKE_MODEL)
+
+        # The MCP servers, in a small header menu: the one up with its tool, the failed one with its error.
+        menu = page.get_by_test_id("mcp-menu")
+        expect(menu.locator("summary")).to_have_text("1 tool")
+        menu.locator("summary").click()
+        expect(menu.get_by_test_id("mcp-server")).to_have_count(2)
+        expect(menu.get_by_test_id("mcp-server").first).to_contain_text("weather__get_weather")
+        expect(menu.get_by_test_id("mcp-server").last).to_contain_text("ConnectError: connection refused")
+        page.screenshot(path=str(ARTIFACTS / "mcp-menu.png"))
+        menu.locator("summary").click()
 
         composer = page.get_by_test_id("composer")
         composer.press_sequentially("line one")
@@ -310,11 +356,23 @@ def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
         assert page.evaluate("window.__xss") is None and not dialogs
 
         expect(reply.get_by_test_id("reasoning")).to_contain_text("I should check the weather.")
-        tool = reply.get_by_test_id("tool-call")
-        expect(tool).to_contain_text("get_weather")
-        tool.locator("summary").click()
-        expect(tool).to_contain_text('"city": "Paris"')
-        expect(tool.get_by_test_id("tool-result")).to_have_text("18 C, sunny")
+        # The MCP calls the server ran (mcp_execute was asked for: a server is up with tools).
+        assert fake.bodies[0]["mcp_execute"] is True
+        expect(markdown).to_contain_text("Let me look.")
+        calls = reply.get_by_test_id("tool-call")
+        expect(calls).to_have_count(2)
+        worked, failed = calls.first, calls.last
+        expect(worked.locator("summary")).to_have_text(re.compile(r"^mcp\s*weather__get_weather\s*result$"))
+        expect(failed.locator("summary")).to_have_text(re.compile(r"^mcp\s*weather__get_weather\s*error$"))
+        worked.locator("summary").click()
+        failed.locator("summary").click()
+        expect(worked.get_by_test_id("tool-arguments")).to_have_text('{\n  "city": "Paris"\n}')
+        expect(worked.get_by_test_id("tool-result")).to_have_text("18 C, sunny")
+        expect(failed.get_by_test_id("tool-arguments")).to_contain_text('"city": "Atlantis"')
+        expect(failed.get_by_test_id("tool-result")).to_have_text("unknown city: Atlantis")
+        expect(failed).to_have_class(re.compile(r"\bfailed\b"))
+        assert failed.get_by_test_id("tool-result").evaluate("e => getComputedStyle(e).color") != \
+            worked.get_by_test_id("tool-result").evaluate("e => getComputedStyle(e).color")
         expect(reply.locator(".code-block .hljs-keyword").first).to_have_text("def")
         reply.locator(".copy-code").click()
         expect(reply.locator(".copy-code")).to_have_text("Copied")
@@ -352,3 +410,61 @@ def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
         page.get_by_test_id("search").fill("")
         expect(page.get_by_test_id("conversation").filter(has_text="Renamed chat")).to_have_count(1)
         context.close()
+
+
+def test_without_mcp_servers_the_ui_does_not_ask_for_mcp_execute(browser):
+    """No MCP server listed: no menu, no ``mcp_execute``; the model's tool call is shown without a result."""
+    with FakeServer([]) as fake:
+        page = browser.new_page(viewport={"width": 1100, "height": 800})
+        page.add_init_script(f"localStorage.setItem('fw.apiKey', {json.dumps(API_KEY)})")
+        page.goto(fake.url)
+        expect(page.get_by_test_id("model-picker")).to_have_value(FAKE_MODEL)
+        page.get_by_test_id("composer").fill("hello")
+        page.get_by_test_id("composer").press("Enter")
+        reply = _last_reply(page)
+        expect(reply.get_by_test_id("stats")).to_be_visible()
+        assert "mcp_execute" not in fake.bodies[0]
+        expect(page.get_by_test_id("mcp-menu")).to_have_count(0)
+        tool = reply.get_by_test_id("tool-call")
+        expect(tool.locator("summary")).to_have_text(re.compile(r"^tool\s*get_weather$"))
+        tool.locator("summary").click()
+        expect(tool.get_by_test_id("tool-arguments")).to_have_text('{\n  "city": "Paris"\n}')
+        expect(tool.get_by_test_id("tool-result")).to_have_count(0)
+        page.close()
+
+
+# --- the real API app, a scripted model and a real MCP server ------------------------------------
+
+def test_mcp_tool_run_by_the_real_server_is_shown(browser, tmp_path, free_tcp_port):
+    """``GET /v1/mcp/servers`` and ``delta.mcp_calls`` as fw's server sends them: the scripted model
+    calls ``calc__add`` of the real stdio MCP server, the server runs it and the model answers."""
+    config_file = tmp_path / "mcp.json"
+    config_file.write_text(json.dumps({"mcpServers": {"calc": {"command": sys.executable, "args": [MCP_FIXTURE]}}}))
+    engine = ScriptedEngineClient(scripted_reply)
+    config = ServerConfig(served_model_names=["scripted"], tool_parser="qwen",
+                          mcp_servers=load_mcp_config(str(config_file)))
+    port = free_tcp_port()
+    with ThreadedServer(WebUIApp(create_app(engine, config, start_engine=False), ui_port=port), port) as running:
+        page = browser.new_page(viewport={"width": 1100, "height": 800})
+        errors = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(running.base_url)
+        expect(page.get_by_test_id("model-picker")).to_have_value("scripted")
+        expect(page.get_by_test_id("mcp-menu").locator("summary")).to_have_text("2 tools")
+        page.get_by_test_id("composer").fill("What is 2 + 40?")
+        page.get_by_test_id("composer").press("Enter")
+        reply = _last_reply(page)
+        expect(reply.get_by_test_id("stats")).to_be_visible()
+        expect(reply.get_by_test_id("reply-content").locator("p")).to_have_text(["Let me add.", "The sum is 42."])
+        # In the order it happened: the first round's text, the call the server ran, the answer.
+        expect(reply.get_by_test_id("reply-content").locator(":scope > *")).to_have_text(
+            ["Let me add.", re.compile(r"calc__add"), "The sum is 42."])
+        tool = reply.get_by_test_id("tool-call")
+        expect(tool.locator("summary")).to_have_text(re.compile(r"^mcp\s*calc__add\s*result$"))
+        tool.locator("summary").click()
+        expect(tool.get_by_test_id("tool-arguments")).to_have_text('{\n  "a": 2,\n  "b": 40\n}')
+        expect(tool.get_by_test_id("tool-result")).to_have_text("42")
+        assert "<|tool|>42" in engine.prompts[-1]  # the server ran it: the model read the result
+        page.screenshot(path=str(ARTIFACTS / "mcp-real-server.png"))
+        assert not errors, errors
+        page.close()

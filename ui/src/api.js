@@ -38,6 +38,18 @@ export async function listModels(apiKey) {
 }
 
 /**
+ * The server's MCP servers (GET /v1/mcp/servers, an fw extension): `[{name, transport, status,
+ * error, tools}]`; an empty list from a server without that path (another OpenAI-compatible one).
+ */
+export async function listMcpServers(apiKey) {
+  const response = await fetch('/v1/mcp/servers', { headers: headers(apiKey) });
+  if (response.status === 404 || response.status === 405) return [];
+  if (!response.ok) await raiseFor(response);
+  const body = await response.json();
+  return Array.isArray(body.data) ? body.data : [];
+}
+
+/**
  * Stream a chat completion; calls onDelta(choiceDelta) for every chunk's first choice delta and
  * onUsage(usage) for the final usage chunk. Aborting `signal` closes the connection, which makes
  * the server abort the request.

@@ -1,9 +1,9 @@
 // The pieces of the page: sidebar, messages, composer, settings and API-key dialogs.
 import { useEffect, useMemo, useRef, useState } from 'preact/hooks';
 import { copyText, renderMarkdown } from './markdown.js';
-import { prettyJson } from './chat.js';
+import { prettyJson, replyParts } from './chat.js';
 import {
-  CopyIcon, KeyIcon, PencilIcon, PlusIcon, RefreshIcon, SearchIcon, SendIcon, StopIcon, TrashIcon,
+  CopyIcon, KeyIcon, PencilIcon, PlugIcon, PlusIcon, RefreshIcon, SearchIcon, SendIcon, StopIcon, TrashIcon,
 } from './icons.jsx';
 
 export function Sidebar({ conversations, currentId, onSelect, onNew, onRename, onDelete, open, onClose, streamingId }) {
@@ -63,22 +63,26 @@ function Markdown({ text, testId }) {
   return <div class="markdown" data-testid={testId} dangerouslySetInnerHTML={{ __html: html }} />;
 }
 
-function ToolCalls({ calls, results }) {
+/**
+ * Tool calls, each folded: its name, its arguments and, for an MCP call the server ran
+ * (`result` set), what the tool returned (`isError`: shown as an error).
+ */
+function ToolCalls({ calls }) {
   return calls.map((call, i) => {
-    const answers = results.filter((r) => r.tool_call_id && r.tool_call_id === call.id);
+    const ran = typeof call.result === 'string';
     return (
-      <details class="tool" key={call.id || i} data-testid="tool-call">
-        <summary><span class="badge">tool</span> <code>{call.name || '…'}</code>{answers.length > 0 && <span class="done">result</span>}</summary>
-        <pre class="plain">{prettyJson(call.arguments)}</pre>
-        {answers.map((r, j) => <pre class="plain result" key={j} data-testid="tool-result">{r.content}</pre>)}
+      <details class={`tool ${ran && call.isError ? 'failed' : ''}`} key={`${i}:${call.id}`} data-testid="tool-call">
+        <summary>
+          <span class="badge">{ran ? 'mcp' : 'tool'}</span> <code>{call.name || '…'}</code>
+          {ran && (call.isError ? <span class="done error-tag">error</span> : <span class="done">result</span>)}
+        </summary>
+        <pre class="plain" data-testid="tool-arguments">{prettyJson(call.arguments)}</pre>
+        {ran && (
+          <pre class={`plain result ${call.isError ? 'failed' : ''}`} data-testid="tool-result">{call.result}</pre>
+        )}
       </details>
     );
-  }).concat(results.filter((r) => !calls.some((c) => c.id && c.id === r.tool_call_id)).map((r, i) => (
-    <details class="tool" key={`r${i}`} data-testid="tool-result">
-      <summary><span class="badge">tool result</span> <code>{r.name || r.tool_call_id}</code></summary>
-      <pre class="plain result">{r.content}</pre>
-    </details>
-  )));
+  });
 }
 
 function Stats({ stats }) {
@@ -138,7 +142,10 @@ export function Message({ message, index, isLast, isStreaming, onEdit, onRegener
     );
   }
 
-  const waiting = isStreaming && !message.content && !message.reasoning && message.toolCalls.length === 0;
+  const parts = replyParts(message);
+  const last = parts[parts.length - 1];
+  // Nothing yet, or calls made (and the server runs them, then the model writes on).
+  const waiting = isStreaming && (last ? !!last.calls : !message.reasoning);
   return (
     <div class="msg assistant" data-testid="assistant-message" onClick={onClick}>
       {message.reasoning && (
@@ -147,8 +154,10 @@ export function Message({ message, index, isLast, isStreaming, onEdit, onRegener
           <div class="reasoning-body"><Markdown text={message.reasoning} /></div>
         </details>
       )}
-      <ToolCalls calls={message.toolCalls} results={message.toolResults} />
-      {waiting ? <div class="typing" aria-label="waiting for the reply"><span /><span /><span /></div> : <Markdown text={message.content} testId="reply-content" />}
+      <div class="reply-body" data-testid="reply-content">
+        {parts.map((part, i) => (part.calls ? <ToolCalls key={i} calls={part.calls} /> : <Markdown key={i} text={part.text} />))}
+      </div>
+      {waiting && <div class="typing" aria-label="waiting for the reply"><span /><span /><span /></div>}
       {message.error && <div class="error" role="alert">{message.error}</div>}
       {!isStreaming && (
         <div class="foot">
@@ -246,3 +255,28 @@ export function KeyDialog({ message, onSave, onCancel }) {
   );
 }
 
+/**
+ * The MCP servers the fw server has (`GET /v1/mcp/servers`), as a small menu in the header: how
+ * many tools the model can use; open, each server with its tools or its error.
+ */
+export function McpMenu({ servers }) {
+  if (!servers.length) return null;
+  const tools = servers.reduce((n, s) => n + (s.status === 'ok' ? (s.tools || []).length : 0), 0);
+  return (
+    <details class="mcp-menu" data-testid="mcp-menu">
+      <summary title="MCP tools the server runs for the model">
+        <PlugIcon /><span>{tools} {tools === 1 ? 'tool' : 'tools'}</span>
+      </summary>
+      <div class="mcp-panel">
+        <p class="mcp-note">The server runs these MCP tools when the model calls them.</p>
+        {servers.map((s) => (
+          <div class="mcp-server" key={s.name} data-testid="mcp-server">
+            <div class="mcp-name"><code>{s.name}</code> <span class={`mcp-status ${s.status === 'ok' ? '' : 'failed'}`}>{s.status}</span></div>
+            {s.error && <div class="mcp-error">{s.error}</div>}
+            {s.tools?.length > 0 && <div class="mcp-tools">{s.tools.map((t) => <code key={t}>{t}</code>)}</div>}
+          </div>
+        ))}
+      </div>
+    </details>
+  );
+}

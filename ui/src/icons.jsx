@@ -19,3 +19,4 @@ export const RefreshIcon = icon(<path d="M21 12a9 9 0 1 1-3-6.7L21 8M21 3v5h-5" 
 export const SlidersIcon = icon(<path d="M4 21v-7M4 10V3M12 21v-9M12 8V3M20 21v-5M20 12V3M1 14h6M9 8h6M17 16h6" />);
 export const KeyIcon = icon(<path d="M21 2l-2 2m-7.6 7.6a5.5 5.5 0 1 1-7.8 7.8 5.5 5.5 0 0 1 7.8-7.8zm0 0L15.5 7.5m0 0l3 3L22 7l-3-3m-3.5 3.5L19 4" />);
 export const SearchIcon = icon(<><circle cx="11" cy="11" r="7" /><path d="M21 21l-4.3-4.3" /></>);
+export const PlugIcon = icon(<path d="M9 2v6M15 2v6M6 8h12v4a6 6 0 0 1-12 0zM12 18v4" />);

@@ -1,9 +1,9 @@
 // fw chat: the app shell (state, streaming, shortcuts). Pieces are in components.jsx.
 import { render } from 'preact';
 import { useCallback, useEffect, useRef, useState } from 'preact/hooks';
-import { ApiError, listModels, streamChat } from './api.js';
-import { applyDelta, chatRequest, emptyReply, titleFrom } from './chat.js';
-import { Composer, KeyDialog, Message, SettingsPanel, Sidebar } from './components.jsx';
+import { ApiError, listMcpServers, listModels, streamChat } from './api.js';
+import { applyDelta, chatRequest, emptyReply, titleFrom, usableMcpServers } from './chat.js';
+import { Composer, KeyDialog, McpMenu, Message, SettingsPanel, Sidebar } from './components.jsx';
 import { KeyIcon, MenuIcon, MoonIcon, SlidersIcon, SunIcon } from './icons.jsx';
 import {
   loadApiKey, loadConversations, loadCurrentId, loadModel, loadTheme, newConversation, saveApiKey, saveConversations,
@@ -21,6 +21,7 @@ function App() {
   const [conversations, setConversations] = useState(loadConversations);
   const [currentId, setCurrentId] = useState(loadCurrentId);
   const [models, setModels] = useState([]);
+  const [mcpServers, setMcpServers] = useState([]);
   const [preferredModel, setPreferredModel] = useState(loadModel);
   const [theme, setTheme] = useState(loadTheme);
   const [apiKey, setApiKey] = useState(loadApiKey);
@@ -50,12 +51,15 @@ function App() {
   }, [conversations, streaming]);
   useEffect(() => saveCurrentId(current ? current.id : null), [current?.id]);
 
-  // The served models; ask for a key on 401, retry while the model loads.
+  // The served models and MCP servers; ask for a key on 401, retry while the model loads.
   useEffect(() => {
     let timer;
     const load = async () => {
       try {
-        setModels(await listModels(apiKey));
+        const served = await listModels(apiKey);
+        // Without the list (an older or another server) the UI just does not ask for MCP tools.
+        setMcpServers(await listMcpServers(apiKey).catch(() => []));
+        setModels(served);
         setBanner(null);
         setKeyPrompt(null);
       } catch (error) {
@@ -72,6 +76,8 @@ function App() {
   }, [apiKey]);
 
   const defaultModel = models.includes(preferredModel) ? preferredModel : models[0];
+  // The server runs the model's MCP tool calls when one of its MCP servers is up with tools.
+  const useMcp = usableMcpServers(mcpServers).length > 0;
 
   const update = useCallback((id, change) => {
     setConversations((list) => list.map((c) => (c.id === id ? { ...change(c), updatedAt: Date.now() } : c)));
@@ -103,7 +109,7 @@ function App() {
     const id = conversation.id;
     const controller = new AbortController();
     const reply = emptyReply();
-    const body = chatRequest(conversation);
+    const body = chatRequest(conversation, { mcp: useMcp });
     update(id, (c) => ({ ...c, title: conversation.title, model: conversation.model, messages: [...conversation.messages, reply] }));
     setStreaming({ id, controller });
     stickToBottom.current = true;
@@ -121,7 +127,7 @@ function App() {
       await streamChat({
         apiKey, body, signal: controller.signal,
         onDelta: (delta) => {
-          if (firstToken === null && (delta.content || delta.reasoning_content || delta.reasoning || delta.tool_calls)) {
+          if (firstToken === null && (delta.content || delta.reasoning_content || delta.reasoning || delta.tool_calls || delta.mcp_calls)) {
             firstToken = performance.now();
           }
           applyDelta(reply, delta);
@@ -231,6 +237,7 @@ function App() {
             {models.map((m) => <option key={m} value={m}>{m}</option>)}
           </select>
           <span class="spacer" />
+          <McpMenu servers={mcpServers} />
           <button type="button" class={`icon ${settingsOpen ? 'on' : ''}`} title="Chat settings" aria-label="Chat settings"
             data-testid="settings-toggle" onClick={() => { ensureConversation(); setSettingsOpen(!settingsOpen); }}><SlidersIcon /></button>
           <button type="button" class="icon" title="API key" aria-label="API key" onClick={() => setKeyPrompt('Enter the API key.')}><KeyIcon /></button>
