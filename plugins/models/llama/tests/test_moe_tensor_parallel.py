@@ -1,4 +1,5 @@
-"""Tensor parallelism for the MoE members of the Llama family (and Qwen3 dense) on CPU (gloo).
+"""Tensor parallelism for the MoE members of the Llama family (and Qwen3, Phi-3, GLM, GLM-4 dense)
+on CPU (gloo).
 
 Every rank holds all experts with half of each expert's intermediate features (TP=2); the greedy
 ids must equal those of one device and of transformers. Qwen2-MoE adds a shared expert whose
@@ -38,7 +39,31 @@ CASES = {
     # block_sparse_moe.experts.{e}.w1/w3/w2, expert width from intermediate_size
     "mixtral": lambda: transformers.MixtralConfig(**SMALL, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2),
     "qwen3_dense_qk_norm": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=96, head_dim=32),
+    # dense Llama variants the same sharding serves: Phi-3's fused qkv / gate_up checkpoint tensors
+    # with LongRoPE (short factors), partial rotary and a sliding window; GLM's interleaved partial rotary; GLM-4's extra norms
+    "phi3_fused_longrope": lambda: transformers.Phi3Config(
+        **SMALL, pad_token_id=0, intermediate_size=96, partial_rotary_factor=0.5, sliding_window=12, original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.5, 2.9, 6.0, 11.0]}),
+    "glm_interleaved_partial_rope": lambda: transformers.GlmConfig(**SMALL, pad_token_id=0, intermediate_size=96, head_dim=16,
+                                                                   partial_rotary_factor=0.5),
+    "glm4_four_norms": lambda: transformers.Glm4Config(**SMALL, pad_token_id=0, intermediate_size=96, head_dim=16, partial_rotary_factor=0.5),
 }
+
+
+def write_randomised(path, config):
+    """A tiny model whose norm weights (ones) and biases (zeros) are random too, so that every QK
+    norm and q/k/v bias counts; returns the transformers reference."""
+    reference = write_tiny_model(path, config)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            noise = 0.3 * torch.randn(param.shape, generator=generator)
+            if "norm" in name and name.endswith(".weight"):
+                param.copy_(1.0 + noise)
+            elif name.endswith(".bias"):
+                param.copy_(noise)
+    reference.save_pretrained(path, safe_serialization=True)
+    return reference
 
 
 def greedy_ids(path, **engine_args) -> list[list[int]]:
@@ -49,7 +74,7 @@ def greedy_ids(path, **engine_args) -> list[list[int]]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tp2_greedy_ids_match_one_device_and_transformers(case, tmp_path):
-    reference = write_tiny_model(tmp_path, CASES[case]())
+    reference = write_randomised(tmp_path, CASES[case]())
     expected = [reference_greedy(reference, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
     assert greedy_ids(tmp_path) == expected
     assert greedy_ids(tmp_path, tensor_parallel_size=2) == expected
