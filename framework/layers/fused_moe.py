@@ -12,6 +12,14 @@ runs the kernel registry's ``fused_moe`` op (the torch reference in ``framework.
 Triton grouped GEMM on GPUs). The router itself (a ``ReplicatedLinear``) and any shared expert
 belong to the model's MoE block.
 
+Tensor parallelism (``tp_size`` ranks; the vLLM layout): every rank holds *all* experts, each
+with ``I / tp`` of its intermediate features: rank r keeps gate and up rows ``[r*I/tp, (r+1)*I/tp)``
+of every expert (column-parallel per expert) and the same columns of its down projection
+(row-parallel per expert), so its kernel output is a partial sum over the intermediate features.
+The layer all-reduces it (``reduce_results=True``), or leaves the sum to a caller that adds
+another partial output first (a shared expert) and reduces once. Routing is computed on every
+rank from the replicated router, so the ranks agree on the experts.
+
 Checkpoints name experts in several ways; :func:`expert_weight_target` maps them all onto the
 stacked parameters, and :meth:`FusedMoE.weight_loader` copies them in:
 
@@ -31,8 +39,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from framework.errors import ConfigError
 from framework.kernels import get_kernel
-from framework.layers.linear import KeepsWeightAttrs, copy_weight, set_weight_attrs
+from framework.layers.linear import (
+    KeepsWeightAttrs,
+    copy_weight,
+    resolve_tp,
+    set_weight_attrs,
+    tensor_parallel_all_reduce,
+)
 
 if TYPE_CHECKING:
     from framework.quantization import QuantConfig
@@ -88,24 +103,34 @@ class FusedMoE(KeepsWeightAttrs):
     Returns ``[T, H]``: the routing-weighted sum of the chosen experts' outputs.
 
     The expert weights are plain tensors in ``params_dtype``: ``quant_config`` is accepted for a
-    future MoE quantization method (GGUF files load here with their experts dequantized). One
-    device only: ``tp_size > 1`` is refused.
+    future MoE quantization method (GGUF files load here with their experts dequantized).
+
+    Tensor parallelism: ``tp_size`` / ``tp_rank`` default to this process's group; this rank
+    holds ``intermediate_size_per_partition = intermediate_size / tp_size`` features of every
+    expert (a width that does not divide is refused with :class:`ConfigError`).
+    ``reduce_results=False`` returns this rank's partial sum for the caller to all-reduce.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, quant_config: QuantConfig | None = None, prefix: str = "",
-                 params_dtype: torch.dtype | None = None, tp_size: int = 1, tp_rank: int = 0) -> None:
+                 params_dtype: torch.dtype | None = None, tp_size: int | None = None, tp_rank: int | None = None,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"{prefix}: top_k must be in 1..num_experts ({num_experts}), got {top_k}")
-        if tp_size != 1:
-            raise ValueError(f"{prefix}: FusedMoE does not shard experts for tensor parallelism yet (tp_size={tp_size})")
+        tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
+        if intermediate_size % tp_size:
+            raise ConfigError(f"{prefix}: the experts' intermediate size {intermediate_size} (moe_intermediate_size; "
+                              f"Mixtral: intermediate_size) cannot be split over {tp_size} tensor-parallel ranks; use a "
+                              f"tensor-parallel size that divides {intermediate_size}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size, self.prefix = hidden_size, intermediate_size, prefix
+        self.tp_size, self.tp_rank, self.reduce_results = tp_size, tp_rank, reduce_results
+        self.intermediate_size_per_partition = width = intermediate_size // tp_size
         dtype = params_dtype or torch.get_default_dtype()
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size, dtype=dtype),
                                        requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, width, dtype=dtype),
                                       requires_grad=False)
         for param in (self.w13_weight, self.w2_weight):
             set_weight_attrs(param, {"weight_loader": self.weight_loader})
@@ -113,24 +138,41 @@ class FusedMoE(KeepsWeightAttrs):
         self._kernel = get_kernel("fused_moe")
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: str, expert_id: int | None = None) -> None:
-        """Copy a checkpoint tensor into ``param`` (``w13_weight`` or ``w2_weight``).
+        """Copy this rank's part of a full checkpoint tensor into ``param`` (``w13_weight`` or ``w2_weight``).
 
-        ``shard_id``: ``"w1"`` (gate rows of w13), ``"w3"`` (up rows), ``"w13"`` (both) or
-        ``"w2"``; ``expert_id``: the expert, or None for a tensor stacking all experts on dim 0.
+        ``shard_id``: ``"w1"`` (gate rows of w13), ``"w3"`` (up rows), ``"w13"`` (both, gate
+        then up) or ``"w2"``; ``expert_id``: the expert, or None for a tensor stacking all
+        experts on dim 0. ``loaded_weight`` may be a lazy ``CheckpointSlice``: only this rank's
+        intermediate features (dim -2 of gate/up, dim -1 of down) are read.
         """
-        size = self.intermediate_size
-        rows = {"w1": slice(0, size), "w3": slice(size, 2 * size), "w13": slice(0, 2 * size), "w2": slice(None)}
-        if shard_id not in rows:
+        if shard_id not in ("w1", "w3", "w13", "w2"):
             raise ValueError(f"{self.prefix}: unknown expert shard {shard_id!r}; valid: w1 (gate), w3 (up), w13, w2 (down)")
         if (shard_id == "w2") != (param is self.w2_weight):
             raise ValueError(f"{self.prefix}: expert shard {shard_id!r} does not belong in this parameter")
         if expert_id is not None and not 0 <= expert_id < self.num_experts:
             raise ValueError(f"{self.prefix}: expert {expert_id} out of range; this layer has {self.num_experts} experts")
         target = param.data if expert_id is None else param.data[expert_id]
-        copy_weight(target[..., rows[shard_id], :], loaded_weight)
+        size, width = self.intermediate_size, self.intermediate_size_per_partition
+        start = self.tp_rank * width
+        if shard_id == "w2":
+            copy_weight(target, self._narrow(loaded_weight, -1, size, start, width))
+        elif shard_id == "w13":  # [.., 2I, H]: gate rows [0, I), up rows [I, 2I)
+            copy_weight(target[..., :width, :], self._narrow(loaded_weight, -2, 2 * size, start, width))
+            copy_weight(target[..., width:, :], self._narrow(loaded_weight, -2, 2 * size, size + start, width))
+        else:
+            rows = slice(0, width) if shard_id == "w1" else slice(width, 2 * width)
+            copy_weight(target[..., rows, :], self._narrow(loaded_weight, -2, size, start, width))
         experts = range(self.num_experts) if expert_id is None else (expert_id,)
         for shard in ("w1", "w3") if shard_id == "w13" else (shard_id,):
             self._loaded_experts[shard].update(experts)
+
+    def _narrow(self, loaded_weight: Tensor, dim: int, full: int, start: int, width: int) -> Tensor:
+        """``loaded_weight.narrow(dim, start, width)``, refusing a tensor whose ``dim`` is not ``full`` long."""
+        if loaded_weight.dim() < 2 or loaded_weight.size(dim) != full:
+            raise ValueError(f"{self.prefix}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit: "
+                             f"expected {full} intermediate features along dim {dim} (experts' intermediate size "
+                             f"{self.intermediate_size})")
+        return loaded_weight.narrow(dim % loaded_weight.dim(), start, width)
 
     def missing_weights(self) -> list[str]:
         """The expert shards no checkpoint tensor has filled (``check_all_loaded`` reports them)."""
@@ -149,8 +191,12 @@ class FusedMoE(KeepsWeightAttrs):
             if router_logits is None:
                 raise ValueError("FusedMoE.forward needs router_logits or precomputed topk_weights and topk_ids")
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        return self._kernel(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        out = self._kernel(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.tp_size > 1 and self.reduce_results:
+            out = tensor_parallel_all_reduce(out)
+        return out
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size}, renormalize={self.renormalize}")
+                f"intermediate={self.intermediate_size_per_partition}/{self.intermediate_size}, renormalize={self.renormalize}, "
+                f"tp={self.tp_rank}/{self.tp_size}")

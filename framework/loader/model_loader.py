@@ -103,9 +103,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
 def _reads_checkpoint_slices(loader) -> bool:
     """The core layers' loaders only narrow and copy, so they take a lazy CheckpointSlice; others get tensors."""
     from framework.layers.embedding import VocabEmbedding
+    from framework.layers.fused_moe import FusedMoE
     from framework.layers.linear import LinearBase
 
-    return isinstance(getattr(loader, "__self__", None), (LinearBase, VocabEmbedding))
+    return isinstance(getattr(loader, "__self__", None), (LinearBase, VocabEmbedding, FusedMoE))
 
 
 def _copy_checked(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:

@@ -10,14 +10,15 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("Mistral (sliding-window attention)", True),
     "Qwen2ForCausalLM": ("Qwen2 / Qwen2.5 (bias on q/k/v)", True),
     "YiForCausalLM": ("Yi (Llama architecture under its own name)", True),
-    "Qwen3ForCausalLM": ("Qwen3 dense (RMSNorm per head on q and k)", False),
-    "Phi3ForCausalLM": ("Phi-3 / Phi-3.5 / Phi-4 (fused qkv and gate_up, LongRoPE, partial rotary)", False),
+    "Qwen3ForCausalLM": ("Qwen3 dense (RMSNorm per head on q and k)", True),
+    "Phi3ForCausalLM": ("Phi-3 / Phi-3.5 / Phi-4 (fused qkv and gate_up, LongRoPE, partial rotary)", True),
     "StableLmForCausalLM": ("StableLM 2 / StableLM 3B (LayerNorm, partial rotary, parallel residual, QK LayerNorm)", False),
-    "GlmForCausalLM": ("GLM-4 9B chat (partial interleaved rotary, fused gate_up)", False),
-    "Glm4ForCausalLM": ("GLM-4 0414 (GLM plus post-attention and post-MLP norms)", False),
+    "GlmForCausalLM": ("GLM-4 9B chat (partial interleaved rotary, fused gate_up)", True),
+    "Glm4ForCausalLM": ("GLM-4 0414 (GLM plus post-attention and post-MLP norms)", True),
 }
 
-#: Mixture-of-experts members (Llama attention, FusedMoE feed-forward); not sharded for TP yet.
+#: Mixture-of-experts members (Llama attention, FusedMoE feed-forward); tensor-parallel: every rank
+#: holds all experts, each split along its intermediate features (``framework.layers.fused_moe``).
 MOE_ARCHITECTURES = {
     "MixtralForCausalLM": "Mixtral 8x7B / 8x22B (softmax top-2 experts)",
     "Qwen2MoeForCausalLM": "Qwen1.5-MoE / Qwen2-MoE (routed experts + gated shared expert, q/k/v bias)",
@@ -32,6 +33,6 @@ def register_model_architectures():
                   supports_tensor_parallel=tensor_parallel)
         for name, (description, tensor_parallel) in ARCHITECTURES.items()
     ] + [
-        ModelSpec(name=name, impl="fw_llama.moe:LlamaMoeForCausalLM", description=description, supports_tensor_parallel=False)
+        ModelSpec(name=name, impl="fw_llama.moe:LlamaMoeForCausalLM", description=description, supports_tensor_parallel=True)
         for name, description in MOE_ARCHITECTURES.items()
     ]

@@ -24,6 +24,7 @@ from framework.config import ModelConfig
 from framework.layers import ReplicatedLinear, SiluAndMul
 from framework.layers.causal_lm import CausalLM
 from framework.layers.fused_moe import FusedMoE, expert_weight_target
+from framework.layers.linear import tensor_parallel_all_reduce
 from framework.layers.mlp import GatedMLP
 from framework.quantization import QuantConfig
 
@@ -50,6 +51,9 @@ class SparseMoeBlock(nn.Module):
     """Router (``gate``) -> ``experts`` (FusedMoE), plus Qwen2-MoE's gated ``shared_expert``.
 
     Qwen2-MoE adds ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` to the routed output.
+    Tensor parallelism: the routers are replicated; the experts and the shared expert are split
+    along their intermediate features, return partial outputs, and the block all-reduces their sum
+    once (the sigmoid gate scales a partial output per token, which commutes with the sum).
     """
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
@@ -60,11 +64,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(hidden, experts, quant_config=quant_config, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(experts, int(config.get("num_experts_per_tok")), hidden, width,
                                 renormalize=is_mixtral or bool(config.get("norm_topk_prob", False)),
-                                quant_config=quant_config, prefix=f"{prefix}.experts")
+                                quant_config=quant_config, prefix=f"{prefix}.experts", reduce_results=False)
         shared = int(config.get("shared_expert_intermediate_size") or 0)
         if shared:
             self.shared_expert = GatedMLP(hidden, shared, SiluAndMul(), quant_config=quant_config,
-                                          prefix=f"{prefix}.shared_expert")
+                                          prefix=f"{prefix}.shared_expert", reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, quant_config=quant_config,
                                                        prefix=f"{prefix}.shared_expert_gate")
         else:
@@ -74,6 +78,8 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(hidden, self.gate(hidden))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        if self.experts.tp_size > 1:
+            out = tensor_parallel_all_reduce(out)
         return out
 
 

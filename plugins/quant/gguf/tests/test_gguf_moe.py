@@ -15,7 +15,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from framework import LLM, SamplingParams
-from framework.testing import capture_logits, check_logits_parity, write_tiny_model
+from framework.testing import capture_logits, check_logits_parity, reference_greedy, write_tiny_model
 
 SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False, num_experts=8,
@@ -155,3 +155,17 @@ def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny
     assert not torch.equal(state[down], reference.state_dict()[down])  # quantization changed the values
     dequantized.load_state_dict(state)
     check_logits_parity(folder / "model-q8.gguf", dequantized, PROMPTS)
+
+
+def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):
+    """Tensor parallelism (gloo, 2 CPU ranks): the Q8_0 shared expert sharded by packed rows and
+    blocks, the dequantized expert stacks sliced along their intermediate features per rank."""
+    arch, folder, reference = tiny_moe
+    stored = write_gguf(folder / "model-q8-tp.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
+    dequantized = transformers.AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32,
+                                                                attn_implementation="eager").eval()
+    dequantized.load_state_dict(hf_state_from(reference, stored))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(folder / "model-q8-tp.gguf"), device="cpu", num_blocks=16, tensor_parallel_size=2) as llm:
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)]
+    assert ids == [reference_greedy(dequantized, p, greedy.max_tokens) for p in PROMPTS]

@@ -1,0 +1,50 @@
+"""Qwen3-MoE at TP=2 on two GPUs (NCCL, the Triton fused-MoE kernel on half of every expert, CUDA
+graphs with the all-reduce captured): run with ``make test-gpu``. Skipped unless two CUDA devices
+are present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from framework import LLM, SamplingParams
+from framework.testing import reference_greedy, write_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+CONFIG = dict(vocab_size=250, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, intermediate_size=256, norm_topk_prob=True)
+PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 77)), [3, 150, 77]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe-gpu-tp")
+    return path, write_tiny_model(path, transformers.Qwen3MoeConfig(**CONFIG))
+
+
+def generate(path, **engine_args):
+    with LLM(str(path), num_blocks=64, max_num_seqs=8, **engine_args) as llm:
+        results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        summary = llm.engine.summary
+    return [r.outputs[0].token_ids for r in results], summary
+
+
+def test_qwen3_moe_tp2_bf16_with_cuda_graphs_gives_the_greedy_ids_of_one_gpu(tiny):
+    path, _ = tiny
+    one, _ = generate(path, device="cuda:0", dtype="bf16")
+    two, summary = generate(path, device_ids=[0, 1], dtype="bf16")
+    assert summary["tensor_parallel_size"] == 2 and "decode graphs" in summary["cuda_graphs"]
+    assert two == one
+
+
+def test_qwen3_moe_tp2_fp32_gives_the_greedy_ids_of_transformers(tiny):
+    path, reference = tiny
+    two, _ = generate(path, device_ids=[0, 1], dtype="f32")
+    assert two == [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
