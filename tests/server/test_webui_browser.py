@@ -285,6 +285,7 @@ def test_chat_in_the_browser_against_fw_serve(fw_ui, browser):
     assert page.evaluate("document.documentElement.dataset.theme") == "light"
     light_bg = page.evaluate("getComputedStyle(document.body).backgroundColor")
     page.get_by_test_id("theme-toggle").click()
+    expect(page.locator("html")).to_have_attribute("data-theme", "dark")  # applied (and saved) before the reload
     page.reload()
     expect(page.locator("html")).to_have_attribute("data-theme", "dark")
     assert page.evaluate("getComputedStyle(document.body).backgroundColor") != light_bg
