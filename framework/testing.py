@@ -146,12 +146,8 @@ def _check_attention_case(backend, case, device, dtype, block_size: int, atol: f
     name, query_lens, context_lens, num_heads, num_kv_heads, head_size, window, cap = case
     layer = AttentionLayerConfig(num_heads, num_kv_heads, head_size, head_size**-0.5, window, cap)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    starts = torch.tensor([0, *blocks_per_seq]).cumsum(0).tolist()
-    tables = [order[starts[r]:starts[r + 1]] for r in range(len(seq_lens))]
-    kv_cache = torch.zeros(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype, device=device)
+    num_blocks, tables = _shuffled_block_tables(seq_lens, block_size, generator)
+    kv_cache = torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks, block_size), dtype=dtype, device=device)
     backend.initialize([layer], dtype, block_size, torch.device(device))
     rand = lambda n, h: torch.randn(n, h, head_size, generator=generator).to(dtype)  # noqa: E731
     keys, values = [rand(s, num_kv_heads) for s in seq_lens], [rand(s, num_kv_heads) for s in seq_lens]
@@ -165,17 +161,8 @@ def _check_attention_case(backend, case, device, dtype, block_size: int, atol: f
         out = backend.forward(layer, take(queries), take(keys), take(values), kv_cache, metadata)
         return out.view(-1, num_heads, head_size).double().cpu()
 
-    context = {r: (0, c) for r, c in enumerate(context_lens) if c}
-    if context:
-        run(context)
-    out = run({r: (c, s) for r, (c, s) in enumerate(zip(context_lens, seq_lens))})
-    offset = 0
-    for r, (c, s) in enumerate(zip(context_lens, seq_lens)):
-        expected = dense_attention(queries[r][c:s], keys[r][:s], values[r][:s], layer.scale, window, cap)
-        error = (out[offset:offset + s - c] - expected).abs().max().item()
-        bound = atol * max(expected.abs().max().item(), 1.0)
-        assert error <= bound, f"{type(backend).__name__} case {name!r} sequence {r}: max error {error:.3g} > {bound:.3g}"
-        offset += s - c
+    _compare_with_dense(backend, name, run, context_lens, seq_lens, atol, lambda r, c, s: dense_attention(
+        queries[r][c:s], keys[r][:s], values[r][:s], layer.scale, window, cap))
 
 
 MLA_ATTENTION_CASES = [
@@ -197,6 +184,36 @@ def check_mla_attention_backend(backend, *, device="cpu", dtype=None, block_size
     generator = torch.Generator().manual_seed(seed)
     for case in MLA_ATTENTION_CASES:
         _check_mla_case(backend, case, device, dtype, block_size, atol, generator)
+
+
+
+def _shuffled_block_tables(seq_lens: list[int], block_size: int, generator) -> tuple[int, list[list[int]]]:
+    """``(num_blocks, tables)``: blocks for ``seq_lens`` tokens in a shuffled order (plus 3 spare), so
+    a backend that ignores its block tables fails."""
+    import torch
+
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    starts = torch.tensor([0, *blocks_per_seq]).cumsum(0).tolist()
+    return num_blocks, [order[starts[r]:starts[r + 1]] for r in range(len(seq_lens))]
+
+
+def _compare_with_dense(backend, name: str, run, context_lens: list[int], seq_lens: list[int], atol: float,
+                        expected_of) -> None:
+    """Write each sequence's cached context through ``run``, run the step under test, and compare
+    sequence ``r``'s rows with ``expected_of(r, context_len, seq_len)`` within ``atol`` x its scale."""
+    context = {r: (0, c) for r, c in enumerate(context_lens) if c}
+    if context:
+        run(context)
+    out = run({r: (c, s) for r, (c, s) in enumerate(zip(context_lens, seq_lens))})
+    offset = 0
+    for r, (c, s) in enumerate(zip(context_lens, seq_lens)):
+        expected = expected_of(r, c, s)
+        error = (out[offset:offset + s - c] - expected).abs().max().item()
+        bound = atol * max(expected.abs().max().item(), 1.0)
+        assert error <= bound, f"{type(backend).__name__} case {name!r} sequence {r}: max error {error:.3g} > {bound:.3g}"
+        offset += s - c
 
 
 def _step_metadata(spans: dict[int, tuple[int, int]], tables: list[list[int]], block_size: int, device):
@@ -231,12 +248,9 @@ def _check_mla_case(backend, case, device, dtype, block_size: int, atol: float, 
     size = mla.latent_size
     layer = AttentionLayerConfig(num_heads, 1, size, size**-0.5, mla=mla)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    starts = torch.tensor([0, *blocks_per_seq]).cumsum(0).tolist()
-    tables = [order[starts[r]:starts[r + 1]] for r in range(len(seq_lens))]
+    num_blocks, tables = _shuffled_block_tables(seq_lens, block_size, generator)
     kv_cache = torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks, block_size), dtype=dtype, device=device)
+    backend.initialize([layer], dtype, block_size, torch.device(device))
     latents = [torch.randn(s, size, generator=generator).to(dtype) for s in seq_lens]
     queries = [torch.randn(s, num_heads, size, generator=generator).to(dtype) for s in seq_lens]
 
@@ -247,18 +261,8 @@ def _check_mla_case(backend, case, device, dtype, block_size: int, atol: float, 
         out = backend.forward(layer, take(queries).flatten(1), take(latents), None, kv_cache, metadata)
         return out.view(-1, num_heads, rank).double().cpu()
 
-    context = {r: (0, c) for r, c in enumerate(context_lens) if c}
-    if context:
-        run(context)
-    out = run({r: (c, s) for r, (c, s) in enumerate(zip(context_lens, seq_lens))})
-    offset = 0
-    for r, (c, s) in enumerate(zip(context_lens, seq_lens)):
-        cached = latents[r][:s, None]
-        expected = dense_attention(queries[r][c:s], cached, cached[..., :rank], layer.scale)
-        error = (out[offset:offset + s - c] - expected).abs().max().item()
-        bound = atol * max(expected.abs().max().item(), 1.0)
-        assert error <= bound, f"{type(backend).__name__} case {name!r} sequence {r}: max error {error:.3g} > {bound:.3g}"
-        offset += s - c
+    _compare_with_dense(backend, name, run, context_lens, seq_lens, atol, lambda r, c, s: dense_attention(
+        queries[r][c:s], latents[r][:s, None], latents[r][:s, None, :rank], layer.scale))
 
 
 def check_tool_parser_streaming(parser_cls, text: str, tools=None, *, seeds: int = 8):
@@ -366,3 +370,33 @@ def check_greedy_parity(path, reference, prompts: list[list[int]], steps: int = 
     for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt, steps), f"prompt {index}"
         assert result.outputs[0].finish_reason == "length"
+
+
+def check_prefix_cache_parity(path, reference, prompts: list[list[int]], steps: int = 32, **engine_args) -> None:
+    """A request whose first 32 tokens (two full 16-token blocks) are cached reuses them and still
+    gives :func:`reference_greedy`'s ids. ``prompts[2] + prompts[1]`` must be >= 33 tokens long."""
+    from framework import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    llm = LLM(str(path), **{"num_blocks": 64, **engine_args})
+    shared = prompts[2] + prompts[1]
+    llm.generate({"prompt_token_ids": shared + [7]}, greedy)
+    second = llm.generate({"prompt_token_ids": shared + [8, 9]}, greedy)[0]
+    assert second.num_cached_tokens == 32
+    assert llm.engine.core.stats().prefix_cache_hits >= 32
+    assert second.outputs[0].token_ids == reference_greedy(reference, shared + [8, 9], steps)
+
+
+def check_preemption_parity(path, reference, prompts: list[list[int]], steps: int = 32, **engine_args) -> None:
+    """Four requests (``prompts`` and the first one reversed) in 9 blocks of 16 preempt each other and
+    resume; every one still gives :func:`reference_greedy`'s ids, and every block is free after."""
+    from framework import LLM, SamplingParams
+
+    llm = LLM(str(path), **{"num_blocks": 9, "max_num_seqs": 4, **engine_args})
+    prompts = [*prompts, prompts[0][::-1]]
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    assert llm.engine.core.stats().num_preemptions > 0
+    for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt, steps), f"prompt {index}"
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks

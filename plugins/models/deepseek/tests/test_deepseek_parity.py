@@ -16,7 +16,14 @@ import transformers
 from framework import LLM, SamplingParams, hookimpl
 from framework.errors import ConfigError
 from framework.specs import AttentionBackendSpec
-from framework.testing import check_greedy_parity, check_logits_parity, reference_greedy, write_tiny_model
+from framework.testing import (
+    check_greedy_parity,
+    check_logits_parity,
+    check_preemption_parity,
+    check_prefix_cache_parity,
+    reference_greedy,
+    write_tiny_model,
+)
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
              num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -64,26 +71,11 @@ def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
 
 
 def test_greedy_tokens_match_after_prefix_cache_hit(tiny):
-    path, reference = tiny
-    llm = LLM(str(path), num_blocks=64)
-    shared = PROMPTS[2] + PROMPTS[1]  # 42 tokens: two full blocks of 16 can be reused
-    llm.generate({"prompt_token_ids": shared + [7]}, GREEDY)
-    second = llm.generate({"prompt_token_ids": shared + [8, 9]}, GREEDY)[0]
-    assert second.num_cached_tokens == 32
-    assert llm.engine.core.stats().prefix_cache_hits >= 32
-    assert second.outputs[0].token_ids == reference_greedy(reference, shared + [8, 9])
+    check_prefix_cache_parity(*tiny, PROMPTS)
 
 
 def test_greedy_tokens_match_when_preempted_and_resumed(tiny):
-    path, reference = tiny
-    # 4 requests of up to 29 + 32 tokens need 16 blocks of 16; 9 blocks force preemptions.
-    llm = LLM(str(path), num_blocks=9, max_num_seqs=4)
-    prompts = [*PROMPTS, PROMPTS[0][::-1]]
-    results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert llm.engine.core.stats().num_preemptions > 0
-    for prompt, result in zip(prompts, results, strict=True):
-        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
-    assert llm.engine.core.kv_cache.num_free_blocks == 9
+    check_preemption_parity(*tiny, PROMPTS)
 
 
 def test_mla_cache_holds_the_latent_only(tiny):

@@ -10,8 +10,14 @@ import pytest
 import torch
 import transformers
 
-from framework import LLM, SamplingParams
-from framework.testing import check_greedy_parity, check_logits_parity, reference_greedy, write_tiny_model
+from framework import SamplingParams
+from framework.testing import (
+    check_greedy_parity,
+    check_logits_parity,
+    check_preemption_parity,
+    check_prefix_cache_parity,
+    write_tiny_model,
+)
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
@@ -45,23 +51,8 @@ def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
 
 
 def test_greedy_tokens_match_after_prefix_cache_hit(tiny):
-    path, reference = tiny
-    llm = LLM(str(path), num_blocks=64)
-    shared = PROMPTS[2] + PROMPTS[1]  # 42 tokens: two full blocks of 16 can be reused
-    llm.generate({"prompt_token_ids": shared + [7]}, GREEDY)
-    second = llm.generate({"prompt_token_ids": shared + [8, 9]}, GREEDY)[0]
-    assert second.num_cached_tokens == 32
-    assert llm.engine.core.stats().prefix_cache_hits >= 32
-    assert second.outputs[0].token_ids == reference_greedy(reference, shared + [8, 9])
+    check_prefix_cache_parity(*tiny, PROMPTS)
 
 
 def test_greedy_tokens_match_when_preempted_and_resumed(tiny):
-    path, reference = tiny
-    # 4 requests of up to 29 + 32 tokens need 16 blocks of 16; 9 blocks force preemptions.
-    llm = LLM(str(path), num_blocks=9, max_num_seqs=4)
-    prompts = [*PROMPTS, PROMPTS[0][::-1]]
-    results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert llm.engine.core.stats().num_preemptions > 0
-    for prompt, result in zip(prompts, results):
-        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
-    assert llm.engine.core.kv_cache.num_free_blocks == 9
+    check_preemption_parity(*tiny, PROMPTS)
