@@ -6,7 +6,7 @@ Import from here: ``from framework.layers import QKVParallelLinear, RMSNorm, get
 from framework.layers.activation import GeluTanhAndMul, SiluAndMul
 from framework.layers.embedding import LMHead, VocabEmbedding
 from framework.layers.fused_moe import FusedMoE, select_experts
-from framework.layers.layernorm import LayerNorm, RMSNorm
+from framework.layers.layernorm import LayerNorm, RMSNorm, norm_per_head, residual_norm
 from framework.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -40,6 +40,8 @@ __all__ = [
     "UnquantizedLinearMethod",
     "VocabEmbedding",
     "get_rope",
+    "norm_per_head",
+    "residual_norm",
     "select_experts",
     "set_weight_attrs",
 ]

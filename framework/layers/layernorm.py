@@ -41,3 +41,16 @@ class LayerNorm(nn.LayerNorm):
             return super().forward(x)
         residual = x + residual
         return super().forward(residual), residual
+
+
+def residual_norm(norm: nn.Module, hidden: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A decoder layer's input norm: ``(norm(hidden), hidden)`` in the first layer (no residual
+    yet), else ``norm``'s fused residual add: ``(norm(hidden + residual), hidden + residual)``."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
+def norm_per_head(norm: nn.Module, x: Tensor, head_size: int) -> Tensor:
+    """``norm`` over each ``head_size`` slice of ``x [T, heads * head_size]`` (QK norms)."""
+    return norm(x.unflatten(-1, (-1, head_size))).flatten(-2)

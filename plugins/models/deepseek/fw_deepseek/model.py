@@ -24,7 +24,14 @@ from torch import nn
 
 from framework.attention_backend import MLAConfig
 from framework.config import ModelConfig
-from framework.layers import ReplicatedLinear, RMSNorm, SiluAndMul, UnquantizedLinearMethod, VocabEmbedding
+from framework.layers import (
+    ReplicatedLinear,
+    RMSNorm,
+    SiluAndMul,
+    UnquantizedLinearMethod,
+    VocabEmbedding,
+    residual_norm,
+)
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.fused_moe import expert_weight_target
@@ -130,11 +137,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = residual_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

@@ -33,6 +33,8 @@ from framework.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabEmbedding,
+    norm_per_head,
+    residual_norm,
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
@@ -178,8 +180,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:  # per head, before RoPE
-            q = self.q_norm(q.unflatten(-1, (-1, self.head_size))).flatten(-2)
-            k = self.k_norm(k.unflatten(-1, (-1, self.head_size))).flatten(-2)
+            q, k = norm_per_head(self.q_norm, q, self.head_size), norm_per_head(self.k_norm, k, self.head_size)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
@@ -217,11 +218,7 @@ class LlamaDecoderLayer(nn.Module):
             self.post_mlp_layernorm = variant.make_norm(hidden)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = residual_norm(self.input_layernorm, hidden, residual)
         if self.parallel_residual:
             return self.self_attn(positions, hidden) + self.mlp(hidden), residual
         hidden = self.self_attn(positions, hidden)
