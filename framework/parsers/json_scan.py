@@ -37,6 +37,15 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
+def next_char(text: str, i: int) -> int:
+    """The index of the first non-whitespace character at or after ``i``; :class:`Incomplete` if
+    the text ends first."""
+    j = skip_ws(text, i)
+    if j >= len(text):
+        raise Incomplete
+    return j
+
+
 def scan_string(text: str, i: int) -> int:
     """``text[i]`` is ``"``; return the index past the closing quote (raw control chars allowed)."""
     j = _STRING_BODY.match(text, i + 1).end()  # a regex, not a Python loop: arguments can be long code
@@ -83,31 +92,23 @@ def _scan_value(text: str, i: int) -> int:
 
 
 def _scan_container(text: str, i: int, close: str, is_object: bool) -> int:
-    j = skip_ws(text, i + 1)
-    if j >= len(text):
-        raise Incomplete
+    j = next_char(text, i + 1)
     if text[j] == close:
         return j + 1
     while True:
         if is_object:
             if text[j] != '"':
                 raise Malformed(j)
-            j = skip_ws(text, scan_string(text, j))
-            if j >= len(text):
-                raise Incomplete
+            j = next_char(text, scan_string(text, j))
             if text[j] != ":":
                 raise Malformed(j)
             j = skip_ws(text, j + 1)
-        j = skip_ws(text, _scan_value(text, j))
-        if j >= len(text):
-            raise Incomplete
+        j = next_char(text, _scan_value(text, j))
         if text[j] == close:
             return j + 1
         if text[j] != ",":
             raise Malformed(j)
-        j = skip_ws(text, j + 1)
-        if j >= len(text):
-            raise Incomplete
+        j = next_char(text, j + 1)
 
 
 def container_end(text: str, start: int, cache: dict | None = None) -> int:
@@ -186,9 +187,7 @@ def scan_call(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
             raise Incomplete
         if text[i] != "{":
             raise Malformed(i)
-        j = skip_ws(text, i + 1)
-        if j >= len(text):
-            raise Incomplete
+        j = next_char(text, i + 1)
         if text[j] == "}":
             scan.end = j + 1
             return scan
@@ -197,14 +196,10 @@ def scan_call(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
                 raise Malformed(j)
             key_end = scan_string(text, j)
             key = json.loads(text[j:key_end], strict=False)
-            j = skip_ws(text, key_end)
-            if j >= len(text):
-                raise Incomplete
+            j = next_char(text, key_end)
             if text[j] != ":":
                 raise Malformed(j)
-            j = skip_ws(text, j + 1)
-            if j >= len(text):
-                raise Incomplete
+            j = next_char(text, j + 1)
             if key in name_keys and scan.name is None:
                 if text[j] != '"':
                     raise Malformed(j)
@@ -216,17 +211,13 @@ def scan_call(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
                 value_end = scan.args_end = container_end(text, j, cache) if is_container else scan_value(text, j)
             else:
                 value_end = scan_value(text, j)
-            j = skip_ws(text, value_end)
-            if j >= len(text):
-                raise Incomplete
+            j = next_char(text, value_end)
             if text[j] == "}":
                 scan.end = j + 1
                 return scan
             if text[j] != ",":
                 raise Malformed(j)
-            j = skip_ws(text, j + 1)
-            if j >= len(text):
-                raise Incomplete
+            j = next_char(text, j + 1)
     except Incomplete:
         pass
     except Malformed as error:
