@@ -100,6 +100,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_model_server():
+    """One ``fw serve`` of the embedded default model on CPU (no other flags), shared by the test
+    modules that only need it running."""
+    port = free_port()
+    proc = start_server(["--h", f"127.0.0.1:{port}", "--device", "cpu", "--max-model-len", "1024", "--mem", "64"],
+                        f"http://127.0.0.1:{port}")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
 def launch_fw_server():
     """``launch_fw_server(args, base_url)`` starts ``fw serve`` (not yet ready); stop() it when done."""
     return start_server

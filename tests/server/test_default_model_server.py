@@ -18,15 +18,8 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
 @pytest.fixture(scope="module")
-def client(launch_fw_server, free_tcp_port):
-    port = free_tcp_port()
-    proc = launch_fw_server(["--h", f"127.0.0.1:{port}", "--device", "cpu", "--max-model-len", "1024", "--mem", "64"],
-                            f"http://127.0.0.1:{port}")
-    try:
-        proc.wait_ready()
-        yield openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        proc.stop()
+def client(default_model_server):
+    return openai.OpenAI(base_url=f"{default_model_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_default_model_answers_a_chat_question(client):

@@ -22,15 +22,8 @@ WEATHER = {"type": "object", "properties": {"sky": {"enum": ["sunny", "cloudy", 
 
 
 @pytest.fixture(scope="module")
-def client(launch_fw_server, free_tcp_port):
-    port = free_tcp_port()
-    proc = launch_fw_server(["--h", f"127.0.0.1:{port}", "--device", "cpu", "--max-model-len", "1024", "--mem", "64"],
-                            f"http://127.0.0.1:{port}")
-    try:
-        proc.wait_ready()
-        yield openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    finally:
-        proc.stop()
+def client(default_model_server):
+    return openai.OpenAI(base_url=f"{default_model_server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def test_chat_response_format_json_schema_returns_valid_json(client):

