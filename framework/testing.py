@@ -6,6 +6,9 @@ Fixtures:
   module or any object with ``@hookimpl`` methods) for the current test only.
 * ``fresh_plugins``: forget loaded plugins before and after the test, so a test can set
   ``FW_PLUGINS`` / ``FW_DISABLE_PLUGINS`` with ``monkeypatch`` and load again.
+* ``one_thread`` (module scope): torch on one intra-op thread for a module of tiny-model tests
+  (threads only add synchronisation there, and on a busy 2-core runner OpenMP's spinning threads
+  make them many times slower); the previous setting is restored after the module.
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ def registered_plugin(obj: Any, name: str) -> Iterator[Any]:
         yield obj
     finally:
         plugins.unregister_plugin(name)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture
@@ -58,6 +71,29 @@ def make_tiny_tokenizer(vocab_size: int):
     tokenizer.decoder = tokenizers.decoders.WordPiece(prefix="##")
     tokenizer.add_special_tokens(["<s>", "</s>"])
     return tokenizer
+
+
+def randomise_identity_params(model, seed: int = 2) -> None:
+    """Give ``model``'s norm weights (ones) and biases (zeros) random values, so that a misplaced
+    norm or bias changes the outputs (``1 + 0.3 N(0, 1)`` and ``0.3 N(0, 1)``)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = 0.3 * torch.randn(param.shape, generator=generator)
+            if "norm" in name and name.endswith(".weight"):
+                param.copy_(1.0 + noise)
+            elif name.endswith(".bias"):
+                param.copy_(noise)
+
+
+def write_randomised_model(path, hf_config):
+    """:func:`write_tiny_model` with :func:`randomise_identity_params` applied; returns the reference."""
+    reference = write_tiny_model(path, hf_config)
+    randomise_identity_params(reference)
+    reference.save_pretrained(path, safe_serialization=True)
+    return reference
 
 
 def write_tiny_model(path, hf_config, seed: int = 0, chat_template: str | None = None):

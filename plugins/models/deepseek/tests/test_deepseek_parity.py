@@ -45,14 +45,7 @@ PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [int(x) for x in torch.randin
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models: intra-op threads only add synchronisation, and on a loaded CI machine (more
-    busy processes than cores) that costs ~20x here (measured: 34 s -> 1.8 s for the references)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

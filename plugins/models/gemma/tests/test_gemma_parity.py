@@ -36,14 +36,7 @@ PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [int(x) for x in torch.randin
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core runner OpenMP's spinning
-    threads make them 10-50x slower; restore the setting for other modules."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -16,7 +16,12 @@ import torch
 import transformers
 
 from framework import LLM
-from framework.testing import check_greedy_parity, check_logits_parity, reference_logits, write_tiny_model
+from framework.testing import (
+    check_greedy_parity,
+    check_logits_parity,
+    reference_logits,
+    write_randomised_model,
+)
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, pad_token_id=0)
@@ -39,39 +44,13 @@ CONFIGS = {
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core runner OpenMP's spinning
-    threads make them far slower; restore the setting for other modules."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def randomise_identity_params(model: torch.nn.Module, seed: int = 2) -> None:
-    """Give norm weights (ones), norm biases and linear biases (zeros) random values."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = 0.3 * torch.randn(param.shape, generator=generator)
-            if "norm" in name and name.endswith(".weight"):
-                param.copy_(1.0 + noise)
-            elif name.endswith(".bias"):
-                param.copy_(noise)
-
-
-def write_randomised(path, config):
-    reference = write_tiny_model(path, config)
-    randomise_identity_params(reference)
-    reference.save_pretrained(path, safe_serialization=True)
-    return reference
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tiny(one_thread, request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    return path, write_randomised(path, CONFIGS[request.param]())
+    return path, write_randomised_model(path, CONFIGS[request.param]())
 
 
 def test_batched_chunked_prefill_logits_match_transformers(tiny):
@@ -88,7 +67,7 @@ def phi3_long_context(one_thread, tmp_path_factory):
     path = tmp_path_factory.mktemp("phi3_long")
     config = transformers.Phi3Config(**SMALL, partial_rotary_factor=0.5, original_max_position_embeddings=16,
                                      rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG})
-    return path, write_randomised(path, config)
+    return path, write_randomised_model(path, config)
 
 
 def test_phi3_long_factors_past_the_original_context_match_transformers(phi3_long_context):
@@ -121,7 +100,7 @@ def test_phi3_legacy_su_config_with_top_level_original_context(phi3_long_context
 def test_qwen3_qk_norm_is_loaded_and_applied(tmp_path):
     """The checkpoint's q_norm / k_norm weights reach the model (a wrong load would pass silently
     if the norms were the identity)."""
-    reference = write_randomised(tmp_path, CONFIGS["qwen3_qk_norm"]())
+    reference = write_randomised_model(tmp_path, CONFIGS["qwen3_qk_norm"]())
     llm = LLM(str(tmp_path), num_blocks=16)
     attention = llm.engine.core.runner.model.model.layers[1].self_attn
     assert torch.equal(attention.q_norm.weight, reference.model.layers[1].self_attn.q_norm.weight)
@@ -137,7 +116,7 @@ def test_cli_generate_runs_a_glm4_directory(tmp_path):
     from cli.main import build_app
     from framework.testing import reference_greedy
 
-    reference = write_randomised(tmp_path, CONFIGS["glm4_four_norms"]())
+    reference = write_randomised_model(tmp_path, CONFIGS["glm4_four_norms"]())
     result = CliRunner().invoke(build_app(), ["generate", "t5 t9 t33 t2 t71", "--m", str(tmp_path), "--max-tokens", "8", "--json"])
     assert result.exit_code == 0, result.output
     output = json.loads(result.output)

@@ -20,7 +20,7 @@ from framework.errors import ConfigError
 from framework.layers.fused_moe import FusedMoE
 from framework.loader.checkpoint_slice import CheckpointSlice
 from framework.loader.dummy_format import DummyFormat
-from framework.testing import reference_greedy, write_tiny_model
+from framework.testing import reference_greedy, write_randomised_model, write_tiny_model
 
 SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False)
@@ -50,22 +50,6 @@ CASES = {
 }
 
 
-def write_randomised(path, config):
-    """A tiny model whose norm weights (ones) and biases (zeros) are random too, so that every QK
-    norm and q/k/v bias counts; returns the transformers reference."""
-    reference = write_tiny_model(path, config)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            noise = 0.3 * torch.randn(param.shape, generator=generator)
-            if "norm" in name and name.endswith(".weight"):
-                param.copy_(1.0 + noise)
-            elif name.endswith(".bias"):
-                param.copy_(noise)
-    reference.save_pretrained(path, safe_serialization=True)
-    return reference
-
-
 def greedy_ids(path, **engine_args) -> list[list[int]]:
     with LLM(str(path), **ENGINE, **engine_args) as llm:
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
@@ -74,7 +58,7 @@ def greedy_ids(path, **engine_args) -> list[list[int]]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tp2_greedy_ids_match_one_device_and_transformers(case, tmp_path):
-    reference = write_randomised(tmp_path, CASES[case]())
+    reference = write_randomised_model(tmp_path, CASES[case]())
     expected = [reference_greedy(reference, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
     assert greedy_ids(tmp_path) == expected
     assert greedy_ids(tmp_path, tensor_parallel_size=2) == expected

@@ -17,7 +17,7 @@ import transformers
 from safetensors.torch import load_file
 
 from framework import LLM, SamplingParams
-from framework.testing import reference_greedy, write_tiny_model
+from framework.testing import randomise_identity_params, reference_greedy, write_tiny_model
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, pad_token_id=0)
@@ -26,26 +26,7 @@ PROMPTS = [[5, 9, 33, 2, 71], [int(x) for x in torch.randint(2, 160, (29,), gene
 STEPS = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core runner OpenMP's spinning
-    threads make them far slower; restore the setting for other modules."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def randomise_identity_params(model: torch.nn.Module) -> None:
-    """Norm weights (ones) and biases (zeros) get random values, so that a misplaced one shows."""
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = 0.3 * torch.randn(param.shape, generator=generator)
-            if "norm" in name and name.endswith(".weight"):
-                param.copy_(1.0 + noise)
-            elif name.endswith(".bias"):
-                param.copy_(noise)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gguf_metadata(arch: str, config) -> dict:
