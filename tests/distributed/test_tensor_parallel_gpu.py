@@ -17,16 +17,22 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
-CONFIG = dict(vocab_size=250, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+SMALL = dict(vocab_size=250, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+#: a dense model, and a mixture of experts (the Triton fused-MoE kernel on half of every expert)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=32, tie_word_embeddings=False, num_experts=8,
+                                                     num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True),
+}
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 77)), [3, 150, 77]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-gpu-tp")
-    return path, write_tiny_model(path, transformers.LlamaConfig(**CONFIG))
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}-gpu-tp")
+    return path, write_tiny_model(path, CONFIGS[request.param]())
 
 
 def generate(path, **engine_args):
