@@ -408,6 +408,43 @@ def check_greedy_parity(path, reference, prompts: list[list[int]], steps: int = 
         assert result.outputs[0].finish_reason == "length"
 
 
+#: Prompts for tiny-model parity tests (vocabulary >= 160): 5, 13 and 29 tokens.
+PARITY_PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [13, 89, 26, 117, 4, 150, 77, 31, 62, 8, 141, 55, 99, 20, 133,
+                                                           47, 71, 106, 12, 158, 39, 84, 3, 125, 66, 18, 92, 144, 57]]
+
+
+def tiny_model_fixture(configs: dict, write=None):
+    """A module-scoped ``tiny`` fixture, parametrized over ``configs`` (name -> a function returning
+    a transformers config): ``(path, transformers reference)`` of the model written there by
+    ``write`` (default :func:`write_tiny_model`). Assign it in a test module: ``tiny = tiny_model_fixture(CONFIGS)``."""
+
+    @pytest.fixture(scope="module", params=sorted(configs))
+    def tiny(request, tmp_path_factory):
+        path = tmp_path_factory.mktemp(request.param)
+        return path, (write or write_tiny_model)(path, configs[request.param]())
+
+    return tiny
+
+
+class ModelParityTests:
+    """The engine-against-transformers checks every architecture passes; a test module subclasses it
+    (``class TestParity(ModelParityTests): pass``) beside a ``tiny`` fixture (:func:`tiny_model_fixture`)."""
+
+    prompts = PARITY_PROMPTS
+
+    def test_batched_chunked_prefill_logits_match_transformers(self, tiny):
+        check_logits_parity(*tiny, self.prompts)
+
+    def test_greedy_tokens_match_transformers_with_chunked_prefill(self, tiny):
+        check_greedy_parity(*tiny, self.prompts)
+
+    def test_greedy_tokens_match_after_prefix_cache_hit(self, tiny):
+        check_prefix_cache_parity(*tiny, self.prompts)
+
+    def test_greedy_tokens_match_when_preempted_and_resumed(self, tiny):
+        check_preemption_parity(*tiny, self.prompts)
+
+
 def check_prefix_cache_parity(path, reference, prompts: list[list[int]], steps: int = 32, **engine_args) -> None:
     """A request whose first 32 tokens (two full 16-token blocks) are cached reuses them and still
     gives :func:`reference_greedy`'s ids. ``prompts[2] + prompts[1]`` must be >= 33 tokens long."""

@@ -17,12 +17,10 @@ from framework import LLM, SamplingParams, hookimpl
 from framework.errors import ConfigError
 from framework.specs import AttentionBackendSpec
 from framework.testing import (
-    check_greedy_parity,
-    check_logits_parity,
-    check_preemption_parity,
-    check_prefix_cache_parity,
+    PARITY_PROMPTS,
+    ModelParityTests,
     reference_greedy,
-    write_tiny_model,
+    tiny_model_fixture,
 )
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -41,34 +39,17 @@ CONFIGS = {
                          "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.6}),
 }
 
-PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))]]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    reference = write_tiny_model(path, CONFIGS[request.param]())
-    return path, reference
+tiny = tiny_model_fixture(CONFIGS)
 
 
-def test_batched_chunked_prefill_logits_match_transformers(tiny):
-    check_logits_parity(*tiny, PROMPTS)
-
-
-def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
-    check_greedy_parity(*tiny, PROMPTS)
-
-
-def test_greedy_tokens_match_after_prefix_cache_hit(tiny):
-    check_prefix_cache_parity(*tiny, PROMPTS)
-
-
-def test_greedy_tokens_match_when_preempted_and_resumed(tiny):
-    check_preemption_parity(*tiny, PROMPTS)
+class TestParity(ModelParityTests):
+    """Logits and greedy ids against transformers: batched chunked prefill, a prefix-cache hit, preemption."""
 
 
 def test_mla_cache_holds_the_latent_only(tiny):
@@ -141,8 +122,8 @@ def test_greedy_tokens_match_transformers_on_cuda(tiny):
     path, reference = tiny
     llm = LLM(str(path), device="cuda", dtype="float32", num_blocks=64, prefill_chunk_size=8)
     assert llm.engine.attention_backend == "torch"
-    results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-    for prompt, result in zip(PROMPTS, results, strict=True):
+    results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], GREEDY)
+    for prompt, result in zip(PARITY_PROMPTS, results, strict=True):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
 
 
@@ -165,6 +146,6 @@ def test_absorption_through_a_quantized_kv_b_proj(tiny):
     attentions = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, DeepseekV2Attention)]
     for attention in attentions:
         attention.kv_b_proj.linear_method = OpaqueLinearMethod()
-    result = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
+    result = llm.generate({"prompt_token_ids": PARITY_PROMPTS[1]}, GREEDY)[0]
     assert all(a._dense_kv_b is not None for a in attentions)
-    assert result.outputs[0].token_ids == reference_greedy(reference, PROMPTS[1])
+    assert result.outputs[0].token_ids == reference_greedy(reference, PARITY_PROMPTS[1])

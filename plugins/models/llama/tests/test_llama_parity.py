@@ -6,17 +6,11 @@ prefill chunk smaller than the prompt, a prefix-cache hit, and a request preempt
 
 from __future__ import annotations
 
-import pytest
-import torch
 import transformers
 
-from framework import SamplingParams
 from framework.testing import (
-    check_greedy_parity,
-    check_logits_parity,
-    check_preemption_parity,
-    check_prefix_cache_parity,
-    write_tiny_model,
+    ModelParityTests,
+    tiny_model_fixture,
 )
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -31,28 +25,9 @@ CONFIGS = {
     "qwen2_qkv_bias": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=False),
 }
 
-PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))]]
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+tiny = tiny_model_fixture(CONFIGS)
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    reference = write_tiny_model(path, CONFIGS[request.param]())
-    return path, reference
-
-
-def test_batched_chunked_prefill_logits_match_transformers(tiny):
-    check_logits_parity(*tiny, PROMPTS)
-
-
-def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
-    check_greedy_parity(*tiny, PROMPTS)
-
-
-def test_greedy_tokens_match_after_prefix_cache_hit(tiny):
-    check_prefix_cache_parity(*tiny, PROMPTS)
-
-
-def test_greedy_tokens_match_when_preempted_and_resumed(tiny):
-    check_preemption_parity(*tiny, PROMPTS)
+class TestParity(ModelParityTests):
+    """Logits and greedy ids against transformers: batched chunked prefill, a prefix-cache hit, preemption."""

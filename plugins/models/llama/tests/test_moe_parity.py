@@ -13,7 +13,13 @@ import transformers
 
 from framework import LLM, SamplingParams
 from framework.errors import ModelLoadError
-from framework.testing import check_greedy_parity, check_logits_parity, write_tiny_model
+from framework.testing import (
+    PARITY_PROMPTS,
+    ModelParityTests,
+    check_greedy_parity,
+    tiny_model_fixture,
+    write_tiny_model,
+)
 
 SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False)
@@ -29,22 +35,13 @@ CONFIGS = {
         **SMALL, **QWEN_MOE, head_dim=32, norm_topk_prob=True, decoder_sparse_step=2),
 }
 
-PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))]]
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    reference = write_tiny_model(path, CONFIGS[request.param]())
-    return path, reference
+tiny = tiny_model_fixture(CONFIGS)
 
 
-def test_batched_chunked_prefill_logits_match_transformers(tiny):
-    check_logits_parity(*tiny, PROMPTS)
-
-
-def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
-    check_greedy_parity(*tiny, PROMPTS)
+class TestParity(ModelParityTests):
+    """Logits and greedy ids against transformers: batched chunked prefill, a prefix-cache hit, preemption."""
 
 
 def test_layers_get_the_feed_forward_the_config_asks_for(tiny):
@@ -90,7 +87,7 @@ def test_dummy_weights_load_through_transformers_stacked_names(tiny, tmp_path):
     path, _ = tiny
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     llm = LLM(str(tmp_path), load_format="dummy", num_blocks=16)
-    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    out = llm.generate({"prompt_token_ids": PARITY_PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 
 
@@ -101,5 +98,5 @@ def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
     reference = write_tiny_model(tmp_path, CONFIGS["qwen3_moe_qk_norm"]())
     llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
     assert "decode graphs" in llm.engine.summary["cuda_graphs"]
-    check_greedy_parity(tmp_path, reference, [*PROMPTS, list(range(2, 66))], device="cuda", dtype="f32",
+    check_greedy_parity(tmp_path, reference, [*PARITY_PROMPTS, list(range(2, 66))], device="cuda", dtype="f32",
                         prefill_chunk_size=64, max_num_batched_tokens=128)
