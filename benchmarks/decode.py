@@ -2,13 +2,16 @@
 
     python benchmarks/decode.py --shape llama3-8b --batch 1 64 --context 128 4096 --out $OUT/decode.json
     python benchmarks/decode.py --shape llama3-8b --tp 2 --out $OUT/decode-tp2.json   # GPUs 0,1 (or --d 0,1)
+    python benchmarks/decode.py --shape qwen3-32b --tp 2 --batch 1 --context 128 --out $OUT/decode-32b-tp2.json
     python benchmarks/decode.py --shape qwen3-30b-a3b --batch 1 --context 128 --out $OUT/decode-moe.json
     python benchmarks/decode.py --shape deepseek-v2-lite --batch 1 8 --context 128 --out $OUT/decode-mla.json
 
 For each case it builds the engine once (random weights through the model's own weight loaders,
 ``load_format="dummy"``), fills ``batch`` requests with ``context`` prompt tokens, then times
-whole engine steps (schedule, inputs, graph replay, sampling, host ids): the median step time gives tokens/s (batch / step time) and the
-fraction of the roofline (weight bytes / device copy bandwidth, GPU.md: 4.28 TB/s on the H200).
+whole engine steps (schedule, inputs, graph replay, sampling, host ids) as the intervals between
+successive returns of ``step()`` in steady decode, with no synchronisation of its own (so async
+scheduling's overlap of step n + 1's preparation with step n counts, as it does for a user): the
+median interval gives tokens/s (batch / interval) and the fraction of the roofline (weight bytes / device copy bandwidth, GPU.md: 4.28 TB/s on the H200).
 With ``--tp N`` each GPU reads its shard, so the roofline uses one rank's weight bytes.
 For MoE shapes the batch-1 roofline counts the bytes one token reads: the dense weights and
 ``top_k / num_experts`` of the experts. Prints a table last and writes the full JSON. On a CPU
@@ -51,6 +54,11 @@ SHAPES = {
                              rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                                                                "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
                                                                "mscale_all_dim": 0.707}, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Qwen3-32B: 64 layers, 64 query / 8 KV heads of 128, FFN 25600, QK norm (65.5 GB in bf16)
+    "qwen3-32b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=5120, intermediate_size=25600,
+                      num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False),
     "tiny-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=256, intermediate_size=512,
                      moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
@@ -69,11 +77,6 @@ def git_commit() -> str:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:
         return "unknown"
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def bytes_read_per_token(model) -> int:
@@ -107,11 +110,12 @@ def run_case(llm, batch: int, context: int, steps: int, weight_bytes: int) -> di
     for _ in range(3):
         core.step()
     times = []
+    wall = time.perf_counter()
     for _ in range(steps):
-        synchronize()
-        wall = time.perf_counter()
-        outputs = core.step()  # returns host token ids, so the step has finished on the device
-        times.append(time.perf_counter() - wall)
+        outputs = core.step()  # returns host token ids: a step has finished on the device
+        now = time.perf_counter()
+        times.append(now - wall)
+        wall = now
         assert len(outputs) == batch
     for request_id in list(core.requests):
         core.abort(request_id)
@@ -130,6 +134,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (GPUs 0..N-1 unless --d)")
     parser.add_argument("--d", default=None, help="GPU ordinals, e.g. 0,1 (tensor parallelism over them)")
     parser.add_argument("--out", type=Path)
@@ -147,6 +152,7 @@ def main() -> None:
               max_num_seqs=max(args.batch),
               max_model_len=max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192,
               enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False,
+              async_scheduling=False if args.no_async_scheduling else None,
               **({"device_ids": device_ids, "tensor_parallel_size": tp} if device_ids else {}))
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
@@ -164,7 +170,7 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2, default=str))
     llm.close()
     print(f"{args.shape} {args.dtype} TP={tp} on {report['device']}: attention {llm.engine.attention_backend}, "
-          f"graphs {llm.engine.summary.get('cuda_graphs')}, weights {weight_bytes / 1e9:.2f} GB, build {build_s:.0f} s")
+          f"graphs {llm.engine.summary.get('cuda_graphs')}, async {llm.engine.summary.get('async_scheduling')}, weights {weight_bytes / 1e9:.2f} GB, build {build_s:.0f} s")
     print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'roofline':>9}")
     for r in results:
         frac = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] else "-"

@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cases = [parse_case(c) for c in args.cases]
@@ -154,7 +155,8 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype=args.dtype, attention_backend=args.attention_backend,
               max_num_seqs=args.max_num_seqs, max_model_len=longest + 16,
-              enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False)
+              enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False,
+              async_scheduling=False if args.no_async_scheduling else None)
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model)  # MoE: only the experts one token uses
@@ -168,6 +170,7 @@ def main() -> None:
     common = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
               "model": f"{args.shape} shape ({config['architectures'][0]}), random weights", "dtype": args.dtype,
               "attention_backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.summary.get("cuda_graphs"),
+              "async_scheduling": llm.engine.summary.get("async_scheduling"),
               "commit": git_commit(), "command": command, "torch": torch.__version__}
     results = []
     for kind, numbers in cases:

@@ -17,7 +17,7 @@ def bench(
     m: o.Model = None, w: o.Weights = None, f: o.File = None, dtype: o.Dtype = "auto", device: o.Device = None,
     max_model_len: o.MaxModelLen = None, mem: o.Mem = None, max_num_seqs: o.MaxNumSeqs = 256,
     prefill_chunk_size: o.PrefillChunk = 8192, attention_backend: o.AttentionBackend = "auto",
-    no_cuda_graph: o.NoCudaGraph = False, no_prefix_cache: o.NoPrefixCache = False, load_format: o.LoadFormat = "auto",
+    no_cuda_graph: o.NoCudaGraph = False, async_scheduling: o.AsyncScheduling = None, no_prefix_cache: o.NoPrefixCache = False, load_format: o.LoadFormat = "auto",
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="Requests to run.")] = 32,
     input_len: Annotated[int, typer.Option("--input-len", help="Mean prompt length in tokens.")] = 128,
     output_len: Annotated[int, typer.Option("--output-len", help="Mean output length in tokens.")] = 128,
@@ -34,7 +34,7 @@ def bench(
         started = time.perf_counter()
         llm = LLM(**o.engine_kwargs(m=m, w=w, f=f, dtype=dtype, device=device, max_model_len=max_model_len,
                                     mem_mb=mem, max_num_seqs=max_num_seqs, prefill_chunk_size=prefill_chunk_size,
-                                    attention_backend=attention_backend, no_cuda_graph=no_cuda_graph,
+                                    attention_backend=attention_backend, no_cuda_graph=no_cuda_graph, async_scheduling=async_scheduling,
                                     no_prefix_cache=no_prefix_cache, load_format=load_format, d=d,
                                     tensor_parallel_size=tp))
         load_s = time.perf_counter() - started

@@ -29,6 +29,9 @@ PrefillChunk = Annotated[int, typer.Option("--prefill-chunk-size", help="Most pr
 NoPrefixCache = Annotated[bool, typer.Option("--disable-prefix-cache", help="Do not reuse KV blocks across requests.")]
 PrefixCacheMax = Annotated[int | None, typer.Option("--prefix-cache-max-tokens", help="Cap on tokens kept in the prefix cache.")]
 NoCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run decode steps eagerly (no CUDA graphs).")]
+AsyncScheduling = Annotated[bool | None, typer.Option(
+    "--async-scheduling/--no-async-scheduling",
+    help="Prepare each step on the host while the device runs the previous one (default: on for CUDA devices).")]
 LoadFormat = Annotated[str, typer.Option("--load-format", help="auto (detect), or a weight format by name: safetensors, gguf, dummy (random weights for a config.json).")]
 AttentionBackend = Annotated[str, typer.Option("--attention-backend", help="auto or a registered backend name (fw plugins check).")]
 

@@ -16,7 +16,7 @@ def serve(
     dtype: o.Dtype = "auto", device: o.Device = None, d: o.Devices = None, yarn_scaling_factor: o.YarnFactor = None, kv_fraction: o.KvFraction = 0.7, mem: o.Mem = None,
     max_model_len: o.MaxModelLen = None, max_num_seqs: o.MaxNumSeqs = 256, prefill_chunk_size: o.PrefillChunk = 8192,
     no_prefix_cache: o.NoPrefixCache = False, prefix_cache_max_tokens: o.PrefixCacheMax = None,
-    no_cuda_graph: o.NoCudaGraph = False, attention_backend: o.AttentionBackend = "auto",
+    no_cuda_graph: o.NoCudaGraph = False, async_scheduling: o.AsyncScheduling = None, attention_backend: o.AttentionBackend = "auto",
     load_format: o.LoadFormat = "auto",
     max_gen_tokens: Annotated[int | None, typer.Option("--max-gen-tokens", help="Default max_tokens of requests that give none.")] = None,
     frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Default frequency penalty (-2 to 2).")] = 0.0,
@@ -85,7 +85,7 @@ def serve(
                                         max_model_len=max_model_len, kv_fraction=kv_fraction, mem_mb=mem,
                                         num_blocks=num_blocks, no_prefix_cache=no_prefix_cache,
                                         prefix_cache_max_tokens=prefix_cache_max_tokens, max_num_seqs=max_num_seqs,
-                                        prefill_chunk_size=prefill_chunk_size, no_cuda_graph=no_cuda_graph,
+                                        prefill_chunk_size=prefill_chunk_size, no_cuda_graph=no_cuda_graph, async_scheduling=async_scheduling,
                                         attention_backend=attention_backend, load_format=load_format, seed=seed,
                                         **o.parallel_kwargs(tp, num_nodes, node_rank, master_addr, master_port,
                                                             rendezvous_timeout, distributed_timeout))

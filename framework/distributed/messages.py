@@ -41,7 +41,7 @@ class BlockTableSync:
             sent = self.known.get(item.request_id, [])
             start = len(sent) if item.block_ids[:len(sent)] == sent else 0
             compact.append(StepInput(item.token_ids, item.start, item.block_ids[start:], item.request_id, start))
-            known[item.request_id] = item.block_ids
+            known[item.request_id] = list(item.block_ids)  # the request's own list grows later
         self.known = known
         return compact
 
@@ -56,7 +56,8 @@ class BlockTableSync:
 
 
 class StepMessage(msgspec.Struct, array_like=True):
-    """A model step: run ``inputs``, then ``compute_logits`` on each list of hidden rows in order.
+    """A model step: run ``inputs``, then ``compute_logits`` on each list of hidden rows in order,
+    then (with ``sampling``) receive rank 0's sampled ids.
 
     Rank 0 calls ``compute_logits`` exactly on ``logits_rows`` (prompt logprobs, then the
     sampled rows), so every rank joins the same all-gathers. ``shutdown`` ends the workers.
@@ -65,3 +66,6 @@ class StepMessage(msgspec.Struct, array_like=True):
     inputs: list[StepInput] = []
     logits_rows: list[list[int]] = []
     shutdown: bool = False
+    #: async scheduling: the indices (into ``inputs``) of the requests that sample; rank 0 then
+    #: broadcasts their sampled ids on the device, and a later step's placeholder inputs read them
+    sampling: list[int] = []

@@ -147,6 +147,13 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank, in place, on the data group (queued on the stream with NCCL)."""
+    if _state.size > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
 def min_over_ranks(value: int) -> int:
     """The smallest ``value`` any rank holds (the KV cache fits the tightest device)."""
     if _state.size == 1:

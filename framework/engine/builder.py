@@ -83,7 +83,8 @@ class EngineBuilder:
                  yarn_scaling_factor: float | None = None, tensor_parallel_size: int | None = None,
                  device_ids: list[int] | None = None, num_nodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int | None = None, rendezvous_timeout: float = 300.0,
-                 distributed_timeout: float = 600.0, tp_rank: int | None = None) -> None:
+                 distributed_timeout: float = 600.0, tp_rank: int | None = None,
+                 async_scheduling: bool | None = None) -> None:
         # every argument, for the other tensor-parallel ranks (which build the same engine as their rank)
         self._init_kwargs = {name: value for name, value in locals().items() if name != "self"}
         if isinstance(dtype, torch.dtype):
@@ -107,6 +108,7 @@ class EngineBuilder:
         self.quantization = quantization
         self.seed = seed
         self.enable_cuda_graphs = enable_cuda_graphs
+        self.async_scheduling = async_scheduling
         self.load_format = load_format
         self.yarn_scaling_factor = yarn_scaling_factor
         self.platform: Platform = detect_platform()
@@ -326,6 +328,12 @@ class EngineBuilder:
         runner.graph_runner = self.capture_cuda_graphs(backend, kv_caches)
         return runner
 
+    def use_async_scheduling(self) -> bool:
+        """``async_scheduling`` as asked; by default on for CUDA (on the CPU nothing would overlap)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.type == "cuda"
+
     def build_worker(self) -> ModelRunner:
         """A tensor-parallel worker's runner (rank > 0): no scheduler, tokenizer work or sampling."""
         return self._build_runner()
@@ -352,7 +360,9 @@ class EngineBuilder:
                                            stop_token_ids=sorted(self.config.eos_token_ids), device=self.device)
         runner.structured_outputs = grammars
         engine_config = EngineConfig(self.config, cache, self.scheduler, str(self.device), self.backend_name, self.seed)
-        core = EngineCore(engine_config, runner, kv_manager, structured_outputs=grammars)
+        core = EngineCore(engine_config, runner, kv_manager, structured_outputs=grammars,
+                          async_scheduling=self.use_async_scheduling())
+        runner.share_sampled = core.async_scheduling and self.parallel.is_parallel
         summary = {
             "model": self.config.source,
             "architecture": self.config.architecture,
@@ -364,6 +374,7 @@ class EngineBuilder:
             "kv_bytes": self.kv_cache_bytes,
             "attention_backend": self.backend_name,
             "cuda_graphs": self.graph_summary,
+            "async_scheduling": core.async_scheduling,
             "weight_format": self.source.name,
             "plugins": [info.name for info in plugins.loaded_plugins()],
             "tensor_parallel_size": self.parallel.tensor_parallel_size,

@@ -6,16 +6,18 @@ caller (:class:`framework.llm.LLM` in-process, the API process when serving).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 from framework.config import EngineConfig
 from framework.engine.kv_cache_manager import KVCacheManager
-from framework.engine.model_runner import ModelRunner
+from framework.engine.model_runner import LaunchedStep, ModelRunner
 from framework.engine.outputs import EngineStats, RequestOutput
-from framework.engine.request import FinishReason, Request, RequestStatus
+from framework.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus
 from framework.engine.sampler import make_generator
-from framework.engine.scheduler import Scheduler
+from framework.engine.scheduler import ScheduledBatch, Scheduler
 from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError
 from framework.sampling_params import SamplingParams
@@ -25,12 +27,28 @@ log = logging.getLogger("fw.engine")
 POOLING_TYPES = (None, "mean", "last")
 
 
+@dataclass(slots=True)
+class InflightStep:
+    """A launched step not yet read back: its batch, the runner's handle, and for each sampling
+    request the index in ``output_token_ids`` of the placeholder its token replaces."""
+
+    requests: list[Request]
+    launched: LaunchedStep
+    indices: list[int]
+
+
 class EngineCore:
-    """Continuous batching over one model. Not thread-safe: one caller drives ``step``."""
+    """Continuous batching over one model. Not thread-safe: one caller drives ``step``.
+
+    ``async_scheduling`` launches each step before the previous one is read back (see
+    :meth:`step`); it changes when outputs are reported, never what they are.
+    """
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, kv_cache: KVCacheManager,
-                 structured_outputs: StructuredOutputManager | None = None) -> None:
+                 structured_outputs: StructuredOutputManager | None = None, async_scheduling: bool = False) -> None:
         self.config = config
+        self.async_scheduling = async_scheduling
+        self.inflight: InflightStep | None = None
         self.runner = runner
         self.kv_cache = kv_cache
         self.structured_outputs = structured_outputs  # None: requests with structured_outputs are refused
@@ -92,50 +110,102 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or (self.structured_outputs is not None and self.structured_outputs.num_compiling > 0)
+        return (self.scheduler.has_work() or self.inflight is not None
+                or (self.structured_outputs is not None and self.structured_outputs.num_compiling > 0))
 
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, sample, and report what each request produced."""
+        """Schedule and launch a step, and report what each request produced.
+
+        With async scheduling the step launched here is read back by the next call, after that
+        call has launched its own step, so the host prepares step n + 1 while the device runs
+        step n::
+
+            call k:  [drain n-1 if it cannot overlap] schedule n ─ launch n ─ collect n-1 ─ return n-1
+            device:                         ... step n-1 ... │ step n ...
+
+        A step overlaps its predecessor only when the batch is certain: nothing waits, every
+        running request decodes the token the previous step sampled (left on the device), none
+        can stop by length, needs penalties or a grammar (they read that token on the host), and
+        every request can get a block without preemption. Otherwise the previous step is read
+        back first. A request that stops by EOS or a stop token had one more step launched; its
+        result is dropped.
+        """
         outputs = self._admit_compiled() if self.structured_outputs is not None else []
+        if self.inflight is not None and not self._can_overlap():
+            outputs += self._finish(self.inflight)
+            self.inflight = None
         batch = self.scheduler.schedule()
-        if not batch.requests:
-            return outputs
-        sampled = self.runner.execute(batch)
+        launched = self._launch(batch) if batch.requests else None
+        if self.inflight is not None:
+            outputs += self._finish(self.inflight)
+        self.inflight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._finish(launched)
+            self.inflight = None
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be launched before the one in flight is read back (see :meth:`step`)."""
+        if self.scheduler.waiting or self.kv_cache.num_free_blocks < len(self.scheduler.running):
+            return False
+        in_flight = {id(request) for request in self.inflight.launched.sampled}
+        for request in self.scheduler.running:
+            if (id(request) not in in_flight or request.structured_output is not None
+                    or request.sampling_params.needs_penalties or request.num_output_tokens >= request.max_tokens):
+                return False
+        return True
+
+    def _launch(self, batch: ScheduledBatch) -> InflightStep:
+        """Launch ``batch`` on the runner; each sampling request gets a placeholder for its token."""
+        launched = self.runner.launch(batch)
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prompt_tokens += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += num_new
-            self.kv_cache.cache_full_blocks(request)
-        for item in sampled:
+        indices = []
+        for request in launched.sampled:
+            indices.append(request.num_output_tokens)
+            request.output_token_ids.append(PLACEHOLDER)
+        return InflightStep(batch.requests, launched, indices)
+
+    def _finish(self, step: InflightStep) -> list[RequestOutput]:
+        """Read a launched step back: fill its placeholders, check stops, build the outputs."""
+        outputs = []
+        for item, index in itertools.zip_longest(self.runner.collect(step.launched), step.indices):
             request = item.request
+            if request.status is RequestStatus.FINISHED:
+                continue  # aborted, or stopped while this step was in flight: its result is dropped
             if item.embedding is not None:
                 self.scheduler.finish(request, FinishReason.STOP)
                 self.requests.pop(request.request_id, None)
                 outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="stop",
                                              num_prompt_tokens=request.num_prompt_tokens, embedding=item.embedding))
                 continue
-            first = request.num_output_tokens == 0
-            request.output_token_ids.append(item.token_id)
+            request.output_token_ids[index] = item.token_id
             self.num_generation_tokens += 1
-            reason = request.check_stop()
+            reason = request.check_stop(index)
             if request.structured_output is not None and self.structured_outputs.accept_token(request, item.token_id):
                 reason = reason or FinishReason.STOP  # the grammar is complete
             output = RequestOutput(
                 request_id=request.request_id,
                 new_token_ids=[item.token_id],
                 new_logprobs=[item.logprob] if item.logprob is not None else None,
-                prompt_logprobs=request.prompt_logprobs if first and request.sampling_params.prompt_logprobs is not None else None,
+                prompt_logprobs=request.prompt_logprobs if index == 0 and request.sampling_params.prompt_logprobs is not None else None,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
             if reason is not None:
+                del request.output_token_ids[index + 1:]  # the placeholder of a step launched since
                 self.scheduler.finish(request, reason)
                 self.requests.pop(request.request_id, None)
                 request.structured_output = None
                 output.finish_reason = reason.value
                 output.stop_token_id = request.stop_token_id
             outputs.append(output)
+        for request in step.requests:
+            if request.status is not RequestStatus.FINISHED:
+                self.kv_cache.cache_full_blocks(request)  # their computed tokens are all real now
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:

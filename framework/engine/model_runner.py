@@ -14,7 +14,9 @@ its last generated token); requests in the middle of a chunked prompt do not.
 Tensor parallelism: on rank 0 ``broadcast`` sends each step's :class:`StepMessage` (the new
 tokens, first position and not yet sent block ids per request, and the hidden rows of every
 ``compute_logits`` call) before running it; workers replay it with :meth:`execute_message`, so
-every rank joins the same collectives in the same order.
+every rank joins the same collectives in the same order. With async scheduling rank 0 also
+broadcasts the sampled ids on the device (``share_sampled``): a placeholder input token then
+resolves on every rank from the same tensor.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from torch import nn
 
 from framework.attention_backend import AttentionBackend, AttentionMetadata
 from framework.distributed.messages import BlockTableSync, StepInput, StepMessage
+from framework.distributed.state import broadcast_from_rank0
 from framework.engine.outputs import LogprobEntry
-from framework.engine.request import Request
+from framework.engine.request import PLACEHOLDER, Request
 from framework.engine.sampler import Sampler, compute_logprobs
 from framework.engine.scheduler import ScheduledBatch
+from framework.engine.transfer import HostCopy, to_device
 from framework.forward_context import ForwardContext, forward_context
 
 
@@ -43,8 +47,42 @@ class SampledToken:
     embedding: list[float] | None = None  # set instead of a token for pooling requests
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device; :meth:`ModelRunner.collect`
+    reads its results. ``sampled`` are the requests that sample, in row order; ``results`` holds
+    their token ids (and logprobs) on the way to the host; ``pooled`` the finished embeddings."""
+
+    sampled: list[Request]
+    results: HostCopy | None
+    pooled: list[SampledToken]
+
+
+@dataclass(slots=True)
+class RowPlan:
+    """Which hidden rows of a step get logits, decided once for rank 0 and the workers' message.
+
+    ``prompt_logprobs``: (request index, row count) of each chunk that scores prompt tokens;
+    ``sampling``: indices of the requests that sample (their last row), in batch order.
+    """
+
+    prompt_logprobs: list[tuple[int, int]]
+    sampling: list[int]
+
+    def logits_rows(self, offsets: list[int]) -> list[list[int]]:
+        """The hidden rows of each ``compute_logits`` call, in call order."""
+        calls = [list(range(offsets[index], offsets[index] + count)) for index, count in self.prompt_logprobs]
+        return calls + ([[offsets[index + 1] - 1 for index in self.sampling]] if self.sampling else [])
+
+
 class ModelRunner:
-    """Owns the model, the KV caches and the sampler for one device."""
+    """Owns the model, the KV caches and the sampler for one device.
+
+    A step is :meth:`launch` (inputs, forward, logits, sampling: all queued on the device) then
+    :meth:`collect` (the sampled ids read back). The engine may launch step n + 1 before it
+    collects step n: a request's input token is then :data:`PLACEHOLDER` on the host and is taken
+    on the device from step n's sampled ids (``last_sampled``).
+    """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, sampler: Sampler) -> None:
@@ -58,12 +96,17 @@ class ModelRunner:
         self.broadcast: Callable[[StepMessage], object] | None = None  # rank 0 of a tensor-parallel group
         self.block_tables = BlockTableSync()  # what the workers know of each request's block ids
         self.structured_outputs = None  # a StructuredOutputManager: grammar masks on the logits
+        #: the latest sampling step's rows by request id and its token ids, still on the device
+        self.last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
+        #: tensor parallel with async scheduling: rank 0 broadcasts each step's sampled ids on the
+        #: device, so the workers' placeholder inputs read them as rank 0's do
+        self.share_sampled = False
 
     @staticmethod
     def step_inputs(batch: ScheduledBatch) -> list[StepInput]:
         """What each request computes this step: its new tokens, first position and block ids."""
         return [StepInput(request.all_token_ids[request.num_computed_tokens:request.num_computed_tokens + num_new],
-                          request.num_computed_tokens, list(request.block_ids), request.request_id)
+                          request.num_computed_tokens, request.block_ids, request.request_id)
                 for request, num_new in zip(batch.requests, batch.num_new_tokens)]
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -71,12 +114,18 @@ class ModelRunner:
         return self.prepare_inputs(self.step_inputs(batch))
 
     def prepare_inputs(self, inputs: list[StepInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """``input_ids``, ``positions`` and the attention metadata of one step's requests."""
+        """``input_ids``, ``positions`` and the attention metadata of one step's requests.
+
+        Everything crosses to the device in two copies (int64: ids, positions, slots; int32:
+        cu_seqlens, seq_lens, block table) that do not wait for the device. A request whose last
+        input token is :data:`PLACEHOLDER` gets it from ``last_sampled`` on the device.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu_seqlens = [0]
         seq_lens = []
+        from_device: list[tuple[int, str]] = []  # (token row, request id) of placeholder inputs
         bs = self.block_size
         for item in inputs:
             start, num_new, blocks = item.start, len(item.token_ids), item.block_ids
@@ -86,27 +135,49 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             cu_seqlens.append(cu_seqlens[-1] + num_new)
             seq_lens.append(end)
+            if item.token_ids[-1] == PLACEHOLDER:
+                from_device.append((len(input_ids) - 1, item.request_id))
+                input_ids[-1] = 0
+        num_reqs, num_tokens = len(inputs), len(input_ids)
         max_blocks = max(len(item.block_ids) for item in inputs)
-        table = torch.tensor([item.block_ids + [0] * (max_blocks - len(item.block_ids)) for item in inputs],
-                             dtype=torch.int32)
-        to = dict(device=self.device)
-        cu_cpu = torch.tensor(cu_seqlens, dtype=torch.int32)
-        lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        int32 = cu_seqlens + seq_lens
+        for item in inputs:
+            int32.extend(item.block_ids)
+            int32.extend([0] * (max_blocks - len(item.block_ids)))
+        host32 = torch.tensor(int32, dtype=torch.int32)
+        dev64 = to_device(torch.tensor(input_ids + positions + slots, dtype=torch.int64), self.device)
+        dev32 = to_device(host32, self.device)
+        cu_cpu, lens_cpu = host32[:num_reqs + 1], host32[num_reqs + 1:2 * num_reqs + 1]
+        table_cpu = host32[2 * num_reqs + 1:].view(num_reqs, max_blocks)
         metadata = AttentionMetadata(
-            num_reqs=len(inputs),
-            num_tokens=len(input_ids),
-            cu_seqlens_q=cu_cpu.to(**to),
-            seq_lens=lens_cpu.to(**to),
-            block_table=table.to(**to),
-            block_table_cpu=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, **to),
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            cu_seqlens_q=dev32[:num_reqs + 1],
+            seq_lens=dev32[num_reqs + 1:2 * num_reqs + 1],
+            block_table=dev32[2 * num_reqs + 1:].view(num_reqs, max_blocks),
+            block_table_cpu=table_cpu,
+            slot_mapping=dev64[2 * num_tokens:],
             max_query_len=max(len(item.token_ids) for item in inputs),
             max_seq_len=max(seq_lens),
             cu_seqlens_q_cpu=cu_cpu,
             seq_lens_cpu=lens_cpu,
-            is_decode_only=all(len(item.token_ids) == 1 for item in inputs),
+            is_decode_only=num_tokens == num_reqs,
         )
-        return (torch.tensor(input_ids, dtype=torch.int64, **to), torch.tensor(positions, dtype=torch.int64, **to), metadata)
+        ids = dev64[:num_tokens]
+        if from_device:
+            ids = self._ids_from_device(ids, from_device)
+        return ids, dev64[num_tokens:2 * num_tokens], metadata
+
+    def _ids_from_device(self, ids: torch.Tensor, from_device: list[tuple[int, str]]) -> torch.Tensor:
+        """``ids`` with the placeholder rows taken from the previous step's sampled ids on the device."""
+        assert self.last_sampled is not None, "a placeholder input without a previous sampling step"
+        rows_by_id, sampled = self.last_sampled
+        dst = [row for row, _ in from_device]
+        src = [rows_by_id[request_id] for _, request_id in from_device]
+        if dst == src == list(range(ids.shape[0])):  # steady decode: the same requests in the same order
+            return sampled[:ids.shape[0]]
+        index = to_device(torch.tensor(dst + src, dtype=torch.int64), self.device)
+        return ids.index_copy_(0, index[:len(dst)], sampled.index_select(0, index[len(dst):]))
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -116,9 +187,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:
         """A tensor-parallel worker's step: the forward pass and the ``compute_logits`` calls of rank 0."""
-        hidden = self.run_model(*self.prepare_inputs(self.block_tables.expand(message.inputs)))
+        inputs = self.block_tables.expand(message.inputs)
+        hidden = self.run_model(*self.prepare_inputs(inputs))
         for rows in message.logits_rows:
             self.model.compute_logits(hidden[rows])
+        self.last_sampled = None
+        if message.sampling:
+            token_ids = broadcast_from_rank0(torch.empty(len(message.sampling), dtype=torch.int64, device=self.device))
+            self.last_sampled = ({inputs[index].request_id: row for row, index in enumerate(message.sampling)}, token_ids)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The model (or the decode graph of its bucket) on prepared inputs."""
@@ -131,64 +207,83 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """Forward, prompt logprobs where asked, then sample the requests that reached their end."""
+        """One step, launched and collected (tests and tools; the engine overlaps the two)."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Forward, prompt logprobs where asked, then sample the requests that reached their end.
+
+        Nothing here waits for the device once the step is decode-only: the sampled ids stay there
+        (``last_sampled``) and are copied back behind an event that :meth:`collect` waits on.
+        """
         offsets = list(itertools.accumulate(batch.num_new_tokens, initial=0))
+        plan = self._plan_rows(batch)
         if self.broadcast is not None:
-            inputs = self.block_tables.compress(self.step_inputs(batch))
-            self.broadcast(StepMessage(inputs, self._logits_rows(batch, offsets)))
+            self.broadcast(StepMessage(self.block_tables.compress(self.step_inputs(batch)), plan.logits_rows(offsets),
+                                       sampling=plan.sampling if self.share_sampled else []))
         hidden = self.forward(batch)
-        sampling: list[Request] = []
-        last_rows: list[int] = []
         pooled: list[SampledToken] = []
         for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            done = request.num_computed_tokens + num_new == request.num_tokens
             if request.pooling:
+                done = request.num_computed_tokens + num_new == request.num_tokens
                 embedding = self._pool(request, hidden[offsets[index]:offsets[index + 1]], done)
                 if embedding is not None:
                     pooled.append(SampledToken(request, -1, embedding=embedding))
-                continue
-            if request.sampling_params.prompt_logprobs is not None:
-                self._prompt_logprobs(request, hidden[offsets[index]:offsets[index + 1]], num_new)
-            if done:
-                sampling.append(request)
-                last_rows.append(offsets[index + 1] - 1)
-        if not sampling:
-            return pooled
+            elif request.sampling_params.prompt_logprobs is not None and request.num_computed_tokens == 0:
+                request.prompt_logprobs = [None]  # prompt token 0 has no logprob
+        for index, count in plan.prompt_logprobs:
+            self._prompt_logprobs(batch.requests[index], hidden[offsets[index]:offsets[index] + count], count)
+        self.last_sampled = None
+        if not plan.sampling:
+            return LaunchedStep([], None, pooled)
+        sampling = [batch.requests[index] for index in plan.sampling]
+        last_rows = [offsets[index + 1] - 1 for index in plan.sampling]
         grammar = self.structured_outputs
         # filled on the host while the device computes; applied outside any CUDA graph
         bitmask = grammar.prepare_bitmask(sampling) if grammar is not None else None
-        logits = self.model.compute_logits(hidden[last_rows]).float()
+        if last_rows == list(range(len(last_rows))):
+            rows = hidden[:len(last_rows)]
+        else:
+            rows = hidden.index_select(0, to_device(torch.tensor(last_rows, dtype=torch.int64), self.device))
+        logits = self.model.compute_logits(rows).float()
         if bitmask is not None:
             grammar.apply_bitmask(logits, bitmask)
         out = self.sampler(logits, sampling)
-        token_ids = out.token_ids.tolist()
-        results = [SampledToken(request, token) for request, token in zip(sampling, token_ids)]
-        if out.logprobs is not None:
-            logprobs = out.logprobs.tolist()
-            top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
-            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        self.last_sampled = ({request.request_id: row for row, request in enumerate(sampling)}, out.token_ids)
+        if self.share_sampled:
+            broadcast_from_rank0(out.token_ids)
+        return LaunchedStep(sampling, HostCopy(out), pooled)
+
+    def collect(self, step: LaunchedStep) -> list[SampledToken]:
+        """Wait for a launched step's results and return them (sampled tokens, then embeddings)."""
+        if step.results is None:
+            return step.pooled
+        token_ids, logprobs, top_ids, top_lps = (None if t is None else t.tolist() for t in step.results.wait())
+        results = [SampledToken(request, token) for request, token in zip(step.sampled, token_ids)]
+        if logprobs is not None:
             for row, result in enumerate(results):
                 wanted = result.request.sampling_params.logprobs
                 if wanted is None:
                     continue
                 top = list(zip(top_ids[row][:wanted], top_lps[row][:wanted])) if top_ids else []
                 result.logprob = (logprobs[row], top)
-        return results + pooled
+        return results + step.pooled
 
     @classmethod
-    def _logits_rows(cls, batch: ScheduledBatch, offsets: list[int]) -> list[list[int]]:
-        """The hidden rows of each ``compute_logits`` call :meth:`execute` makes, in call order."""
-        calls, last_rows = [], []
+    def _plan_rows(cls, batch: ScheduledBatch) -> RowPlan:
+        """The prompt-logprob chunks and the sampling requests of ``batch`` (see :class:`RowPlan`)."""
+        plan = RowPlan([], [])
         for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if request.pooling:
                 continue
             if request.sampling_params.prompt_logprobs is not None:
                 count = cls._num_prompt_logprob_rows(request, num_new)
                 if count:
-                    calls.append(list(range(offsets[index], offsets[index] + count)))
+                    plan.prompt_logprobs.append((index, count))
             if request.num_computed_tokens + num_new == request.num_tokens:
-                last_rows.append(offsets[index + 1] - 1)
-        return calls + ([last_rows] if last_rows else [])
+                plan.sampling.append(index)
+        return plan
 
     @staticmethod
     def _num_prompt_logprob_rows(request: Request, num_new: int) -> int:
@@ -211,20 +306,13 @@ class ModelRunner:
         vector = request.pooled / (request.num_prompt_tokens if request.pooling == "mean" else 1)
         return torch.nn.functional.normalize(vector, dim=0).tolist()
 
-    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, num_new: int) -> None:
-        """Logprobs of prompt tokens 1.. from this chunk's positions (token 0 gets None)."""
+    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, count: int) -> None:
+        """Logprobs of prompt tokens ``start + 1 .. start + count`` from this chunk's first ``count``
+        rows (position p predicts token p + 1)."""
         start = request.num_computed_tokens
-        if start >= request.num_prompt_tokens:
-            return  # a decode step, or a recompute past the prompt
-        if start == 0:
-            request.prompt_logprobs = [None]
-        # position p predicts token p + 1; only prompt targets count
-        count = self._num_prompt_logprob_rows(request, num_new)
-        if not count:
-            return
         stop = start + count
         targets = torch.tensor(request.prompt_token_ids[start + 1:stop + 1], device=hidden.device)
-        logits = self.model.compute_logits(hidden[: stop - start]).float()
+        logits = self.model.compute_logits(hidden).float()
         result = compute_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
         lps = result.token_logprobs.tolist()
         top_ids = result.top_ids.tolist() if result.top_ids is not None else [[]] * len(lps)

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from framework.engine.structured_outputs import StructuredOutputState
 
 
+#: In ``Request.output_token_ids``: a token sampled on the device by a step still in flight (async
+#: scheduling); the engine writes the real id there when it reads the step's results back.
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -84,17 +89,21 @@ class Request:
         asked = self.sampling_params.max_tokens
         return room if asked is None else min(asked, room)
 
-    def check_stop(self) -> FinishReason | None:
-        """After a token was appended: the reason to finish now, or None."""
+    def check_stop(self, index: int = -1) -> FinishReason | None:
+        """After output token ``index`` (default: the last) was set: the reason to finish there, or None.
+
+        Only the tokens up to ``index`` count; later entries are placeholders of a step in flight.
+        """
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        index %= self.num_output_tokens
+        last, count = self.output_token_ids[index], index + 1
+        if count >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_token_id = last
                 return FinishReason.STOP
             if last in params.stop_token_ids:
                 self.stop_token_id = last
                 return FinishReason.STOP
-        if self.num_output_tokens >= self.max_tokens:
+        if count >= self.max_tokens:
             return FinishReason.LENGTH
         return None

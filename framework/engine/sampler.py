@@ -13,7 +13,8 @@ Pure torch, device-agnostic (CPU and CUDA), computed in float32. The steps, in v
 Everything is vectorized over the batch; Python loops over rows only gather the per-request
 lists into one tensor, and draw the noise of rows that own a seeded generator. A batch pays
 only for what it asked: no penalties means no count tensors, all greedy means no softmax.
-Parameter tensors are built from Python values; nothing reads a device tensor back to the host.
+Parameter tensors are built from Python values and cross without blocking (``to_device``);
+nothing reads a device tensor back to the host.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from framework.engine.transfer import to_device
 from framework.sampling_params import SamplingParams
 
 __all__ = [
@@ -291,13 +293,13 @@ def _token_counts(token_lists: list[Sequence[int]], vocab_size: int, device: tor
         return counts
     token_ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=num_tokens)
     token_ids += np.repeat(np.arange(len(token_lists), dtype=np.int64) * vocab_size, lengths)
-    flat_index = torch.from_numpy(token_ids).to(device, non_blocking=True)
+    flat_index = to_device(torch.from_numpy(token_ids), device)
     counts.view(-1).scatter_add_(0, flat_index, torch.ones(num_tokens, dtype=counts.dtype, device=device))
     return counts
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -23,8 +23,10 @@ def tiny_path(tmp_path_factory):
     return str(path)
 
 
-def test_random_requests_with_aborts_free_every_block(tiny_path):
-    llm = LLM(tiny_path, num_blocks=16, max_num_seqs=32, prefill_chunk_size=24, max_num_batched_tokens=64)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_random_requests_with_aborts_free_every_block(tiny_path, async_scheduling):
+    llm = LLM(tiny_path, num_blocks=16, max_num_seqs=32, prefill_chunk_size=24, max_num_batched_tokens=64,
+              async_scheduling=async_scheduling)
     core, rng = llm.engine.core, random.Random(0)
     shared_prefix = [rng.randrange(2, 96) for _ in range(40)]
     added, aborted, finished = 0, 0, 0
@@ -44,7 +46,7 @@ def test_random_requests_with_aborts_free_every_block(tiny_path):
     kv = core.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
     assert all(block.ref_count == 0 for block in kv.blocks)
-    assert not core.scheduler.running and not core.scheduler.waiting and not core.requests
+    assert not core.scheduler.running and not core.scheduler.waiting and not core.requests and core.inflight is None
     stats = core.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 

@@ -55,6 +55,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrappers: dict[AttentionLayerConfig, Any] = {}
         self.graph_wrappers: dict[tuple[int, AttentionLayerConfig], Any] = {}
         self.planned: dict[AttentionLayerConfig, Any] = {}
+        self.plan_copied: torch.cuda.Event | None = None  # recorded after the latest plan's copies
 
     @classmethod
     def validate(cls, layer_configs: list[AttentionLayerConfig], kv_cache_dtype: str, platform: Any) -> list[str]:
@@ -79,6 +80,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata) -> None:
         table = metadata.block_table_cpu if metadata.block_table_cpu is not None else metadata.block_table.cpu()
         paged = paged_kv_from_block_table(metadata.seq_lens_cpu, table, self.block_size)
+        if self.plan_copied is not None:
+            # A plan writes a pinned host buffer and queues its copy to the device. With async
+            # scheduling this plan runs while the previous step is queued: wait until that step's
+            # copy has run (the engine has already waited for the step before it, so this is short).
+            self.plan_copied.synchronize()
         self.planned = {}
         for layer in self.layers:
             common = dict(window_left=-1 if layer.sliding_window is None else layer.sliding_window - 1,
@@ -94,6 +100,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                              paged.last_page_len, layer.num_heads, layer.num_kv_heads, layer.head_size,
                              self.block_size, causal=True, **common)
             self.planned[layer] = wrapper
+        if self.device.type == "cuda":
+            self.plan_copied = torch.cuda.Event()
+            self.plan_copied.record()
 
     def _prefill_wrapper(self, layer: AttentionLayerConfig) -> Any:
         import flashinfer
