@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,13 +120,25 @@ def init_tensor_parallel(rank: int, world_size: int, device: torch.device, *, ma
     log.info("tensor-parallel rank %d of %d on %s (%s)", rank, world_size, device, backend)
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the group (idempotent); layers built afterwards are unsharded again."""
+def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
+    """Leave the group (idempotent); layers built afterwards are unsharded again.
+
+    Every rank should call it at about the same time: NCCL's teardown finalises the communicator
+    with its peers. It runs on a daemon thread so that a peer that is already gone costs at most
+    ``timeout_s`` (then the process exits without a clean teardown) instead of a hang.
+    """
     if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # a peer already gone: nothing left to tear down cleanly
-            pass
+        def destroy() -> None:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer already gone: nothing left to tear down cleanly
+                pass
+
+        thread = threading.Thread(target=destroy, name="fw-destroy-process-group", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.warning("leaving the tensor-parallel group did not finish in %.0f s; going on without it", timeout_s)
     _state.rank, _state.size, _state.control_group = 0, 1, None
 
 

@@ -64,9 +64,11 @@ class Engine:
                 distributed.broadcast_message(StepMessage(shutdown=True), StepMessage)
             except Exception:  # a worker is already gone: reaping below is all that is left
                 pass
+        # every rank leaves the group together (the workers on the shutdown message), then the
+        # workers are reaped: terminating them first would leave rank 0's NCCL teardown waiting
+        distributed.destroy_tensor_parallel()
         if self.workers is not None:
             self.workers.close()
-        distributed.destroy_tensor_parallel()
 
 
 class EngineBuilder:
