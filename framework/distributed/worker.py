@@ -64,6 +64,7 @@ def run_worker(kwargs: dict) -> int:
             return 1
         try:
             serve_steps(runner)
+            runner.release_cuda_graphs()  # before leaving the group: the graphs hold its collectives
         except Exception as error:  # rank 0 went away or a collective failed
             print(f"fw: tensor-parallel rank {rank} stopped: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
                   file=sys.stderr, flush=True)

@@ -66,6 +66,8 @@ class Engine:
                 pass
         # every rank leaves the group together (the workers on the shutdown message), then the
         # workers are reaped: terminating them first would leave rank 0's NCCL teardown waiting
+        if distributed.is_tensor_parallel():
+            self.core.runner.release_cuda_graphs()
         distributed.destroy_tensor_parallel()
         if self.workers is not None:
             self.workers.close()

@@ -21,6 +21,7 @@ resolves on every rank from the same tensor.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,6 +102,15 @@ class ModelRunner:
         #: tensor parallel with async scheduling: rank 0 broadcasts each step's sampled ids on the
         #: device, so the workers' placeholder inputs read them as rank 0's do
         self.share_sampled = False
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the decode graphs and wait for the device (before a tensor-parallel group is left:
+        NCCL's teardown waits while captured collectives are alive)."""
+        if self.graph_runner is not None:
+            self.graph_runner = None
+            gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @staticmethod
     def step_inputs(batch: ScheduledBatch) -> list[StepInput]:
