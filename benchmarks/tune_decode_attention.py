@@ -31,8 +31,8 @@ def run_shape(name: str, reqs: int, heads: int, kv_heads: int, context: int, pag
     kv_bytes = 2 * reqs * context * kv_heads * head * 2
     default_splits = num_kv_splits(reqs, kv_heads, 8192, torch.cuda.get_device_properties(0).multi_processor_count)
     results = []
-    for block_n, warps, stages, splits in itertools.product((16, 32, 64), (2, 4, 8), (1, 2, 3),
-                                                           sorted({default_splits, 1, 2, 4, 8})):
+    for block_n, warps, stages, splits in itertools.product((16, 32, 64), (4, 8), (2, 3),
+                                                           sorted({default_splits, 1, 2, 4})):
         args = dict(num_reqs=reqs, max_seq_len=8192, sm_scale=head ** -0.5, num_splits=splits, block_n=block_n,
                     num_warps=warps, num_stages=stages)
         try:
