@@ -80,13 +80,14 @@ class KVCacheManager:
     def _full_block_hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Keys of the request's full blocks over its first ``num_tokens`` tokens (memoised)."""
         hashes = request.block_hashes
-        tokens = request.all_token_ids
-        extra = (request.sampling_params.cache_salt,) if getattr(request.sampling_params, "cache_salt", None) else ()
-        for index in range(len(hashes), num_tokens // self.block_size):
-            start = index * self.block_size
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[start:start + self.block_size], extra))
-        return hashes[: num_tokens // self.block_size]
+        full = num_tokens // self.block_size
+        if len(hashes) < full:
+            extra = (request.sampling_params.cache_salt,) if getattr(request.sampling_params, "cache_salt", None) else ()
+            for index in range(len(hashes), full):
+                start = index * self.block_size
+                parent = hashes[-1] if hashes else None
+                hashes.append(hash_block(parent, request.token_ids_at(start, start + self.block_size), extra))
+        return hashes[:full]
 
     def allocate_cached_prefix(self, request: Request) -> int:
         """Attach cached blocks matching the request's prefix; return the tokens they cover.

@@ -82,6 +82,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_at(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a decode step reads one id)."""
+        prompt = self.num_prompt_tokens
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:end - prompt]
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
+
     @property
     def max_tokens(self) -> int:
         """The most output tokens this request may produce (max_tokens and the context length)."""
@@ -95,8 +104,9 @@ class Request:
         Only the tokens up to ``index`` count; later entries are placeholders of a step in flight.
         """
         params = self.sampling_params
-        index %= self.num_output_tokens
-        last, count = self.output_token_ids[index], index + 1
+        outputs = self.output_token_ids
+        index %= len(outputs)
+        last, count = outputs[index], index + 1
         if count >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_token_id = last
