@@ -121,7 +121,8 @@ def run_case(llm, batch: int, context: int, steps: int, weight_bytes: int) -> di
         core.abort(request_id)
     step = statistics.median(times)
     return {"batch": batch, "context": context, "steps": steps, "median_step_ms": step * 1e3,
-            "tokens_per_s": batch / step, "roofline_tokens_per_s": COPY_BANDWIDTH / weight_bytes,
+            "tokens_per_s": batch / step, "batch_size": batch, "input_len": context, "output_len": steps,
+            "decode_tokens_per_s": batch / step, "roofline_tokens_per_s": COPY_BANDWIDTH / weight_bytes,
             "roofline_fraction": (batch / step) / (COPY_BANDWIDTH / weight_bytes) if batch == 1 else None}
 
 
@@ -159,6 +160,9 @@ def main() -> None:
     weight_bytes = bytes_read_per_token(model)
     results = [run_case(llm, b, c, args.steps, weight_bytes) for b in args.batch for c in args.context]
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    for result in results:  # the GPU issue's keys on every result (output_len: the timed decode steps)
+        result.update(device=device, model=f"{args.shape} shape, random weights", dtype=args.dtype, tp=tp, num_gpus=tp,
+                      commit=git_commit())
     report = {"date": time.strftime("%Y-%m-%d"), "device": device, "commit": git_commit(),
               "command": "python benchmarks/decode.py " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
