@@ -131,24 +131,28 @@ class ModelRunner:
         cu_seqlens, seq_lens, block table) that do not wait for the device. A request whose last
         input token is :data:`PLACEHOLDER` gets it from ``last_sampled`` on the device.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens = [0]
-        seq_lens = []
-        from_device: list[tuple[int, str]] = []  # (token row, request id) of placeholder inputs
         bs = self.block_size
-        for item in inputs:
-            start, num_new, blocks = item.start, len(item.token_ids), item.block_ids
-            end = start + num_new
-            input_ids.extend(item.token_ids)
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            cu_seqlens.append(cu_seqlens[-1] + num_new)
-            seq_lens.append(end)
+        if all(len(item.token_ids) == 1 for item in inputs):  # decode: one token per request
+            input_ids = [item.token_ids[0] for item in inputs]
+            positions = [item.start for item in inputs]
+            slots = [item.block_ids[p // bs] * bs + p % bs for item, p in zip(inputs, positions)]
+            seq_lens = [p + 1 for p in positions]
+            cu_seqlens = list(range(len(inputs) + 1))
+        else:
+            input_ids, positions, slots, cu_seqlens, seq_lens = [], [], [], [0], []
+            for item in inputs:
+                start, num_new, blocks = item.start, len(item.token_ids), item.block_ids
+                end = start + num_new
+                input_ids.extend(item.token_ids)
+                positions.extend(range(start, end))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+                cu_seqlens.append(cu_seqlens[-1] + num_new)
+                seq_lens.append(end)
+        from_device: list[tuple[int, str]] = []  # (token row, request id) of placeholder inputs
+        for item, row in zip(inputs, itertools.accumulate(len(item.token_ids) for item in inputs)):
             if item.token_ids[-1] == PLACEHOLDER:
-                from_device.append((len(input_ids) - 1, item.request_id))
-                input_ids[-1] = 0
+                from_device.append((row - 1, item.request_id))
+                input_ids[row - 1] = 0
         num_reqs, num_tokens = len(inputs), len(input_ids)
         host32 = torch.from_numpy(self._int32_inputs(cu_seqlens, seq_lens, [item.block_ids for item in inputs]))
         max_blocks = (host32.shape[0] - 2 * num_reqs - 1) // num_reqs

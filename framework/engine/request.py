@@ -65,10 +65,16 @@ class Request:
     pooling: str | None = None  # "mean" or "last": an embedding request (no tokens are generated)
     pooled: torch.Tensor | None = None  # running sum (mean) or last hidden state over the prompt
     structured_output: StructuredOutputState | None = None  # the grammar state, if structured_outputs is set
+    #: fixed at creation (read several times per step for every running request)
+    num_prompt_tokens: int = field(init=False)
+    #: the most output tokens this request may produce (its max_tokens and the context length)
+    max_tokens: int = field(init=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        room = self.max_model_len - self.num_prompt_tokens
+        asked = self.sampling_params.max_tokens
+        self.max_tokens = room if asked is None else min(asked, room)
 
     @property
     def num_output_tokens(self) -> int:
@@ -90,13 +96,6 @@ class Request:
         if end <= prompt:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
-
-    @property
-    def max_tokens(self) -> int:
-        """The most output tokens this request may produce (max_tokens and the context length)."""
-        room = self.max_model_len - self.num_prompt_tokens
-        asked = self.sampling_params.max_tokens
-        return room if asked is None else min(asked, room)
 
     def check_stop(self, index: int = -1) -> FinishReason | None:
         """After output token ``index`` (default: the last) was set: the reason to finish there, or None.
