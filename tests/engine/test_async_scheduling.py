@@ -8,7 +8,6 @@ The references are transformers (greedy ids) and the same engine without async s
 
 from __future__ import annotations
 
-import pytest
 import transformers
 
 from framework import LLM, SamplingParams
@@ -18,18 +17,14 @@ from framework.testing import (
     check_greedy_parity,
     check_preemption_parity,
     check_prefix_cache_parity,
-    write_tiny_model,
+    tiny_model_fixture,
 )
 
 TINY = transformers.LlamaConfig(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                 initializer_range=0.1, eos_token_id=1, bos_token_id=0)
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_async")
-    return path, write_tiny_model(path, TINY)
+tiny = tiny_model_fixture({"llama": lambda: TINY})
 
 
 def test_greedy_ids_match_transformers(tiny):
