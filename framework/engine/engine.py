@@ -126,10 +126,10 @@ class EngineCore:
 
         A step overlaps its predecessor only when the batch is certain: nothing waits, every
         running request decodes the token the previous step sampled (left on the device), none
-        can stop by length, needs penalties or a grammar (they read that token on the host), and
-        every request can get a block without preemption. Otherwise the previous step is read
-        back first. A request that stops by EOS or a stop token had one more step launched; its
-        result is dropped.
+        needs penalties or a grammar (they read that token on the host), and every request can
+        get a block without preemption. Otherwise the previous step is read back first. A request
+        whose last token (by length) is in flight is not scheduled again; one that stops by EOS
+        or a stop token had one more step launched, whose result is dropped.
         """
         outputs = self._admit_compiled() if self.structured_outputs is not None else []
         if self.inflight is not None and not self._can_overlap():
@@ -152,7 +152,7 @@ class EngineCore:
         in_flight = {id(request) for request in self.inflight.launched.sampled}
         for request in self.scheduler.running:
             if (id(request) not in in_flight or request.structured_output is not None
-                    or request.sampling_params.needs_penalties or request.num_output_tokens >= request.max_tokens):
+                    or request.sampling_params.needs_penalties):
                 return False
         return True
 

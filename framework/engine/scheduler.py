@@ -60,6 +60,9 @@ class Scheduler:
         block_size = self.kv_cache.block_size
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_output_tokens >= request.max_tokens:
+                index += 1  # its last token is in flight (async scheduling): nothing more to compute
+                continue
             num_new = self._tokens_wanted(request, budget)
             if request.num_computed_tokens + num_new <= len(request.block_ids) * block_size:
                 batch.requests.append(request)  # its blocks already hold the new tokens

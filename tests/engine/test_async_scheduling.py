@@ -106,6 +106,14 @@ def test_steady_decode_overlaps_and_penalties_do_not(tiny):
     # is launched past the length limit
     assert overlaps(events) == 15 and len(events) == 2 * 16
     events.clear()
+    # requests that stop by length at different steps do not break the overlap: one whose last
+    # token is in flight is left out of the next batch
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 11, 16)]
+    overlapped = llm.generate(prompts, lengths)
+    assert overlaps(events) == 15 and len(events) == 2 * 16
+    sync = LLM(str(path), num_blocks=64, async_scheduling=False).generate(prompts, lengths)
+    assert summary(overlapped) == summary(sync)
+    events.clear()
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=0.5))
     assert overlaps(events) == 0  # the penalty reads the previous token on the host
 
