@@ -326,3 +326,17 @@ def test_gpu_default_model_json_schemas_validate():
         output = result.outputs[0]
         assert output.finish_reason == "stop", (name, output.text)
         jsonschema.validate(json.loads(output.text), SCHEMAS[name])
+
+
+def test_constrained_requests_under_tensor_parallelism_match_one_device(tiny_path, tiny_llm):
+    """Rank 0 masks the all-gathered logits; with async scheduling on, constrained rows make the
+    engine read each step back before the next, and the workers still follow."""
+    params = [SamplingParams(temperature=0, max_tokens=10, structured_outputs=THREE_SMALL),
+              SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(choice=["t7t8", "t9"])),
+              SamplingParams(temperature=0.7, seed=9, max_tokens=6, ignore_eos=True)]
+    prompts = [_prompt(3), _prompt(4), _prompt(5)]
+    expected = [_ids(result) for result in tiny_llm.generate(prompts, params)]
+    with LLM(tiny_path, num_blocks=64, tensor_parallel_size=2, async_scheduling=True) as parallel:
+        assert [_ids(result) for result in parallel.generate(prompts, params)] == expected
+    assert all(set(ids[:3]) <= {2, 3, 4, 5} for ids in expected[0])
