@@ -54,6 +54,15 @@ SHAPES = {
                              rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                                                                "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
                                                                "mscale_all_dim": 0.707}, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Llama-3-70B: 80 layers, 64 query / 8 KV heads, FFN 28672 (141 GB in bf16: TP=4 and up)
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    # Qwen3-235B-A22B: 94 layers of 128 experts (top-8, width 1536), 64 query / 4 KV heads (470 GB in bf16: TP=8)
+    "qwen3-235b-a22b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=4096,
+                            intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                            head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False),
     # Qwen3-32B: 64 layers, 64 query / 8 KV heads of 128, FFN 25600, QK norm (65.5 GB in bf16)
     "qwen3-32b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=5120, intermediate_size=25600,
                       num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
