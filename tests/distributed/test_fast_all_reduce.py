@@ -1,0 +1,65 @@
+"""``--all-reduce``: the choice of the tensor-parallel all-reduce, its validation and its errors on CPU.
+
+The symmetric-memory all-reduce itself needs two GPUs: tests/distributed/test_fast_all_reduce_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from cli.main import build_app
+from framework import LLM, EngineBuilder, SamplingParams
+from framework.distributed.fast_all_reduce import MAX_BUFFER_BYTES, buffer_bytes, resolve_all_reduce
+from framework.errors import ConfigError
+from framework.testing import reference_greedy, write_tiny_model
+
+
+def test_resolve_all_reduce_validates_the_name_and_the_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_all_reduce("nccl", cpu) == "nccl"
+    assert resolve_all_reduce("auto", cpu) == "nccl" and resolve_all_reduce("auto", cuda) == "nccl"
+    assert resolve_all_reduce("symm_mem", cuda) == "symm_mem"
+    with pytest.raises(ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto; got 'custom'"):
+        resolve_all_reduce("custom", cuda)
+    with pytest.raises(ConfigError, match=r"symm_mem needs CUDA GPUs with peer access; this engine runs on cpu"):
+        resolve_all_reduce("symm_mem", cpu)
+
+
+def test_buffer_holds_the_largest_decode_all_reduce_up_to_a_cap():
+    assert buffer_bytes(8, 128, torch.float32) == 8 * 128 * 4
+    assert buffer_bytes(256, 4096, torch.bfloat16) == 2 * 2**20
+    assert buffer_bytes(1024, 16384, torch.bfloat16) == MAX_BUFFER_BYTES
+
+
+def test_engine_builder_refuses_a_bad_all_reduce_before_starting_anything():
+    with pytest.raises(ConfigError, match="must be one of nccl, symm_mem, auto"):
+        EngineBuilder("./no-such-model", device="cpu", all_reduce="NCCL")
+    with pytest.raises(ConfigError, match="symm_mem needs CUDA GPUs"):
+        EngineBuilder("./no-such-model", device="cpu", tensor_parallel_size=2, all_reduce="symm_mem")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["bench", "--num-prompts", "1"], ["serve"]])
+def test_cli_all_reduce_flag_errors_name_the_valid_values(command):
+    app = build_app()
+    result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--all-reduce", "fast"])
+    assert result.exit_code == 2, result.output
+    assert "--all-reduce must be one of nccl, symm_mem, auto; got 'fast'" in result.output
+    result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--device", "cpu", "--tp", "2",
+                                      "--all-reduce", "symm_mem"])
+    assert result.exit_code == 2, result.output
+    assert "symm_mem needs CUDA GPUs" in result.output
+
+
+def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_path):
+    reference = write_tiny_model(tmp_path, transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [5, 9, 33, 2]
+    with LLM(str(tmp_path), device="cpu", tensor_parallel_size=2, num_blocks=8, all_reduce="auto") as llm:
+        ids = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+        assert llm.engine.summary["all_reduce"] == "nccl"  # auto: NCCL (gloo on CPUs) until symm_mem is measured
+    assert ids == reference_greedy(reference, prompt, params.max_tokens)
