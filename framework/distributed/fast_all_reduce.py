@@ -78,10 +78,13 @@ def check_peer_access(device: torch.device, group: dist.ProcessGroup | None = No
     if len(hosts) > 1:
         raise ConfigError(f"--all-reduce symm_mem needs every tensor-parallel rank on one host; the group spans "
                           f"{', '.join(hosts)}: use --all-reduce nccl")
-    blocked = [index for _, index in everyone if index != device.index and not torch.cuda.can_device_access_peer(device.index, index)]
+    # every rank checks every pair, so that all of them decide alike
+    indices = [index for _, index in everyone]
+    blocked = [f"cuda:{a} -> cuda:{b}" for a in indices for b in indices
+               if a != b and not torch.cuda.can_device_access_peer(a, b)]
     if blocked:
-        raise ConfigError(f"--all-reduce symm_mem needs peer (P2P) access between the GPUs; cuda:{device.index} cannot "
-                          f"reach cuda:{', cuda:'.join(map(str, blocked))}: use --all-reduce nccl")
+        raise ConfigError(f"--all-reduce symm_mem needs peer (P2P) access between the GPUs; no access {', '.join(blocked)}: "
+                          "use --all-reduce nccl")
 
 
 class SymmMemAllReduce:

@@ -63,3 +63,28 @@ def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_
         ids = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
         assert llm.engine.summary["all_reduce"] == "nccl"  # auto: NCCL (gloo on CPUs) until symm_mem is measured
     assert ids == reference_greedy(reference, prompt, params.max_tokens)
+
+
+def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_nccl(monkeypatch):
+    """The dispatch of SymmMemAllReduce without GPUs: the op is replaced by one that sums two
+    ranks holding the same tensor (twice the staged buffer), ``dist.all_reduce`` by a recorder."""
+    from framework.distributed import fast_all_reduce
+
+    fast = object.__new__(fast_all_reduce.SymmMemAllReduce)
+    fast.device, fast.group, fast.group_name, fast.max_bytes = torch.device("cpu"), None, "0", 64
+    fast.buffer = torch.zeros(64, dtype=torch.uint8)
+    calls = []
+
+    def one_shot_copy_out(staged, local, op, group_name, out):
+        staged.copy_(local)
+        out.copy_(staged * 2)
+        calls.append(("one_shot", tuple(staged.shape), staged.dtype, staged.data_ptr() == fast.buffer.data_ptr()))
+
+    fast._copy_out, fast._out = one_shot_copy_out, None
+    monkeypatch.setattr(fast_all_reduce.dist, "all_reduce", lambda x, group=None: calls.append(("nccl", tuple(x.shape))))
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(fast.all_reduce(x), x * 2) and calls.pop() == ("one_shot", (2, 3), torch.float32, True)
+    bf16 = torch.ones(4, 8, dtype=torch.bfloat16)  # exactly the 64 bytes of the buffer
+    assert torch.equal(fast.all_reduce(bf16), bf16 * 2) and calls.pop()[:3] == ("one_shot", (4, 8), torch.bfloat16)
+    for too_big_or_odd in (torch.ones(17), torch.ones(3, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float16)):
+        assert fast.all_reduce(too_big_or_odd) is too_big_or_odd and calls.pop() == ("nccl", tuple(too_big_or_odd.shape))
