@@ -2,6 +2,7 @@
 
     python benchmarks/decode.py --shape llama3-8b --batch 1 64 --context 128 4096 --out $OUT/decode.json
     python benchmarks/decode.py --shape llama3-8b --tp 2 --out $OUT/decode-tp2.json   # GPUs 0,1 (or --d 0,1)
+    python benchmarks/decode.py --shape llama3-8b --tp 2 --all-reduce symm_mem --out $OUT/decode-tp2-symm.json
     python benchmarks/decode.py --shape qwen3-32b --tp 2 --batch 1 --context 128 --out $OUT/decode-32b-tp2.json
     python benchmarks/decode.py --shape qwen3-30b-a3b --batch 1 --context 128 --out $OUT/decode-moe.json
     python benchmarks/decode.py --shape deepseek-v2-lite --batch 1 8 --context 128 --out $OUT/decode-mla.json
@@ -147,6 +148,8 @@ def main() -> None:
     parser.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (GPUs 0..N-1 unless --d)")
     parser.add_argument("--d", default=None, help="GPU ordinals, e.g. 0,1 (tensor parallelism over them)")
+    parser.add_argument("--all-reduce", default="nccl", choices=["nccl", "symm_mem", "auto"],
+                        help="tensor-parallel all-reduce (fw --all-reduce)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device_ids = [int(x) for x in args.d.split(",")] if args.d else list(range(args.tp)) if (args.tp or 1) > 1 else None
@@ -162,7 +165,7 @@ def main() -> None:
               max_num_seqs=max(args.batch),
               max_model_len=max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192,
               enable_cuda_graphs=not args.disable_cuda_graph, enable_prefix_caching=False,
-              async_scheduling=False if args.no_async_scheduling else None,
+              async_scheduling=False if args.no_async_scheduling else None, all_reduce=args.all_reduce,
               **({"device_ids": device_ids, "tensor_parallel_size": tp} if device_ids else {}))
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
@@ -175,14 +178,14 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d"), "device": device, "commit": git_commit(),
               "command": "python benchmarks/decode.py " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                  for k, v in vars(args).items() if k != "out" and v not in (None, False)),
-              "shape": args.shape, "dtype": args.dtype, "tp": tp, "devices": device_ids or [0],
+                  for k, v in vars(args).items() if k != "out" and v not in (None, False) and (k, v) != ("all_reduce", "nccl")),
+              "shape": args.shape, "dtype": args.dtype, "tp": tp, "all_reduce": args.all_reduce, "devices": device_ids or [0],
               "weight_bytes": weight_bytes, "weight_bytes_note": "per rank" if tp > 1 else "whole model", "build_s": build_s,
               "summary": llm.engine.summary, "torch": torch.__version__, "results": results}
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, default=str))
     llm.close()
-    print(f"{args.shape} {args.dtype} TP={tp} on {report['device']}: attention {llm.engine.attention_backend}, "
+    print(f"{args.shape} {args.dtype} TP={tp} ({args.all_reduce} all-reduce) on {report['device']}: attention {llm.engine.attention_backend}, "
           f"graphs {llm.engine.summary.get('cuda_graphs')}, async {llm.engine.summary.get('async_scheduling')}, weights {weight_bytes / 1e9:.2f} GB, build {build_s:.0f} s")
     print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'roofline':>9}")
     for r in results:

@@ -24,7 +24,7 @@ def bench(
     range_ratio: Annotated[float, typer.Option("--range-ratio", help="Lengths vary uniformly by +- this fraction.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     output_json: Annotated[Path | None, typer.Option("--output-json", help="Write the full results here.")] = None,
-    d: o.Devices = None, tp: o.TensorParallel = None,
+    d: o.Devices = None, tp: o.TensorParallel = None, all_reduce: o.AllReduce = "nccl",
 ) -> None:
     """Run NUM_PROMPTS random requests through the engine and report tokens/s."""
     from framework import LLM, SamplingParams
@@ -36,7 +36,7 @@ def bench(
                                     mem_mb=mem, max_num_seqs=max_num_seqs, prefill_chunk_size=prefill_chunk_size,
                                     attention_backend=attention_backend, no_cuda_graph=no_cuda_graph, async_scheduling=async_scheduling,
                                     no_prefix_cache=no_prefix_cache, load_format=load_format, d=d,
-                                    tensor_parallel_size=tp))
+                                    tensor_parallel_size=tp, all_reduce=all_reduce))
         load_s = time.perf_counter() - started
     except (FwError, ValueError) as exc:
         raise o.fail(str(exc)) from None

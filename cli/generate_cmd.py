@@ -16,6 +16,7 @@ def generate(
     m: o.Model = None, w: o.Weights = None, f: o.File = None, revision: o.Revision = None,
     dtype: o.Dtype = "auto", device: o.Device = None, max_model_len: o.MaxModelLen = None,
     mem: o.Mem = None, attention_backend: o.AttentionBackend = "auto", no_cuda_graph: o.NoCudaGraph = False, async_scheduling: o.AsyncScheduling = None,
+    all_reduce: o.AllReduce = "nccl",
     chat: Annotated[bool, typer.Option("--chat", help="Apply the model's chat template.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option("--temperature")] = 0.0,
@@ -41,7 +42,7 @@ def generate(
                                 structured_outputs=_structured_outputs(json_schema, regex, choice))
         kwargs = o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device, d=d,
                                  max_model_len=max_model_len, mem_mb=mem, attention_backend=attention_backend,
-                                 no_cuda_graph=no_cuda_graph, async_scheduling=async_scheduling,
+                                 no_cuda_graph=no_cuda_graph, async_scheduling=async_scheduling, all_reduce=all_reduce,
                                  **o.parallel_kwargs(tp, num_nodes, node_rank, master_addr, master_port,
                                                      rendezvous_timeout, distributed_timeout))
         if node_rank > 0:  # the other nodes only run their tensor-parallel workers

@@ -32,6 +32,8 @@ NoCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run dec
 AsyncScheduling = Annotated[bool | None, typer.Option(
     "--async-scheduling/--no-async-scheduling",
     help="Prepare each step on the host while the device runs the previous one (default: on for CUDA devices).")]
+AllReduce = Annotated[str, typer.Option("--all-reduce", help="Tensor-parallel all-reduce: nccl, symm_mem (one-shot over "
+                                        "NVLink peer memory for decode-sized tensors; CUDA GPUs with P2P) or auto (nccl for now).")]
 LoadFormat = Annotated[str, typer.Option("--load-format", help="auto (detect), or a weight format by name: safetensors, gguf, dummy (random weights for a config.json).")]
 AttentionBackend = Annotated[str, typer.Option("--attention-backend", help="auto or a registered backend name (fw plugins check).")]
 
@@ -50,6 +52,13 @@ def engine_kwargs(**values: Any) -> dict[str, Any]:
             kwargs["device_ids"] = ordinals
     if "no_cuda_graph" in values:
         kwargs["enable_cuda_graphs"] = not values["no_cuda_graph"]
+    if "all_reduce" in values:  # before any process starts (the engine checks again)
+        import torch
+
+        from framework.distributed.fast_all_reduce import resolve_all_reduce
+
+        device = "cuda" if kwargs.get("device_ids") else kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        resolve_all_reduce(values["all_reduce"], torch.device(device))
     return kwargs
 
 

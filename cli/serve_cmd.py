@@ -39,7 +39,7 @@ def serve(
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", hidden=True)] = None,
     tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0, master_addr: o.MasterAddr = "127.0.0.1",
     master_port: o.MasterPort = None, rendezvous_timeout: o.RendezvousTimeout = 300.0,
-    distributed_timeout: o.DistributedTimeout = 600.0,
+    distributed_timeout: o.DistributedTimeout = 600.0, all_reduce: o.AllReduce = "nccl",
 ) -> None:
     """Serve a model with an OpenAI-compatible API (without --m: the embedded default model)."""
     from framework.errors import ConfigError, FwError
@@ -86,7 +86,7 @@ def serve(
                                         num_blocks=num_blocks, no_prefix_cache=no_prefix_cache,
                                         prefix_cache_max_tokens=prefix_cache_max_tokens, max_num_seqs=max_num_seqs,
                                         prefill_chunk_size=prefill_chunk_size, no_cuda_graph=no_cuda_graph, async_scheduling=async_scheduling,
-                                        attention_backend=attention_backend, load_format=load_format, seed=seed,
+                                        attention_backend=attention_backend, load_format=load_format, seed=seed, all_reduce=all_reduce,
                                         **o.parallel_kwargs(tp, num_nodes, node_rank, master_addr, master_port,
                                                             rendezvous_timeout, distributed_timeout))
         if node_rank > 0:  # only node 0 serves HTTP; this node runs its tensor-parallel workers

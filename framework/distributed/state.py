@@ -41,6 +41,8 @@ class TensorParallelState:
     rank: int = 0
     size: int = 1
     control_group: Any = None
+    #: the symmetric-memory all-reduce (``--all-reduce symm_mem``); None: NCCL / gloo only
+    fast_all_reduce: Any = None
 
 
 _state = TensorParallelState()
@@ -127,6 +129,9 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
     with its peers. It runs on a daemon thread so that a peer that is already gone costs at most
     ``timeout_s`` (then the process exits without a clean teardown) instead of a hang.
     """
+    if _state.fast_all_reduce is not None:
+        _state.fast_all_reduce.close()
+        _state.fast_all_reduce = None
     if dist.is_initialized():
         def destroy() -> None:
             try:
@@ -142,11 +147,30 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
     _state.rank, _state.size, _state.control_group = 0, 1, None
 
 
+def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int) -> None:
+    """Sum tensors of up to ``max_bytes`` with the symmetric-memory one-shot all-reduce from now on.
+
+    Every rank calls it together, after :func:`init_tensor_parallel` and before any CUDA graph is
+    captured; raises :class:`ConfigError` when the GPUs cannot use it (no P2P, several hosts, ...).
+    """
+    if _state.size == 1:
+        return
+    from framework.distributed.fast_all_reduce import SymmMemAllReduce
+
+    _state.fast_all_reduce = SymmMemAllReduce(device, max_bytes, host_group=_state.control_group)
+
+
 # --- collectives ----------------------------------------------------------------------------
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks, in place (capturable in a CUDA graph with NCCL)."""
+    """Sum ``x`` over the ranks; use the returned tensor (capturable in a CUDA graph).
+
+    NCCL (gloo on CPUs) sums ``x`` in place; with ``--all-reduce symm_mem`` a small tensor's sum
+    is a new tensor (see :mod:`framework.distributed.fast_all_reduce`).
+    """
     if _state.size > 1:
+        if _state.fast_all_reduce is not None:
+            return _state.fast_all_reduce.all_reduce(x)
         dist.all_reduce(x)
     return x
 

@@ -20,6 +20,7 @@ from framework import distributed, plugins, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig, free_port
+from framework.distributed.fast_all_reduce import buffer_bytes, resolve_all_reduce
 from framework.distributed.launch import WorkerGroup
 from framework.distributed.messages import StepMessage
 from framework.engine.cuda_graphs import CUDAGraphRunner
@@ -74,7 +75,11 @@ class Engine:
 
 
 class EngineBuilder:
-    """Builds an :class:`Engine`; keyword arguments mirror the ``fw serve`` flags."""
+    """Builds an :class:`Engine`; keyword arguments mirror the ``fw serve`` flags.
+
+    ``all_reduce`` (``--all-reduce``) picks the tensor-parallel all-reduce: ``nccl`` (default),
+    ``symm_mem`` (one-shot on NVLink peer memory for decode-sized tensors) or ``auto`` (nccl for now).
+    """
 
     def __init__(self, model: str | None = None, *, weights: str | None = None, file: str | None = None,
                  revision: str | None = None, dtype: str | torch.dtype = "auto", device: str | None = None,
@@ -88,7 +93,7 @@ class EngineBuilder:
                  device_ids: list[int] | None = None, num_nodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int | None = None, rendezvous_timeout: float = 300.0,
                  distributed_timeout: float = 600.0, tp_rank: int | None = None,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, all_reduce: str = "nccl") -> None:
         # every argument, for the other tensor-parallel ranks (which build the same engine as their rank)
         self._init_kwargs = {name: value for name, value in locals().items() if name != "self"}
         if isinstance(dtype, torch.dtype):
@@ -98,6 +103,7 @@ class EngineBuilder:
         self.parallel = ParallelConfig(tensor_parallel_size, num_nodes, node_rank, device_ids, master_addr, master_port,
                                        rendezvous_timeout, distributed_timeout, tp_rank)
         self.device = self.parallel.device(device)
+        self.all_reduce = resolve_all_reduce(all_reduce, self.device)  # nccl or symm_mem (validated)
         if self.parallel.is_parallel and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
         self.workers: WorkerGroup | None = None
@@ -312,6 +318,9 @@ class EngineBuilder:
                                          rendezvous_timeout_s=parallel.rendezvous_timeout,
                                          timeout_s=parallel.distributed_timeout,
                                          check_workers=self.workers.failure if self.workers is not None else None)
+        if self.all_reduce == "symm_mem":
+            distributed.enable_symm_mem_all_reduce(self.device, buffer_bytes(self.scheduler.max_num_seqs,
+                                                                             config.hidden_size, config.dtype))
 
     def _parallel_kwargs(self) -> dict[str, Any]:
         """The builder keyword arguments that place another rank of this group."""
@@ -386,6 +395,7 @@ class EngineBuilder:
         if self.parallel.is_parallel:
             summary["device"] = (f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "
                                  f"(tensor parallel {self.parallel.tensor_parallel_size}, {self.parallel.num_nodes} node(s))")
+            summary["all_reduce"] = self.all_reduce
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", self.num_blocks, cache.block_size,
                  self.num_blocks * cache.block_size, self.kv_cache_bytes / 2**20)
         return Engine(core, self._tokenizer, self.config, self._generation, self.backend_name, summary, self.workers)

@@ -156,7 +156,7 @@ def load_column_shard(param: Tensor, loaded_weight: Tensor, tp_rank: int) -> Non
 
 
 def tensor_parallel_all_reduce(x: Tensor) -> Tensor:
-    """Sum ``x`` over the tensor-parallel ranks (the default process group), in place."""
+    """Sum ``x`` over the tensor-parallel ranks; use the returned tensor (a new one with ``--all-reduce symm_mem``)."""
     return distributed.all_reduce(x)
 
 

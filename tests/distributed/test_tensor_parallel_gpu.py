@@ -66,3 +66,12 @@ def test_tp2_fp32_gives_the_greedy_ids_of_transformers(tiny):
     two, _, _ = generate(path, device_ids=[0, 1], dtype="f32")
     assert two == [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
 
+
+
+def test_tp2_fp32_with_the_symm_mem_all_reduce_gives_the_greedy_ids_of_transformers(tiny):
+    """``--all-reduce symm_mem``: decode all-reduces (captured in the graphs) go through symmetric
+    memory, prefill-sized ones through NCCL."""
+    path, reference = tiny
+    two, _, summary = generate(path, device_ids=[0, 1], dtype="f32", all_reduce="symm_mem")
+    assert summary["all_reduce"] == "symm_mem" and "decode graphs" in summary["cuda_graphs"]
+    assert two == [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]

@@ -1,0 +1,156 @@
+"""A one-shot all-reduce over NVLink peer memory (torch symmetric memory) for small tensors.
+
+NCCL spends tens of microseconds on an all-reduce of a few KiB, even inside a CUDA graph; a
+decode step of tensor parallelism runs two per layer. :class:`SymmMemAllReduce` keeps one
+buffer in *symmetric memory* (``torch.distributed._symmetric_memory``: every rank allocates the
+same buffer and maps its peers' buffers), and sums a tensor with
+``torch.ops.symm_mem.one_shot_all_reduce_out``: one kernel in which each rank, after a barrier on
+the signal pads, reads every peer's buffer over NVLink and adds them up, then meets the others at
+a second barrier (so the buffer may be overwritten by the next call). No host synchronisation
+and no allocation outside the caching allocator: the kernel can be captured in a CUDA graph.
+
+The op sums only bf16 and fp32 tensors whose byte size is a multiple of 4 and that fit the
+buffer; anything else (and prefill-sized tensors) goes to ``dist.all_reduce`` (NCCL). It reads
+peers' memory directly, so every GPU of the group must be on this host with peer access;
+NVLink multicast (``multimem_*`` ops) is not needed.
+
+Chosen with ``EngineBuilder(all_reduce=...)`` / ``--all-reduce``: see :func:`resolve_all_reduce`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+from framework.errors import ConfigError
+
+log = logging.getLogger("fw.distributed")
+
+#: The values of ``--all-reduce``: ``auto`` is NCCL for now (to become ``symm_mem`` once measured).
+ALL_REDUCE_CHOICES = ("nccl", "symm_mem", "auto")
+
+#: The largest symmetric buffer allocated (bytes): one-shot beats NCCL only for small tensors.
+MAX_BUFFER_BYTES = 8 * 2**20
+
+#: The dtypes ``torch.ops.symm_mem.one_shot_all_reduce_out`` dispatches on.
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def check_all_reduce_name(name: str) -> None:
+    """Raise :class:`ConfigError` listing the valid values unless ``name`` is one of them."""
+    if name not in ALL_REDUCE_CHOICES:
+        raise ConfigError(f"--all-reduce must be one of {', '.join(ALL_REDUCE_CHOICES)}; got {name!r}")
+
+
+def resolve_all_reduce(name: str, device: torch.device) -> str:
+    """The all-reduce implementation to use for ``--all-reduce name`` on ``device``: ``nccl`` or ``symm_mem``.
+
+    Raises :class:`ConfigError` for an unknown name, and for ``symm_mem`` on a device that is not
+    CUDA (gloo on CPUs has no peer memory).
+    """
+    check_all_reduce_name(name)
+    if name == "auto":
+        return "nccl"  # until symm_mem is measured faster on the GPU machine
+    if name == "symm_mem" and device.type != "cuda":
+        raise ConfigError(f"--all-reduce symm_mem needs CUDA GPUs with peer access; this engine runs on {device.type} "
+                          "(gloo has no peer memory): use --all-reduce nccl or auto")
+    return name
+
+
+def buffer_bytes(max_num_seqs: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """The symmetric buffer for the largest decode all-reduce (``max_num_seqs x hidden_size``), capped."""
+    return min(max_num_seqs * hidden_size * dtype.itemsize, MAX_BUFFER_BYTES)
+
+
+def check_peer_access(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    """Raise :class:`ConfigError` unless every rank of ``group`` runs on this host with P2P access to ``device``.
+
+    A collective on ``group`` (each rank sends its host name and device ordinal; a gloo group
+    keeps it off the GPU); call it on every rank.
+    """
+    mine = (socket.gethostname(), device.index)
+    everyone: list[tuple[str, int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    hosts = sorted({host for host, _ in everyone})
+    if len(hosts) > 1:
+        raise ConfigError(f"--all-reduce symm_mem needs every tensor-parallel rank on one host; the group spans "
+                          f"{', '.join(hosts)}: use --all-reduce nccl")
+    # every rank checks every pair, so that all of them decide alike
+    indices = [index for _, index in everyone]
+    blocked = [f"cuda:{a} -> cuda:{b}" for a in indices for b in indices
+               if a != b and not torch.cuda.can_device_access_peer(a, b)]
+    if blocked:
+        raise ConfigError(f"--all-reduce symm_mem needs peer (P2P) access between the GPUs; no access {', '.join(blocked)}: "
+                          "use --all-reduce nccl")
+
+
+class SymmMemAllReduce:
+    """Sums small tensors over ``group`` with a one-shot all-reduce on a symmetric buffer of ``max_bytes``.
+
+    Build it on every rank at the same time (allocation and rendezvous are collective; the peer
+    check runs on ``host_group``, e.g. a gloo group, when given); raises
+    :class:`ConfigError` when symmetric memory cannot be set up. :meth:`all_reduce` falls back
+    to ``dist.all_reduce`` for what the op cannot sum (see :meth:`fits`).
+    """
+
+    def __init__(self, device: torch.device, max_bytes: int, group: dist.ProcessGroup | None = None,
+                 host_group: dist.ProcessGroup | None = None) -> None:
+        group = group or dist.group.WORLD
+        if device.type != "cuda":
+            raise ConfigError(f"symmetric-memory all-reduce needs CUDA devices; got {device}")
+        size = dist.get_world_size(group)
+        if not 2 <= size <= 8:
+            raise ConfigError(f"--all-reduce symm_mem supports 2 to 8 ranks; this group has {size}")
+        check_peer_access(device, host_group or group)
+        self.group, self.group_name, self.device = group, group.group_name, device
+        self.max_bytes = max(4, max_bytes - max_bytes % 16)  # whole 16-byte vectors: the op's widest loads
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            with torch.cuda.device(device):
+                self.buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
+                self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+            self._copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+            self._out = torch.ops.symm_mem.one_shot_all_reduce_out
+        except (ImportError, AttributeError, RuntimeError) as error:
+            raise ConfigError(f"--all-reduce symm_mem: torch symmetric memory could not be set up on {device} "
+                              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                              "use --all-reduce nccl") from error
+        log.info("symmetric-memory all-reduce on %s: %d ranks, %d KiB buffer", device, size, self.max_bytes // 1024)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether the one-shot op can sum ``x`` (same answer on every rank for the same shape and dtype)."""
+        nbytes = x.numel() * x.element_size()
+        return (x.dtype in SUPPORTED_DTYPES and x.device == self.device and 0 < nbytes <= self.max_bytes
+                and nbytes % 4 == 0)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x`` (a new tensor; ``x`` itself when NCCL summed it in place)."""
+        if not self.fits(x):
+            dist.all_reduce(x, group=self.group)
+            return x
+        x = x.contiguous()
+        staged = self.buffer.view(x.dtype)[:x.numel()].view(x.shape)
+        out = torch.empty_like(x)
+        if self._copy_out is not None and _alignment(x) == _alignment(staged):
+            self._copy_out(staged, x, "sum", self.group_name, out)  # copies x into the buffer in the same kernel
+        else:
+            staged.copy_(x)
+            self._out(staged, "sum", self.group_name, out)
+        return out
+
+    def close(self) -> None:
+        """Drop the buffer (before the process group goes)."""
+        self.handle = self.buffer = None
+
+
+def _alignment(x: torch.Tensor) -> int:
+    """The vector width (4, 8 or 16 bytes) the op uses for ``x``: what its offset and size are multiples of."""
+    offset, nbytes = x.storage_offset() * x.element_size(), x.numel() * x.element_size()
+    for width in (16, 8, 4):
+        if offset % width == 0 and nbytes % width == 0:
+            return width
+    return 0

@@ -1,0 +1,90 @@
+"""``--all-reduce``: the choice of the tensor-parallel all-reduce, its validation and its errors on CPU.
+
+The symmetric-memory all-reduce itself needs two GPUs: tests/distributed/test_fast_all_reduce_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from cli.main import build_app
+from framework import LLM, EngineBuilder, SamplingParams
+from framework.distributed.fast_all_reduce import MAX_BUFFER_BYTES, buffer_bytes, resolve_all_reduce
+from framework.errors import ConfigError
+from framework.testing import reference_greedy, write_tiny_model
+
+
+def test_resolve_all_reduce_validates_the_name_and_the_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_all_reduce("nccl", cpu) == "nccl"
+    assert resolve_all_reduce("auto", cpu) == "nccl" and resolve_all_reduce("auto", cuda) == "nccl"
+    assert resolve_all_reduce("symm_mem", cuda) == "symm_mem"
+    with pytest.raises(ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto; got 'custom'"):
+        resolve_all_reduce("custom", cuda)
+    with pytest.raises(ConfigError, match=r"symm_mem needs CUDA GPUs with peer access; this engine runs on cpu"):
+        resolve_all_reduce("symm_mem", cpu)
+
+
+def test_buffer_holds_the_largest_decode_all_reduce_up_to_a_cap():
+    assert buffer_bytes(8, 128, torch.float32) == 8 * 128 * 4
+    assert buffer_bytes(256, 4096, torch.bfloat16) == 2 * 2**20
+    assert buffer_bytes(1024, 16384, torch.bfloat16) == MAX_BUFFER_BYTES
+
+
+def test_engine_builder_refuses_a_bad_all_reduce_before_starting_anything():
+    with pytest.raises(ConfigError, match="must be one of nccl, symm_mem, auto"):
+        EngineBuilder("./no-such-model", device="cpu", all_reduce="NCCL")
+    with pytest.raises(ConfigError, match="symm_mem needs CUDA GPUs"):
+        EngineBuilder("./no-such-model", device="cpu", tensor_parallel_size=2, all_reduce="symm_mem")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["bench", "--num-prompts", "1"], ["serve"]])
+def test_cli_all_reduce_flag_errors_name_the_valid_values(command):
+    app = build_app()
+    result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--all-reduce", "fast"])
+    assert result.exit_code == 2, result.output
+    assert "--all-reduce must be one of nccl, symm_mem, auto; got 'fast'" in result.output
+    result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--device", "cpu", "--tp", "2",
+                                      "--all-reduce", "symm_mem"])
+    assert result.exit_code == 2, result.output
+    assert "symm_mem needs CUDA GPUs" in result.output
+
+
+def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_path):
+    reference = write_tiny_model(tmp_path, transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [5, 9, 33, 2]
+    with LLM(str(tmp_path), device="cpu", tensor_parallel_size=2, num_blocks=8, all_reduce="auto") as llm:
+        ids = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+        assert llm.engine.summary["all_reduce"] == "nccl"  # auto: NCCL (gloo on CPUs) until symm_mem is measured
+    assert ids == reference_greedy(reference, prompt, params.max_tokens)
+
+
+def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_nccl(monkeypatch):
+    """The dispatch of SymmMemAllReduce without GPUs: the op is replaced by one that sums two
+    ranks holding the same tensor (twice the staged buffer), ``dist.all_reduce`` by a recorder."""
+    from framework.distributed import fast_all_reduce
+
+    fast = object.__new__(fast_all_reduce.SymmMemAllReduce)
+    fast.device, fast.group, fast.group_name, fast.max_bytes = torch.device("cpu"), None, "0", 64
+    fast.buffer = torch.zeros(64, dtype=torch.uint8)
+    calls = []
+
+    def one_shot_copy_out(staged, local, op, group_name, out):
+        staged.copy_(local)
+        out.copy_(staged * 2)
+        calls.append(("one_shot", tuple(staged.shape), staged.dtype, staged.data_ptr() == fast.buffer.data_ptr()))
+
+    fast._copy_out, fast._out = one_shot_copy_out, None
+    monkeypatch.setattr(fast_all_reduce.dist, "all_reduce", lambda x, group=None: calls.append(("nccl", tuple(x.shape))))
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(fast.all_reduce(x), x * 2) and calls.pop() == ("one_shot", (2, 3), torch.float32, True)
+    bf16 = torch.ones(4, 8, dtype=torch.bfloat16)  # exactly the 64 bytes of the buffer
+    assert torch.equal(fast.all_reduce(bf16), bf16 * 2) and calls.pop()[:3] == ("one_shot", (4, 8), torch.bfloat16)
+    for too_big_or_odd in (torch.ones(17), torch.ones(3, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float16)):
+        assert fast.all_reduce(too_big_or_odd) is too_big_or_odd and calls.pop() == ("nccl", tuple(too_big_or_odd.shape))
