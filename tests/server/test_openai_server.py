@@ -23,7 +23,10 @@ def server(tiny_model_dir, launch_fw_server, free_tcp_port):
     url = f"http://127.0.0.1:{port}"
     proc = launch_fw_server(["--m", str(tiny_model_dir), "--device", "cpu", "--h", f"127.0.0.1:{port}",
                              "--api-key", API_KEYS[0], "--api-key", API_KEYS[1], "--served-model-name", "tiny",
-                             "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-num-seqs", "64"], url)
+                             "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-num-seqs", "64",
+                             # async scheduling (the GPU default) under every API test here; the
+                             # other server modules run the CPU default (sync)
+                             "--async-scheduling"], url)
     try:
         proc.wait_ready()
         yield proc
