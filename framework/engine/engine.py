@@ -125,9 +125,9 @@ class EngineCore:
             device:                         ... step n-1 ... │ step n ...
 
         A step overlaps its predecessor only when the batch is certain: nothing waits, every
-        running request decodes the token the previous step sampled (left on the device), none
-        needs penalties or a grammar (they read that token on the host), and every request can
-        get a block without preemption. Otherwise the previous step is read back first. A request
+        running request decodes the token the previous step sampled (left on the device; the
+        penalties count it there), none has a grammar (xgrammar needs the token on the host), and
+        every request can get a block without preemption. Otherwise the previous step is read back first. A request
         whose last token (by length) is in flight is not scheduled again; one that stops by EOS
         or a stop token had one more step launched, whose result is dropped.
         """
@@ -151,8 +151,7 @@ class EngineCore:
             return False
         in_flight = {id(request) for request in self.inflight.launched.sampled}
         for request in self.scheduler.running:
-            if (id(request) not in in_flight or request.structured_output is not None
-                    or request.sampling_params.needs_penalties):
+            if id(request) not in in_flight or request.structured_output is not None:
                 return False
         return True
 

@@ -100,6 +100,7 @@ class ModelRunner:
         self.structured_outputs = None  # a StructuredOutputManager: grammar masks on the logits
         #: the latest sampling step's rows by request id and its token ids, still on the device
         self.last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
+        self.step_input_ids: torch.Tensor | None = None  # the current step's input ids, on the device
         #: tensor parallel with async scheduling: rank 0 broadcasts each step's sampled ids on the
         #: device, so the workers' placeholder inputs read them as rank 0's do
         self.share_sampled = False
@@ -177,6 +178,7 @@ class ModelRunner:
         ids = dev64[:num_tokens]
         if from_device:
             ids = self._ids_from_device(ids, from_device)
+        self.step_input_ids = ids
         return ids, dev64[num_tokens:2 * num_tokens], metadata
 
     @staticmethod
@@ -275,11 +277,23 @@ class ModelRunner:
         logits = self.model.compute_logits(rows).float()
         if bitmask is not None:
             grammar.apply_bitmask(logits, bitmask)
-        out = self.sampler(logits, sampling)
+        out = self.sampler(logits, sampling, self._pending_tokens(sampling, last_rows))
         self.last_sampled = ({request.request_id: row for row, request in enumerate(sampling)}, out.token_ids)
         if self.share_sampled:
             broadcast_from_rank0(out.token_ids)
         return LaunchedStep(sampling, HostCopy(out), pooled)
+
+    def _pending_tokens(self, sampling: list[Request], last_rows: list[int]) -> torch.Tensor | None:
+        """For the sampler's penalties: per sampling row, the id of its last output token where the
+        host holds a placeholder (it is this step's input, on the device), else -1; None if no row
+        needs it."""
+        placeholder = [request.sampling_params.needs_penalties and request.output_token_ids[-1:] == [PLACEHOLDER]
+                       for request in sampling]
+        if not any(placeholder):
+            return None
+        rows = to_device(torch.tensor(last_rows, dtype=torch.int64), self.device)
+        mask = to_device(torch.tensor(placeholder), self.device)
+        return torch.where(mask, self.step_input_ids.index_select(0, rows), -1)
 
     def collect(self, step: LaunchedStep) -> list[SampledToken]:
         """Wait for a launched step's results and return them (sampled tokens, then embeddings)."""

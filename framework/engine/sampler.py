@@ -100,14 +100,18 @@ class Sampler:
     def __init__(self, *, eos_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 pending: torch.Tensor | None = None) -> SamplerOutput:
+        """Sample one token per row. ``pending`` ([R] int64, on the logits' device) is for async
+        scheduling: a row whose last output token is still a placeholder on the host has that
+        token's id there (-1 elsewhere), so the penalties count it without reading it back."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         params = [row.sampling_params for row in rows]
         raw_logits = logits.float()  # every step is out-of-place: the caller's tensor is untouched
 
         logits = apply_logit_bias(raw_logits, params)
         logits = apply_min_tokens(logits, rows, self.eos_token_ids)
-        logits = apply_penalties(logits, rows)
+        logits = apply_penalties(logits, rows, pending)
 
         is_greedy = [p.is_greedy for p in params]
         if all(is_greedy):
@@ -180,10 +184,14 @@ def apply_min_tokens(
     return logits.index_put(index, torch.full((len(row_idx),), float("-inf"), device=device))
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], pending: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Repetition penalty (HF: tokens of prompt and output; positive logits divided, negative
     multiplied), then frequency and presence penalties (OpenAI: output tokens only;
-    ``logit -= frequency * count + presence * (count > 0)``), on the rows that have any."""
+    ``logit -= frequency * count + presence * (count > 0)``), on the rows that have any.
+
+    An output list may end with a placeholder (-1: a token sampled on the device, not read back
+    yet); ``pending`` then holds that token's id for the row (see :class:`Sampler`)."""
     rows_idx = [i for i, row in enumerate(rows) if row.sampling_params.needs_penalties]
     if not rows_idx:
         return logits
@@ -193,7 +201,12 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     selected = logits if index is None else logits[index]
     vocab_size = logits.shape[-1]
 
-    output_counts = _token_counts([rows[i].output_token_ids for i in rows_idx], vocab_size, device)
+    outputs = [rows[i].output_token_ids for i in rows_idx]
+    output_counts = _token_counts([tokens[:-1] if tokens and tokens[-1] < 0 else tokens for tokens in outputs],
+                                  vocab_size, device)
+    if pending is not None:  # + 1 at each row's pending token (rows without one add 0 at column 0)
+        pending = pending if index is None else pending[index]
+        output_counts.scatter_add_(1, pending.clamp(min=0).unsqueeze(1), (pending >= 0).float().unsqueeze(1))
     in_output = output_counts > 0
 
     if any(p.repetition_penalty != 1.0 for p in params):

@@ -12,6 +12,7 @@ import transformers
 
 from framework import LLM, SamplingParams
 from framework.engine.request import PLACEHOLDER
+from framework.sampling_params import StructuredOutputsParams
 from framework.testing import (
     PARITY_PROMPTS,
     check_greedy_parity,
@@ -83,7 +84,8 @@ def test_mixed_requests_give_the_same_outputs_as_sync_scheduling(tiny):
         SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_token], logprobs=2),
         SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, max_tokens=30, ignore_eos=True, logprobs=1),
         SamplingParams(temperature=1.0, seed=5, max_tokens=17, min_tokens=12, stop_token_ids=[3, 4, 5, 6]),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2, n=2),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2, n=2,
+                       frequency_penalty=0.7, repetition_penalty=1.3),
     ]
     expected = summary(sync.generate(prompts, params))
     overlapped = LLM(str(path), num_blocks=64, async_scheduling=True)
@@ -96,7 +98,7 @@ def test_mixed_requests_give_the_same_outputs_as_sync_scheduling(tiny):
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
 
 
-def test_steady_decode_overlaps_and_penalties_do_not(tiny):
+def test_steady_decode_overlaps_and_only_grammars_stop_it(tiny):
     path, _ = tiny
     llm = LLM(str(path), num_blocks=64, async_scheduling=True)
     events = record_overlaps(llm)
@@ -114,8 +116,17 @@ def test_steady_decode_overlaps_and_penalties_do_not(tiny):
     sync = LLM(str(path), num_blocks=64, async_scheduling=False).generate(prompts, lengths)
     assert summary(overlapped) == summary(sync)
     events.clear()
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=0.5))
-    assert overlaps(events) == 0  # the penalty reads the previous token on the host
+    # penalties count the previous token on the device: they overlap too, with the same tokens
+    penalised = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=0.9),
+                 SamplingParams(temperature=0.8, seed=2, max_tokens=16, ignore_eos=True, presence_penalty=1.5),
+                 SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)]
+    overlapped = llm.generate(prompts, penalised)
+    assert overlaps(events) == 15
+    assert summary(overlapped) == summary(LLM(str(path), num_blocks=64, async_scheduling=False).generate(prompts, penalised))
+    events.clear()
+    constrained = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(t[2-5]){3}"))
+    llm.generate(prompts, constrained)
+    assert overlaps(events) == 0  # the grammar needs the previous token on the host
 
 
 def test_abort_while_a_step_is_in_flight_drops_its_token_and_frees_the_blocks(tiny):

@@ -40,7 +40,7 @@ def test_async_decode_steps_never_sync_the_stream_and_match_sync_scheduling(tmp_
     write_tiny_model(tmp_path, config)
     prompts = [[int(t) for t in torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n))] for n in (5, 37, 100)]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True, frequency_penalty=0.5),
               SamplingParams(temperature=1.0, top_k=20, seed=4, max_tokens=40, ignore_eos=True)]
 
     def run(async_scheduling: bool) -> list[tuple]:
