@@ -127,9 +127,9 @@ class EngineCore:
         A step overlaps its predecessor only when the batch is certain: nothing waits, every
         running request decodes the token the previous step sampled (left on the device; the
         penalties count it there), none has a grammar (xgrammar needs the token on the host), and
-        every request can get a block without preemption. Otherwise the previous step is read back first. A request
-        whose last token (by length) is in flight is not scheduled again; one that stops by EOS
-        or a stop token had one more step launched, whose result is dropped.
+        every request can get a block without preemption. Otherwise the previous step is read
+        back first. A request whose last token (by length) is in flight is not scheduled again;
+        one that stops by EOS or a stop token had one more step launched, whose result is dropped.
         """
         outputs = self._admit_compiled() if self.structured_outputs is not None else []
         if self.inflight is not None and not self._can_overlap():
