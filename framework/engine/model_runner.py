@@ -234,11 +234,6 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """One step, launched and collected (tests and tools; the engine overlaps the two)."""
-        return self.collect(self.launch(batch))
-
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Forward, prompt logprobs where asked, then sample the requests that reached their end.
 
