@@ -127,11 +127,10 @@ class StructuredOutputManager:
         assert params is not None
         if self._compiler is not None and self._compiler.done() and self._compiler.exception() is not None:
             raise ConfigError(f"structured outputs are unavailable for this model: {self._compiler.exception()}")
-        grammar = build_grammar(params)
         key = (params.kind, params.spec)
         compiled = self._grammars.get(key)
         if compiled is None or (compiled.done() and compiled.exception() is not None):
-            compiled = self._submit(self._compile, grammar)
+            compiled = self._submit(self._compile, build_grammar(params))  # a cached key was valid already
             self._grammars[key] = compiled
             while len(self._grammars) > self.max_cached_grammars:
                 self._grammars.popitem(last=False)

@@ -47,6 +47,9 @@ from framework.server.state import ServerState, engine_error, new_id, release_af
 from framework.server.structured_outputs import first_event_or_error
 from framework.tokenizer import Tokenizer
 
+#: The most tool-call rounds ``mcp_execute`` may run for one request (``mcp_max_rounds``).
+MAX_MCP_ROUNDS = 16
+
 
 def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
     """A field fw does not support yet is a 400 naming it, never silently ignored."""
@@ -77,7 +80,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 texts.append(part["text"])
             content = "\n".join(texts)
         item: dict[str, Any] = {"role": message.role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(message, key) is not None:
                 item[key] = getattr(message, key)
         if message.tool_calls is not None:
@@ -134,6 +137,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)", "mcp_execute")
         if body.n != 1:
             raise bad_request("'mcp_execute' works with requests of n = 1", "mcp_execute")
+    if not 0 <= body.mcp_max_rounds <= MAX_MCP_ROUNDS:
+        raise bad_request(f"'mcp_max_rounds' must be in [0, {MAX_MCP_ROUNDS}], got {body.mcp_max_rounds}", "mcp_max_rounds")
     release = state.admit(max(body.n, 1))
     try:
         turn = ChatTurn(state, body, setup, template_messages(body.messages))
@@ -244,7 +249,7 @@ async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival
     mcp_calls: list[MCPCallRecord] = []
     contents: list[str] = []  # the text of earlier rounds, which a streaming client would have seen too
     messages = template_messages(turn.body.messages)
-    for round_index in range(max(turn.body.mcp_max_rounds, 0) + 1):
+    for round_index in range(turn.body.mcp_max_rounds + 1):
         choices, num_cached = await _run_turn(state, f"{request_id}-r{round_index}" if round_index else request_id,
                                               turn, arrival)
         prompt_tokens += len(turn.prompt_ids)
@@ -312,7 +317,7 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     prompt_tokens = completion_tokens = num_cached = 0
     has_content = False
-    for round_index in range(max(turn.body.mcp_max_rounds, 0) + 1):
+    for round_index in range(turn.body.mcp_max_rounds + 1):
         prompt_tokens += len(turn.prompt_ids)
         held: list[ToolCallDelta] = []
         round_content, calls = "", []

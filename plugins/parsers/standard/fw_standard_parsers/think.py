@@ -27,7 +27,9 @@ class Qwen3ReasoningParser(ReasoningParser):
         self.strip_content = False  # drop whitespace at the start of the content after </think>
 
     def feed(self, text: str) -> tuple[str, str]:
-        self.text += text
+        # only the undecided tail is kept: appending to the whole reply would copy it every token
+        self.text = self.text[self.pos:] + text
+        self.pos = 0
         return self._advance(final=False)
 
     def finish(self) -> tuple[str, str]:
