@@ -58,6 +58,7 @@ def random_prompt(vocab: int, length: int, generator: torch.Generator) -> list[i
 
 def run_decode(llm, batch: int, input_len: int, output_len: int) -> dict:
     from framework import SamplingParams
+    from framework.engine.request import PLACEHOLDER
 
     core, vocab = llm.engine.core, llm.engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(batch * 7919 + input_len)
@@ -67,7 +68,8 @@ def run_decode(llm, batch: int, input_len: int, output_len: int) -> dict:
         core.add_request(request_id, random_prompt(vocab, input_len, generator), params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.requests.values()):
         core.step()  # prefill (chunked); early requests already decode
-    done_before = sum(r.num_output_tokens for r in core.requests.values())
+    # tokens already produced (a placeholder is a token of the step still in flight: not yet done)
+    done_before = sum(r.num_output_tokens - r.output_token_ids.count(PLACEHOLDER) for r in core.requests.values())
     finished_before = batch - len(core.requests)
     torch.cuda.synchronize()
     started = time.perf_counter()

@@ -43,7 +43,7 @@ def main() -> None:
     core, runner = llm.engine.core, llm.engine.core.runner
     runner.run_model = lambda ids, positions, metadata: torch.zeros(metadata.num_tokens, 32)
     runner.model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], 1024)
-    runner.sampler = lambda logits, rows: SamplerOutput(torch.full((len(rows),), 7), None, None, None)
+    runner.sampler = lambda logits, rows, pending=None: SamplerOutput(torch.full((len(rows),), 7), None, None, None)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1024) for _ in range(rng.randint(100, 1024))]}
                for _ in range(args.requests)]

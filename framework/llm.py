@@ -84,8 +84,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         core = self.engine.core
         results: list[GenerationResult] = []
-        sequences: dict[str, tuple[CompletionOutput, SequenceText | None, GenerationResult]] = {}
-        skip_special: list[bool] = []  # per sequence, in the order of ``sequences``
+        sequences: dict[str, tuple[CompletionOutput, SequenceText | None, GenerationResult, SamplingParams]] = {}
         for prompt, params in zip(prompts, params_list):
             text, ids = self._prompt_ids(prompt)
             result = GenerationResult(str(next(self._ids)), text, ids, [])
@@ -94,16 +93,15 @@ class LLM:
                 child = params if params.n == 1 else params.replace(n=1, seed=None if params.seed is None else params.seed + index)
                 request_id = f"{result.request_id}-{index}"
                 output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
-                skip_special.append(child.skip_special_tokens)
                 result.outputs.append(output)
                 # stop strings are matched on the text as it grows; without them the text is
                 # decoded once at the end (the same text, without a per-token cost in the loop)
                 sequence_text = SequenceText(self.tokenizer, child) if any(child.stop) else None
-                sequences[request_id] = (output, sequence_text, result)
+                sequences[request_id] = (output, sequence_text, result, child)
                 core.add_request(request_id, ids, child)
         while core.has_unfinished():
             for step in core.step():
-                output, sequence_text, result = sequences[step.request_id]
+                output, sequence_text, result, _ = sequences[step.request_id]
                 output.token_ids.extend(step.new_token_ids)
                 if step.new_logprobs and output.logprobs is not None:
                     output.logprobs.extend(step.new_logprobs)
@@ -115,8 +113,9 @@ class LLM:
                     output.finish_reason, output.stop_reason = FinishReason.STOP.value, sequence_text.stop_string
                 elif step.finish_reason is not None:
                     output.finish_reason, output.stop_reason = step.finish_reason, step.stop_token_id
-        for (output, sequence_text, _), skip in zip(sequences.values(), skip_special, strict=True):
-            output.text = sequence_text.text if sequence_text is not None else self.tokenizer.decode(output.token_ids, skip)
+        for output, sequence_text, _, child in sequences.values():
+            output.text = (sequence_text.text if sequence_text is not None
+                           else self.tokenizer.decode(output.token_ids, child.skip_special_tokens))
         return results
 
     def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean") -> list[list[float]]:

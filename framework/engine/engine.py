@@ -101,13 +101,20 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already finished."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return False
-        self.scheduler.finish(request, FinishReason.ABORT)
+        self._retire(request, FinishReason.ABORT)
+        return True
+
+    def _retire(self, request: Request, reason: FinishReason) -> None:
+        """Finish ``request``: key its full blocks for the prefix cache, free them, forget the request."""
+        if self.kv_cache.enable_prefix_caching and not request.pooling:
+            self.kv_cache.cache_full_blocks(request)  # its computed tokens are real: placeholders are never computed
+        self.scheduler.finish(request, reason)
+        self.requests.pop(request.request_id, None)
         if self.structured_outputs is not None:
             self.structured_outputs.release(request)
-        return True
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or self.inflight is not None
@@ -176,8 +183,7 @@ class EngineCore:
             if request.status is RequestStatus.FINISHED:
                 continue  # aborted, or stopped while this step was in flight: its result is dropped
             if item.embedding is not None:
-                self.scheduler.finish(request, FinishReason.STOP)
-                self.requests.pop(request.request_id, None)
+                self._retire(request, FinishReason.STOP)
                 outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="stop",
                                              num_prompt_tokens=request.num_prompt_tokens, embedding=item.embedding))
                 continue
@@ -196,9 +202,7 @@ class EngineCore:
             )
             if reason is not None:
                 del request.output_token_ids[index + 1:]  # the placeholder of a step launched since
-                self.scheduler.finish(request, reason)
-                self.requests.pop(request.request_id, None)
-                request.structured_output = None
+                self._retire(request, reason)
                 output.finish_reason = reason.value
                 output.stop_token_id = request.stop_token_id
             outputs.append(output)

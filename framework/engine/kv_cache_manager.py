@@ -114,11 +114,17 @@ class KVCacheManager:
         return num_hit
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Give keys to the request's blocks that became full of computed tokens."""
+        """Give keys to the request's blocks that became full of computed tokens (each block is
+        considered once: one that finds its key taken or no room in the cache stays unkeyed)."""
         if not self.enable_prefix_caching:
             return
+        full = request.num_computed_tokens // self.block_size
+        if full <= request.num_keyed_blocks:
+            return  # no block filled since the last call (the usual decode step)
         hashes = self._full_block_hashes(request, request.num_computed_tokens)
-        for index, block_hash in enumerate(hashes):
+        start, request.num_keyed_blocks = request.num_keyed_blocks, full
+        for index in range(start, full):
+            block_hash = hashes[index]
             block = self.blocks[request.block_ids[index]]
             if block.block_hash is not None:
                 continue
@@ -166,6 +172,7 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
         request.block_ids.clear()
+        request.num_keyed_blocks = 0
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -56,6 +56,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    num_keyed_blocks: int = 0  # leading blocks the prefix cache has already considered (cache_full_blocks)
     num_cached_tokens: int = -1  # prefix-cache hit of the first schedule; -1 = not yet looked up
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -82,14 +83,10 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     def token_ids_at(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without building the whole list (a decode step reads one id)."""
+        """Tokens ``start:end`` of prompt + output, without building the whole list (a decode step reads one id)."""
         prompt = self.num_prompt_tokens
         if start >= prompt:
             return self.output_token_ids[start - prompt:end - prompt]
@@ -97,15 +94,13 @@ class Request:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
 
-    def check_stop(self, index: int = -1) -> FinishReason | None:
-        """After output token ``index`` (default: the last) was set: the reason to finish there, or None.
+    def check_stop(self, index: int) -> FinishReason | None:
+        """After output token ``index`` was set: the reason to finish there, or None.
 
         Only the tokens up to ``index`` count; later entries are placeholders of a step in flight.
         """
         params = self.sampling_params
-        outputs = self.output_token_ids
-        index %= len(outputs)
-        last, count = outputs[index], index + 1
+        last, count = self.output_token_ids[index], index + 1
         if count >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_token_id = last

@@ -201,9 +201,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], pending: 
     selected = logits if index is None else logits[index]
     vocab_size = logits.shape[-1]
 
-    outputs = [rows[i].output_token_ids for i in rows_idx]
-    output_counts = _token_counts([tokens[:-1] if tokens and tokens[-1] < 0 else tokens for tokens in outputs],
-                                  vocab_size, device)
+    output_counts = _token_counts([rows[i].output_token_ids for i in rows_idx], vocab_size, device)
     if pending is not None:  # + 1 at each row's pending token (rows without one add 0 at column 0)
         pending = pending if index is None else pending[index]
         output_counts.scatter_add_(1, pending.clamp(min=0).unsqueeze(1), (pending >= 0).float().unsqueeze(1))
@@ -295,6 +293,7 @@ def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator |
 
 def _token_counts(token_lists: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[len(token_lists), vocab_size] float32: how often each token occurs in each list.
+    Negative ids (placeholders of tokens still on the device) are not counted.
 
     The flat indices (row * vocab_size + token) are built on the host with numpy, which reads
     Python ints about five times faster than torch.tensor(list), and cross in one copy.
@@ -305,9 +304,10 @@ def _token_counts(token_lists: list[Sequence[int]], vocab_size: int, device: tor
     if num_tokens == 0:
         return counts
     token_ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=num_tokens)
-    token_ids += np.repeat(np.arange(len(token_lists), dtype=np.int64) * vocab_size, lengths)
-    flat_index = to_device(torch.from_numpy(token_ids), device)
-    counts.view(-1).scatter_add_(0, flat_index, torch.ones(num_tokens, dtype=counts.dtype, device=device))
+    rows = np.repeat(np.arange(len(token_lists), dtype=np.int64) * vocab_size, lengths)
+    keep = token_ids >= 0
+    flat_index = to_device(torch.from_numpy(token_ids[keep] + rows[keep]), device)
+    counts.view(-1).scatter_add_(0, flat_index, torch.ones(flat_index.shape[0], dtype=counts.dtype, device=device))
     return counts
 
 

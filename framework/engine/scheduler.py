@@ -57,19 +57,12 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         index = 0
-        block_size = self.kv_cache.block_size
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if request.num_output_tokens >= request.max_tokens:
                 index += 1  # its last token is in flight (async scheduling): nothing more to compute
                 continue
             num_new = self._tokens_wanted(request, budget)
-            if request.num_computed_tokens + num_new <= len(request.block_ids) * block_size:
-                batch.requests.append(request)  # its blocks already hold the new tokens
-                batch.num_new_tokens.append(num_new)
-                budget -= num_new
-                index += 1
-                continue
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)

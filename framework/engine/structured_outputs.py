@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from framework.engine.transfer import to_device
 from framework.errors import ConfigError
 from framework.sampling_params import StructuredOutputsParams
 
@@ -210,7 +211,7 @@ class StructuredOutputManager:
         vocab_size = min(self.vocab_size, logits.shape[-1])
         xgrammar.apply_token_bitmask_inplace(logits, mask.bitmask, vocab_size=vocab_size)
         if logits.shape[-1] > vocab_size:  # padded logits: ids past the vocabulary are never allowed
-            rows = torch.tensor(mask.active_rows).to(logits.device, non_blocking=True)
+            rows = to_device(torch.tensor(mask.active_rows), logits.device)
             logits[rows, vocab_size:] = float("-inf")
 
     def accept_token(self, request: Request, token_id: int) -> bool:

@@ -70,6 +70,17 @@ def test_prefix_cache_hit_reuses_the_same_blocks_and_counts_hits(tiny_path):
     assert core.kv_cache.num_free_blocks == 32
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("first_max_tokens", [1, 4])
+def test_a_finished_request_leaves_its_full_blocks_in_the_prefix_cache(tiny_path, async_scheduling, first_max_tokens):
+    """Even one that stops on its first token: its prompt's full blocks are keyed before they are freed."""
+    llm = LLM(tiny_path, num_blocks=32, async_scheduling=async_scheduling)
+    prompt = list(range(2, 52))  # 50 tokens: 3 full blocks of 16
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=first_max_tokens, ignore_eos=True))
+    second = llm.generate({"prompt_token_ids": prompt + [60]}, SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    assert second.num_cached_tokens == 48
+
+
 def test_prefix_cache_can_be_disabled(tiny_path):
     llm = LLM(tiny_path, num_blocks=32, enable_prefix_caching=False)
     prompt = {"prompt_token_ids": list(range(2, 52))}
