@@ -473,3 +473,26 @@ def check_preemption_parity(path, reference, prompts: list[list[int]], steps: in
     for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt, steps), f"prompt {index}"
     assert llm.engine.core.kv_cache.num_free_blocks == llm.engine.core.kv_cache.num_blocks
+
+
+def check_no_sync_and_cuda_graph_replay(run, inputs, fresh_inputs) -> None:
+    """``run(*inputs)`` (tensors in, a tensor or a sequence of tensors out) on CUDA: after a warm-up call
+    (compilation), a second call makes no host synchronisation, and a CUDA graph captured of it,
+    replayed after ``fresh_inputs()`` is copied into ``inputs``, gives exactly what an eager call gives."""
+    import torch
+
+    run(*inputs)  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(*inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run(*inputs)
+    for static, fresh in zip(inputs, fresh_inputs(), strict=True):
+        static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(outs, run(*inputs), rtol=0, atol=0)

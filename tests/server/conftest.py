@@ -1,7 +1,7 @@
 """Fixtures that run a real ``fw serve`` process on the tiny random-weight Llama.
 
-``serve_process(args)`` starts ``python -m cli.main serve ...``
-and waits for the ready line. Servers are module-scoped: starting one costs seconds.
+``start_server(args, base_url)`` starts ``python -m cli.main serve ...``; ``serving(args)`` does that on a free
+loopback port, waits for the ready line and stops it on exit. Servers are module-scoped: starting one costs seconds.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,31 +88,42 @@ def start_server(args: list[str], base_url: str) -> ServerProcess:
     return server
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
+@contextmanager
+def serving(args: list[str], port: int | None = None) -> Iterator[ServerProcess]:
+    """``fw serve --h 127.0.0.1:<port> <args>`` (a free port by default): yields the process once it is ready,
+    stops it on exit."""
+    port = port or free_port()
+    proc = start_server(["--h", f"127.0.0.1:{port}", *args], f"http://127.0.0.1:{port}")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def write_tiny_llama(path: Path, chat_template: str) -> Path:
+    """The tiny random-weight Llama (vocabulary ``t<i>``) with ``chat_template``, written to ``path``."""
     import transformers
 
     from framework.testing import write_tiny_model
 
-    path = tmp_path_factory.mktemp("tiny-llama")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    write_tiny_model(path, config, chat_template=CHAT_TEMPLATE)
+    write_tiny_model(path, config, chat_template=chat_template)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="session")
 def default_model_server():
     """One ``fw serve`` of the embedded default model on CPU (no other flags), shared by the test
     modules that only need it running."""
-    port = free_port()
-    proc = start_server(["--h", f"127.0.0.1:{port}", "--device", "cpu", "--max-model-len", "1024", "--mem", "64"],
-                        f"http://127.0.0.1:{port}")
-    try:
-        proc.wait_ready()
+    with serving(["--device", "cpu", "--max-model-len", "1024", "--mem", "64"]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="session")
@@ -122,3 +135,15 @@ def launch_fw_server():
 @pytest.fixture(scope="session")
 def free_tcp_port():
     return free_port
+
+
+@pytest.fixture(scope="session", name="write_tiny_llama")
+def write_tiny_llama_fixture():
+    """``write_tiny_llama(path, chat_template)``: the tiny Llama of ``tiny_model_dir`` with another chat template."""
+    return write_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def serve_on_free_port():
+    """``with serve_on_free_port(args[, port]) as proc:`` a ready ``fw serve`` on a loopback port (see :func:`serving`)."""
+    return serving

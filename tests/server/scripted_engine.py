@@ -68,10 +68,12 @@ class ScriptedEngineClient:
 
 
 class ThreadedServer:
-    """The real Litestar app under uvicorn on a loopback port, in a background thread."""
+    """An ASGI app (the real Litestar app by default) under uvicorn on a loopback port, in a background thread;
+    ``lifespan="off"`` for an app without startup/shutdown handlers."""
 
-    def __init__(self, app, port: int) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    def __init__(self, app, port: int, lifespan: str = "on") -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    lifespan=lifespan))
         self.base_url = f"http://127.0.0.1:{port}"
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

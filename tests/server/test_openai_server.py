@@ -18,20 +18,14 @@ MESSAGES = [{"role": "user", "content": "t5 t9 t12 t40"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, launch_fw_server, free_tcp_port):
-    port = free_tcp_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = launch_fw_server(["--m", str(tiny_model_dir), "--device", "cpu", "--h", f"127.0.0.1:{port}",
+def server(tiny_model_dir, serve_on_free_port):
+    with serve_on_free_port(["--m", str(tiny_model_dir), "--device", "cpu",
                              "--api-key", API_KEYS[0], "--api-key", API_KEYS[1], "--served-model-name", "tiny",
                              "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-num-seqs", "64",
                              # async scheduling (the GPU default) under every API test here; the
                              # other server modules run the CPU default (sync)
-                             "--async-scheduling"], url)
-    try:
-        proc.wait_ready()
+                             "--async-scheduling"]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

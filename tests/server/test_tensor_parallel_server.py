@@ -49,6 +49,17 @@ def is_running(pid: int) -> bool:
         return False
 
 
+def assert_serves_the_ids_of_transformers(server, model_dir: Path, reference) -> None:
+    """10 greedy tokens of ``PROMPT_IDS`` from the served model ``tiny`` equal ``reference``'s (transformers)."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    completion = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=10, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    expected = reference_greedy(reference, PROMPT_IDS, 10)
+    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert completion.choices[0].text.split() == tokenizer.decode(expected).split()
+    assert completion.usage.completion_tokens == 10
+
+
 def wait_until(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -66,27 +77,18 @@ def reference(tiny_model_dir):
     return model.eval()
 
 
-def test_two_nodes_on_loopback_serve_the_ids_of_transformers(tiny_model_dir, launch_fw_server, free_tcp_port, reference):
-    port, master_port = free_tcp_port(), free_tcp_port()
+def test_two_nodes_on_loopback_serve_the_ids_of_transformers(tiny_model_dir, serve_on_free_port, free_tcp_port, reference):
+    master_port = free_tcp_port()
     common = ["--m", str(tiny_model_dir), "--device", "cpu", "--tp", "2", "--num-nodes", "2", "--master-addr", "127.0.0.1",
               "--master-port", str(master_port), "--rendezvous-timeout", "120"]
     node1 = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", *common, "--node-rank", "1"], cwd=REPO,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
-    server = launch_fw_server([*common, "--node-rank", "0", "--h", "127.0.0.1", "--p", str(port),
-                               "--served-model-name", "tiny"], f"http://127.0.0.1:{port}")
     try:
-        server.wait_ready()
-        assert any("tensor parallel 2, 2 node(s)" in line for line in server.lines)
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
-        completion = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=10, temperature=0,
-                                               extra_body={"ignore_eos": True})
-        expected = reference_greedy(reference, PROMPT_IDS, 10)
-        tokenizer = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-        assert completion.choices[0].text.split() == tokenizer.decode(expected).split()
-        assert completion.usage.completion_tokens == 10
+        with serve_on_free_port([*common, "--node-rank", "0", "--served-model-name", "tiny"]) as server:
+            assert any("tensor parallel 2, 2 node(s)" in line for line in server.lines)
+            assert_serves_the_ids_of_transformers(server, tiny_model_dir, reference)
     finally:
-        server.stop()
         try:
             node1.wait(30)  # rank 0's shutdown ends node 1's worker, and node 1 with it
         finally:
@@ -96,12 +98,10 @@ def test_two_nodes_on_loopback_serve_the_ids_of_transformers(tiny_model_dir, lau
     assert worker_pids(master_port) == []
 
 
-def test_killed_worker_fails_the_stream_turns_health_503_and_leaves_no_process(tiny_model_dir, launch_fw_server, free_tcp_port):
-    port, master_port = free_tcp_port(), free_tcp_port()
-    server = launch_fw_server(["--m", str(tiny_model_dir), "--device", "cpu", "--tp", "2", "--master-port", str(master_port),
-                               "--h", "127.0.0.1", "--p", str(port), "--served-model-name", "tiny"], f"http://127.0.0.1:{port}")
-    try:
-        server.wait_ready()
+def test_killed_worker_fails_the_stream_turns_health_503_and_leaves_no_process(tiny_model_dir, serve_on_free_port, free_tcp_port):
+    master_port = free_tcp_port()
+    with serve_on_free_port(["--m", str(tiny_model_dir), "--device", "cpu", "--tp", "2", "--master-port", str(master_port),
+                             "--served-model-name", "tiny"]) as server:
         engine_pid = server.engine_pid
         [worker] = worker_pids(master_port)
         assert httpx.get(f"{server.base_url}/health").status_code == 200
@@ -123,25 +123,13 @@ def test_killed_worker_fails_the_stream_turns_health_503_and_leaves_no_process(t
         wait_until(lambda: not is_running(engine_pid), 30, "the engine process to exit")
         retry = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False})
         assert retry.status_code == 503
-    finally:
-        server.stop()
     assert server.process.returncode is not None
     assert worker_pids(master_port) == []
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_serve_on_two_gpus_gives_the_ids_of_transformers(tiny_model_dir, launch_fw_server, free_tcp_port, reference):
-    port = free_tcp_port()
-    server = launch_fw_server(["--m", str(tiny_model_dir), "--d", "0,1", "--dtype", "f32", "--h", "127.0.0.1", "--p", str(port),
-                               "--served-model-name", "tiny"], f"http://127.0.0.1:{port}")
-    try:
-        server.wait_ready()
+def test_serve_on_two_gpus_gives_the_ids_of_transformers(tiny_model_dir, serve_on_free_port, reference):
+    with serve_on_free_port(["--m", str(tiny_model_dir), "--d", "0,1", "--dtype", "f32", "--served-model-name", "tiny"]) as server:
         assert any("tensor parallel 2" in line for line in server.lines)
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
-        completion = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=10, temperature=0,
-                                               extra_body={"ignore_eos": True})
-        tokenizer = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-        assert completion.choices[0].text.split() == tokenizer.decode(reference_greedy(reference, PROMPT_IDS, 10)).split()
-    finally:
-        server.stop()
+        assert_serves_the_ids_of_transformers(server, tiny_model_dir, reference)

@@ -38,15 +38,10 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(launch_fw_server, free_tcp_port):
-    port = free_tcp_port()
-    proc = launch_fw_server(["--h", f"127.0.0.1:{port}", "--device", "cpu", "--max-model-len", "2048", "--mem", "64",
-                             "--mcp-command", sys.executable, "--mcp-args", FIXTURE], f"http://127.0.0.1:{port}")
-    try:
-        proc.wait_ready()
+def server(serve_on_free_port):
+    with serve_on_free_port(["--device", "cpu", "--max-model-len", "2048", "--mem", "64",
+                             "--mcp-command", sys.executable, "--mcp-args", FIXTURE]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

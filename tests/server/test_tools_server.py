@@ -24,29 +24,15 @@ MESSAGES = [{"role": "user", "content": "t5 t9 t12 t40"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    import transformers
-
-    from framework.testing import write_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-llama-tools")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    write_tiny_model(path, config, chat_template=TEMPLATE)
-    return path
+def model_dir(tmp_path_factory, write_tiny_llama):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tools"), TEMPLATE)
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, launch_fw_server, free_tcp_port):
-    port = free_tcp_port()
-    proc = launch_fw_server(["--m", str(model_dir), "--device", "cpu", "--h", f"127.0.0.1:{port}",
-                             "--served-model-name", "tiny", "--enforce-parser", "qwen", "--reasoning-parser", "qwen3"],
-                            f"http://127.0.0.1:{port}")
-    try:
-        proc.wait_ready()
+def server(model_dir, serve_on_free_port):
+    with serve_on_free_port(["--m", str(model_dir), "--device", "cpu", "--served-model-name", "tiny",
+                             "--enforce-parser", "qwen", "--reasoning-parser", "qwen3"]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,12 @@ import json
 import re
 import socket
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
 from playwright.sync_api import expect
@@ -137,32 +135,16 @@ def create_fake_api(mcp_servers: list[dict], bodies: list[dict]) -> Litestar:
     return Litestar(route_handlers=[models, mcp_list, chat], openapi_config=None)
 
 
-class FakeServer:
+class FakeServer(ThreadedServer):
     """The fake API behind WebUIApp on a loopback port, in a thread; ``url`` is the UI's address."""
 
     def __init__(self, mcp_servers: list[dict]) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
         self.bodies: list[dict] = []  # the chat requests' bodies
-        app = WebUIApp(create_fake_api(mcp_servers, self.bodies), ui_port=port)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> FakeServer:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the fake API server did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        super().__init__(WebUIApp(create_fake_api(mcp_servers, self.bodies), ui_port=port), port, lifespan="off")
+        self.url = self.base_url
 
 
 # --- the real server ----------------------------------------------------------------------------
@@ -183,18 +165,12 @@ def _adjacent_free_ports() -> int:
 
 
 @pytest.fixture(scope="module")
-def fw_ui(launch_fw_server):
+def fw_ui(serve_on_free_port):
     """A real ``fw serve --ui-server`` on the default model; yields (ui_url, api_url)."""
     port = _adjacent_free_ports()
-    api_url = f"http://127.0.0.1:{port}"
-    proc = launch_fw_server(["--h", f"127.0.0.1:{port}", "--device", "cpu", "--max-model-len", "2048", "--mem", "64",
-                             "--ui-server"], api_url)
-    try:
-        proc.wait_ready()
+    with serve_on_free_port(["--device", "cpu", "--max-model-len", "2048", "--mem", "64", "--ui-server"], port) as proc:
         assert f"fw: web UI at http://127.0.0.1:{port - 1}" in proc.lines
-        yield f"http://127.0.0.1:{port - 1}", api_url
-    finally:
-        proc.stop()
+        yield f"http://127.0.0.1:{port - 1}", proc.base_url
 
 
 @pytest.fixture(scope="module")

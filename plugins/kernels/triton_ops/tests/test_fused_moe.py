@@ -11,6 +11,7 @@ import torch
 
 from framework import ops
 from framework.layers.fused_moe import select_experts
+from framework.testing import check_no_sync_and_cuda_graph_replay
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
@@ -143,19 +144,5 @@ def test_compiled_fused_moe_fp32_matches_reference_on_cuda():
 @pytest.mark.parametrize("num_tokens", [4, 64], ids=["one_program_alignment", "sorted_alignment"])
 def test_compiled_fused_moe_does_not_sync_and_replays_in_a_cuda_graph(num_tokens):
     inputs = moe_inputs(num_tokens, *QWEN3_30B_A3B, device="cuda", dtype=torch.bfloat16)
-    fused_moe(*inputs)  # compile outside the checks
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fused_moe(*inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(*inputs)
-    fresh = moe_inputs(num_tokens, *QWEN3_30B_A3B, seed=9, device="cuda", dtype=torch.bfloat16)
-    for static, new in zip(inputs, fresh, strict=True):
-        static.copy_(new)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, fused_moe(*inputs), rtol=0, atol=0)
+    check_no_sync_and_cuda_graph_replay(
+        fused_moe, inputs, lambda: moe_inputs(num_tokens, *QWEN3_30B_A3B, seed=9, device="cuda", dtype=torch.bfloat16))

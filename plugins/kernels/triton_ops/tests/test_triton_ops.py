@@ -11,6 +11,7 @@ import torch
 from framework import ops, registries
 from framework.builtin import REFERENCE_KERNELS
 from framework.platform import Platform
+from framework.testing import check_no_sync_and_cuda_graph_replay
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
@@ -241,23 +242,7 @@ def _every_op_inputs(seed):
 
 @pytest.mark.gpu
 def test_ops_do_not_sync_and_replay_in_a_cuda_graph():
-    inputs = _every_op_inputs(seed=10)
-    _call_every_op(*inputs)  # compile outside the checks
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _call_every_op(*inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = _call_every_op(*inputs)
-    for static, fresh in zip(inputs, _every_op_inputs(seed=20), strict=True):
-        static.copy_(fresh)
-    graph.replay()
-    torch.cuda.synchronize()
-    for out, expected in zip(outs, _call_every_op(*inputs), strict=True):
-        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    check_no_sync_and_cuda_graph_replay(_call_every_op, _every_op_inputs(seed=10), lambda: _every_op_inputs(seed=20))
 
 
 @pytest.mark.gpu
