@@ -61,7 +61,10 @@ def _worker(rank: int, port: int) -> None:
                 x = _inputs(rank, shape, dtype, 0)
                 expected = _nccl_sum(x)
                 assert fast.fits(x) == ((shape, dtype) not in NCCL_SUMS), (shape, dtype)
-                got = distributed.all_reduce(x.clone())
+                staged = x.clone()
+                got = distributed.all_reduce(staged)
+                # the one-shot op returns a new tensor; NCCL sums in place and returns its input
+                assert (got.data_ptr() != staged.data_ptr()) == fast.fits(x), (shape, dtype)
                 torch.testing.assert_close(got, expected, **TOLERANCE[dtype], msg=_context(f"eager {shape} {dtype}"))
         # captured: several all-reduces in one graph (as a decode step has; one of them NCCL's), replayed with new inputs
         stream = torch.cuda.Stream()

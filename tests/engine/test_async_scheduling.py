@@ -154,10 +154,13 @@ def test_a_stop_token_ends_the_output_without_a_placeholder(tiny):
     greedy = sync.generate({"prompt_token_ids": PARITY_PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=12,
                                                                                  ignore_eos=True))[0].outputs[0]
     stop = greedy.token_ids[6]
-    core = LLM(str(path), num_blocks=64, async_scheduling=True).engine.core
+    llm = LLM(str(path), num_blocks=64, async_scheduling=True)
+    core, events = llm.engine.core, record_overlaps(llm)
     core.add_request("s", PARITY_PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
     request = core.requests["s"]
     outputs = core.run_until_done()
+    # a step was launched after the one that sampled the stop token, and its token was dropped
+    assert overlaps(events) == len(outputs) and events.count("L") == len(outputs) + 1
     assert [out.new_token_ids[0] for out in outputs] == greedy.token_ids[:greedy.token_ids.index(stop) + 1]
     assert outputs[-1].finish_reason == "stop" and request.output_token_ids == greedy.token_ids[:len(outputs)]
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks

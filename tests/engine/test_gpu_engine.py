@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from framework import LLM, SamplingParams
+from framework.kernels import get_kernel
 from framework.testing import reference_greedy, write_tiny_model
 
 REFERENCE_OPS = ",".join(f"{op}=torch" for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
@@ -24,9 +25,11 @@ def test_fast_path_greedy_tokens_match_the_reference_path(tmp_path, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     fast = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
     assert fast.engine.attention_backend == "triton" and "decode graphs" in fast.engine.summary["cuda_graphs"]
+    assert get_kernel("rms_norm").__module__.startswith("fw_triton_ops")
     fast_ids = [r.outputs[0].token_ids for r in fast.generate([{"prompt_token_ids": p} for p in prompts], params)]
     monkeypatch.setenv("FW_KERNELS", REFERENCE_OPS)
     slow = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64, attention_backend="torch", enable_cuda_graphs=False)
+    assert slow.engine.summary["cuda_graphs"] == "off" and get_kernel("rms_norm").__module__.startswith("framework")
     slow_ids = [r.outputs[0].token_ids for r in slow.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert fast_ids == slow_ids
     assert fast_ids == [reference_greedy(reference, p) for p in prompts]
@@ -50,11 +53,19 @@ def test_async_decode_steps_never_sync_the_stream_and_match_sync_scheduling(tmp_
         for index, (prompt, param) in enumerate(zip(prompts, params)):
             core.add_request(str(index), prompt, param)
         outputs = [core.step() for _ in range(4)]  # prefill, then decode steps: warm pinned buffers
+        launch, overlapped = core.runner.launch, []
+
+        def counting_launch(batch):
+            overlapped.append(core.inflight is not None)  # the previous step is not read back yet
+            return launch(batch)
+
+        core.runner.launch = counting_launch
         torch.cuda.set_sync_debug_mode("error")  # any stream synchronisation inside a step raises
         try:
             outputs += [core.step() for _ in range(20)]
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        assert sum(overlapped) == (20 if async_scheduling else 0)
         outputs.append(core.run_until_done())
         return [(out.request_id, out.new_token_ids, out.new_logprobs, out.finish_reason)
                 for step in outputs for out in step]

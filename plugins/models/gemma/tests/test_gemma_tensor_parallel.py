@@ -26,6 +26,7 @@ def test_gemma3_tp2_greedy_ids_match_transformers(tmp_path):
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
     reference.save_pretrained(tmp_path, safe_serialization=True)
     with LLM(str(tmp_path), device="cpu", num_blocks=32, prefill_chunk_size=8, tensor_parallel_size=2) as llm:
+        assert llm.engine.summary["tensor_parallel_size"] == 2
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     for prompt, result in zip(PROMPTS, results, strict=True):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt, GREEDY.max_tokens)

@@ -32,6 +32,7 @@ SCORED = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2
 def run(path, **engine_args) -> tuple[list[list[int]], list]:
     """Greedy ids of PROMPTS, and the prompt + sampled logprobs of the scored request (as flat floats / ids)."""
     with LLM(str(path), **ENGINE, **engine_args) as llm:
+        assert llm.engine.summary["tensor_parallel_size"] == engine_args.get("tensor_parallel_size", 1)
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
         assert llm.engine.core.stats().num_preemptions > 0
         scored = llm.generate({"prompt_token_ids": PROMPTS[1]}, SCORED)[0]

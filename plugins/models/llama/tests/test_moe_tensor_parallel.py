@@ -52,6 +52,7 @@ CASES = {
 
 def greedy_ids(path, **engine_args) -> list[list[int]]:
     with LLM(str(path), **ENGINE, **engine_args) as llm:
+        assert llm.engine.summary["tensor_parallel_size"] == engine_args.get("tensor_parallel_size", 1)
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     return [r.outputs[0].token_ids for r in results]
 

@@ -167,5 +167,6 @@ def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):
     dequantized.load_state_dict(hf_state_from(reference, stored))
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(str(folder / "model-q8-tp.gguf"), device="cpu", num_blocks=16, tensor_parallel_size=2) as llm:
+        assert llm.engine.summary["tensor_parallel_size"] == 2
         ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)]
     assert ids == [reference_greedy(dequantized, p, greedy.max_tokens) for p in PROMPTS]

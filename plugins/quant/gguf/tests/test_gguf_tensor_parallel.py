@@ -87,4 +87,5 @@ def test_gemma3_q4_k_m_tp2_gives_the_ids_of_one_device(gemma3_gguf_path):
     with LLM(str(gemma3_gguf_path), device="cuda:0", dtype="f32", num_blocks=64) as llm:
         expected = llm.generate(prompt, params)[0].outputs[0].token_ids
     with LLM(str(gemma3_gguf_path), device_ids=[0, 1], dtype="f32", num_blocks=64) as llm:
+        assert llm.engine.summary["tensor_parallel_size"] == 2
         assert llm.generate(prompt, params)[0].outputs[0].token_ids == expected
