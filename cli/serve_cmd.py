@@ -31,7 +31,7 @@ def serve(
     seed: Annotated[int, typer.Option("--seed", help="Engine seed (weights a format leaves uninitialized).")] = 0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
     ui_server: Annotated[bool, typer.Option("--ui-server", help="Also serve the chat web UI, on the API port minus one (--p 2000: http://host:1999).")] = False,
-    enforce_parser: Annotated[str | None, typer.Option("--enforce-parser", help="Tool-call parser (qwen, qwen_coder, json, mistral, llama3, none); default: picked from the chat template.")] = None,
+    enforce_parser: Annotated[str | None, typer.Option("--enforce-parser", help="Tool-call parser (qwen, hermes, qwen_coder, json, mistral, llama3, none); default: picked from the chat template.")] = None,
     reasoning_parser: Annotated[str | None, typer.Option("--reasoning-parser", help="Reasoning parser (qwen3, deepseek_r1, none); default: picked from the chat template.")] = None,
     mcp_config: Annotated[str | None, typer.Option("--mcp-config", help="JSON file of MCP servers in the mcpServers format (command/args/env for stdio, url for streamable HTTP).")] = None,
     mcp_command: Annotated[str | None, typer.Option("--mcp-command", help="Command of one stdio MCP server (named 'mcp').")] = None,

@@ -58,7 +58,7 @@ def resolve_quantization_method(
 
     Called once when a model is loaded. ``quantization_config`` is the checkpoint's
     (``config.json`` ``quantization_config`` or the weight format's), ``requested`` the user's
-    choice (``--isq``) or ``None``. First non-``None`` result wins; fw's default (trylast)
+    choice (the ``quantization=`` argument of ``LLM`` / ``EngineBuilder``; no CLI flag yet) or ``None``. First non-``None`` result wins; fw's default (trylast)
     returns ``requested``, else the checkpoint's ``quant_method``, else ``None`` (unquantized).
     """
 
@@ -67,7 +67,7 @@ def resolve_quantization_method(
 def register_kv_cache_dtypes() -> list[Any]:
     """Return ``[KVCacheDtypeSpec]`` for KV-cache storage types (``auto``, ``fp8``, ...).
 
-    Called once per process; merged into one registry keyed by name (``--kv-cache-dtype``).
+    Called once per process; merged into one registry keyed by name (``CacheConfig.cache_dtype``; only ``auto`` is registered and no CLI flag sets it yet).
     """
 
 
