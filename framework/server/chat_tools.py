@@ -18,11 +18,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from framework import plugins, registries
 from framework.errors import ConfigError
 from framework.parsers.base import ReasoningParser, ToolCallDelta, ToolParser
 from framework.parsers.tool_choice import ConstrainedCallsParser, tool_calls_schema
-from framework.server.errors import APIError, bad_request
+from framework.sampling_params import SamplingParams, StructuredOutputsParams
+from framework.server.errors import bad_request
 
 
 @dataclass(slots=True)
@@ -131,23 +134,18 @@ def tool_setup(body: Any, extra_tools: list[dict[str, Any]] | None = None, can_p
     return ToolSetup(tools, "named", named=name, parallel=parallel, schema=tool_calls_schema(tools, name))
 
 
-def structured_outputs_for(setup: ToolSetup, start_after: str | None) -> Any:
-    """The constraint that enforces ``required`` / a named function (None for none / auto).
+def structured_outputs_for(setup: ToolSetup) -> StructuredOutputsParams | None:
+    """The constraint that enforces ``required`` / a named function (None for none / auto)."""
+    return None if setup.schema is None else StructuredOutputsParams(json=setup.schema)
 
-    Raises a 400 when this build has no grammar-constrained decoding.
-    """
-    if setup.schema is None:
-        return None
-    try:
-        from framework.sampling_params import StructuredOutputsParams
-    except ImportError:
-        raise APIError(400, f"tool_choice {setup.mode!r} needs grammar-constrained decoding, which this server "
-                            "does not have; use tool_choice 'auto'", param="tool_choice",
-                       code="unsupported_parameter") from None
-    kwargs: dict[str, Any] = {"json": setup.schema}
-    if start_after:
-        kwargs["start_after"] = start_after
-    return StructuredOutputsParams(**kwargs)
+
+def after_reasoning(params: SamplingParams, start_after: str | None) -> SamplingParams:
+    """``params`` whose constraint (tool_choice, response_format, structured_outputs) starts after
+    ``start_after`` (the reasoning parser's end marker, when the reply opens in reasoning)."""
+    constraint = params.structured_outputs
+    if not start_after or constraint is None or constraint.start_after is not None:
+        return params
+    return params.replace(structured_outputs=msgspec.structs.replace(constraint, start_after=start_after))
 
 
 def template_tool_calls(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from framework.parsers.base import ToolCall, ToolCallDelta, ToolParseDelta, asse
 from framework.server.chat_tools import (
     ParsedDelta,
     ToolSetup,
+    after_reasoning,
     choice_parser,
     structured_outputs_for,
     template_tool_calls,
@@ -183,13 +184,13 @@ class ChatTurn:
             params = params.replace(skip_special_tokens=False)
         reasoning = next((p.reasoning for p in self.parsers if p is not None and p.reasoning is not None), None)
         start_after = reasoning.end_marker if reasoning is not None and reasoning.starts_in_reasoning else None
-        constraint = structured_outputs_for(setup, start_after)
+        constraint = structured_outputs_for(setup)
         if constraint is not None:
             if params.structured_outputs is not None:
                 raise bad_request(f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
                                   "response_format or structured_outputs", "tool_choice")
             params = params.replace(structured_outputs=constraint)
-        self.params = params
+        self.params = after_reasoning(params, start_after)
 
     def next_round(self, messages: list[dict[str, Any]]) -> ChatTurn:
         """The turn after the server ran MCP calls: after a forced call (required / named) the model

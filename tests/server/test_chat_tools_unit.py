@@ -153,17 +153,21 @@ def test_reasoning_then_a_tool_call_split_the_same_streamed_and_not():
         assert run(pieces) == expected
 
 
-def test_the_constraint_starts_after_reasoning_or_is_refused_without_constrained_decoding():
-    from framework import sampling_params
-    from framework.server.chat_tools import structured_outputs_for
+def test_every_constraint_starts_after_reasoning():
+    """tool_choice's constraint and a response_format / structured_outputs one alike: a reply that
+    opens in reasoning is constrained only after the end marker."""
+    from framework import SamplingParams
+    from framework.sampling_params import StructuredOutputsParams
+    from framework.server.chat_tools import after_reasoning, structured_outputs_for
 
     setup = tool_setup(request(tools=TOOLS, tool_choice="required"))
-    assert structured_outputs_for(tool_setup(request(tools=TOOLS)), "</think>") is None  # auto: unconstrained
-    if hasattr(sampling_params, "StructuredOutputsParams"):
-        constraint = structured_outputs_for(setup, "</think>")
-        assert constraint.json == setup.schema and constraint.start_after == "</think>"
-        assert structured_outputs_for(setup, None).start_after is None
-    else:
-        with pytest.raises(APIError) as error:
-            structured_outputs_for(setup, None)
-        assert error.value.status == 400 and error.value.param == "tool_choice"
+    assert structured_outputs_for(tool_setup(request(tools=TOOLS))) is None  # auto: unconstrained
+    constraint = structured_outputs_for(setup)
+    assert constraint.json == setup.schema and constraint.start_after is None
+    for given in (constraint, StructuredOutputsParams(json_object=True)):
+        params = SamplingParams(structured_outputs=given)
+        assert after_reasoning(params, "</think>").structured_outputs.start_after == "</think>"
+        assert after_reasoning(params, None).structured_outputs.start_after is None
+    own = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+", start_after="]"))
+    assert after_reasoning(own, "</think>").structured_outputs.start_after == "]"  # the request's own marker stays
+    assert after_reasoning(SamplingParams(), "</think>").structured_outputs is None
