@@ -28,11 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-
-@triton.jit
-def _sigmoid(z):
-    e = tl.exp(-tl.abs(z))  # exp of a non-positive argument only: no overflow
-    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+from fw_triton_ops.activation import _sigmoid
 
 
 @triton.jit

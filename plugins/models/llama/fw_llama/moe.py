@@ -28,10 +28,10 @@ from framework.layers.linear import tensor_parallel_all_reduce
 from framework.layers.mlp import GatedMLP
 from framework.quantization import QuantConfig
 
+from .hooks import MOE_ARCHITECTURES
 from .model import LlamaModel, dense_mlp
 
 #: ``architectures[0]`` of the MoE models this module serves.
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def num_experts(config: ModelConfig) -> int:

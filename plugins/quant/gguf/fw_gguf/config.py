@@ -192,7 +192,6 @@ def _moe_config(arch: str, key, num_layers: int, names: set[str] | None) -> dict
         config["mlp_only_layers"] = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
     if arch == "qwen2moe":
         config["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length")
-        config["qkv_bias"] = names is None or "blk.0.attn_q.bias" in names
     return config
 
 
