@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the GPU: kernel time per step against wall time per step.
 
     python benchmarks/profile_step.py --shape llama3-8b --batch 1 --context 4096 --steps 32
+    python benchmarks/profile_step.py --shape llama3-8b --tp 2 --all-reduce symm_mem   # rank 0 of two GPUs
 
 Builds the shape with random weights (as ``decode.py`` does), reaches steady decode, then runs
 ``--steps`` engine steps under ``torch.profiler`` and prints: wall ms per step, GPU-busy ms per
@@ -28,6 +29,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism over GPUs 0..N-1 (rank 0's GPU is profiled)")
+    parser.add_argument("--all-reduce", default="nccl", choices=["nccl", "symm_mem", "auto"])
+    parser.add_argument("--no-async-scheduling", action="store_true")
     args = parser.parse_args()
 
     from framework import LLM, SamplingParams
@@ -36,7 +40,9 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(config))
     llm = LLM(str(folder), load_format="dummy", dtype="bf16", max_num_seqs=max(args.batch, 1),
-              max_model_len=max(args.context, args.prefill) + args.steps + 64, enable_prefix_caching=False)
+              max_model_len=max(args.context, args.prefill) + args.steps + 64, enable_prefix_caching=False,
+              async_scheduling=False if args.no_async_scheduling else None, all_reduce=args.all_reduce,
+              **({"device_ids": list(range(args.tp)), "tensor_parallel_size": args.tp} if args.tp > 1 else {}))
     core, vocab = llm.engine.core, llm.engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompt = lambda n: torch.randint(0, vocab, (n,), generator=generator).tolist()  # noqa: E731
@@ -74,9 +80,10 @@ def main() -> None:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]:
         print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms/step  {e.count / steps:6.1f}x  {e.key[:110]}")
     host = sorted((e for e in profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
-                  key=lambda e: -e.self_cpu_time_total)[:8]
+                  key=lambda e: -e.self_cpu_time_total)[:12]
     for e in host:
         print(f"  host {e.self_cpu_time_total / 1e3 / steps:8.3f} ms/step  {e.count / steps:6.1f}x  {e.key[:90]}")
+    llm.close()
     if not torch.cuda.is_available():
         return
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
