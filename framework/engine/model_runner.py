@@ -218,7 +218,7 @@ class ModelRunner:
         inputs = self.block_tables.expand(message.inputs)
         hidden = self.run_model(*self.prepare_inputs(inputs))
         for rows in message.logits_rows:
-            self.model.compute_logits(hidden[rows])
+            self.model.compute_logits(self._select_rows(hidden, rows))
         self.last_sampled = None
         if message.sampling:
             token_ids = broadcast_from_rank0(torch.empty(len(message.sampling), dtype=torch.int64, device=self.device))
@@ -265,11 +265,7 @@ class ModelRunner:
         grammar = self.structured_outputs
         # filled on the host while the device computes; applied outside any CUDA graph
         bitmask = grammar.prepare_bitmask(sampling) if grammar is not None else None
-        if last_rows == list(range(len(last_rows))):
-            rows = hidden[:len(last_rows)]
-        else:
-            rows = hidden.index_select(0, to_device(torch.tensor(last_rows, dtype=torch.int64), self.device))
-        logits = self.model.compute_logits(rows).float()
+        logits = self.model.compute_logits(self._select_rows(hidden, last_rows)).float()
         if bitmask is not None:
             grammar.apply_bitmask(logits, bitmask)
         out = self.sampler(logits, sampling, self._pending_tokens(sampling, last_rows))
@@ -277,6 +273,14 @@ class ModelRunner:
         if self.share_sampled:
             broadcast_from_rank0(out.token_ids)
         return LaunchedStep(sampling, HostCopy(out), pooled)
+
+    def _select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``hidden[rows]`` without waiting for the device: a slice when ``rows`` is ``0..n-1``,
+        else a gather whose indices cross in a pinned copy (``hidden[list]`` would copy them
+        synchronously, and so stall the host until the queued step has run)."""
+        if rows == list(range(len(rows))):
+            return hidden[:len(rows)]
+        return hidden.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), self.device))
 
     def _pending_tokens(self, sampling: list[Request], last_rows: list[int]) -> torch.Tensor | None:
         """For the sampler's penalties: per sampling row, the id of its last output token where the
