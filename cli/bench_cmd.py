@@ -24,7 +24,7 @@ def bench(
     range_ratio: Annotated[float, typer.Option("--range-ratio", help="Lengths vary uniformly by +- this fraction.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     output_json: Annotated[Path | None, typer.Option("--output-json", help="Write the full results here.")] = None,
-    d: o.Devices = None, tp: o.TensorParallel = None, all_reduce: o.AllReduce = "nccl",
+    d: o.Devices = None, tp: o.TensorParallel = None, all_reduce: o.AllReduce = "auto",
 ) -> None:
     """Run NUM_PROMPTS random requests through the engine and report tokens/s."""
     from framework import LLM, SamplingParams

@@ -16,7 +16,7 @@ def generate(
     m: o.Model = None, w: o.Weights = None, f: o.File = None, revision: o.Revision = None,
     dtype: o.Dtype = "auto", device: o.Device = None, max_model_len: o.MaxModelLen = None,
     mem: o.Mem = None, attention_backend: o.AttentionBackend = "auto", no_cuda_graph: o.NoCudaGraph = False, async_scheduling: o.AsyncScheduling = None,
-    all_reduce: o.AllReduce = "nccl",
+    all_reduce: o.AllReduce = "auto",
     chat: Annotated[bool, typer.Option("--chat", help="Apply the model's chat template.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option("--temperature")] = 0.0,

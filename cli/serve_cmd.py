@@ -39,7 +39,7 @@ def serve(
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", hidden=True)] = None,
     tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0, master_addr: o.MasterAddr = "127.0.0.1",
     master_port: o.MasterPort = None, rendezvous_timeout: o.RendezvousTimeout = 300.0,
-    distributed_timeout: o.DistributedTimeout = 600.0, all_reduce: o.AllReduce = "nccl",
+    distributed_timeout: o.DistributedTimeout = 600.0, all_reduce: o.AllReduce = "auto",
 ) -> None:
     """Serve a model with an OpenAI-compatible API (without --m: the embedded default model)."""
     from framework.errors import ConfigError, FwError

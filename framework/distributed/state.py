@@ -147,17 +147,25 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
     _state.rank, _state.size, _state.control_group = 0, 1, None
 
 
-def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int) -> None:
+def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int, *, required: bool = True) -> bool:
     """Sum tensors of up to ``max_bytes`` with the symmetric-memory one-shot all-reduce from now on.
 
     Every rank calls it together, after :func:`init_tensor_parallel` and before any CUDA graph is
-    captured; raises :class:`ConfigError` when the GPUs cannot use it (no P2P, several hosts, ...).
+    captured. When the GPUs cannot use it (several hosts, no P2P) it raises :class:`ConfigError`
+    if ``required`` (``--all-reduce symm_mem``), else returns False and NCCL stays (``auto``);
+    every rank decides alike. True when enabled (and for a single rank, which sums nothing).
     """
     if _state.size == 1:
-        return
-    from framework.distributed.fast_all_reduce import SymmMemAllReduce
+        return True
+    from framework.distributed.fast_all_reduce import SymmMemAllReduce, peer_access_problem
 
+    if not required:
+        problem = peer_access_problem(device, _state.control_group)
+        if problem is not None:
+            log.info("--all-reduce auto: NCCL, since the symmetric-memory all-reduce cannot run here (%s)", problem)
+            return False
     _state.fast_all_reduce = SymmMemAllReduce(device, max_bytes, host_group=_state.control_group)
+    return True
 
 
 # --- collectives ----------------------------------------------------------------------------

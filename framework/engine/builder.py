@@ -77,8 +77,10 @@ class Engine:
 class EngineBuilder:
     """Builds an :class:`Engine`; keyword arguments mirror the ``fw serve`` flags.
 
-    ``all_reduce`` (``--all-reduce``) picks the tensor-parallel all-reduce: ``nccl`` (default),
-    ``symm_mem`` (one-shot on NVLink peer memory for decode-sized tensors) or ``auto`` (nccl for now).
+    ``all_reduce`` (``--all-reduce``) picks the tensor-parallel all-reduce: ``auto`` (default:
+    ``symm_mem`` when every rank is a CUDA GPU of one host with peer access, else ``nccl``),
+    ``symm_mem`` (one-shot on NVLink peer memory for decode-sized tensors; an error where it cannot
+    run) or ``nccl``.
     """
 
     def __init__(self, model: str | None = None, *, weights: str | None = None, file: str | None = None,
@@ -93,7 +95,7 @@ class EngineBuilder:
                  device_ids: list[int] | None = None, num_nodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int | None = None, rendezvous_timeout: float = 300.0,
                  distributed_timeout: float = 600.0, tp_rank: int | None = None,
-                 async_scheduling: bool | None = None, all_reduce: str = "nccl") -> None:
+                 async_scheduling: bool | None = None, all_reduce: str = "auto") -> None:
         # every argument, for the other tensor-parallel ranks (which build the same engine as their rank)
         self._init_kwargs = {name: value for name, value in locals().items() if name != "self"}
         if isinstance(dtype, torch.dtype):
@@ -103,7 +105,7 @@ class EngineBuilder:
         self.parallel = ParallelConfig(tensor_parallel_size, num_nodes, node_rank, device_ids, master_addr, master_port,
                                        rendezvous_timeout, distributed_timeout, tp_rank)
         self.device = self.parallel.device(device)
-        self.all_reduce = resolve_all_reduce(all_reduce, self.device)  # nccl or symm_mem (validated)
+        self.all_reduce = resolve_all_reduce(all_reduce, self.device)  # nccl, symm_mem or auto (validated)
         if self.parallel.is_parallel and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
         self.workers: WorkerGroup | None = None
@@ -318,9 +320,11 @@ class EngineBuilder:
                                          rendezvous_timeout_s=parallel.rendezvous_timeout,
                                          timeout_s=parallel.distributed_timeout,
                                          check_workers=self.workers.failure if self.workers is not None else None)
-        if self.all_reduce == "symm_mem":
-            distributed.enable_symm_mem_all_reduce(self.device, buffer_bytes(self.scheduler.max_num_seqs,
-                                                                             config.hidden_size, config.dtype))
+        if self.all_reduce in ("symm_mem", "auto"):
+            enabled = distributed.enable_symm_mem_all_reduce(
+                self.device, buffer_bytes(self.scheduler.max_num_seqs, config.hidden_size, config.dtype),
+                required=self.all_reduce == "symm_mem")
+            self.all_reduce = "symm_mem" if enabled else "nccl"
 
     def _parallel_kwargs(self) -> dict[str, Any]:
         """The builder keyword arguments that place another rank of this group."""

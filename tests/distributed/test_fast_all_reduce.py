@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from cli.main import build_app
 from framework import LLM, EngineBuilder, SamplingParams
+from framework.distributed import fast_all_reduce
 from framework.distributed.fast_all_reduce import MAX_BUFFER_BYTES, buffer_bytes, resolve_all_reduce
 from framework.errors import ConfigError
 from framework.testing import reference_greedy, write_tiny_model
@@ -20,7 +21,8 @@ from framework.testing import reference_greedy, write_tiny_model
 def test_resolve_all_reduce_validates_the_name_and_the_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve_all_reduce("nccl", cpu) == "nccl"
-    assert resolve_all_reduce("auto", cpu) == "nccl" and resolve_all_reduce("auto", cuda) == "nccl"
+    assert resolve_all_reduce("auto", cpu) == "nccl"  # gloo
+    assert resolve_all_reduce("auto", cuda) == "auto"  # decided once the group exists
     assert resolve_all_reduce("symm_mem", cuda) == "symm_mem"
     with pytest.raises(ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto; got 'custom'"):
         resolve_all_reduce("custom", cuda)
@@ -61,8 +63,42 @@ def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_
     prompt = [5, 9, 33, 2]
     with LLM(str(tmp_path), device="cpu", tensor_parallel_size=2, num_blocks=8, all_reduce="auto") as llm:
         ids = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
-        assert llm.engine.summary["all_reduce"] == "nccl"  # auto: NCCL (gloo on CPUs) until symm_mem is measured
+        assert llm.engine.summary["all_reduce"] == "nccl"  # auto on CPUs: gloo
     assert ids == reference_greedy(reference, prompt, params.max_tokens)
+
+
+@pytest.mark.parametrize(("hosts", "peer", "problem"), [
+    (["a", "a"], True, None),
+    (["a", "b"], True, "the group spans a, b"),
+    (["a", "a"], False, "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
+])
+def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts, peer, problem):
+    """``--all-reduce auto``: symm_mem on one host with peer access; otherwise NCCL stays (no error),
+    while ``--all-reduce symm_mem`` there is a start-up error naming the reason."""
+    from framework.distributed import state
+
+    def all_gather_object(out, mine, group=None):
+        out[:] = [(host, index) for index, host in enumerate(hosts)]
+
+    monkeypatch.setattr(state.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(state.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer)
+    built, real = [], fast_all_reduce.SymmMemAllReduce
+    monkeypatch.setattr(fast_all_reduce, "SymmMemAllReduce", lambda *args, **kwargs: built.append(args) or "symm")
+    monkeypatch.setattr(state._state, "size", 2)
+    monkeypatch.setattr(state._state, "fast_all_reduce", None)
+    device = torch.device("cuda", 0)
+    if problem is None:
+        assert fast_all_reduce.peer_access_problem(device) is None
+        assert state.enable_symm_mem_all_reduce(device, 4096, required=False) is True
+        assert built and state._state.fast_all_reduce == "symm"
+        return
+    assert problem in fast_all_reduce.peer_access_problem(device)
+    assert state.enable_symm_mem_all_reduce(device, 4096, required=False) is False
+    assert not built and state._state.fast_all_reduce is None  # NCCL stays
+    monkeypatch.setattr(fast_all_reduce, "SymmMemAllReduce", real)  # its own peer check refuses first
+    with pytest.raises(ConfigError, match=f"--all-reduce symm_mem: .*{problem}.*: use --all-reduce nccl"):
+        state.enable_symm_mem_all_reduce(device, 4096, required=True)
 
 
 def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_nccl(monkeypatch):
