@@ -365,8 +365,8 @@ def capture_logits(llm) -> dict:
     runner, records = llm.engine.core.runner, {}
     forward = runner.forward
 
-    def recording_forward(batch):
-        hidden = forward(batch)
+    def recording_forward(batch, *inputs):
+        hidden = forward(batch, *inputs)
         logits = runner.model.compute_logits(hidden).float()
         offset = 0
         for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):

@@ -29,29 +29,39 @@ class BlockTableSync:
 
     Rank 0 :meth:`compress` es each step's inputs, the workers :meth:`expand` them; both keep
     exactly the requests of the latest step (a request that skips a step, or was preempted and
-    got new blocks, is sent whole again), so the two memories stay equal.
+    got new blocks, is sent whole again), so the two memories stay equal. Each step costs time
+    in the new ids only: rank 0 relies on ``Request.block_ids`` growing by appends while the
+    request runs and being replaced by a new list when its blocks are freed, so the same list
+    object with at least as many ids as were sent still starts with them.
     """
 
     def __init__(self) -> None:
-        self.known: dict[str, list[int]] = {}
+        #: rank 0: request id -> (its block list object, how many of its ids the workers have)
+        self.sent: dict[str, tuple[list[int], int]] = {}
+        #: workers: request id -> its block ids (extended in place)
+        self.tables: dict[str, list[int]] = {}
 
     def compress(self, inputs: list[StepInput]) -> list[StepInput]:
-        known, compact = {}, []
+        sent, compact = {}, []
         for item in inputs:
-            sent = self.known.get(item.request_id, [])
-            start = len(sent) if item.block_ids[:len(sent)] == sent else 0
+            table, count = self.sent.get(item.request_id, (None, 0))
+            start = count if table is item.block_ids and len(table) >= count else 0
             compact.append(StepInput(item.token_ids, item.start, item.block_ids[start:], item.request_id, start))
-            known[item.request_id] = list(item.block_ids)  # the request's own list grows later
-        self.known = known
+            sent[item.request_id] = (item.block_ids, len(item.block_ids))
+        self.sent = sent
         return compact
 
     def expand(self, inputs: list[StepInput]) -> list[StepInput]:
-        known, full = {}, []
+        tables, full = {}, []
         for item in inputs:
-            block_ids = self.known.get(item.request_id, [])[:item.blocks_from] + item.block_ids
-            full.append(StepInput(item.token_ids, item.start, block_ids, item.request_id))
-            known[item.request_id] = block_ids
-        self.known = known
+            table = self.tables.get(item.request_id)
+            if table is not None and len(table) == item.blocks_from:
+                table.extend(item.block_ids)
+            else:
+                table = (table or [])[:item.blocks_from] + item.block_ids
+            full.append(StepInput(item.token_ids, item.start, table, item.request_id))
+            tables[item.request_id] = table
+        self.tables = tables
         return full
 
 

@@ -171,7 +171,7 @@ class KVCacheManager:
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        request.block_ids.clear()
+        request.block_ids = []  # a new list: BlockTableSync tells a reallocated table by its identity
         request.num_keyed_blocks = 0
 
     def _ref(self, block_id: int) -> None:

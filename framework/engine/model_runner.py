@@ -121,10 +121,6 @@ class ModelRunner:
                           request.num_computed_tokens, request.block_ids, request.request_id)
                 for request, num_new in zip(batch.requests, batch.num_new_tokens)]
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Build ``input_ids``, ``positions`` and the attention metadata for ``batch``."""
-        return self.prepare_inputs(self.step_inputs(batch))
-
     def prepare_inputs(self, inputs: list[StepInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``input_ids``, ``positions`` and the attention metadata of one step's requests.
 
@@ -208,9 +204,11 @@ class ModelRunner:
         return ids.index_copy_(0, index[:len(dst)], sampled.index_select(0, index[len(dst):]))
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the model over the batch; returns hidden states ``[T, hidden]``."""
-        return self.run_model(*self.prepare(batch))
+    def forward(self, batch: ScheduledBatch, inputs: list[StepInput] | None = None) -> torch.Tensor:
+        """Run the model over the batch (``inputs``: its :meth:`step_inputs`, if already built);
+        returns hidden states ``[T, hidden]``. The one place a step's model pass starts, which
+        tests wrap to see the logits (:func:`framework.testing.capture_logits`)."""
+        return self.run_model(*self.prepare_inputs(inputs if inputs is not None else self.step_inputs(batch)))
 
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:
@@ -242,10 +240,11 @@ class ModelRunner:
         """
         offsets = list(itertools.accumulate(batch.num_new_tokens, initial=0))
         plan = self._plan_rows(batch)
+        inputs = self.step_inputs(batch)
         if self.broadcast is not None:
-            self.broadcast(StepMessage(self.block_tables.compress(self.step_inputs(batch)), plan.logits_rows(offsets),
+            self.broadcast(StepMessage(self.block_tables.compress(inputs), plan.logits_rows(offsets),
                                        sampling=plan.sampling if self.share_sampled else []))
-        hidden = self.forward(batch)
+        hidden = self.forward(batch, inputs)
         pooled: list[SampledToken] = []
         for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if request.pooling:

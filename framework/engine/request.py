@@ -54,6 +54,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    #: KV blocks in sequence order: grows by appends while the request runs, and is replaced by a
+    #: new list (never cleared in place) when the blocks are freed (see BlockTableSync)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_keyed_blocks: int = 0  # leading blocks the prefix cache has already considered (cache_full_blocks)

@@ -121,15 +121,18 @@ def test_step_messages_carry_only_new_block_ids_and_workers_rebuild_the_tables()
         ["a"],            # b waits (not scheduled): forgotten on both sides
         ["a", "b"],       # b again: sent whole
         ["a", "b"],       # a grew by one block; b preempted and given new blocks
+        ["a", "b"],       # b preempted again, given the same ids in a new list: sent whole (safe)
     ]
     sent_sizes = []
     for number, ids in enumerate(steps):
         if number == 4:
-            tables["a"] = tables["a"] + [11]
+            tables["a"].append(11)  # the request's own list grows in place
+            tables["b"] = [2, 3]  # freed blocks: the KV cache manager gives the request a new list
+        if number == 5:
             tables["b"] = [2, 3]
-        inputs = [StepInput([5], 17, list(tables[r]), r) for r in ids]
+        inputs = [StepInput([5], 17, tables[r], r) for r in ids]
         wire = msgspec.msgpack.decode(msgspec.msgpack.encode(StepMessage(sender.compress(inputs))), type=StepMessage)
         received = receiver.expand(wire.inputs)
         assert [(i.request_id, i.block_ids) for i in received] == [(r, tables[r]) for r in ids]
         sent_sizes.append(sum(len(i.block_ids) for i in wire.inputs))
-    assert sent_sizes == [3, 0, 0, 1, 3]
+    assert sent_sizes == [3, 0, 0, 1, 3, 2]

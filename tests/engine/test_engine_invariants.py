@@ -173,8 +173,8 @@ def test_logprobs_and_prompt_logprobs_are_consistent(tiny_path):
     records = {}
     forward = runner.forward
 
-    def capture(batch):
-        hidden = forward(batch)
+    def capture(batch, *inputs):
+        hidden = forward(batch, *inputs)
         records["logits"] = runner.model.compute_logits(hidden).float()
         return hidden
 
