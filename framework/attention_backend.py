@@ -50,6 +50,14 @@ class AttentionMetadata:
     #: set when the step captures or replays the decode CUDA graph of this many (padded) rows
     graph_batch_size: int | None = None
 
+    def host_block_table(self) -> torch.Tensor:
+        """``block_table_cpu``, which the model runner always fills; a ValueError if it is missing
+        (copying ``block_table`` back would wait for the device inside a step)."""
+        if self.block_table_cpu is None:
+            raise ValueError("AttentionMetadata.block_table_cpu is required by backends that plan on the host "
+                             "(the model runner fills it; build test metadata with framework.testing helpers)")
+        return self.block_table_cpu
+
 
 @dataclass(frozen=True, slots=True)
 class MLAConfig:

@@ -119,7 +119,7 @@ class CUDAGraphRunner:
         num = metadata.num_reqs
         seq_lens = torch.ones(size, dtype=torch.int32)
         seq_lens[:num] = metadata.seq_lens_cpu
-        table = metadata.block_table_cpu if metadata.block_table_cpu is not None else metadata.block_table.cpu()
+        table = metadata.host_block_table()
         block_table = torch.full((size, table.shape[1]), self.sink_block, dtype=torch.int32)
         block_table[:num] = table
         return self._metadata(size, seq_lens, block_table)

@@ -78,7 +78,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     # -- planning (host side, outside CUDA graphs) -------------------------------------------------
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        table = metadata.block_table_cpu if metadata.block_table_cpu is not None else metadata.block_table.cpu()
+        table = metadata.host_block_table()
         paged = paged_kv_from_block_table(metadata.seq_lens_cpu, table, self.block_size)
         if self.plan_copied is not None:
             # A plan writes a pinned host buffer and queues its copy to the device. With async
