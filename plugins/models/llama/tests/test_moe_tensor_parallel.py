@@ -65,6 +65,14 @@ def test_tp2_greedy_ids_match_one_device_and_transformers(case, tmp_path):
     assert greedy_ids(tmp_path, tensor_parallel_size=2) == expected
 
 
+def test_tp4_qwen3_moe_with_replicated_kv_heads_matches_transformers(tmp_path):
+    """TP=4 (the 4-GPU runs' layout, here four gloo ranks): 2 KV heads replicated over 4 ranks,
+    every expert split four ways (8 of 32 features per rank), one all-reduce per block."""
+    reference = write_randomised_model(tmp_path, CASES["qwen3_moe"]())
+    expected = [reference_greedy(reference, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+    assert greedy_ids(tmp_path, tensor_parallel_size=4) == expected
+
+
 def test_expert_width_that_does_not_split_is_refused_at_start_up(tmp_path):
     write_tiny_model(tmp_path, transformers.Qwen3MoeConfig(**SMALL, **{**QWEN_MOE, "moe_intermediate_size": 31}, head_dim=32))
     with pytest.raises(ConfigError, match="intermediate size 31 .* cannot be split over 2 tensor-parallel ranks"):
