@@ -44,8 +44,8 @@ from framework.server.protocol import (
     TopLogprob,
     Usage,
 )
-from framework.server.state import ServerState, engine_error, new_id, release_after, sse_stream, until_disconnect
-from framework.server.structured_outputs import first_event_or_error
+from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
+from framework.server.structured_outputs import first_event_or_error, grammar_errors, structured_outputs_field
 from framework.tokenizer import Tokenizer
 
 #: The most tool-call rounds ``mcp_execute`` may run for one request (``mcp_max_rounds``).
@@ -152,13 +152,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = run_choices(state.client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival)
         if turn.params.structured_outputs is not None:  # an invalid grammar is a 400, not an SSE error
-            events = await first_event_or_error(events, release, engine_error)
+            events = await first_event_or_error(events, release, grammar_errors(turn.grammar_field))
         chunks = _chunks(state, request_id, turn, arrival, include_usage, events)
         body = sse_stream(chunks, finalize=release)
         return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                       background=release_after(release, body, chunks, events))
     try:
-        return Response(await until_disconnect(request, _response(state, request_id, turn, arrival)))
+        return Response(await until_disconnect(request, _response(state, request_id, turn, arrival),
+                                               grammar_errors(turn.grammar_field)))
     finally:
         release()
 
@@ -185,11 +186,14 @@ class ChatTurn:
         reasoning = next((p.reasoning for p in self.parsers if p is not None and p.reasoning is not None), None)
         start_after = reasoning.end_marker if reasoning is not None and reasoning.starts_in_reasoning else None
         constraint = structured_outputs_for(setup)
+        #: the request field the grammar came from, named in its errors
+        self.grammar_field = structured_outputs_field(body)
         if constraint is not None:
             if params.structured_outputs is not None:
                 raise bad_request(f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
                                   "response_format or structured_outputs", "tool_choice")
             params = params.replace(structured_outputs=constraint)
+            self.grammar_field = "tools"  # the constraint is built from the tools' parameter schemas
         self.params = after_reasoning(params, start_after)
 
     def next_round(self, messages: list[dict[str, Any]]) -> ChatTurn:
