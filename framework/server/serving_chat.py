@@ -170,6 +170,7 @@ class ChatTurn:
     def __init__(self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup,
                  messages: list[dict[str, Any]]) -> None:
         self.body, self.setup, self.state = body, setup, state
+        self.messages = messages  # the conversation as the template takes it (template_messages ran once)
         client = state.client
         self.prompt_text = chat_prompt_text(client.tokenizer, body, setup.tools, messages)
         self.prompt_ids = client.tokenizer.encode(self.prompt_text, add_special_tokens=False)
@@ -253,7 +254,7 @@ async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival
     prompt_tokens = completion_tokens = 0
     mcp_calls: list[MCPCallRecord] = []
     contents: list[str] = []  # the text of earlier rounds, which a streaming client would have seen too
-    messages = template_messages(turn.body.messages)
+    messages = list(turn.messages)
     for round_index in range(turn.body.mcp_max_rounds + 1):
         choices, num_cached = await _run_turn(state, f"{request_id}-r{round_index}" if round_index else request_id,
                                               turn, arrival)
@@ -313,7 +314,7 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
     model, tokenizer, n = state.model_name, state.client.tokenizer, turn.params.n
     sent_calls: list[set[int]] = [set() for _ in range(n)]
     executing = turn.body.mcp_execute
-    messages = template_messages(turn.body.messages) if executing else []
+    messages = list(turn.messages) if executing else []
 
     def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=model, created=created, choices=choices, usage=usage)
