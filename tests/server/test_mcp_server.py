@@ -208,3 +208,24 @@ def test_mcp_config_forms_and_errors(tmp_path):
             load_mcp_config(str(bad))
     with pytest.raises(ConfigError, match="needs --mcp-command"):
         load_mcp_config(None, None, "x")
+
+
+def test_the_openai_tool_list_is_built_once_per_listing():
+    """Requests share one tool list, built when the servers' tools are listed, not per request."""
+    import asyncio
+
+    from framework.server.mcp_client import MCPManager
+
+    async def run():
+        manager = MCPManager({"calc": {"command": sys.executable, "args": [FIXTURE]}})
+        assert manager.openai_tools() == []  # nothing listed yet
+        await manager.start()
+        try:
+            tools = manager.openai_tools()
+            assert [t["function"]["name"] for t in tools] == ["calc__add", "calc__shout"]
+            assert tools[0]["function"]["parameters"]["properties"]["a"]["type"] == "integer"
+            assert manager.openai_tools() is tools
+        finally:
+            await manager.close()
+
+    asyncio.run(run())
