@@ -15,6 +15,7 @@ from typing import Any
 from framework.engine.builder import Engine, EngineBuilder
 from framework.engine.outputs import LogprobEntry
 from framework.engine.request import FinishReason
+from framework.errors import ConfigError
 from framework.output_text import SequenceText
 from framework.sampling_params import SamplingParams
 
@@ -101,6 +102,10 @@ class LLM:
                 core.add_request(request_id, ids, child)
         while core.has_unfinished():
             for step in core.step():
+                if step.error is not None:  # the engine gave it up (its grammar failed to compile)
+                    for request_id in sequences:
+                        core.abort(request_id)
+                    raise ConfigError(f"request {step.request_id}: {step.error}")
                 output, sequence_text, result, _ = sequences[step.request_id]
                 output.token_ids.extend(step.new_token_ids)
                 if step.new_logprobs and output.logprobs is not None:

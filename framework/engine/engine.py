@@ -213,7 +213,8 @@ class EngineCore:
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Schedule the requests whose grammar compiled; those whose compile failed finish ("abort")."""
+        """Schedule the requests whose grammar compiled; those whose compile failed finish ("abort")
+        with the compiler's message as their output's ``error`` (they never held KV blocks)."""
         manager = self.structured_outputs
         if not manager.num_compiling:
             return []
@@ -226,7 +227,7 @@ class EngineCore:
             self.requests.pop(request.request_id, None)
             request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
             outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="abort",
-                                         num_prompt_tokens=request.num_prompt_tokens))
+                                         num_prompt_tokens=request.num_prompt_tokens, error=message))
         return outputs
 
     def stats(self) -> EngineStats:

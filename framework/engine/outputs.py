@@ -24,6 +24,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     embedding: list[float] | None = None  # pooling requests: the normalized pooled hidden state
+    #: Why the engine gave the request up (with finish_reason "abort"), e.g. its grammar failed to
+    #: compile: the caller reports it as the request's error. None for every other output.
+    error: str | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -7,7 +7,8 @@ EBNF, choice). The :class:`StructuredOutputManager` owns everything grammar-rela
                   the model's vocabulary on a worker thread; compiled grammars are cached by
                   (kind, spec), so the same schema compiles once
     pop_ready     requests whose grammar finished compiling: the engine schedules them only
-                  then, so a slow compile never blocks the other requests
+                  then, so a slow compile never blocks the other requests; those whose compile
+                  failed come back with the error (the engine finishes them with it)
     prepare_bitmask / apply_bitmask
                   per step, before sampling: one bit per vocabulary token for each row, filled on
                   the host by the row's GrammarMatcher (all ones for unconstrained rows), copied
@@ -79,6 +80,13 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
         message = _XGRAMMAR_PREFIX.sub("", str(error).strip())
         what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(kind, kind)
         raise ConfigError(f"structured_outputs.{kind}: invalid {what}: {message}") from None
+
+
+def compile_error_message(params: StructuredOutputsParams, error: BaseException) -> str:
+    """What a client is told when its grammar parsed but failed to compile (or the model's
+    vocabulary could not be read by xgrammar): the field, as :func:`build_grammar` names it."""
+    message = _XGRAMMAR_PREFIX.sub("", str(error).strip()) or type(error).__name__
+    return f"structured_outputs.{params.kind}: the grammar failed to compile: {message}"
 
 
 class TokenBitmask(NamedTuple):
@@ -166,7 +174,8 @@ class StructuredOutputManager:
             if not compiled.done():
                 waiting.append(request)
             elif compiled.exception() is not None:
-                failed.append((request, f"the grammar failed to compile: {compiled.exception()}"))
+                failed.append((request, compile_error_message(request.sampling_params.structured_outputs,
+                                                              compiled.exception())))
                 request.structured_output = None
             else:
                 ready.append(request)

@@ -65,7 +65,7 @@ class MarkerToolParser(ToolParser):
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
-        self.text = ""
+        self.text = ""  # the undecided tail of the reply (see _drop_decided); positions index it
         self.pos = 0  # text before pos is decided
         self.block: tuple[int, str] | None = None  # (where it opened, the marker)
         self.block_base = 0  # index of the block's first call in self.emitted
@@ -81,8 +81,21 @@ class MarkerToolParser(ToolParser):
 
     # --- the driver -----------------------------------------------------------------------
     def feed(self, text: str) -> ToolParseDelta:
+        self._drop_decided()
         self.text += text
         return self._advance(final=False)
+
+    def _drop_decided(self) -> None:
+        """Keep only the undecided tail of the text (from ``pos``; an open block starts there):
+        holding the whole reply would copy it, and rescan it, every token. Positions shift with it."""
+        cut = self.pos
+        if not cut:
+            return
+        self.text, self.pos = self.text[cut:], 0
+        if self.block is not None:
+            self.block = (self.block[0] - cut, self.block[1])
+        self.scan_cache = {start - cut: (pos - cut, *rest) for start, (pos, *rest) in self.scan_cache.items()
+                           if start >= cut}
 
     def finish(self) -> ToolParseDelta:
         out = self._advance(final=True)

@@ -40,7 +40,7 @@ from framework.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from framework.server.serving_chat import chat_prompt_ids, create_chat_completion, template_messages
+from framework.server.serving_chat import chat_prompt_ids, create_chat_completion
 from framework.server.serving_completion import create_completion
 from framework.server.serving_embedding import create_embedding
 from framework.server.state import ServerConfig, ServerState
@@ -119,8 +119,6 @@ class ServiceController(Controller):
         if body.prompt is not None:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            template_messages(body.messages)  # validates roles and content parts
-
             chat = ChatCompletionRequest(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs,
                                          add_generation_prompt=body.add_generation_prompt)
             tokens = chat_prompt_ids(tokenizer, chat)

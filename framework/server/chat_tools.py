@@ -38,6 +38,23 @@ class ServedParsers:
     reasoning_name: str | None = None
 
 
+#: The flag that names each kind of parser, and its registry.
+_PARSER_FLAGS = {"tool": ("--enforce-parser", registries.tool_parsers),
+                 "reasoning": ("--reasoning-parser", registries.reasoning_parsers)}
+
+
+def _checked_parser_name(kind: str, name: str | None) -> str | None:
+    """``name`` if a plugin registers a ``kind`` parser by it, None for no name or ``"none"``;
+    ConfigError naming the flag and listing the valid names otherwise."""
+    if name in (None, "none"):
+        return None
+    flag, registry_of = _PARSER_FLAGS[kind]
+    registry = registry_of()
+    if name not in registry.names():
+        raise ConfigError(f"{flag} {name!r}: no such {kind} parser; valid: {', '.join(sorted(registry.names()))}, none")
+    return name
+
+
 def resolve_parsers(tool_name: str | None, reasoning_name: str | None, chat_template: str | None) -> ServedParsers:
     """Load the named parsers (``--enforce-parser``, ``--reasoning-parser``), else the template's defaults.
 
@@ -45,25 +62,19 @@ def resolve_parsers(tool_name: str | None, reasoning_name: str | None, chat_temp
     """
     defaults = plugins.call_first("default_parsers", model_config=None, chat_template=chat_template) or {}
     served = ServedParsers()
-    for kind, name, registry in (("tool", tool_name, registries.tool_parsers()),
-                                 ("reasoning", reasoning_name, registries.reasoning_parsers())):
-        name = defaults.get(kind) if name is None else name
-        if name in (None, "none"):
-            continue
-        if name not in registry.names():
-            flag = "--enforce-parser" if kind == "tool" else "--reasoning-parser"
-            raise ConfigError(f"{flag} {name!r}: no such {kind} parser; valid: {', '.join(sorted(registry.names()))}, none")
-        setattr(served, kind, registry.get(name).load())
-        setattr(served, f"{kind}_name", name)
+    for kind, name in (("tool", tool_name), ("reasoning", reasoning_name)):
+        name = _checked_parser_name(kind, defaults.get(kind) if name is None else name)
+        if name is not None:
+            setattr(served, kind, _PARSER_FLAGS[kind][1]().get(name).load())
+            setattr(served, f"{kind}_name", name)
     return served
 
 
 def check_parser_names(tool_name: str | None, reasoning_name: str | None) -> None:
-    """Fail early (at ``fw serve``) on a parser name that no plugin registers."""
-    for flag, name, registry in (("--enforce-parser", tool_name, registries.tool_parsers()),
-                                 ("--reasoning-parser", reasoning_name, registries.reasoning_parsers())):
-        if name not in (None, "none") and name not in registry.names():
-            raise ConfigError(f"{flag} {name!r}: no such parser; valid: {', '.join(sorted(registry.names()))}, none")
+    """Fail early (at ``fw serve``, before the model's template is known) on a parser name that no
+    plugin registers; the same check and message as :func:`resolve_parsers`."""
+    _checked_parser_name("tool", tool_name)
+    _checked_parser_name("reasoning", reasoning_name)
 
 
 @dataclass(slots=True)

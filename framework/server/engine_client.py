@@ -137,8 +137,9 @@ class AsyncEngineClient:
         """Yield this request's outputs until one has a finish reason (with ``pooling``: one output
         carrying the embedding).
 
-        Raises ConfigError if the engine refuses the request and EngineDeadError if the engine
-        dies. Leaving early (break, cancellation, a client disconnect) aborts the request.
+        Raises ConfigError if the engine refuses the request, at once or later (an output with an
+        ``error``: its grammar failed to compile), and EngineDeadError if the engine dies. Leaving
+        early (break, cancellation, a client disconnect) aborts the request.
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -154,6 +155,9 @@ class AsyncEngineClient:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise ConfigError(item.error)
                 if item.finish_reason is not None:
                     finished = True
                 yield item

@@ -87,6 +87,7 @@ class MCPManager:
     def __init__(self, servers: dict[str, Any]) -> None:
         self.servers = {name: MCPServerState(name, entry) for name, entry in servers.items()}
         self._tools: dict[str, tuple[MCPServerState, str]] = {}
+        self._openai_tools: list[dict[str, Any]] | None = None  # built once per listing (see openai_tools)
 
     async def start(self) -> None:
         """Connect every server (a failure is recorded and logged, not raised) and list their tools."""
@@ -104,6 +105,7 @@ class MCPManager:
                 continue
             for tool in server.tools:
                 self._tools[f"{server.name}{SEPARATOR}{tool.name}"] = (server, tool.name)
+            self._openai_tools = None  # the tool set changed
             log.info("MCP server %r: %d tools", server.name, len(server.tools))
 
     async def _serve(self, server: MCPServerState, ready: asyncio.Event) -> None:
@@ -143,14 +145,18 @@ class MCPManager:
 
     # --- what the chat handler uses ------------------------------------------------------
     def openai_tools(self) -> list[dict[str, Any]]:
-        """Every listed tool as an OpenAI function tool, named ``<server>__<tool>``."""
-        result = []
-        for name, (server, tool_name) in self._tools.items():
-            tool = next(t for t in server.tools if t.name == tool_name)
-            result.append({"type": "function", "function": {
+        """Every listed tool as an OpenAI function tool, named ``<server>__<tool>``.
+
+        Built once per listing (the servers' tools are listed when they connect, in :meth:`start`)
+        and shared by every request: callers must not modify it."""
+        if self._openai_tools is None:
+            listed = {(server.name, tool.name): tool for server in self.servers.values() for tool in server.tools}
+            self._openai_tools = [{"type": "function", "function": {
                 "name": name, "description": tool.description or "",
-                "parameters": tool.input_schema or {"type": "object", "properties": {}}}})
-        return result
+                "parameters": tool.input_schema or {"type": "object", "properties": {}}}}
+                for name, (server, tool_name) in self._tools.items()
+                for tool in [listed[(server.name, tool_name)]]]
+        return self._openai_tools
 
     def has_tool(self, name: str) -> bool:
         return name in self._tools

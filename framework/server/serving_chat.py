@@ -44,8 +44,8 @@ from framework.server.protocol import (
     TopLogprob,
     Usage,
 )
-from framework.server.state import ServerState, engine_error, new_id, release_after, sse_stream, until_disconnect
-from framework.server.structured_outputs import first_event_or_error
+from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
+from framework.server.structured_outputs import first_event_or_error, grammar_errors, structured_outputs_field
 from framework.tokenizer import Tokenizer
 
 #: The most tool-call rounds ``mcp_execute`` may run for one request (``mcp_max_rounds``).
@@ -152,13 +152,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = run_choices(state.client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival)
         if turn.params.structured_outputs is not None:  # an invalid grammar is a 400, not an SSE error
-            events = await first_event_or_error(events, release, engine_error)
+            events = await first_event_or_error(events, release, grammar_errors(turn.grammar_field))
         chunks = _chunks(state, request_id, turn, arrival, include_usage, events)
         body = sse_stream(chunks, finalize=release)
         return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                       background=release_after(release, body, chunks, events))
     try:
-        return Response(await until_disconnect(request, _response(state, request_id, turn, arrival)))
+        return Response(await until_disconnect(request, _response(state, request_id, turn, arrival),
+                                               grammar_errors(turn.grammar_field)))
     finally:
         release()
 
@@ -169,6 +170,7 @@ class ChatTurn:
     def __init__(self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup,
                  messages: list[dict[str, Any]]) -> None:
         self.body, self.setup, self.state = body, setup, state
+        self.messages = messages  # the conversation as the template takes it (template_messages ran once)
         client = state.client
         self.prompt_text = chat_prompt_text(client.tokenizer, body, setup.tools, messages)
         self.prompt_ids = client.tokenizer.encode(self.prompt_text, add_special_tokens=False)
@@ -185,11 +187,14 @@ class ChatTurn:
         reasoning = next((p.reasoning for p in self.parsers if p is not None and p.reasoning is not None), None)
         start_after = reasoning.end_marker if reasoning is not None and reasoning.starts_in_reasoning else None
         constraint = structured_outputs_for(setup)
+        #: the request field the grammar came from, named in its errors
+        self.grammar_field = structured_outputs_field(body)
         if constraint is not None:
             if params.structured_outputs is not None:
                 raise bad_request(f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
                                   "response_format or structured_outputs", "tool_choice")
             params = params.replace(structured_outputs=constraint)
+            self.grammar_field = "tools"  # the constraint is built from the tools' parameter schemas
         self.params = after_reasoning(params, start_after)
 
     def next_round(self, messages: list[dict[str, Any]]) -> ChatTurn:
@@ -220,61 +225,86 @@ class ChatTurn:
                                reasoning=reasoning), finish
 
 
-async def _execute_mcp_calls(state: ServerState, messages: list[dict[str, Any]], content: str,
-                             calls: list[ToolCall]) -> list[MCPCallRecord]:
-    """Run MCP ``calls`` in order; append the assistant turn and the tool results to ``messages``."""
-    messages.append({"role": "assistant", "content": content, "tool_calls": template_tool_calls(
-        [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls])})
-    records = []
-    for call in calls:
-        result, is_error = await state.mcp.call_tool(call.name, call.arguments)
-        records.append(MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result,
-                                     is_error=is_error))
-        messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
-    return records
+class MCPRounds:
+    """The rounds of one chat request, for the whole and the streamed response alike.
 
+    Each round generates ``turn`` (:meth:`events`; the first round's events may have started
+    already). With ``mcp_execute``, when a round's first choice ends with calls that are all MCP
+    tools and rounds are left (:meth:`runs`), the server runs them (:meth:`run_calls`): the
+    assistant turn and the tool results join the conversation and the next round answers it.
+    """
 
-async def _run_turn(state: ServerState, request_id: str, turn: ChatTurn, arrival: float) -> tuple[list[ChoiceState], int]:
-    """Generate every choice of one turn; also the number of prompt tokens found in the prefix cache."""
-    choices = [ChoiceState() for _ in range(turn.params.n)]
-    num_cached = 0
-    async for delta in run_choices(state.client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival):
-        choices[delta.index].add(delta)
-        num_cached = max(num_cached, delta.num_cached_tokens)
-    return choices, num_cached
+    def __init__(self, state: ServerState, request_id: str, turn: ChatTurn, arrival: float,
+                 first_events: AsyncIterator[ChoiceDelta] | None = None) -> None:
+        self.state, self.request_id, self.turn, self.arrival = state, request_id, turn, arrival
+        self.first_events = first_events
+        self.index = 0
+        self.prompt_tokens = 0
+        self.records: list[MCPCallRecord] = []  # every call the server ran, in order
+        self.messages = list(turn.messages) if turn.body.mcp_execute else []
+
+    def events(self) -> AsyncIterator[ChoiceDelta]:
+        """This round's deltas, every choice merged."""
+        self.prompt_tokens += len(self.turn.prompt_ids)
+        if self.index == 0 and self.first_events is not None:
+            return self.first_events
+        request_id = f"{self.request_id}-r{self.index}" if self.index else self.request_id
+        return run_choices(self.state.client, request_id, [self.turn.prompt_ids], self.turn.params,
+                           self.state.metrics, self.arrival)
+
+    def runs(self, calls: list[ToolCall]) -> bool:
+        """Whether the server runs ``calls`` (the first choice's, at the end of this round) itself."""
+        body = self.turn.body
+        return bool(body.mcp_execute and calls and self.index < body.mcp_max_rounds
+                    and all(self.state.mcp.has_tool(call.name) for call in calls))
+
+    async def run_calls(self, content: str, calls: list[ToolCall]) -> list[MCPCallRecord]:
+        """Run MCP ``calls`` in order, add the assistant turn (``content`` and the calls) and the
+        tool results to the conversation, and make the next round's turn; returns the records."""
+        self.messages.append({"role": "assistant", "content": content, "tool_calls": template_tool_calls(
+            [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls])})
+        records = []
+        for call in calls:
+            result, is_error = await self.state.mcp.call_tool(call.name, call.arguments)
+            records.append(MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result,
+                                         is_error=is_error))
+            self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
+        self.records += records
+        self.turn = self.turn.next_round(self.messages)
+        self.index += 1
+        return records
 
 
 async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival: float) -> ChatCompletionResponse:
     tokenizer = state.client.tokenizer
-    prompt_tokens = completion_tokens = 0
-    mcp_calls: list[MCPCallRecord] = []
+    rounds = MCPRounds(state, request_id, turn, arrival)
+    completion_tokens = num_cached = 0
     contents: list[str] = []  # the text of earlier rounds, which a streaming client would have seen too
-    messages = template_messages(turn.body.messages)
-    for round_index in range(turn.body.mcp_max_rounds + 1):
-        choices, num_cached = await _run_turn(state, f"{request_id}-r{round_index}" if round_index else request_id,
-                                              turn, arrival)
-        prompt_tokens += len(turn.prompt_ids)
+    while True:
+        choices = [ChoiceState() for _ in range(rounds.turn.params.n)]
+        async for delta in rounds.events():
+            choices[delta.index].add(delta)
+            num_cached = max(num_cached, delta.num_cached_tokens)
         completion_tokens += sum(len(c.token_ids) for c in choices)
-        results = [turn.message(i, c) for i, c in enumerate(choices)]
+        results = [rounds.turn.message(i, c) for i, c in enumerate(choices)]
         message, _ = results[0]
-        if not (turn.body.mcp_execute and message.tool_calls and round_index < turn.body.mcp_max_rounds
-                and all(state.mcp.has_tool(call.function.name) for call in message.tool_calls)):
+        calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        if not rounds.runs(calls):
             break
-        calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
-        mcp_calls += await _execute_mcp_calls(state, messages, message.content or "", calls)
+        await rounds.run_calls(message.content or "", calls)
         if message.content:
             contents.append(message.content)
-        turn = turn.next_round(messages)
     if contents:
         message.content = "\n\n".join(contents + [message.content or ""]).rstrip("\n")
-    wants_logprobs = turn.body.logprobs
+    wants_logprobs = rounds.turn.body.logprobs
     response_choices = []
     for i, (c, (message, finish)) in enumerate(zip(choices, results)):
-        if mcp_calls and i == 0:
-            message.mcp_calls = mcp_calls
+        if rounds.records and i == 0:
+            message.mcp_calls = rounds.records
         response_choices.append(ChatChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                                            logprobs=chat_logprobs(tokenizer, c.logprobs if wants_logprobs else None,
                                                                   c.token_ids)))
+    prompt_tokens = rounds.prompt_tokens
     return ChatCompletionResponse(
         id=request_id, model=state.model_name, choices=response_choices,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -309,22 +339,20 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
     model, tokenizer, n = state.model_name, state.client.tokenizer, turn.params.n
     sent_calls: list[set[int]] = [set() for _ in range(n)]
     executing = turn.body.mcp_execute
-    messages = template_messages(turn.body.messages) if executing else []
+    rounds = MCPRounds(state, request_id, turn, arrival, first_events)
 
     def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=model, created=created, choices=choices, usage=usage)
 
     for i in range(n):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-    prompt_tokens = completion_tokens = num_cached = 0
+    completion_tokens = num_cached = 0
     has_content = False
-    for round_index in range(turn.body.mcp_max_rounds + 1):
-        prompt_tokens += len(turn.prompt_ids)
+    while True:
+        turn = rounds.turn
         held: list[ToolCallDelta] = []
         round_content, calls = "", []
-        events = first_events if round_index == 0 else run_choices(
-            state.client, f"{request_id}-r{round_index}", [turn.prompt_ids], turn.params, state.metrics, arrival)
-        async with contextlib.aclosing(events):
+        async with contextlib.aclosing(rounds.events()) as events:
             async for delta in events:
                 completion_tokens += len(delta.token_ids)
                 num_cached = max(num_cached, delta.num_cached_tokens)
@@ -343,12 +371,12 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
                 if executing:
                     held += parsed.tool_calls
                     parsed.tool_calls = []
-                    if parsed.content and round_index and has_content and not round_content:
+                    if parsed.content and rounds.index and has_content and not round_content:
                         parsed.content = "\n\n" + parsed.content  # a later round's text after a blank line
                     round_content += parsed.content
                 has_content = has_content or bool(parsed.content)
                 calls = assemble([ToolParseDelta(tool_calls=held)]).tool_calls if finish_reason and held else []
-                if calls and round_index < turn.body.mcp_max_rounds and all(state.mcp.has_tool(c.name) for c in calls):
+                if rounds.runs(calls):
                     finish_reason = None  # the server runs these calls and goes on
                 elif calls:
                     parsed.tool_calls = [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls)]
@@ -358,11 +386,11 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
                     yield chunk([ChatStreamChoice(index=delta.index, delta=message or DeltaMessage(content=""),
                                                   logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
                                                   finish_reason=finish_reason, stop_reason=delta.stop_reason)])
-        if not (executing and calls):
+        if not calls:
             break
-        records = await _execute_mcp_calls(state, messages, round_content.strip(), calls)
+        records = await rounds.run_calls(round_content.strip(), calls)
         yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(mcp_calls=records))])
-        turn = turn.next_round(messages)
+    prompt_tokens = rounds.prompt_tokens
     if include_usage:
         yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                               total_tokens=prompt_tokens + completion_tokens,

@@ -20,8 +20,8 @@ from framework.server.protocol import (
     Usage,
 )
 from framework.server.serving_chat import reject_unsupported
-from framework.server.state import ServerState, engine_error, new_id, release_after, sse_stream, until_disconnect
-from framework.server.structured_outputs import first_event_or_error
+from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
+from framework.server.structured_outputs import first_event_or_error, grammar_errors, structured_outputs_field
 from framework.tokenizer import Tokenizer
 
 
@@ -102,15 +102,16 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
     request_id = new_id("cmpl")
     events = run_choices(client, request_id, prompts, params, state.metrics, arrival)
     job = _Completion(state, request_id, body, prompts, texts, params.n)
+    to_api_error = grammar_errors(structured_outputs_field(body))
     if body.stream and params.structured_outputs is not None:  # an invalid grammar is a 400, not an SSE error
-        events = await first_event_or_error(events, release, engine_error)
+        events = await first_event_or_error(events, release, to_api_error)
     if body.stream:
         chunks = job.chunks(events)
         body = sse_stream(chunks, finalize=release)
         return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                       background=release_after(release, body, chunks, events))
     try:
-        return Response(await until_disconnect(request, job.response(events)))
+        return Response(await until_disconnect(request, job.response(events), to_api_error))
     finally:
         release()
 

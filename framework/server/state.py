@@ -163,8 +163,11 @@ def engine_error(error: Exception) -> APIError:
     return APIError(500, f"{type(error).__name__}: {error}", code="internal_error")
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first, cancel it (which aborts its engine requests)."""
+async def until_disconnect(request: Request, work: Awaitable[T],
+                           to_api_error: Callable[[Exception], APIError] | None = None) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (which aborts its engine requests).
+
+    Its errors become API errors through ``to_api_error`` (default :func:`engine_error`)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -179,7 +182,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     try:
         return task.result()
     except Exception as error:
-        raise engine_error(error) from None
+        raise (to_api_error or engine_error)(error) from None
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -16,8 +16,10 @@ field                                                  constraint
 =====================================================  ================================================
 
 Shape errors are 400s naming the field, raised here (the API process never imports xgrammar);
-whether a schema, regex or grammar compiles is checked by the engine when the request is added,
-and its error also reaches the client as a 400.
+whether a schema, regex or grammar parses is checked by the engine when the request is added, and
+whether it compiles just after (on the engine's compile thread, before the request is scheduled).
+Either error reaches the client as a 400 naming the field (:func:`grammar_errors`): streamed
+responses wait for their first event before they start (:func:`first_event_or_error`).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from typing import Any
 
 import msgspec
 
+from framework.errors import ConfigError
 from framework.sampling_params import StructuredOutputsParams
 from framework.server.errors import APIError, bad_request
+from framework.server.state import engine_error
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -38,6 +42,23 @@ _AT = re.compile(r" - at `\$\.([\w.\[\]]+)`$")
 
 def structured_outputs_from_request(body: Any) -> StructuredOutputsParams | None:
     """The constraint a chat or completions request asks for, or None; a 400 naming the field if malformed."""
+    found = _constraints(body)
+    return found[0][1] if found else None
+
+
+def structured_outputs_field(body: Any) -> str | None:
+    """The request field that holds the grammar (``response_format.json_schema.schema``,
+    ``structured_outputs.regex``, ``guided_grammar``, ...), for errors about it; None without one."""
+    found = _constraints(body)
+    if not found:
+        return None
+    name, params = found[0]
+    if name == "response_format":
+        return "response_format" if params.kind == "json_object" else "response_format.json_schema.schema"
+    return f"structured_outputs.{params.kind}" if name == "structured_outputs" else name
+
+
+def _constraints(body: Any) -> list[tuple[str, StructuredOutputsParams]]:
     found: list[tuple[str, StructuredOutputsParams]] = []
     response_format = getattr(body, "response_format", None)
     if response_format is not None:
@@ -54,7 +75,20 @@ def structured_outputs_from_request(body: Any) -> StructuredOutputsParams | None
         names = ", ".join(name for name, _ in found)
         raise bad_request(f"give at most one of response_format, structured_outputs and the guided_* fields; got {names}",
                           found[1][0])
-    return found[0][1] if found else None
+    return found
+
+
+def grammar_errors(field: str | None) -> Callable[[Exception], APIError]:
+    """:func:`~framework.server.state.engine_error`, except that the engine's error about a grammar
+    (``structured_outputs.<kind>: ...``: invalid, or failed to compile) is a 400 naming ``field``,
+    the request field the grammar came from."""
+    def to_api_error(error: Exception) -> APIError:
+        message = str(error)
+        if field is not None and isinstance(error, ConfigError) and message.startswith("structured_outputs."):
+            return bad_request(f"{field}: {message.split(': ', 1)[-1]}", field)
+        return engine_error(error)
+
+    return to_api_error
 
 
 def _from_response_format(value: Any) -> StructuredOutputsParams | None:

@@ -150,6 +150,39 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(tiny_path, monkeypa
     assert len(tokens) == 4 and set(tokens[:3]) <= {2, 3, 4, 5} and tokens[3] == EOS
 
 
+def test_a_grammar_that_fails_to_compile_finishes_with_its_error_and_frees_everything(tiny_path, monkeypatch):
+    """A compile failure (after the grammar parsed) finishes the request with finish_reason "abort"
+    and the compiler's message as ``error``; it holds nothing, and the engine keeps serving."""
+    llm = LLM(tiny_path, num_blocks=64)
+    core, manager = llm.engine.core, llm.engine.core.structured_outputs
+    compile_grammar = manager._compile
+    failing = StructuredOutputsParams(regex="t9t9t9")
+
+    def compile_or_fail(grammar):
+        if '"t" "9" "t" "9"' in str(grammar):
+            raise RuntimeError("[10:00:00] /project/cpp/grammar_compiler.cc:42: too many states")
+        return compile_grammar(grammar)
+
+    monkeypatch.setattr(manager, "_compile", compile_or_fail)
+    core.add_request("bad", [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=failing))
+    core.add_request("free", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outputs = core.run_until_done(timeout_s=60)
+    bad = [o for o in outputs if o.request_id == "bad"]
+    assert len(bad) == 1 and bad[0].new_token_ids == [] and bad[0].finish_reason == "abort"
+    assert bad[0].error == "structured_outputs.regex: the grammar failed to compile: too many states"
+    assert all(o.error is None for o in outputs if o.request_id == "free")
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "free") == 3
+    assert not core.requests and manager.num_compiling == 0
+    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+    # LLM.generate raises it (and leaves nothing behind); a valid grammar still works after
+    with pytest.raises(ConfigError, match="structured_outputs.regex: the grammar failed to compile: too many states"):
+        llm.generate([_prompt(1), _prompt(2)], [SamplingParams(max_tokens=8, structured_outputs=failing),
+                                                SamplingParams(max_tokens=8, ignore_eos=True)])
+    assert not core.has_unfinished() and core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+    result = llm.generate([_prompt(1)], SamplingParams(temperature=0, max_tokens=10, structured_outputs=THREE_SMALL))
+    assert result[0].outputs[0].token_ids[3] == EOS
+
+
 def test_abort_frees_the_grammar_state(tiny_llm):
     core, manager = tiny_llm.engine.core, tiny_llm.engine.core.structured_outputs
     core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=THREE_SMALL))

@@ -94,6 +94,13 @@ def test_unknown_parser_names_list_the_valid_ones():
         check_parser_names("hermes2", None)
     with pytest.raises(ConfigError, match=r"--reasoning-parser 'r1'.*deepseek_r1, qwen3"):
         check_parser_names(None, "r1")
+    # one check: the server's resolution says the same as the early check at fw serve
+    for tool, reasoning in (("hermes2", None), (None, "r1")):
+        with pytest.raises(ConfigError) as early:
+            check_parser_names(tool, reasoning)
+        with pytest.raises(ConfigError) as late:
+            resolve_parsers(tool, reasoning, None)
+        assert str(early.value) == str(late.value)
 
 
 def test_serve_flags_reach_the_server_config(monkeypatch, tmp_path):

@@ -146,6 +146,21 @@ def test_streamed_mcp_execute_streams_each_round_and_the_calls_between(client, s
         len(server.engine.tokenizer.encode(t, add_special_tokens=False)) for t in ("Let me add.\n" + CALL, "The sum is 42."))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_are_templated_once_per_request_over_all_rounds(client, monkeypatch, stream):
+    """The conversation is converted for the template once (each MCP round appends to it)."""
+    from framework.server import serving_chat
+
+    calls = []
+    original = serving_chat.template_messages
+    monkeypatch.setattr(serving_chat, "template_messages", lambda messages: calls.append(1) or original(messages))
+    response = client.chat.completions.create(model="scripted", messages=MESSAGES, stream=stream,
+                                              extra_body={"mcp_execute": True})
+    text = ("".join(c.choices[0].delta.content or "" for c in response if c.choices) if stream
+            else response.choices[0].message.content)
+    assert text == "Let me add.\n\nThe sum is 42." and len(calls) == 1
+
+
 def test_streamed_mcp_execute_sends_calls_it_cannot_run_whole(client):
     tools = [{"type": "function", "function": {"name": "calc__add", "parameters": {"type": "object"}}}]
     chunks = list(client.chat.completions.create(model="scripted", messages=MESSAGES, stream=True, tools=tools,
@@ -193,3 +208,24 @@ def test_mcp_config_forms_and_errors(tmp_path):
             load_mcp_config(str(bad))
     with pytest.raises(ConfigError, match="needs --mcp-command"):
         load_mcp_config(None, None, "x")
+
+
+def test_the_openai_tool_list_is_built_once_per_listing():
+    """Requests share one tool list, built when the servers' tools are listed, not per request."""
+    import asyncio
+
+    from framework.server.mcp_client import MCPManager
+
+    async def run():
+        manager = MCPManager({"calc": {"command": sys.executable, "args": [FIXTURE]}})
+        assert manager.openai_tools() == []  # nothing listed yet
+        await manager.start()
+        try:
+            tools = manager.openai_tools()
+            assert [t["function"]["name"] for t in tools] == ["calc__add", "calc__shout"]
+            assert tools[0]["function"]["parameters"]["properties"]["a"]["type"] == "integer"
+            assert manager.openai_tools() is tools
+        finally:
+            await manager.close()
+
+    asyncio.run(run())

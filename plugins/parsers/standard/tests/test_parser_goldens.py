@@ -193,3 +193,25 @@ def test_random_marker_soup_never_raises_and_streams_like_one_shot(name):
         assert summary(streamed) == summary(one_shot), text
         if not one_shot.tool_calls:
             assert one_shot.content == text  # nothing read as a call: every character is content
+
+
+def _long_prose(seed: int, words: int = 3000) -> str:
+    rng = random.Random(seed)
+    vocabulary = ["the", "weather", "is", "fine,", "a < b", "and", "[TOOL", "<tool", "text.", "\n", "<|python", "call"]
+    return " ".join(rng.choice(vocabulary) for _ in range(words))
+
+
+@pytest.mark.parametrize("name,text,content,calls", [g for g in GOLDENS if g[3]])
+def test_a_long_reply_fed_token_by_token_matches_one_shot_and_holds_only_its_tail(name, text, content, calls):
+    """Each feed keeps only the undecided tail: the text held never grows with the reply
+    (appending to the whole reply made streaming quadratic), and the result is the one-shot one."""
+    parser_cls = load(name)
+    for reply in (text + " " + _long_prose(1), _long_prose(2) + text + _long_prose(3)):
+        parser = parser_cls(TOOLS)
+        deltas, held = [], 0
+        for piece in random_pieces(reply, 7):
+            deltas.append(parser.feed(piece))
+            held = max(held, len(parser.text))
+        deltas.append(parser.finish())
+        assert summary(assemble(deltas)) == summary(parser_cls(TOOLS).parse(reply))
+        assert held <= len(text) + 64, (held, len(reply))
