@@ -379,9 +379,10 @@ def capture_logits(llm) -> dict:
     return records
 
 
-def check_logits_parity(path, reference, prompts: list[list[int]], *, rel_tol: float = 1e-4, **engine_args) -> None:
+def check_logits_parity(path, reference, prompts: list[list[int]], *, rel_tol: float = 1e-4, **engine_args):
     """The engine's logits at every prompt position (batched, chunked prefill) equal transformers'
-    within ``rel_tol`` of the largest logit. ``engine_args`` go to :class:`framework.LLM`."""
+    within ``rel_tol`` of the largest logit. ``engine_args`` go to :class:`framework.LLM`; returns
+    the engine's ``LLM`` (to inspect what ran)."""
     import torch
 
     from framework import LLM, SamplingParams
@@ -394,6 +395,7 @@ def check_logits_parity(path, reference, prompts: list[list[int]], *, rel_tol: f
         got = torch.stack([records[(f"{index}-0", pos)] for pos in range(len(prompt))])
         error, bound = (got - expected).abs().max().item(), rel_tol * expected.abs().max().item()
         assert error <= bound, f"prompt {index}: max logit error {error:.3g} > {bound:.3g}"
+    return llm
 
 
 def check_greedy_parity(path, reference, prompts: list[list[int]], steps: int = 32, **engine_args) -> None:
