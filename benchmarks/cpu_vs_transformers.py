@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from common import git_commit
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -76,9 +76,8 @@ def main() -> None:
     for batch in args.batch:
         rows.append(time_fw(path, batch, args.new_tokens))
         rows.append(time_transformers(path, batch, args.new_tokens))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {"date": time.strftime("%Y-%m-%d"), "device": f"cpu ({platform.processor() or platform.machine()}, "
-              f"{torch.get_num_threads()} threads)", "commit": commit, "model": path.name, "torch": torch.__version__,
+              f"{torch.get_num_threads()} threads)", "commit": git_commit(), "model": path.name, "torch": torch.__version__,
               "command": "python benchmarks/cpu_vs_transformers.py " + " ".join(f"--batch {' '.join(map(str, args.batch))} --new-tokens {args.new_tokens}".split()),
               "results": rows}
     if args.out:

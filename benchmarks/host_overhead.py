@@ -12,14 +12,12 @@ median decode step and the ``generate`` time per step outside ``step()``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from common import write_model_folder
 
 
 def main() -> None:
@@ -35,8 +33,7 @@ def main() -> None:
     config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 32,
               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
               "vocab_size": 1024, "max_position_embeddings": 4096, "tie_word_embeddings": True}
-    folder = Path(tempfile.mkdtemp())
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = write_model_folder(config)
     kwargs = {"async_scheduling": True} if args.async_scheduling else {}
     llm = LLM(str(folder), load_format="dummy", dtype="f32", max_model_len=2100, enable_prefix_caching=False,
               num_blocks=args.requests * 140, max_num_seqs=args.requests, **kwargs)

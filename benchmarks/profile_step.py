@@ -7,18 +7,26 @@ Builds the shape with random weights (as ``decode.py`` does), reaches steady dec
 ``--steps`` engine steps under ``torch.profiler`` and prints: wall ms per step, GPU-busy ms per
 step (the sum of kernel times; below the wall time means the device waits for the host), and the
 kernels that take the most time. ``--prefill N`` profiles one N-token prefill step instead.
+The engine flags (``--dtype``, ``--attention-backend``, ``--tp``, ...) are ``decode.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from decode import SHAPES
+from common import (
+    SHAPES,
+    add_engine_arguments,
+    add_random_requests,
+    engine_kwargs,
+    model_config,
+    prefill_until_decode,
+    random_prompt,
+    synchronize,
+    write_model_folder,
+)
 
 
 def main() -> None:
@@ -29,40 +37,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism over GPUs 0..N-1 (rank 0's GPU is profiled)")
-    parser.add_argument("--all-reduce", default="nccl", choices=["nccl", "symm_mem", "auto"])
-    parser.add_argument("--no-async-scheduling", action="store_true")
+    add_engine_arguments(parser)  # --tp N / --d: tensor parallelism, rank 0's GPU is profiled
     args = parser.parse_args()
 
     from framework import LLM, SamplingParams
 
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5, **SHAPES[args.shape]}
-    folder = Path(tempfile.mkdtemp())
-    (folder / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(folder), load_format="dummy", dtype="bf16", max_num_seqs=max(args.batch, 1),
-              max_model_len=max(args.context, args.prefill) + args.steps + 64, enable_prefix_caching=False,
-              async_scheduling=False if args.no_async_scheduling else None, all_reduce=args.all_reduce,
-              **({"device_ids": list(range(args.tp)), "tensor_parallel_size": args.tp} if args.tp > 1 else {}))
+    folder = write_model_folder(model_config(args.shape))
+    llm = LLM(str(folder), **engine_kwargs(args, max_num_seqs=max(args.batch, 1),
+                                           max_model_len=max(args.context, args.prefill) + args.steps + 64))
     core, vocab = llm.engine.core, llm.engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompt = lambda n: torch.randint(0, vocab, (n,), generator=generator).tolist()  # noqa: E731
     if args.prefill:
         for i in range(3):  # warm-up, then the profiled one
-            core.add_request(f"p{i}", prompt(args.prefill), SamplingParams(max_tokens=1, ignore_eos=True))
+            core.add_request(f"p{i}", random_prompt(vocab, args.prefill, generator), SamplingParams(max_tokens=1, ignore_eos=True))
             if i == 2:
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                               torch.profiler.ProfilerActivity.CUDA])
                 profiler.start()
             started = time.perf_counter()
             core.run_until_done()
-            torch.cuda.synchronize()
+            synchronize()
         steps, wall = 1, time.perf_counter() - started
     else:
         params = SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=0.0)
-        for i in range(args.batch):
-            core.add_request(f"d{i}", prompt(args.context), params)
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.requests.values()):
-            core.step()
+        add_random_requests(llm, "d", args.batch, args.context, params, generator)
+        prefill_until_decode(core)
         for _ in range(8):
             core.step()
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

@@ -379,9 +379,10 @@ def capture_logits(llm) -> dict:
     return records
 
 
-def check_logits_parity(path, reference, prompts: list[list[int]], *, rel_tol: float = 1e-4, **engine_args) -> None:
+def check_logits_parity(path, reference, prompts: list[list[int]], *, rel_tol: float = 1e-4, **engine_args):
     """The engine's logits at every prompt position (batched, chunked prefill) equal transformers'
-    within ``rel_tol`` of the largest logit. ``engine_args`` go to :class:`framework.LLM`."""
+    within ``rel_tol`` of the largest logit. ``engine_args`` go to :class:`framework.LLM`; returns
+    the engine's ``LLM`` (to inspect what ran)."""
     import torch
 
     from framework import LLM, SamplingParams
@@ -394,6 +395,7 @@ def check_logits_parity(path, reference, prompts: list[list[int]], *, rel_tol: f
         got = torch.stack([records[(f"{index}-0", pos)] for pos in range(len(prompt))])
         error, bound = (got - expected).abs().max().item(), rel_tol * expected.abs().max().item()
         assert error <= bound, f"prompt {index}: max logit error {error:.3g} > {bound:.3g}"
+    return llm
 
 
 def check_greedy_parity(path, reference, prompts: list[list[int]], steps: int = 32, **engine_args) -> None:
@@ -496,3 +498,69 @@ def check_no_sync_and_cuda_graph_replay(run, inputs, fresh_inputs) -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(outs, run(*inputs), rtol=0, atol=0)
+
+
+# --- which kernels ran --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def count_kernel_calls() -> Iterator[dict[str, int]]:
+    """Count what the layers and engines built inside the block call: ``{"op/name": calls}`` for
+    the kernel registry's implementations (``"fused_moe/triton"``, ``"rms_norm/torch"``) and
+    ``{"attention/name": calls}`` for the attention backend's ``forward``.
+
+    Layers resolve their kernels at construction (:func:`framework.kernels.get_kernel`), so build
+    the engine inside the block; shared rotary modules are rebuilt for it. Replays of a CUDA graph
+    do not reach Python: the counts are of eager calls and graph captures (prefill is eager).
+    :func:`check_kernels_used` turns the counts into a test that a fallback fails.
+    """
+    import collections
+    import functools
+
+    from framework import kernels, registries
+    from framework.engine.builder import EngineBuilder
+    from framework.layers import rotary
+    from framework.platform import detect_platform
+
+    calls: collections.Counter[str] = collections.Counter()
+
+    def counted(key: str, function: Any) -> Any:
+        @functools.wraps(function)
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls[key] += 1
+            return function(*args, **kwargs)
+
+        return counting
+
+    resolve, select_backend = kernels._resolve, EngineBuilder.select_attention_backend
+
+    def counting_resolve(op: str, name: str | None, generation: int) -> Any:
+        platform = detect_platform()
+        key = registries.kernels(platform).select(op, platform, name).key  # what ``_resolve`` loads
+        return counted(key, resolve(op, name, generation))
+
+    def counting_select_backend(builder: EngineBuilder) -> Any:
+        backend = select_backend(builder)
+        backend.forward = counted(f"attention/{builder.backend_name}", backend.forward)
+        return backend
+
+    rotary._cached_rope.cache_clear()  # a rotary module built before the block holds an uncounted kernel
+    kernels._resolve, EngineBuilder.select_attention_backend = counting_resolve, counting_select_backend
+    try:
+        yield calls
+    finally:
+        kernels._resolve, EngineBuilder.select_attention_backend = resolve, select_backend
+        rotary._cached_rope.cache_clear()  # nor may later models share a counting one
+
+
+def check_kernels_used(calls: dict[str, int], expected: dict[str, str]) -> None:
+    """Every op of ``expected`` (``{"fused_moe": "triton", "attention": "triton", ...}``; ``"attention"``
+    is the attention backend) ran, through the named implementation and no other. ``calls`` come
+    from :func:`count_kernel_calls`; an op that fell back to another implementation (the torch
+    reference where Triton was meant), or never ran, fails with the counts of that op."""
+    failures = []
+    for op, name in sorted(expected.items()):
+        ran = {key.partition("/")[2]: count for key, count in calls.items() if key.partition("/")[0] == op and count}
+        if set(ran) != {name}:
+            failures.append(f"{op}: expected only {name!r} to run, ran {ran or 'nothing'}")
+    assert not failures, "; ".join(failures) + f" (all calls: {dict(sorted(calls.items()))})"

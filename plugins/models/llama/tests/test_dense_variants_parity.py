@@ -18,7 +18,9 @@ import transformers
 from framework import LLM
 from framework.testing import (
     check_greedy_parity,
+    check_kernels_used,
     check_logits_parity,
+    count_kernel_calls,
     reference_logits,
     write_randomised_model,
 )
@@ -128,6 +130,12 @@ def test_cli_generate_runs_a_glm4_directory(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_fast_path_greedy_tokens_match_transformers(tiny):
-    """Triton attention, Triton rotary (partial, interleaved) and norms, CUDA graphs (fp32)."""
+    """Triton attention, Triton rotary (partial, interleaved), SwiGLU and RMS norms, CUDA graphs (fp32):
+    every one of them ran (a fallback to the torch reference fails). StableLM's norms are LayerNorms."""
     path, reference = tiny
-    check_greedy_parity(path, reference, PROMPTS, device="cuda", dtype="f32")
+    with count_kernel_calls() as calls:
+        check_greedy_parity(path, reference, PROMPTS, device="cuda", dtype="f32")
+    ops = ["attention", "rotary_embedding", "silu_and_mul"]
+    if reference.config.model_type != "stablelm":
+        ops += ["rms_norm", "fused_add_rms_norm"]
+    check_kernels_used(calls, dict.fromkeys(ops, "triton"))

@@ -17,6 +17,8 @@ from framework.testing import (
     PARITY_PROMPTS,
     ModelParityTests,
     check_greedy_parity,
+    check_kernels_used,
+    count_kernel_calls,
     tiny_model_fixture,
     write_tiny_model,
 )
@@ -94,9 +96,13 @@ def test_dummy_weights_load_through_transformers_stacked_names(tiny, tmp_path):
 @pytest.mark.gpu
 def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
     """Triton fused_moe (both alignment paths: batch 1 decode and a 64-token prefill chunk) and
-    CUDA-graphed decode steps give transformers' greedy ids (fp32)."""
+    CUDA-graphed decode steps give transformers' greedy ids (fp32); fused_moe, the norms, rotary,
+    SwiGLU (the dense layer) and attention all ran in Triton (a fallback to torch fails)."""
     reference = write_tiny_model(tmp_path, CONFIGS["qwen3_moe_qk_norm"]())
-    llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
-    assert "decode graphs" in llm.engine.summary["cuda_graphs"]
-    check_greedy_parity(tmp_path, reference, [*PARITY_PROMPTS, list(range(2, 66))], device="cuda", dtype="f32",
-                        prefill_chunk_size=64, max_num_batched_tokens=128)
+    with count_kernel_calls() as calls:
+        llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
+        assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+        check_greedy_parity(tmp_path, reference, [*PARITY_PROMPTS, list(range(2, 66))], device="cuda", dtype="f32",
+                            prefill_chunk_size=64, max_num_batched_tokens=128)
+    check_kernels_used(calls, dict.fromkeys(["fused_moe", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+                                             "silu_and_mul", "attention"], "triton"))

@@ -228,3 +228,38 @@ def hf_reference():
         return tokenizer, config
 
     return reference
+
+
+def _check_kept_packed(model, qtype: Q | None = None) -> list[str]:
+    """Assert that every GGUF layer of `model` holds its weight as GGUF blocks only: one uint8 buffer
+    `[rows, bytes_per_row(type, in_features)]` per shard (of `qtype` when given), no dequantized
+    `gguf_dense`, and no floating tensor but a bias. Returns the names of the layers checked (none
+    is an error: the model would have no GGUF layer at all)."""
+    import torch
+    from fw_gguf.dequant import bytes_per_row
+    from fw_gguf.method import GGUFLinearMethod
+
+    checked = []
+    for name, layer in model.named_modules():
+        if not isinstance(getattr(layer, "linear_method", None), GGUFLinearMethod):
+            continue
+        assert layer.gguf_dense is None, f"{name}: dequantized at load ({tuple(layer.gguf_dense.shape)})"
+        for index, (shard_type, rows) in enumerate(zip(layer.gguf_types, layer.gguf_rows, strict=True)):
+            packed = getattr(layer, f"gguf_weight_{index}")
+            expected = (rows, bytes_per_row(shard_type, layer.gguf_in_features))
+            assert (packed.dtype, tuple(packed.shape)) == (torch.uint8, expected), f"{name} shard {index}"
+            assert qtype is None or shard_type == qtype, f"{name} shard {index}: {shard_type.name}"
+        tensors = [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]
+        dense = [f"{n} {t.dtype} {tuple(t.shape)}" for n, t in tensors if t.is_floating_point() and t.dim() > 1]
+        assert not dense, f"{name}: dense copies beside the packed blocks: {dense}"
+        assert layer.weight.numel() == 0  # the loader's placeholder holds nothing
+        checked.append(name)
+    assert checked, "no GGUF layer in the model"
+    return checked
+
+
+@pytest.fixture(scope="session")
+def check_kept_packed():
+    """`check_kept_packed(model, qtype=None) -> [layer names]`: fails unless every GGUF layer of `model`
+    holds packed GGUF blocks only (see `_check_kept_packed`)."""
+    return _check_kept_packed

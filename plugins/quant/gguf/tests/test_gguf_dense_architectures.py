@@ -149,10 +149,12 @@ def test_gguf_config_states_the_variant(converted):
 
 
 @pytest.mark.parametrize("arch", ["phi3", "glm4"])
-def test_q8_0_fused_layers_kept_packed_match_transformers_on_the_dequantized_weights(arch, tmp_path, monkeypatch):
+def test_q8_0_fused_layers_kept_packed_match_transformers_on_the_dequantized_weights(arch, tmp_path, monkeypatch,
+                                                                                   check_kept_packed):
     """Q8_0 matrices, kept packed and dequantized inside the matmul (the GPU path), including
     the fused qkv / gate_up tensors split into shards: the logits equal transformers' on the
-    same model with every matrix replaced by its Q8_0 round trip."""
+    same model with every matrix replaced by its Q8_0 round trip, and every matrix of the engine
+    that computed them is Q8_0 blocks only (a loader that dequantized would fail)."""
     from framework.testing import check_logits_parity
 
     reference = write_tiny_model(tmp_path / "hf", CONFIGS[arch]())
@@ -167,4 +169,11 @@ def test_q8_0_fused_layers_kept_packed_match_transformers_on_the_dequantized_wei
                 packed = gguf.quants.quantize(param.numpy(), q8)
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(packed, q8)))
     monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
-    check_logits_parity(path, reference, PROMPTS)
+    model = check_logits_parity(path, reference, PROMPTS).engine.core.runner.model
+    packed = check_kept_packed(model, q8)
+    linear = [name for name, module in model.named_modules() if getattr(module, "linear_method", None) is not None]
+    assert packed == linear  # every matrix layer, none left unquantized
+    layers = reference.config.num_hidden_layers
+    for part in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        assert [name for name in packed if name.endswith(part)] == [f"model.layers.{i}.{part}" for i in range(layers)]
+    assert "model.embed_tokens" in packed

@@ -74,8 +74,11 @@ def test_split_gguf_gives_the_same_output_as_the_whole_file(smollm2_gguf_path, s
     assert LLM(str(tmp_path), file=shards[0].name, num_blocks=32).generate(PROMPTS[0], params)[0].outputs[0].token_ids == whole
 
 
-def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_path, monkeypatch):
-    """The packed path (dequantize inside apply, as on GPUs) against the CPU load-time fallback."""
+def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_path, monkeypatch, check_kept_packed):
+    """The packed path (dequantize inside apply, as on GPUs) against the CPU load-time fallback;
+    each engine holds its weights the way it says (only GGUF blocks, or only dense matrices)."""
+    from fw_gguf.method import GGUFLinearMethod
+
     from framework.testing import capture_logits
 
     prompt = {"prompt_token_ids": [1, 504, 3575, 282, 4649, 314]}
@@ -83,23 +86,33 @@ def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_pa
     for keep in ("0", "1"):
         monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep)
         llm = LLM(str(smollm2_gguf_path), num_blocks=16)
-        layer = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
-        assert (layer.gguf_dense is None) == (keep == "1")
+        model = llm.engine.core.runner.model
+        if keep == "1":
+            packed = check_kept_packed(model)
+            assert len(packed) >= 4 * len(model.model.layers) + 1  # qkv, o, gate_up, down per layer; the table
+        else:
+            layers = [m for m in model.modules() if isinstance(getattr(m, "linear_method", None), GGUFLinearMethod)]
+            assert layers and all(layer.gguf_dense.dtype == torch.float32 and not hasattr(layer, "gguf_weight_0")
+                                  for layer in layers)
         records = capture_logits(llm)
         llm.generate(prompt, SamplingParams(max_tokens=1))
         logits[keep] = torch.stack([records[key] for key in sorted(records)])
     assert torch.equal(logits["0"], logits["1"])
 
 
-def test_mixed_type_fused_layer_keeps_one_buffer_per_shard(gemma3_gguf_path, monkeypatch):
+def test_mixed_type_fused_layer_keeps_one_buffer_per_shard(gemma3_gguf_path, monkeypatch, check_kept_packed):
     monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
     llm = LLM(str(gemma3_gguf_path), num_blocks=16)
-    qkv = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
+    model = llm.engine.core.runner.model
+    assert "model.layers.0.self_attn.qkv_proj" in check_kept_packed(model)
+    qkv = model.model.layers[0].self_attn.qkv_proj
     names = [t.name for t in qkv.gguf_types]
     assert len(names) == 3 and len(set(names)) > 1, names  # Q4_K_M: q/k and v differ
     from fw_gguf.reader import open_gguf
 
     tensors = open_gguf(gemma3_gguf_path).tensors
+    for index, x in enumerate("qkv"):  # each shard holds the file's own bytes
+        assert torch.equal(getattr(qkv, f"gguf_weight_{index}"), torch.as_tensor(tensors[f"blk.0.attn_{x}.weight"].data))
     expected = torch.cat([tensors[f"blk.0.attn_{x}.weight"].dequantize() for x in "qkv"])
     assert torch.equal(qkv.linear_method.dequantized(qkv, torch.float32), expected)
 

@@ -143,8 +143,11 @@ def test_gguf_moe_gives_the_logits_of_the_safetensors_checkpoint(tiny_moe):
     torch.testing.assert_close(from_gguf, from_safetensors, rtol=1e-5, atol=1e-5)
 
 
-def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny_moe):
-    """Q8_0 router (kept packed by the gguf LinearMethod) and experts (dequantized into FusedMoE)."""
+def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny_moe, monkeypatch, check_kept_packed):
+    """Q8_0 router and shared expert kept packed by the gguf LinearMethod (``FW_GGUF_KEEP_PACKED``,
+    the GPU path) and experts dequantized into FusedMoE's stacked weights."""
+    from framework.layers.fused_moe import FusedMoE
+
     arch, folder, reference = tiny_moe
     stored = write_gguf(folder / "model-q8.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
     # transformers' model holding exactly the values the file holds
@@ -154,7 +157,17 @@ def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny
     down = "model.layers.0.mlp.experts.down_proj"
     assert not torch.equal(state[down], reference.state_dict()[down])  # quantization changed the values
     dequantized.load_state_dict(state)
-    check_logits_parity(folder / "model-q8.gguf", dequantized, PROMPTS)
+    monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
+    model = check_logits_parity(folder / "model-q8.gguf", dequantized, PROMPTS).engine.core.runner.model
+    packed = check_kept_packed(model)
+    quantized = {name for name, module in model.named_modules()
+                 if name in packed and {t.name for t in module.gguf_types} == {"Q8_0"}}
+    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    assert sparse and {f"model.layers.{i}.mlp.gate" for i in sparse} <= quantized
+    if arch == "qwen2moe":
+        assert {f"model.layers.{i}.mlp.shared_expert.{p}" for i in sparse for p in ("gate_up_proj", "down_proj")} <= quantized
+    experts = [module for module in model.modules() if isinstance(module, FusedMoE)]
+    assert len(experts) == len(sparse) and all(e.w13_weight.dtype == e.w2_weight.dtype == torch.float32 for e in experts)
 
 
 def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):

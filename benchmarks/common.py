@@ -1,0 +1,183 @@
+"""What the engine benchmarks share: model shapes on random weights, engine flags, prompts, steady decode.
+
+``decode.py``, ``gpu_suite.py`` and ``profile_step.py`` build their engines with it;
+``host_overhead.py`` and ``cpu_vs_transformers.py`` take the model folder and the commit from it.
+The scripts run as ``python benchmarks/<script>.py``, which puts this directory on ``sys.path``.
+Nothing here needs a GPU: on a CPU the ``tiny`` and ``tiny-moe`` shapes check the scripts themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Model shapes (Hugging Face ``config.json`` fields) for random-weight engines. A shape without
+#: ``architectures`` is a Llama (see :func:`model_config`).
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "qwen3-0.6b-like-llama": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=1024, max_position_embeddings=4096),
+    # Qwen3-30B-A3B: 48 layers of 128 experts (top-8, width 768), QK norm
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # DeepSeek-V2-Lite: MLA (kv_lora_rank 512, rope 64: 576 cached numbers per token and layer), 26 MoE layers
+    # of 64 experts (top-6, width 1408) + 2 shared, 1 dense layer; YaRN x40
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+                             intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
+                             num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
+                             routed_scaling_factor=1.0, norm_topk_prob=False, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400, max_position_embeddings=163840,
+                             rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                                               "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                                                               "mscale_all_dim": 0.707}, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Llama-3-70B: 80 layers, 64 query / 8 KV heads, FFN 28672 (141 GB in bf16: TP=4 and up)
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    # Qwen3-235B-A22B: 94 layers of 128 experts (top-8, width 1536), 64 query / 4 KV heads (470 GB in bf16: TP=8)
+    "qwen3-235b-a22b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=4096,
+                            intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                            head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Qwen3-32B: 64 layers, 64 query / 8 KV heads of 128, FFN 25600, QK norm (65.5 GB in bf16)
+    "qwen3-32b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=5120, intermediate_size=25600,
+                      num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False),
+    "tiny-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=256, intermediate_size=512,
+                     moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
+                     max_position_embeddings=4096, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+COPY_BANDWIDTH = 4.28e12  # bytes/s read+written, measured on the H200 (GPU.md)
+
+
+def model_config(shape: str) -> dict[str, Any]:
+    """The ``config.json`` of ``shape``: its fields over a Llama's architecture, type and norm epsilon."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5, **SHAPES[shape]}
+
+
+def write_model_folder(config: dict[str, Any]) -> Path:
+    """A new temporary folder holding only ``config.json``: what ``load_format="dummy"`` fills with random weights."""
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def git_commit() -> str:
+    """The checkout's commit; ``FW_COMMIT`` where the tree was copied without ``.git`` (GPU machine)."""
+    if os.environ.get("FW_COMMIT"):
+        return os.environ["FW_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def device_name() -> str:
+    """The GPU's name (the results' ``device``), ``"cpu"`` without CUDA."""
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def synchronize() -> None:
+    """Wait for the device before reading a clock (nothing to wait for on a CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bytes_read_per_token(model, config: dict[str, Any]) -> int:
+    """Weight bytes a batch-1 decode step reads: every parameter but the embedding table (rows are
+    gathered), and of each MoE layer's stacked experts only the ``top_k`` a token uses. A model
+    whose ``config`` ties the embeddings reads the whole table once more, as its LM head."""
+    from framework.layers.fused_moe import FusedMoE
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    if not config.get("tie_word_embeddings"):
+        total -= embed.numel() * embed.element_size()
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            experts = sum(p.numel() * p.element_size() for p in (module.w13_weight, module.w2_weight))
+            total -= experts - experts * module.top_k // module.num_experts
+    return total
+
+
+# --- engine flags and construction ---------------------------------------------------------------
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine flags the scripts share (:func:`engine_kwargs` turns them into ``LLM`` arguments)."""
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (GPUs 0..N-1 unless --d)")
+    parser.add_argument("--d", default=None, help="GPU ordinals, e.g. 0,1 (tensor parallelism over them)")
+    parser.add_argument("--all-reduce", default="nccl", choices=["nccl", "symm_mem", "auto"],
+                        help="tensor-parallel all-reduce (fw --all-reduce)")
+
+
+def device_ids(args: argparse.Namespace) -> list[int] | None:
+    """The GPUs of a tensor-parallel run (``--d``, else ``0..--tp - 1``); ``None`` for one device."""
+    if args.d:
+        return [int(x) for x in args.d.split(",")]
+    return list(range(args.tp)) if (args.tp or 1) > 1 else None
+
+
+def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """``LLM`` arguments from the flags of :func:`add_engine_arguments`, on random weights with the
+    prefix cache off (every prompt is computed); ``overrides`` (sizes, limits) are added last."""
+    kwargs: dict[str, Any] = {
+        "load_format": "dummy", "dtype": args.dtype, "attention_backend": args.attention_backend,
+        "enable_cuda_graphs": not args.disable_cuda_graph, "enable_prefix_caching": False,
+        "async_scheduling": False if args.no_async_scheduling else None, "all_reduce": args.all_reduce}
+    ids = device_ids(args)
+    if ids:
+        kwargs |= {"device_ids": ids, "tensor_parallel_size": len(ids)}
+    return kwargs | overrides
+
+
+# --- requests -------------------------------------------------------------------------------------
+
+
+def random_prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:
+    """``length`` token ids drawn uniformly from the vocabulary."""
+    return torch.randint(0, vocab, (length,), generator=generator).tolist()
+
+
+def add_random_requests(llm, prefix: str, batch: int, length: int, params, generator: torch.Generator) -> list[str]:
+    """Add ``batch`` requests ``{prefix}-{i}`` of ``length`` random prompt tokens to ``llm``'s engine core; their ids."""
+    core, vocab = llm.engine.core, llm.engine.model_config.vocab_size
+    ids = [f"{prefix}-{i}" for i in range(batch)]
+    for request_id in ids:
+        core.add_request(request_id, random_prompt(vocab, length, generator), params)
+    return ids
+
+
+def prefill_until_decode(core) -> None:
+    """Step the engine core until every request has computed its whole prompt (chunked prefill;
+    requests that finish their prompt early already decode meanwhile)."""
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.requests.values()):
+        core.step()

@@ -1,0 +1,74 @@
+"""The engine benchmark scripts run on a CPU with the ``tiny`` shapes and write the documented JSON keys
+(every result: device, model, dtype, batch_size, input_len, output_len, decode_tokens_per_s, commit,
+command, tp, num_gpus), through the setup they share in ``benchmarks/common.py``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+RESULT_KEYS = {"device", "model", "dtype", "batch_size", "input_len", "output_len", "decode_tokens_per_s", "commit",
+               "command", "tp", "num_gpus"}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def benchmarks(monkeypatch):
+    """Run ``benchmarks/<script>.py`` as ``python benchmarks/<script>.py ARGS`` does, in this process."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setenv("FW_COMMIT", "abc1234")
+
+    def run(script: str, *args: str) -> None:
+        monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *args])
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+
+    return run
+
+
+def test_decode_writes_one_result_per_case_with_the_documented_keys(benchmarks, tmp_path):
+    out = tmp_path / "decode.json"
+    benchmarks("decode.py", "--shape", "tiny", "--batch", "1", "2", "--context", "16", "--steps", "3", "--dtype", "f32",
+               "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["command"] == ("python benchmarks/decode.py --shape tiny --batch 1 2 --context 16 --steps 3 "
+                                 "--dtype f32 --attention-backend auto")
+    assert (report["commit"], report["tp"], report["devices"], report["dtype"]) == ("abc1234", 1, [0], "f32")
+    assert [(r["batch_size"], r["input_len"], r["output_len"]) for r in report["results"]] == [(1, 16, 3), (2, 16, 3)]
+    for result in report["results"]:
+        assert RESULT_KEYS <= set(result) and result["decode_tokens_per_s"] > 0
+        assert (result["device"], result["model"], result["tp"], result["num_gpus"]) == ("cpu", "tiny shape, random weights", 1, 1)
+
+
+def test_gpu_suite_runs_decode_and_prefill_cases_with_the_documented_keys(benchmarks, tmp_path):
+    out = tmp_path / "suite.json"
+    benchmarks("gpu_suite.py", "--shape", "tiny-moe", "--cases", "decode:2:12:4", "prefill:16", "--dtype", "f32",
+               "--out", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in results] == ["decode", "prefill"]
+    for result in results:
+        assert RESULT_KEYS <= set(result)
+        assert result["command"] == "python benchmarks/gpu_suite.py --shape tiny-moe --cases decode:2:12:4 prefill:16 --dtype f32"
+    assert (results[0]["batch_size"], results[0]["input_len"], results[0]["output_len"]) == (2, 12, 4)
+    assert results[0]["decode_tokens_per_s"] > 0 and results[1]["prefill_tokens_per_s"] > 0
+
+
+def test_engine_flags_become_the_llm_arguments(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from common import add_engine_arguments, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--d", "2,3", "--all-reduce", "symm_mem", "--no-async-scheduling", "--disable-cuda-graph"])
+    assert engine_kwargs(args, max_num_seqs=8) == {
+        "load_format": "dummy", "enable_prefix_caching": False, "async_scheduling": False, "dtype": "bf16",
+        "attention_backend": "auto", "enable_cuda_graphs": False, "all_reduce": "symm_mem", "device_ids": [2, 3],
+        "tensor_parallel_size": 2, "max_num_seqs": 8}
+    assert engine_kwargs(parser.parse_args(["--tp", "2"]))["device_ids"] == [0, 1]
+    assert "device_ids" not in engine_kwargs(parser.parse_args([]))
