@@ -99,7 +99,7 @@ def main() -> None:
     device = device_name()
     command = "python benchmarks/decode.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items() if k != "out" and v not in (None, False) and (k, v) != ("all_reduce", "nccl"))
+        for k, v in vars(args).items() if k != "out" and v not in (None, False) and (k, v) != ("all_reduce", "auto"))
     for result in results:  # the GPU issue's keys on every result (output_len: the timed decode steps)
         result.update(device=device, model=f"{args.shape} shape, random weights", dtype=args.dtype, tp=tp, num_gpus=tp,
                       commit=git_commit(), command=command)
