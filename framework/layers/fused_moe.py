@@ -21,7 +21,7 @@ another partial output first (a shared expert) and reduces once. Routing is comp
 rank from the replicated router, so the ranks agree on the experts.
 
 Checkpoints name experts in several ways; :func:`expert_weight_target` maps them all onto the
-stacked parameters, and :meth:`FusedMoE.weight_loader` copies them in:
+stacked parameters (:func:`map_expert_weight_name` is the ``map_weight_name`` of a MoE model), and :meth:`FusedMoE.weight_loader` copies them in:
 
 | checkpoint | names (under ``...experts.``) | loaded as |
 | --- | --- | --- |
@@ -92,6 +92,15 @@ def expert_weight_target(name: str) -> tuple[str, tuple[str, int | None]] | None
         param = "w2_weight" if shard == "w2" else "w13_weight"
         return f"{match['prefix']}.{param}", (shard, None)
     return None
+
+
+def map_expert_weight_name(name: str) -> tuple[str, tuple | None]:
+    """A MoE model's ``map_weight_name`` (see ``framework.loader.model_loader.load_weights``):
+    expert tensors go to the stacked :class:`FusedMoE` weights with their ``(shard_id,
+    expert_id)``; any other name comes back unchanged with None, to fold through
+    ``packed_modules_mapping``."""
+    target = expert_weight_target(name)
+    return target if target is not None else (name, None)
 
 
 class FusedMoE(KeepsWeightAttrs):

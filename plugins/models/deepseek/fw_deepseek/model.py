@@ -27,15 +27,14 @@ from framework.config import ModelConfig
 from framework.layers import (
     ReplicatedLinear,
     RMSNorm,
-    SiluAndMul,
     UnquantizedLinearMethod,
     VocabEmbedding,
     residual_norm,
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
-from framework.layers.fused_moe import expert_weight_target
-from framework.layers.mlp import GatedMLP
+from framework.layers.fused_moe import map_expert_weight_name
+from framework.layers.mlp import dense_mlp
 from framework.layers.rotary import get_rope, yarn_get_mscale
 from framework.quantization import QuantConfig
 from fw_deepseek.moe import DeepseekV2MoE
@@ -131,8 +130,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         if is_moe_layer(config, layer_index):
             self.mlp = DeepseekV2MoE(config, quant_config, f"{prefix}.mlp")
         else:
-            self.mlp = GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
-                                bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=f"{prefix}.mlp")
+            self.mlp = dense_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -166,9 +164,6 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.model = DeepseekV2Model(config, quant_config, "model")
         self.init_lm_head(config, quant_config, tie_by_default=False)
 
-    @staticmethod
-    def map_weight_name(name: str) -> tuple[str, tuple | None]:
-        """Routed-expert tensors go to the stacked FusedMoE weights; the rest folds through
-        ``packed_modules_mapping`` (shared experts and dense MLPs included)."""
-        target = expert_weight_target(name)
-        return target if target is not None else (name, None)
+    #: Routed-expert tensors go to the stacked FusedMoE weights; the rest folds through
+    #: ``packed_modules_mapping`` (shared experts and dense MLPs included).
+    map_weight_name = staticmethod(map_expert_weight_name)

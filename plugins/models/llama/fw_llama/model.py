@@ -32,7 +32,6 @@ from framework.layers import (
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    SiluAndMul,
     VocabEmbedding,
     norm_per_head,
     residual_norm,
@@ -41,7 +40,7 @@ from framework.layers import (
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.linear import KeepsWeightAttrs
-from framework.layers.mlp import GatedMLP
+from framework.layers.mlp import dense_mlp
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
@@ -212,12 +211,6 @@ class LlamaAttention(nn.Module):
             q, k = norm_per_head(self.q_norm, q, self.head_size), norm_per_head(self.k_norm, k, self.head_size)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
-
-
-def dense_mlp(config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> nn.Module:
-    """The SwiGLU feed-forward block of every Llama-family layer (``intermediate_size`` wide)."""
-    return GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
-                    bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=prefix)
 
 
 #: Builds a layer's feed-forward block: ``make_mlp(config, layer_index, quant_config, prefix)``.
