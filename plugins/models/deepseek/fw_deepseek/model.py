@@ -15,6 +15,13 @@ instead of H * (N + R + V) for expanded keys and values. Attention runs absorbed
 [c_kv, k_pe]``, the attention-weighted ``c_kv`` goes out through ``W_UV`` and ``o_proj``. The
 softmax scale is ``(N + R)^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN, as in
 transformers' ``yarn_apply_mscale``.
+
+Tensor parallelism: the dense MLPs, the routed experts and the shared experts are split along
+their intermediate features (one all-reduce per MLP or MoE block); the attention's projections
+are ``ReplicatedLinear`` and every rank runs all heads over its own full latent cache (no
+communication; the MLA heads are not sharded yet), the vocabulary is split as in every model.
+``kv_b_proj`` must stay unquantized: its weight is absorbed into the attention, and a quantization
+method that claims it is refused at start-up.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch import nn
 
 from framework.attention_backend import MLAConfig
 from framework.config import ModelConfig
+from framework.errors import ConfigError
 from framework.layers import (
     ReplicatedLinear,
     RMSNorm,
@@ -80,18 +88,14 @@ class DeepseekV2Attention(nn.Module):
                                    config.rope_scaling, is_neox_style=False)
         mla = MLAConfig(self.kv_lora_rank, self.rope_dim)
         self.attn = Attention(layer_index, self.num_heads, 1, mla.latent_size, softmax_scale(config, qk_head_dim), mla=mla)
-        self._dense_kv_b: torch.Tensor | None = None
+        if not isinstance(self.kv_b_proj.linear_method, UnquantizedLinearMethod):
+            raise ConfigError(f"{prefix}.kv_b_proj: multi-head latent attention absorbs kv_b_proj's plain weight; a "
+                              f"quantized kv_b_proj ({type(self.kv_b_proj.linear_method).__name__}) is unsupported: use "
+                              "a checkpoint (or quantization method) that keeps kv_b_proj unquantized")
 
-    def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
-        """``kv_b_proj``'s weight as ``[H, N + V, L]``: a view of an unquantized weight; a quantized
-        layer is dequantized once (``W.T = kv_b_proj(identity)``, any LinearMethod) to ``like``'s dtype."""
-        shape = (self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        if isinstance(self.kv_b_proj.linear_method, UnquantizedLinearMethod):
-            return self.kv_b_proj.weight.view(shape)
-        if self._dense_kv_b is None:
-            eye = torch.eye(self.kv_lora_rank, device=like.device, dtype=like.dtype)
-            self._dense_kv_b = self.kv_b_proj(eye).t().contiguous().view(shape)
-        return self._dense_kv_b
+    def kv_b_weight(self) -> torch.Tensor:
+        """``kv_b_proj``'s weight viewed as ``[H, N + V, L]`` (= ``[W_UK ; W_UV]`` per head)."""
+        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -103,7 +107,7 @@ class DeepseekV2Attention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())
         q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous().view(num_tokens, 1, self.rope_dim))
-        w_uk, w_uv = self.kv_b_weight(hidden).split([self.nope_dim, self.v_dim], dim=1)  # [H, N, L], [H, V, L]
+        w_uk, w_uv = self.kv_b_weight().split([self.nope_dim, self.v_dim], dim=1)  # [H, N, L], [H, V, L]
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
         query = torch.cat((q_latent, q_pe.view(num_tokens, self.num_heads, self.rope_dim)), dim=-1)
         latent = torch.cat((c_kv, k_pe.view(num_tokens, self.rope_dim)), dim=-1)
