@@ -112,7 +112,8 @@ class FusedMoE(KeepsWeightAttrs):
     Returns ``[T, H]``: the routing-weighted sum of the chosen experts' outputs.
 
     The expert weights are plain tensors in ``params_dtype``: ``quant_config`` is accepted for a
-    future MoE quantization method (GGUF files load here with their experts dequantized).
+    future MoE quantization method (GGUF files load here with their experts dequantized at load,
+    lazily: only this rank's features, in ``params_dtype``).
 
     Tensor parallelism: ``tp_size`` / ``tp_rank`` default to this process's group; this rank
     holds ``intermediate_size_per_partition = intermediate_size / tp_size`` features of every

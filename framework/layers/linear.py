@@ -139,11 +139,12 @@ def copy_weight(dst: Tensor, src: Tensor) -> None:
     """``dst.copy_(src)`` with a readable error when a checkpoint tensor has the wrong shape.
 
     ``src`` may be a lazy :class:`~framework.loader.checkpoint_slice.CheckpointSlice` (tensor
-    parallelism): only the selected block is read from the file, here.
+    parallelism, GGUF expert stacks): only the selected block is read from the file, here, and
+    decoded (if it needs decoding) straight into ``dst``'s dtype and device.
     """
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter (shard) of shape {tuple(dst.shape)}")
-    dst.copy_(materialize(src))
+    dst.copy_(materialize(src, like=dst))
 
 
 def load_column_shard(param: Tensor, loaded_weight: Tensor, tp_rank: int, *, zero_padding: bool = False) -> None:
