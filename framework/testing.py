@@ -89,18 +89,18 @@ def randomise_identity_params(model, seed: int = 2) -> None:
 
 
 def write_randomised_model(path, hf_config):
-    """:func:`write_tiny_model` with :func:`randomise_identity_params` applied; returns the reference."""
-    reference = write_tiny_model(path, hf_config)
-    randomise_identity_params(reference)
-    reference.save_pretrained(path, safe_serialization=True)
-    return reference
+    """:func:`write_tiny_model` with :func:`randomise_identity_params` applied before the one write;
+    returns the reference."""
+    return write_tiny_model(path, hf_config, randomise_norms_and_biases=True)
 
 
-def write_tiny_model(path, hf_config, seed: int = 0, chat_template: str | None = None):
+def write_tiny_model(path, hf_config, seed: int = 0, chat_template: str | None = None, *,
+                     randomise_norms_and_biases: bool = False):
     """Write a random-weight transformers model of ``hf_config`` (a ``PretrainedConfig``) to ``path``.
 
     Saves safetensors weights, ``config.json``, a word-level ``tokenizer.json`` and
     ``tokenizer_config.json``; returns the transformers model (fp32, eval mode) as the reference.
+    ``randomise_norms_and_biases`` applies :func:`randomise_identity_params` before saving.
     """
     import json
     from pathlib import Path
@@ -112,6 +112,8 @@ def write_tiny_model(path, hf_config, seed: int = 0, chat_template: str | None =
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
     model.eval()
+    if randomise_norms_and_biases:
+        randomise_identity_params(model)
     model.save_pretrained(path, safe_serialization=True)
     make_tiny_tokenizer(hf_config.vocab_size).save(str(path / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>"}

@@ -21,7 +21,7 @@ from framework.layers.linear import (
     KeepsWeightAttrs,
     LinearMethod,
     UnquantizedLinearMethod,
-    copy_weight,
+    load_column_shard,
     resolve_tp,
     set_weight_attrs,
     tensor_parallel_all_gather,
@@ -67,17 +67,7 @@ class VocabEmbedding(KeepsWeightAttrs):
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         """Copy this rank's vocabulary rows of the full checkpoint table (padding rows: zero)."""
-        output_dim = getattr(param, "output_dim", None)
-        if output_dim is None:
-            copy_weight(param.data, loaded_weight)
-            return
-        rows = param.size(output_dim)
-        start = self.tp_rank * rows
-        present = max(0, min(rows, loaded_weight.size(output_dim) - start))
-        if present < rows:
-            param.data.narrow(output_dim, present, rows - present).zero_()
-        if present:
-            copy_weight(param.data.narrow(output_dim, 0, present), loaded_weight.narrow(output_dim, start, present))
+        load_column_shard(param, loaded_weight, self.tp_rank, zero_padding=True)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         if self.tp_size == 1:

@@ -21,7 +21,7 @@ another partial output first (a shared expert) and reduces once. Routing is comp
 rank from the replicated router, so the ranks agree on the experts.
 
 Checkpoints name experts in several ways; :func:`expert_weight_target` maps them all onto the
-stacked parameters, and :meth:`FusedMoE.weight_loader` copies them in:
+stacked parameters (:func:`map_expert_weight_name` is the ``map_weight_name`` of a MoE model), and :meth:`FusedMoE.weight_loader` copies them in:
 
 | checkpoint | names (under ``...experts.``) | loaded as |
 | --- | --- | --- |
@@ -94,6 +94,15 @@ def expert_weight_target(name: str) -> tuple[str, tuple[str, int | None]] | None
     return None
 
 
+def map_expert_weight_name(name: str) -> tuple[str, tuple | None]:
+    """A MoE model's ``map_weight_name`` (see ``framework.loader.model_loader.load_weights``):
+    expert tensors go to the stacked :class:`FusedMoE` weights with their ``(shard_id,
+    expert_id)``; any other name comes back unchanged with None, to fold through
+    ``packed_modules_mapping``."""
+    target = expert_weight_target(name)
+    return target if target is not None else (name, None)
+
+
 class FusedMoE(KeepsWeightAttrs):
     """``num_experts`` SwiGLU experts of one layer, stacked; each token uses ``top_k`` of them.
 
@@ -103,7 +112,8 @@ class FusedMoE(KeepsWeightAttrs):
     Returns ``[T, H]``: the routing-weighted sum of the chosen experts' outputs.
 
     The expert weights are plain tensors in ``params_dtype``: ``quant_config`` is accepted for a
-    future MoE quantization method (GGUF files load here with their experts dequantized).
+    future MoE quantization method (GGUF files load here with their experts dequantized at load,
+    lazily: only this rank's features, in ``params_dtype``).
 
     Tensor parallelism: ``tp_size`` / ``tp_rank`` default to this process's group; this rank
     holds ``intermediate_size_per_partition = intermediate_size / tp_size`` features of every

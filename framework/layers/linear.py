@@ -139,20 +139,31 @@ def copy_weight(dst: Tensor, src: Tensor) -> None:
     """``dst.copy_(src)`` with a readable error when a checkpoint tensor has the wrong shape.
 
     ``src`` may be a lazy :class:`~framework.loader.checkpoint_slice.CheckpointSlice` (tensor
-    parallelism): only the selected block is read from the file, here.
+    parallelism, GGUF expert stacks): only the selected block is read from the file, here, and
+    decoded (if it needs decoding) straight into ``dst``'s dtype and device.
     """
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter (shard) of shape {tuple(dst.shape)}")
-    dst.copy_(materialize(src))
+    dst.copy_(materialize(src, like=dst))
 
 
-def load_column_shard(param: Tensor, loaded_weight: Tensor, tp_rank: int) -> None:
-    """Copy rank ``tp_rank``'s rows (along ``param.output_dim``) of the full ``loaded_weight``."""
+def load_column_shard(param: Tensor, loaded_weight: Tensor, tp_rank: int, *, zero_padding: bool = False) -> None:
+    """Copy rank ``tp_rank``'s rows (along ``param.output_dim``) of the full ``loaded_weight``.
+
+    ``zero_padding``: ``loaded_weight`` may end before this rank's last row (a vocabulary padded
+    to a multiple of the tensor-parallel size); the rows past its end are zero.
+    """
     output_dim = getattr(param, "output_dim", None)
-    if output_dim is not None:
-        rows = param.size(output_dim)
-        loaded_weight = loaded_weight.narrow(output_dim, tp_rank * rows, rows)
-    copy_weight(param.data, loaded_weight)
+    if output_dim is None:
+        copy_weight(param.data, loaded_weight)
+        return
+    rows = param.size(output_dim)
+    start = tp_rank * rows
+    present = max(0, min(rows, loaded_weight.size(output_dim) - start)) if zero_padding else rows
+    if present < rows:
+        param.data.narrow(output_dim, present, rows - present).zero_()
+    if present:
+        copy_weight(param.data.narrow(output_dim, 0, present), loaded_weight.narrow(output_dim, start, present))
 
 
 def tensor_parallel_all_reduce(x: Tensor) -> Tensor:

@@ -1,10 +1,14 @@
-"""The gated feed-forward block of decoder models: ``down(act(gate(x)) * up(x))``."""
+"""The gated feed-forward block of decoder models: ``down(act(gate(x)) * up(x))``, and
+:func:`dense_mlp`, the SwiGLU block of a config's ``intermediate_size`` that Llama-style and
+DeepSeek dense layers share."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from framework.config import ModelConfig
+from framework.layers.activation import SiluAndMul
 from framework.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from framework.quantization import QuantConfig
 
@@ -27,3 +31,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+
+
+def dense_mlp(config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> GatedMLP:
+    """The SwiGLU feed-forward of a dense decoder layer: ``intermediate_size`` wide, bias when
+    ``mlp_bias``. The signature is a model's per-layer MLP factory's (``layer_index`` unused here)."""
+    return GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
+                    bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=prefix)

@@ -66,8 +66,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     tuple passed to the parameter's ``weight_loader`` after the tensor, or None to go on with
     the (possibly renamed) name through ``packed_modules_mapping``. A model may replace all of
     this with its own ``load_weights(weights)`` returning the loaded names.
+
+    A format may yield lazy :class:`~framework.loader.checkpoint_slice.CheckpointSlice` objects
+    (safetensors under tensor parallelism, GGUF expert stacks): the core layers' loaders read
+    just their part of them; every other loader, and a model's own ``load_weights``, gets whole
+    tensors, unless the model sets ``reads_checkpoint_slices = True`` (then it must narrow and
+    :func:`~framework.loader.checkpoint_slice.materialize` them itself).
     """
     if hasattr(model, "load_weights"):
+        if not getattr(model, "reads_checkpoint_slices", False):
+            weights = ((name, materialize(tensor)) for name, tensor in weights)
         return model.load_weights(weights)
     packed = getattr(model, "packed_modules_mapping", {})
     ignored = getattr(model, "ignored_weight_patterns", ())

@@ -108,6 +108,44 @@ def test_tensor_parallel_safetensors_loading_reads_only_each_ranks_slice(tmp_pat
     assert torch.equal(model.proj.weight, weight[:, 4:])
 
 
+def test_a_model_with_its_own_load_weights_gets_whole_tensors_under_tensor_parallelism(tmp_path, monkeypatch):
+    """Lazy slices are for the core layers' loaders: a model's own ``load_weights`` gets whole
+    tensors unless it declares ``reads_checkpoint_slices``."""
+    from safetensors.torch import save_file
+
+    from framework.distributed import state
+    from framework.loader.checkpoint_slice import CheckpointSlice
+    from framework.loader.model_loader import load_weights
+    from framework.loader.safetensors_format import SafetensorsFormat
+
+    weight = torch.randn(6, 8)
+    save_file({"proj.weight": weight}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(state._state, "size", 2)
+
+    class OwnLoader(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 6, bias=False)
+            self.received = []
+
+        def load_weights(self, weights):
+            for _name, tensor in weights:
+                self.received.append(tensor)
+                self.proj.weight.data.copy_(tensor)  # a CheckpointSlice would fail here
+            return {"proj.weight"}
+
+    model = OwnLoader()
+    assert load_weights(model, SafetensorsFormat(tmp_path).iter_weights()) == {"proj.weight"}
+    assert type(model.received[0]) is torch.Tensor and torch.equal(model.proj.weight, weight)
+
+    model = OwnLoader()
+    model.reads_checkpoint_slices = True
+    with pytest.raises(TypeError):  # it said it would narrow and materialize the slices itself
+        load_weights(model, SafetensorsFormat(tmp_path).iter_weights())
+    assert isinstance(model.received[0], CheckpointSlice)
+
+
 def test_step_messages_carry_only_new_block_ids_and_workers_rebuild_the_tables():
     import msgspec
 

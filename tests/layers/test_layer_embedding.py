@@ -50,6 +50,25 @@ def test_vocab_parallel_ranks_hold_consecutive_vocab_slices(monkeypatch):
     torch.testing.assert_close(partials[0] + partials[1], F.embedding(ids, table), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["tensor", "checkpoint_slice"])
+def test_vocab_padded_to_the_ranks_gets_zero_rows_past_the_checkpoint(lazy):
+    """10 tokens over 4 ranks: padded to 12, 3 rows a rank; rank 3 holds token 9 and two zero rows
+    (the rows and the bias, read lazily under tensor parallelism)."""
+    from framework.loader.checkpoint_slice import CheckpointSlice
+
+    table, bias = torch.randn(10, HIDDEN), torch.randn(10)
+    wrap = (lambda t: CheckpointSlice(t, tuple(t.shape))) if lazy else (lambda t: t)
+    heads = [LMHead(10, HIDDEN, bias=True, tp_size=4, tp_rank=r) for r in range(4)]
+    for head in heads:
+        head.weight.fill_(float("nan"))
+        head.bias.fill_(float("nan"))
+        load(head.weight, wrap(table))
+        load(head.bias, wrap(bias))
+    rows, biases = torch.cat([h.weight for h in heads]), torch.cat([h.bias for h in heads])
+    assert torch.equal(rows[:10], table) and torch.equal(rows[10:], torch.zeros(2, HIDDEN))
+    assert torch.equal(biases[:10], bias) and torch.equal(biases[10:], torch.zeros(2))
+
+
 def test_vocab_parallel_lm_head_gathers_logits_in_rank_order(monkeypatch):
     table, hidden = torch.randn(VOCAB, HIDDEN), torch.randn(3, HIDDEN)
     heads = [LMHead(VOCAB, HIDDEN, tp_size=2, tp_rank=r) for r in range(2)]

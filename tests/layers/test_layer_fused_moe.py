@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from framework import ops
-from framework.layers.fused_moe import FusedMoE, expert_weight_target, select_experts
+from framework.layers.fused_moe import FusedMoE, expert_weight_target, map_expert_weight_name, select_experts
 
 
 def _experts(num_experts=4, hidden=16, inter=8, seed=0):
@@ -93,6 +93,16 @@ def test_loader_refuses_wrong_shapes_shards_and_experts():
 def test_non_expert_names_are_left_alone():
     assert expert_weight_target("model.layers.0.mlp.shared_expert.gate_proj.weight") is None
     assert expert_weight_target("model.layers.0.mlp.gate.weight") is None
+
+
+def test_map_expert_weight_name_routes_experts_and_passes_other_names_through():
+    """The ``map_weight_name`` that MoE models (fw_llama's, fw_deepseek's) share."""
+    assert map_expert_weight_name("model.layers.3.mlp.experts.5.up_proj.weight") == (
+        "model.layers.3.mlp.experts.w13_weight", ("w3", 5))
+    assert map_expert_weight_name("model.layers.0.mlp.experts.down_proj.weight") == (
+        "model.layers.0.mlp.experts.w2_weight", ("w2", None))
+    shared = "model.layers.0.mlp.shared_experts.gate_proj.weight"
+    assert map_expert_weight_name(shared) == (shared, None)
 
 
 def test_forward_takes_router_logits_or_a_precomputed_routing():

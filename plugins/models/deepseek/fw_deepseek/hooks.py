@@ -10,8 +10,9 @@ def register_model_architectures():
         ModelSpec(
             name="DeepseekV2ForCausalLM",
             impl="fw_deepseek.model:DeepseekV2ForCausalLM",
-            description="DeepSeek-V2 / V2-Lite: multi-head latent attention (compressed 'mla' KV cache), DeepSeek MoE",
+            description="DeepSeek-V2 / V2-Lite: multi-head latent attention (compressed 'mla' KV cache), DeepSeek MoE; "
+                        "tensor parallel: MLPs and experts split, attention replicated",
             kv_cache_layout="mla",
-            supports_tensor_parallel=False,
+            supports_tensor_parallel=True,
         )
     ]

@@ -15,6 +15,13 @@ instead of H * (N + R + V) for expanded keys and values. Attention runs absorbed
 [c_kv, k_pe]``, the attention-weighted ``c_kv`` goes out through ``W_UV`` and ``o_proj``. The
 softmax scale is ``(N + R)^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN, as in
 transformers' ``yarn_apply_mscale``.
+
+Tensor parallelism: the dense MLPs, the routed experts and the shared experts are split along
+their intermediate features (one all-reduce per MLP or MoE block); the attention's projections
+are ``ReplicatedLinear`` and every rank runs all heads over its own full latent cache (no
+communication; the MLA heads are not sharded yet), the vocabulary is split as in every model.
+``kv_b_proj`` must stay unquantized: its weight is absorbed into the attention, and a quantization
+method that claims it is refused at start-up.
 """
 
 from __future__ import annotations
@@ -24,18 +31,18 @@ from torch import nn
 
 from framework.attention_backend import MLAConfig
 from framework.config import ModelConfig
+from framework.errors import ConfigError
 from framework.layers import (
     ReplicatedLinear,
     RMSNorm,
-    SiluAndMul,
     UnquantizedLinearMethod,
     VocabEmbedding,
     residual_norm,
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
-from framework.layers.fused_moe import expert_weight_target
-from framework.layers.mlp import GatedMLP
+from framework.layers.fused_moe import map_expert_weight_name
+from framework.layers.mlp import dense_mlp
 from framework.layers.rotary import get_rope, yarn_get_mscale
 from framework.quantization import QuantConfig
 from fw_deepseek.moe import DeepseekV2MoE
@@ -81,18 +88,14 @@ class DeepseekV2Attention(nn.Module):
                                    config.rope_scaling, is_neox_style=False)
         mla = MLAConfig(self.kv_lora_rank, self.rope_dim)
         self.attn = Attention(layer_index, self.num_heads, 1, mla.latent_size, softmax_scale(config, qk_head_dim), mla=mla)
-        self._dense_kv_b: torch.Tensor | None = None
+        if not isinstance(self.kv_b_proj.linear_method, UnquantizedLinearMethod):
+            raise ConfigError(f"{prefix}.kv_b_proj: multi-head latent attention absorbs kv_b_proj's plain weight; a "
+                              f"quantized kv_b_proj ({type(self.kv_b_proj.linear_method).__name__}) is unsupported: use "
+                              "a checkpoint (or quantization method) that keeps kv_b_proj unquantized")
 
-    def kv_b_weight(self, like: torch.Tensor) -> torch.Tensor:
-        """``kv_b_proj``'s weight as ``[H, N + V, L]``: a view of an unquantized weight; a quantized
-        layer is dequantized once (``W.T = kv_b_proj(identity)``, any LinearMethod) to ``like``'s dtype."""
-        shape = (self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        if isinstance(self.kv_b_proj.linear_method, UnquantizedLinearMethod):
-            return self.kv_b_proj.weight.view(shape)
-        if self._dense_kv_b is None:
-            eye = torch.eye(self.kv_lora_rank, device=like.device, dtype=like.dtype)
-            self._dense_kv_b = self.kv_b_proj(eye).t().contiguous().view(shape)
-        return self._dense_kv_b
+    def kv_b_weight(self) -> torch.Tensor:
+        """``kv_b_proj``'s weight viewed as ``[H, N + V, L]`` (= ``[W_UK ; W_UV]`` per head)."""
+        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -104,7 +107,7 @@ class DeepseekV2Attention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())
         q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous().view(num_tokens, 1, self.rope_dim))
-        w_uk, w_uv = self.kv_b_weight(hidden).split([self.nope_dim, self.v_dim], dim=1)  # [H, N, L], [H, V, L]
+        w_uk, w_uv = self.kv_b_weight().split([self.nope_dim, self.v_dim], dim=1)  # [H, N, L], [H, V, L]
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
         query = torch.cat((q_latent, q_pe.view(num_tokens, self.num_heads, self.rope_dim)), dim=-1)
         latent = torch.cat((c_kv, k_pe.view(num_tokens, self.rope_dim)), dim=-1)
@@ -131,8 +134,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         if is_moe_layer(config, layer_index):
             self.mlp = DeepseekV2MoE(config, quant_config, f"{prefix}.mlp")
         else:
-            self.mlp = GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
-                                bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=f"{prefix}.mlp")
+            self.mlp = dense_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -166,9 +168,6 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.model = DeepseekV2Model(config, quant_config, "model")
         self.init_lm_head(config, quant_config, tie_by_default=False)
 
-    @staticmethod
-    def map_weight_name(name: str) -> tuple[str, tuple | None]:
-        """Routed-expert tensors go to the stacked FusedMoE weights; the rest folds through
-        ``packed_modules_mapping`` (shared experts and dense MLPs included)."""
-        target = expert_weight_target(name)
-        return target if target is not None else (name, None)
+    #: Routed-expert tensors go to the stacked FusedMoE weights; the rest folds through
+    #: ``packed_modules_mapping`` (shared experts and dense MLPs included).
+    map_weight_name = staticmethod(map_expert_weight_name)

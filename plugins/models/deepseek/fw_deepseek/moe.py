@@ -21,6 +21,7 @@ from torch import nn
 from framework.config import ModelConfig
 from framework.layers import ReplicatedLinear, SiluAndMul
 from framework.layers.fused_moe import FusedMoE, RoutedExperts
+from framework.layers.linear import tensor_parallel_all_reduce
 from framework.layers.mlp import GatedMLP
 from framework.quantization import QuantConfig
 
@@ -58,6 +59,10 @@ class DeepseekV2MoE(nn.Module):
     transformers does), ``experts.{i}.gate_proj`` / ``up_proj`` / ``down_proj`` (stacked into the
     FusedMoE's ``w13_weight`` / ``w2_weight`` by the model's ``map_weight_name``) and
     ``shared_experts.*`` (one SwiGLU ``n_shared_experts`` times an expert's width).
+
+    Tensor parallelism: the router is replicated; the routed experts and the shared experts are
+    split along their intermediate features and return partial outputs, which the block sums and
+    all-reduces once (as ``fw_llama``'s Qwen2-MoE block does).
     """
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
@@ -79,10 +84,10 @@ class DeepseekV2MoE(nn.Module):
         self.routed_scaling_factor = float(config.get("routed_scaling_factor") or 1.0)
         self.gate = ReplicatedLinear(hidden, self.num_experts, prefix=f"{prefix}.gate", params_dtype=torch.float32)
         self.experts = FusedMoE(self.num_experts, self.top_k, hidden, size, renormalize=self.norm_topk_prob,
-                                quant_config=quant_config, prefix=f"{prefix}.experts")
+                                quant_config=quant_config, prefix=f"{prefix}.experts", reduce_results=False)
         num_shared = int(config.get("n_shared_experts") or 0)
         self.shared_experts = (GatedMLP(hidden, size * num_shared, SiluAndMul(), quant_config=quant_config,
-                                        prefix=f"{prefix}.shared_experts") if num_shared else None)
+                                        prefix=f"{prefix}.shared_experts", reduce_results=False) if num_shared else None)
 
     def route(self, hidden: torch.Tensor) -> RoutedExperts:
         """Each token's ``(topk_weights, topk_ids)``; router logits in float32 as transformers."""
@@ -95,4 +100,6 @@ class DeepseekV2MoE(nn.Module):
         output = self.experts(hidden, topk_weights=topk_weights, topk_ids=topk_ids)
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden)
+        if self.experts.tp_size > 1:  # one all-reduce of the two partial sums
+            output = tensor_parallel_all_reduce(output)
         return output

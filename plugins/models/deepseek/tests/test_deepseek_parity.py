@@ -133,25 +133,24 @@ def test_greedy_tokens_match_transformers_on_cuda(tiny):
                                                 "silu_and_mul"], "triton"), "attention": "torch"})
 
 
-def test_absorption_through_a_quantized_kv_b_proj(tiny):
-    """A kv_b_proj whose LinearMethod is not the plain weight (any quantized method) is absorbed
-    through ``W.T = kv_b_proj(identity)``: the tokens stay transformers'."""
+def test_quantized_kv_b_proj_is_refused_at_start_up():
+    """MLA absorbs kv_b_proj's plain weight; a quantization method that claims the layer is refused
+    when the model is built, naming the layer and the method."""
     from fw_deepseek.model import DeepseekV2Attention
 
-    from framework.layers import LinearMethod
+    from framework.config import ModelConfig
+    from framework.layers import LinearMethod, UnquantizedLinearMethod
 
-    class OpaqueLinearMethod(LinearMethod):  # only apply() is used after loading
-        def create_weights(self, *args) -> None:
-            raise AssertionError("not used")
+    class OtherMethod(LinearMethod):  # any method other than the plain weight (a quantized one)
+        create_weights = UnquantizedLinearMethod.create_weights
+        apply = UnquantizedLinearMethod.apply
 
-        def apply(self, layer, x, bias=None):
-            return torch.nn.functional.linear(x, layer.weight, bias)
+    class KvBOnly:
+        def get_linear_method(self, layer, prefix):
+            return OtherMethod() if prefix.endswith("kv_b_proj") else None
 
-    path, reference = tiny
-    llm = LLM(str(path), num_blocks=16)
-    attentions = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, DeepseekV2Attention)]
-    for attention in attentions:
-        attention.kv_b_proj.linear_method = OpaqueLinearMethod()
-    result = llm.generate({"prompt_token_ids": PARITY_PROMPTS[1]}, GREEDY)[0]
-    assert all(a._dense_kv_b is not None for a in attentions)
-    assert result.outputs[0].token_ids == reference_greedy(reference, PARITY_PROMPTS[1])
+    hf_config = CONFIGS["v2_lite_grouped_routing"]().to_dict()
+    config = ModelConfig.from_hf_config({**hf_config, "architectures": ["DeepseekV2ForCausalLM"]}, dtype=torch.float32)
+    DeepseekV2Attention(config, 0, None, "model.layers.0.self_attn")  # unquantized: fine
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.kv_b_proj: .*quantized kv_b_proj \(OtherMethod\)"):
+        DeepseekV2Attention(config, 0, KvBOnly(), "model.layers.0.self_attn")

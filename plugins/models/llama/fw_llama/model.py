@@ -18,6 +18,7 @@ The mixture-of-experts members (Mixtral, Qwen2-MoE, Qwen3-MoE, ``moe.py``) reuse
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,14 +32,15 @@ from framework.layers import (
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    SiluAndMul,
     VocabEmbedding,
     norm_per_head,
     residual_norm,
+    set_weight_attrs,
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
-from framework.layers.mlp import GatedMLP
+from framework.layers.linear import KeepsWeightAttrs
+from framework.layers.mlp import dense_mlp
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
@@ -135,18 +137,44 @@ def rope_scaling(config: ModelConfig) -> dict[str, Any] | None:
     return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": int(original), "factor": factor}
 
 
-class PerHeadLayerNorm(nn.Module):
-    """StableLM's QK norm: a LayerNorm (no bias) per head, each with its own weight
-    (checkpoint names ``norms.{head}.weight``). ``forward(x [..., num_heads, head_size])``."""
+class PerHeadLayerNorm(KeepsWeightAttrs):
+    """StableLM's QK norm: a LayerNorm (no bias) per head, each with its own weight.
+
+    The heads' weights are one ``weight [num_heads, head_size]`` parameter, so ``forward(x [...,
+    num_heads, head_size])`` is one ``layer_norm`` times it. Checkpoints keep one tensor per head
+    (``norms.{head}.weight``, as transformers' ``nn.ModuleList`` names them):
+    :meth:`LlamaForCausalLM.map_weight_name` sends each to :meth:`weight_loader` with its head.
+    """
 
     def __init__(self, num_heads: int, head_size: int, eps: float) -> None:
         super().__init__()
-        self.head_size, self.eps = head_size, eps
-        self.norms = nn.ModuleList(nn.LayerNorm(head_size, eps=eps, bias=False) for _ in range(num_heads))
+        self.num_heads, self.head_size, self.eps = num_heads, head_size, eps
+        self.weight = nn.Parameter(torch.ones(num_heads, head_size), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+        self._loaded_heads: set[int] = set()
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, head: int) -> None:
+        """Copy head ``head``'s checkpoint weight ``[head_size]`` into its row."""
+        if not 0 <= head < self.num_heads or tuple(loaded_weight.shape) != (self.head_size,):
+            raise ValueError(f"per-head norm weight {head} of shape {tuple(loaded_weight.shape)} does not fit: expected "
+                             f"heads 0..{self.num_heads - 1} of shape ({self.head_size},)")
+        param.data[head].copy_(loaded_weight)
+        self._loaded_heads.add(head)
+
+    def missing_weights(self) -> list[str]:
+        """The heads no checkpoint tensor has filled (``check_all_loaded`` reports them)."""
+        absent = sorted(set(range(self.num_heads)) - self._loaded_heads)
+        return [f"norms.{head}.weight" for head in absent]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = torch.stack([norm.weight for norm in self.norms])  # [num_heads, head_size]
-        return nn.functional.layer_norm(x, (self.head_size,), eps=self.eps) * weight
+        return nn.functional.layer_norm(x, (self.head_size,), eps=self.eps) * self.weight
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, head_size={self.head_size}, eps={self.eps}"
+
+
+#: A checkpoint name of one head's QK LayerNorm weight (StableLM): ``...q_layernorm.norms.{head}.weight``.
+_PER_HEAD_NORM = re.compile(r"^(?P<norm>.*_layernorm)\.norms\.(?P<head>\d+)\.weight$")
 
 
 class LlamaAttention(nn.Module):
@@ -183,12 +211,6 @@ class LlamaAttention(nn.Module):
             q, k = norm_per_head(self.q_norm, q, self.head_size), norm_per_head(self.k_norm, k, self.head_size)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
-
-
-def dense_mlp(config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> nn.Module:
-    """The SwiGLU feed-forward block of every Llama-family layer (``intermediate_size`` wide)."""
-    return GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
-                    bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=prefix)
 
 
 #: Builds a layer's feed-forward block: ``make_mlp(config, layer_index, quant_config, prefix)``.
@@ -251,3 +273,11 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.model = LlamaModel(config, quant_config, "model")
         self.init_lm_head(config, quant_config, tie_by_default=False)
+
+    @staticmethod
+    def map_weight_name(name: str) -> tuple[str, tuple | None]:
+        """StableLM's per-head QK norm weights go to their row of :class:`PerHeadLayerNorm`'s
+        stacked ``weight``; the rest folds through ``packed_modules_mapping``."""
+        if (match := _PER_HEAD_NORM.match(name)) is not None:
+            return f"{match['norm']}.weight", (int(match["head"]),)
+        return name, None

@@ -23,13 +23,13 @@ from torch import nn
 from framework.config import ModelConfig
 from framework.layers import ReplicatedLinear, SiluAndMul
 from framework.layers.causal_lm import CausalLM
-from framework.layers.fused_moe import FusedMoE, expert_weight_target
+from framework.layers.fused_moe import FusedMoE, map_expert_weight_name
 from framework.layers.linear import tensor_parallel_all_reduce
-from framework.layers.mlp import GatedMLP
+from framework.layers.mlp import GatedMLP, dense_mlp
 from framework.quantization import QuantConfig
 
 from .hooks import MOE_ARCHITECTURES
-from .model import LlamaModel, dense_mlp
+from .model import LlamaModel
 
 #: ``architectures[0]`` of the MoE models this module serves.
 
@@ -105,6 +105,4 @@ class LlamaMoeForCausalLM(CausalLM):
     def map_weight_name(name: str) -> tuple[str, tuple | None]:
         """Expert tensors go to the stacked FusedMoE weights (see ``framework.layers.fused_moe``);
         Mixtral's ``block_sparse_moe`` is this model's ``mlp``; the rest folds as in Llama."""
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-        target = expert_weight_target(name)
-        return target if target is not None else (name, None)
+        return map_expert_weight_name(name.replace(".block_sparse_moe.", ".mlp."))

@@ -110,6 +110,28 @@ def test_qwen3_qk_norm_is_loaded_and_applied(tmp_path):
     assert not torch.allclose(attention.q_norm.weight, torch.ones(32))
 
 
+def test_stablelm_per_head_qk_norms_are_one_stacked_weight_loaded_at_start_up(tmp_path):
+    """StableLM's ``q_layernorm.norms.{h}.weight`` fill the rows of one ``[heads, head_size]``
+    parameter at load (nothing is stacked per forward); a checkpoint missing a head is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from framework.errors import ModelLoadError
+
+    reference = write_randomised_model(tmp_path, CONFIGS["stablelm_parallel_qk_layernorm"]())
+    llm = LLM(str(tmp_path), num_blocks=16)
+    attention = llm.engine.core.runner.model.model.layers[1].self_attn
+    expected = reference.model.layers[1].self_attn
+    for ours, theirs in ((attention.q_layernorm, expected.q_layernorm), (attention.k_layernorm, expected.k_layernorm)):
+        assert isinstance(ours.weight, torch.nn.Parameter)
+        assert torch.equal(ours.weight, torch.stack([norm.weight for norm in theirs.norms]))
+    assert not torch.allclose(attention.q_layernorm.weight, torch.ones_like(attention.q_layernorm.weight))
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_layernorm.norms.1.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.self_attn\.k_layernorm\.norms\.1\.weight"):
+        LLM(str(tmp_path), num_blocks=16)
+
+
 def test_cli_generate_runs_a_glm4_directory(tmp_path):
     """``fw generate --m <dir>`` on a GLM-4 checkpoint: the ids are transformers' greedy ids
     (the word-level tokenizer maps ``t5`` to id 5 and adds no BOS)."""

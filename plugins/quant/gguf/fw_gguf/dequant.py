@@ -265,3 +265,34 @@ def dequantize(
     for start in range(0, num_blocks, step):
         out[start : start + step] = fn(blocks[start : start + step])
     return out.reshape(shape)
+
+
+def dequantize_slice(
+    data: torch.Tensor,
+    qtype: int | GGMLQuantizationType,
+    bounds: tuple[tuple[int, int], ...],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The values ``[start, end)`` along every dimension (``bounds``) of a packed GGUF tensor, in
+    ``dtype`` on ``device``, decoding only the blocks that hold them.
+
+    ``data`` is uint8 ``[*shape[:-1], bytes_per_row]`` (a ``TensorInfo.data``). Leading dimensions
+    are plain byte views; along the last, the whole blocks covering ``[start, end)`` are moved to
+    ``device``, dequantized (as :func:`dequantize`, so bit-exact with gguf-py) and trimmed::
+
+        row:    | block 0 | block 1 | block 2 | block 3 |        (block_size values each)
+        wanted:               [start ....... end)
+        decoded:          | block 1 | block 2 |  -> values [start - block_size, end - block_size)
+    """
+    qtype = as_quant_type(qtype)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    *leading, (start, end) = bounds
+    first, last = start // block_size, -(-end // block_size)
+    packed = data[(*(slice(low, high) for low, high in leading), slice(first * type_size, last * type_size))]
+    if device is not None:
+        packed = packed.to(device)
+    shape = (*(high - low for low, high in leading), (last - first) * block_size)
+    values = dequantize(packed, qtype, shape, dtype)
+    offset = start - first * block_size
+    return values[..., offset:offset + end - start]

@@ -21,6 +21,7 @@ from .config import (
     unpermute_qk,
 )
 from .dequant import UnsupportedQuantTypeError, as_quant_type
+from .lazy import GGUFTensorSlice
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
 
@@ -100,14 +101,19 @@ class GGUFFormat(WeightFormat):
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names with packed uint8 rows (matrices, any GGUF type) or float tensors (norms, biases).
 
-        MoE experts stacked per projection (``[experts, out, in]``) are dequantized here: FusedMoE
-        holds plain weights (a packed-expert MoE method is future work).
+        MoE experts stacked per projection (``[experts, out, in]``) come as lazy
+        :class:`~fw_gguf.lazy.GGUFTensorSlice` objects: FusedMoE holds plain weights (a
+        packed-expert MoE method is future work), and its loader dequantizes only this rank's
+        features, in the model's dtype, on the model's device.
         """
         offset = norm_weight_offset(self.arch)
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
             if hf_name is None:
                 continue  # llama.cpp-only tensors (rope_freqs, ...)
+            if len(info.shape) == 3:  # an expert stack
+                yield hf_name, GGUFTensorSlice(info)
+                continue
             tensor = info.data if self._is_matrix(hf_name, info.shape) else info.dequantize(torch.float32)
             heads = qk_unpermute_heads(self.metadata, name)
             if heads is not None:

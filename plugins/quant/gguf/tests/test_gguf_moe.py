@@ -183,3 +183,24 @@ def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):
         assert llm.engine.summary["tensor_parallel_size"] == 2
         ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)]
     assert ids == [reference_greedy(dequantized, p, greedy.max_tokens) for p in PROMPTS]
+
+
+def test_quantized_experts_load_lazily_into_the_model_dtype(tiny_moe):
+    """The ``*_exps`` stacks come out of the format as lazy slices and land in a bf16 engine's
+    FusedMoE as the file's values rounded once to bf16 (no fp32 copy of a whole stack)."""
+    from fw_gguf.format import GGUFFormat
+    from fw_gguf.lazy import GGUFTensorSlice
+
+    arch, folder, reference = tiny_moe
+    path = folder / "model-q8-bf16.gguf"
+    stored = write_gguf(path, arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
+    lazy = {name for name, tensor in GGUFFormat(path).iter_weights() if isinstance(tensor, GGUFTensorSlice)}
+    sparse = [i for i, layer in enumerate(reference.model.layers) if hasattr(layer.mlp, "experts")]
+    assert lazy == {f"model.layers.{i}.mlp.experts.{p}.weight" for i in sparse for p in ("gate_proj", "up_proj", "down_proj")}
+    llm = LLM(str(path), dtype="bf16", num_blocks=16)
+    for i in sparse:
+        experts = llm.engine.core.runner.model.model.layers[i].mlp.experts
+        w13 = torch.cat([stored[f"blk.{i}.ffn_gate_exps.weight"], stored[f"blk.{i}.ffn_up_exps.weight"]], dim=1)
+        assert experts.w13_weight.dtype == torch.bfloat16
+        assert torch.equal(experts.w13_weight, w13.to(torch.bfloat16))
+        assert torch.equal(experts.w2_weight, stored[f"blk.{i}.ffn_down_exps.weight"].to(torch.bfloat16))
