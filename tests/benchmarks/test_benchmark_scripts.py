@@ -72,3 +72,18 @@ def test_engine_flags_become_the_llm_arguments(monkeypatch):
         "tensor_parallel_size": 2, "max_num_seqs": 8}
     assert engine_kwargs(parser.parse_args(["--tp", "2"]))["device_ids"] == [0, 1]
     assert "device_ids" not in engine_kwargs(parser.parse_args([]))
+
+
+def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchmarks, capsys, monkeypatch):
+    """``gemv_bandwidth.py --check``: the Triton GEMV it times against cuBLAS equals ``F.linear``
+    (one row and several, split-K with atomics; under TRITON_INTERPRET=1 here)."""
+    benchmarks("gemv_bandwidth.py", "--check")
+    assert "triton_gemv matches F.linear" in capsys.readouterr().out
+    from gemv_bandwidth import layer_shapes
+
+    one, two = dict((name, (n, k)) for name, n, k, _ in layer_shapes("llama3-8b", 1)), \
+        dict((name, (n, k)) for name, n, k, _ in layer_shapes("llama3-8b", 2))
+    assert one == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                   "lm_head": (128256, 4096)}
+    assert two == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
+                   "lm_head": (64128, 4096)}
