@@ -18,7 +18,7 @@ import argparse
 import functools
 import itertools
 import json
-import os
+import time
 
 import torch
 import triton
@@ -191,7 +191,7 @@ def main() -> None:
               f"with cuBLAS ({step['bytes'] / step['cublas_s'] / 1e12:.2f} TB/s), {step['best_s'] * 1e3:.2f} ms taking "
               f"the faster per layer; copy bandwidth {COPY_BANDWIDTH / 1e12:.2f} TB/s")
     if args.out:
-        report = {"date": os.environ.get("FW_DATE", ""), "device": device_name(), "commit": git_commit(),
+        report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(),
                   "command": "python benchmarks/gemv_bandwidth.py " + " ".join(
                       f"--{k.replace('_', '-')} {' '.join(map(str, v))}" for k, v in vars(args).items()
                       if k in ("shape", "tp", "rows")),
