@@ -12,7 +12,7 @@ ARCHITECTURES = {
     "YiForCausalLM": ("Yi (Llama architecture under its own name)", True),
     "Qwen3ForCausalLM": ("Qwen3 dense (RMSNorm per head on q and k)", True),
     "Phi3ForCausalLM": ("Phi-3 / Phi-3.5 / Phi-4 (fused qkv and gate_up, LongRoPE, partial rotary)", True),
-    "StableLmForCausalLM": ("StableLM 2 / StableLM 3B (LayerNorm, partial rotary, parallel residual, QK LayerNorm)", False),
+    "StableLmForCausalLM": ("StableLM 2 / StableLM 3B (LayerNorm, partial rotary, parallel residual, QK LayerNorm)", True),
     "GlmForCausalLM": ("GLM-4 9B chat (partial interleaved rotary, fused gate_up)", True),
     "Glm4ForCausalLM": ("GLM-4 0414 (GLM plus post-attention and post-MLP norms)", True),
 }

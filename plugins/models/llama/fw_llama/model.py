@@ -39,7 +39,7 @@ from framework.layers import (
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
-from framework.layers.linear import KeepsWeightAttrs
+from framework.layers.linear import KeepsWeightAttrs, copy_weight
 from framework.layers.mlp import dense_mlp
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
@@ -144,26 +144,32 @@ class PerHeadLayerNorm(KeepsWeightAttrs):
     num_heads, head_size])`` is one ``layer_norm`` times it. Checkpoints keep one tensor per head
     (``norms.{head}.weight``, as transformers' ``nn.ModuleList`` names them):
     :meth:`LlamaForCausalLM.map_weight_name` sends each to :meth:`weight_loader` with its head.
+    Under tensor parallelism a rank holds the ``num_heads`` heads from ``first_head`` on (those of
+    its attention shard) and skips the others' weights.
     """
 
-    def __init__(self, num_heads: int, head_size: int, eps: float) -> None:
+    def __init__(self, num_heads: int, head_size: int, eps: float, first_head: int = 0,
+                 total_num_heads: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.eps = num_heads, head_size, eps
+        self.first_head, self.total_num_heads = first_head, total_num_heads or num_heads
         self.weight = nn.Parameter(torch.ones(num_heads, head_size), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
         self._loaded_heads: set[int] = set()
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, head: int) -> None:
-        """Copy head ``head``'s checkpoint weight ``[head_size]`` into its row."""
-        if not 0 <= head < self.num_heads or tuple(loaded_weight.shape) != (self.head_size,):
+        """Copy head ``head``'s checkpoint weight ``[head_size]`` into its row (nothing for another rank's head)."""
+        if not 0 <= head < self.total_num_heads or tuple(loaded_weight.shape) != (self.head_size,):
             raise ValueError(f"per-head norm weight {head} of shape {tuple(loaded_weight.shape)} does not fit: expected "
-                             f"heads 0..{self.num_heads - 1} of shape ({self.head_size},)")
-        param.data[head].copy_(loaded_weight)
-        self._loaded_heads.add(head)
+                             f"heads 0..{self.total_num_heads - 1} of shape ({self.head_size},)")
+        row = head - self.first_head
+        if 0 <= row < self.num_heads:
+            copy_weight(param.data[row], loaded_weight)
+            self._loaded_heads.add(head)
 
     def missing_weights(self) -> list[str]:
-        """The heads no checkpoint tensor has filled (``check_all_loaded`` reports them)."""
-        absent = sorted(set(range(self.num_heads)) - self._loaded_heads)
+        """This rank's heads no checkpoint tensor has filled (``check_all_loaded`` reports them)."""
+        absent = sorted(set(range(self.first_head, self.first_head + self.num_heads)) - self._loaded_heads)
         return [f"norms.{head}.weight" for head in absent]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,9 +206,12 @@ class LlamaAttention(nn.Module):
         self.q_norm = self.k_norm = None
         if variant.qk_norm == "rms":  # Qwen3: checkpoint names q_norm / k_norm
             self.q_norm, self.k_norm = RMSNorm(head_size, variant.eps), RMSNorm(head_size, variant.eps)
-        elif variant.qk_norm == "layer_per_head":  # StableLM: q_layernorm / k_layernorm (not sharded: no TP)
-            self.q_layernorm = PerHeadLayerNorm(num_heads, head_size, variant.eps)
-            self.k_layernorm = PerHeadLayerNorm(num_kv_heads, head_size, variant.eps)
+        elif variant.qk_norm == "layer_per_head":  # StableLM: q_layernorm / k_layernorm, this rank's heads
+            qkv = self.qkv_proj
+            self.q_layernorm = PerHeadLayerNorm(num_heads, head_size, variant.eps, qkv.tp_rank * num_heads,
+                                                config.num_heads)
+            self.k_layernorm = PerHeadLayerNorm(num_kv_heads, head_size, variant.eps,
+                                                qkv.tp_rank // qkv.num_kv_head_replicas * num_kv_heads, config.num_kv_heads)
             self.q_norm, self.k_norm = self.q_layernorm, self.k_layernorm
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

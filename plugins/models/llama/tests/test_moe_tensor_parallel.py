@@ -47,6 +47,10 @@ CASES = {
     "glm_interleaved_partial_rope": lambda: transformers.GlmConfig(**SMALL, pad_token_id=0, intermediate_size=96, head_dim=16,
                                                                    partial_rotary_factor=0.5),
     "glm4_four_norms": lambda: transformers.Glm4Config(**SMALL, pad_token_id=0, intermediate_size=96, head_dim=16, partial_rotary_factor=0.5),
+    # StableLM's per-head QK LayerNorms (randomised weights): each rank keeps its heads' norms
+    "stablelm_per_head_qk_layernorm": lambda: transformers.StableLmConfig(
+        **SMALL, intermediate_size=96, partial_rotary_factor=0.25, use_qkv_bias=True, use_parallel_residual=True,
+        qk_layernorm=True),
 }
 
 
@@ -69,6 +73,14 @@ def test_tp4_qwen3_moe_with_replicated_kv_heads_matches_transformers(tmp_path):
     """TP=4 (the 4-GPU runs' layout, here four gloo ranks): 2 KV heads replicated over 4 ranks,
     every expert split four ways (8 of 32 features per rank), one all-reduce per block."""
     reference = write_randomised_model(tmp_path, CASES["qwen3_moe"]())
+    expected = [reference_greedy(reference, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+    assert greedy_ids(tmp_path, tensor_parallel_size=4) == expected
+
+
+def test_tp4_stablelm_replicated_kv_heads_keep_their_own_per_head_norms(tmp_path):
+    """4 query heads over 4 ranks, 2 KV heads each on 2 ranks: rank r normalises query head r and
+    key head r // 2 with those heads' own (random) LayerNorm weights."""
+    reference = write_randomised_model(tmp_path, CASES["stablelm_per_head_qk_layernorm"]())
     expected = [reference_greedy(reference, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
     assert greedy_ids(tmp_path, tensor_parallel_size=4) == expected
 
