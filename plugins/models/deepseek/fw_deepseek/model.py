@@ -17,9 +17,11 @@ softmax scale is ``(N + R)^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` un
 transformers' ``yarn_apply_mscale``.
 
 Tensor parallelism: the dense MLPs, the routed experts and the shared experts are split along
-their intermediate features (one all-reduce per MLP or MoE block); the attention's projections
-are ``ReplicatedLinear`` and every rank runs all heads over its own full latent cache (no
-communication; the MLA heads are not sharded yet), the vocabulary is split as in every model.
+their intermediate features (one all-reduce per MLP or MoE block). The attention heads are split:
+``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` are column-parallel (a rank computes ``H / tp`` heads)
+and ``o_proj`` is row-parallel (one all-reduce); ``q_a_proj`` and ``kv_a_proj_with_mqa`` are
+replicated, so every rank caches the full latent (it is shared by all heads). The vocabulary is
+split as in every model.
 ``kv_b_proj`` must stay unquantized: its weight is absorbed into the attention, and a quantization
 method that claims it is refused at start-up.
 """
@@ -32,9 +34,12 @@ from torch import nn
 from framework.attention_backend import MLAConfig
 from framework.config import ModelConfig
 from framework.errors import ConfigError
+from framework import distributed
 from framework.layers import (
+    ColumnParallelLinear,
     ReplicatedLinear,
     RMSNorm,
+    RowParallelLinear,
     UnquantizedLinearMethod,
     VocabEmbedding,
     residual_norm,
@@ -63,7 +68,11 @@ class DeepseekV2Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_heads
+        tp_size = distributed.get_tp_size()
+        if config.num_heads % tp_size:
+            raise ConfigError(f"{prefix}: the model's {config.num_heads} attention heads cannot be split over {tp_size} "
+                              f"tensor-parallel ranks; use a tensor-parallel size that divides {config.num_heads}")
+        hidden, self.num_heads = config.hidden_size, config.num_heads // tp_size  # this rank's heads
         self.q_lora_rank = config.get("q_lora_rank")
         self.kv_lora_rank = int(config.get("kv_lora_rank"))
         self.nope_dim, self.rope_dim = int(config.get("qk_nope_head_dim")), int(config.get("qk_rope_head_dim"))
@@ -74,16 +83,17 @@ class DeepseekV2Attention(nn.Module):
         if self.q_lora_rank:
             self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, prefix=f"{prefix}.q_a_proj", **linear)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, self.num_heads * qk_head_dim, bias=False,
-                                             prefix=f"{prefix}.q_b_proj", **linear)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, config.num_heads * qk_head_dim, bias=False,
+                                                 prefix=f"{prefix}.q_b_proj", **linear)
         else:
-            self.q_proj = ReplicatedLinear(hidden, self.num_heads * qk_head_dim, bias=False, prefix=f"{prefix}.q_proj", **linear)
+            self.q_proj = ColumnParallelLinear(hidden, config.num_heads * qk_head_dim, bias=False,
+                                               prefix=f"{prefix}.q_proj", **linear)
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias,
                                                    prefix=f"{prefix}.kv_a_proj_with_mqa", **linear)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = ReplicatedLinear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False,
-                                          prefix=f"{prefix}.kv_b_proj", **linear)
-        self.o_proj = ReplicatedLinear(self.num_heads * self.v_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj", **linear)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, config.num_heads * (self.nope_dim + self.v_dim), bias=False,
+                                              prefix=f"{prefix}.kv_b_proj", **linear)
+        self.o_proj = RowParallelLinear(config.num_heads * self.v_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj", **linear)
         self.rotary_emb = get_rope(self.rope_dim, self.rope_dim, config.max_model_len, config.rope_theta,
                                    config.rope_scaling, is_neox_style=False)
         mla = MLAConfig(self.kv_lora_rank, self.rope_dim)
@@ -94,7 +104,7 @@ class DeepseekV2Attention(nn.Module):
                               "a checkpoint (or quantization method) that keeps kv_b_proj unquantized")
 
     def kv_b_weight(self) -> torch.Tensor:
-        """``kv_b_proj``'s weight viewed as ``[H, N + V, L]`` (= ``[W_UK ; W_UV]`` per head)."""
+        """``kv_b_proj``'s weight viewed as ``[H, N + V, L]`` (= ``[W_UK ; W_UV]`` per head; this rank's heads)."""
         return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """DeepSeek-V2 under tensor parallelism on CPU (gloo): the dense MLPs, the routed experts and the
-shared experts are split along their intermediate features; multi-head latent attention is
-replicated on every rank. The MoE block sums its two partial outputs and all-reduces them once."""
+shared experts are split along their intermediate features, and so are the heads of multi-head
+latent attention (every rank caches the whole latent). The MoE block sums its two partial outputs
+and all-reduces them once."""
 
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("case", sorted(CONFIGS))
-def test_tp2_greedy_ids_match_transformers(case, tmp_path):
+@pytest.mark.parametrize(("case", "tp"), [(case, 2) for case in sorted(CONFIGS)] + [("v2_q_lora_yarn", 4)])
+def test_tensor_parallel_greedy_ids_match_transformers(case, tp, tmp_path):
     reference = write_randomised_model(tmp_path, CONFIGS[case]())
     with LLM(str(tmp_path), device="cpu", num_blocks=16, prefill_chunk_size=8, max_num_batched_tokens=16,
-             tensor_parallel_size=2) as llm:
-        assert llm.engine.summary["tensor_parallel_size"] == 2
+             tensor_parallel_size=tp) as llm:
+        assert llm.engine.summary["tensor_parallel_size"] == tp
+        attention = llm.engine.core.runner.model.model.layers[0].self_attn
+        assert attention.num_heads == SMALL["num_attention_heads"] // tp  # rank 0 computes its share of the heads
+        assert attention.kv_b_weight().shape[0] == attention.num_heads
         ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
     assert ids == [reference_greedy(reference, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
 
