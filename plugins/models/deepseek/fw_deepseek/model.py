@@ -31,10 +31,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from framework import distributed
 from framework.attention_backend import MLAConfig
 from framework.config import ModelConfig
 from framework.errors import ConfigError
-from framework import distributed
 from framework.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
