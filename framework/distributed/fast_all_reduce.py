@@ -83,6 +83,8 @@ def peer_access_problem(device: torch.device, group: dist.ProcessGroup | None = 
     hosts = sorted({host for host, _ in everyone})
     if len(hosts) > 1:
         return f"it needs every tensor-parallel rank on one host; the group spans {', '.join(hosts)}"
+    if len(set(everyone)) < len(everyone):  # e.g. one rank per container, each seeing its GPU as cuda:0
+        return "two ranks report the same host and device ordinal, so their GPUs' peer access cannot be checked"
     # every rank checks every pair, so that all of them decide alike
     indices = [index for _, index in everyone]
     blocked = [f"cuda:{a} -> cuda:{b}" for a in indices for b in indices
@@ -120,18 +122,31 @@ class SymmMemAllReduce:
         check_peer_access(device, host_group or group)
         self.group, self.group_name, self.device = group, group.group_name, device
         self.max_bytes = max(4, max_bytes - max_bytes % 16)  # whole 16-byte vectors: the op's widest loads
+        # each step on every rank, then agreement on the host group before the next collective step,
+        # so that a rank that fails makes every rank fail (none waits in a rendezvous alone)
+        failure = None
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
             with torch.cuda.device(device):
                 self.buffer = symm_mem.empty(self.max_bytes, dtype=torch.uint8, device=device)
-                self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
             self._copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
             self._out = torch.ops.symm_mem.one_shot_all_reduce_out
         except (ImportError, AttributeError, RuntimeError) as error:
+            failure = error
+        if not _every_rank_succeeded(failure is None, host_group or group) and failure is None:
+            failure = RuntimeError("another rank could not allocate its symmetric buffer")
+        if failure is None:
+            try:
+                with torch.cuda.device(device):
+                    self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+            except RuntimeError as error:
+                failure = error
+        if failure is not None:
+            self.buffer = self.handle = None
             raise ConfigError(f"--all-reduce symm_mem: torch symmetric memory could not be set up on {device} "
-                              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                              "use --all-reduce nccl") from error
+                              f"({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}); "
+                              "use --all-reduce nccl") from failure
         log.info("symmetric-memory all-reduce on %s: %d ranks, %d KiB buffer", device, size, self.max_bytes // 1024)
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -158,6 +173,15 @@ class SymmMemAllReduce:
     def close(self) -> None:
         """Drop the buffer (before the process group goes)."""
         self.handle = self.buffer = None
+
+
+def _every_rank_succeeded(ok: bool, group: dist.ProcessGroup) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (a collective; a CPU tensor, so a gloo group works)."""
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    if dist.get_backend(group) != "gloo":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _alignment(x: torch.Tensor) -> int:

@@ -151,9 +151,9 @@ def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int, *, required
     """Sum tensors of up to ``max_bytes`` with the symmetric-memory one-shot all-reduce from now on.
 
     Every rank calls it together, after :func:`init_tensor_parallel` and before any CUDA graph is
-    captured. When the GPUs cannot use it (several hosts, no P2P) it raises :class:`ConfigError`
-    if ``required`` (``--all-reduce symm_mem``), else returns False and NCCL stays (``auto``);
-    every rank decides alike. True when enabled (and for a single rank, which sums nothing).
+    captured. When the GPUs cannot use it (several hosts, no P2P, symmetric memory failing to set
+    up on any rank) it raises :class:`ConfigError` if ``required`` (``--all-reduce symm_mem``),
+    else returns False and NCCL stays (``auto``); every rank decides alike. True when enabled (and for a single rank, which sums nothing).
     """
     if _state.size == 1:
         return True
@@ -164,6 +164,12 @@ def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int, *, required
         if problem is not None:
             log.info("--all-reduce auto: NCCL, since the symmetric-memory all-reduce cannot run here (%s)", problem)
             return False
+        try:  # a set-up failure fails on every rank alike (SymmMemAllReduce agrees on it first)
+            _state.fast_all_reduce = SymmMemAllReduce(device, max_bytes, host_group=_state.control_group)
+        except ConfigError as error:
+            log.warning("--all-reduce auto: NCCL, since %s", error)
+            return False
+        return True
     _state.fast_all_reduce = SymmMemAllReduce(device, max_bytes, host_group=_state.control_group)
     return True
 

@@ -67,18 +67,19 @@ def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_
     assert ids == reference_greedy(reference, prompt, params.max_tokens)
 
 
-@pytest.mark.parametrize(("hosts", "peer", "problem"), [
-    (["a", "a"], True, None),
-    (["a", "b"], True, "the group spans a, b"),
-    (["a", "a"], False, "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
+@pytest.mark.parametrize(("hosts", "indices", "peer", "problem"), [
+    (["a", "a"], [0, 1], True, None),
+    (["a", "b"], [0, 1], True, "the group spans a, b"),
+    (["a", "a"], [0, 1], False, "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
+    (["a", "a"], [0, 0], True, "two ranks report the same host and device ordinal"),
 ])
-def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts, peer, problem):
+def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts, indices, peer, problem):
     """``--all-reduce auto``: symm_mem on one host with peer access; otherwise NCCL stays (no error),
     while ``--all-reduce symm_mem`` there is a start-up error naming the reason."""
     from framework.distributed import state
 
     def all_gather_object(out, mine, group=None):
-        out[:] = [(host, index) for index, host in enumerate(hosts)]
+        out[:] = list(zip(hosts, indices, strict=True))
 
     monkeypatch.setattr(state.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(state.dist, "all_gather_object", all_gather_object)
@@ -99,6 +100,51 @@ def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts
     monkeypatch.setattr(fast_all_reduce, "SymmMemAllReduce", real)  # its own peer check refuses first
     with pytest.raises(ConfigError, match=f"--all-reduce symm_mem: .*{problem}.*: use --all-reduce nccl"):
         state.enable_symm_mem_all_reduce(device, 4096, required=True)
+
+
+@pytest.mark.parametrize("failing", ["this rank", "another rank", "rendezvous"])
+def test_a_symmetric_memory_set_up_failure_fails_every_rank_and_auto_keeps_nccl(monkeypatch, failing):
+    """The buffer is allocated, then the ranks agree on the host group before the rendezvous, so a
+    rank that fails makes every rank fail (none waits in the rendezvous alone); ``auto`` then
+    stays on NCCL and ``symm_mem`` is a start-up error."""
+    import contextlib
+    import types
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from framework.distributed import state
+
+    class Group:
+        group_name = "tp"
+
+    def empty(*args, **kwargs):
+        if failing == "this rank":
+            raise RuntimeError("CUDA driver does not support multicast/VMM")
+        return torch.empty(16, dtype=torch.uint8)
+
+    def rendezvous(buffer, name):
+        raise RuntimeError("rendezvous failed")
+
+    monkeypatch.setattr(fast_all_reduce.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(fast_all_reduce, "check_peer_access", lambda device, group: None)
+    monkeypatch.setattr(fast_all_reduce, "peer_access_problem", lambda device, group=None: None)
+    monkeypatch.setattr(fast_all_reduce, "_every_rank_succeeded", lambda ok, group: ok and failing != "another rank")
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(symm_mem, "empty", empty)
+    monkeypatch.setattr(symm_mem, "rendezvous", rendezvous)
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_out", object(), raising=False)
+    reason = {"this rank": "multicast/VMM", "another rank": "another rank could not allocate",
+              "rendezvous": "rendezvous failed"}[failing]
+    with pytest.raises(ConfigError, match=f"could not be set up on cuda:0 .*{reason}.*use --all-reduce nccl"):
+        fast_all_reduce.SymmMemAllReduce(torch.device("cuda", 0), 4096, Group())
+    monkeypatch.setattr(state._state, "size", 2)
+    monkeypatch.setattr(state._state, "fast_all_reduce", None)
+    monkeypatch.setattr(state._state, "control_group", Group())
+    monkeypatch.setattr(fast_all_reduce.dist, "group", types.SimpleNamespace(WORLD=Group()))  # the data group
+    assert state.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=False) is False
+    assert state._state.fast_all_reduce is None
+    with pytest.raises(ConfigError, match=reason):
+        state.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=True)
 
 
 def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_nccl(monkeypatch):
