@@ -73,10 +73,18 @@ class MarkerToolParser(ToolParser):
         self.pending_ws = ""
         self.seen_text = False  # non-space content or a block came before (start openers are off)
         self.after_call = False  # whitespace right after a call is dropped
-        self.scan_cache: dict = {}  # resumable scanning state of long arguments (see json_scan.container_end)
+        #: resumable scanning state of long arguments (see json_scan.container_end): keys are
+        #: positions in ``text`` and values tuples whose first item is a position; the driver
+        #: shifts both when it drops the decided text
+        self.scan_cache: dict = {}
 
     def scan_block(self, text: str, start: int, marker: str, final: bool) -> BlockScan:
-        """Read the block opened by ``marker`` at ``text[start]``; ``final``: no more text comes."""
+        """Read the block opened by ``marker`` at ``text[start]``; ``final``: no more text comes.
+
+        ``text`` is the undecided tail of the reply, not all of it: between feeds the driver drops
+        the decided text before ``pos``, so positions move. Keep nothing position-based across
+        calls except in ``scan_cache`` (which the driver shifts).
+        """
         raise NotImplementedError
 
     # --- the driver -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from framework.engine.outputs import LogprobEntry
+from framework.errors import ConfigError
 from framework.output_text import SequenceText
 from framework.sampling_params import SamplingParams
 from framework.server.engine_client import AsyncEngineClient
@@ -184,4 +185,6 @@ async def _pump(client: AsyncEngineClient, child_id: str, index: int, prompt_ind
             if stopped:
                 return  # leaving generate() aborts the engine request
     except Exception as error:
+        if metrics is not None and isinstance(error, ConfigError):
+            metrics.finished("abort")  # the engine finished it as aborted (e.g. a grammar that failed to compile)
         queue.put_nowait(error)

@@ -194,7 +194,8 @@ class ChatTurn:
                 raise bad_request(f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
                                   "response_format or structured_outputs", "tool_choice")
             params = params.replace(structured_outputs=constraint)
-            self.grammar_field = "tools"  # the constraint is built from the tools' parameter schemas
+            # the constraint is built from the tools' parameter schemas: the request's, or the MCP servers'
+            self.grammar_field = "tools" if body.tools is not None else "tools (from the MCP servers' tool schemas)"
         self.params = after_reasoning(params, start_after)
 
     def next_round(self, messages: list[dict[str, Any]]) -> ChatTurn:
@@ -282,9 +283,11 @@ async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival
     contents: list[str] = []  # the text of earlier rounds, which a streaming client would have seen too
     while True:
         choices = [ChoiceState() for _ in range(rounds.turn.params.n)]
+        round_cached = 0  # the round's prompt-cache hit (its choices share the prompt)
         async for delta in rounds.events():
             choices[delta.index].add(delta)
-            num_cached = max(num_cached, delta.num_cached_tokens)
+            round_cached = max(round_cached, delta.num_cached_tokens)
+        num_cached += round_cached  # summed over rounds, as prompt_tokens is
         completion_tokens += sum(len(c.token_ids) for c in choices)
         results = [rounds.turn.message(i, c) for i, c in enumerate(choices)]
         message, _ = results[0]
@@ -351,11 +354,11 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
     while True:
         turn = rounds.turn
         held: list[ToolCallDelta] = []
-        round_content, calls = "", []
+        round_content, calls, round_cached = "", [], 0
         async with contextlib.aclosing(rounds.events()) as events:
             async for delta in events:
                 completion_tokens += len(delta.token_ids)
-                num_cached = max(num_cached, delta.num_cached_tokens)
+                round_cached = max(round_cached, delta.num_cached_tokens)
                 parser = turn.parsers[delta.index]
                 finish_reason = delta.finish_reason
                 if parser is None:
@@ -386,6 +389,7 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
                     yield chunk([ChatStreamChoice(index=delta.index, delta=message or DeltaMessage(content=""),
                                                   logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
                                                   finish_reason=finish_reason, stop_reason=delta.stop_reason)])
+        num_cached += round_cached  # summed over rounds, as prompt_tokens is
         if not calls:
             break
         records = await rounds.run_calls(round_content.strip(), calls)

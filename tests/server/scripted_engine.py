@@ -46,6 +46,9 @@ class ScriptedEngineClient:
         self.ready = SimpleNamespace(max_model_len=4096, vocab_size=self.tokenizer.vocab_size)
         self.dead_reason = None
         self.prompts: list[str] = []
+        self.prompt_lengths: list[int] = []
+        #: the prefix-cache hit each request reports, from its prompt length (none by default)
+        self.cached_tokens: Callable[[int], int] = lambda num_prompt_tokens: 0
 
     is_ready = True
     is_healthy = True
@@ -53,12 +56,14 @@ class ScriptedEngineClient:
     async def generate(self, request_id, prompt_token_ids, params, pooling=None):
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         self.prompts.append(prompt)
+        self.prompt_lengths.append(len(prompt_token_ids))
         ids = self.tokenizer.encode(self.reply(prompt), add_special_tokens=False)[: params.max_tokens]
         for start in range(0, len(ids), 3):
             await asyncio.sleep(0)
             last = start + 3 >= len(ids)
             yield RequestOutput(request_id=request_id, new_token_ids=ids[start:start + 3],
-                                finish_reason="stop" if last else None, num_prompt_tokens=len(prompt_token_ids))
+                                finish_reason="stop" if last else None, num_prompt_tokens=len(prompt_token_ids),
+                                num_cached_tokens=self.cached_tokens(len(prompt_token_ids)))
 
     def abort(self, *request_ids):
         pass

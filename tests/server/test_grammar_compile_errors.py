@@ -88,3 +88,5 @@ def test_the_server_keeps_serving_and_the_failed_requests_hold_nothing(client, s
     for gauge in ("fw:num_requests_running", "fw:num_requests_waiting", "fw:num_kv_blocks_used"):
         value = re.search(rf"^{gauge}\{{[^}}]*\}} (\S+)$", metrics, re.M)
         assert value is not None and float(value.group(1)) == 0.0, gauge
+    aborted = re.search(r'^fw:request_success_total\{[^}]*"abort"[^}]*\} (\S+)$', metrics, re.M)
+    assert aborted is not None and float(aborted.group(1)) >= 3  # the failed requests are counted as aborted

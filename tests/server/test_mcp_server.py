@@ -147,6 +147,20 @@ def test_streamed_mcp_execute_streams_each_round_and_the_calls_between(client, s
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_cached_prompt_tokens_add_up_over_rounds_as_prompt_tokens_do(client, server, monkeypatch, stream):
+    monkeypatch.setattr(server.engine, "cached_tokens", lambda num_prompt_tokens: num_prompt_tokens // 2)
+    first = len(server.engine.prompt_lengths)
+    response = client.chat.completions.create(model="scripted", messages=MESSAGES, stream=stream,
+                                              extra_body={"mcp_execute": True},
+                                              **({"stream_options": {"include_usage": True}} if stream else {}))
+    usage = list(response)[-1].usage if stream else response.usage
+    rounds = server.engine.prompt_lengths[first:]
+    assert len(rounds) == 2  # the tool call, then the answer with its result
+    assert usage.prompt_tokens == sum(rounds)
+    assert usage.prompt_tokens_details.cached_tokens == sum(n // 2 for n in rounds)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_messages_are_templated_once_per_request_over_all_rounds(client, monkeypatch, stream):
     """The conversation is converted for the template once (each MCP round appends to it)."""
     from framework.server import serving_chat
