@@ -160,7 +160,7 @@ def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int, *, required
     from framework.distributed.fast_all_reduce import SymmMemAllReduce, peer_access_problem
 
     if not required:
-        problem = peer_access_problem(device, _state.control_group)
+        problem = peer_access_problem(device, _state.control_group, auto=True)
         if problem is not None:
             log.info("--all-reduce auto: NCCL, since the symmetric-memory all-reduce cannot run here (%s)", problem)
             return False

@@ -78,7 +78,7 @@ class EngineBuilder:
     """Builds an :class:`Engine`; keyword arguments mirror the ``fw serve`` flags.
 
     ``all_reduce`` (``--all-reduce``) picks the tensor-parallel all-reduce: ``auto`` (default:
-    ``symm_mem`` when every rank is a CUDA GPU of one host with peer access, else ``nccl``),
+    ``symm_mem`` when every rank is a Hopper-or-newer GPU of one host with peer access, else ``nccl``),
     ``symm_mem`` (one-shot on NVLink peer memory for decode-sized tensors; an error where it cannot
     run) or ``nccl``.
     """

@@ -5,6 +5,8 @@ The symmetric-memory all-reduce itself needs two GPUs: tests/distributed/test_fa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -67,13 +69,14 @@ def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_
     assert ids == reference_greedy(reference, prompt, params.max_tokens)
 
 
-@pytest.mark.parametrize(("hosts", "indices", "peer", "problem"), [
-    (["a", "a"], [0, 1], True, None),
-    (["a", "b"], [0, 1], True, "the group spans a, b"),
-    (["a", "a"], [0, 1], False, "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
-    (["a", "a"], [0, 0], True, "two ranks report the same host and device ordinal"),
+@pytest.mark.parametrize(("hosts", "indices", "peer", "capability", "problem"), [
+    (["a", "a"], [0, 1], True, (9, 0), None),
+    (["a", "b"], [0, 1], True, (9, 0), "the group spans a, b"),
+    (["a", "a"], [0, 1], False, (9, 0), "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
+    (["a", "a"], [0, 0], True, (9, 0), "two ranks report the same host and device ordinal"),
+    (["a", "a"], [0, 1], True, (8, 0), "auto takes it on compute capability 9.0 and up .* these GPUs are 8.0"),
 ])
-def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts, indices, peer, problem):
+def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts, indices, peer, capability, problem):
     """``--all-reduce auto``: symm_mem on one host with peer access; otherwise NCCL stays (no error),
     while ``--all-reduce symm_mem`` there is a start-up error naming the reason."""
     from framework.distributed import state
@@ -84,6 +87,7 @@ def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts
     monkeypatch.setattr(state.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(state.dist, "all_gather_object", all_gather_object)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
     built, real = [], fast_all_reduce.SymmMemAllReduce
     monkeypatch.setattr(fast_all_reduce, "SymmMemAllReduce", lambda *args, **kwargs: built.append(args) or "symm")
     monkeypatch.setattr(state._state, "size", 2)
@@ -94,9 +98,13 @@ def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts
         assert state.enable_symm_mem_all_reduce(device, 4096, required=False) is True
         assert built and state._state.fast_all_reduce == "symm"
         return
-    assert problem in fast_all_reduce.peer_access_problem(device)
+    assert re.search(problem, fast_all_reduce.peer_access_problem(device, auto=True))
     assert state.enable_symm_mem_all_reduce(device, 4096, required=False) is False
     assert not built and state._state.fast_all_reduce is None  # NCCL stays
+    if capability < fast_all_reduce.AUTO_MIN_CAPABILITY:  # --all-reduce symm_mem forces it there
+        assert fast_all_reduce.peer_access_problem(device) is None
+        assert state.enable_symm_mem_all_reduce(device, 4096, required=True) is True and built
+        return
     monkeypatch.setattr(fast_all_reduce, "SymmMemAllReduce", real)  # its own peer check refuses first
     with pytest.raises(ConfigError, match=f"--all-reduce symm_mem: .*{problem}.*: use --all-reduce nccl"):
         state.enable_symm_mem_all_reduce(device, 4096, required=True)
@@ -127,7 +135,7 @@ def test_a_symmetric_memory_set_up_failure_fails_every_rank_and_auto_keeps_nccl(
 
     monkeypatch.setattr(fast_all_reduce.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(fast_all_reduce, "check_peer_access", lambda device, group: None)
-    monkeypatch.setattr(fast_all_reduce, "peer_access_problem", lambda device, group=None: None)
+    monkeypatch.setattr(fast_all_reduce, "peer_access_problem", lambda device, group=None, auto=False: None)
     monkeypatch.setattr(fast_all_reduce, "_every_rank_succeeded", lambda ok, group: ok and failing != "another rank")
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(symm_mem, "empty", empty)
