@@ -25,6 +25,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from framework.distributed.state import min_over_ranks
 from framework.errors import ConfigError
 
 log = logging.getLogger("fw.distributed")
@@ -106,32 +107,19 @@ def peer_access_problem(device: torch.device, group: dist.ProcessGroup | None = 
     return None
 
 
-def check_peer_access(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
-    """Raise :class:`ConfigError` unless every rank of ``group`` runs on this host with P2P access to
-    ``device`` (:func:`peer_access_problem`, a collective)."""
-    problem = peer_access_problem(device, group)
-    if problem is not None:
-        raise ConfigError(f"--all-reduce symm_mem: {problem}: use --all-reduce nccl")
-
-
 class SymmMemAllReduce:
     """Sums small tensors over ``group`` with a one-shot all-reduce on a symmetric buffer of ``max_bytes``.
 
-    Build it on every rank at the same time (allocation and rendezvous are collective; the peer
-    check runs on ``host_group``, e.g. a gloo group, when given); raises
-    :class:`ConfigError` when symmetric memory cannot be set up. :meth:`all_reduce` falls back
-    to ``dist.all_reduce`` for what the op cannot sum (see :meth:`fits`).
+    Build it on every rank at the same time, on GPUs :func:`peer_access_problem` accepts
+    (allocation and rendezvous are collective; the ranks agree on ``host_group``, e.g. a gloo
+    group, when given); raises :class:`ConfigError` on every rank when symmetric memory cannot be
+    set up on any. :meth:`all_reduce` falls back to ``dist.all_reduce`` for what the op cannot sum
+    (see :meth:`fits`).
     """
 
     def __init__(self, device: torch.device, max_bytes: int, group: dist.ProcessGroup | None = None,
                  host_group: dist.ProcessGroup | None = None) -> None:
         group = group or dist.group.WORLD
-        if device.type != "cuda":
-            raise ConfigError(f"symmetric-memory all-reduce needs CUDA devices; got {device}")
-        size = dist.get_world_size(group)
-        if not 2 <= size <= 8:
-            raise ConfigError(f"--all-reduce symm_mem supports 2 to 8 ranks; this group has {size}")
-        check_peer_access(device, host_group or group)
         self.group, self.group_name, self.device = group, group.group_name, device
         self.max_bytes = max(4, max_bytes - max_bytes % 16)  # whole 16-byte vectors: the op's widest loads
         # each step on every rank, then agreement on the host group before the next collective step,
@@ -146,7 +134,7 @@ class SymmMemAllReduce:
             self._out = torch.ops.symm_mem.one_shot_all_reduce_out
         except (ImportError, AttributeError, RuntimeError) as error:
             failure = error
-        if not _every_rank_succeeded(failure is None, host_group or group) and failure is None:
+        if not min_over_ranks(int(failure is None), host_group or group) and failure is None:
             failure = RuntimeError("another rank could not allocate its symmetric buffer")
         if failure is None:
             try:
@@ -159,7 +147,8 @@ class SymmMemAllReduce:
             raise ConfigError(f"--all-reduce symm_mem: torch symmetric memory could not be set up on {device} "
                               f"({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}); "
                               "use --all-reduce nccl") from failure
-        log.info("symmetric-memory all-reduce on %s: %d ranks, %d KiB buffer", device, size, self.max_bytes // 1024)
+        log.info("symmetric-memory all-reduce on %s: %d ranks, %d KiB buffer", device, dist.get_world_size(group),
+                 self.max_bytes // 1024)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether the one-shot op can sum ``x`` (same answer on every rank for the same shape and dtype)."""
@@ -185,15 +174,6 @@ class SymmMemAllReduce:
     def close(self) -> None:
         """Drop the buffer (before the process group goes)."""
         self.handle = self.buffer = None
-
-
-def _every_rank_succeeded(ok: bool, group: dist.ProcessGroup) -> bool:
-    """Whether ``ok`` holds on every rank of ``group`` (a collective; a CPU tensor, so a gloo group works)."""
-    flag = torch.tensor([int(ok)], dtype=torch.int32)
-    if dist.get_backend(group) != "gloo":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 def _alignment(x: torch.Tensor) -> int:

@@ -159,18 +159,19 @@ def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int, *, required
         return True
     from framework.distributed.fast_all_reduce import SymmMemAllReduce, peer_access_problem
 
-    if not required:
-        problem = peer_access_problem(device, _state.control_group, auto=True)
-        if problem is not None:
-            log.info("--all-reduce auto: NCCL, since the symmetric-memory all-reduce cannot run here (%s)", problem)
-            return False
-        try:  # a set-up failure fails on every rank alike (SymmMemAllReduce agrees on it first)
-            _state.fast_all_reduce = SymmMemAllReduce(device, max_bytes, host_group=_state.control_group)
-        except ConfigError as error:
-            log.warning("--all-reduce auto: NCCL, since %s", error)
-            return False
-        return True
-    _state.fast_all_reduce = SymmMemAllReduce(device, max_bytes, host_group=_state.control_group)
+    problem = peer_access_problem(device, _state.control_group, auto=not required)
+    if problem is not None:
+        if required:
+            raise ConfigError(f"--all-reduce symm_mem: {problem}: use --all-reduce nccl")
+        log.info("--all-reduce auto: NCCL, since the symmetric-memory all-reduce cannot run here (%s)", problem)
+        return False
+    try:  # a set-up failure fails on every rank alike (SymmMemAllReduce agrees on it first)
+        _state.fast_all_reduce = SymmMemAllReduce(device, max_bytes, host_group=_state.control_group)
+    except ConfigError as error:
+        if required:
+            raise
+        log.warning("--all-reduce auto: NCCL, since %s", error)
+        return False
     return True
 
 
@@ -205,12 +206,17 @@ def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def min_over_ranks(value: int) -> int:
-    """The smallest ``value`` any rank holds (the KV cache fits the tightest device)."""
-    if _state.size == 1:
-        return value
+def min_over_ranks(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """The smallest ``value`` any rank of ``group`` holds (default: this engine's tensor-parallel
+    ranks, over the gloo control group), e.g. the KV cache that fits the tightest device."""
+    if group is None:
+        if _state.size == 1:
+            return value
+        group = _state.control_group
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_state.control_group)
+    if dist.get_backend(group) == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     return int(tensor.item())
 
 

@@ -224,8 +224,7 @@ class EngineCore:
         outputs = []
         for request, message in failed:
             log.error("request %s: %s", request.request_id, message)
-            self.requests.pop(request.request_id, None)
-            request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+            self._retire(request, FinishReason.ABORT)  # in no queue and holding no blocks yet
             outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="abort",
                                          num_prompt_tokens=request.num_prompt_tokens, error=message))
         return outputs

@@ -289,9 +289,8 @@ class ModelRunner:
                        for request in sampling]
         if not any(placeholder):
             return None
-        rows = to_device(torch.tensor(last_rows, dtype=torch.int64), self.device)
         mask = to_device(torch.tensor(placeholder), self.device)
-        return torch.where(mask, self.step_input_ids.index_select(0, rows), -1)
+        return torch.where(mask, self._select_rows(self.step_input_ids, last_rows), -1)
 
     def collect(self, step: LaunchedStep) -> list[SampledToken]:
         """Wait for a launched step's results and return them (sampled tokens, then embeddings)."""

@@ -77,7 +77,7 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
         options = " | ".join(json.dumps(option, ensure_ascii=False) for option in params.choice)
         return xgrammar.Grammar.from_ebnf(f"root ::= {options}")
     except (RuntimeError, ValueError, TypeError) as error:
-        message = _XGRAMMAR_PREFIX.sub("", str(error).strip())
+        message = _xgrammar_message(error)
         what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(kind, kind)
         raise ConfigError(f"structured_outputs.{kind}: invalid {what}: {message}") from None
 
@@ -85,8 +85,12 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
 def compile_error_message(params: StructuredOutputsParams, error: BaseException) -> str:
     """What a client is told when its grammar parsed but failed to compile (or the model's
     vocabulary could not be read by xgrammar): the field, as :func:`build_grammar` names it."""
-    message = _XGRAMMAR_PREFIX.sub("", str(error).strip()) or type(error).__name__
-    return f"structured_outputs.{params.kind}: the grammar failed to compile: {message}"
+    return f"structured_outputs.{params.kind}: the grammar failed to compile: {_xgrammar_message(error)}"
+
+
+def _xgrammar_message(error: BaseException) -> str:
+    """xgrammar's error text without its source-location prefix (the exception's type if empty)."""
+    return _XGRAMMAR_PREFIX.sub("", str(error).strip()) or type(error).__name__
 
 
 class TokenBitmask(NamedTuple):
