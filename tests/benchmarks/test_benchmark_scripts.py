@@ -74,7 +74,7 @@ def test_engine_flags_become_the_llm_arguments(monkeypatch):
     assert "device_ids" not in engine_kwargs(parser.parse_args([]))
 
 
-def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchmarks, capsys, monkeypatch):
+def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchmarks, capsys):
     """``gemv_bandwidth.py --check``: the Triton GEMV it times against cuBLAS equals ``F.linear``
     (one row and several, split-K with atomics; under TRITON_INTERPRET=1 here)."""
     benchmarks("gemv_bandwidth.py", "--check")

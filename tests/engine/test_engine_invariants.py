@@ -9,7 +9,7 @@ import transformers
 
 from framework import LLM, SamplingParams
 from framework.errors import ConfigError
-from framework.testing import write_tiny_model
+from framework.testing import capture_logits, write_tiny_model
 
 TINY = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
@@ -166,18 +166,10 @@ def test_logprobs_and_prompt_logprobs_are_consistent(tiny_path):
         assert top[0][1] >= top[1][1]
     assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(prompt)
     # prompt logprob of token i equals the model's log-softmax at position i - 1
-    runner = llm.engine.core.runner
-    records = {}
-    forward = runner.forward
-
-    def capture(batch, *inputs):
-        hidden = forward(batch, *inputs)
-        records["logits"] = runner.model.compute_logits(hidden).float()
-        return hidden
-
-    runner.forward = capture
-    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), )
-    logp = torch.log_softmax(records["logits"], -1)
+    records = capture_logits(llm)
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    logp = torch.log_softmax(torch.stack([records[key] for key in sorted(records, key=lambda key: key[1])]), -1)
+    assert logp.shape[0] == len(prompt)
     for i in range(1, len(prompt)):
         assert result.prompt_logprobs[i][0] == pytest.approx(float(logp[i - 1, prompt[i]]), abs=1e-5)
 

@@ -71,7 +71,6 @@ def test_fused_moe_ranks_dequantize_only_their_features_in_the_model_dtype(rando
         assert layer.missing_weights() == []
         down_columns = -(-(features.stop) // block) * block - features.start // block * block
         assert sum(decoded) == EXPERTS * (2 * share * HIDDEN + HIDDEN * down_columns)
-        assert sum(decoded) < EXPERTS * 3 * width * HIDDEN or tp_size == 1
 
 
 @pytest.mark.gpu
