@@ -146,6 +146,12 @@ def device_ids(args: argparse.Namespace) -> list[int] | None:
     return list(range(args.tp)) if (args.tp or 1) > 1 else None
 
 
+def tensor_parallel_size(args: argparse.Namespace) -> int:
+    """How many GPUs ``--tp`` / ``--d`` spread the engine over (1 without them)."""
+    devices = device_ids(args)
+    return len(devices) if devices else 1
+
+
 def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     """``LLM`` arguments from the flags of :func:`add_engine_arguments`, on random weights with the
     prefix cache off (every prompt is computed); ``overrides`` (sizes, limits) are added last."""

@@ -40,6 +40,7 @@ from common import (
     git_commit,
     model_config,
     prefill_until_decode,
+    tensor_parallel_size,
     write_model_folder,
 )
 
@@ -82,28 +83,28 @@ def main() -> None:
     add_engine_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    devices = device_ids(args)
-    tp = len(devices) if devices else 1
+    devices, tp = device_ids(args), tensor_parallel_size(args)
 
     from framework import LLM
 
-    folder = write_model_folder(model_config(args.shape))
+    config = model_config(args.shape)
+    folder = write_model_folder(config)
     started = time.perf_counter()
     llm = LLM(str(folder), **engine_kwargs(
         args, max_num_seqs=max(args.batch),
         max_model_len=max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192))
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
-    weight_bytes = bytes_read_per_token(model, model_config(args.shape))
+    weight_bytes = bytes_read_per_token(model, config)
     results = [run_case(llm, b, c, args.steps, weight_bytes) for b in args.batch for c in args.context]
-    device = device_name()
+    device, commit = device_name(), git_commit()
     command = "python benchmarks/decode.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if k != "out" and v not in (None, False) and (k, v) != ("all_reduce", "auto"))
     for result in results:  # the GPU issue's keys on every result (output_len: the timed decode steps)
         result.update(device=device, model=f"{args.shape} shape, random weights", dtype=args.dtype, tp=tp, num_gpus=tp,
-                      commit=git_commit(), command=command)
-    report = {"date": time.strftime("%Y-%m-%d"), "device": device, "commit": git_commit(), "command": command,
+                      commit=commit, command=command)
+    report = {"date": time.strftime("%Y-%m-%d"), "device": device, "commit": commit, "command": command,
               "shape": args.shape, "dtype": args.dtype, "tp": tp, "all_reduce": args.all_reduce, "devices": devices or [0],
               "weight_bytes": weight_bytes, "weight_bytes_note": "per rank" if tp > 1 else "whole model", "build_s": build_s,
               "summary": llm.engine.summary, "torch": torch.__version__, "results": results}

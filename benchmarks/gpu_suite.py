@@ -38,7 +38,6 @@ from common import (
     add_engine_arguments,
     add_random_requests,
     bytes_read_per_token,
-    device_ids,
     device_name,
     engine_kwargs,
     git_commit,
@@ -46,6 +45,7 @@ from common import (
     prefill_until_decode,
     random_prompt,
     synchronize,
+    tensor_parallel_size,
     write_model_folder,
 )
 
@@ -141,8 +141,7 @@ def main() -> None:
     # a long-context case needs the shape's context raised (Llama 3.1 has the 3-8B shape with 128k)
     config["max_position_embeddings"] = max(config["max_position_embeddings"], longest + 16)
     folder = write_model_folder(config)
-    devices = device_ids(args)
-    tp = len(devices) if devices else 1
+    tp = tensor_parallel_size(args)
     started = time.perf_counter()
     llm = LLM(str(folder), **engine_kwargs(args, max_num_seqs=args.max_num_seqs, max_model_len=longest + 16))
     build_s = time.perf_counter() - started

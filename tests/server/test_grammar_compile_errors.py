@@ -9,6 +9,7 @@ makes the compiler raise, with xgrammar's own message format, on grammars that h
 
 from __future__ import annotations
 
+import os
 import re
 
 import httpx
@@ -39,7 +40,7 @@ def server(tiny_model_dir, serve_on_free_port, tmp_path_factory):
     site = tmp_path_factory.mktemp("failing-compiler")
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", str(site))
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
         with serve_on_free_port(["--m", str(tiny_model_dir), "--device", "cpu", "--served-model-name", "tiny"]) as proc:
             yield proc
 
