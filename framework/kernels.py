@@ -1,20 +1,42 @@
 """The kernel registry's front door: ``get_kernel("rms_norm")`` returns the callable to use.
 
 Layers resolve their kernels once, at construction, never per call. The choice for each op is
-the available implementation with the highest priority on the detected platform;
+the available implementation with the highest priority on the platform of the device the
+layers are built for (:func:`kernels_for`; this machine's default device outside it);
 ``FW_KERNELS="rms_norm=torch,rotary_embedding=triton"`` forces named implementations (tests,
 benchmarks, debugging).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from framework import plugins, registries
-from framework.platform import detect_platform
+from framework.platform import platform_for_device
+
+#: The device type ("cpu", "cuda") layers being built will run on; None: the machine's default.
+_target_device_type: ContextVar[str | None] = ContextVar("fw_kernel_target_device_type", default=None)
+
+
+@contextlib.contextmanager
+def kernels_for(device_type: str) -> Iterator[None]:
+    """Layers built inside this block choose the kernels of ``device_type``'s platform: a model
+    built for the CPU on a CUDA machine gets the torch ops, not Triton's."""
+    token = _target_device_type.set(device_type)
+    try:
+        yield
+    finally:
+        _target_device_type.reset(token)
+
+
+def target_device_type() -> str | None:
+    """The device type set by the enclosing :func:`kernels_for`, or None."""
+    return _target_device_type.get()
 
 
 def _forced() -> dict[str, str]:
@@ -23,11 +45,11 @@ def _forced() -> dict[str, str]:
 
 
 @functools.cache
-def _resolve(op: str, name: str | None, generation: int) -> Callable[..., Any]:
-    platform = detect_platform()
+def _resolve(op: str, name: str | None, generation: int, device_type: str | None) -> Callable[..., Any]:
+    platform = platform_for_device(device_type)
     return registries.kernels(platform).select(op, platform, name).load()
 
 
 def get_kernel(op: str, name: str | None = None) -> Callable[..., Any]:
     """The implementation of ``op``: ``name`` if given (or forced by ``FW_KERNELS``), else the best."""
-    return _resolve(op, name or _forced().get(op), plugins.generation())
+    return _resolve(op, name or _forced().get(op), plugins.generation(), _target_device_type.get())

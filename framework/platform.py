@@ -75,3 +75,14 @@ def detect_platform(probe_device: bool = True) -> Platform:
         packages=packages,
         probed=True,
     )
+
+
+def platform_for_device(device_type: str | None = None) -> Platform:
+    """The platform that code placed on ``device_type`` runs on: this machine's
+    (:func:`detect_platform`), except that a ``"cpu"`` device on a CUDA machine gets a CPU
+    platform with the same packages, so a model on the CPU never selects a CUDA-only kernel or
+    backend. ``None`` means the machine's default device."""
+    platform = detect_platform()
+    if device_type == "cpu" and platform.is_cuda:
+        return Platform("cpu", packages=platform.packages, probed=True)
+    return platform

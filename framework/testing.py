@@ -522,7 +522,7 @@ def count_kernel_calls() -> Iterator[dict[str, int]]:
     from framework import kernels, registries
     from framework.engine.builder import EngineBuilder
     from framework.layers import rotary
-    from framework.platform import detect_platform
+    from framework.platform import platform_for_device
 
     calls: collections.Counter[str] = collections.Counter()
 
@@ -536,10 +536,10 @@ def count_kernel_calls() -> Iterator[dict[str, int]]:
 
     resolve, select_backend = kernels._resolve, EngineBuilder.select_attention_backend
 
-    def counting_resolve(op: str, name: str | None, generation: int) -> Any:
-        platform = detect_platform()
+    def counting_resolve(op: str, name: str | None, generation: int, device_type: str | None) -> Any:
+        platform = platform_for_device(device_type)
         key = registries.kernels(platform).select(op, platform, name).key  # what ``_resolve`` loads
-        return counted(key, resolve(op, name, generation))
+        return counted(key, resolve(op, name, generation, device_type))
 
     def counting_select_backend(builder: EngineBuilder) -> Any:
         backend = select_backend(builder)

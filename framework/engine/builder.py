@@ -34,7 +34,7 @@ from framework.layers.attention import Attention
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
 from framework.loader.source import resolve_local_path
-from framework.platform import Platform, detect_platform
+from framework.platform import Platform, platform_for_device
 from framework.tokenizer import Tokenizer
 
 log = logging.getLogger("fw.engine")
@@ -122,7 +122,7 @@ class EngineBuilder:
         self.async_scheduling = async_scheduling
         self.load_format = load_format
         self.yarn_scaling_factor = yarn_scaling_factor
-        self.platform: Platform = detect_platform()
+        self.platform: Platform = platform_for_device(self.device.type)  # a CPU device on a CUDA machine: the CPU's
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
         self.torch_model: torch.nn.Module | None = None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from framework import plugins
+from framework import kernels, plugins
 from framework.kernels import get_kernel
 
 
@@ -267,16 +267,17 @@ def get_rope(
     (``rope_theta``, ``partial_rotary_factor``) are ignored, since ``base`` and ``rotary_dim``
     are passed explicitly.
 
-    Calls with equal arguments (and the same default device and plugin set) return the same
-    module, as in vLLM, so all layers of a model share one table (a 128k-position table is
-    64 MiB in float32). Models built in one process share it too; since the table is
-    recomputed whenever the module moves, that is safe while they live on the same device.
+    Calls with equal arguments (and the same default device, target device of
+    :func:`framework.kernels.kernels_for` and plugin set) return the same module, as in vLLM,
+    so all layers of a model share one table (a 128k-position table is 64 MiB in float32).
+    Models built in one process for the same device share it too; since the table is
+    recomputed whenever the module moves, that is safe while they live on that device.
     """
     scaling = dict(rope_scaling or {})
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling = {} if rope_type == "default" else scaling
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items() if k not in _IGNORED_KEYS))
-    device = str(torch.empty(0).device)  # the active device context
+    device = f"{torch.empty(0).device}:{kernels.target_device_type()}"  # the device context and the kernels' device
     generation = plugins.generation()  # a module holds the kernel chosen when it was built
     return _cached_rope(head_size, rotary_dim, max_position, base, rope_type, frozen, is_neox_style, dtype, device, generation)
 

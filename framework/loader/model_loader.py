@@ -19,6 +19,7 @@ from torch import nn
 
 from framework import registries
 from framework.errors import ModelLoadError
+from framework.kernels import kernels_for
 from framework.loader.checkpoint_slice import materialize
 from framework.loader.format import WeightFormat
 
@@ -50,8 +51,9 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(model_cls: type[nn.Module], model_config, quant_config, device: torch.device) -> nn.Module:
-    """Construct on meta, then allocate (uninitialised) on ``device`` in the model's dtype."""
-    with torch.device("meta"), default_dtype(model_config.dtype):
+    """Construct on meta, then allocate (uninitialised) on ``device`` in the model's dtype; the
+    layers choose the kernels of ``device``'s platform (:func:`framework.kernels.kernels_for`)."""
+    with torch.device("meta"), default_dtype(model_config.dtype), kernels_for(device.type):
         model = model_cls(model_config, quant_config, prefix="")
     return model.to_empty(device=device)
 

@@ -51,8 +51,8 @@ def tiny_llama(tmp_path_factory):
     return folder
 
 
-def generate_a_few_tokens(folder) -> list[int]:
-    llm = LLM(str(folder), load_format="dummy", num_blocks=16)
+def generate_a_few_tokens(folder, **engine_args) -> list[int]:
+    llm = LLM(str(folder), load_format="dummy", num_blocks=16, **engine_args)
     result = llm.generate({"prompt_token_ids": [3, 17, 9, 40]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     return result[0].outputs[0].token_ids
 
@@ -97,3 +97,32 @@ def test_layers_built_outside_the_block_are_not_counted_and_shared_rotary_module
         inner_rope(torch.arange(3), torch.randn(3, 16), torch.randn(3, 8))
     assert dict(calls) == {"rotary_embedding/torch": 1}
     assert kernels._resolve is resolve and get_rope(8, 8, 32, 10000.0) is not inner_rope
+
+
+def test_a_cpu_model_on_a_cuda_machine_runs_the_cpu_kernels_and_backend(tiny_llama, monkeypatch):
+    """On a CUDA machine (faked here), ``device="cpu"`` must select the torch ops and the torch
+    attention backend, not Triton's CUDA kernels (which fail on CPU tensors), and must not share a
+    rotary module with a model built for the GPU."""
+    from framework import kernels, platform
+
+    real = platform.detect_platform()
+    cuda = platform.Platform("cuda", num_devices=1, device_name="fake", compute_capability=(9, 0),
+                             packages=real.packages | {"triton"}, probed=True)
+    monkeypatch.setattr(platform, "detect_platform", lambda probe_device=True: cuda)
+    kernels._resolve.cache_clear()
+    try:
+        assert kernels.get_kernel("rms_norm").__module__ == "fw_triton_ops.norm"  # the fake machine's default
+        with kernels.kernels_for("cuda"):
+            gpu_rope = get_rope(8, 8, 32, 10000.0)
+        with kernels.kernels_for("cpu"):
+            assert kernels.get_kernel("rms_norm") is ops.rms_norm
+            assert get_rope(8, 8, 32, 10000.0) is not gpu_rope
+        with count_kernel_calls() as calls:
+            ids = generate_a_few_tokens(tiny_llama, device="cpu")
+        monkeypatch.undo()
+        kernels._resolve.cache_clear()
+        assert ids == generate_a_few_tokens(tiny_llama, device="cpu")  # as on a machine without CUDA
+        check_kernels_used(calls, {"rms_norm": "torch", "fused_add_rms_norm": "torch", "silu_and_mul": "torch",
+                                   "rotary_embedding": "torch", "attention": "torch"})
+    finally:
+        kernels._resolve.cache_clear()
