@@ -381,6 +381,30 @@ def capture_logits(llm) -> dict:
     return records
 
 
+def generate_in_new_process(path, prompts: list[list[int]], params, **engine_args) -> tuple[list, list, dict]:
+    """Run ``prompts`` with ``params`` on ``LLM(path, **engine_args)`` in a new (spawned) process;
+    returns each prompt's first output's token ids and logprobs, and the engine summary.
+
+    torch sets symmetric memory up once per process and group name (see
+    :mod:`framework.distributed.fast_all_reduce`), so only the first tensor-parallel engine of a
+    process uses the symm_mem all-reduce; tests of several such engines build each in its own process.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_generate_here, str(path), prompts, params, engine_args).result()
+
+
+def _generate_here(path: str, prompts: list[list[int]], params, engine_args: dict) -> tuple[list, list, dict]:
+    from framework import LLM
+
+    with LLM(path, **engine_args) as llm:
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        summary = dict(llm.engine.summary)
+    return [r.outputs[0].token_ids for r in results], [r.outputs[0].logprobs for r in results], summary
+
+
 def check_logits_parity(path, reference, prompts: list[list[int]], *, rel_tol: float = 1e-4, **engine_args):
     """The engine's logits at every prompt position (batched, chunked prefill) equal transformers'
     within ``rel_tol`` of the largest logit. ``engine_args`` go to :class:`framework.LLM`; returns

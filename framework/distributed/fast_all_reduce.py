@@ -74,27 +74,44 @@ def buffer_bytes(max_num_seqs: int, hidden_size: int, dtype: torch.dtype) -> int
 AUTO_MIN_CAPABILITY = (9, 0)
 
 
+#: Names of the process groups this process has set symmetric memory up for. torch keeps each
+#: name's set-up (its store) for the life of the process, and a later engine in the same process
+#: gets a group of the same name (names restart once the group is destroyed): its rendezvous would
+#: wait forever on the old store. So symmetric memory is set up once per process and group name.
+_SET_UP_GROUP_NAMES: set[str] = set()
+
+
+def _set_up_before() -> bool:
+    """Whether this process already set symmetric memory up for the current default group's name."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return world is not None and world.group_name in _SET_UP_GROUP_NAMES
+
+
 def peer_access_problem(device: torch.device, group: dist.ProcessGroup | None = None, *,
                         auto: bool = False) -> str | None:
     """Why the ranks of ``group`` cannot use the symmetric-memory all-reduce, or None if they can
     (with ``auto``, also None only on GPUs of :data:`AUTO_MIN_CAPABILITY` and up).
 
-    A collective on ``group`` (each rank sends its host name and device ordinal; a gloo group
-    keeps it off the GPU); call it on every rank. Every rank gets the same answer.
+    A collective on ``group`` (each rank sends its host name, device ordinal and whether its
+    process set symmetric memory up for an earlier engine; a gloo group keeps it off the GPU);
+    call it on every rank. Every rank gets the same answer.
     """
     size = dist.get_world_size(group)
     if not 2 <= size <= 8:
         return f"it supports 2 to 8 ranks; this group has {size}"
-    mine = (socket.gethostname(), device.index)
-    everyone: list[tuple[str, int] | None] = [None] * size
+    mine = (socket.gethostname(), device.index, _set_up_before())
+    everyone: list[tuple[str, int, bool] | None] = [None] * size
     dist.all_gather_object(everyone, mine, group=group)
-    hosts = sorted({host for host, _ in everyone})
+    hosts = sorted({host for host, _, _ in everyone})
     if len(hosts) > 1:
         return f"it needs every tensor-parallel rank on one host; the group spans {', '.join(hosts)}"
-    if len(set(everyone)) < len(everyone):  # e.g. one rank per container, each seeing its GPU as cuda:0
+    if any(set_up for _, _, set_up in everyone):
+        return ("this process already set symmetric memory up for an earlier engine, and torch keeps that set-up "
+                "for the life of the process, so a second one would never complete; start a new process to use it")
+    if len({(host, index) for host, index, _ in everyone}) < len(everyone):  # e.g. one rank per container, each seeing its GPU as cuda:0
         return "two ranks report the same host and device ordinal, so their GPUs' peer access cannot be checked"
     # every rank checks every pair, so that all of them decide alike
-    indices = [index for _, index in everyone]
+    indices = [index for _, index, _ in everyone]
     blocked = [f"cuda:{a} -> cuda:{b}" for a in indices for b in indices
                if a != b and not torch.cuda.can_device_access_peer(a, b)]
     if blocked:
@@ -138,6 +155,7 @@ class SymmMemAllReduce:
             failure = RuntimeError("another rank could not allocate its symmetric buffer")
         if failure is None:
             try:
+                _SET_UP_GROUP_NAMES.add(self.group_name)  # even a failed rendezvous may leave its store behind
                 with torch.cuda.device(device):
                     self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
             except RuntimeError as error:

@@ -69,20 +69,23 @@ def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_
     assert ids == reference_greedy(reference, prompt, params.max_tokens)
 
 
-@pytest.mark.parametrize(("hosts", "indices", "peer", "capability", "problem"), [
-    (["a", "a"], [0, 1], True, (9, 0), None),
-    (["a", "b"], [0, 1], True, (9, 0), "the group spans a, b"),
-    (["a", "a"], [0, 1], False, (9, 0), "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
-    (["a", "a"], [0, 0], True, (9, 0), "two ranks report the same host and device ordinal"),
-    (["a", "a"], [0, 1], True, (8, 0), "auto takes it on compute capability 9.0 and up .* these GPUs are 8.0"),
+@pytest.mark.parametrize(("hosts", "indices", "peer", "capability", "set_up", "problem"), [
+    (["a", "a"], [0, 1], True, (9, 0), [False, False], None),
+    (["a", "b"], [0, 1], True, (9, 0), [False, False], "the group spans a, b"),
+    (["a", "a"], [0, 1], False, (9, 0), [False, False], "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
+    (["a", "a"], [0, 0], True, (9, 0), [False, False], "two ranks report the same host and device ordinal"),
+    (["a", "a"], [0, 1], True, (8, 0), [False, False], "auto takes it on compute capability 9.0 and up .* these GPUs are 8.0"),
+    # a second engine in rank 0's process (its workers are new): its rendezvous would hang
+    (["a", "a"], [0, 1], True, (9, 0), [True, False], "already set symmetric memory up for an earlier engine"),
 ])
-def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts, indices, peer, capability, problem):
+def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts, indices, peer, capability, set_up,
+                                                              problem):
     """``--all-reduce auto``: symm_mem on one host with peer access; otherwise NCCL stays (no error),
     while ``--all-reduce symm_mem`` there is a start-up error naming the reason."""
     from framework.distributed import state
 
     def all_gather_object(out, mine, group=None):
-        out[:] = list(zip(hosts, indices, strict=True))
+        out[:] = list(zip(hosts, indices, set_up, strict=True))
 
     monkeypatch.setattr(state.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(state.dist, "all_gather_object", all_gather_object)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from framework import LLM, SamplingParams
-from framework.testing import reference_greedy, write_tiny_model
+from framework import SamplingParams
+from framework.testing import generate_in_new_process, reference_greedy, write_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,11 +39,9 @@ def tiny(request, tmp_path_factory):
 
 
 def generate(path, **engine_args):
-    """Greedy ids and logprobs of PROMPTS, and the engine summary."""
-    with LLM(str(path), num_blocks=64, max_num_seqs=8, **engine_args) as llm:
-        results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-        summary = llm.engine.summary
-    return [r.outputs[0].token_ids for r in results], [r.outputs[0].logprobs for r in results], summary
+    """Greedy ids and logprobs of PROMPTS, and the engine summary, from an engine in a new process
+    (the symm_mem all-reduce sets up once per process)."""
+    return generate_in_new_process(path, PROMPTS, GREEDY, num_blocks=64, max_num_seqs=8, **engine_args)
 
 
 def test_tp2_bf16_with_cuda_graphs_follows_the_greedy_path_of_one_gpu(tiny):
