@@ -190,6 +190,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order, on rank 0 alone; every other
+    rank sends its ``x`` and gets it back unchanged (e.g. the logits, which only rank 0 samples)."""
+    if _state.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_state.size)] if _state.rank == 0 else None
+    dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=dim) if parts is not None else x
+
+
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
     if _state.size == 1:

@@ -4,7 +4,8 @@
 (``tp_rank`` = R) as JSON on stdin. Started by rank 0 for the other ranks of its node, and by
 ``fw serve --node-rank N`` (N > 0) for every rank of node N. It never schedules or samples:
 each :class:`~framework.distributed.messages.StepMessage` is one forward pass (joining the
-model's all-reduces) and the ``compute_logits`` calls rank 0 makes (joining their all-gathers).
+model's all-reduces) and the ``compute_logits`` calls rank 0 makes (sending their vocabulary
+shards to rank 0).
 """
 
 from __future__ import annotations

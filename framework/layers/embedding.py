@@ -24,8 +24,8 @@ from framework.layers.linear import (
     load_column_shard,
     resolve_tp,
     set_weight_attrs,
-    tensor_parallel_all_gather,
     tensor_parallel_all_reduce,
+    tensor_parallel_gather_to_rank0,
 )
 
 if TYPE_CHECKING:
@@ -84,7 +84,9 @@ class VocabEmbedding(KeepsWeightAttrs):
 
 
 class LMHead(VocabEmbedding):
-    """``forward(hidden) -> logits [..., num_embeddings]`` (full vocabulary on every rank, gathered).
+    """``forward(hidden) -> logits [..., num_embeddings]``: under tensor parallelism each rank
+    computes its vocabulary shard and rank 0, which samples, gathers the full vocabulary; the
+    other ranks get their shard back.
 
     :meth:`tie_weights` makes it use the token embedding's table (``tie_word_embeddings``).
     """
@@ -141,5 +143,5 @@ class LMHead(VocabEmbedding):
         table = self.tied_embedding if self.tied_embedding is not None else self
         logits = table.linear_method.apply(table, hidden, self.bias)
         if self.tp_size > 1:
-            logits = tensor_parallel_all_gather(logits, dim=-1)[..., : self.num_embeddings]
+            logits = tensor_parallel_gather_to_rank0(logits, dim=-1)[..., : self.num_embeddings]
         return logits

@@ -176,6 +176,11 @@ def tensor_parallel_all_gather(x: Tensor, dim: int = -1) -> Tensor:
     return distributed.all_gather(x, dim)
 
 
+def tensor_parallel_gather_to_rank0(x: Tensor, dim: int = -1) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` on rank 0; the other ranks get their own ``x`` back."""
+    return distributed.gather_to_rank0(x, dim)
+
+
 def resolve_tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:
     """``(tp_size, tp_rank)``: the given values, or this process's tensor-parallel group's (1, 0 without one)."""
     return (distributed.get_tp_size() if tp_size is None else tp_size,

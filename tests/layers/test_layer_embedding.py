@@ -74,7 +74,7 @@ def test_vocab_parallel_lm_head_gathers_logits_in_rank_order(monkeypatch):
     heads = [LMHead(VOCAB, HIDDEN, tp_size=2, tp_rank=r) for r in range(2)]
     for head in heads:
         load(head.weight, table)
-    monkeypatch.setattr(embedding_module, "tensor_parallel_all_gather", lambda x, dim: x)
+    monkeypatch.setattr(embedding_module, "tensor_parallel_gather_to_rank0", lambda x, dim: x)
     torch.testing.assert_close(torch.cat([head(hidden) for head in heads], -1), F.linear(hidden, table))
 
 
