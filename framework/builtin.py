@@ -17,6 +17,7 @@ REFERENCE_KERNELS = {
     "silu_and_mul": "framework.ops:silu_and_mul",
     "gelu_tanh_and_mul": "framework.ops:gelu_tanh_and_mul",
     "rotary_embedding": "framework.ops:rotary_embedding",
+    "qk_norm_rotary_embedding": "framework.ops:qk_norm_rotary_embedding",
     "fused_moe": "framework.ops:fused_moe",
 }
 

@@ -93,6 +93,33 @@ def rotary_embedding(
     )
 
 
+
+def qk_norm_rotary_embedding(
+    positions: Tensor,
+    query: Tensor,
+    key: Tensor,
+    head_size: int,
+    cos_sin_cache: Tensor,
+    is_neox_style: bool,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    eps: float,
+    offset: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """RMS-normalise every head of ``query`` and ``key`` (Qwen3's and Gemma 3's QK norm: one
+    ``[head_size]`` weight per projection, shared by its heads), then rotate them.
+
+    Exactly :func:`rms_norm` over each ``head_size`` slice (``q_weight`` for the query heads,
+    ``k_weight`` for the key heads, ``eps`` and ``offset`` as there), followed by
+    :func:`rotary_embedding` with the same other arguments: one op so that a kernel can do both
+    in one launch. Returns new tensors of the inputs' dtypes and shapes.
+    """
+    def normed(x: Tensor, weight: Tensor) -> Tensor:
+        return rms_norm(x.unflatten(-1, (-1, head_size)), weight, eps, offset).flatten(-2).view(x.shape)
+
+    return rotary_embedding(positions, normed(query, q_weight), normed(key, k_weight), head_size, cos_sin_cache,
+                            is_neox_style)
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, num_token_dims: int, head_size: int, is_neox_style: bool) -> Tensor:
     heads = x.reshape(*x.shape[:num_token_dims], -1, head_size)
     rotary_dim = 2 * cos.shape[-1]

@@ -57,6 +57,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings, self.base = max_position_embeddings, base
         self.is_neox_style, self.dtype = is_neox_style, dtype
         self._kernel = get_kernel("rotary_embedding")
+        self._qk_norm_kernel = get_kernel("qk_norm_rotary_embedding")
         cache = torch.empty(self.num_cached_positions(), rotary_dim, dtype=dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         if cache.device.type != "meta":  # under `with torch.device("meta")` there is nothing to compute on
@@ -87,8 +88,23 @@ class RotaryEmbedding(nn.Module):
             self.init_buffers(self.cos_sin_cache.device)
         return self
 
+    def table_positions(self, positions: Tensor) -> Tensor:
+        """The rows of ``cos_sin_cache`` that rotate tokens at ``positions`` (the positions themselves here)."""
+        return positions
+
     def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
-        return self._kernel(positions, query, key, self.head_size, self.cos_sin_cache, self.is_neox_style)
+        return self._kernel(self.table_positions(positions), query, key, self.head_size, self.cos_sin_cache,
+                            self.is_neox_style)
+
+    def forward_with_qk_norm(self, positions: Tensor, query: Tensor, key: Tensor, q_norm: nn.Module,
+                             k_norm: nn.Module) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of ``query`` and ``key`` with every head first normalised by ``q_norm`` /
+        ``k_norm`` (:class:`~framework.layers.RMSNorm` over ``head_size``, Qwen3's and Gemma 3's
+        QK norm): the ``qk_norm_rotary_embedding`` op, one kernel where a plugin provides it."""
+        if (q_norm.eps, q_norm.offset) != (k_norm.eps, k_norm.offset):
+            raise ValueError(f"the query and key norms differ in eps or offset: {q_norm} / {k_norm}")
+        return self._qk_norm_kernel(self.table_positions(positions), query, key, self.head_size, self.cos_sin_cache,
+                                    self.is_neox_style, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
 
     def extra_repr(self) -> str:
         return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position_embeddings}, "
@@ -239,10 +255,9 @@ class LongRopeScaledRotaryEmbedding(RotaryEmbedding):
                            self._cos_sin(long, self.max_position_embeddings, device)))
         self.cos_sin_cache = cache.to(self.dtype)
 
-    def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+    def table_positions(self, positions: Tensor) -> Tensor:
         original = self.original_max_position_embeddings
-        positions = positions + (positions >= original).any() * original  # a tensor op: no host sync
-        return self._kernel(positions, query, key, self.head_size, self.cos_sin_cache, self.is_neox_style)
+        return positions + (positions >= original).any() * original  # the long rows; a tensor op: no host sync
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")

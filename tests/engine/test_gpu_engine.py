@@ -12,7 +12,7 @@ from framework.kernels import get_kernel
 from framework.testing import reference_greedy, write_tiny_model
 
 REFERENCE_OPS = ",".join(f"{op}=torch" for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
-                                                 "rotary_embedding"))
+                                                 "rotary_embedding", "qk_norm_rotary_embedding"))
 
 
 @pytest.mark.gpu

@@ -155,3 +155,24 @@ def test_get_rope_names_valid_types_and_missing_keys():
         fw_rope({"rope_type": "llama3", "factor": 8.0})
     with pytest.raises(ValueError, match="32 short and long factors, got 3"):
         fw_rope(dict(SCALINGS["longrope"], short_factor=[1.0, 1.0, 1.0]))
+
+
+@pytest.mark.parametrize("name", ["default", "longrope"])
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["qwen3", "gemma3"])
+def test_rotation_with_qk_norm_equals_norm_per_head_then_rotation(name, offset):
+    """``forward_with_qk_norm`` (one op) gives exactly the per-head RMS norms followed by
+    ``forward``, past LongRoPE's original context too (its long rows)."""
+    from framework.layers import RMSNorm, norm_per_head
+
+    rope = get_rope(HEAD_SIZE, HEAD_SIZE, MAX_POSITION, BASE, SCALINGS.get(name))
+    q_norm, k_norm = RMSNorm(HEAD_SIZE, 1e-6, offset=offset), RMSNorm(HEAD_SIZE, 1e-6, offset=offset)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(HEAD_SIZE))
+        k_norm.weight.copy_(torch.randn(HEAD_SIZE))
+    positions = torch.tensor([0, 5, 63, 64, 200])
+    q, k = torch.randn(5, NUM_HEADS * HEAD_SIZE), torch.randn(5, NUM_KV_HEADS * HEAD_SIZE)
+    expected = rope(positions, norm_per_head(q_norm, q, HEAD_SIZE), norm_per_head(k_norm, k, HEAD_SIZE))
+    for got, want in zip(rope.forward_with_qk_norm(positions, q, k, q_norm, k_norm), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="differ in eps or offset"):
+        rope.forward_with_qk_norm(positions, q, k, q_norm, RMSNorm(HEAD_SIZE, 1e-5, offset=offset))

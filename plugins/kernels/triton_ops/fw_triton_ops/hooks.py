@@ -10,6 +10,8 @@ TRITON_KERNELS = {
     "silu_and_mul": ("fw_triton_ops.activation:silu_and_mul", "SwiGLU in one kernel"),
     "gelu_tanh_and_mul": ("fw_triton_ops.activation:gelu_tanh_and_mul", "GeGLU (tanh) in one kernel"),
     "rotary_embedding": ("fw_triton_ops.rotary:rotary_embedding", "query and key in one kernel; neox/GPT-J, partial"),
+    "qk_norm_rotary_embedding": ("fw_triton_ops.rotary:qk_norm_rotary_embedding",
+                                 "per-head RMS norm of query and key, then rotary, in one kernel"),
     "fused_moe": ("fw_triton_ops.fused_moe:fused_moe", "MoE experts as two grouped GEMMs (SiLU-and-mul fused)"),
 }
 

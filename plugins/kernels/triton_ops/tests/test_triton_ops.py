@@ -19,7 +19,7 @@ if importlib.util.find_spec("triton") is None:
 
 from fw_triton_ops.activation import gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from fw_triton_ops.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from fw_triton_ops.rotary import rotary_embedding  # noqa: E402
+from fw_triton_ops.rotary import qk_norm_rotary_embedding, rotary_embedding  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
@@ -59,6 +59,12 @@ def _rotary_inputs(shape, num_tokens=9, device="cpu", dtype=torch.float32, max_p
     qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, seed=5, device=device, dtype=dtype)
     query, key, _ = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
     return positions, query, key, cache
+
+
+def _qk_norm_weights(head_size, device="cpu", dtype=torch.float32):
+    """Qwen3/Gemma 3 QK-norm weights: one per projection, shared by its heads (and unequal)."""
+    return (_randn(head_size, seed=6, device=device, dtype=dtype, scale=0.5) + 1.0,
+            _randn(head_size, seed=7, device=device, dtype=dtype, scale=0.5) + 1.0)
 
 
 # --- interpreted on CPU, fp32 ---------------------------------------------------------------------------------
@@ -138,6 +144,29 @@ def test_rotary_embedding_takes_batched_positions_and_head_shaped_inputs(is_neox
 
 
 @interpreted
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("is_neox_style", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("shape", [(64, 64, 4, 4), (128, 128, 8, 2), (128, 64, 4, 2), (80, 80, 3, 1)],
+                         ids=lambda s: f"head{s[0]}_rot{s[1]}_h{s[2]}_kv{s[3]}")
+def test_qk_norm_rotary_embedding_matches_reference_fp32(shape, is_neox_style, offset):
+    """Each head normalised over all its features (the pass-through tail of a partial rotary
+    included), with the query's weight on query heads and the key's on key heads, then rotated."""
+    positions, query, key, cache = _rotary_inputs(shape)
+    q_weight, k_weight = _qk_norm_weights(shape[0])
+    args = (shape[0], cache, is_neox_style, q_weight, k_weight, 1e-6, offset)
+    q_out, k_out = qk_norm_rotary_embedding(positions, query, key, *args)
+    q_ref, k_ref = ops.qk_norm_rotary_embedding(positions, query, key, *args)
+    assert q_out.shape == query.shape and k_out.shape == key.shape
+    torch.testing.assert_close(q_out, q_ref, **FP32_TOL)
+    torch.testing.assert_close(k_out, k_ref, **FP32_TOL)
+    # not the rotation alone, and not with the weights swapped
+    assert not torch.allclose(q_out, ops.rotary_embedding(positions, query, key, shape[0], cache, is_neox_style)[0])
+    swapped = ops.qk_norm_rotary_embedding(positions, query, key, shape[0], cache, is_neox_style, k_weight, q_weight,
+                                           1e-6, offset)
+    assert not torch.allclose(k_out, swapped[1])
+
+
+@interpreted
 def test_interpreted_kernels_read_and_write_bf16():
     # loads are cast to fp32 (the interpreter computes bf16 wrongly); the results keep the input dtype
     x, residual, weight = _norm_inputs((3, 576), dtype=torch.bfloat16)
@@ -148,6 +177,9 @@ def test_interpreted_kernels_read_and_write_bf16():
         (silu_and_mul(x), ops.silu_and_mul(x)),
         (gelu_tanh_and_mul(x), ops.gelu_tanh_and_mul(x)),
         (rotary_embedding(positions, query, key, 64, cache, True)[0], ops.rotary_embedding(positions, query, key, 64, cache, True)[0]),
+        *zip(qk_norm_rotary_embedding(positions, query, key, 64, cache, True, *_qk_norm_weights(64, dtype=torch.bfloat16), 1e-6),
+             ops.qk_norm_rotary_embedding(positions, query, key, 64, cache, True, *_qk_norm_weights(64, dtype=torch.bfloat16),
+                                          1e-6), strict=True),
     ]
     for out, ref in pairs:
         assert out.dtype == torch.bfloat16
@@ -161,6 +193,9 @@ def test_empty_batches_launch_nothing():
     assert silu_and_mul(torch.empty(0, 128)).shape == (0, 64)
     q, k = rotary_embedding(torch.empty(0, dtype=torch.long), torch.empty(0, 128), torch.empty(0, 64), 64,
                             torch.randn(16, 64), True)
+    assert q.shape == (0, 128) and k.shape == (0, 64)
+    q, k = qk_norm_rotary_embedding(torch.empty(0, dtype=torch.long), torch.empty(0, 128), torch.empty(0, 64), 64,
+                                    torch.randn(16, 64), True, torch.ones(64), torch.ones(64), 1e-6)
     assert q.shape == (0, 128) and k.shape == (0, 64)
 
 
@@ -224,6 +259,20 @@ def test_compiled_rotary_matches_reference_on_cuda(shape, is_neox_style, num_tok
     outs = rotary_embedding(positions, query, key, shape[0], cache, is_neox_style)
     refs = ops.rotary_embedding(positions, query, key, shape[0], cache, is_neox_style)
     for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, **GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@GPU_DTYPES
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("shape", [(128, 128, 8, 2), (128, 128, 32, 4), (128, 64, 4, 2), (256, 256, 4, 1)],
+                         ids=lambda s: f"head{s[0]}_rot{s[1]}_h{s[2]}_kv{s[3]}")
+@pytest.mark.parametrize("num_tokens", [1, 2048])
+def test_compiled_qk_norm_rotary_matches_reference_on_cuda(shape, offset, num_tokens, dtype):
+    positions, query, key, cache = _rotary_inputs(shape, num_tokens=num_tokens, device="cuda", dtype=dtype)
+    args = (shape[0], cache, True, *_qk_norm_weights(shape[0], device="cuda", dtype=dtype), 1e-6, offset)
+    for out, ref in zip(qk_norm_rotary_embedding(positions, query, key, *args),
+                        ops.qk_norm_rotary_embedding(positions, query, key, *args), strict=True):
         torch.testing.assert_close(out, ref, **GPU_TOL[dtype])
 
 

@@ -216,9 +216,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # per head, before RoPE
-            q, k = norm_per_head(self.q_norm, q, self.head_size), norm_per_head(self.k_norm, k, self.head_size)
-        q, k = self.rotary_emb(positions, q, k)
+        if isinstance(self.q_norm, RMSNorm):  # Qwen3: per-head RMS norm and RoPE in one op
+            q, k = self.rotary_emb.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            if self.q_norm is not None:  # StableLM: per-head LayerNorm, before RoPE
+                q, k = norm_per_head(self.q_norm, q, self.head_size), norm_per_head(self.k_norm, k, self.head_size)
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 

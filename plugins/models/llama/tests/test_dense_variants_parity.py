@@ -157,7 +157,23 @@ def test_gpu_fast_path_greedy_tokens_match_transformers(tiny):
     path, reference = tiny
     with count_kernel_calls() as calls:
         check_greedy_parity(path, reference, PROMPTS, device="cuda", dtype="f32")
-    ops = ["attention", "rotary_embedding", "silu_and_mul"]
+    # Qwen3 normalises and rotates query and key in one op; the others rotate alone
+    ops = ["attention", "qk_norm_rotary_embedding" if reference.config.model_type == "qwen3" else "rotary_embedding",
+           "silu_and_mul"]
     if reference.config.model_type != "stablelm":
         ops += ["rms_norm", "fused_add_rms_norm"]
     check_kernels_used(calls, dict.fromkeys(ops, "triton"))
+
+
+def test_qwen3_with_the_triton_qk_norm_rotary_kernel_matches_transformers(one_thread, tmp_path, monkeypatch):
+    """The one-launch QK norm + RoPE kernel in the model (interpreted on CPU, forced by name):
+    transformers' logits and greedy ids, prompts in chunks and batches."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    reference = write_randomised_model(tmp_path, CONFIGS["qwen3_qk_norm"]())
+    monkeypatch.setenv("FW_KERNELS", "qk_norm_rotary_embedding=triton")
+    with count_kernel_calls() as calls:
+        check_logits_parity(tmp_path, reference, PROMPTS[:2])
+    check_kernels_used(calls, {"qk_norm_rotary_embedding": "triton"})

@@ -104,5 +104,5 @@ def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
         assert "decode graphs" in llm.engine.summary["cuda_graphs"]
         check_greedy_parity(tmp_path, reference, [*PARITY_PROMPTS, list(range(2, 66))], device="cuda", dtype="f32",
                             prefill_chunk_size=64, max_num_batched_tokens=128)
-    check_kernels_used(calls, dict.fromkeys(["fused_moe", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+    check_kernels_used(calls, dict.fromkeys(["fused_moe", "rms_norm", "fused_add_rms_norm", "qk_norm_rotary_embedding",
                                              "silu_and_mul", "attention"], "triton"))
