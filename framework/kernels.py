@@ -18,6 +18,7 @@ from typing import Any
 
 from framework import plugins, registries
 from framework.platform import platform_for_device
+from framework.specs import KernelSpec
 
 #: The device type ("cpu", "cuda") layers being built will run on; None: the machine's default.
 _target_device_type: ContextVar[str | None] = ContextVar("fw_kernel_target_device_type", default=None)
@@ -44,10 +45,17 @@ def _forced() -> dict[str, str]:
     return {op.strip(): name.strip() for op, name in pairs}
 
 
+def _select(op: str, name: str | None, device_type: str | None) -> KernelSpec:
+    """The spec of ``op``'s implementation on ``device_type``'s platform: ``name``, else the best
+    available one. Not cached: :func:`_resolve` caches what it loads."""
+    platform = platform_for_device(device_type)
+    return registries.kernels(platform).select(op, platform, name)
+
+
 @functools.cache
 def _resolve(op: str, name: str | None, generation: int, device_type: str | None) -> Callable[..., Any]:
-    platform = platform_for_device(device_type)
-    return registries.kernels(platform).select(op, platform, name).load()
+    """The loaded implementation that :func:`_select` picks, once per plugin ``generation``."""
+    return _select(op, name, device_type).load()
 
 
 def get_kernel(op: str, name: str | None = None) -> Callable[..., Any]:

@@ -596,10 +596,9 @@ def count_kernel_calls() -> Iterator[dict[str, int]]:
     import collections
     import functools
 
-    from framework import kernels, registries
+    from framework import kernels
     from framework.engine.builder import EngineBuilder
     from framework.layers import rotary
-    from framework.platform import platform_for_device
 
     calls: collections.Counter[str] = collections.Counter()
 
@@ -614,8 +613,7 @@ def count_kernel_calls() -> Iterator[dict[str, int]]:
     resolve, select_backend = kernels._resolve, EngineBuilder.select_attention_backend
 
     def counting_resolve(op: str, name: str | None, generation: int, device_type: str | None) -> Any:
-        platform = platform_for_device(device_type)
-        key = registries.kernels(platform).select(op, platform, name).key  # what ``_resolve`` loads
+        key = kernels._select(op, name, device_type).key  # the spec whose implementation ``_resolve`` loads
         return counted(key, resolve(op, name, generation, device_type))
 
     def counting_select_backend(builder: EngineBuilder) -> Any:

@@ -57,6 +57,34 @@ def test_cli_all_reduce_flag_errors_name_the_valid_values(command):
     assert "symm_mem needs CUDA GPUs" in result.output
 
 
+@pytest.mark.parametrize("flags", [{}, {"device": "cpu"}, {"device": "cpu", "tensor_parallel_size": 2},
+                                   {"tensor_parallel_size": 2, "num_nodes": 2, "node_rank": 1}])
+def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, monkeypatch):
+    """The CLI's early ``--all-reduce`` check and :class:`EngineBuilder` validate on one device."""
+    from cli.options import engine_kwargs
+    from framework.engine import builder
+
+    seen: dict[str, torch.device] = {}
+
+    def recording(where):
+        def resolve(name, device):
+            seen[where] = device
+            return resolve_all_reduce(name, device)
+        return resolve
+
+    monkeypatch.setattr(fast_all_reduce, "resolve_all_reduce", recording("cli"))
+    monkeypatch.setattr(builder, "resolve_all_reduce", recording("builder"))
+    kwargs = engine_kwargs(m="./no-such-model", all_reduce="auto", **flags)
+    EngineBuilder(**kwargs)
+    assert seen["cli"] == seen["builder"], seen
+
+
+def test_cli_refuses_gpu_ordinals_with_a_cpu_device_before_starting_anything():
+    result = CliRunner().invoke(build_app(), ["serve", "--m", "./no-such-model", "--d", "0,1", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "--d 0,1 names GPUs but --device is cpu" in result.output
+
+
 def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_path):
     reference = write_tiny_model(tmp_path, transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
