@@ -43,9 +43,23 @@ class TensorParallelState:
     control_group: Any = None
     #: the symmetric-memory all-reduce (``--all-reduce symm_mem``); None: NCCL / gloo only
     fast_all_reduce: Any = None
+    #: the group name this engine set symmetric memory up on (see note_symm_mem_set_up)
+    symm_mem_group: str | None = None
 
 
 _state = TensorParallelState()
+
+#: Names of the process groups that earlier engines of this process set torch symmetric memory up
+#: for. torch keeps each name's set-up (its store) for the life of the process, and a later engine
+#: gets a group of the same name (names restart once a group is destroyed), so its rendezvous would
+#: wait forever on the old store: symmetric memory is set up by one engine per process and name.
+#: An engine's group is added when it leaves (:func:`destroy_tensor_parallel`).
+SYMM_MEM_GROUPS_OF_EARLIER_ENGINES: set[str] = set()
+
+
+def note_symm_mem_set_up(group_name: str) -> None:
+    """Record that this engine sets symmetric memory up on ``group_name`` (before its rendezvous)."""
+    _state.symm_mem_group = group_name
 
 
 def get_tp_rank() -> int:
@@ -132,6 +146,9 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
     if _state.fast_all_reduce is not None:
         _state.fast_all_reduce.close()
         _state.fast_all_reduce = None
+    if _state.symm_mem_group is not None:
+        SYMM_MEM_GROUPS_OF_EARLIER_ENGINES.add(_state.symm_mem_group)
+        _state.symm_mem_group = None
     if dist.is_initialized():
         def destroy() -> None:
             try:

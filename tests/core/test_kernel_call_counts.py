@@ -121,8 +121,10 @@ def test_a_cpu_model_on_a_cuda_machine_runs_the_cpu_kernels_and_backend(tiny_lla
     kernels._resolve.cache_clear()
     try:
         assert kernels.get_kernel("rms_norm").__module__ == "fw_triton_ops.norm"  # the fake machine's default
-        with kernels.kernels_for("cuda"):
+        with kernels.kernels_for("cuda:0"):
             gpu_rope = get_rope(8, 8, 32, 10000.0)
+        with kernels.kernels_for("cuda:1"):  # a model on another GPU moves its own table
+            assert get_rope(8, 8, 32, 10000.0) is not gpu_rope
         with kernels.kernels_for("cpu"):
             assert kernels.get_kernel("rms_norm") is ops.rms_norm
             assert get_rope(8, 8, 32, 10000.0) is not gpu_rope

@@ -207,3 +207,24 @@ def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_ncc
     assert torch.equal(fast.all_reduce(bf16), bf16 * 2) and calls.pop()[:3] == ("one_shot", (4, 8), torch.bfloat16)
     for too_big_or_odd in (torch.ones(17), torch.ones(3, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float16)):
         assert fast.all_reduce(too_big_or_odd) is too_big_or_odd and calls.pop() == ("nccl", tuple(too_big_or_odd.shape))
+
+
+def test_an_engine_that_set_symmetric_memory_up_leaves_its_group_name_to_the_guard(monkeypatch):
+    """Leaving the group records the name the engine set symmetric memory up on; the peer check of
+    a later engine whose default group has that name then reports it (auto keeps NCCL)."""
+    from framework.distributed import state
+
+    monkeypatch.setattr(state, "SYMM_MEM_GROUPS_OF_EARLIER_ENGINES", set())
+    monkeypatch.setattr(fast_all_reduce, "SYMM_MEM_GROUPS_OF_EARLIER_ENGINES", state.SYMM_MEM_GROUPS_OF_EARLIER_ENGINES)
+    state.note_symm_mem_set_up("7")
+    assert not fast_all_reduce._set_up_before()  # this engine's own set-up is not an earlier engine's
+    state.destroy_tensor_parallel()
+    assert state.SYMM_MEM_GROUPS_OF_EARLIER_ENGINES == {"7"} and state._state.symm_mem_group is None
+    from types import SimpleNamespace
+
+    world = SimpleNamespace(group_name="7")  # a later engine's default group, named as the first's
+    monkeypatch.setattr(fast_all_reduce, "dist", SimpleNamespace(is_initialized=lambda: True,
+                                                                 group=SimpleNamespace(WORLD=world)))
+    assert fast_all_reduce._set_up_before()
+    world.group_name = "8"
+    assert not fast_all_reduce._set_up_before()
