@@ -6,7 +6,6 @@ that for ``--tp`` / ``--d 0,1``). See docs/tensor-parallel.md.
 """
 
 from framework.distributed.state import (
-    all_gather,
     all_reduce,
     broadcast_message,
     destroy_tensor_parallel,
@@ -20,7 +19,6 @@ from framework.distributed.state import (
 )
 
 __all__ = [
-    "all_gather",
     "all_reduce",
     "broadcast_message",
     "destroy_tensor_parallel",

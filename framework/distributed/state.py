@@ -218,15 +218,6 @@ def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim) if parts is not None else x
 
 
-def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, in rank order."""
-    if _state.size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(_state.size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=dim)
-
-
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's ``x`` on every rank, in place, on the data group (queued on the stream with NCCL)."""
     if _state.size > 1:
