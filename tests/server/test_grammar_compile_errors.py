@@ -53,7 +53,7 @@ def client(server):
 def _check(error: openai.BadRequestError, param: str) -> None:
     assert error.status_code == 400
     body = error.body
-    assert body["param"] == param and body["type"] == "invalid_request_error", body
+    assert body["param"] == param and body["type"] == "invalid_request_error" and body["code"] == "invalid_value", body
     assert re.fullmatch(rf"{re.escape(param)}: the grammar failed to compile: injected: too many states", body["message"])
 
 
