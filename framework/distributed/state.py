@@ -3,8 +3,8 @@
 One process per rank. Rank 0 runs the engine core (scheduler, sampler); every rank runs the
 model on its shard. Two groups:
 
-* the *data* group (the default group: NCCL on GPUs, gloo on CPUs): the all-reduces and
-  all-gathers inside the model, with ``--distributed-timeout`` so a hung rank becomes an error;
+* the *data* group (the default group: NCCL on GPUs, gloo on CPUs): the all-reduces inside the
+  model and the logits gather to rank 0, with ``--distributed-timeout`` so a hung rank becomes an error;
 * the *control* group (always gloo, no practical timeout): rank 0 broadcasts each step's
   small message to the workers, who may wait there for as long as the server idles.
 
