@@ -20,7 +20,7 @@ from framework import distributed, plugins, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig, free_port
-from framework.distributed.fast_all_reduce import SUPPORTED_DTYPES, buffer_bytes, resolve_all_reduce
+from framework.distributed.fast_all_reduce import all_reduce_for_dtype, buffer_bytes, resolve_all_reduce
 from framework.distributed.launch import WorkerGroup
 from framework.distributed.messages import StepMessage
 from framework.engine.cuda_graphs import CUDAGraphRunner
@@ -319,11 +319,7 @@ class EngineBuilder:
                                          rendezvous_timeout_s=parallel.rendezvous_timeout,
                                          timeout_s=parallel.distributed_timeout,
                                          check_workers=self.workers.failure if self.workers is not None else None)
-        if self.all_reduce in ("symm_mem", "auto") and config.dtype not in SUPPORTED_DTYPES:
-            if self.all_reduce == "symm_mem":
-                raise ConfigError(f"--all-reduce symm_mem sums bf16 and fp32 tensors; this model runs in {config.dtype}: "
-                                  "use --dtype bf16 or --all-reduce nccl")
-            self.all_reduce = "nccl"  # auto: the one-shot op would send every sum to NCCL anyway
+        self.all_reduce = all_reduce_for_dtype(self.all_reduce, config.dtype)
         if self.all_reduce in ("symm_mem", "auto"):
             enabled = distributed.enable_symm_mem_all_reduce(
                 self.device, buffer_bytes(self.scheduler.max_num_seqs, config.hidden_size, config.dtype),
