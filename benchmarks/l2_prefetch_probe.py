@@ -18,10 +18,11 @@ Every case is a CUDA graph replayed many times, each repeat on a different copy 
     overlap/<how>   window on the main stream while a side stream prefetches the weight, join, gemv
     hot/<how>       prefetch, then gemv, one stream (minus "prefetch" alone: the GEMV from L2)
 
-``<how>`` is ``load`` (a Triton kernel loading the weight with ``evict_last``; ``--programs`` of
-them) or ``bulk`` (``cp.async.bulk.prefetch.L2``, Hopper's fire-and-forget bulk prefetch, issued
-from the same number of programs). ``overlap`` well below ``serial`` means the engine should
-prefetch; ``overlap`` near ``serial`` means it should not bother.
+``<how>`` is a method of the ``prefetch_to_l2`` op (``fw_triton_ops.prefetch``), issued from
+``--programs`` programs: ``load`` (loads kept in L2 with ``evict_last``) or ``bulk``
+(``cp.async.bulk.prefetch.L2``, Hopper's fire-and-forget bulk prefetch). ``overlap`` well below
+``serial`` means the engine should prefetch (``FW_PREFETCH_WEIGHTS``, see
+``framework.layers.weight_prefetch``); ``overlap`` near ``serial`` means it should not bother.
 """
 
 from __future__ import annotations
@@ -32,54 +33,20 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 from common import SHAPES, command_line, device_name, git_commit
+from fw_triton_ops.prefetch import prefetch_to_l2
 from gemv_bandwidth import graph_time, layer_shapes
 
 from framework.distributed.partition import attention_heads_per_rank
 
 L2_BYTES = 50 * 2**20  # H200
-BULK_BYTES = 16384  # bytes one cp.async.bulk.prefetch.L2 asks for (a multiple of 16)
-
-
-@triton.jit
-def _load_to_l2_kernel(w_ptr, num_elements, sink_ptr, BLOCK: tl.constexpr):
-    """Each program loads a strided share of ``w`` with ``evict_last`` and writes one sum (no dead code)."""
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(pid * BLOCK, num_elements, programs * BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        acc += tl.load(w_ptr + offsets, mask=offsets < num_elements, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    tl.store(sink_ptr + pid, tl.sum(acc, 0))
-
-
-@triton.jit
-def _bulk_prefetch_kernel(w_ptr, num_bytes, sink_ptr, CHUNK: tl.constexpr, LANES: tl.constexpr):
-    """Each lane asks the copy engine to bring ``CHUNK`` bytes into L2; nothing waits for them."""
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    lanes = tl.arange(0, LANES)
-    issued = tl.zeros([LANES], tl.int32)
-    for start in range(pid * LANES * CHUNK, num_bytes, programs * LANES * CHUNK):
-        offsets = start + lanes * CHUNK
-        pointers = w_ptr + tl.where(offsets < num_bytes, offsets, 0)
-        issued += tl.inline_asm_elementwise(
-            asm=f"cp.async.bulk.prefetch.L2.global [$1], {CHUNK};\n\tmov.u32 $0, 1;",
-            constraints="=r,l", args=[pointers], dtype=tl.int32, is_pure=False, pack=1)
-    tl.store(sink_ptr + pid * LANES + lanes, issued)
 
 
 def prefetcher(how: str, programs: int):
-    """A function ``(weight, sink) -> None`` that brings ``weight`` into L2 with ``how``."""
-    if how == "load":
-        def load(weight: torch.Tensor, sink: torch.Tensor) -> None:
-            _load_to_l2_kernel[(programs,)](weight, weight.numel(), sink, BLOCK=2048, num_warps=8)
-        return load
-
-    def bulk(weight: torch.Tensor, sink: torch.Tensor) -> None:
-        num_bytes = weight.numel() * weight.element_size() // BULK_BYTES * BULK_BYTES  # whole chunks only
-        _bulk_prefetch_kernel[(programs,)](weight.view(torch.uint8), num_bytes, sink, CHUNK=BULK_BYTES, LANES=32,
-                                           num_warps=1)
-    return bulk
+    """A function ``(weight) -> None`` that brings all of ``weight`` into L2 with ``how``."""
+    def prefetch(weight: torch.Tensor) -> None:
+        prefetch_to_l2(weight, weight.numel() * weight.element_size(), how, programs)
+    return prefetch
 
 
 def attention_window(shape: str, tp: int, calls: int):
@@ -108,7 +75,6 @@ def probe_layer(name: str, n: int, k: int, window, programs: int, side: torch.cu
     copies = max(4, -(-3 * L2_BYTES // (n * k * 2)))
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-    sink = torch.empty(programs * 32, dtype=torch.float32, device="cuda")
     turn = [0]
 
     def next_weight() -> torch.Tensor:
@@ -130,17 +96,17 @@ def probe_layer(name: str, n: int, k: int, window, programs: int, side: torch.cu
             weight = next_weight()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                prefetch(weight, sink)
+                prefetch(weight)
             window()
             torch.cuda.current_stream().wait_stream(side)
             torch.nn.functional.linear(x, weight)
 
         def hot(prefetch=prefetch) -> None:
             weight = next_weight()
-            prefetch(weight, sink)
+            prefetch(weight)
             torch.nn.functional.linear(x, weight)
 
-        cases[f"prefetch/{how}"] = lambda prefetch=prefetch: prefetch(next_weight(), sink)
+        cases[f"prefetch/{how}"] = lambda prefetch=prefetch: prefetch(next_weight())
         cases[f"overlap/{how}"] = overlap
         cases[f"hot/{how}"] = hot
     result: dict = {"layer": name, "n": n, "k": k, "weight_mb": n * k * 2 / 1e6, "copies": copies}

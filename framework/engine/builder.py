@@ -31,6 +31,7 @@ from framework.engine.sampler import Sampler
 from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError, FwError, ModelLoadError
 from framework.layers.attention import Attention
+from framework.layers.weight_prefetch import WeightPrefetcher, setting_from_env
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
 from framework.loader.source import resolve_local_path
@@ -122,6 +123,7 @@ class EngineBuilder:
         self.async_scheduling = async_scheduling
         self.load_format = load_format
         self.yarn_scaling_factor = yarn_scaling_factor
+        self.weight_prefetch = setting_from_env()  # experimental, FW_PREFETCH_WEIGHTS
         self.platform: Platform = platform_for_device(self.device.type)  # a CPU device on a CUDA machine: the CPU's
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
@@ -338,6 +340,8 @@ class EngineBuilder:
         """Every rank's part: the sharded model, attention backend, KV cache and decode graphs."""
         self.start_tensor_parallel()
         self.load_model()
+        if self.weight_prefetch is not None and self.device.type == "cuda":
+            WeightPrefetcher(self.torch_model, self.weight_prefetch, self.device)
         backend = self.select_attention_backend()
         kv_caches = self.allocate_kv_cache(backend)
         sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
@@ -396,6 +400,8 @@ class EngineBuilder:
             "plugins": [info.name for info in plugins.loaded_plugins()],
             "tensor_parallel_size": self.parallel.tensor_parallel_size,
         }
+        if self.weight_prefetch is not None and self.device.type == "cuda":
+            summary["weight_prefetch"] = self.weight_prefetch.describe()
         if self.parallel.is_parallel:
             summary["device"] = (f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "
                                  f"(tensor parallel {self.parallel.tensor_parallel_size}, {self.parallel.num_nodes} node(s))")
