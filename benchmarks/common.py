@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shlex
 import subprocess
 import sys
@@ -184,6 +185,15 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 
 
 # --- requests -------------------------------------------------------------------------------------
+
+
+def nano_requests(num_requests: int, vocab: int) -> tuple[list[dict[str, list[int]]], list[int]]:
+    """nano-vllm's bench.py requests: prompts of ids below ``vocab`` and output lengths, both
+    uniform in 100..1024, from ``random.Random(0)`` (the prompts first, then the lengths)."""
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]}
+               for _ in range(num_requests)]
+    return prompts, [rng.randint(100, 1024) for _ in range(num_requests)]
 
 
 def random_prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:

@@ -99,3 +99,16 @@ def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchm
                    "lm_head": (128256, 4096)}
     assert two == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
                    "lm_head": (64128, 4096)}
+
+
+def test_nano_requests_are_nano_vllms_lengths_and_the_same_every_run(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from common import nano_requests
+
+    prompts, output_lens = nano_requests(64, 50)
+    lengths = [len(p["prompt_token_ids"]) for p in prompts]
+    assert len(prompts) == len(output_lens) == 64
+    assert all(100 <= n <= 1024 for n in lengths + output_lens) and len(set(lengths)) > 32
+    assert all(0 <= t < 50 for p in prompts for t in p["prompt_token_ids"])
+    assert nano_requests(64, 50) == (prompts, output_lens)
+    assert nano_requests(8, 50)[0] == prompts[:8]  # the prompts come first: a shorter run shares them
