@@ -385,10 +385,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size, bias, quant_config,
                          prefix, params_dtype, tp_size, tp_rank, output_partition_sizes=[q_size, kv_size, kv_size])
 
+    @property
+    def kv_shard_rank(self) -> int:
+        """Which of the ``total_num_kv_heads / num_kv_heads`` K/V shards this rank holds."""
+        return self.tp_rank // self.num_kv_head_replicas
+
+    @property
+    def first_kv_head(self) -> int:
+        """The index (among all KV heads) of this rank's first KV head."""
+        return self.kv_shard_rank * self.num_kv_heads
+
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: str | None = None) -> None:
         """``shard_id`` is ``"q"``, ``"k"`` or ``"v"``; ``None`` means ``[q | k | v]`` concatenated."""
         q_size, kv_size, _ = self.output_partition_sizes
-        kv_source = self.tp_rank // self.num_kv_head_replicas
+        kv_source = self.kv_shard_rank
         shards = {"q": (0, q_size, self.tp_rank), "k": (q_size, kv_size, kv_source), "v": (q_size + kv_size, kv_size, kv_source)}
         if shard_id is None:
             total_q, total_kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
