@@ -1,9 +1,12 @@
 """Decode-sized linear layers: ``x @ weight.T + bias`` for a few rows, as a split-K Triton GEMV.
 
-A batch-1 decode step is its weight reads. On an H200, cuBLAS streams the small per-rank layers of
-a tensor-parallel model at 2.7-3.3 TB/s of the 4.28 TB/s copy bandwidth; this kernel reached
-3.0-3.3 TB/s on them (``benchmarks/gemv_bandwidth.py``; the sweep
-``docs/benchmarks/2026-11-30-h200x2-gemv-bandwidth-50bfb9c.json``).
+A batch-1 decode step is its weight reads. On an H200 (copy bandwidth 4.28 TB/s), cuBLAS streams
+Llama-3-8B's QKV, O and down projections at TP=2 at 2.7-2.9 TB/s; at one row the sweep's best
+setting of this kernel streamed them at 2.9-3.3 TB/s, and took Llama-3-8B TP=2's weights
+(fastest of the two per layer) from 2.24 to 2.16 ms, Qwen3-32B TP=2's from 8.61 to 8.45 ms
+(``benchmarks/gemv_bandwidth.py``: ``docs/benchmarks/2026-11-30-h200x2-gemv-bandwidth-50bfb9c.json``,
+measured with an atomic-add split K that this module replaced; see below). Not yet timed inside
+a model.
 
 :func:`linear` is the kernel registry's ``linear`` op (:func:`framework.ops.linear`). It runs the
 GEMV only where it is meant to be good, and calls ``F.linear`` itself for everything else:
