@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from framework import distributed
 from framework.distributed.partition import attention_heads_per_rank
+from framework.kernels import get_kernel
 from framework.loader.checkpoint_slice import materialize
 
 if TYPE_CHECKING:
@@ -106,7 +107,9 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A plain ``[out, in]`` weight in ``params_dtype``; ``F.linear``."""
+    """A plain ``[out, in]`` weight in ``params_dtype``, multiplied by the kernel registry's ``linear``
+    op (``F.linear`` unless a plugin's implementation is chosen), resolved once in :meth:`create_weights`
+    (inside the layer's construction, so :func:`framework.kernels.kernels_for` and ``FW_KERNELS`` apply)."""
 
     def create_weights(
         self,
@@ -121,9 +124,10 @@ class UnquantizedLinearMethod(LinearMethod):
         weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": layer.weight_loader})
         layer.register_parameter("weight", weight)
+        self.linear = get_kernel("linear")
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        return F.linear(x, layer.weight, bias)
+        return self.linear(x, layer.weight, bias)
 
     def embedding(self, layer: nn.Module, input_ids: Tensor) -> Tensor:
         return F.embedding(input_ids, layer.weight)

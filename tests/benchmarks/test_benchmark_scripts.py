@@ -87,10 +87,10 @@ def test_engine_flags_become_the_llm_arguments(monkeypatch):
 
 
 def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchmarks, capsys):
-    """``gemv_bandwidth.py --check``: the Triton GEMV it times against cuBLAS equals ``F.linear``
-    (one row and several, split-K with atomics; under TRITON_INTERPRET=1 here)."""
+    """``gemv_bandwidth.py --check``: the triton_ops plugin's GEMV it times against cuBLAS equals
+    ``F.linear`` (one row and several, split K; under TRITON_INTERPRET=1 here)."""
     benchmarks("gemv_bandwidth.py", "--check")
-    assert "triton_gemv matches F.linear" in capsys.readouterr().out
+    assert "fw_triton_ops.gemv matches F.linear" in capsys.readouterr().out
     from gemv_bandwidth import layer_shapes
 
     one, two = dict((name, (n, k)) for name, n, k, _ in layer_shapes("llama3-8b", 1)), \
