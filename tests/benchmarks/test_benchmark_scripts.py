@@ -99,3 +99,16 @@ def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchm
                    "lm_head": (128256, 4096)}
     assert two == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
                    "lm_head": (64128, 4096)}
+
+
+def test_decode_attention_sweep_checks_fused_against_unfused_and_skips_surplus_splits(benchmarks, capsys):
+    """``decode_attention_sweep.py --check``: the two paths it times give the same output and cache
+    (default and swept settings, under TRITON_INTERPRET=1 here); the sweep gives no split an empty
+    segment only."""
+    benchmarks("decode_attention_sweep.py", "--check")
+    assert "decode_attention with the new K/V matches store_kv + decode_attention" in capsys.readouterr().out
+    from decode_attention_sweep import sweep_settings
+
+    at_128 = {(s["block_n"], s["num_splits"]) for s in sweep_settings(128)}
+    assert at_128 == {(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (128, 1)}
+    assert len(sweep_settings(4096)) == 3 * 3 * 3 * 4
