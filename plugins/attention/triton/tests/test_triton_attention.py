@@ -8,9 +8,18 @@ import os
 import pytest
 import torch
 
+from framework import hookimpl
 from framework.attention_backend import AttentionLayerConfig
 from framework.platform import Platform
-from framework.testing import ATTENTION_CASES, check_attention_backend, dense_attention
+from framework.specs import AttentionBackendSpec
+from framework.testing import (
+    ATTENTION_CASES,
+    PARITY_PROMPTS,
+    check_attention_backend,
+    check_greedy_parity,
+    dense_attention,
+    write_tiny_model,
+)
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
@@ -338,3 +347,42 @@ def test_forward_does_not_sync_with_the_host():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert out.isfinite().all()
+
+
+class InterpretedTritonPlugin:
+    """Offers the Triton backend on the CPU (its kernels under TRITON_INTERPRET=1), so that the
+    engine's own steps (chunked prefill, then decode steps that store their K/V in the decode
+    kernel) run on it here; the real spec keeps it to CUDA."""
+
+    @hookimpl
+    def register_attention_backends(self):
+        return [AttentionBackendSpec(name="triton-interpreted", impl="fw_triton_attention.backend:TritonAttentionBackend",
+                                     devices=("cpu",), kv_cache_layouts=("standard",), kv_cache_dtypes=("auto",))]
+
+
+@interpreted
+def test_engine_on_the_interpreted_backend_generates_transformers_greedy_tokens(register_fw_plugin, tmp_path,
+                                                                                 monkeypatch):
+    import transformers
+    from fw_triton_attention import backend
+
+    register_fw_plugin(InterpretedTritonPlugin(), "triton_interpreted")
+    calls = {"store_kv": 0, "decode storing": 0, "decode": 0}
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name if kwargs.get("key") is None else "decode storing"] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(backend, "store_kv", counted("store_kv", store_kv))
+    monkeypatch.setattr(backend, "decode_attention", counted("decode", decode_attention))
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      initializer_range=0.1)
+    reference = write_tiny_model(tmp_path, config)
+    # 16 steps: the 13- and 29-token prompts' decode tokens cross into a new page (16 tokens each)
+    check_greedy_parity(tmp_path, reference, PARITY_PROMPTS, steps=16, device="cpu",
+                        attention_backend="triton-interpreted")
+    # per layer: prefill chunks store with store_kv, decode-only steps in the decode kernel
+    assert calls["decode storing"] >= 2 * 14 and calls["decode"] == 0 and calls["store_kv"] > 0, calls
