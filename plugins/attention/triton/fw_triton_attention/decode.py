@@ -196,7 +196,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
     With ``key``/``value`` (``[R, H_kv, D]``, last dim contiguous: the step's new token of each
     request) and ``slot_mapping`` (``[R]``), the kernel also does ``store_kv``'s work for the step:
     position ``seq_len - 1`` of request ``r`` attends to ``key[r]``/``value[r]``, which are written
-    to ``kv_cache`` at ``slot_mapping[r]`` (skipped for negative slots). The cache then holds what
+    to ``kv_cache`` at ``slot_mapping[r]`` (skipped for negative slots; ``seq_lens >= 1``, the new
+    token counted, as in every decode step and CUDA-graph padding row). The cache then holds what
     ``store_kv`` followed by this function without them would leave, and the output is the same.
     Without them the cache is only read, and position ``seq_len - 1`` must be stored already.
     """
