@@ -3,7 +3,7 @@
 ``decode.py``, ``gpu_suite.py`` and ``profile_step.py`` build their engines with it;
 ``host_overhead.py`` and ``cpu_vs_transformers.py`` take the model folder and the commit from it.
 The scripts that write JSON results take their ``commit`` and ``command`` from it (:func:`git_commit`,
-:func:`command_line`); ``serving.py``, a client of a running server, stands alone.
+:func:`command_line`), the kernel benchmarks their CUDA-graph timer (:func:`graph_time`); ``serving.py``, a client of a running server, stands alone.
 The scripts run as ``python benchmarks/<script>.py``, which puts this directory on ``sys.path``.
 Nothing here needs a GPU: on a CPU the ``tiny`` and ``tiny-moe`` shapes check the scripts themselves.
 """
@@ -124,6 +124,32 @@ def synchronize() -> None:
     """Wait for the device before reading a clock (nothing to wait for on a CPU)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def graph_time(fn, repeats: int = 20, rounds: int = 5) -> float:
+    """Seconds per call of ``fn`` on the GPU, replayed ``repeats`` times inside one CUDA graph (best
+    of ``rounds``): kernel time without Python launch cost, as a decode step's graph runs it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / repeats)
+    return best
 
 
 def bytes_read_per_token(model, config: dict[str, Any]) -> int:

@@ -23,7 +23,7 @@ import time
 
 import torch
 import triton
-from common import COPY_BANDWIDTH, SHAPES, command_line, device_name, git_commit
+from common import COPY_BANDWIDTH, SHAPES, command_line, device_name, git_commit, graph_time
 from fw_triton_ops.gemv import GemvConfig, gemv, gemv_config
 
 from framework.distributed.partition import attention_heads_per_rank
@@ -41,31 +41,6 @@ def layer_shapes(shape: str, tp: int) -> list[tuple[str, int, int, int]]:
             ("gate_up", 2 * inter // tp, hidden, layers),
             ("down", hidden, inter // tp, layers),
             ("lm_head", -(-c["vocab_size"] // tp), hidden, 1)]
-
-
-def graph_time(fn, repeats: int = 20, rounds: int = 5) -> float:
-    """Seconds per call of ``fn``, replayed ``repeats`` times inside one CUDA graph (best of ``rounds``)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / repeats)
-    return best
 
 
 SETTINGS = [GemvConfig(block_n, block_k, split_k, warps)

@@ -112,3 +112,16 @@ def test_nano_requests_are_nano_vllms_lengths_and_the_same_every_run(monkeypatch
     assert all(0 <= t < 50 for p in prompts for t in p["prompt_token_ids"])
     assert nano_requests(64, 50) == (prompts, output_lens)
     assert nano_requests(8, 50)[0] == prompts[:8]  # the prompts come first: a shorter run shares them
+
+
+def test_decode_attention_sweep_checks_fused_against_unfused_and_skips_surplus_splits(benchmarks, capsys):
+    """``decode_attention_sweep.py --check``: the two paths it times give the same output and cache
+    (default and swept settings, under TRITON_INTERPRET=1 here); the sweep gives no split an empty
+    segment only."""
+    benchmarks("decode_attention_sweep.py", "--check")
+    assert "decode_attention with the new K/V matches store_kv + decode_attention" in capsys.readouterr().out
+    from decode_attention_sweep import sweep_settings
+
+    at_128 = {(s["block_n"], s["num_splits"]) for s in sweep_settings(128)}
+    assert at_128 == {(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (128, 1)}
+    assert len(sweep_settings(4096)) == 3 * 3 * 3 * 4
