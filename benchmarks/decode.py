@@ -86,6 +86,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int,
+                        help="the engine's max_model_len (default: just enough for the cases). fw serve uses the "
+                             "model's, and the Triton decode kernel's split count in the graphs follows it")
     add_engine_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -98,7 +101,7 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(str(folder), **engine_kwargs(
         args, max_num_seqs=max(args.batch),
-        max_model_len=max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192))
+        max_model_len=args.max_model_len or max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192))
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)
