@@ -591,7 +591,7 @@ class HopperCompile(NamedTuple):
     constexprs: dict[str, Any]
     int64_args: tuple[str, ...] = ()
     float_args: tuple[str, ...] = ()
-    options: dict[str, Any] = {}
+    options: dict[str, Any] | None = None
 
 
 def compile_for_hopper(cases: list[HopperCompile]) -> list[str]:
@@ -600,8 +600,9 @@ def compile_for_hopper(cases: list[HopperCompile]) -> list[str]:
 
     The interpreter runs a kernel's arithmetic on the CPU but never lowers it; this makes a kernel
     that would not compile on the GPU machine (a bad inline-PTX instruction, an unsupported mask
-    type, too much shared memory) fail in CI. It runs in a fresh process, because a process with
-    ``TRITON_INTERPRET=1`` (as the CPU tests have) cannot lower kernels. Raises the compiler's error.
+    type) or could not launch there (more shared memory than an SM has) fail in CI. It runs in a
+    fresh process, because a process with ``TRITON_INTERPRET=1`` (as the CPU tests have) cannot
+    lower kernels. Raises the compiler's error, or ``ValueError`` for the shared memory.
     """
     import concurrent.futures
     import multiprocessing
@@ -637,8 +638,16 @@ def _compile_for_hopper_here(cases: list[HopperCompile]) -> list[str]:
             else:
                 signature[arg] = "i64" if arg in case.int64_args else "fp32" if arg in case.float_args else "i32"
         source = ASTSource(kernel, signature, constexprs=case.constexprs)
-        ptx.append(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=case.options).asm["ptx"])
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=case.options or {})
+        if compiled.metadata.shared > HOPPER_SHARED_MEMORY:  # Triton itself checks this only when loading on a GPU
+            raise ValueError(f"{case.kernel} {case.constexprs} needs {compiled.metadata.shared} bytes of shared memory; "
+                             f"an H100/H200 SM has {HOPPER_SHARED_MEMORY}")
+        ptx.append(compiled.asm["ptx"])
     return ptx
+
+
+#: Shared memory one thread block may use on an H100/H200 (227 KiB).
+HOPPER_SHARED_MEMORY = 232448
 
 
 # --- which kernels ran --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The day-5 kernels of this plugin lower to sm_90 PTX and pass ``ptxas`` (no GPU needed): the
+"""This plugin's GEMV and prefetch kernels lower to sm_90 PTX and pass ``ptxas`` (no GPU needed): the
 GEMV in each form the rule picks, its split sum, and both L2 prefetches, whose instructions must
 survive into the PTX (a prefetch the compiler drops would be a silent no-op)."""
 
@@ -20,11 +20,12 @@ GEMV_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16"}
 def test_gemv_split_sum_and_prefetch_kernels_compile_for_hopper():
     cases = [
         HopperCompile(GEMV, {**GEMV_POINTERS, "out_ptr": "*bf16"},
-                      dict(HAS_BIAS=True, M_PAD=1, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1), options=dict(num_warps=8)),
+                      dict(HAS_BIAS=True, M_PAD=1, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1), options=dict(num_warps=8, num_stages=4)),
         HopperCompile(GEMV, {**GEMV_POINTERS, "out_ptr": "*fp32"},
-                      dict(HAS_BIAS=False, M_PAD=1, BLOCK_N=32, BLOCK_K=128, SPLIT_K=4), options=dict(num_warps=8)),
+                      dict(HAS_BIAS=False, M_PAD=1, BLOCK_N=32, BLOCK_K=128, SPLIT_K=4), options=dict(num_warps=8, num_stages=4)),
         HopperCompile(GEMV, {**GEMV_POINTERS, "out_ptr": "*bf16"},
-                      dict(HAS_BIAS=False, M_PAD=16, BLOCK_N=128, BLOCK_K=256, SPLIT_K=1), options=dict(num_warps=4)),
+                      dict(HAS_BIAS=False, M_PAD=16, BLOCK_N=128, BLOCK_K=256, SPLIT_K=1),
+                      options=dict(num_warps=4, num_stages=4)),
         HopperCompile("fw_triton_ops.gemv:_sum_splits_kernel",
                       {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"},
                       dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=1024), options=dict(num_warps=4)),
