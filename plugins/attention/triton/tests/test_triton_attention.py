@@ -180,6 +180,29 @@ def test_decode_with_new_kv_matches_store_kv_then_decode(case, num_splits):
 
 
 @interpreted
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_padding_rows_sharing_the_graphs_sink_slot_leave_every_other_slot_alone(num_splits):
+    """As the CUDA-graph runner pads a batch: every padding row has length 1, the sink block as its
+    table and the same (positive) sink slot. They race only on that slot, which nothing reads."""
+    query, cache, lens, table, key, value, slots = _fused_store_case([30, 0, 45, 0, 0], 8, 2, 32, 16, "cpu",
+                                                                     torch.float32)
+    padding = torch.tensor([False, True, False, True, True])
+    used = {int(block) for row, n in ((0, 2), (2, 3)) for block in table[row, :n]}
+    sink = min(set(range(cache.shape[1])) - used)  # the case leaves two blocks unused
+    table[padding] = sink
+    slots[padding] = sink * 16
+    common = dict(num_reqs=5, max_seq_len=45, sm_scale=32**-0.5, num_splits=num_splits)
+    unfused_cache = cache.clone()
+    store_kv(key[~padding], value[~padding], unfused_cache, slots[~padding])
+    expected = decode_attention(query, unfused_cache, lens, table, **common)
+    fused_cache = cache.clone()
+    out = decode_attention(query, fused_cache, lens, table, key=key, value=value, slot_mapping=slots, **common)
+    others = [block for block in range(cache.shape[1]) if block != sink]
+    assert torch.equal(fused_cache[:, others], unfused_cache[:, others])
+    assert torch.equal(out[~padding], expected[~padding])
+
+
+@interpreted
 def test_decode_with_new_kv_matches_store_kv_then_decode_bf16():
     _check_fused_store_matches_store_kv([17, 0, 50], 8, 2, 64, 16, "cpu", torch.bfloat16, 0.0, num_splits=2)
 
