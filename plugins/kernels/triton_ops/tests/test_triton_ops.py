@@ -272,9 +272,10 @@ def test_compiled_rotary_matches_reference_on_cuda(shape, is_neox_style, num_tok
 @pytest.mark.parametrize("shape", [(128, 128, 8, 2), (128, 128, 32, 4), (128, 64, 4, 2), (256, 256, 4, 1)],
                          ids=lambda s: f"head{s[0]}_rot{s[1]}_h{s[2]}_kv{s[3]}")
 @pytest.mark.parametrize("num_tokens", [1, 2048])
-def test_compiled_qk_norm_rotary_matches_reference_on_cuda(shape, offset, num_tokens, dtype):
+@pytest.mark.parametrize("is_neox_style", [True, False], ids=["neox", "gptj"])
+def test_compiled_qk_norm_rotary_matches_reference_on_cuda(shape, offset, num_tokens, is_neox_style, dtype):
     positions, query, key, cache = _rotary_inputs(shape, num_tokens=num_tokens, device="cuda", dtype=dtype)
-    args = (shape[0], cache, True, *_qk_norm_weights(shape[0], device="cuda", dtype=dtype), 1e-6, offset)
+    args = (shape[0], cache, is_neox_style, *_qk_norm_weights(shape[0], device="cuda", dtype=dtype), 1e-6, offset)
     for out, ref in zip(qk_norm_rotary_embedding(positions, query, key, *args),
                         ops.qk_norm_rotary_embedding(positions, query, key, *args), strict=True):
         torch.testing.assert_close(out, ref, **GPU_TOL[dtype])
