@@ -204,6 +204,9 @@ class LinearBase(KeepsWeightAttrs):
     layer's own matmul is queued and before any all-reduce (:mod:`framework.layers.weight_prefetch`).
     """
 
+    #: Its loaders only narrow and copy, so they take lazy checkpoint slices (model_loader).
+    reads_checkpoint_slices = True
+
     after_matmul: Callable[[nn.Module, Tensor], None] | None = None
 
     def __init__(
