@@ -586,6 +586,13 @@ def check_no_sync_and_cuda_graph_replay(run, inputs, fresh_inputs) -> None:
     torch.testing.assert_close(outs, run(*inputs), rtol=0, atol=0)
 
 
+#: Marks a test that runs Triton kernels under the interpreter on the CPU (the root conftest sets
+#: ``TRITON_INTERPRET=1`` there; where CUDA is present the kernels compile instead and these skip).
+#: The condition is a string so that pytest reads the variable when the test runs, not at import.
+interpreted = pytest.mark.skipif('os.environ.get("TRITON_INTERPRET") != "1"',
+                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
+
+
 class HopperCompile(NamedTuple):
     """One kernel variant for :func:`compile_for_hopper`: the kernel as ``"module:name"``, the types
     of its pointer arguments (``"*bf16"``, ``"*i32"``...), its constexpr values, which other

@@ -5,21 +5,17 @@ an engine with ``FW_PREFETCH_WEIGHTS`` set generates the same greedy ids as one 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
-from framework.testing import check_no_sync_and_cuda_graph_replay
+from framework.testing import check_no_sync_and_cuda_graph_replay, interpreted
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
                 allow_module_level=True)
 
 from fw_triton_ops.prefetch import _load_to_l2_kernel, prefetch_to_l2  # noqa: E402
-
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
 
 
 @interpreted
