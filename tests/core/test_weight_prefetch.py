@@ -73,7 +73,10 @@ class StreamLog:
         self.events.append(f"prefetch {self.names.get(id(weight), '?')} {max_bytes} {method}")
 
 
-def test_each_matmul_prefetches_the_next_layers_weight_and_the_next_matmul_waits_for_it(tiny_llama, monkeypatch):
+@pytest.fixture
+def logged(tiny_llama, monkeypatch):
+    """A tiny Llama on the CPU with a prefetcher (bulk, 1000 bytes) whose streams and kernel write
+    to a :class:`StreamLog`: ``(llm, model, log, prefetcher)``."""
     llm = LLM(str(tiny_llama), load_format="dummy", num_blocks=16, device="cpu")
     model = llm.engine.core.runner.model
     log = StreamLog()
@@ -84,6 +87,11 @@ def test_each_matmul_prefetches_the_next_layers_weight_and_the_next_matmul_waits
     monkeypatch.setattr(torch.cuda, "synchronize", lambda _device=None: None)
     monkeypatch.setattr(weight_prefetch, "get_kernel", lambda op: log.prefetch)
     prefetcher = WeightPrefetcher(model, PrefetchSetting("bulk", 1000), torch.device("cpu"))
+    return llm, model, log, prefetcher
+
+
+def test_each_matmul_prefetches_the_next_layers_weight_and_the_next_matmul_waits_for_it(logged):
+    llm, model, log, prefetcher = logged
     names = {module: name for name, module in model.named_modules()}
     log.names = {id(layer.weight): names[layer] for layer in prefetcher.layers}
     for layer in prefetcher.layers:
@@ -106,19 +114,10 @@ def test_each_matmul_prefetches_the_next_layers_weight_and_the_next_matmul_waits
     assert log.events == prefill + [f"matmul {name}" for name in linears]  # no forks, prefetches or joins
 
 
-def test_a_forward_that_raised_leaves_no_join_for_the_next(tiny_llama, monkeypatch):
+def test_a_forward_that_raised_leaves_no_join_for_the_next(logged):
     """A fork left unjoined by a forward that raised is dropped, not joined at the start of the next
     forward (which may be a CUDA-graph capture that never saw the fork)."""
-    llm = LLM(str(tiny_llama), load_format="dummy", num_blocks=16, device="cpu")
-    model = llm.engine.core.runner.model
-    log = StreamLog()
-    main = log.waits("join")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda _device: log.waits("fork"))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: main)
-    monkeypatch.setattr(torch.cuda, "stream", lambda _stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda _device=None: None)
-    monkeypatch.setattr(weight_prefetch, "get_kernel", lambda op: log.prefetch)
-    prefetcher = WeightPrefetcher(model, PrefetchSetting("bulk", 1000), torch.device("cpu"))
+    llm, model, log, prefetcher = logged
     prefetcher.recorded = True
     first, second = prefetcher.layers[0], prefetcher.layers[1]
     prefetcher.next_weight = {first: second.weight}
