@@ -9,14 +9,14 @@ linear layer of a shape as one tensor-parallel rank holds it (fused QKV, O, fuse
 LM head), the weight bytes per second of ``F.linear`` (cuBLAS), of the best setting of the
 triton_ops plugin's split-K GEMV (``fw_triton_ops.gemv``, the kernel registry's ``linear`` op
 ``triton``, opt-in) and of the setting its rule picks (what the engine runs with
-``FW_KERNELS=linear=triton``), each replayed from a CUDA graph (no launch overhead), and the whole
+``FW_KERNELS=linear=triton``), each replayed from a CUDA graph (no launch overhead) over copies of
+the weight that fill several times the L2 (every call reads from HBM, as in a decode step), and the whole
 step's weight time with each.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 
 import torch
@@ -40,8 +40,12 @@ def layer_shapes(shape: str, tp: int) -> list[tuple[str, int, int, int]]:
             ("lm_head", -(-c["vocab_size"] // tp), hidden, 1)]
 
 
-SETTINGS = [GemvConfig(block_n, block_k, split_k, warps)
-            for block_n, block_k, split_k, warps in itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (4, 8))]
+SETTINGS = [GemvConfig(block_n, block_k, split_k, warps, tensor_cores=tensor_cores)
+            for block_n, block_k, split_k, warps, tensor_cores
+            in itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (4, 8), (False, True))]
+#: Bytes of weight copies each timing cycles through: several times the H200's 50 MB L2, so every
+#: call reads its weight from HBM, as a decode step does (each layer's weight is read once per step).
+COLD_BYTES = 512 * 2**20
 
 
 def measure(n: int, k: int, rows: int) -> dict:
@@ -49,19 +53,26 @@ def measure(n: int, k: int, rows: int) -> dict:
     seconds and weight TB/s (a setting that is the rule's own is timed once)."""
     w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
     x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-    cublas = graph_time(lambda: torch.nn.functional.linear(x, w))
+    copies = [w] + [w.clone() for _ in range(-(-COLD_BYTES // w.nbytes) - 1)]
+    repeats = max(20, len(copies))
+
+    def cold(run):
+        """``run(weight)`` on the next copy each call: the graph replays ``repeats`` calls, all from HBM."""
+        calls = itertools.cycle(copies)
+        return graph_time(lambda: run(next(calls)), repeats=repeats)
+
+    cublas = cold(lambda weight: torch.nn.functional.linear(x, weight))
     reference = torch.nn.functional.linear(x, w).float()
     rule = gemv_config(n, k, rows, torch.cuda.get_device_properties(0).multi_processor_count)
     times: dict[GemvConfig, float] = {}
     for config in {*SETTINGS, rule}:
-        if config.split_k > 1 and k // config.split_k < config.block_k:
+        if config.split_k > 1 and k // config.split_k < config.block_k or config.tensor_cores and rows > 1:
             continue
-        run = functools.partial(gemv, x, w, None, config)
-        error = (run().float() - reference).abs().max().item()
+        error = (gemv(x, w, None, config).float() - reference).abs().max().item()
         if error > 0.05 * reference.abs().max().item():  # a wrong kernel must not win: report it, time the rest
             print(f"  WRONG: gemv {rows}x{k} @ {n}x{k} at {config}: error {error:.3g}")
             continue
-        times[config] = graph_time(run)
+        times[config] = cold(lambda weight, config=config: gemv(x, weight, None, config))
     best = min(times, key=times.get, default=None)  # None: every setting wrong, cuBLAS alone
     weight_bytes = n * k * 2
     triton_s, rule_s = times.get(best, float("inf")), times.get(rule, float("inf"))
@@ -69,7 +80,8 @@ def measure(n: int, k: int, rows: int) -> dict:
             "cublas_us": cublas * 1e6, "cublas_tb_s": weight_bytes / cublas / 1e12,
             "triton_us": triton_s * 1e6, "triton_tb_s": weight_bytes / triton_s / 1e12,
             "triton_setting": best and best._asdict(),
-            "rule_us": rule_s * 1e6, "rule_tb_s": weight_bytes / rule_s / 1e12, "rule_setting": rule._asdict()}
+            "rule_us": rule_s * 1e6, "rule_tb_s": weight_bytes / rule_s / 1e12, "rule_setting": rule._asdict(),
+            "settings": [{**config._asdict(), "us": seconds * 1e6} for config, seconds in sorted(times.items())]}
 
 
 def check() -> None:

@@ -1,19 +1,22 @@
 """Decode-sized linear layers: ``x @ weight.T + bias`` for a few rows, as a split-K Triton GEMV.
 
-A batch-1 decode step is its weight reads. On an H200 (copy bandwidth 4.28 TB/s), cuBLAS streams
-Llama-3-8B's QKV, O and down projections at TP=2 at 2.7-2.9 TB/s; at one row the sweep's best
-setting of this kernel streamed them at 2.9-3.3 TB/s, and took Llama-3-8B TP=2's weights
-(fastest of the two per layer) from 2.24 to 2.16 ms, Qwen3-32B TP=2's from 8.61 to 8.45 ms
-(``benchmarks/gemv_bandwidth.py``: ``docs/benchmarks/2026-11-30-h200x2-gemv-bandwidth-50bfb9c.json``,
-measured with an atomic-add split K that this module replaced; see below). Not yet timed inside
-a model.
+A batch-1 decode step is its weight reads. On an H200 (copy bandwidth 4.28 TB/s), with each
+weight read from HBM as in a decode step, cuBLAS streams one row through Llama-3-8B's layers at
+TP=2 at 3.20 TB/s over the step, Qwen3-32B's at 3.61 TB/s; this kernel at the measured setting
+per shape (:mod:`fw_triton_ops.gemv_tuned`) takes those steps' weight time from 2.34 to 2.21 ms and
+from 8.86 to 8.40 ms (``benchmarks/gemv_bandwidth.py``:
+``docs/benchmarks/2026-11-30-h200x2-gemv-cold-27df6aa.json``). One row through ``tl.dot`` (padded
+to 16 rows) streams faster than the elementwise product at most shapes: its loads pipeline.
 
-:func:`linear` is the kernel registry's ``linear`` op (:func:`framework.ops.linear`). It runs the
-GEMV only where it is meant to be good, and calls ``F.linear`` itself for everything else:
+:func:`linear` is the kernel registry's ``linear`` op (:func:`framework.ops.linear`), the default
+on CUDA. It runs the GEMV only where it was measured faster, and calls ``F.linear`` itself for
+everything else:
 
-* CUDA tensors of bf16 or fp16 (fp32 goes to cuBLAS; under ``TRITON_INTERPRET=1`` CPU tensors
-  of fp32 run interpreted, for the tests, as the interpreter computes bf16 wrongly);
-* ``x`` of any shape ``[..., K]`` whose leading dimensions hold 1 to :data:`MAX_ROWS` rows;
+* CUDA tensors of bf16 or fp16 on Hopper or later GPUs (fp32 and older GPUs go to cuBLAS; under
+  ``TRITON_INTERPRET=1`` CPU tensors of fp32 run interpreted, for the tests, as the interpreter
+  computes bf16 wrongly);
+* ``x`` of any shape ``[..., K]`` holding one row (batch-1 decode; more rows go to cuBLAS: only one
+  row was measured from HBM), and a weight shape that the device's table does not give to cuBLAS;
 * ``weight`` ``[N, K]`` with unit column stride, ``bias`` (optional) ``[N]`` contiguous, all of
   ``x``'s dtype and device, no autograd.
 
@@ -23,16 +26,17 @@ Launches per call (each one a node in a captured decode graph):
 * two, ``split_k > 1``: split ``s`` of the K dimension stores its float32 partial sums into slice
   ``s`` of a fresh ``[split_k, rows, N]`` buffer (``torch.empty``: every element is written, so
   nothing is zeroed), then :func:`_sum_splits_kernel` adds the slices in a fixed order, adds the
-  bias and rounds. The atomic-add version that the sweep timed took three (a memset of the float32
+  bias and rounds. An earlier atomic-add version took three (a memset of the float32
   output, the GEMV, a cast) and summed in a different order every run; this one takes two and
   gives the same bits on every run and every tensor-parallel rank. The partial sums are
   ``16 * split_k * rows * N`` bytes, a fraction of a percent of the weight bytes at decode shapes.
 
-Configuration: a static rule (:func:`gemv_config`), fitted to the sweep, not ``triton.autotune``.
+Configuration: settings measured per GPU and shape (:func:`linear_config`), a static rule
+(:func:`gemv_config`) fitted to the sweep for other shapes, not ``triton.autotune``.
 Autotuning times every candidate (synchronising) on the first call of each shape; the engine's
 eager warm-up before each CUDA-graph capture would absorb that, but a shape first met inside a
 capture would break it, the choice would differ between runs and ranks, and it cannot be used
-under the interpreter. A rule costs nothing per call, never synchronises, and is the same
+under the interpreter. A table and a rule cost nothing per call, never synchronises, and is the same
 everywhere; the benchmark times its choice next to the best of its sweep, so a poor fit shows.
 """
 
@@ -48,7 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-#: The most rows (tokens) the GEMV takes; more go to ``F.linear`` (cuBLAS's GEMMs are good there).
+#: The most rows (tokens) :func:`gemv` takes (:func:`linear` sends it one row).
 MAX_ROWS = 8
 #: Streaming multiprocessors assumed off CUDA (the interpreter): the H200's, where the rule was fitted.
 DEFAULT_NUM_SMS = 132
@@ -128,26 +132,42 @@ class GemvConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int = 4
+    #: One row through ``tl.dot`` too (padded to 16 rows) instead of the elementwise product; more
+    #: rows always take ``tl.dot``.
+    tensor_cores: bool = False
 
 
 def gemv_config(n: int, k: int, rows: int, num_sms: int = DEFAULT_NUM_SMS) -> GemvConfig:
-    """The setting for ``[rows, k] @ [n, k]^T``, fitted to the H200 sweep (bf16, 1 and 8 rows, the
-    Llama-3-8B and Qwen3-32B layers at TP 1 and 2):
+    """The rule's setting for ``[rows, k] @ [n, k]^T`` (bf16), for shapes without a measured one
+    (:mod:`fw_triton_ops.gemv_tuned`):
 
-    * one row: ``BLOCK_N=32, BLOCK_K=128``, 8 warps won at 17 of 20 shapes. Split K in four when the
-      N blocks fill under two waves of the SMs and K >= 4096 (QKV, O and down at TP 2: 96-192
-      blocks); above that (gate/up, LM head) one split already fills the GPU. This picks the
-      sweep's split at 18 of 20 shapes (the two misses: shapes where cuBLAS was faster anyway);
-    * 2-8 rows (``tl.dot`` over rows padded to 16): no split, 4 warps, ``BLOCK_K=256``,
-      ``BLOCK_N=128`` from N = 16384 (gate/up, LM head), else 64: the sweep's winner at 7 of the 13
-      shapes where the GEMV beat cuBLAS at 8 rows, one block size off it at the other 6 (the
-      benchmark's ``rule`` column shows what that costs). The sweep split K at 8 rows only where
-      cuBLAS was faster anyway.
+    * one row, fitted to the H200 sweep with the weights read from HBM (40 layer shapes: Llama-3-8B,
+      Llama-3-70B, Qwen3-32B, Qwen3-0.6B at TP 1 and 2): rows padded to 16 through ``tl.dot``, 4 warps,
+      ``BLOCK_K=256``, ``BLOCK_N`` 128 from N = 8192, 64 from 5120, else 32, and K split in two
+      when the N blocks fill under half the SMs and K >= 2048. Over each model's layers this costs
+      0.1-3 % more than the sweep's best per shape (2 % slower than cuBLAS for Llama-3-8B at TP 1,
+      5-28 % faster for the others);
+    * 2-8 rows, fitted to an earlier sweep whose weights stayed in L2 (not re-measured from HBM;
+      :func:`linear` sends only one row here): no split, 4 warps, ``BLOCK_K=256``, ``BLOCK_N=128``
+      from N = 16384, else 64.
     """
     if rows == 1:
-        wide = triton.cdiv(n, 32) >= 2 * num_sms
-        return GemvConfig(block_n=32, block_k=128, split_k=1 if wide or k < 4096 else 4, num_warps=8)
+        block_n = 128 if n >= 8192 else 64 if n >= 5120 else 32
+        split_k = 2 if triton.cdiv(n, block_n) < num_sms // 2 and k >= 2048 else 1
+        return GemvConfig(block_n=block_n, block_k=256, split_k=split_k, num_warps=4, tensor_cores=True)
     return GemvConfig(block_n=128 if n >= 16384 else 64, block_k=256, split_k=1, num_warps=4)
+
+
+def linear_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
+    """What :func:`linear` runs for one row against an ``[n, k]`` weight on ``device``: the setting
+    measured for this GPU and shape (:mod:`fw_triton_ops.gemv_tuned`; None where cuBLAS was as
+    fast), else :func:`gemv_config`'s rule."""
+    from fw_triton_ops.gemv_tuned import TUNED_ONE_ROW
+
+    table = TUNED_ONE_ROW.get(_device_name(device), {})
+    if (n, k) in table:
+        return table[(n, k)]
+    return gemv_config(n, k, 1, _num_sms(device))
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> Tensor:
@@ -156,7 +176,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> 
     ``[rows, N]`` tensor of ``x.dtype``. No checks beyond these: :func:`linear` decides what comes here."""
     rows, k = x.shape
     n = weight.shape[0]
-    m_pad = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
+    m_pad = 1 if rows == 1 and not config.tensor_cores else max(16, triton.next_power_of_2(rows))
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
     grid = (triton.cdiv(n, config.block_n), config.split_k)
@@ -183,9 +203,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+@functools.cache
+def _measured_gpu(device: torch.device) -> bool:
+    """Hopper and later: where the GEMV was measured against cuBLAS (older GPUs keep cuBLAS)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether :func:`linear` runs the GEMV for these arguments (else it calls ``F.linear``)."""
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" and _measured_gpu(x.device):
         dtypes = _GPU_DTYPES
     elif x.device.type == "cpu" and INTERPRETED:
         dtypes = (torch.float32,)
@@ -195,7 +226,7 @@ def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return (x.dtype in dtypes and weight.dtype == x.dtype and weight.device == x.device and weight.dim() == 2
             and weight.shape[1] == k > 0 and weight.shape[0] > 0 and weight.stride(1) == 1
             and weight.shape[0] * weight.stride(0) < 2**31  # the kernel's offsets are 32-bit
-            and 1 <= x.numel() // k <= MAX_ROWS
+            and x.numel() == k  # one row
             and (bias is None or (bias.dtype == x.dtype and bias.device == x.device and bias.dim() == 1
                                   and bias.shape[0] == weight.shape[0] and bias.stride(0) == 1))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -208,8 +239,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if not takes(x, weight, bias):
         return F.linear(x, weight, bias)
     n, k = weight.shape
-    x2d = x.reshape(-1, k)
+    config = linear_config(n, k, x.device)
+    if config is None:
+        return F.linear(x, weight, bias)
+    x2d = x.reshape(1, k)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    out = gemv(x2d, weight, bias, gemv_config(n, k, x2d.shape[0], _num_sms(x.device)))
-    return out.view(*x.shape[:-1], n)
+    return gemv(x2d, weight, bias, config).view(*x.shape[:-1], n)

@@ -15,15 +15,14 @@ TRITON_KERNELS = {
     "fused_moe": ("fw_triton_ops.fused_moe:fused_moe", "MoE experts as two grouped GEMMs (SiLU-and-mul fused)"),
     "prefetch_to_l2": ("fw_triton_ops.prefetch:prefetch_to_l2",
                        "weights into L2 ahead of their matmul: bulk prefetch (Hopper) or evict_last loads"),
+    "linear": ("fw_triton_ops.gemv:linear",
+               "split-K GEMV for one row (bf16/fp16, Hopper+, at the shapes measured faster than cuBLAS); "
+               "F.linear otherwise"),
 }
 
 #: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
-#: so they run only when forced (``FW_KERNELS="linear=triton"``) until a GPU run shows them ahead.
-OPT_IN_KERNELS = {
-    "linear": ("fw_triton_ops.gemv:linear",
-               "split-K GEMV for decode (1-8 rows, bf16/fp16 on CUDA; F.linear otherwise); opt-in "
-               "(FW_KERNELS=linear=triton) until measured inside a model"),
-}
+#: so they run only when forced (``FW_KERNELS="op=triton"``) until a GPU run shows them ahead.
+OPT_IN_KERNELS: dict[str, tuple[str, str]] = {}
 
 
 @hookimpl

@@ -1,6 +1,7 @@
 """The ``linear`` op's Triton GEMV (``fw_triton_ops.gemv``) against ``F.linear``: interpreted on CPU
 (fp32), compiled on CUDA (bf16/fp16, against float32 math); the registry ranks it below the
-reference (opt-in); layers and a tiny model run it when ``FW_KERNELS`` forces it."""
+default on CUDA, the GEMV for one row at the shapes measured faster; layers and a tiny model run it
+(forced by ``FW_KERNELS`` on CPU, where the interpreter runs it)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ if importlib.util.find_spec("triton") is None:
                 allow_module_level=True)
 
 import fw_triton_ops.gemv as gemv_module  # noqa: E402
-from fw_triton_ops.gemv import MAX_ROWS, GemvConfig, gemv, gemv_config, linear  # noqa: E402
+from fw_triton_ops.gemv import GemvConfig, gemv, gemv_config, linear, linear_config  # noqa: E402
 
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -85,7 +86,7 @@ def test_a_split_whose_columns_lie_past_k_contributes_nothing():
 
 
 @interpreted
-@pytest.mark.parametrize("shape", [(1, 1, 96), (2, 3, 96), (4, 2, 96)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 96), (1, 1, 96), (1, 1, 1, 96)], ids=str)
 def test_linear_flattens_leading_dimensions(shape, gemv_calls):
     x = _randn(*shape, seed=3)
     _, weight, bias = _inputs(1, 40, 96, seed=4)
@@ -96,15 +97,15 @@ def test_linear_flattens_leading_dimensions(shape, gemv_calls):
 
 
 @interpreted
-def test_linear_runs_the_rules_four_way_split_at_one_row(gemv_calls):
+def test_linear_runs_the_rules_two_way_split_at_one_row(gemv_calls):
     x, weight, bias = _inputs(1, 48, 4096, seed=5)  # a narrow, deep layer: the rule splits K
     torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-    assert gemv_calls == [gemv_config(48, 4096, 1)] and gemv_calls[0].split_k == 4
+    assert gemv_calls == [gemv_config(48, 4096, 1)] and gemv_calls[0].split_k == 2 and gemv_calls[0].tensor_cores
 
 
 @interpreted
 def test_linear_reads_strided_rows_and_a_weight_row_slice(gemv_calls):
-    base = _randn(3, 2 * 96, seed=6)
+    base = _randn(1, 2 * 96, seed=6)
     x = base[:, ::2]  # column stride 2: copied to unit stride
     weight = _randn(80, 96, seed=7)[20:60]  # a row slice: unit column stride, read in place
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight), **FP32_TOL)
@@ -115,44 +116,64 @@ def test_linear_reads_strided_rows_and_a_weight_row_slice(gemv_calls):
 def test_linear_falls_through_to_f_linear_outside_its_cases(gemv_calls):
     _, weight, bias = _inputs(1, 40, 96, seed=8)
     cases = {
-        "more rows than MAX_ROWS": (_randn(MAX_ROWS + 1, 96, seed=9), weight, bias),
+        "two rows": (_randn(2, 96, seed=9), weight, bias),
         "no rows": (torch.empty(0, 96), weight, bias),
-        "a transposed weight": (_randn(2, 96, seed=9), _randn(96, 40, seed=10).t(), None),
-        "bf16 under the interpreter": (_randn(2, 96, seed=9, dtype=torch.bfloat16), weight.bfloat16(), None),
-        "float64": (_randn(2, 96, seed=9, dtype=torch.float64), weight.double(), bias.double()),
-        "a weight that needs gradients": (_randn(2, 96, seed=9), weight.clone().requires_grad_(), bias),
+        "a transposed weight": (_randn(1, 96, seed=9), _randn(96, 40, seed=10).t(), None),
+        "bf16 under the interpreter": (_randn(1, 96, seed=9, dtype=torch.bfloat16), weight.bfloat16(), None),
+        "float64": (_randn(1, 96, seed=9, dtype=torch.float64), weight.double(), bias.double()),
+        "a weight that needs gradients": (_randn(1, 96, seed=9), weight.clone().requires_grad_(), bias),
     }
     for name, (x, w, b) in cases.items():
         out = linear(x, w, b)
         assert torch.equal(out, F.linear(x, w, b)), name
     assert gemv_calls == []
     with pytest.raises(RuntimeError):  # F.linear's own error for mismatched shapes
-        linear(_randn(2, 95), weight)
+        linear(_randn(1, 95), weight)
 
 
-def test_rule_splits_k_only_for_narrow_deep_layers_at_one_row():
-    """The static rule at the sweep's shapes (H200, 132 SMs): Llama-3-8B TP=2 QKV / down split in
-    four, O (K = 2048), gate/up and the LM head do not; 2-8 rows never split."""
-    assert gemv_config(3072, 4096, 1, 132) == GemvConfig(32, 128, 4, 8)
-    assert gemv_config(4096, 7168, 1, 132).split_k == 4
-    assert gemv_config(4096, 2048, 1, 132).split_k == 1
-    assert gemv_config(14336, 4096, 1, 132).split_k == 1
-    assert gemv_config(64128, 4096, 1, 132).split_k == 1
+def test_rule_at_one_row_takes_tensor_cores_and_splits_k_only_for_narrow_deep_layers():
+    """The one-row rule (H200, 132 SMs): BLOCK_N by N, K split in two under 66 N blocks from K = 2048;
+    2-8 rows keep their rule (no split)."""
+    assert gemv_config(3072, 4096, 1, 132) == GemvConfig(32, 256, 1, 4, tensor_cores=True)  # 96 N blocks
+    assert gemv_config(1024, 3072, 1, 132) == GemvConfig(32, 256, 2, 4, tensor_cores=True)  # 32 N blocks
+    assert gemv_config(25600, 5120, 1, 132) == GemvConfig(128, 256, 1, 4, tensor_cores=True)
+    assert gemv_config(5120, 1024, 1, 132) == GemvConfig(64, 256, 1, 4, tensor_cores=True)
+    assert gemv_config(1024, 1024, 1, 132).split_k == 1  # K under 2048: no split
+    assert gemv_config(4096, 7168, 1, 132).split_k == 1  # 128 N blocks fill half the SMs
+    assert gemv_config(1024, 3072, 1, 16).split_k == 1  # a GPU of 16 SMs: 32 blocks fill it
     assert gemv_config(5120, 5120, 8, 132) == GemvConfig(64, 256, 1, 4)
     assert gemv_config(25600, 5120, 2, 132) == GemvConfig(128, 256, 1, 4)
-    assert gemv_config(14336, 4096, 1, 256).split_k == 4  # on a GPU of 256 SMs, 448 blocks are under two waves
+
+
+def test_linear_takes_the_measured_setting_of_its_gpu_and_cublas_where_the_table_says_so(monkeypatch, gemv_calls):
+    """On an H200 the table's shapes take their measured setting, or cuBLAS (None); other shapes,
+    and other GPUs, the rule."""
+    from fw_triton_ops.gemv_tuned import TUNED_ONE_ROW
+
+    h200 = TUNED_ONE_ROW["NVIDIA H200"]
+    assert h200[(5120, 5120)] is None and h200[(25600, 5120)] == GemvConfig(128, 256, 1, 4, tensor_cores=True)
+    cpu = torch.device("cpu")
+    assert linear_config(25600, 5120, cpu) == gemv_config(25600, 5120, 1)  # "cpu" has no table
+    monkeypatch.setattr(gemv_module, "_device_name", lambda device: "NVIDIA H200")
+    assert linear_config(5120, 5120, cpu) is None
+    assert linear_config(25600, 5120, cpu) == h200[(25600, 5120)]
+    assert linear_config(48, 96, cpu) == gemv_config(48, 96, 1)
+    monkeypatch.setitem(TUNED_ONE_ROW, "NVIDIA H200", {**h200, (40, 96): None})
+    x, weight, bias = _inputs(1, 40, 96, seed=14)
+    assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias)) and gemv_calls == []
 
 
 # --- registry and layers ----------------------------------------------------------------------------------------
 
 
-def test_registry_keeps_the_reference_linear_on_cuda_until_forced():
+def test_registry_chooses_the_gemv_linear_on_cuda_and_the_reference_on_cpu():
     platform = Platform("cuda", compute_capability=(9, 0), packages=frozenset({"triton"}))
     registry = registries.kernels(platform)
-    assert registry.select("linear", platform).name == "torch"
-    spec = registry.select("linear", platform, "triton")
-    assert spec.priority < registry.get("linear/torch").priority and "opt-in" in spec.description
+    spec = registry.select("linear", platform)
+    assert spec.name == "triton" and spec.priority > registry.get("linear/torch").priority
     assert spec.load() is linear
+    cpu = Platform("cpu", packages=frozenset({"triton"}))
+    assert registries.kernels(cpu).select("linear", cpu).name == "torch"
 
 
 def test_linear_layers_resolve_the_op_once_through_the_registry(monkeypatch, gemv_calls):
@@ -166,7 +187,7 @@ def test_linear_layers_resolve_the_op_once_through_the_registry(monkeypatch, gem
         for layer in (default, forced):
             layer.weight.copy_(_randn(40, 96, seed=11))
             layer.bias.copy_(_randn(40, seed=12))
-    x = _randn(2, 96, seed=13)
+    x = _randn(1, 96, seed=13)
     monkeypatch.delenv("FW_KERNELS")  # resolved at construction: the environment no longer matters
     expected = F.linear(x, default.weight, default.bias)
     torch.testing.assert_close(default(x), expected, rtol=0, atol=0)
@@ -181,17 +202,17 @@ TINY_LLAMA = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hid
 
 @interpreted
 def test_tiny_llama_greedy_ids_match_transformers_with_the_triton_linear(one_thread, tmp_path, monkeypatch, gemv_calls):
-    """Forced by name and interpreted: every linear layer and the LM head run the GEMV for decode
-    (3 requests: 3 rows) and ``F.linear`` for prefill chunks of more than 8 rows; the greedy ids
-    are transformers'."""
+    """Forced by name and interpreted: every linear layer and the LM head run the GEMV for one
+    request's decode steps (one row) and ``F.linear`` for prefill chunks; the greedy ids are
+    transformers'."""
     import transformers
 
     reference = write_tiny_model(tmp_path, transformers.LlamaConfig(**TINY_LLAMA))
     monkeypatch.setenv("FW_KERNELS", "linear=triton")
     with count_kernel_calls() as calls:
-        check_greedy_parity(tmp_path, reference, PARITY_PROMPTS, steps=4, device="cpu")
+        check_greedy_parity(tmp_path, reference, PARITY_PROMPTS[2:], steps=4, device="cpu")
     check_kernels_used(calls, {"linear": "triton"})
-    # at least the longest prompt's 3 decode steps come after every prefill: <= 3 rows, 2 x 4 layers + the LM head
+    # the 3 decode steps of the one request: one row, 2 x 4 layers + the LM head
     assert len(gemv_calls) >= 3 * 9
 
 
@@ -220,7 +241,8 @@ def test_compiled_linear_matches_float32_math_on_cuda(n, k, rows, dtype, gemv_ca
         assert out.shape == (rows, n) and out.dtype == dtype
         error, torch_error, scale = _errors_against_fp32(out, x, weight, b)
         assert error <= 2 * torch_error + 1e-3 * scale, (error, torch_error, scale)
-    assert len(gemv_calls) == 2
+    # one row runs the GEMV unless this GPU's table gives the shape to cuBLAS; more rows go to cuBLAS
+    assert len(gemv_calls) == (2 if rows == 1 and linear_config(n, k, x.device) is not None else 0)
 
 
 @pytest.mark.gpu
@@ -228,17 +250,17 @@ def test_compiled_linear_matches_float32_math_on_cuda(n, k, rows, dtype, gemv_ca
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_compiled_gemv_every_split_matches_float32_math_on_cuda(rows, split_k):
     x, weight, bias = _inputs(rows, 4096, 7168, device="cuda", dtype=torch.bfloat16, seed=split_k)
-    for block_n, warps in ((32, 8), (64, 4)):
-        out = gemv(x, weight, bias, GemvConfig(block_n, 128, split_k, warps))
+    for block_n, block_k, warps, tensor_cores in ((32, 128, 8, False), (64, 128, 4, False), (64, 256, 4, True)):
+        out = gemv(x, weight, bias, GemvConfig(block_n, block_k, split_k, warps, tensor_cores=tensor_cores))
         error, torch_error, scale = _errors_against_fp32(out, x, weight, bias)
-        assert error <= 2 * torch_error + 1e-3 * scale, (block_n, error, torch_error, scale)
+        assert error <= 2 * torch_error + 1e-3 * scale, (block_n, tensor_cores, error, torch_error, scale)
 
 
 @pytest.mark.gpu
 def test_compiled_linear_falls_through_for_fp32_and_more_rows_on_cuda(gemv_calls):
-    x, weight, bias = _inputs(MAX_ROWS + 1, 3072, 4096, device="cuda", dtype=torch.bfloat16)
+    x, weight, bias = _inputs(2, 3072, 4096, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
-    x, weight, bias = _inputs(2, 3072, 4096, device="cuda")
+    x, weight, bias = _inputs(1, 3072, 4096, device="cuda")
     assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
     assert gemv_calls == []
 
@@ -255,8 +277,9 @@ def test_compiled_linear_does_not_sync_and_replays_in_a_cuda_graph(gemv_calls):
     def run(one, qkv, qkv_bias, eight, gate_up, gate_up_bias):
         return linear(one, qkv, qkv_bias), linear(eight, gate_up, gate_up_bias), linear(one, qkv)
 
-    if gemv_config(3072, 4096, 1, torch.cuda.get_device_properties(0).multi_processor_count).split_k == 1:
-        pytest.skip("this GPU's rule does not split the QKV layer; the graph would not cover the sum kernel")
+    qkv = linear_config(3072, 4096, torch.device("cuda"))
+    if qkv is None or qkv.split_k == 1:
+        pytest.skip("this GPU's setting does not split the QKV layer; the graph would not cover the sum kernel")
     check_no_sync_and_cuda_graph_replay(run, _decode_layers_inputs(seed=10), lambda: _decode_layers_inputs(seed=20))
     assert gemv_calls
 
@@ -264,9 +287,10 @@ def test_compiled_linear_does_not_sync_and_replays_in_a_cuda_graph(gemv_calls):
 @pytest.mark.gpu
 def test_tiny_llama_bf16_with_the_triton_linear_in_cuda_graphs_is_as_close_to_transformers_as_cublas(tmp_path, monkeypatch,
                                                                                                      gemv_calls):
-    """The engine in bf16 with CUDA graphs (decode batches of 1-3 rows replay the GEMV), once with
-    ``FW_KERNELS=linear=triton`` and once with cuBLAS: every logit each computes, compared with
-    transformers' float32 logits of the same ids, is as close with the GEMV as with cuBLAS."""
+    """The engine in bf16 with CUDA graphs (one request at a time: its one-row decode steps replay
+    the GEMV), once with ``FW_KERNELS=linear=triton`` and once with cuBLAS: every logit each
+    computes, compared with transformers' float32 logits of the same ids, is as close with the GEMV
+    as with cuBLAS."""
     import transformers
 
     config = transformers.LlamaConfig(**{**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512})
@@ -279,7 +303,7 @@ def test_tiny_llama_bf16_with_the_triton_linear_in_cuda_graphs_is_as_close_to_tr
             llm = LLM(str(tmp_path), device="cuda", dtype="bf16", num_blocks=64)
             assert "decode graphs" in llm.engine.summary["cuda_graphs"]
             records = capture_logits(llm)
-            results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], params)
+            results = [llm.generate([{"prompt_token_ids": p}], params)[0] for p in PARITY_PROMPTS]
         check_kernels_used(calls, {"linear": kernels.partition("=")[2]})
         worst = 0.0
         for index, (prompt, result) in enumerate(zip(PARITY_PROMPTS, results, strict=True)):
