@@ -79,7 +79,8 @@ class EngineBuilder:
     ``all_reduce`` (``--all-reduce``) picks the tensor-parallel all-reduce: ``auto`` (default:
     ``symm_mem`` when every rank is a Hopper-or-newer GPU of one host with peer access, else ``nccl``),
     ``symm_mem`` (one-shot on NVLink peer memory for decode-sized tensors; an error where it cannot
-    run) or ``nccl``.
+    run), ``nccl``, or ``flashinfer`` (symm_mem where it can run, plus FlashInfer's fused all-reduce
+    + residual add + RMS norm for decode steps of models whose norms take the all-reduce).
     """
 
     def __init__(self, model: str | None = None, *, weights: str | None = None, file: str | None = None,
@@ -104,7 +105,7 @@ class EngineBuilder:
         self.parallel = ParallelConfig(tensor_parallel_size, num_nodes, node_rank, device_ids, master_addr, master_port,
                                        rendezvous_timeout, distributed_timeout, tp_rank)
         self.device = self.parallel.device(device)
-        self.all_reduce = resolve_all_reduce(all_reduce, self.device)  # nccl, symm_mem or auto (validated)
+        self.all_reduce = resolve_all_reduce(all_reduce, self.device)  # nccl, symm_mem, auto or flashinfer (validated)
         if self.parallel.is_parallel and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
         self.workers: WorkerGroup | None = None
@@ -319,6 +320,16 @@ class EngineBuilder:
                                          rendezvous_timeout_s=parallel.rendezvous_timeout,
                                          timeout_s=parallel.distributed_timeout,
                                          check_workers=self.workers.failure if self.workers is not None else None)
+        if self.all_reduce == "flashinfer":
+            # the fused all-reduce + add + norm for decode steps; symm_mem (where it can run) or NCCL
+            # for every other all-reduce
+            if config.dtype in SUPPORTED_DTYPES:
+                distributed.enable_symm_mem_all_reduce(
+                    self.device, buffer_bytes(self.scheduler.max_num_seqs, config.hidden_size, config.dtype),
+                    required=False)
+            distributed.enable_flashinfer_all_reduce_norm(self.device, self.scheduler.max_num_seqs, config.hidden_size,
+                                                          config.dtype)
+            return
         if self.all_reduce in ("symm_mem", "auto") and config.dtype not in SUPPORTED_DTYPES:
             if self.all_reduce == "symm_mem":
                 raise ConfigError(f"--all-reduce symm_mem sums bf16 and fp32 tensors; this model runs in {config.dtype}: "

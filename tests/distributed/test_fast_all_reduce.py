@@ -26,10 +26,13 @@ def test_resolve_all_reduce_validates_the_name_and_the_device():
     assert resolve_all_reduce("auto", cpu) == "nccl"  # gloo
     assert resolve_all_reduce("auto", cuda) == "auto"  # decided once the group exists
     assert resolve_all_reduce("symm_mem", cuda) == "symm_mem"
-    with pytest.raises(ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto; got 'custom'"):
+    with pytest.raises(ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'custom'"):
         resolve_all_reduce("custom", cuda)
     with pytest.raises(ConfigError, match=r"symm_mem needs CUDA GPUs with peer access; this engine runs on cpu"):
         resolve_all_reduce("symm_mem", cpu)
+    assert resolve_all_reduce("flashinfer", cuda) == "flashinfer"
+    with pytest.raises(ConfigError, match=r"flashinfer needs CUDA GPUs with peer access; this engine runs on cpu"):
+        resolve_all_reduce("flashinfer", cpu)
 
 
 def test_buffer_holds_the_largest_decode_all_reduce_up_to_a_cap():
@@ -50,7 +53,7 @@ def test_cli_all_reduce_flag_errors_name_the_valid_values(command):
     app = build_app()
     result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--all-reduce", "fast"])
     assert result.exit_code == 2, result.output
-    assert "--all-reduce must be one of nccl, symm_mem, auto; got 'fast'" in result.output
+    assert "--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'fast'" in result.output
     result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--device", "cpu", "--tp", "2",
                                       "--all-reduce", "symm_mem"])
     assert result.exit_code == 2, result.output
@@ -179,3 +182,32 @@ def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_ncc
     assert torch.equal(fast.all_reduce(bf16), bf16 * 2) and calls.pop()[:3] == ("one_shot", (4, 8), torch.bfloat16)
     for too_big_or_odd in (torch.ones(17), torch.ones(3, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float16)):
         assert fast.all_reduce(too_big_or_odd) is too_big_or_odd and calls.pop() == ("nccl", tuple(too_big_or_odd.shape))
+
+
+def test_all_reduce_add_rms_norm_takes_the_fused_kernel_for_what_fits_and_else_sums_then_normalises(monkeypatch):
+    """The dispatch of a norm that takes its input's all-reduce: the fused all-reduce + add + norm
+    (``--all-reduce flashinfer``) for tensors it fits, else ``all_reduce`` then the norm kernel."""
+    from framework import ops
+    from framework.distributed import state
+
+    fused_rows = []
+
+    class FakeFused:
+        def fits(self, x):
+            return x.shape[0] <= 2
+
+        def __call__(self, x, residual, weight, eps, offset):
+            fused_rows.append(x.shape[0])
+            return ops.fused_add_rms_norm(x, residual, weight, eps, offset)
+
+    summed = []
+    monkeypatch.setattr(state, "all_reduce", lambda x: summed.append(x.shape[0]) or x * 2)  # as if two ranks held x
+    monkeypatch.setattr(state._state, "fused_all_reduce_norm", FakeFused())
+    weight = torch.randn(8)
+    for rows in (2, 5):
+        x, residual = torch.randn(rows, 8), torch.randn(rows, 8)
+        got = state.all_reduce_add_rms_norm(x, residual, weight, 1e-6, 1.0, ops.fused_add_rms_norm)
+        want = ops.fused_add_rms_norm(x if rows <= 2 else x * 2, residual, weight, 1e-6, 1.0)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert fused_rows == [2] and summed == [5]
