@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import command_line, device_name, git_commit
 
 #: bf16 elements: batch 1 of hidden 4096 and 5120, then larger batches of hidden 4096
 SIZES = (4096, 5120, 65536, 4096 * 64)
@@ -59,7 +61,9 @@ def time_all_reduce(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Ten
     return eager, start.elapsed_time(stop) / 10 / 64 * 1e3
 
 
-def worker(rank: int, ranks: int, port: int, impls: list[str], out: str | None) -> None:
+def worker(rank: int, ranks: int, port: int, impls: list[str], out: str | None, run: dict[str, str]) -> None:
+    """One rank: time every implementation; rank 0 prints the results and writes them to ``out``
+    with ``run``'s ``date``, ``commit`` and ``command`` (taken by the launching process)."""
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, ranks, is_master=rank == 0)
@@ -85,8 +89,9 @@ def worker(rank: int, ranks: int, port: int, impls: list[str], out: str | None) 
         if impl == "symm_mem":
             fast.close()
     if rank == 0 and out:
-        Path(out).write_text(json.dumps({"ranks": ranks, "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
-                                         "results": results}, indent=2))
+        report = {"date": run["date"], "device": device_name(), "commit": run["commit"], "command": run["command"],
+                  "ranks": ranks, "torch": torch.__version__, "results": results}
+        Path(out).write_text(json.dumps(report, indent=2))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -99,7 +104,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.spawn(worker, args=(args.ranks, args.port, args.impl, str(args.out) if args.out else None), nprocs=args.ranks)
+    run = {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "command": command_line()}
+    mp.spawn(worker, args=(args.ranks, args.port, args.impl, str(args.out) if args.out else None, run), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

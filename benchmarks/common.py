@@ -2,6 +2,8 @@
 
 ``decode.py``, ``gpu_suite.py`` and ``profile_step.py`` build their engines with it;
 ``host_overhead.py`` and ``cpu_vs_transformers.py`` take the model folder and the commit from it.
+The scripts that write JSON results take their ``commit`` and ``command`` from it (:func:`git_commit`,
+:func:`command_line`); ``serving.py``, a client of a running server, stands alone.
 The scripts run as ``python benchmarks/<script>.py``, which puts this directory on ``sys.path``.
 Nothing here needs a GPU: on a CPU the ``tiny`` and ``tiny-moe`` shapes check the scripts themselves.
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -96,6 +100,20 @@ def git_commit() -> str:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:
         return "unknown"
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The results' ``command``: ``python benchmarks/<script>.py`` with the arguments it was run with
+    (``argv``, default ``sys.argv``), less ``--out PATH`` (the output path is the machine's, not
+    part of the setup). Options left out took their defaults at the results' ``commit``."""
+    argv = sys.argv if argv is None else argv
+    kept, rest = [], iter(argv[1:])
+    for arg in rest:
+        if arg == "--out":
+            next(rest, None)
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return shlex.join(["python", f"benchmarks/{Path(argv[0]).name}", *kept])
 
 
 def device_name() -> str:

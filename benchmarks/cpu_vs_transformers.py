@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import git_commit
+from common import command_line, git_commit
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -78,7 +78,7 @@ def main() -> None:
         rows.append(time_transformers(path, batch, args.new_tokens))
     report = {"date": time.strftime("%Y-%m-%d"), "device": f"cpu ({platform.processor() or platform.machine()}, "
               f"{torch.get_num_threads()} threads)", "commit": git_commit(), "model": path.name, "torch": torch.__version__,
-              "command": "python benchmarks/cpu_vs_transformers.py " + " ".join(f"--batch {' '.join(map(str, args.batch))} --new-tokens {args.new_tokens}".split()),
+              "command": command_line(),
               "results": rows}
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

@@ -34,6 +34,7 @@ from common import (
     add_engine_arguments,
     add_random_requests,
     bytes_read_per_token,
+    command_line,
     device_ids,
     device_name,
     engine_kwargs,
@@ -98,9 +99,7 @@ def main() -> None:
     weight_bytes = bytes_read_per_token(model, config)
     results = [run_case(llm, b, c, args.steps, weight_bytes) for b in args.batch for c in args.context]
     device, commit = device_name(), git_commit()
-    command = "python benchmarks/decode.py " + " ".join(
-        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items() if k != "out" and v not in (None, False) and (k, v) != ("all_reduce", "auto"))
+    command = command_line()
     for result in results:  # the GPU issue's keys on every result (output_len: the timed decode steps)
         result.update(device=device, model=f"{args.shape} shape, random weights", dtype=args.dtype, tp=tp, num_gpus=tp,
                       commit=commit, command=command)

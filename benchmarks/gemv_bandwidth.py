@@ -23,7 +23,7 @@ import time
 import torch
 import triton
 import triton.language as tl
-from common import COPY_BANDWIDTH, SHAPES, device_name, git_commit
+from common import COPY_BANDWIDTH, SHAPES, command_line, device_name, git_commit
 
 
 @triton.jit
@@ -193,9 +193,7 @@ def main() -> None:
               f"the faster per layer; copy bandwidth {COPY_BANDWIDTH / 1e12:.2f} TB/s")
     if args.out:
         report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(),
-                  "command": "python benchmarks/gemv_bandwidth.py " + " ".join(
-                      f"--{k.replace('_', '-')} {' '.join(map(str, v))}" for k, v in vars(args).items()
-                      if k in ("shape", "tp", "rows")),
+                  "command": command_line(),
                   "torch": torch.__version__, "triton": triton.__version__, "results": results}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

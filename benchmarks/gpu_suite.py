@@ -27,7 +27,6 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from common import (
     add_engine_arguments,
     add_random_requests,
     bytes_read_per_token,
+    command_line,
     device_name,
     engine_kwargs,
     git_commit,
@@ -147,15 +147,11 @@ def main() -> None:
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)  # MoE: only the experts one token uses; tied: the LM head
-    argv = sys.argv[1:]
-    if "--out" in argv:  # the output path is the machine's, not part of the setup
-        del argv[argv.index("--out"):argv.index("--out") + 2]
-    command = "python benchmarks/gpu_suite.py " + " ".join(argv)
     shared = {"date": time.strftime("%Y-%m-%d"), "device": device_name(),
               "model": f"{args.shape} shape ({config['architectures'][0]}), random weights", "dtype": args.dtype, "tp": tp, "num_gpus": tp,
               "attention_backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.summary.get("cuda_graphs"),
               "async_scheduling": llm.engine.summary.get("async_scheduling"),
-              "commit": git_commit(), "command": command, "torch": torch.__version__}
+              "commit": git_commit(), "command": command_line(), "torch": torch.__version__}
     results = []
     for kind, numbers in cases:
         if kind == "decode":

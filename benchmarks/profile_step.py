@@ -83,17 +83,6 @@ def main() -> None:
     for e in host:
         print(f"  host {e.self_cpu_time_total / 1e3 / steps:8.3f} ms/step  {e.count / steps:6.1f}x  {e.key[:90]}")
     llm.close()
-    if not torch.cuda.is_available():
-        return
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    torch.cuda.synchronize()
-    print(f"8192^3 bf16 matmul: {10 * 2 * 8192 ** 3 / (time.perf_counter() - started) / 1e12:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -55,12 +55,13 @@ def engine_kwargs(**values: Any) -> dict[str, Any]:
     if "no_cuda_graph" in values:
         kwargs["enable_cuda_graphs"] = not values["no_cuda_graph"]
     if "all_reduce" in values:  # before any process starts (the engine checks again)
-        import torch
-
+        from framework.distributed.config import ParallelConfig
         from framework.distributed.fast_all_reduce import resolve_all_reduce
 
-        device = "cuda" if kwargs.get("device_ids") else kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        resolve_all_reduce(values["all_reduce"], torch.device(device))
+        # the device as EngineBuilder decides it (ParallelConfig.device), so the two checks agree
+        parallel = ParallelConfig(kwargs.get("tensor_parallel_size"), kwargs.get("num_nodes", 1),
+                                  kwargs.get("node_rank", 0), kwargs.get("device_ids"))
+        resolve_all_reduce(values["all_reduce"], parallel.device(kwargs.get("device")))
     return kwargs
 
 

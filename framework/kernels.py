@@ -16,27 +16,30 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
+import torch
+
 from framework import plugins, registries
 from framework.platform import platform_for_device
+from framework.specs import KernelSpec
 
-#: The device type ("cpu", "cuda") layers being built will run on; None: the machine's default.
-_target_device_type: ContextVar[str | None] = ContextVar("fw_kernel_target_device_type", default=None)
+#: The device ("cpu", "cuda:1", ...) the layers being built will run on; None: the machine's default.
+_target_device: ContextVar[str | None] = ContextVar("fw_kernel_target_device", default=None)
 
 
 @contextlib.contextmanager
-def kernels_for(device_type: str) -> Iterator[None]:
-    """Layers built inside this block choose the kernels of ``device_type``'s platform: a model
-    built for the CPU on a CUDA machine gets the torch ops, not Triton's."""
-    token = _target_device_type.set(device_type)
+def kernels_for(device: torch.device | str) -> Iterator[None]:
+    """Layers built inside this block choose the kernels of ``device``'s platform: a model built
+    for the CPU on a CUDA machine gets the torch ops, not Triton's."""
+    token = _target_device.set(str(device))
     try:
         yield
     finally:
-        _target_device_type.reset(token)
+        _target_device.reset(token)
 
 
-def target_device_type() -> str | None:
-    """The device type set by the enclosing :func:`kernels_for`, or None."""
-    return _target_device_type.get()
+def target_device() -> str | None:
+    """The device set by the enclosing :func:`kernels_for`, or None."""
+    return _target_device.get()
 
 
 def _forced() -> dict[str, str]:
@@ -44,12 +47,20 @@ def _forced() -> dict[str, str]:
     return {op.strip(): name.strip() for op, name in pairs}
 
 
+def _select(op: str, name: str | None, device_type: str | None) -> KernelSpec:
+    """The spec of ``op``'s implementation on ``device_type``'s platform: ``name``, else the best
+    available one. Not cached: :func:`_resolve` caches what it loads."""
+    platform = platform_for_device(device_type)
+    return registries.kernels(platform).select(op, platform, name)
+
+
 @functools.cache
 def _resolve(op: str, name: str | None, generation: int, device_type: str | None) -> Callable[..., Any]:
-    platform = platform_for_device(device_type)
-    return registries.kernels(platform).select(op, platform, name).load()
+    """The loaded implementation that :func:`_select` picks, once per plugin ``generation``."""
+    return _select(op, name, device_type).load()
 
 
 def get_kernel(op: str, name: str | None = None) -> Callable[..., Any]:
     """The implementation of ``op``: ``name`` if given (or forced by ``FW_KERNELS``), else the best."""
-    return _resolve(op, name or _forced().get(op), plugins.generation(), _target_device_type.get())
+    device = _target_device.get()
+    return _resolve(op, name or _forced().get(op), plugins.generation(), device and torch.device(device).type)

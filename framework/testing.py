@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -381,6 +382,58 @@ def capture_logits(llm) -> dict:
     return records
 
 
+class StepLaunch(NamedTuple):
+    """One step an engine core launched (see :func:`record_step_overlaps`)."""
+
+    overlapped: bool  # launched while the step before it was in flight (launched, not yet read back)
+    num_constrained: int  # rows of the batch with a grammar (``request.structured_output``) at launch
+
+
+@dataclass(slots=True)
+class StepOverlapLog:
+    """What :func:`record_step_overlaps` saw: every launch in order, and how many steps were read back."""
+
+    launches: list[StepLaunch] = field(default_factory=list)
+    num_collected: int = 0
+
+    @property
+    def num_launched(self) -> int:
+        return len(self.launches)
+
+    @property
+    def num_overlapped(self) -> int:
+        """How many steps were launched before the step before them was read back: with async
+        scheduling every step after the first of a steady decode does; without it, none."""
+        return sum(launch.overlapped for launch in self.launches)
+
+    def clear(self) -> None:
+        self.launches.clear()
+        self.num_collected = 0
+
+
+def record_step_overlaps(core) -> StepOverlapLog:
+    """Count the overlapping steps of ``core`` (an :class:`~framework.engine.engine.EngineCore`)
+    from now on: wraps its runner's ``launch`` and ``collect`` and records, for each launch, whether
+    a step was in flight then (``core.inflight``: launched, not yet read back) and how many of the
+    batch's rows had a grammar, and how many steps were read back. Only Python-side bookkeeping is
+    added, so it can watch steps under ``torch.cuda.set_sync_debug_mode("error")``.
+    """
+    runner, log = core.runner, StepOverlapLog()
+    launch, collect = runner.launch, runner.collect
+
+    def recording_launch(batch):
+        constrained = sum(request.structured_output is not None for request in batch.requests)
+        log.launches.append(StepLaunch(core.inflight is not None, constrained))
+        return launch(batch)
+
+    def recording_collect(step):
+        log.num_collected += 1
+        return collect(step)
+
+    runner.launch, runner.collect = recording_launch, recording_collect
+    return log
+
+
 def generate_in_new_process(path, prompts: list[list[int]], params, **engine_args) -> tuple[list, list, dict]:
     """Run ``prompts`` with ``params`` on ``LLM(path, **engine_args)`` in a new (spawned) process;
     returns each prompt's first output's token ids and logprobs, and the engine summary.
@@ -543,10 +596,9 @@ def count_kernel_calls() -> Iterator[dict[str, int]]:
     import collections
     import functools
 
-    from framework import kernels, registries
+    from framework import kernels
     from framework.engine.builder import EngineBuilder
     from framework.layers import rotary
-    from framework.platform import platform_for_device
 
     calls: collections.Counter[str] = collections.Counter()
 
@@ -561,8 +613,7 @@ def count_kernel_calls() -> Iterator[dict[str, int]]:
     resolve, select_backend = kernels._resolve, EngineBuilder.select_attention_backend
 
     def counting_resolve(op: str, name: str | None, generation: int, device_type: str | None) -> Any:
-        platform = platform_for_device(device_type)
-        key = registries.kernels(platform).select(op, platform, name).key  # what ``_resolve`` loads
+        key = kernels._select(op, name, device_type).key  # the spec whose implementation ``_resolve`` loads
         return counted(key, resolve(op, name, generation, device_type))
 
     def counting_select_backend(builder: EngineBuilder) -> Any:

@@ -25,7 +25,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from framework.distributed.state import min_over_ranks
+from framework.distributed.state import SYMM_MEM_GROUPS_OF_EARLIER_ENGINES, min_over_ranks, note_symm_mem_set_up
 from framework.errors import ConfigError
 
 log = logging.getLogger("fw.distributed")
@@ -76,17 +76,11 @@ def buffer_bytes(max_num_seqs: int, hidden_size: int, dtype: torch.dtype) -> int
 AUTO_MIN_CAPABILITY = (9, 0)
 
 
-#: Names of the process groups this process has set symmetric memory up for. torch keeps each
-#: name's set-up (its store) for the life of the process, and a later engine in the same process
-#: gets a group of the same name (names restart once the group is destroyed): its rendezvous would
-#: wait forever on the old store. So symmetric memory is set up once per process and group name.
-_SET_UP_GROUP_NAMES: set[str] = set()
-
-
 def _set_up_before() -> bool:
-    """Whether this process already set symmetric memory up for the current default group's name."""
+    """Whether an earlier engine of this process set symmetric memory up for the current default
+    group's name (see :data:`framework.distributed.state.SYMM_MEM_GROUPS_OF_EARLIER_ENGINES`)."""
     world = dist.group.WORLD if dist.is_initialized() else None
-    return world is not None and world.group_name in _SET_UP_GROUP_NAMES
+    return world is not None and world.group_name in SYMM_MEM_GROUPS_OF_EARLIER_ENGINES
 
 
 def peer_access_problem(device: torch.device, group: dist.ProcessGroup | None = None, *,
@@ -157,7 +151,7 @@ class SymmMemAllReduce:
             failure = RuntimeError("another rank could not allocate its symmetric buffer")
         if failure is None:
             try:
-                _SET_UP_GROUP_NAMES.add(self.group_name)  # even a failed rendezvous may leave its store behind
+                note_symm_mem_set_up(self.group_name)  # even a failed rendezvous may leave its store behind
                 with torch.cuda.device(device):
                     self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
             except RuntimeError as error:

@@ -11,7 +11,10 @@ buffer and polls for them, with no barrier round trip; the buffers are torch sym
 the default group (no NVLink multicast). FlashInfer compiles the kernel just in time on first use.
 
 Not the default: ``auto`` never picks it, since it has not been measured against
-``symm_mem`` + the Triton norm yet.
+``symm_mem`` + the Triton norm yet. Known limits: a failure while the workspace is being built on
+one rank only (e.g. FlashInfer's JIT build) leaves the others waiting in its barrier until
+``--distributed-timeout``; the workspace is built even for models whose norms do not take the
+all-reduce (GLM-4, StableLM, Gemma, DeepSeek), which then never use it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from framework.distributed.state import note_symm_mem_set_up
 from framework.errors import ConfigError
 
 log = logging.getLogger("fw.distributed")
@@ -45,6 +49,8 @@ class FlashInferFusedAllReduceNorm:
         self.group = group or dist.group.WORLD
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.max_tokens, self.hidden_size, self.dtype = max_tokens, hidden_size, dtype
+        # the workspace is torch symmetric memory on this group: once per process and group name
+        note_symm_mem_set_up(self.group.group_name)
         with torch.cuda.device(device):
             self._handles, self.workspace, self.metadata = trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion(
                 tp_rank=self.rank, tp_size=self.size, max_token_num=max_tokens, hidden_dim=hidden_size,

@@ -44,9 +44,23 @@ class TensorParallelState:
     #: the symmetric-memory all-reduce (``--all-reduce symm_mem``); None: NCCL / gloo only
     fast_all_reduce: Any = None
     fused_all_reduce_norm: Any = None  # FlashInferFusedAllReduceNorm with --all-reduce flashinfer
+    #: the group name this engine set symmetric memory up on (see note_symm_mem_set_up)
+    symm_mem_group: str | None = None
 
 
 _state = TensorParallelState()
+
+#: Names of the process groups that earlier engines of this process set torch symmetric memory up
+#: for. torch keeps each name's set-up (its store) for the life of the process, and a later engine
+#: gets a group of the same name (names restart once a group is destroyed), so its rendezvous would
+#: wait forever on the old store: symmetric memory is set up by one engine per process and name.
+#: An engine's group is added when it leaves (:func:`destroy_tensor_parallel`).
+SYMM_MEM_GROUPS_OF_EARLIER_ENGINES: set[str] = set()
+
+
+def note_symm_mem_set_up(group_name: str) -> None:
+    """Record that this engine sets symmetric memory up on ``group_name`` (before its rendezvous)."""
+    _state.symm_mem_group = group_name
 
 
 def get_tp_rank() -> int:
@@ -134,6 +148,9 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
         if getattr(_state, name) is not None:
             getattr(_state, name).close()
             setattr(_state, name, None)
+    if _state.symm_mem_group is not None:
+        SYMM_MEM_GROUPS_OF_EARLIER_ENGINES.add(_state.symm_mem_group)
+        _state.symm_mem_group = None
     if dist.is_initialized():
         def destroy() -> None:
             try:
@@ -191,19 +208,24 @@ def enable_flashinfer_all_reduce_norm(device: torch.device, max_tokens: int, hid
     from framework.distributed.fast_all_reduce import peer_access_problem
 
     problem = peer_access_problem(device, _state.control_group)
-    failure = None
     if problem is None:
-        try:
-            import flashinfer.comm.trtllm_ar  # noqa: F401  (the import every rank must manage)
-
-            from framework.distributed.flashinfer_all_reduce import FlashInferFusedAllReduceNorm
-        except Exception as error:  # ImportError, or FlashInfer failing at import on this machine
-            failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        failure = None
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (9, 0):  # FlashInfer builds its communication kernels for SM 9.x and newer
+            failure = f"its kernel needs compute capability 9.0 or newer; {device} is {capability[0]}.{capability[1]}"
+        else:
+            try:
+                import flashinfer.comm.trtllm_ar  # noqa: F401  (the import every rank must manage)
+            except Exception as error:  # ImportError, or FlashInfer failing at import on this machine
+                failure = (f"FlashInfer's communication module is not available ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''}); install flashinfer-python")
         if not min_over_ranks(int(failure is None)) and failure is None:
-            failure = "another rank could not import FlashInfer's communication module"
-        problem = failure and f"FlashInfer's fused all-reduce is not available ({failure}); install flashinfer-python"
+            failure = "another rank cannot run it (its log says why)"
+        problem = failure
     if problem is not None:
         raise ConfigError(f"--all-reduce flashinfer: {problem}: use --all-reduce symm_mem or nccl")
+    from framework.distributed.flashinfer_all_reduce import FlashInferFusedAllReduceNorm
+
     _state.fused_all_reduce_norm = FlashInferFusedAllReduceNorm(device, max_tokens, hidden_size, dtype)
 
 

@@ -109,8 +109,7 @@ class EngineCore:
 
     def _retire(self, request: Request, reason: FinishReason) -> None:
         """Finish ``request``: key its full blocks for the prefix cache, free them, forget the request."""
-        if self.kv_cache.enable_prefix_caching and not request.pooling:
-            self.kv_cache.cache_full_blocks(request)  # its computed tokens are real: placeholders are never computed
+        self.kv_cache.cache_full_blocks(request)  # its computed tokens are real: placeholders are never computed
         self.scheduler.finish(request, reason)
         self.requests.pop(request.request_id, None)
         if self.structured_outputs is not None:
@@ -206,10 +205,9 @@ class EngineCore:
                 output.finish_reason = reason.value
                 output.stop_token_id = request.stop_token_id
             outputs.append(output)
-        if self.kv_cache.enable_prefix_caching:
-            for request in step.requests:
-                if request.status is not RequestStatus.FINISHED:
-                    self.kv_cache.cache_full_blocks(request)  # their computed tokens are all real now
+        for request in step.requests:
+            if request.status is not RequestStatus.FINISHED:
+                self.kv_cache.cache_full_blocks(request)  # their computed tokens are all real now
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:

@@ -115,7 +115,13 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Give keys to the request's blocks that became full of computed tokens (each block is
-        considered once: one that finds its key taken or no room in the cache stays unkeyed)."""
+        considered once: one that finds its key taken or no room in the cache stays unkeyed).
+
+        The one place that decides whether a request's blocks are keyed: every request's are,
+        pooling and prompt-logprob requests included (they skip the lookup, in
+        :meth:`allocate_cached_prefix`, because they need every position computed; the KV they
+        write is the same causal KV that a generation request would reuse).
+        """
         if not self.enable_prefix_caching:
             return
         full = request.num_computed_tokens // self.block_size

@@ -151,8 +151,8 @@ class ModelRunner:
                 from_device.append((row - 1, item.request_id))
                 input_ids[row - 1] = 0
         num_reqs, num_tokens = len(inputs), len(input_ids)
-        host32 = torch.from_numpy(self._int32_inputs(cu_seqlens, seq_lens, [item.block_ids for item in inputs]))
-        max_blocks = (host32.shape[0] - 2 * num_reqs - 1) // num_reqs
+        int32_inputs, max_blocks = self._int32_inputs(cu_seqlens, seq_lens, [item.block_ids for item in inputs])
+        host32 = torch.from_numpy(int32_inputs)
         dev64 = to_device(torch.from_numpy(np.array(input_ids + positions + slots, dtype=np.int64)), self.device)
         dev32 = to_device(host32, self.device)
         cu_cpu, lens_cpu = host32[:num_reqs + 1], host32[num_reqs + 1:2 * num_reqs + 1]
@@ -178,9 +178,10 @@ class ModelRunner:
         return ids, dev64[num_tokens:2 * num_tokens], metadata
 
     @staticmethod
-    def _int32_inputs(cu_seqlens: list[int], seq_lens: list[int], tables: list[list[int]]) -> np.ndarray:
+    def _int32_inputs(cu_seqlens: list[int], seq_lens: list[int], tables: list[list[int]]) -> tuple[np.ndarray, int]:
         """``cu_seqlens``, ``seq_lens`` and the block table padded with 0 to its longest row, in one
-        int32 array (numpy reads the Python ints several times faster than ``torch.tensor``)."""
+        int32 array (numpy reads the Python ints several times faster than ``torch.tensor``), and
+        the table's width (``max_blocks``: the longest row's length)."""
         lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
         max_blocks = int(lengths.max())
         head = len(cu_seqlens) + len(seq_lens)
@@ -190,7 +191,7 @@ class ModelRunner:
         flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
         table = out[head:].reshape(len(tables), max_blocks)
         table[np.arange(max_blocks) < lengths[:, None]] = flat
-        return out
+        return out, max_blocks
 
     def _ids_from_device(self, ids: torch.Tensor, from_device: list[tuple[int, str]]) -> torch.Tensor:
         """``ids`` with the placeholder rows taken from the previous step's sampled ids on the device."""

@@ -292,7 +292,7 @@ def get_rope(
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling = {} if rope_type == "default" else scaling
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items() if k not in _IGNORED_KEYS))
-    device = f"{torch.empty(0).device}:{kernels.target_device_type()}"  # the device context and the kernels' device
+    device = f"{torch.empty(0).device}:{kernels.target_device()}"  # the device context and the model's device
     generation = plugins.generation()  # a module holds the kernel chosen when it was built
     return _cached_rope(head_size, rotary_dim, max_position, base, rope_type, frozen, is_neox_style, dtype, device, generation)
 

@@ -53,7 +53,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def build_model(model_cls: type[nn.Module], model_config, quant_config, device: torch.device) -> nn.Module:
     """Construct on meta, then allocate (uninitialised) on ``device`` in the model's dtype; the
     layers choose the kernels of ``device``'s platform (:func:`framework.kernels.kernels_for`)."""
-    with torch.device("meta"), default_dtype(model_config.dtype), kernels_for(device.type):
+    with torch.device("meta"), default_dtype(model_config.dtype), kernels_for(device):
         model = model_cls(model_config, quant_config, prefix="")
     return model.to_empty(device=device)
 

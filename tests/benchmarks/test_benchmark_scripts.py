@@ -37,8 +37,7 @@ def test_decode_writes_one_result_per_case_with_the_documented_keys(benchmarks, 
     benchmarks("decode.py", "--shape", "tiny", "--batch", "1", "2", "--context", "16", "--steps", "3", "--dtype", "f32",
                "--out", str(out))
     report = json.loads(out.read_text())
-    assert report["command"] == ("python benchmarks/decode.py --shape tiny --batch 1 2 --context 16 --steps 3 "
-                                 "--dtype f32 --attention-backend auto")
+    assert report["command"] == "python benchmarks/decode.py --shape tiny --batch 1 2 --context 16 --steps 3 --dtype f32"
     assert (report["commit"], report["tp"], report["devices"], report["dtype"]) == ("abc1234", 1, [0], "f32")
     assert [(r["batch_size"], r["input_len"], r["output_len"]) for r in report["results"]] == [(1, 16, 3), (2, 16, 3)]
     for result in report["results"]:
@@ -57,6 +56,19 @@ def test_gpu_suite_runs_decode_and_prefill_cases_with_the_documented_keys(benchm
         assert result["command"] == "python benchmarks/gpu_suite.py --shape tiny-moe --cases decode:2:12:4 prefill:16 --dtype f32"
     assert (results[0]["batch_size"], results[0]["input_len"], results[0]["output_len"]) == (2, 12, 4)
     assert results[0]["decode_tokens_per_s"] > 0 and results[1]["prefill_tokens_per_s"] > 0
+
+
+def test_recorded_command_is_the_arguments_given_less_the_output_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from common import command_line
+
+    script = str(BENCHMARKS / "gemv_bandwidth.py")
+    assert command_line([script, "--out", "/tmp/x.json", "--tp", "1", "2", "--out=/tmp/y.json", "--shape", "tiny"]) == \
+        "python benchmarks/gemv_bandwidth.py --tp 1 2 --shape tiny"
+    assert command_line([script, "--d", "0,1", "--disable-cuda-graph", "--note", "two words"]) == \
+        "python benchmarks/gemv_bandwidth.py --d 0,1 --disable-cuda-graph --note 'two words'"
+    monkeypatch.setattr(sys, "argv", [script, "--rows", "8"])
+    assert command_line() == "python benchmarks/gemv_bandwidth.py --rows 8"
 
 
 def test_engine_flags_become_the_llm_arguments(monkeypatch):

@@ -85,6 +85,15 @@ def test_an_op_that_never_ran_fails_the_check(fake_kernels):
         check_kernels_used(calls, {"rms_norm": "fake", "fused_moe": "triton"})
 
 
+def test_select_picks_the_best_spec_or_the_named_one(fake_kernels):
+    """``kernels._select`` is the one rule: ``_resolve`` loads its spec, the counts use its key."""
+    from framework import kernels
+
+    best, named = kernels._select("rms_norm", None, None), kernels._select("rms_norm", "torch", None)
+    assert (best.key, best.impl) == ("rms_norm/fake", "fw_fake_counted_kernels:rms_norm")
+    assert named.key == "rms_norm/torch" and named.impl != best.impl
+
+
 def test_layers_built_outside_the_block_are_not_counted_and_shared_rotary_modules_are_rebuilt():
     from framework import kernels
 
@@ -112,8 +121,10 @@ def test_a_cpu_model_on_a_cuda_machine_runs_the_cpu_kernels_and_backend(tiny_lla
     kernels._resolve.cache_clear()
     try:
         assert kernels.get_kernel("rms_norm").__module__ == "fw_triton_ops.norm"  # the fake machine's default
-        with kernels.kernels_for("cuda"):
+        with kernels.kernels_for("cuda:0"):
             gpu_rope = get_rope(8, 8, 32, 10000.0)
+        with kernels.kernels_for("cuda:1"):  # a model on another GPU moves its own table
+            assert get_rope(8, 8, 32, 10000.0) is not gpu_rope
         with kernels.kernels_for("cpu"):
             assert kernels.get_kernel("rms_norm") is ops.rms_norm
             assert get_rope(8, 8, 32, 10000.0) is not gpu_rope

@@ -60,6 +60,34 @@ def test_cli_all_reduce_flag_errors_name_the_valid_values(command):
     assert "symm_mem needs CUDA GPUs" in result.output
 
 
+@pytest.mark.parametrize("flags", [{}, {"device": "cpu"}, {"device": "cpu", "tensor_parallel_size": 2},
+                                   {"tensor_parallel_size": 2, "num_nodes": 2, "node_rank": 1}])
+def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, monkeypatch):
+    """The CLI's early ``--all-reduce`` check and :class:`EngineBuilder` validate on one device."""
+    from cli.options import engine_kwargs
+    from framework.engine import builder
+
+    seen: dict[str, torch.device] = {}
+
+    def recording(where):
+        def resolve(name, device):
+            seen[where] = device
+            return resolve_all_reduce(name, device)
+        return resolve
+
+    monkeypatch.setattr(fast_all_reduce, "resolve_all_reduce", recording("cli"))
+    monkeypatch.setattr(builder, "resolve_all_reduce", recording("builder"))
+    kwargs = engine_kwargs(m="./no-such-model", all_reduce="auto", **flags)
+    EngineBuilder(**kwargs)
+    assert seen["cli"] == seen["builder"], seen
+
+
+def test_cli_refuses_gpu_ordinals_with_a_cpu_device_before_starting_anything():
+    result = CliRunner().invoke(build_app(), ["serve", "--m", "./no-such-model", "--d", "0,1", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "--d 0,1 names GPUs but --device is cpu" in result.output
+
+
 def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_path):
     reference = write_tiny_model(tmp_path, transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -211,3 +239,24 @@ def test_all_reduce_add_rms_norm_takes_the_fused_kernel_for_what_fits_and_else_s
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
     assert fused_rows == [2] and summed == [5]
+
+
+def test_an_engine_that_set_symmetric_memory_up_leaves_its_group_name_to_the_guard(monkeypatch):
+    """Leaving the group records the name the engine set symmetric memory up on; the peer check of
+    a later engine whose default group has that name then reports it (auto keeps NCCL)."""
+    from framework.distributed import state
+
+    monkeypatch.setattr(state, "SYMM_MEM_GROUPS_OF_EARLIER_ENGINES", set())
+    monkeypatch.setattr(fast_all_reduce, "SYMM_MEM_GROUPS_OF_EARLIER_ENGINES", state.SYMM_MEM_GROUPS_OF_EARLIER_ENGINES)
+    state.note_symm_mem_set_up("7")
+    assert not fast_all_reduce._set_up_before()  # this engine's own set-up is not an earlier engine's
+    state.destroy_tensor_parallel()
+    assert state.SYMM_MEM_GROUPS_OF_EARLIER_ENGINES == {"7"} and state._state.symm_mem_group is None
+    from types import SimpleNamespace
+
+    world = SimpleNamespace(group_name="7")  # a later engine's default group, named as the first's
+    monkeypatch.setattr(fast_all_reduce, "dist", SimpleNamespace(is_initialized=lambda: True,
+                                                                 group=SimpleNamespace(WORLD=world)))
+    assert fast_all_reduce._set_up_before()
+    world.group_name = "8"
+    assert not fast_all_reduce._set_up_before()

@@ -18,6 +18,7 @@ from framework.testing import (
     check_greedy_parity,
     check_preemption_parity,
     check_prefix_cache_parity,
+    record_step_overlaps,
     tiny_model_fixture,
 )
 
@@ -40,35 +41,6 @@ def test_greedy_ids_match_when_preempted_and_resumed(tiny):
     check_preemption_parity(*tiny, PARITY_PROMPTS, async_scheduling=True)
 
 
-def record_overlaps(llm) -> list[str]:
-    """Log the runner's launches and collects, ``L`` and ``C``, in order (see :func:`overlaps`)."""
-    runner, events = llm.engine.core.runner, []
-    launch, collect = runner.launch, runner.collect
-
-    def logged_launch(batch):
-        events.append("L")
-        return launch(batch)
-
-    def logged_collect(step):
-        events.append("C")
-        return collect(step)
-
-    runner.launch, runner.collect = logged_launch, logged_collect
-    return events
-
-
-def overlaps(events: list[str]) -> int:
-    """How many launches happened while an earlier step was not yet collected."""
-    count = outstanding = 0
-    for event in events:
-        if event == "L":
-            count += outstanding > 0
-            outstanding += 1
-        else:
-            outstanding -= 1
-    return count
-
-
 def summary(results) -> list[tuple]:
     return [(out.token_ids, out.logprobs, out.finish_reason, out.stop_reason)
             for result in results for out in result.outputs]
@@ -89,10 +61,10 @@ def test_mixed_requests_give_the_same_outputs_as_sync_scheduling(tiny):
     ]
     expected = summary(sync.generate(prompts, params))
     overlapped = LLM(str(path), num_blocks=64, async_scheduling=True)
-    events = record_overlaps(overlapped)
+    steps = record_step_overlaps(overlapped.engine.core)
     assert summary(overlapped.generate(prompts, params)) == expected
     assert expected[0][2] == "stop" and expected[0][3] == stop_token
-    assert overlaps(events) > 10
+    assert steps.num_overlapped > 10
     core = overlapped.engine.core
     assert core.inflight is None and not core.requests
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
@@ -101,32 +73,32 @@ def test_mixed_requests_give_the_same_outputs_as_sync_scheduling(tiny):
 def test_steady_decode_overlaps_and_only_grammars_stop_it(tiny):
     path, _ = tiny
     llm = LLM(str(path), num_blocks=64, async_scheduling=True)
-    events = record_overlaps(llm)
+    steps = record_step_overlaps(llm.engine.core)
     prompts = [{"prompt_token_ids": p} for p in PARITY_PROMPTS]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     # 16 steps, one token each: every step after the prefill overlaps its predecessor, and no step
     # is launched past the length limit
-    assert overlaps(events) == 15 and len(events) == 2 * 16
-    events.clear()
+    assert steps.num_overlapped == 15 and steps.num_launched == steps.num_collected == 16
+    steps.clear()
     # requests that stop by length at different steps do not break the overlap: one whose last
     # token is in flight is left out of the next batch
     lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 11, 16)]
     overlapped = llm.generate(prompts, lengths)
-    assert overlaps(events) == 15 and len(events) == 2 * 16
+    assert steps.num_overlapped == 15 and steps.num_launched == steps.num_collected == 16
     sync = LLM(str(path), num_blocks=64, async_scheduling=False).generate(prompts, lengths)
     assert summary(overlapped) == summary(sync)
-    events.clear()
+    steps.clear()
     # penalties count the previous token on the device: they overlap too, with the same tokens
     penalised = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=0.9),
                  SamplingParams(temperature=0.8, seed=2, max_tokens=16, ignore_eos=True, presence_penalty=1.5),
                  SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)]
     overlapped = llm.generate(prompts, penalised)
-    assert overlaps(events) == 15
+    assert steps.num_overlapped == 15
     assert summary(overlapped) == summary(LLM(str(path), num_blocks=64, async_scheduling=False).generate(prompts, penalised))
-    events.clear()
+    steps.clear()
     constrained = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(t[2-5]){3}"))
     llm.generate(prompts, constrained)
-    assert overlaps(events) == 0  # the grammar needs the previous token on the host
+    assert steps.num_overlapped == 0  # the grammar needs the previous token on the host
 
 
 def test_abort_while_a_step_is_in_flight_drops_its_token_and_frees_the_blocks(tiny):
@@ -155,12 +127,13 @@ def test_a_stop_token_ends_the_output_without_a_placeholder(tiny):
                                                                                  ignore_eos=True))[0].outputs[0]
     stop = greedy.token_ids[6]
     llm = LLM(str(path), num_blocks=64, async_scheduling=True)
-    core, events = llm.engine.core, record_overlaps(llm)
+    core = llm.engine.core
+    steps = record_step_overlaps(core)
     core.add_request("s", PARITY_PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
     request = core.requests["s"]
     outputs = core.run_until_done()
     # a step was launched after the one that sampled the stop token, and its token was dropped
-    assert overlaps(events) == len(outputs) and events.count("L") == len(outputs) + 1
+    assert steps.num_overlapped == len(outputs) and steps.num_launched == len(outputs) + 1
     assert [out.new_token_ids[0] for out in outputs] == greedy.token_ids[:greedy.token_ids.index(stop) + 1]
     assert outputs[-1].finish_reason == "stop" and request.output_token_ids == greedy.token_ids[:len(outputs)]
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks

@@ -203,6 +203,24 @@ def test_embeddings_are_normalized_pooled_hidden_states(tiny_path):
         llm.embed({"prompt_token_ids": [5]}, pooling="max")
 
 
+@pytest.mark.parametrize("prefill_chunk_size", [64, 16])
+def test_an_embedding_request_leaves_its_full_blocks_in_the_prefix_cache(tiny_path, prefill_chunk_size):
+    """A pooling request computes the same causal KV as any other: its full prompt blocks are keyed
+    when it finishes, whether its prompt ran in one step or in chunks, and a generation request with
+    that prefix reuses them (it does not look the cache up itself: pooling needs every position)."""
+    prompt = list(range(2, 52))  # 50 tokens: 3 full blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(tiny_path, num_blocks=32, prefill_chunk_size=prefill_chunk_size, max_num_batched_tokens=64)
+    llm.embed({"prompt_token_ids": prompt})
+    assert len(llm.engine.core.kv_cache.hash_to_block) == 3
+    again = llm.embed({"prompt_token_ids": prompt})  # not served from the cache
+    assert llm.engine.core.stats().prefix_cache_hits == 0 and len(again[0]) == TINY.hidden_size
+    reused = llm.generate({"prompt_token_ids": prompt + [60]}, params)[0]
+    assert reused.num_cached_tokens == 48
+    uncached = LLM(tiny_path, num_blocks=32, enable_prefix_caching=False).generate({"prompt_token_ids": prompt + [60]}, params)[0]
+    assert reused.outputs[0].token_ids == uncached.outputs[0].token_ids
+
+
 def test_a_request_never_outgrows_the_kv_cache(tiny_path):
     llm = LLM(tiny_path, num_blocks=4)  # 64 tokens in all, less than the 256-token context
     out = llm.generate({"prompt_token_ids": list(range(2, 52))}, SamplingParams(max_tokens=100, ignore_eos=True))[0].outputs[0]

@@ -9,7 +9,7 @@ import transformers
 
 from framework import LLM, SamplingParams
 from framework.kernels import get_kernel
-from framework.testing import reference_greedy, write_tiny_model
+from framework.testing import record_step_overlaps, reference_greedy, write_tiny_model
 
 REFERENCE_OPS = ",".join(f"{op}=torch" for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
                                                  "rotary_embedding", "qk_norm_rotary_embedding"))
@@ -53,19 +53,13 @@ def test_async_decode_steps_never_sync_the_stream_and_match_sync_scheduling(tmp_
         for index, (prompt, param) in enumerate(zip(prompts, params)):
             core.add_request(str(index), prompt, param)
         outputs = [core.step() for _ in range(4)]  # prefill, then decode steps: warm pinned buffers
-        launch, overlapped = core.runner.launch, []
-
-        def counting_launch(batch):
-            overlapped.append(core.inflight is not None)  # the previous step is not read back yet
-            return launch(batch)
-
-        core.runner.launch = counting_launch
+        steps = record_step_overlaps(core)
         torch.cuda.set_sync_debug_mode("error")  # any stream synchronisation inside a step raises
         try:
             outputs += [core.step() for _ in range(20)]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert sum(overlapped) == (20 if async_scheduling else 0)
+        assert steps.num_overlapped == (20 if async_scheduling else 0)
         outputs.append(core.run_until_done())
         return [(out.request_id, out.new_token_ids, out.new_logprobs, out.finish_reason)
                 for step in outputs for out in step]

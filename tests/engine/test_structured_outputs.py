@@ -20,7 +20,7 @@ import transformers
 from framework import LLM, SamplingParams
 from framework.errors import ConfigError
 from framework.sampling_params import StructuredOutputsParams
-from framework.testing import write_tiny_model
+from framework.testing import record_step_overlaps, write_tiny_model
 
 EOS = 1
 TINY = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -371,5 +371,10 @@ def test_constrained_requests_under_tensor_parallelism_match_one_device(tiny_pat
     prompts = [_prompt(3), _prompt(4), _prompt(5)]
     expected = [_ids(result) for result in tiny_llm.generate(prompts, params)]
     with LLM(tiny_path, num_blocks=64, tensor_parallel_size=2, async_scheduling=True) as parallel:
-        assert [_ids(result) for result in parallel.generate(prompts, params)] == expected
+        assert parallel.engine.core.async_scheduling
+        steps = record_step_overlaps(parallel.engine.core)
+        outputs = [_ids(result) for result in parallel.generate(prompts, params)]
+    constrained = [step for step in steps.launches if step.num_constrained]
+    assert constrained and not any(step.overlapped for step in constrained), steps.launches
+    assert outputs == expected
     assert all(set(ids[:3]) <= {2, 3, 4, 5} for ids in expected[0])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from framework.distributed.config import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}assistant{% endif %}")
@@ -29,12 +30,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% e
 def serve_argv() -> list[str]:
     """The real CLI: ``python -m cli.main serve``."""
     return [sys.executable, "-m", "cli.main", "serve"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

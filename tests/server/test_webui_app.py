@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from framework.distributed.config import free_port
 from framework.errors import ConfigError
 from framework.server.launcher import BindAddress, bind_sockets
 from framework.server.webui import (
@@ -119,9 +120,7 @@ def test_ui_server_says_which_port_is_taken():
 
 def test_ui_server_binds_the_api_port_and_the_one_below():
     for _ in range(20):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         try:
             sockets, ui_bind = bind_sockets(BindAddress("127.0.0.1", port, None), ui_server=True)
         except ConfigError:

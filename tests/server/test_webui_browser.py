@@ -27,6 +27,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
 from playwright.sync_api import expect
 
+from framework.distributed.config import free_port
 from framework.server.app import create_app
 from framework.server.mcp_client import load_mcp_config
 from framework.server.state import ServerConfig
@@ -139,9 +140,7 @@ class FakeServer(ThreadedServer):
     """The fake API behind WebUIApp on a loopback port, in a thread; ``url`` is the UI's address."""
 
     def __init__(self, mcp_servers: list[dict]) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         self.bodies: list[dict] = []  # the chat requests' bodies
         super().__init__(WebUIApp(create_fake_api(mcp_servers, self.bodies), ui_port=port), port, lifespan="off")
         self.url = self.base_url
@@ -152,9 +151,7 @@ class FakeServer(ThreadedServer):
 def _adjacent_free_ports() -> int:
     """An API port whose port below is free too (the UI's)."""
     for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         try:
             with socket.socket() as below:
                 below.bind(("127.0.0.1", port - 1))

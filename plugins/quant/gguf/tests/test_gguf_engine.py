@@ -89,7 +89,13 @@ def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_pa
         model = llm.engine.core.runner.model
         if keep == "1":
             packed = check_kept_packed(model)
-            assert len(packed) >= 4 * len(model.model.layers) + 1  # qkv, o, gate_up, down per layer; the table
+            # The file's 30 blocks each hold q/k/v, attn_output, ffn_gate/ffn_up and ffn_down, which
+            # fill four layers (qkv_proj, o_proj, gate_up_proj, down_proj); token_embd fills the
+            # embedding. It has no output.weight: the head is tied, reuses the embedding's table and
+            # has no GGUF layer of its own. The norms are plain tensors. So 4 * 30 + 1 = 121 layers.
+            per_block = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+            assert len(model.model.layers) == 30 and len(packed) == 4 * 30 + 1
+            assert set(packed) == {"model.embed_tokens"} | {f"model.layers.{i}.{name}" for i in range(30) for name in per_block}
         else:
             layers = [m for m in model.modules() if isinstance(getattr(m, "linear_method", None), GGUFLinearMethod)]
             assert layers and all(layer.gguf_dense.dtype == torch.float32 and not hasattr(layer, "gguf_weight_0")
