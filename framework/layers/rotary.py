@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -283,7 +284,7 @@ def get_rope(
     are passed explicitly.
 
     Calls with equal arguments (and the same default device, target device of
-    :func:`framework.kernels.kernels_for` and plugin set) return the same module, as in vLLM,
+    :func:`framework.kernels.kernels_for`, plugin set and ``FW_KERNELS``) return the same module, as in vLLM,
     so all layers of a model share one table (a 128k-position table is 64 MiB in float32).
     Models built in one process for the same device share it too; since the table is
     recomputed whenever the module moves, that is safe while they live on that device.
@@ -293,8 +294,10 @@ def get_rope(
     scaling = {} if rope_type == "default" else scaling
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items() if k not in _IGNORED_KEYS))
     device = f"{torch.empty(0).device}:{kernels.target_device()}"  # the device context and the model's device
-    generation = plugins.generation()  # a module holds the kernel chosen when it was built
-    return _cached_rope(head_size, rotary_dim, max_position, base, rope_type, frozen, is_neox_style, dtype, device, generation)
+    # a module holds the kernels chosen when it was built: by the plugin set and by FW_KERNELS
+    kernel_choice = (plugins.generation(), os.environ.get("FW_KERNELS", ""))
+    return _cached_rope(head_size, rotary_dim, max_position, base, rope_type, frozen, is_neox_style, dtype, device,
+                        kernel_choice)
 
 
 _IGNORED_KEYS = ("type", "rope_theta", "partial_rotary_factor")
@@ -302,7 +305,7 @@ _IGNORED_KEYS = ("type", "rope_theta", "partial_rotary_factor")
 
 @functools.cache
 def _cached_rope(head_size: int, rotary_dim: int, max_position: int, base: float, rope_type: str, frozen_scaling: tuple,
-                 is_neox_style: bool, dtype: torch.dtype, device: str, generation: int) -> RotaryEmbedding:
+                 is_neox_style: bool, dtype: torch.dtype, device: str, kernel_choice: tuple) -> RotaryEmbedding:
     scaling = dict(frozen_scaling)
     args = (head_size, rotary_dim, max_position, base, is_neox_style, dtype)
 

@@ -176,3 +176,13 @@ def test_rotation_with_qk_norm_equals_norm_per_head_then_rotation(name, offset):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="differ in eps or offset"):
         rope.forward_with_qk_norm(positions, q, k, q_norm, RMSNorm(HEAD_SIZE, 1e-5, offset=offset))
+
+
+def test_get_rope_builds_a_new_module_when_fw_kernels_forces_another_kernel(monkeypatch):
+    """A shared module holds the kernels chosen when it was built, so forcing one with FW_KERNELS
+    afterwards must not hand out the module built before."""
+    monkeypatch.delenv("FW_KERNELS", raising=False)
+    before = get_rope(HEAD_SIZE, HEAD_SIZE, MAX_POSITION, BASE)
+    monkeypatch.setenv("FW_KERNELS", "rotary_embedding=torch")
+    forced = get_rope(HEAD_SIZE, HEAD_SIZE, MAX_POSITION, BASE)
+    assert forced is not before and forced is get_rope(HEAD_SIZE, HEAD_SIZE, MAX_POSITION, BASE)
