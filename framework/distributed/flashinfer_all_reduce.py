@@ -13,8 +13,8 @@ the default group (no NVLink multicast). FlashInfer compiles the kernel just in 
 Not the default: ``auto`` never picks it, since it has not been measured against
 ``symm_mem`` + the Triton norm yet. Known limits: a failure while the workspace is being built on
 one rank only (e.g. FlashInfer's JIT build) leaves the others waiting in its barrier until
-``--distributed-timeout``; the workspace is built even for models whose norms do not take the
-all-reduce (GLM-4, StableLM, Gemma, DeepSeek), which then never use it.
+``--distributed-timeout``. Models whose norms do not take the all-reduce (GLM-4, StableLM, Gemma,
+DeepSeek) get no workspace: the engine keeps the plain all-reduce for them.
 """
 
 from __future__ import annotations

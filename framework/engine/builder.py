@@ -31,6 +31,7 @@ from framework.engine.sampler import Sampler
 from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError, FwError, ModelLoadError
 from framework.layers.attention import Attention
+from framework.layers.layernorm import RMSNorm
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
 from framework.loader.source import resolve_local_path
@@ -321,14 +322,13 @@ class EngineBuilder:
                                          timeout_s=parallel.distributed_timeout,
                                          check_workers=self.workers.failure if self.workers is not None else None)
         if self.all_reduce == "flashinfer":
-            # the fused all-reduce + add + norm for decode steps; symm_mem (where it can run) or NCCL
-            # for every other all-reduce
-            if config.dtype in SUPPORTED_DTYPES:
-                distributed.enable_symm_mem_all_reduce(
+            # symm_mem (where it can run) or NCCL for every all-reduce that no norm fuses; the fused
+            # all-reduce + add + norm comes once the model is built (enable_fused_all_reduce_norm)
+            self._plain_all_reduce = "nccl"
+            if config.dtype in SUPPORTED_DTYPES and distributed.enable_symm_mem_all_reduce(
                     self.device, buffer_bytes(self.scheduler.max_num_seqs, config.hidden_size, config.dtype),
-                    required=False)
-            distributed.enable_flashinfer_all_reduce_norm(self.device, self.scheduler.max_num_seqs, config.hidden_size,
-                                                          config.dtype)
+                    required=False):
+                self._plain_all_reduce = "symm_mem"
             return
         if self.all_reduce in ("symm_mem", "auto") and config.dtype not in SUPPORTED_DTYPES:
             if self.all_reduce == "symm_mem":
@@ -353,12 +353,29 @@ class EngineBuilder:
         """Every rank's part: the sharded model, attention backend, KV cache and decode graphs."""
         self.start_tensor_parallel()
         self.load_model()
+        self.enable_fused_all_reduce_norm()
         backend = self.select_attention_backend()
         kv_caches = self.allocate_kv_cache(backend)
         sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
         runner = ModelRunner(self.torch_model, backend, kv_caches, self.cache.block_size, self.device, sampler)
         runner.graph_runner = self.capture_cuda_graphs(backend, kv_caches)
         return runner
+
+    def enable_fused_all_reduce_norm(self) -> None:
+        """``--all-reduce flashinfer`` on a built model: FlashInfer's fused all-reduce + residual add
+        + RMS norm when the model's norms take the all-reduce (every rank builds the same model, so
+        all decide alike; before the KV cache is sized, which then leaves room for its workspace);
+        a model whose norms do not keeps the plain all-reduce, and the summary says which."""
+        if self.all_reduce != "flashinfer" or not self.parallel.is_parallel:
+            return
+        assert self.torch_model is not None and self.config is not None
+        if not any(isinstance(module, RMSNorm) and module.reduces_input for module in self.torch_model.modules()):
+            log.info("--all-reduce flashinfer: %s's norms do not take the all-reduce; %s sums everything",
+                     self.config.architecture, self._plain_all_reduce)
+            self.all_reduce = self._plain_all_reduce
+            return
+        distributed.enable_flashinfer_all_reduce_norm(self.device, self.scheduler.max_num_seqs, self.config.hidden_size,
+                                                      self.config.dtype)
 
     def use_async_scheduling(self) -> bool:
         """``async_scheduling`` as asked; by default on for CUDA (on the CPU nothing would overlap)."""

@@ -260,3 +260,26 @@ def test_an_engine_that_set_symmetric_memory_up_leaves_its_group_name_to_the_gua
     assert fast_all_reduce._set_up_before()
     world.group_name = "8"
     assert not fast_all_reduce._set_up_before()
+
+
+@pytest.mark.parametrize("defers", [True, False])
+def test_flashinfer_fuses_only_where_the_models_norms_take_the_all_reduce(monkeypatch, defers):
+    """``--all-reduce flashinfer`` sets the fused kernel up after the model is built, and only when
+    some norm takes the all-reduce; otherwise the plain all-reduce stays and the summary says so."""
+    from types import SimpleNamespace
+
+    from framework import distributed
+    from framework.engine.builder import EngineBuilder
+    from framework.layers import RMSNorm
+
+    norm = RMSNorm(8)
+    norm.reduces_input = defers
+    enabled = []
+    monkeypatch.setattr(distributed, "enable_flashinfer_all_reduce_norm", lambda *args: enabled.append(args))
+    builder = SimpleNamespace(all_reduce="flashinfer", parallel=SimpleNamespace(is_parallel=True),
+                              torch_model=torch.nn.Sequential(norm), _plain_all_reduce="symm_mem", device="cuda:0",
+                              scheduler=SimpleNamespace(max_num_seqs=16),
+                              config=SimpleNamespace(architecture="X", hidden_size=8, dtype=torch.bfloat16))
+    EngineBuilder.enable_fused_all_reduce_norm(builder)
+    assert builder.all_reduce == ("flashinfer" if defers else "symm_mem")
+    assert enabled == ([("cuda:0", 16, 8, torch.bfloat16)] if defers else [])
