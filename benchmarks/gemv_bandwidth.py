@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from common import COPY_BANDWIDTH, SHAPES, command_line, device_name, git_commit
 
+from framework.distributed.partition import attention_heads_per_rank
+
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
@@ -89,8 +91,8 @@ def layer_shapes(shape: str, tp: int) -> list[tuple[str, int, int, int]]:
     hidden, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim", hidden // heads)
-    kv_per_rank = max(kv_heads // tp, 1)
-    return [("qkv", (heads // tp + 2 * kv_per_rank) * head_dim, hidden, layers),
+    per_rank = attention_heads_per_rank(heads, kv_heads, tp)
+    return [("qkv", (per_rank.num_heads + 2 * per_rank.num_kv_heads) * head_dim, hidden, layers),
             ("o", hidden, heads // tp * head_dim, layers),
             ("gate_up", 2 * inter // tp, hidden, layers),
             ("down", hidden, inter // tp, layers),

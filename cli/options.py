@@ -23,7 +23,7 @@ YarnFactor = Annotated[float | None, typer.Option("--yarn-scaling-factor", help=
 Device = Annotated[str | None, typer.Option("--device", help="cpu, cuda or cuda:N (default: cuda if available).")]
 MaxModelLen = Annotated[int | None, typer.Option("--max-model-len", help="Context length (default: the model's).")]
 KvFraction = Annotated[float, typer.Option("--kv-fraction", help="Fraction of free device memory for the KV cache.")]
-Mem = Annotated[int | None, typer.Option("--mem", help="KV-cache budget in MB (overrides --kv-fraction).")]
+Mem = Annotated[int | None, typer.Option("--mem", help="KV-cache budget in MB (fw serve: overrides --kv-fraction).")]
 MaxNumSeqs = Annotated[int, typer.Option("--max-num-seqs", help="Most requests in one step.")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk-size", help="Most prompt tokens of one request per step.")]
 NoPrefixCache = Annotated[bool, typer.Option("--disable-prefix-cache", help="Do not reuse KV blocks across requests.")]

@@ -6,7 +6,6 @@ that for ``--tp`` / ``--d 0,1``). See docs/tensor-parallel.md.
 """
 
 from framework.distributed.state import (
-    all_gather,
     all_reduce,
     all_reduce_add_rms_norm,
     broadcast_message,
@@ -22,7 +21,6 @@ from framework.distributed.state import (
 )
 
 __all__ = [
-    "all_gather",
     "all_reduce",
     "all_reduce_add_rms_norm",
     "broadcast_message",

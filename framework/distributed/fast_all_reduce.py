@@ -31,7 +31,8 @@ from framework.errors import ConfigError
 log = logging.getLogger("fw.distributed")
 
 #: The values of ``--all-reduce``: ``auto`` is ``symm_mem`` where every rank's GPU can use it (one
-#: host, peer access), else ``nccl``. Measured on 2xH200: 6.5 us against NCCL's 20 us for 8 KiB
+#: host, peer access, compute capability 9.0+, a bf16 or fp32 model, the first such engine of the
+#: process), else ``nccl``. Measured on 2xH200: 6.5 us against NCCL's 20 us for 8 KiB
 #: inside a CUDA graph (docs/tensor-parallel.md). ``flashinfer`` adds FlashInfer's fused
 #: all-reduce + residual add + RMS norm (:mod:`framework.distributed.flashinfer_all_reduce`) to
 #: ``symm_mem``; only by name.
@@ -125,8 +126,8 @@ class SymmMemAllReduce:
 
     Build it on every rank at the same time, on GPUs :func:`peer_access_problem` accepts
     (allocation and rendezvous are collective; the ranks agree on ``host_group``, e.g. a gloo
-    group, when given); raises :class:`ConfigError` on every rank when symmetric memory cannot be
-    set up on any. :meth:`all_reduce` falls back to ``dist.all_reduce`` for what the op cannot sum
+    group, when given, after allocating); raises :class:`ConfigError` on every rank when the
+    allocation fails on any, and on the rank whose rendezvous fails. :meth:`all_reduce` falls back to ``dist.all_reduce`` for what the op cannot sum
     (see :meth:`fits`).
     """
 

@@ -70,7 +70,7 @@ class StepMessage(msgspec.Struct, array_like=True):
     then (with ``sampling``) receive rank 0's sampled ids.
 
     Rank 0 calls ``compute_logits`` exactly on ``logits_rows`` (prompt logprobs, then the
-    sampled rows), so every rank joins the same all-gathers. ``shutdown`` ends the workers.
+    sampled rows), so every rank joins the same logits gathers to rank 0. ``shutdown`` ends the workers.
     """
 
     inputs: list[StepInput] = []

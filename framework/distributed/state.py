@@ -3,8 +3,8 @@
 One process per rank. Rank 0 runs the engine core (scheduler, sampler); every rank runs the
 model on its shard. Two groups:
 
-* the *data* group (the default group: NCCL on GPUs, gloo on CPUs): the all-reduces and
-  all-gathers inside the model, with ``--distributed-timeout`` so a hung rank becomes an error;
+* the *data* group (the default group: NCCL on GPUs, gloo on CPUs): the all-reduces inside the
+  model and the logits gather to rank 0, with ``--distributed-timeout`` so a hung rank becomes an error;
 * the *control* group (always gloo, no practical timeout): rank 0 broadcasts each step's
   small message to the workers, who may wait there for as long as the server idles.
 
@@ -269,15 +269,6 @@ def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_state.size)] if _state.rank == 0 else None
     dist.gather(x, parts, dst=0)
     return torch.cat(parts, dim=dim) if parts is not None else x
-
-
-def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, in rank order."""
-    if _state.size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(_state.size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=dim)
 
 
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:

@@ -205,9 +205,10 @@ class EngineCore:
                 output.finish_reason = reason.value
                 output.stop_token_id = request.stop_token_id
             outputs.append(output)
-        for request in step.requests:
-            if request.status is not RequestStatus.FINISHED:
-                self.kv_cache.cache_full_blocks(request)  # their computed tokens are all real now
+        if self.kv_cache.enable_prefix_caching:  # (cache_full_blocks checks too; this skips the loop)
+            for request in step.requests:
+                if request.status is not RequestStatus.FINISHED:
+                    self.kv_cache.cache_full_blocks(request)  # their computed tokens are all real now
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:

@@ -207,8 +207,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, inputs: list[StepInput] | None = None) -> torch.Tensor:
         """Run the model over the batch (``inputs``: its :meth:`step_inputs`, if already built);
-        returns hidden states ``[T, hidden]``. The one place a step's model pass starts, which
-        tests wrap to see the logits (:func:`framework.testing.capture_logits`)."""
+        returns hidden states ``[T, hidden]``. Rank 0's steps start here (workers' run
+        :meth:`execute_message`); tests wrap it to see the logits (:func:`framework.testing.capture_logits`)."""
         return self.run_model(*self.prepare_inputs(inputs if inputs is not None else self.step_inputs(batch)))
 
     @torch.inference_mode()

@@ -171,11 +171,6 @@ def tensor_parallel_all_reduce(x: Tensor) -> Tensor:
     return distributed.all_reduce(x)
 
 
-def tensor_parallel_all_gather(x: Tensor, dim: int = -1) -> Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, in rank order."""
-    return distributed.all_gather(x, dim)
-
-
 def tensor_parallel_gather_to_rank0(x: Tensor, dim: int = -1) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` on rank 0; the other ranks get their own ``x`` back."""
     return distributed.gather_to_rank0(x, dim)

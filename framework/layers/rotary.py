@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from framework import kernels, plugins
+from framework import kernels, ops, plugins
 from framework.kernels import get_kernel
+from framework.layers.layernorm import norm_per_head
 
 
 def default_inv_freq(base: float, rotary_dim: int) -> Tensor:
@@ -101,9 +102,14 @@ class RotaryEmbedding(nn.Module):
                              k_norm: nn.Module) -> tuple[Tensor, Tensor]:
         """:meth:`forward` of ``query`` and ``key`` with every head first normalised by ``q_norm`` /
         ``k_norm`` (:class:`~framework.layers.RMSNorm` over ``head_size``, Qwen3's and Gemma 3's
-        QK norm): the ``qk_norm_rotary_embedding`` op, one kernel where a plugin provides it."""
+        QK norm): the ``qk_norm_rotary_embedding`` op, one kernel where a plugin provides it. Without
+        one, the norms and :meth:`forward` run the ``rms_norm`` and ``rotary_embedding`` kernels
+        the registry chose (not the op's torch reference, which would bypass them)."""
         if (q_norm.eps, q_norm.offset) != (k_norm.eps, k_norm.offset):
             raise ValueError(f"the query and key norms differ in eps or offset: {q_norm} / {k_norm}")
+        if self._qk_norm_kernel is ops.qk_norm_rotary_embedding:
+            return self.forward(positions, norm_per_head(q_norm, query, self.head_size),
+                                norm_per_head(k_norm, key, self.head_size))
         return self._qk_norm_kernel(self.table_positions(positions), query, key, self.head_size, self.cos_sin_cache,
                                     self.is_neox_style, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
 

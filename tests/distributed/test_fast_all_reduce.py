@@ -60,10 +60,12 @@ def test_cli_all_reduce_flag_errors_name_the_valid_values(command):
     assert "symm_mem needs CUDA GPUs" in result.output
 
 
-@pytest.mark.parametrize("flags", [{}, {"device": "cpu"}, {"device": "cpu", "tensor_parallel_size": 2},
-                                   {"tensor_parallel_size": 2, "num_nodes": 2, "node_rank": 1}])
-def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, monkeypatch):
-    """The CLI's early ``--all-reduce`` check and :class:`EngineBuilder` validate on one device."""
+@pytest.mark.parametrize(("flags", "device"), [({}, "cuda"), ({"device": "cpu"}, "cpu"),
+                                               ({"device": "cpu", "tensor_parallel_size": 2}, "cpu"),
+                                               ({"tensor_parallel_size": 2, "num_nodes": 2, "node_rank": 1}, "cuda:0")])
+def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, device, monkeypatch):
+    """The CLI's early ``--all-reduce`` check and :class:`EngineBuilder` validate on one device, the
+    one these flags name on a (faked) CUDA machine: node 1's first rank is its local GPU 0."""
     from cli.options import engine_kwargs
     from framework.engine import builder
 
@@ -77,9 +79,15 @@ def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, mon
 
     monkeypatch.setattr(fast_all_reduce, "resolve_all_reduce", recording("cli"))
     monkeypatch.setattr(builder, "resolve_all_reduce", recording("builder"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # the builder makes a rank's GPU current
+    from framework import platform
+
+    monkeypatch.setattr(platform, "detect_platform", lambda probe_device=True: platform.Platform(
+        "cuda", num_devices=2, device_name="fake", compute_capability=(9, 0), probed=True))
     kwargs = engine_kwargs(m="./no-such-model", all_reduce="auto", **flags)
     EngineBuilder(**kwargs)
-    assert seen["cli"] == seen["builder"], seen
+    assert seen["cli"] == seen["builder"] == torch.device(device), seen
 
 
 def test_cli_refuses_gpu_ordinals_with_a_cpu_device_before_starting_anything():
@@ -144,10 +152,11 @@ def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts
 
 
 @pytest.mark.parametrize("failing", ["this rank", "another rank", "rendezvous"])
-def test_a_symmetric_memory_set_up_failure_fails_every_rank_and_auto_keeps_nccl(monkeypatch, failing):
-    """The buffer is allocated, then the ranks agree on the host group before the rendezvous, so a
-    rank that fails makes every rank fail (none waits in the rendezvous alone); ``auto`` then
-    stays on NCCL and ``symm_mem`` is a start-up error."""
+def test_a_symmetric_memory_set_up_failure_is_a_clear_error_and_auto_keeps_nccl(monkeypatch, failing):
+    """The buffer is allocated, then the ranks agree on the host group before the rendezvous, so an
+    allocation failure on any rank fails every rank (the "another rank" case; none waits in the
+    rendezvous alone). A rendezvous that fails raises on the rank that saw it (one process here);
+    ``auto`` then stays on NCCL and ``symm_mem`` is a start-up error naming the cause."""
     import contextlib
     import types
 

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from framework import SamplingParams
+from framework.distributed import fast_all_reduce
 from framework.testing import generate_in_new_process, reference_greedy, write_tiny_model
 
 pytestmark = [
@@ -51,7 +52,9 @@ def test_tp2_bf16_with_cuda_graphs_follows_the_greedy_path_of_one_gpu(tiny):
     assert summary["tensor_parallel_size"] == 2 and "decode graphs" in summary["cuda_graphs"]
     assert summary["async_scheduling"]  # on by default on CUDA: the workers read rank 0's sampled ids
     # --all-reduce auto (the default): symm_mem on two GPUs with peer access, NCCL without
-    assert summary["all_reduce"] == ("symm_mem" if torch.cuda.can_device_access_peer(0, 1) else "nccl")
+    hopper_peers = (torch.cuda.can_device_access_peer(0, 1)
+                    and torch.cuda.get_device_capability(0) >= fast_all_reduce.AUTO_MIN_CAPABILITY)
+    assert summary["all_reduce"] == ("symm_mem" if hopper_peers else "nccl")
     for index, (ids, one_ids, logprobs) in enumerate(zip(two, one, one_logprobs, strict=True)):
         assert len(ids) == len(one_ids) == GREEDY.max_tokens
         split = next((i for i, (a, b) in enumerate(zip(ids, one_ids)) if a != b), None)

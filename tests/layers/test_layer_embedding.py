@@ -69,7 +69,7 @@ def test_vocab_padded_to_the_ranks_gets_zero_rows_past_the_checkpoint(lazy):
     assert torch.equal(biases[:10], bias) and torch.equal(biases[10:], torch.zeros(2))
 
 
-def test_vocab_parallel_lm_head_gathers_logits_in_rank_order(monkeypatch):
+def test_vocab_parallel_lm_head_shards_concatenate_to_the_full_logits_in_rank_order(monkeypatch):
     table, hidden = torch.randn(VOCAB, HIDDEN), torch.randn(3, HIDDEN)
     heads = [LMHead(VOCAB, HIDDEN, tp_size=2, tp_rank=r) for r in range(2)]
     for head in heads:

@@ -160,7 +160,7 @@ def test_get_rope_names_valid_types_and_missing_keys():
 @pytest.mark.parametrize("name", ["default", "longrope"])
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["qwen3", "gemma3"])
 def test_rotation_with_qk_norm_equals_norm_per_head_then_rotation(name, offset):
-    """``forward_with_qk_norm`` (one op) gives exactly the per-head RMS norms followed by
+    """``forward_with_qk_norm`` (here, without a fused kernel: the registry's norm and rotary) gives exactly the per-head RMS norms followed by
     ``forward``, past LongRoPE's original context too (its long rows)."""
     from framework.layers import RMSNorm, norm_per_head
 

@@ -16,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from framework.testing import metric_value
+
 TRIGGER = "compile-fails"
 SITECUSTOMIZE = f'''
 import framework.engine.structured_outputs as so
@@ -53,7 +55,7 @@ def client(server):
 def _check(error: openai.BadRequestError, param: str) -> None:
     assert error.status_code == 400
     body = error.body
-    assert body["param"] == param and body["type"] == "invalid_request_error", body
+    assert body["param"] == param and body["type"] == "invalid_request_error" and body["code"] == "invalid_value", body
     assert re.fullmatch(rf"{re.escape(param)}: the grammar failed to compile: injected: too many states", body["message"])
 
 
@@ -77,9 +79,7 @@ def test_completion_grammar_that_fails_to_compile_is_a_400_naming_the_field(clie
 
 def aborted_requests(server) -> float:
     """``fw:request_success_total`` with finish reason abort, from /metrics."""
-    metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
-    found = re.search(r'^fw:request_success_total\{[^}]*"abort"[^}]*\} (\S+)$', metrics, re.M)
-    return float(found.group(1)) if found else 0.0
+    return metric_value(httpx.get(server.base_url + "/metrics", timeout=30).text, "fw:request_success_total", '"abort"')
 
 
 def test_the_server_keeps_serving_and_the_failed_requests_hold_nothing(client, server):
@@ -95,6 +95,5 @@ def test_the_server_keeps_serving_and_the_failed_requests_hold_nothing(client, s
     assert free.choices[0].finish_reason == "length" and free.usage.completion_tokens == 3
     metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
     for gauge in ("fw:num_requests_running", "fw:num_requests_waiting", "fw:num_kv_blocks_used"):
-        value = re.search(rf"^{gauge}\{{[^}}]*\}} (\S+)$", metrics, re.M)
-        assert value is not None and float(value.group(1)) == 0.0, gauge
+        assert metric_value(metrics, gauge) == 0.0, gauge
     assert aborted_requests(server) - aborted_before == 3  # the failed requests are counted as aborted

@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from framework.testing import metric_value
+
 API_KEYS = ("key-one", "key-two")
 MAX_REQUEST_BYTES = 200_000
 MESSAGES = [{"role": "user", "content": "t5 t9 t12 t40"}]
@@ -58,10 +60,7 @@ def reference_llm(tiny_model_dir):
     return LLM(str(tiny_model_dir), device="cpu")
 
 
-def metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
+metric = metric_value
 
 
 # --- startup -----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from framework.server.app import create_app
 from framework.server.mcp_client import load_mcp_config
 from framework.server.state import ServerConfig
 from framework.server.webui import WebUIApp
+from framework.testing import metric_value
 
 from .scripted_engine import ScriptedEngineClient, ThreadedServer
 from .test_mcp_server import FIXTURE as MCP_FIXTURE
@@ -183,10 +184,7 @@ def browser():
 
 
 def _metric(api_url: str, name: str) -> float:
-    text = httpx.get(f"{api_url}/metrics", timeout=10).text
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
+    return metric_value(httpx.get(f"{api_url}/metrics", timeout=10).text, name)
 
 
 def _set_settings(page, **values) -> None:

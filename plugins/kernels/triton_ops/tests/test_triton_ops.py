@@ -278,7 +278,8 @@ def test_compiled_qk_norm_rotary_matches_reference_on_cuda(shape, offset, num_to
 
 def _call_every_op(x, residual, weight, gate_up, positions, query, key, cache):
     return (rms_norm(x, weight, 1e-6), *fused_add_rms_norm(x, residual, weight, 1e-6, 1.0), silu_and_mul(gate_up),
-            gelu_tanh_and_mul(gate_up), *rotary_embedding(positions, query, key, 128, cache, True))
+            gelu_tanh_and_mul(gate_up), *rotary_embedding(positions, query, key, 128, cache, True),
+            *qk_norm_rotary_embedding(positions, query, key, 128, cache, True, weight[:128], weight[128:256], 1e-6))
 
 
 def _every_op_inputs(seed):

@@ -34,6 +34,7 @@ from torch import nn
 from framework import distributed
 from framework.attention_backend import MLAConfig
 from framework.config import ModelConfig
+from framework.distributed.partition import attention_heads_per_rank
 from framework.errors import ConfigError
 from framework.layers import (
     ColumnParallelLinear,
@@ -68,11 +69,9 @@ class DeepseekV2Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
-        tp_size = distributed.get_tp_size()
-        if config.num_heads % tp_size:
-            raise ConfigError(f"{prefix}: the model's {config.num_heads} attention heads cannot be split over {tp_size} "
-                              f"tensor-parallel ranks; use a tensor-parallel size that divides {config.num_heads}")
-        hidden, self.num_heads = config.hidden_size, config.num_heads // tp_size  # this rank's heads
+        # this rank's heads; the latent is one KV "head" that every rank keeps (replicated)
+        heads = attention_heads_per_rank(config.num_heads, 1, distributed.get_tp_size())
+        hidden, self.num_heads = config.hidden_size, heads.num_heads
         self.q_lora_rank = config.get("q_lora_rank")
         self.kv_lora_rank = int(config.get("kv_lora_rank"))
         self.nope_dim, self.rope_dim = int(config.get("qk_nope_head_dim")), int(config.get("qk_rope_head_dim"))
