@@ -67,6 +67,20 @@ def resolve_all_reduce(name: str, device: torch.device) -> str:
     return name
 
 
+def all_reduce_for_dtype(name: str, dtype: torch.dtype) -> str:
+    """``name`` (as :func:`resolve_all_reduce` returns it) for a model computing in ``dtype``.
+
+    The one-shot op sums only :data:`SUPPORTED_DTYPES`: ``auto`` then keeps NCCL (the op would send
+    every sum there anyway), and an explicit ``symm_mem`` raises :class:`ConfigError`.
+    """
+    if name not in ("symm_mem", "auto") or dtype in SUPPORTED_DTYPES:
+        return name
+    if name == "symm_mem":
+        raise ConfigError(f"--all-reduce symm_mem sums bf16 and fp32 tensors; this model runs in {dtype}: "
+                          "use --dtype bf16 or --all-reduce nccl")
+    return "nccl"
+
+
 def buffer_bytes(max_num_seqs: int, hidden_size: int, dtype: torch.dtype) -> int:
     """The symmetric buffer for the largest decode all-reduce (``max_num_seqs x hidden_size``), capped."""
     return min(max_num_seqs * hidden_size * dtype.itemsize, MAX_BUFFER_BYTES)

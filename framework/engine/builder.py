@@ -20,7 +20,12 @@ from framework import distributed, plugins, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig, free_port
-from framework.distributed.fast_all_reduce import SUPPORTED_DTYPES, buffer_bytes, resolve_all_reduce
+from framework.distributed.fast_all_reduce import (
+    SUPPORTED_DTYPES,
+    all_reduce_for_dtype,
+    buffer_bytes,
+    resolve_all_reduce,
+)
 from framework.distributed.launch import WorkerGroup
 from framework.distributed.messages import StepMessage
 from framework.engine.cuda_graphs import CUDAGraphRunner
@@ -32,6 +37,7 @@ from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError, FwError, ModelLoadError
 from framework.layers.attention import Attention
 from framework.layers.layernorm import RMSNorm
+from framework.layers.weight_prefetch import WeightPrefetcher, setting_from_env
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
 from framework.loader.source import resolve_local_path
@@ -124,6 +130,7 @@ class EngineBuilder:
         self.async_scheduling = async_scheduling
         self.load_format = load_format
         self.yarn_scaling_factor = yarn_scaling_factor
+        self.weight_prefetch = setting_from_env()  # experimental, FW_PREFETCH_WEIGHTS
         self.platform: Platform = platform_for_device(self.device.type)  # a CPU device on a CUDA machine: the CPU's
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
@@ -330,11 +337,7 @@ class EngineBuilder:
                     required=False):
                 self._plain_all_reduce = "symm_mem"
             return
-        if self.all_reduce in ("symm_mem", "auto") and config.dtype not in SUPPORTED_DTYPES:
-            if self.all_reduce == "symm_mem":
-                raise ConfigError(f"--all-reduce symm_mem sums bf16 and fp32 tensors; this model runs in {config.dtype}: "
-                                  "use --dtype bf16 or --all-reduce nccl")
-            self.all_reduce = "nccl"  # auto: the one-shot op would send every sum to NCCL anyway
+        self.all_reduce = all_reduce_for_dtype(self.all_reduce, config.dtype)
         if self.all_reduce in ("symm_mem", "auto"):
             enabled = distributed.enable_symm_mem_all_reduce(
                 self.device, buffer_bytes(self.scheduler.max_num_seqs, config.hidden_size, config.dtype),
@@ -354,6 +357,8 @@ class EngineBuilder:
         self.start_tensor_parallel()
         self.load_model()
         self.enable_fused_all_reduce_norm()
+        if self.weight_prefetch is not None and self.device.type == "cuda":
+            WeightPrefetcher(self.torch_model, self.weight_prefetch, self.device)
         backend = self.select_attention_backend()
         kv_caches = self.allocate_kv_cache(backend)
         sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
@@ -428,6 +433,8 @@ class EngineBuilder:
             "plugins": [info.name for info in plugins.loaded_plugins()],
             "tensor_parallel_size": self.parallel.tensor_parallel_size,
         }
+        if self.weight_prefetch is not None and self.device.type == "cuda":
+            summary["weight_prefetch"] = self.weight_prefetch.describe()
         if self.parallel.is_parallel:
             summary["device"] = (f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "
                                  f"(tensor parallel {self.parallel.tensor_parallel_size}, {self.parallel.num_nodes} node(s))")

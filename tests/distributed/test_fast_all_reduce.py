@@ -15,7 +15,12 @@ from typer.testing import CliRunner
 from cli.main import build_app
 from framework import LLM, EngineBuilder, SamplingParams
 from framework.distributed import fast_all_reduce
-from framework.distributed.fast_all_reduce import MAX_BUFFER_BYTES, buffer_bytes, resolve_all_reduce
+from framework.distributed.fast_all_reduce import (
+    MAX_BUFFER_BYTES,
+    all_reduce_for_dtype,
+    buffer_bytes,
+    resolve_all_reduce,
+)
 from framework.errors import ConfigError
 from framework.testing import reference_greedy, write_tiny_model
 
@@ -33,6 +38,16 @@ def test_resolve_all_reduce_validates_the_name_and_the_device():
     assert resolve_all_reduce("flashinfer", cuda) == "flashinfer"
     with pytest.raises(ConfigError, match=r"flashinfer needs CUDA GPUs with peer access; this engine runs on cpu"):
         resolve_all_reduce("flashinfer", cpu)
+
+
+def test_fp16_models_keep_nccl_under_auto_and_refuse_symm_mem():
+    assert all_reduce_for_dtype("auto", torch.float16) == "nccl"
+    assert all_reduce_for_dtype("nccl", torch.float16) == "nccl"
+    with pytest.raises(ConfigError, match=r"symm_mem sums bf16 and fp32 tensors; this model runs in torch.float16: "
+                                          r"use --dtype bf16 or --all-reduce nccl"):
+        all_reduce_for_dtype("symm_mem", torch.float16)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert [all_reduce_for_dtype(name, dtype) for name in ("auto", "symm_mem", "nccl")] == ["auto", "symm_mem", "nccl"]
 
 
 def test_buffer_holds_the_largest_decode_all_reduce_up_to_a_cap():

@@ -141,7 +141,7 @@ def test_a_model_with_its_own_load_weights_gets_whole_tensors_under_tensor_paral
 
     model = OwnLoader()
     model.reads_checkpoint_slices = True
-    with pytest.raises(TypeError):  # it said it would narrow and materialize the slices itself
+    with pytest.raises(TypeError, match="must be Tensor, not CheckpointSlice"):  # it said it would narrow and materialize the slices itself
         load_weights(model, SafetensorsFormat(tmp_path).iter_weights())
     assert isinstance(model.received[0], CheckpointSlice)
 
