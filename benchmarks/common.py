@@ -3,7 +3,7 @@
 ``decode.py``, ``gpu_suite.py`` and ``profile_step.py`` build their engines with it;
 ``host_overhead.py`` and ``cpu_vs_transformers.py`` take the model folder and the commit from it.
 The scripts that write JSON results take their ``commit`` and ``command`` from it (:func:`git_commit`,
-:func:`command_line`); ``serving.py``, a client of a running server, stands alone.
+:func:`command_line`), the kernel benchmarks their CUDA-graph timer (:func:`graph_time`); ``serving.py``, a client of a running server, stands alone.
 The scripts run as ``python benchmarks/<script>.py``, which puts this directory on ``sys.path``.
 Nothing here needs a GPU: on a CPU the ``tiny`` and ``tiny-moe`` shapes check the scripts themselves.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shlex
 import subprocess
 import sys
@@ -127,6 +128,32 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def graph_time(fn, repeats: int = 20, rounds: int = 5) -> float:
+    """Seconds per call of ``fn`` on the GPU, replayed ``repeats`` times inside one CUDA graph (best
+    of ``rounds``): kernel time without Python launch cost, as a decode step's graph runs it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / repeats)
+    return best
+
+
 def bytes_read_per_token(model, config: dict[str, Any]) -> int:
     """Weight bytes a batch-1 decode step reads: every parameter but the embedding table (rows are
     gathered), and of each MoE layer's stacked experts only the ``top_k`` a token uses. A model
@@ -186,6 +213,15 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 
 
 # --- requests -------------------------------------------------------------------------------------
+
+
+def nano_requests(num_requests: int, vocab: int) -> tuple[list[dict[str, list[int]]], list[int]]:
+    """nano-vllm's bench.py requests: prompts of ids below ``vocab`` and output lengths, both
+    uniform in 100..1024, from ``random.Random(0)`` (the prompts first, then the lengths)."""
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]}
+               for _ in range(num_requests)]
+    return prompts, [rng.randint(100, 1024) for _ in range(num_requests)]
 
 
 def random_prompt(vocab: int, length: int, generator: torch.Generator) -> list[int]:

@@ -6,6 +6,10 @@
     python benchmarks/decode.py --shape qwen3-32b --tp 2 --batch 1 --context 128 --out $OUT/decode-32b-tp2.json
     python benchmarks/decode.py --shape qwen3-30b-a3b --batch 1 --context 128 --out $OUT/decode-moe.json
     python benchmarks/decode.py --shape deepseek-v2-lite --batch 1 8 --context 128 --out $OUT/decode-mla.json
+    FW_KERNELS=linear=triton python benchmarks/decode.py --shape llama3-8b --tp 2 --batch 1 --context 128  # opt-in kernels
+
+``FW_KERNELS`` (forced kernel implementations, passed on to the tensor-parallel workers) is recorded
+in the JSON as ``fw_kernels``.
 
 For each case it builds the engine once (random weights through the model's own weight loaders,
 ``load_format="dummy"``), fills ``batch`` requests with ``context`` prompt tokens, then times
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -81,6 +86,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int,
+                        help="the engine's max_model_len (default: just enough for the cases). fw serve uses the "
+                             "model's, and the Triton decode kernel's split count in the graphs follows it")
     add_engine_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -93,7 +101,7 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(str(folder), **engine_kwargs(
         args, max_num_seqs=max(args.batch),
-        max_model_len=max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192))
+        max_model_len=args.max_model_len or max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192))
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)
@@ -106,12 +114,14 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d"), "device": device, "commit": commit, "command": command,
               "shape": args.shape, "dtype": args.dtype, "tp": tp, "all_reduce": args.all_reduce, "devices": devices or [0],
               "weight_bytes": weight_bytes, "weight_bytes_note": "per rank" if tp > 1 else "whole model", "build_s": build_s,
-              "summary": llm.engine.summary, "torch": torch.__version__, "results": results}
+              "summary": llm.engine.summary, "torch": torch.__version__, "fw_kernels": os.environ.get("FW_KERNELS", ""),
+              "results": results}
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, default=str))
     llm.close()
     print(f"{args.shape} {args.dtype} TP={tp} ({args.all_reduce} all-reduce) on {report['device']}: attention {llm.engine.attention_backend}, "
-          f"graphs {llm.engine.summary.get('cuda_graphs')}, async {llm.engine.summary.get('async_scheduling')}, weights {weight_bytes / 1e9:.2f} GB, build {build_s:.0f} s")
+          f"graphs {llm.engine.summary.get('cuda_graphs')}, async {llm.engine.summary.get('async_scheduling')}, weights {weight_bytes / 1e9:.2f} GB, build {build_s:.0f} s"
+          + (f", FW_KERNELS={report['fw_kernels']}" if report["fw_kernels"] else ""))
     print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'roofline':>9}")
     for r in results:
         frac = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] else "-"

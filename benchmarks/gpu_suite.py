@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from common import (
     engine_kwargs,
     git_commit,
     model_config,
+    nano_requests,
     prefill_until_decode,
     random_prompt,
     synchronize,
@@ -98,12 +98,8 @@ def run_nano(llm, num_requests: int) -> dict:
     """nano-vllm's bench.py: lengths uniform in 100..1024, seed 0, all requests at once."""
     from framework import SamplingParams
 
-    rng = random.Random(0)
-    vocab = llm.engine.model_config.vocab_size
-    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]}
-               for _ in range(num_requests)]
-    params = [SamplingParams(temperature=0.6, max_tokens=rng.randint(100, 1024), ignore_eos=True)
-              for _ in range(num_requests)]
+    prompts, output_lens = nano_requests(num_requests, llm.engine.model_config.vocab_size)
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)

@@ -12,12 +12,11 @@ median decode step and the ``generate`` time per step outside ``step()``.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
 import torch
-from common import write_model_folder
+from common import nano_requests, write_model_folder
 
 
 def main() -> None:
@@ -41,9 +40,7 @@ def main() -> None:
     runner.run_model = lambda ids, positions, metadata: torch.zeros(metadata.num_tokens, 32)
     runner.model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], 1024)
     runner.sampler = lambda logits, rows, pending=None: SamplerOutput(torch.full((len(rows),), 7), None, None, None)
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(1024) for _ in range(rng.randint(100, 1024))]}
-               for _ in range(args.requests)]
+    prompts, _ = nano_requests(args.requests, 1024)
     params = SamplingParams(temperature=0.6, max_tokens=args.output_len, ignore_eos=True)
     step, times = core.step, []
 

@@ -33,9 +33,9 @@ import time
 
 import torch
 import triton
-from common import SHAPES, command_line, device_name, git_commit
+from common import SHAPES, command_line, device_name, git_commit, graph_time
 from fw_triton_ops.prefetch import prefetch_to_l2
-from gemv_bandwidth import graph_time, layer_shapes
+from gemv_bandwidth import layer_shapes
 
 from framework.distributed.partition import attention_heads_per_rank
 

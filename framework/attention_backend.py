@@ -157,7 +157,8 @@ class AttentionBackend(ABC):
 
         ``query`` is ``[T, num_heads * head_size]``, ``key``/``value`` ``[T, num_kv_heads *
         head_size]``; returns ``[T, num_heads * head_size]``. Stores ``key``/``value`` into
-        ``kv_cache`` at ``metadata.slot_mapping`` first; token ``j`` of request ``r`` (absolute
+        ``kv_cache`` at ``metadata.slot_mapping`` (first, or within the attention kernel itself, as
+        long as the step's tokens attend to the new K/V); token ``j`` of request ``r`` (absolute
         position ``p = seq_len - query_len + j``) attends to positions ``<= p`` of its own
         sequence (and ``> p - sliding_window`` when set).
 

@@ -18,6 +18,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` (``F.linear``): ``x`` ``[..., K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]``
+    or None; returns ``[..., N]`` of ``x.dtype``. The unquantized linear layers (and the LM head)
+    multiply through this op; a fast implementation may take only the shapes it is good at (a few
+    rows for decode) and call ``F.linear`` for the rest."""
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
     """RMS-normalise ``x`` over its last dimension and scale by ``offset + weight``.
 

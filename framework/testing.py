@@ -14,6 +14,7 @@ Fixtures:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -577,6 +578,67 @@ def check_no_sync_and_cuda_graph_replay(run, inputs, fresh_inputs) -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(outs, run(*inputs), rtol=0, atol=0)
+
+
+class HopperCompile(NamedTuple):
+    """One kernel variant for :func:`compile_for_hopper`: the kernel as ``"module:name"``, the types
+    of its pointer arguments (``"*bf16"``, ``"*i32"``...), its constexpr values, which other
+    arguments are 64-bit ints or fp32 scalars (the rest are 32-bit ints), and compile options
+    (``num_warps``, ``num_stages``)."""
+
+    kernel: str
+    pointer_types: dict[str, str]
+    constexprs: dict[str, Any]
+    int64_args: tuple[str, ...] = ()
+    float_args: tuple[str, ...] = ()
+    options: dict[str, Any] = {}
+
+
+def compile_for_hopper(cases: list[HopperCompile]) -> list[str]:
+    """The PTX of each ``@triton.jit`` kernel variant, compiled for sm_90 (H100/H200) through
+    Triton's whole pipeline and ``ptxas``, on any machine: no GPU needed.
+
+    The interpreter runs a kernel's arithmetic on the CPU but never lowers it; this makes a kernel
+    that would not compile on the GPU machine (a bad inline-PTX instruction, an unsupported mask
+    type, too much shared memory) fail in CI. It runs in a fresh process, because a process with
+    ``TRITON_INTERPRET=1`` (as the CPU tests have) cannot lower kernels. Raises the compiler's error.
+    """
+    import concurrent.futures
+    import multiprocessing
+
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+            return pool.submit(_compile_for_hopper_here, cases).result()
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def _compile_for_hopper_here(cases: list[HopperCompile]) -> list[str]:
+    import importlib
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptx = []
+    for case in cases:
+        module, name = case.kernel.split(":")
+        kernel = getattr(importlib.import_module(module), name)
+        signature = {}
+        for arg in inspect.signature(kernel.fn).parameters:
+            if arg in case.constexprs:
+                signature[arg] = "constexpr"
+            elif arg in case.pointer_types:
+                signature[arg] = case.pointer_types[arg]
+            else:
+                signature[arg] = "i64" if arg in case.int64_args else "fp32" if arg in case.float_args else "i32"
+        source = ASTSource(kernel, signature, constexprs=case.constexprs)
+        ptx.append(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=case.options).asm["ptx"])
+    return ptx
 
 
 # --- which kernels ran --------------------------------------------------------------------------

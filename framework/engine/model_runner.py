@@ -217,7 +217,7 @@ class ModelRunner:
         inputs = self.block_tables.expand(message.inputs)
         hidden = self.run_model(*self.prepare_inputs(inputs))
         for rows in message.logits_rows:
-            self.model.compute_logits(self._select_rows(hidden, rows))
+            self.model.compute_logits(self._take_rows(hidden, self._row_selector(rows)))
         self.last_sampled = None
         if message.sampling:
             token_ids = broadcast_from_rank0(torch.empty(len(message.sampling), dtype=torch.int64, device=self.device))
@@ -265,7 +265,8 @@ class ModelRunner:
         grammar = self.structured_outputs
         # filled on the host while the device computes; applied outside any CUDA graph
         bitmask = grammar.prepare_bitmask(sampling) if grammar is not None else None
-        logits = self.model.compute_logits(self._select_rows(hidden, last_rows)).float()
+        last_rows = self._row_selector(last_rows)
+        logits = self.model.compute_logits(self._take_rows(hidden, last_rows)).float()
         if bitmask is not None:
             grammar.apply_bitmask(logits, bitmask)
         out = self.sampler(logits, sampling, self._pending_tokens(sampling, last_rows))
@@ -274,15 +275,20 @@ class ModelRunner:
             broadcast_from_rank0(out.token_ids)
         return LaunchedStep(sampling, HostCopy(out), pooled)
 
-    def _select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """``hidden[rows]`` without waiting for the device: a slice when ``rows`` is ``0..n-1``,
-        else a gather whose indices cross in a pinned copy (``hidden[list]`` would copy them
-        synchronously, and so stall the host until the queued step has run)."""
+    def _row_selector(self, rows: list[int]) -> slice | torch.Tensor:
+        """What takes ``rows`` of a step's tensors without waiting for the device: a slice when
+        ``rows`` is ``0..n-1``, else device indices that cross in a pinned copy (``tensor[list]``
+        would copy them synchronously, and so stall the host until the queued step has run)."""
         if rows == list(range(len(rows))):
-            return hidden[:len(rows)]
-        return hidden.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), self.device))
+            return slice(0, len(rows))
+        return to_device(torch.tensor(rows, dtype=torch.int64), self.device)
 
-    def _pending_tokens(self, sampling: list[Request], last_rows: list[int]) -> torch.Tensor | None:
+    @staticmethod
+    def _take_rows(tensor: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+        """``tensor``'s rows picked by a :meth:`_row_selector`."""
+        return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
+
+    def _pending_tokens(self, sampling: list[Request], last_rows: slice | torch.Tensor) -> torch.Tensor | None:
         """For the sampler's penalties: per sampling row, the id of its last output token where the
         host holds a placeholder (it is this step's input, on the device), else -1; None if no row
         needs it."""
@@ -291,7 +297,7 @@ class ModelRunner:
         if not any(placeholder):
             return None
         mask = to_device(torch.tensor(placeholder), self.device)
-        return torch.where(mask, self._select_rows(self.step_input_ids, last_rows), -1)
+        return torch.where(mask, self._take_rows(self.step_input_ids, last_rows), -1)
 
     def collect(self, step: LaunchedStep) -> list[SampledToken]:
         """Wait for a launched step's results and return them (sampled tokens, then embeddings)."""

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from framework import distributed
 from framework.distributed.partition import attention_heads_per_rank
+from framework.kernels import get_kernel
 from framework.loader.checkpoint_slice import materialize
 
 if TYPE_CHECKING:
@@ -106,7 +107,9 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A plain ``[out, in]`` weight in ``params_dtype``; ``F.linear``."""
+    """A plain ``[out, in]`` weight in ``params_dtype``, multiplied by the kernel registry's ``linear``
+    op (``F.linear`` unless a plugin's implementation is chosen), resolved once in :meth:`create_weights`
+    (inside the layer's construction, so :func:`framework.kernels.kernels_for` and ``FW_KERNELS`` apply)."""
 
     def create_weights(
         self,
@@ -121,9 +124,10 @@ class UnquantizedLinearMethod(LinearMethod):
         weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": layer.weight_loader})
         layer.register_parameter("weight", weight)
+        self.linear = get_kernel("linear")
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        return F.linear(x, layer.weight, bias)
+        return self.linear(x, layer.weight, bias)
 
     def embedding(self, layer: nn.Module, input_ids: Tensor) -> Tensor:
         return F.embedding(input_ids, layer.weight)
@@ -385,10 +389,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size, bias, quant_config,
                          prefix, params_dtype, tp_size, tp_rank, output_partition_sizes=[q_size, kv_size, kv_size])
 
+    @property
+    def kv_shard_rank(self) -> int:
+        """Which of the ``total_num_kv_heads / num_kv_heads`` K/V shards this rank holds."""
+        return self.tp_rank // self.num_kv_head_replicas
+
+    @property
+    def first_kv_head(self) -> int:
+        """The index (among all KV heads) of this rank's first KV head."""
+        return self.kv_shard_rank * self.num_kv_heads
+
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: str | None = None) -> None:
         """``shard_id`` is ``"q"``, ``"k"`` or ``"v"``; ``None`` means ``[q | k | v]`` concatenated."""
         q_size, kv_size, _ = self.output_partition_sizes
-        kv_source = self.tp_rank // self.num_kv_head_replicas
+        kv_source = self.kv_shard_rank
         shards = {"q": (0, q_size, self.tp_rank), "k": (q_size, kv_size, kv_source), "v": (q_size + kv_size, kv_size, kv_source)}
         if shard_id is None:
             total_q, total_kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size

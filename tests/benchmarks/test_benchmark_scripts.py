@@ -87,10 +87,10 @@ def test_engine_flags_become_the_llm_arguments(monkeypatch):
 
 
 def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchmarks, capsys):
-    """``gemv_bandwidth.py --check``: the Triton GEMV it times against cuBLAS equals ``F.linear``
-    (one row and several, split-K with atomics; under TRITON_INTERPRET=1 here)."""
+    """``gemv_bandwidth.py --check``: the triton_ops plugin's GEMV it times against cuBLAS equals
+    ``F.linear`` (one row and several, split K; under TRITON_INTERPRET=1 here)."""
     benchmarks("gemv_bandwidth.py", "--check")
-    assert "triton_gemv matches F.linear" in capsys.readouterr().out
+    assert "fw_triton_ops.gemv matches F.linear" in capsys.readouterr().out
     from gemv_bandwidth import layer_shapes
 
     one, two = dict((name, (n, k)) for name, n, k, _ in layer_shapes("llama3-8b", 1)), \
@@ -99,3 +99,29 @@ def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchm
                    "lm_head": (128256, 4096)}
     assert two == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
                    "lm_head": (64128, 4096)}
+
+
+def test_nano_requests_are_nano_vllms_lengths_and_the_same_every_run(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from common import nano_requests
+
+    prompts, output_lens = nano_requests(64, 50)
+    lengths = [len(p["prompt_token_ids"]) for p in prompts]
+    assert len(prompts) == len(output_lens) == 64
+    assert all(100 <= n <= 1024 for n in lengths + output_lens) and len(set(lengths)) > 32
+    assert all(0 <= t < 50 for p in prompts for t in p["prompt_token_ids"])
+    assert nano_requests(64, 50) == (prompts, output_lens)
+    assert nano_requests(8, 50)[0] == prompts[:8]  # the prompts come first: a shorter run shares them
+
+
+def test_decode_attention_sweep_checks_fused_against_unfused_and_skips_surplus_splits(benchmarks, capsys):
+    """``decode_attention_sweep.py --check``: the two paths it times give the same output and cache
+    (default and swept settings, under TRITON_INTERPRET=1 here); the sweep gives no split an empty
+    segment only."""
+    benchmarks("decode_attention_sweep.py", "--check")
+    assert "decode_attention with the new K/V matches store_kv + decode_attention" in capsys.readouterr().out
+    from decode_attention_sweep import sweep_settings
+
+    at_128 = {(s["block_n"], s["num_splits"]) for s in sweep_settings(128)}
+    assert at_128 == {(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (128, 1)}
+    assert len(sweep_settings(4096)) == 3 * 3 * 3 * 4

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from framework import hookimpl, ops
-from framework.layers import GeluTanhAndMul, RMSNorm, SiluAndMul
+from framework.layers import GeluTanhAndMul, ReplicatedLinear, RMSNorm, SiluAndMul
 from framework.layers.rotary import RotaryEmbedding, get_rope
 from framework.plugins import unregister_plugin
 from framework.specs import KernelSpec
 
-OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding")
+OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding", "linear")
 
 
 def install_fake_kernels(monkeypatch, register_fw_plugin) -> list[str]:
@@ -50,13 +50,15 @@ def test_layers_call_the_highest_priority_kernel(fake_kernels):
     SiluAndMul()(x)
     GeluTanhAndMul()(x)
     RotaryEmbedding(4, 4, 16, 10000.0)(torch.arange(3), x, x)
+    ReplicatedLinear(8, 4)(x)  # the unquantized linear method's matmul
     assert fake_kernels == list(OPS)
 
 
 def test_fw_kernels_forces_the_reference_kernel(fake_kernels, monkeypatch):
-    monkeypatch.setenv("FW_KERNELS", "rms_norm=torch")
+    monkeypatch.setenv("FW_KERNELS", "rms_norm=torch,linear=torch")
     RMSNorm(8)(torch.randn(2, 8))
     SiluAndMul()(torch.randn(2, 8))
+    ReplicatedLinear(8, 4)(torch.randn(2, 8))
     assert fake_kernels == ["silu_and_mul"]
 
 

@@ -1,7 +1,9 @@
-"""The Triton attention backend: store K/V by slot, then decode (split-KV) or prefill kernels.
+"""The Triton attention backend: the split-KV decode kernel, or store K/V by slot then prefill.
 
-Decode-only steps (every request computes one token) go to the split-KV decode kernel; every
-other step, decode rows of mixed batches included, goes to the prefill kernel. Grids are sized
+Decode-only steps (every request computes one token, token row ``r`` = request ``r``) go to the
+split-KV decode kernel, which also stores the step's new K/V (one launch per layer instead of
+two); every other step, decode rows of mixed batches included, stores K/V with ``store_kv`` and
+then runs the prefill kernel. Grids are sized
 from the metadata's host ints (``num_reqs``, ``max_query_len``, ``max_seq_len``): ``forward``
 never reads a device tensor on the host.
 """
@@ -53,13 +55,14 @@ class TritonAttentionBackend(AttentionBackend):
         query = query.view(num_tokens, layer.num_heads, layer.head_size)
         key = key.view(num_tokens, layer.num_kv_heads, layer.head_size)
         value = value.view(num_tokens, layer.num_kv_heads, layer.head_size)
-        store_kv(key, value, kv_cache, metadata.slot_mapping)
         common = dict(sm_scale=layer.scale, sliding_window=layer.sliding_window, soft_cap=layer.logits_soft_cap)
         if metadata.is_decode_only or metadata.max_query_len == 1:
             output = decode_attention(query, kv_cache, metadata.seq_lens, metadata.block_table,
                                       num_reqs=metadata.num_reqs, max_seq_len=metadata.max_seq_len,
-                                      num_sms=self.num_sms, **common)
+                                      num_sms=self.num_sms, key=key, value=value, slot_mapping=metadata.slot_mapping,
+                                      **common)
         else:
+            store_kv(key, value, kv_cache, metadata.slot_mapping)
             output = prefill_attention(query, kv_cache, metadata.cu_seqlens_q, metadata.seq_lens, metadata.block_table,
                                        num_reqs=metadata.num_reqs, max_query_len=metadata.max_query_len, **common)
         return output.view(num_tokens, layer.num_heads * layer.head_size)

@@ -16,6 +16,17 @@ The segment length is computed in the kernel from ``seq_len``, so any ``S`` is c
 context (surplus splits find an empty segment and contribute nothing); the host picks ``S`` from
 the batch shape only, which keeps a captured CUDA graph valid as contexts grow. With ``S == 1``
 the kernel normalises and writes the output itself and no reduce runs.
+
+Fused store (``key``/``value``/``slot_mapping`` given, as the backend does for decode-only steps):
+the step's new K/V row of request ``r`` (row ``r``: one token per request) is the key at
+``seq_len - 1``. Every program takes it from the row instead of the cache (the cache load of that
+position is masked), and the one program whose segment holds ``seq_len - 1`` writes it into the
+cache at ``slot_mapping[r]`` after its loop (a negative slot, padding, writes nothing, as in
+``kv_store.py``). No other program reads that slot, so there is no race, and the separate
+``store_kv`` launch per layer is saved::
+
+    positions   kv_lo ............................ seq_len-2 | seq_len-1
+    K/V from    cache (paged, block table)                    | key[r], value[r]  -> cache[slot_mapping[r]]
 """
 
 from __future__ import annotations
@@ -36,11 +47,13 @@ MAX_SPLITS = 64
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, block_table_ptr,
+    new_k_ptr, new_v_ptr, slot_mapping_ptr,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, stride_table,
+    stride_new_k_token, stride_new_k_head, stride_new_v_token, stride_new_v_head,
     sm_scale, soft_cap, sliding_window, head_size, num_heads,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, IS_SPLIT: tl.constexpr,
+    PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, STORE_NEW_KV: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, FP32: tl.constexpr,
 ):
     request = tl.program_id(0)
@@ -68,6 +81,14 @@ def _decode_attention_kernel(
     else:
         q = q.to(cache_ptr.dtype.element_ty)
 
+    last = seq_len - 1  # the query's own position: the new token's K/V when STORE_NEW_KV
+    if STORE_NEW_KV:
+        # in the cache dtype, as store_kv writes it: the tile sees exactly what the cache would hold
+        new_k = tl.load(new_k_ptr + request.to(tl.int64) * stride_new_k_token + kv_head * stride_new_k_head + dims,
+                        mask=dim_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+        new_v = tl.load(new_v_ptr + request.to(tl.int64) * stride_new_v_token + kv_head * stride_new_v_head + dims,
+                        mask=dim_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -75,10 +96,27 @@ def _decode_attention_kernel(
     for tile in range(start, end, BLOCK_N):
         kv_pos = tile + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < end
-        k, v = load_kv_tile(cache_ptr, table_row, kv_pos, kv_mask, kv_head, dims, dim_mask, stride_cache_block,
-                            stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE, FP32)
+        if STORE_NEW_KV:
+            k, v = load_kv_tile(cache_ptr, table_row, kv_pos, kv_mask & (kv_pos != last), kv_head, dims, dim_mask,
+                                stride_cache_block, stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE, FP32)
+            is_new = (kv_pos == last)[:, None]
+            k = tl.where(is_new, new_k[None, :].to(k.dtype), k)
+            v = tl.where(is_new, new_v[None, :].to(v.dtype), v)
+        else:
+            k, v = load_kv_tile(cache_ptr, table_row, kv_pos, kv_mask, kv_head, dims, dim_mask, stride_cache_block,
+                                stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE, FP32)
         allowed = row_mask[:, None] & kv_mask[None, :]
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
+
+    if STORE_NEW_KV:
+        # exactly one split's segment [start, end) holds seq_len - 1; negative slots are padding
+        slot = tl.load(slot_mapping_ptr + request).to(tl.int64)
+        is_owner = (start <= last) & (last < end) & (slot >= 0)
+        dst = cache_ptr + (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_offset
+        dst += kv_head * stride_cache_head + dims
+        store_mask = tl.where(is_owner, dim_mask, False)  # not `dim_mask & is_owner`: the interpreter rejects it
+        tl.store(dst, new_k, mask=store_mask)
+        tl.store(dst + stride_cache_kv, new_v, mask=store_mask)
 
     if not IS_SPLIT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -127,18 +165,45 @@ def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: i
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
+def _check_new_kv(key: torch.Tensor | None, value: torch.Tensor | None, slot_mapping: torch.Tensor | None,
+                  num_reqs: int, num_kv_heads: int, head_size: int) -> bool:
+    """Whether the fused store is asked for; its arguments come all three or not at all (shapes only: no sync)."""
+    given = [x is not None for x in (key, value, slot_mapping)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError("decode_attention stores the new K/V only with all of key, value and slot_mapping")
+    for name, rows in (("key", key), ("value", value)):
+        if rows.shape[0] < num_reqs or tuple(rows.shape[1:]) != (num_kv_heads, head_size) or rows.stride(-1) != 1:
+            raise ValueError(f"{name} must be [>= {num_reqs} requests, {num_kv_heads}, {head_size}] with a contiguous "
+                             f"last dim (one new token per request), got {tuple(rows.shape)} strides {rows.stride()}")
+    if slot_mapping.shape[0] < num_reqs:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {num_reqs} requests")
+    return True
+
+
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                      *, num_reqs: int, max_seq_len: int, sm_scale: float, sliding_window: int | None = None,
                      soft_cap: float | None = None, num_splits: int | None = None, num_sms: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                     value: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per request (``query`` ``[R, H, D]``) over the paged cache.
 
     ``num_splits`` defaults to :func:`num_kv_splits`; ``block_n``/``num_warps``/``num_stages`` tune
     the tiles (the defaults suit an H200: 64 keys × head 128 per tile, 4 warps, 2 stages).
+
+    With ``key``/``value`` (``[R, H_kv, D]``, last dim contiguous: the step's new token of each
+    request) and ``slot_mapping`` (``[R]``), the kernel also does ``store_kv``'s work for the step:
+    position ``seq_len - 1`` of request ``r`` attends to ``key[r]``/``value[r]``, which are written
+    to ``kv_cache`` at ``slot_mapping[r]`` (skipped for negative slots; ``seq_lens >= 1``, the new
+    token counted, as in every decode step and CUDA-graph padding row). The cache then holds what
+    ``store_kv`` followed by this function without them would leave, and the output is the same.
+    Without them the cache is only read, and position ``seq_len - 1`` must be stored already.
     """
     _, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
+    store_new_kv = _check_new_kv(key, value, slot_mapping, num_reqs, num_kv_heads, head_size)
     group = num_heads // num_kv_heads
     out = torch.empty_like(query) if out is None else out
     if num_reqs == 0:
@@ -154,13 +219,19 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
         part_ml = torch.empty(num_reqs, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
+    if store_new_kv:
+        new_kv_strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+    else:
+        key = value = slot_mapping = seq_lens  # unused
+        new_kv_strides = (0, 0, 0, 0)
     _decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
-        query, kv_cache, out, part_acc, part_ml, seq_lens, block_table,
+        query, kv_cache, out, part_acc, part_ml, seq_lens, block_table, key, value, slot_mapping,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        *new_kv_strides,
         sm_scale, soft_cap or 1.0, sliding_window or 0, head_size, num_heads,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        PAGE=kv_cache.shape[2], IS_SPLIT=num_splits > 1,
+        PAGE=kv_cache.shape[2], IS_SPLIT=num_splits > 1, STORE_NEW_KV=store_new_kv,
         USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap), FP32=INTERPRET or query.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )

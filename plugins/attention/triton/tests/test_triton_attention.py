@@ -8,9 +8,18 @@ import os
 import pytest
 import torch
 
+from framework import hookimpl
 from framework.attention_backend import AttentionLayerConfig
 from framework.platform import Platform
-from framework.testing import ATTENTION_CASES, check_attention_backend, dense_attention
+from framework.specs import AttentionBackendSpec
+from framework.testing import (
+    ATTENTION_CASES,
+    PARITY_PROMPTS,
+    check_attention_backend,
+    check_greedy_parity,
+    dense_attention,
+    write_tiny_model,
+)
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
@@ -101,6 +110,135 @@ def test_decode_split_count_never_changes_the_result(num_splits):
     assert _decode_error(*case, num_splits=num_splits) < 1e-5
 
 
+def _fused_store_case(seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, seed=0):
+    """A decode step over a paged cache full of random values (every slot, so a stray write shows):
+    ``(query, cache, seq_lens, table, key, value, slots)``. Request ``r``'s new token sits at
+    ``seq_len - 1`` and its slot comes from the block table; a request of length 0 stands for a
+    CUDA-graph padding row: length 1, slot -1. ``key``/``value`` are column slices of one fused
+    QKV-like tensor, as the backend passes them (token stride wider than ``H_kv * D``)."""
+    generator = torch.Generator().manual_seed(seed)
+    is_padding = [s == 0 for s in seq_lens]
+    seq_lens = [max(s, 1) for s in seq_lens]
+    blocks = [-(-s // page) for s in seq_lens]
+    num_blocks = sum(blocks) + 2
+    order = torch.randperm(num_blocks, generator=generator)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = order[start:start + n]
+        start += n
+    slots = [-1 if pad else int(table[r, (s - 1) // page]) * page + (s - 1) % page
+             for r, (s, pad) in enumerate(zip(seq_lens, is_padding, strict=True))]
+    cache = torch.randn(2, num_blocks, page, num_kv_heads, head_size, generator=generator).to(dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=generator).to(dtype)
+    qkv = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, head_size, generator=generator).to(dtype)
+    to = dict(device=device)
+    qkv = qkv.to(**to)
+    key, value = qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
+    return (query.to(**to), cache.to(**to), torch.tensor(seq_lens, dtype=torch.int32, **to), table.to(**to), key, value,
+            torch.tensor(slots, dtype=torch.int64, **to))
+
+
+def _check_fused_store_matches_store_kv(seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, atol,
+                                        **kwargs):
+    """``decode_attention`` with the new K/V against ``store_kv`` + ``decode_attention`` without: the
+    same output for every real request (padding rows' outputs are discarded by the engine) and a
+    bit-identical cache, every slot."""
+    query, cache, lens, table, key, value, slots = _fused_store_case(
+        seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype)
+    common = dict(num_reqs=len(seq_lens), max_seq_len=int(lens.max()), sm_scale=head_size**-0.5, **kwargs)
+    unfused_cache = cache.clone()
+    store_kv(key, value, unfused_cache, slots)
+    expected = decode_attention(query, unfused_cache, lens, table, **common)
+    fused_cache = cache.clone()
+    out = decode_attention(query, fused_cache, lens, table, key=key, value=value, slot_mapping=slots, **common)
+    assert torch.equal(fused_cache, unfused_cache)
+    assert not torch.equal(fused_cache, cache)  # the step did store something
+    real = torch.tensor([s > 0 for s in seq_lens], device=device)
+    error = (out[real].double() - expected[real].double()).abs().max().item()
+    assert error <= atol * max(expected[real].double().abs().max().item(), 1.0), error
+
+
+#: (name, seq lens (0: a padding row, slot -1), heads, KV heads, head size, window). Page 16: lengths
+#: 1, 17, 33 put the new token at offset 0 of a new page.
+FUSED_STORE_CASES = [
+    ("lengths_gqa4_new_pages", [17, 1, 90, 33, 64], 8, 2, 32, None),
+    ("gqa1_head80_padding_row", [40, 0, 70], 4, 4, 80, None),
+    ("gqa8_padding_rows", [0, 49, 0, 120], 16, 2, 64, None),
+    ("sliding_window_gqa2", [90, 33, 12], 4, 2, 32, 20),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("case", FUSED_STORE_CASES, ids=[c[0] for c in FUSED_STORE_CASES])
+def test_decode_with_new_kv_matches_store_kv_then_decode(case, num_splits):
+    # exact: the fused kernel folds in the very values store_kv would have written (fp32 under the interpreter)
+    _, seq_lens, heads, kv_heads, head_size, window = case
+    _check_fused_store_matches_store_kv(seq_lens, heads, kv_heads, head_size, 16, "cpu", torch.float32, 0.0,
+                                        num_splits=num_splits, sliding_window=window)
+
+
+@interpreted
+def test_decode_with_new_kv_matches_store_kv_then_decode_bf16():
+    _check_fused_store_matches_store_kv([17, 0, 50], 8, 2, 64, 16, "cpu", torch.bfloat16, 0.0, num_splits=2)
+
+
+def test_decode_with_new_kv_needs_key_value_and_slots_together():
+    query, cache, lens, table, key, value, slots = _fused_store_case([5, 9], 4, 2, 32, 16, "cpu", torch.float32)
+    common = dict(num_reqs=2, max_seq_len=9, sm_scale=0.1)
+    with pytest.raises(ValueError, match="all of key, value and slot_mapping"):
+        decode_attention(query, cache, lens, table, key=key, value=value, **common)
+    with pytest.raises(ValueError, match="key must be"):
+        decode_attention(query, cache, lens, table, key=key[:, :1], value=value, slot_mapping=slots, **common)
+
+
+def _steps_metadata(starts, ends, table, page):
+    """Metadata of one step computing positions ``[starts[r], ends[r])`` of request ``r``."""
+    from framework.attention_backend import AttentionMetadata
+
+    q_lens = [e - s for s, e in zip(starts, ends, strict=True)]
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    lens = torch.tensor(ends, dtype=torch.int32)
+    slots = [int(table[r, p // page]) * page + p % page for r in range(len(starts)) for p in range(starts[r], ends[r])]
+    return AttentionMetadata(num_reqs=len(starts), num_tokens=int(cu[-1]), cu_seqlens_q=cu, seq_lens=lens,
+                             block_table=table, slot_mapping=torch.tensor(slots), max_query_len=max(q_lens),
+                             max_seq_len=max(ends), cu_seqlens_q_cpu=cu, seq_lens_cpu=lens,
+                             is_decode_only=max(q_lens) == 1)
+
+
+@interpreted
+def test_backend_decode_steps_store_the_kv_that_later_steps_read():
+    # a prefill (store_kv + prefill kernel), then decode steps whose K/V only the decode kernel
+    # stores: each step must see the earlier steps' tokens, and the cache must end up as store_kv
+    # of every token would leave it
+    page, heads, kv_heads, head_size, steps = 16, 8, 2, 32, 4
+    prompt_lens = [15, 30]  # request 0's second decode token opens a new page
+    backend, layer = TritonAttentionBackend(num_sms=CPU_NUM_SMS), AttentionLayerConfig(heads, kv_heads, head_size, 0.2)
+    generator = torch.Generator().manual_seed(3)
+    total = [n + steps for n in prompt_lens]
+    table = torch.randperm(8, generator=generator).to(torch.int32).view(2, 4)
+    keys, values, queries = ([torch.randn(n, h, head_size, generator=generator) for n in total]
+                             for h in (kv_heads, kv_heads, heads))
+    cache = torch.randn(2, 8, page, kv_heads, head_size, generator=generator)
+    expected_cache = cache.clone()
+    for step in range(steps + 1):
+        starts = [0, 0] if step == 0 else [n + step - 1 for n in prompt_lens]
+        ends = prompt_lens if step == 0 else [n + step for n in prompt_lens]
+        metadata = _steps_metadata(starts, ends, table, page)
+        query, key, value = (torch.cat([x[s:e] for x, s, e in zip(xs, starts, ends, strict=True)])
+                             for xs in (queries, keys, values))
+        out = backend.forward(layer, query.flatten(1), key.flatten(1), value.flatten(1), cache,
+                              metadata).view(-1, heads, head_size)
+        store_kv(key, value, expected_cache, metadata.slot_mapping)
+        if step:
+            assert metadata.is_decode_only
+            for r, end in enumerate(ends):
+                expected = dense_attention(queries[r][end - 1:end], keys[r][:end], values[r][:end], layer.scale)
+                assert (out[r] - expected[0]).abs().max().item() < 1e-4, (step, r)
+    assert torch.equal(cache, expected_cache)
+
+
 @interpreted
 def test_store_kv_writes_slots_and_skips_negative_padding_slots():
     cache = torch.zeros(2, 4, 16, 2, 32)
@@ -165,6 +303,24 @@ def test_compiled_decode_split_count_never_changes_the_result(num_splits):
     assert _decode_error(*case, num_splits=num_splits) < 2e-2
 
 
+#: Per-rank heads of Llama-3-8B and Qwen3-32B at TP=2 (16 / 32 query, 4 KV heads of 128); long and
+#: short contexts, new pages, a padding row (0), a sliding window.
+GPU_FUSED_STORE_CASES = [
+    ("llama3-8b-tp2", [5000, 17, 1, 128, 0, 4097], 16, 4, 128, None),
+    ("qwen3-32b-tp2", [129, 33, 2048, 0], 32, 4, 128, None),
+    ("qwen3-32b-tp2-window", [5000, 300, 65], 32, 4, 128, 1024),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
+@pytest.mark.parametrize("case", GPU_FUSED_STORE_CASES, ids=[c[0] for c in GPU_FUSED_STORE_CASES])
+def test_compiled_decode_with_new_kv_matches_store_kv_then_decode_bf16(case, num_splits):
+    _, seq_lens, heads, kv_heads, head_size, window = case
+    _check_fused_store_matches_store_kv(seq_lens, heads, kv_heads, head_size, 16, "cuda", torch.bfloat16, 1e-2,
+                                        num_splits=num_splits, sliding_window=window)
+
+
 @pytest.mark.gpu
 def test_forward_does_not_sync_with_the_host():
     from framework.attention_backend import AttentionMetadata
@@ -191,3 +347,42 @@ def test_forward_does_not_sync_with_the_host():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert out.isfinite().all()
+
+
+class InterpretedTritonPlugin:
+    """Offers the Triton backend on the CPU (its kernels under TRITON_INTERPRET=1), so that the
+    engine's own steps (chunked prefill, then decode steps that store their K/V in the decode
+    kernel) run on it here; the real spec keeps it to CUDA."""
+
+    @hookimpl
+    def register_attention_backends(self):
+        return [AttentionBackendSpec(name="triton-interpreted", impl="fw_triton_attention.backend:TritonAttentionBackend",
+                                     devices=("cpu",), kv_cache_layouts=("standard",), kv_cache_dtypes=("auto",))]
+
+
+@interpreted
+def test_engine_on_the_interpreted_backend_generates_transformers_greedy_tokens(register_fw_plugin, tmp_path,
+                                                                                 monkeypatch):
+    import transformers
+    from fw_triton_attention import backend
+
+    register_fw_plugin(InterpretedTritonPlugin(), "triton_interpreted")
+    calls = {"store_kv": 0, "decode storing": 0, "decode": 0}
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name if kwargs.get("key") is None else "decode storing"] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(backend, "store_kv", counted("store_kv", store_kv))
+    monkeypatch.setattr(backend, "decode_attention", counted("decode", decode_attention))
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      initializer_range=0.1)
+    reference = write_tiny_model(tmp_path, config)
+    # 16 steps: the 13- and 29-token prompts' decode tokens cross into a new page (16 tokens each)
+    check_greedy_parity(tmp_path, reference, PARITY_PROMPTS, steps=16, device="cpu",
+                        attention_backend="triton-interpreted")
+    # per layer: prefill chunks store with store_kv, decode-only steps in the decode kernel
+    assert calls["decode storing"] >= 2 * 14 and calls["decode"] == 0 and calls["store_kv"] > 0, calls

@@ -17,11 +17,20 @@ TRITON_KERNELS = {
                        "weights into L2 ahead of their matmul: bulk prefetch (Hopper) or evict_last loads"),
 }
 
+#: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
+#: so they run only when forced (``FW_KERNELS="linear=triton"``) until a GPU run shows them ahead.
+OPT_IN_KERNELS = {
+    "linear": ("fw_triton_ops.gemv:linear",
+               "split-K GEMV for decode (1-8 rows, bf16/fp16 on CUDA; F.linear otherwise); opt-in "
+               "(FW_KERNELS=linear=triton) until measured inside a model"),
+}
+
 
 @hookimpl
 def register_kernels():
     return [
-        KernelSpec(op=op, name="triton", impl=impl, description=description, priority=10,
+        KernelSpec(op=op, name="triton", impl=impl, description=description, priority=priority,
                    devices=("cuda",), requires=("triton",))
-        for op, (impl, description) in TRITON_KERNELS.items()
+        for kernels, priority in ((TRITON_KERNELS, 10), (OPT_IN_KERNELS, -10))
+        for op, (impl, description) in kernels.items()
     ]

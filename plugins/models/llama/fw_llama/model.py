@@ -211,8 +211,8 @@ class LlamaAttention(nn.Module):
             qkv = self.qkv_proj
             self.q_layernorm = PerHeadLayerNorm(num_heads, head_size, variant.eps, qkv.tp_rank * num_heads,
                                                 config.num_heads)
-            self.k_layernorm = PerHeadLayerNorm(num_kv_heads, head_size, variant.eps,
-                                                qkv.tp_rank // qkv.num_kv_head_replicas * num_kv_heads, config.num_kv_heads)
+            self.k_layernorm = PerHeadLayerNorm(num_kv_heads, head_size, variant.eps, qkv.first_kv_head,
+                                                config.num_kv_heads)
             self.q_norm, self.k_norm = self.q_layernorm, self.k_layernorm
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -169,7 +169,7 @@ def rank_rows(layer: nn.Module, loaded: torch.Tensor, shard_id: Any, index: int)
             part = torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
         return part
     if isinstance(layer, QKVParallelLinear) and shard_id in ("k", "v"):
-        source = rank // layer.num_kv_head_replicas
+        source = layer.kv_shard_rank
         return loaded[source * rows:(source + 1) * rows]
     if isinstance(layer, ColumnParallelLinear):
         return loaded[rank * rows:(rank + 1) * rows]
