@@ -92,6 +92,9 @@ def main() -> None:
     add_engine_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.max_model_len is not None and args.max_model_len < max(args.context) + args.steps + 1:
+        parser.error(f"--max-model-len {args.max_model_len} cannot hold a context of {max(args.context)} "
+                     f"plus {args.steps} steps")
     devices, tp = device_ids(args), tensor_parallel_size(args)
 
     from framework import LLM

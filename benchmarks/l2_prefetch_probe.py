@@ -15,7 +15,8 @@ Every case is a CUDA graph replayed many times, each repeat on a different copy 
                     128-token context, the shape's per-rank heads), about what one layer leaves idle
     gemv            ``F.linear`` (cuBLAS) of one row on a cold weight
     serial          window, then gemv
-    overlap/<how>   window on the main stream while a side stream prefetches the weight, join, gemv
+    overlap/<how>   window on the main stream while a side stream prefetches the weight (its first
+                    ``--max-mb``, as the engine does), join, gemv
     hot/<how>       prefetch, then gemv, one stream (minus "prefetch" alone: the GEMV from L2)
 
 ``<how>`` is a method of the ``prefetch_to_l2`` op (``fw_triton_ops.prefetch``), issued from
@@ -38,14 +39,16 @@ from fw_triton_ops.prefetch import prefetch_to_l2
 from gemv_bandwidth import layer_shapes
 
 from framework.distributed.partition import attention_heads_per_rank
+from framework.layers.weight_prefetch import DEFAULT_MB
 
 L2_BYTES = 50 * 2**20  # H200
 
 
-def prefetcher(how: str, programs: int):
-    """A function ``(weight) -> None`` that brings all of ``weight`` into L2 with ``how``."""
+def prefetcher(how: str, programs: int, max_bytes: int):
+    """A function ``(weight) -> None`` that brings the first ``max_bytes`` of ``weight`` into L2 with
+    ``how``, as ``FW_PREFETCH_WEIGHTS=how:MB`` has the engine do."""
     def prefetch(weight: torch.Tensor) -> None:
-        prefetch_to_l2(weight, weight.numel() * weight.element_size(), how, programs)
+        prefetch_to_l2(weight, max_bytes, how, programs)
     return prefetch
 
 
@@ -70,7 +73,7 @@ def attention_window(shape: str, tp: int, calls: int):
     return window
 
 
-def probe_layer(name: str, n: int, k: int, window, programs: int, side: torch.cuda.Stream) -> dict:
+def probe_layer(name: str, n: int, k: int, window, programs: int, max_bytes: int, side: torch.cuda.Stream) -> dict:
     """Microseconds per repeat of every case for one ``[n, k]`` weight (see the module docstring)."""
     copies = max(4, -(-3 * L2_BYTES // (n * k * 2)))
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
@@ -90,7 +93,7 @@ def probe_layer(name: str, n: int, k: int, window, programs: int, side: torch.cu
 
     cases = {"window": window, "gemv": gemv, "serial": serial}
     for how in ("load", "bulk"):
-        prefetch = prefetcher(how, programs)
+        prefetch = prefetcher(how, programs, max_bytes)
 
         def overlap(prefetch=prefetch) -> None:
             weight = next_weight()
@@ -125,6 +128,8 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", default=["qkv", "o", "down"])
     parser.add_argument("--programs", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--window-calls", type=int, default=2, help="decode-attention calls in one window")
+    parser.add_argument("--max-mb", type=float, default=DEFAULT_MB,
+                        help="the most one prefetch brings in (the engine's FW_PREFETCH_WEIGHTS=METHOD:MB)")
     parser.add_argument("--out")
     args = parser.parse_args()
     side = torch.cuda.Stream()
@@ -137,7 +142,7 @@ def main() -> None:
                     continue
                 for programs in args.programs:
                     result = {"shape": shape, "tp": tp, "programs": programs,
-                              **probe_layer(name, n, k, window, programs, side)}
+                              **probe_layer(name, n, k, window, programs, int(args.max_mb * 2**20), side)}
                     results.append(result)
                     times = "  ".join(f"{key[:-3]} {value:.1f}" for key, value in result.items() if key.endswith("_us"))
                     print(f"{shape} tp{tp} {name} {n}x{k} ({result['weight_mb']:.0f} MB) programs {programs}: {times} us",
@@ -149,7 +154,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(),
                        "command": command_line(), "torch": torch.__version__, "triton": triton.__version__,
-                       "window_calls": args.window_calls, "results": results}, f, indent=2)
+                       "window_calls": args.window_calls, "max_mb": args.max_mb, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -305,12 +305,23 @@ def _check_mla_case(backend, case, device, dtype, block_size: int, atol: float, 
         queries[r][c:s], latents[r][:s, None], latents[r][:s, None, :rank], layer.scale))
 
 
+def random_chunks(text: str, seed: int, max_size: int = 13) -> list[str]:
+    """``text`` cut into pieces of 1 to ``max_size`` characters, their sizes drawn from
+    ``random.Random(seed)``: a stream's deltas as a client might see them."""
+    import random
+
+    rng, pieces, i = random.Random(seed), [], 0
+    while i < len(text):
+        size = rng.randint(1, max_size)
+        pieces.append(text[i:i + size])
+        i += size
+    return pieces
+
+
 def check_tool_parser_streaming(parser_cls, text: str, tools=None, *, seeds: int = 8):
     """Feed ``text`` to ``parser_cls(tools)`` whole and in random chunkings (``seeds`` of them, 1 to
     13 characters a piece); assert that every chunking's deltas assemble to the one-shot result and
     that each call's first delta, and only it, names the call. Returns the one-shot result."""
-    import random
-
     from framework.parsers.base import assemble
 
     def summary(result):
@@ -318,13 +329,8 @@ def check_tool_parser_streaming(parser_cls, text: str, tools=None, *, seeds: int
 
     one_shot = parser_cls(tools).parse(text)
     for seed in range(seeds):
-        rng, pieces, i = random.Random(seed), [], 0
-        while i < len(text):
-            size = rng.randint(1, 13)
-            pieces.append(text[i:i + size])
-            i += size
         parser = parser_cls(tools)
-        deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+        deltas = [parser.feed(piece) for piece in random_chunks(text, seed)] + [parser.finish()]
         assert summary(assemble(deltas)) == summary(one_shot), f"chunking seed {seed} differs from the one-shot result"
         named = set()
         for delta in deltas:
@@ -580,6 +586,13 @@ def check_no_sync_and_cuda_graph_replay(run, inputs, fresh_inputs) -> None:
     torch.testing.assert_close(outs, run(*inputs), rtol=0, atol=0)
 
 
+#: Marks a test that runs Triton kernels under the interpreter on the CPU (the root conftest sets
+#: ``TRITON_INTERPRET=1`` there; where CUDA is present the kernels compile instead and these skip).
+#: The condition is a string so that pytest reads the variable when the test runs, not at import.
+interpreted = pytest.mark.skipif('os.environ.get("TRITON_INTERPRET") != "1"',
+                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
+
+
 class HopperCompile(NamedTuple):
     """One kernel variant for :func:`compile_for_hopper`: the kernel as ``"module:name"``, the types
     of its pointer arguments (``"*bf16"``, ``"*i32"``...), its constexpr values, which other
@@ -591,7 +604,7 @@ class HopperCompile(NamedTuple):
     constexprs: dict[str, Any]
     int64_args: tuple[str, ...] = ()
     float_args: tuple[str, ...] = ()
-    options: dict[str, Any] = {}
+    options: dict[str, Any] | None = None
 
 
 def compile_for_hopper(cases: list[HopperCompile]) -> list[str]:
@@ -600,8 +613,9 @@ def compile_for_hopper(cases: list[HopperCompile]) -> list[str]:
 
     The interpreter runs a kernel's arithmetic on the CPU but never lowers it; this makes a kernel
     that would not compile on the GPU machine (a bad inline-PTX instruction, an unsupported mask
-    type, too much shared memory) fail in CI. It runs in a fresh process, because a process with
-    ``TRITON_INTERPRET=1`` (as the CPU tests have) cannot lower kernels. Raises the compiler's error.
+    type) or could not launch there (more shared memory than an SM has) fail in CI. It runs in a
+    fresh process, because a process with ``TRITON_INTERPRET=1`` (as the CPU tests have) cannot
+    lower kernels. Raises the compiler's error, or ``ValueError`` for the shared memory.
     """
     import concurrent.futures
     import multiprocessing
@@ -637,8 +651,16 @@ def _compile_for_hopper_here(cases: list[HopperCompile]) -> list[str]:
             else:
                 signature[arg] = "i64" if arg in case.int64_args else "fp32" if arg in case.float_args else "i32"
         source = ASTSource(kernel, signature, constexprs=case.constexprs)
-        ptx.append(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=case.options).asm["ptx"])
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=case.options or {})
+        if compiled.metadata.shared > HOPPER_SHARED_MEMORY:  # Triton itself checks this only when loading on a GPU
+            raise ValueError(f"{case.kernel} {case.constexprs} needs {compiled.metadata.shared} bytes of shared memory; "
+                             f"an H100/H200 SM has {HOPPER_SHARED_MEMORY}")
+        ptx.append(compiled.asm["ptx"])
     return ptx
+
+
+#: Shared memory one thread block may use on an H100/H200 (227 KiB).
+HOPPER_SHARED_MEMORY = 232448
 
 
 # --- which kernels ran --------------------------------------------------------------------------

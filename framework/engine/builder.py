@@ -131,6 +131,7 @@ class EngineBuilder:
         self.load_format = load_format
         self.yarn_scaling_factor = yarn_scaling_factor
         self.weight_prefetch = setting_from_env()  # experimental, FW_PREFETCH_WEIGHTS
+        self.weight_prefetcher: WeightPrefetcher | None = None
         self.platform: Platform = platform_for_device(self.device.type)  # a CPU device on a CUDA machine: the CPU's
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
@@ -358,7 +359,7 @@ class EngineBuilder:
         self.load_model()
         self.enable_fused_all_reduce_norm()
         if self.weight_prefetch is not None and self.device.type == "cuda":
-            WeightPrefetcher(self.torch_model, self.weight_prefetch, self.device)
+            self.weight_prefetcher = WeightPrefetcher(self.torch_model, self.weight_prefetch, self.device)
         backend = self.select_attention_backend()
         kv_caches = self.allocate_kv_cache(backend)
         sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
@@ -433,8 +434,8 @@ class EngineBuilder:
             "plugins": [info.name for info in plugins.loaded_plugins()],
             "tensor_parallel_size": self.parallel.tensor_parallel_size,
         }
-        if self.weight_prefetch is not None and self.device.type == "cuda":
-            summary["weight_prefetch"] = self.weight_prefetch.describe()
+        if self.weight_prefetcher is not None:
+            summary["weight_prefetch"] = f"{self.weight_prefetcher.setting.describe()} ({self.weight_prefetcher.implementation})"
         if self.parallel.is_parallel:
             summary["device"] = (f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "
                                  f"(tensor parallel {self.parallel.tensor_parallel_size}, {self.parallel.num_nodes} node(s))")

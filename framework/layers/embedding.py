@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 class VocabEmbedding(KeepsWeightAttrs):
     """``forward(input_ids) -> [..., embedding_dim]``: the rows of the embedding table."""
 
+    #: Its loaders only narrow and copy, so they take lazy checkpoint slices (model_loader).
+    reads_checkpoint_slices = True
+
     def __init__(
         self,
         num_embeddings: int,

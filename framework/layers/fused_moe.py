@@ -121,6 +121,9 @@ class FusedMoE(KeepsWeightAttrs):
     ``reduce_results=False`` returns this rank's partial sum for the caller to all-reduce.
     """
 
+    #: Its loaders only narrow and copy, so they take lazy checkpoint slices (model_loader).
+    reads_checkpoint_slices = True
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, quant_config: QuantConfig | None = None, prefix: str = "",
                  params_dtype: torch.dtype | None = None, tp_size: int | None = None, tp_rank: int | None = None,

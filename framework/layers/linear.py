@@ -111,6 +111,10 @@ class UnquantizedLinearMethod(LinearMethod):
     op (``F.linear`` unless a plugin's implementation is chosen), resolved once in :meth:`create_weights`
     (inside the layer's construction, so :func:`framework.kernels.kernels_for` and ``FW_KERNELS`` apply)."""
 
+    #: The matmul; :meth:`create_weights` replaces it with the registry's choice. A subclass whose
+    #: own ``create_weights`` does not call this one keeps ``F.linear``.
+    linear = staticmethod(F.linear)
+
     def create_weights(
         self,
         layer: nn.Module,
@@ -195,9 +199,13 @@ class LinearBase(KeepsWeightAttrs):
     ``tp_size``, ``tp_rank``, ``prefix``, ``params_dtype``. The bias has this rank's
     ``output_size_per_partition`` entries and ``output_dim=0``.
 
-    ``after_matmul``, when set, is called as ``after_matmul(layer, x)`` right after the layer's own
-    matmul is queued and before any all-reduce (:mod:`framework.layers.weight_prefetch` uses it).
+    ``after_matmul``, when set on a layer (an instance attribute: a function set on the class would
+    be bound and get the layer twice), is called as ``after_matmul(layer, x)`` right after the
+    layer's own matmul is queued and before any all-reduce (:mod:`framework.layers.weight_prefetch`).
     """
+
+    #: Its loaders only narrow and copy, so they take lazy checkpoint slices (model_loader).
+    reads_checkpoint_slices = True
 
     after_matmul: Callable[[nn.Module, Tensor], None] | None = None
 

@@ -24,6 +24,7 @@ on or off; whether it is faster is for ``benchmarks/l2_prefetch_probe.py`` and
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,13 +32,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from framework import ops
 from framework.errors import ConfigError
 from framework.kernels import get_kernel, kernels_for
 from framework.layers.linear import LinearBase, UnquantizedLinearMethod
 from framework.ops import PREFETCH_METHODS
 
+log = logging.getLogger("fw.layers")
+
 ENV = "FW_PREFETCH_WEIGHTS"
 DEFAULT_MB = 32.0  # below an H200's 50 MB of L2, so that one prefetch does not evict itself
+MIN_MB = 1 / 64  # 16 KiB: one bulk prefetch request
+MAX_MB = 4096.0
 MAX_ROWS = 64
 
 
@@ -61,14 +67,15 @@ def setting_from_env(value: str | None = None) -> PrefetchSetting | None:
     if value in ("", "0", "off"):
         return None
     method, colon, megabytes = value.partition(":")
-    problem = f"{ENV} must be METHOD[:MB] with METHOD one of {', '.join(PREFETCH_METHODS)} and MB > 0, or off; got {value!r}"
+    problem = (f"{ENV} must be METHOD[:MB] with METHOD one of {', '.join(PREFETCH_METHODS)} and MB a number from "
+               f"{MIN_MB:g} (one bulk request) to {MAX_MB:g}, or off; got {value!r}")
     if method not in PREFETCH_METHODS:
         raise ConfigError(problem)
     try:
         size = float(megabytes) if colon else DEFAULT_MB
     except ValueError:
         raise ConfigError(problem) from None
-    if not size > 0:
+    if not MIN_MB <= size <= MAX_MB:  # NaN fails this too
         raise ConfigError(problem)
     return PrefetchSetting(method, int(size * 2**20))
 
@@ -87,8 +94,15 @@ class WeightPrefetcher:
         self.side = torch.cuda.Stream(device)
         with kernels_for(device):
             self._prefetch = get_kernel("prefetch_to_l2")
+        #: where the prefetches go: the reference (no Triton, or the plugin disabled) does nothing
+        self.implementation = getattr(self._prefetch, "__module__", "?")
+        if self._prefetch is ops.prefetch_to_l2:
+            log.warning("%s is set but prefetch_to_l2 has only its torch reference here, which does nothing", ENV)
         if self.layers:  # compile the kernel and allocate its scratch now, never inside a graph capture
-            self._prefetch(self.layers[0].weight, 2**16, setting.method)
+            try:
+                self._prefetch(self.layers[0].weight, 2**16, setting.method)
+            except ValueError as error:  # e.g. bulk before Hopper
+                raise ConfigError(f"{ENV}={setting.method}: {error}") from None
             torch.cuda.synchronize(device)
         self._handles = [layer.register_forward_pre_hook(self._before_forward) for layer in self.layers]
         self._handles.append(model.register_forward_hook(self._after_model))

@@ -76,7 +76,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     :func:`~framework.loader.checkpoint_slice.materialize` them itself).
     """
     if hasattr(model, "load_weights"):
-        if not getattr(model, "reads_checkpoint_slices", False):
+        if not reads_checkpoint_slices(model):
             weights = ((name, materialize(tensor)) for name, tensor in weights)
         return model.load_weights(weights)
     packed = getattr(model, "packed_modules_mapping", {})
@@ -100,7 +100,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
-        if not _reads_checkpoint_slices(loader):
+        if not reads_checkpoint_slices(getattr(loader, "__self__", None)):  # a bound method: its layer
             tensor = materialize(tensor)
         if loader is None:
             _copy_checked(param, tensor, name)
@@ -110,13 +110,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     return loaded
 
 
-def _reads_checkpoint_slices(loader) -> bool:
-    """The core layers' loaders only narrow and copy, so they take a lazy CheckpointSlice; others get tensors."""
-    from framework.layers.embedding import VocabEmbedding
-    from framework.layers.fused_moe import FusedMoE
-    from framework.layers.linear import LinearBase
-
-    return isinstance(getattr(loader, "__self__", None), (LinearBase, VocabEmbedding, FusedMoE))
+def reads_checkpoint_slices(owner: object) -> bool:
+    """Whether ``owner`` (a model with its own ``load_weights``, or the layer a parameter's
+    ``weight_loader`` is bound to) takes lazy CheckpointSlices: its class says so with
+    ``reads_checkpoint_slices = True`` (the core layers whose loaders only narrow and copy:
+    ``LinearBase``, ``VocabEmbedding``, ``FusedMoE``). Everything else gets whole tensors."""
+    return bool(getattr(owner, "reads_checkpoint_slices", False))
 
 
 def _copy_checked(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:

@@ -41,10 +41,12 @@ def test_setting_reads_method_and_megabytes(value, expected):
     assert setting_from_env(value) == expected
 
 
-@pytest.mark.parametrize("value", ["fast", "bulk:", "bulk:-1", "bulk:0", "bulk:lots", "Bulk"])
+@pytest.mark.parametrize("value", ["fast", "bulk:", "bulk:-1", "bulk:0", "bulk:lots", "Bulk", "bulk:inf", "bulk:nan",
+                                   "bulk:1e-9", "load:5000"])
 def test_a_bad_setting_names_the_valid_form(value):
     with pytest.raises(ConfigError, match=rf"FW_PREFETCH_WEIGHTS must be METHOD\[:MB\] with METHOD one of auto, load, "
-                                          rf"bulk and MB > 0, or off; got '{value}'"):
+                                          rf"bulk and MB a number from 0.015625 \(one bulk request\) to 4096, or off; "
+                                          rf"got '{value}'"):
         setting_from_env(value)
 
 

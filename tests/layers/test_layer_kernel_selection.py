@@ -92,3 +92,22 @@ def test_get_rope_builds_a_new_module_when_the_plugins_change(monkeypatch, regis
     for got, expected in zip(after(torch.arange(3), q, k), before(torch.arange(3), q, k), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert calls == ["rotary_embedding"]
+
+
+def test_a_linear_method_subclass_with_its_own_create_weights_still_multiplies():
+    """A plugin's method that subclasses UnquantizedLinearMethod and never calls its create_weights
+    (as plugins did before the ``linear`` op existed) keeps ``F.linear``."""
+    from framework.layers.linear import UnquantizedLinearMethod
+
+    class OwnWeights(UnquantizedLinearMethod):
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                           params_dtype):
+            weight = torch.nn.Parameter(torch.randn(sum(output_partition_sizes), input_size_per_partition),
+                                        requires_grad=False)
+            layer.register_parameter("weight", weight)
+
+    layer = torch.nn.Module()
+    method = OwnWeights()
+    method.create_weights(layer, 8, [5], 8, 5, torch.float32)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight), rtol=0, atol=0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from framework.testing import (
     check_attention_backend,
     check_greedy_parity,
     dense_attention,
+    interpreted,
     write_tiny_model,
 )
 
@@ -28,9 +28,6 @@ if importlib.util.find_spec("triton") is None:
 from fw_triton_attention.backend import TritonAttentionBackend  # noqa: E402
 from fw_triton_attention.decode import decode_attention, num_kv_splits  # noqa: E402
 from fw_triton_attention.kv_store import store_kv  # noqa: E402
-
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
 
 #: Interpreter-sized cases: (name, query lens, cached context lens, heads, KV heads, head size, window, soft-cap).
 CPU_CASES = [
@@ -73,9 +70,9 @@ def test_cpu_decode_cases_split_their_contexts():
             assert num_kv_splits(len(query_lens), num_kv_heads, max_seq_len, CPU_NUM_SMS) > 1, name
 
 
-def _paged_decode_case(seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, seed=0):
-    """Random query ``[R, H, D]``, a paged cache with shuffled blocks, and the dense reference per request."""
-    generator = torch.Generator().manual_seed(seed)
+def _shuffled_table(seq_lens, page, generator):
+    """A block table giving each request the pages it needs in shuffled order, and the number of
+    blocks (two more than needed, left unused)."""
     blocks = [-(-s // page) for s in seq_lens]
     num_blocks = sum(blocks) + 2
     order = torch.randperm(num_blocks, generator=generator)
@@ -84,6 +81,13 @@ def _paged_decode_case(seq_lens, num_heads, num_kv_heads, head_size, page, devic
     for r, n in enumerate(blocks):
         table[r, :n] = order[start:start + n]
         start += n
+    return table, num_blocks
+
+
+def _paged_decode_case(seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, seed=0):
+    """Random query ``[R, H, D]``, a paged cache with shuffled blocks, and the dense reference per request."""
+    generator = torch.Generator().manual_seed(seed)
+    table, num_blocks = _shuffled_table(seq_lens, page, generator)
     cache = torch.randn(2, num_blocks, page, num_kv_heads, head_size, generator=generator).to(dtype)
     query = torch.randn(len(seq_lens), num_heads, head_size, generator=generator).to(dtype)
     expected = []
@@ -119,14 +123,7 @@ def _fused_store_case(seq_lens, num_heads, num_kv_heads, head_size, page, device
     generator = torch.Generator().manual_seed(seed)
     is_padding = [s == 0 for s in seq_lens]
     seq_lens = [max(s, 1) for s in seq_lens]
-    blocks = [-(-s // page) for s in seq_lens]
-    num_blocks = sum(blocks) + 2
-    order = torch.randperm(num_blocks, generator=generator)
-    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    start = 0
-    for r, n in enumerate(blocks):
-        table[r, :n] = order[start:start + n]
-        start += n
+    table, num_blocks = _shuffled_table(seq_lens, page, generator)
     slots = [-1 if pad else int(table[r, (s - 1) // page]) * page + (s - 1) % page
              for r, (s, pad) in enumerate(zip(seq_lens, is_padding, strict=True))]
     cache = torch.randn(2, num_blocks, page, num_kv_heads, head_size, generator=generator).to(dtype)
@@ -177,6 +174,29 @@ def test_decode_with_new_kv_matches_store_kv_then_decode(case, num_splits):
     _, seq_lens, heads, kv_heads, head_size, window = case
     _check_fused_store_matches_store_kv(seq_lens, heads, kv_heads, head_size, 16, "cpu", torch.float32, 0.0,
                                         num_splits=num_splits, sliding_window=window)
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_padding_rows_sharing_the_graphs_sink_slot_leave_every_other_slot_alone(num_splits):
+    """As the CUDA-graph runner pads a batch: every padding row has length 1, the sink block as its
+    table and the same (positive) sink slot. They race only on that slot, which nothing reads."""
+    query, cache, lens, table, key, value, slots = _fused_store_case([30, 0, 45, 0, 0], 8, 2, 32, 16, "cpu",
+                                                                     torch.float32)
+    padding = torch.tensor([False, True, False, True, True])
+    used = {int(block) for row, n in ((0, 2), (2, 3)) for block in table[row, :n]}
+    sink = min(set(range(cache.shape[1])) - used)  # the case leaves two blocks unused
+    table[padding] = sink
+    slots[padding] = sink * 16
+    common = dict(num_reqs=5, max_seq_len=45, sm_scale=32**-0.5, num_splits=num_splits)
+    unfused_cache = cache.clone()
+    store_kv(key[~padding], value[~padding], unfused_cache, slots[~padding])
+    expected = decode_attention(query, unfused_cache, lens, table, **common)
+    fused_cache = cache.clone()
+    out = decode_attention(query, fused_cache, lens, table, key=key, value=value, slot_mapping=slots, **common)
+    others = [block for block in range(cache.shape[1]) if block != sink]
+    assert torch.equal(fused_cache[:, others], unfused_cache[:, others])
+    assert torch.equal(out[~padding], expected[~padding])
 
 
 @interpreted

@@ -194,6 +194,7 @@ def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     k = x.shape[-1] if x.dim() else 0
     return (x.dtype in dtypes and weight.dtype == x.dtype and weight.device == x.device and weight.dim() == 2
             and weight.shape[1] == k > 0 and weight.shape[0] > 0 and weight.stride(1) == 1
+            and weight.shape[0] * weight.stride(0) < 2**31  # the kernel's offsets are 32-bit
             and 1 <= x.numel() // k <= MAX_ROWS
             and (bias is None or (bias.dtype == x.dtype and bias.device == x.device and bias.dim() == 1
                                   and bias.shape[0] == weight.shape[0] and bias.stride(0) == 1))

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from framework.ops import PREFETCH_METHODS
+from framework.ops import check_prefetch_method
 
 BULK_CHUNK_BYTES = 16384  # one cp.async.bulk.prefetch.L2 request (a multiple of 16)
 BULK_LANES = 32
@@ -66,15 +66,25 @@ def _sink(device: torch.device) -> torch.Tensor:
 
 
 def prefetch_to_l2(tensor: torch.Tensor, max_bytes: int, method: str = "auto", programs: int = 16) -> None:
-    """Bring the first ``max_bytes`` of contiguous ``tensor`` into L2 (see the module docstring)."""
-    if method not in PREFETCH_METHODS:
-        raise ValueError(f"prefetch method must be one of {', '.join(PREFETCH_METHODS)}; got {method!r}")
+    """Bring the first ``max_bytes`` of contiguous ``tensor`` into L2 (see the module docstring).
+
+    Raises ``ValueError`` for an unknown method and for ``bulk`` on a GPU before Hopper. A tensor
+    whose address is not 16-byte aligned (which ``bulk`` needs) is prefetched by ``load``.
+    """
+    check_prefetch_method(method)
     if not tensor.is_cuda or not tensor.is_contiguous() or max_bytes <= 0:
         return
+    has_bulk = _has_bulk_prefetch(tensor.device.index or 0)
+    if method == "bulk" and not has_bulk:
+        raise ValueError(f"prefetch method 'bulk' needs compute capability 9.0 (Hopper) or newer; "
+                         f"{torch.cuda.get_device_name(tensor.device)} has "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(tensor.device)))}: use 'load' or 'auto'")
     programs = min(programs, 256)
     sink = _sink(tensor.device)
     if method == "auto":
-        method = "bulk" if _has_bulk_prefetch(tensor.device.index or 0) else "load"
+        method = "bulk" if has_bulk else "load"
+    if method == "bulk" and tensor.data_ptr() % 16:
+        method = "load"
     num_bytes = min(max_bytes, tensor.numel() * tensor.element_size())
     if method == "bulk":
         num_bytes = num_bytes // BULK_CHUNK_BYTES * BULK_CHUNK_BYTES  # whole requests only

@@ -4,23 +4,19 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
 from framework import ops
 from framework.layers.fused_moe import select_experts
-from framework.testing import check_no_sync_and_cuda_graph_replay
+from framework.testing import check_no_sync_and_cuda_graph_replay, interpreted
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
                 allow_module_level=True)
 
 from fw_triton_ops.fused_moe import align_pairs_to_blocks, fused_moe  # noqa: E402
-
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (set by the root conftest)")
 
 
 def moe_inputs(num_tokens, num_experts, top_k, hidden_size, intermediate_size, *, seed=0, device="cpu",

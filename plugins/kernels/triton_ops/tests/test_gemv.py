@@ -20,6 +20,7 @@ from framework.testing import (
     check_kernels_used,
     check_no_sync_and_cuda_graph_replay,
     count_kernel_calls,
+    interpreted,
     reference_logits,
     write_tiny_model,
 )
@@ -31,8 +32,6 @@ if importlib.util.find_spec("triton") is None:
 import fw_triton_ops.gemv as gemv_module  # noqa: E402
 from fw_triton_ops.gemv import MAX_ROWS, GemvConfig, gemv, gemv_config, linear  # noqa: E402
 
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 

@@ -5,21 +5,17 @@ an engine with ``FW_PREFETCH_WEIGHTS`` set generates the same greedy ids as one 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
-from framework.testing import check_no_sync_and_cuda_graph_replay
+from framework.testing import check_no_sync_and_cuda_graph_replay, interpreted
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
                 allow_module_level=True)
 
 from fw_triton_ops.prefetch import _load_to_l2_kernel, prefetch_to_l2  # noqa: E402
-
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
 
 
 @interpreted
@@ -57,7 +53,7 @@ def test_an_engine_that_prefetches_weights_generates_the_same_greedy_ids(tmp_pat
     import transformers
 
     from framework import LLM, SamplingParams
-    from framework.testing import reference_greedy, write_tiny_model
+    from framework.testing import count_kernel_calls, reference_greedy, write_tiny_model
 
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -66,8 +62,12 @@ def test_an_engine_that_prefetches_weights_generates_the_same_greedy_ids(tmp_pat
     prompts = [[int(t) for t in torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n))] for n in (5, 37)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     monkeypatch.setenv("FW_PREFETCH_WEIGHTS", setting)
-    llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
+    with count_kernel_calls() as calls:
+        llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert llm.engine.summary["weight_prefetch"].startswith(setting.split(":")[0])
+    assert llm.engine.summary["weight_prefetch"].endswith("(fw_triton_ops.prefetch)")
     assert "decode graphs" in llm.engine.summary["cuda_graphs"]
-    ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    # 2 layers x 4 linears: 7 prefetches in every forward after the first (graph captures included)
+    assert calls["prefetch_to_l2/triton"] >= 7 * 2, calls
     assert ids == [reference_greedy(reference, p) for p in prompts]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from fw_triton_ops.hooks import OPT_IN_KERNELS
 from framework import ops, registries
 from framework.builtin import REFERENCE_KERNELS
 from framework.platform import Platform
-from framework.testing import check_no_sync_and_cuda_graph_replay
+from framework.testing import check_no_sync_and_cuda_graph_replay, interpreted
 
 #: The ops whose Triton implementation outranks the torch reference (the opt-in ones: tests/test_gemv.py).
 DEFAULT_TRITON_OPS = sorted(set(REFERENCE_KERNELS) - set(OPT_IN_KERNELS))
@@ -24,9 +23,6 @@ if importlib.util.find_spec("triton") is None:
 from fw_triton_ops.activation import gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from fw_triton_ops.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from fw_triton_ops.rotary import qk_norm_rotary_embedding, rotary_embedding  # noqa: E402
-
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
 
 #: fp32 on CPU: the kernels do the reference's arithmetic, only the reduction order differs.
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -272,9 +268,10 @@ def test_compiled_rotary_matches_reference_on_cuda(shape, is_neox_style, num_tok
 @pytest.mark.parametrize("shape", [(128, 128, 8, 2), (128, 128, 32, 4), (128, 64, 4, 2), (256, 256, 4, 1)],
                          ids=lambda s: f"head{s[0]}_rot{s[1]}_h{s[2]}_kv{s[3]}")
 @pytest.mark.parametrize("num_tokens", [1, 2048])
-def test_compiled_qk_norm_rotary_matches_reference_on_cuda(shape, offset, num_tokens, dtype):
+@pytest.mark.parametrize("is_neox_style", [True, False], ids=["neox", "gptj"])
+def test_compiled_qk_norm_rotary_matches_reference_on_cuda(shape, offset, num_tokens, is_neox_style, dtype):
     positions, query, key, cache = _rotary_inputs(shape, num_tokens=num_tokens, device="cuda", dtype=dtype)
-    args = (shape[0], cache, True, *_qk_norm_weights(shape[0], device="cuda", dtype=dtype), 1e-6, offset)
+    args = (shape[0], cache, is_neox_style, *_qk_norm_weights(shape[0], device="cuda", dtype=dtype), 1e-6, offset)
     for out, ref in zip(qk_norm_rotary_embedding(positions, query, key, *args),
                         ops.qk_norm_rotary_embedding(positions, query, key, *args), strict=True):
         torch.testing.assert_close(out, ref, **GPU_TOL[dtype])

@@ -10,6 +10,7 @@ import pytest
 from framework import registries
 from framework.parsers.base import assemble
 from framework.parsers.tool_choice import ConstrainedCallsParser
+from framework.testing import random_chunks
 
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -75,15 +76,6 @@ def stream(parser_cls, text: str, pieces: list[str]):
     return assemble(deltas), deltas
 
 
-def random_pieces(text: str, seed: int) -> list[str]:
-    rng, pieces, i = random.Random(seed), [], 0
-    while i < len(text):
-        size = rng.choice([1, 1, 2, 3, 5, 8, 13])
-        pieces.append(text[i:i + size])
-        i += size
-    return pieces
-
-
 def summary(result) -> tuple:
     return result.content, [(c.name, c.arguments) for c in result.tool_calls]
 
@@ -99,7 +91,7 @@ def test_one_shot_result_matches_the_golden(name, text, content, calls):
 def test_streamed_deltas_assemble_to_the_one_shot_result_for_any_chunking(name, text, content, calls):
     parser_cls = load(name)
     for seed in range(8):
-        result, deltas = stream(parser_cls, text, random_pieces(text, seed))
+        result, deltas = stream(parser_cls, text, random_chunks(text, seed))
         assert summary(result) == (content, calls), seed
         # OpenAI's streaming shape: a call's first delta has its id and name; later ones only arguments.
         seen = set()
@@ -133,7 +125,7 @@ def test_malformed_output_is_content_and_streams_the_same(name, text):
     else:
         assert one_shot.content == text
     for seed in range(5):
-        assert summary(stream(parser_cls, text, random_pieces(text, seed))[0]) == summary(one_shot)
+        assert summary(stream(parser_cls, text, random_chunks(text, seed))[0]) == summary(one_shot)
 
 
 def test_constrained_calls_parser_reads_the_tool_choice_array():
@@ -141,7 +133,7 @@ def test_constrained_calls_parser_reads_the_tool_choice_array():
     expected = (None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])
     assert summary(ConstrainedCallsParser(TOOLS).parse(text)) == expected
     for seed in range(5):
-        assert summary(stream(ConstrainedCallsParser, text, random_pieces(text, seed))[0]) == expected
+        assert summary(stream(ConstrainedCallsParser, text, random_chunks(text, seed))[0]) == expected
 
 
 def test_streaming_under_a_real_byte_level_tokenizer(byte_level_tokenizer):
@@ -189,7 +181,7 @@ def test_random_marker_soup_never_raises_and_streams_like_one_shot(name):
     for _ in range(150):
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 14)))
         one_shot = parser_cls(TOOLS).parse(text)
-        streamed, _ = stream(parser_cls, text, random_pieces(text, rng.randint(0, 99)))
+        streamed, _ = stream(parser_cls, text, random_chunks(text, rng.randint(0, 99)))
         assert summary(streamed) == summary(one_shot), text
         if not one_shot.tool_calls:
             assert one_shot.content == text  # nothing read as a call: every character is content
@@ -209,7 +201,7 @@ def test_a_long_reply_fed_token_by_token_matches_one_shot_and_holds_only_its_tai
     for reply in (text + " " + _long_prose(1), _long_prose(2) + text + _long_prose(3)):
         parser = parser_cls(TOOLS)
         deltas, held = [], 0
-        for piece in random_pieces(reply, 7):
+        for piece in random_chunks(reply, 7):
             deltas.append(parser.feed(piece))
             held = max(held, len(parser.text))
         deltas.append(parser.finish())

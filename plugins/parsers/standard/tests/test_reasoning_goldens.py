@@ -7,6 +7,7 @@ import random
 import pytest
 
 from framework import plugins, registries
+from framework.testing import random_chunks
 
 # (parser, starts_in_reasoning, reply, reasoning, content)
 GOLDENS = [
@@ -25,21 +26,12 @@ def make(name: str, starts: bool):
     return registries.reasoning_parsers().get(name).load()(starts_in_reasoning=starts)
 
 
-def chunks(text: str, seed: int) -> list[str]:
-    rng, pieces, i = random.Random(seed), [], 0
-    while i < len(text):
-        size = rng.randint(1, 6)
-        pieces.append(text[i:i + size])
-        i += size
-    return pieces
-
-
 @pytest.mark.parametrize("name,starts,text,reasoning,content", GOLDENS)
 def test_one_shot_and_every_chunking_split_the_same(name, starts, text, reasoning, content):
     assert make(name, starts).parse(text) == (reasoning, content)
     for seed in range(8):
         parser = make(name, starts)
-        pieces = [parser.feed(p) for p in chunks(text, seed)] + [parser.finish()]
+        pieces = [parser.feed(p) for p in random_chunks(text, seed, max_size=6)] + [parser.finish()]
         assert ("".join(r for r, _ in pieces) or None, "".join(c for _, c in pieces)) == (reasoning, content), seed
 
 
@@ -75,5 +67,5 @@ def test_random_tag_soup_streams_like_one_shot(name, starts):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(1, 12)))
         expected = make(name, starts).parse(text)
         parser = make(name, starts)
-        pieces = [parser.feed(p) for p in chunks(text, rng.randint(0, 99))] + [parser.finish()]
+        pieces = [parser.feed(p) for p in random_chunks(text, rng.randint(0, 99), max_size=6)] + [parser.finish()]
         assert ("".join(r for r, _ in pieces) or None, "".join(c for _, c in pieces)) == expected, text
