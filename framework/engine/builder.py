@@ -360,6 +360,8 @@ class EngineBuilder:
         self.enable_fused_all_reduce_norm()
         if self.weight_prefetch is not None and self.device.type == "cuda":
             self.weight_prefetcher = WeightPrefetcher(self.torch_model, self.weight_prefetch, self.device)
+        elif self.weight_prefetch is not None:
+            log.info("FW_PREFETCH_WEIGHTS is ignored on %s (it prefetches into a GPU's L2 cache)", self.device)
         backend = self.select_attention_backend()
         kv_caches = self.allocate_kv_cache(backend)
         sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))

@@ -105,6 +105,7 @@ class WeightPrefetcher:
                 raise ConfigError(f"{ENV}={setting.method}: {error}") from None
             torch.cuda.synchronize(device)
         self._handles = [layer.register_forward_pre_hook(self._before_forward) for layer in self.layers]
+        self._handles.append(model.register_forward_pre_hook(self._before_model))
         self._handles.append(model.register_forward_hook(self._after_model))
         for layer in self.layers:
             layer.after_matmul = self._after_matmul
@@ -129,6 +130,11 @@ class WeightPrefetcher:
 
     def _before_forward(self, layer: nn.Module, args: Any) -> None:
         self._join()
+
+    def _before_model(self, model: nn.Module, args: Any) -> None:
+        # a forward that raised may have left a fork unjoined; joining it now could reach into a
+        # CUDA-graph capture that never saw the fork. A prefetch needs no join for correctness.
+        self.pending = False
 
     def _after_model(self, model: nn.Module, args: Any, output: Any) -> None:
         self._join()

@@ -73,7 +73,10 @@ class StreamLog:
         self.events.append(f"prefetch {self.names.get(id(weight), '?')} {max_bytes} {method}")
 
 
-def test_each_matmul_prefetches_the_next_layers_weight_and_the_next_matmul_waits_for_it(tiny_llama, monkeypatch):
+@pytest.fixture
+def logged(tiny_llama, monkeypatch):
+    """A tiny Llama on the CPU with a prefetcher (bulk, 1000 bytes) whose streams and kernel write
+    to a :class:`StreamLog`: ``(llm, model, log, prefetcher)``."""
     llm = LLM(str(tiny_llama), load_format="dummy", num_blocks=16, device="cpu")
     model = llm.engine.core.runner.model
     log = StreamLog()
@@ -84,6 +87,11 @@ def test_each_matmul_prefetches_the_next_layers_weight_and_the_next_matmul_waits
     monkeypatch.setattr(torch.cuda, "synchronize", lambda _device=None: None)
     monkeypatch.setattr(weight_prefetch, "get_kernel", lambda op: log.prefetch)
     prefetcher = WeightPrefetcher(model, PrefetchSetting("bulk", 1000), torch.device("cpu"))
+    return llm, model, log, prefetcher
+
+
+def test_each_matmul_prefetches_the_next_layers_weight_and_the_next_matmul_waits_for_it(logged):
+    llm, model, log, prefetcher = logged
     names = {module: name for name, module in model.named_modules()}
     log.names = {id(layer.weight): names[layer] for layer in prefetcher.layers}
     for layer in prefetcher.layers:
@@ -104,3 +112,18 @@ def test_each_matmul_prefetches_the_next_layers_weight_and_the_next_matmul_waits
     log.events.clear()
     llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert log.events == prefill + [f"matmul {name}" for name in linears]  # no forks, prefetches or joins
+
+
+def test_a_forward_that_raised_leaves_no_join_for_the_next(logged):
+    """A fork left unjoined by a forward that raised is dropped, not joined at the start of the next
+    forward (which may be a CUDA-graph capture that never saw the fork)."""
+    llm, model, log, prefetcher = logged
+    prefetcher.recorded = True
+    first, second = prefetcher.layers[0], prefetcher.layers[1]
+    prefetcher.next_weight = {first: second.weight}
+    first(torch.randn(1, first.input_size))  # forks a prefetch of the second layer's weight; then the forward raises
+    assert prefetcher.pending and log.events[-2:] == ["fork", "prefetch ? 1000 bulk"]
+    log.events.clear()
+    prefetcher._before_model(model, ())  # the next forward starts
+    second(torch.randn(1, second.input_size))
+    assert not prefetcher.pending and log.events == []  # no join reached across into it
