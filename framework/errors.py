@@ -14,6 +14,12 @@ class ConfigError(FwError, ValueError):
     """A setting, flag or argument has a value fw cannot use."""
 
 
+class GrammarError(ConfigError):
+    """A request's structured-output constraint is invalid or failed to compile. The message starts
+    with the constraint's kind (``structured_outputs.<kind>: ...``); the server answers with a 400
+    naming the request field the constraint came from."""
+
+
 class UnknownNameError(ConfigError, KeyError):
     """A name was looked up in a registry that does not hold it; the message lists valid names."""
 

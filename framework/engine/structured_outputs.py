@@ -3,7 +3,7 @@
 A request whose ``SamplingParams.structured_outputs`` is set gets a grammar (JSON schema, regex,
 EBNF, choice). The :class:`StructuredOutputManager` owns everything grammar-related::
 
-    add_request   parse the grammar (ConfigError if it is invalid), start compiling it against
+    add_request   parse the grammar (GrammarError if it is invalid), start compiling it against
                   the model's vocabulary on a worker thread; compiled grammars are cached by
                   (kind, spec), so the same schema compiles once
     pop_ready     requests whose grammar finished compiling: the engine schedules them only
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from framework.engine.transfer import to_device
-from framework.errors import ConfigError
+from framework.errors import ConfigError, GrammarError
 from framework.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 def build_grammar(params: StructuredOutputsParams) -> Any:
-    """The ``xgrammar.Grammar`` for ``params``; raises ConfigError naming the field when it is invalid.
+    """The ``xgrammar.Grammar`` for ``params``; raises GrammarError naming the field when it is invalid.
 
     JSON is generated compactly (``{"a": 1, "b": [2, 3]}``) with no free whitespace: small
     models otherwise tend to loop on whitespace. Schemas are strict (no properties or items
@@ -79,7 +79,7 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
     except (RuntimeError, ValueError, TypeError) as error:
         message = _xgrammar_message(error)
         what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(kind, kind)
-        raise ConfigError(f"structured_outputs.{kind}: invalid {what}: {message}") from None
+        raise GrammarError(f"structured_outputs.{kind}: invalid {what}: {message}") from None
 
 
 def compile_error_message(params: StructuredOutputsParams, error: BaseException) -> str:
@@ -135,7 +135,7 @@ class StructuredOutputManager:
 
     # --- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Parse the request's grammar (ConfigError if invalid) and start compiling it."""
+        """Parse the request's grammar (GrammarError if invalid) and start compiling it."""
         params = request.sampling_params.structured_outputs
         assert params is not None
         if self._compiler is not None and self._compiler.done() and self._compiler.exception() is not None:

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from framework.engine.outputs import EngineStats, RequestOutput
-from framework.errors import ConfigError, FwError
+from framework.errors import ConfigError, FwError, GrammarError
 from framework.sampling_params import SamplingParams
 from framework.server.messages import (
     AbortRequests,
@@ -155,9 +155,9 @@ class AsyncEngineClient:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                if item.error is not None:
+                if item.error is not None:  # only a grammar that failed to compile finishes with an error
                     finished = True
-                    raise ConfigError(item.error)
+                    raise GrammarError(item.error)
                 if item.finish_reason is not None:
                     finished = True
                 yield item
@@ -211,7 +211,7 @@ class AsyncEngineClient:
             elif isinstance(message, AddFailed):
                 queue = self._queues.get(message.request_id)
                 if queue is not None:
-                    queue.put_nowait(ConfigError(message.message))
+                    queue.put_nowait((GrammarError if message.grammar else ConfigError)(message.message))
             elif isinstance(message, Ready):
                 if not self._ready_future.done():
                     self._ready_future.set_result(message)

@@ -153,13 +153,14 @@ class EngineLoop:
 
     def handle(self, message) -> bool:
         """Apply one request message; False means shut down."""
-        from framework.errors import FwError
+        from framework.errors import FwError, GrammarError
 
         if isinstance(message, AddRequest):
             try:
                 self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.pooling)
             except FwError as error:
-                self.send(AddFailed(request_id=message.request_id, message=str(error)))
+                self.send(AddFailed(request_id=message.request_id, message=str(error),
+                                    grammar=isinstance(error, GrammarError)))
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 self.core.abort(request_id)

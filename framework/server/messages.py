@@ -73,6 +73,8 @@ class StepOutputs(msgspec.Struct, tag="outputs", kw_only=True):
 class AddFailed(msgspec.Struct, tag="add_failed", kw_only=True):
     request_id: str
     message: str
+    #: the refusal was a GrammarError (the request's structured-output constraint)
+    grammar: bool = False
 
 
 class StatsReply(msgspec.Struct, tag="stats", kw_only=True):

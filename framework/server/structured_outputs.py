@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from framework.errors import ConfigError
+from framework.errors import GrammarError
 from framework.sampling_params import StructuredOutputsParams
 from framework.server.errors import APIError, bad_request
 from framework.server.state import engine_error
@@ -80,12 +80,11 @@ def _constraints(body: Any) -> list[tuple[str, StructuredOutputsParams]]:
 
 def grammar_errors(field: str | None) -> Callable[[Exception], APIError]:
     """:func:`~framework.server.state.engine_error`, except that the engine's error about a grammar
-    (``structured_outputs.<kind>: ...``: invalid, or failed to compile) is a 400 naming ``field``,
-    the request field the grammar came from."""
+    (a :class:`~framework.errors.GrammarError`: invalid, or failed to compile) is a 400 naming
+    ``field``, the request field the grammar came from, in place of its ``structured_outputs.<kind>``."""
     def to_api_error(error: Exception) -> APIError:
-        message = str(error)
-        if field is not None and isinstance(error, ConfigError) and message.startswith("structured_outputs."):
-            return bad_request(f"{field}: {message.split(': ', 1)[-1]}", field)
+        if field is not None and isinstance(error, GrammarError):
+            return bad_request(f"{field}: {str(error).split(': ', 1)[-1]}", field)
         return engine_error(error)
 
     return to_api_error

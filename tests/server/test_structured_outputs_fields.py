@@ -63,3 +63,43 @@ def test_malformed_fields_are_400s_naming_the_field(fields, param, message):
         structured_outputs_from_request(_chat(**fields))
     error = excinfo.value
     assert error.status == 400 and error.param == param and message in error.message
+
+
+def test_only_a_grammar_error_becomes_a_400_naming_the_request_field():
+    """The engine's GrammarError is reported against the field the grammar came from; any other
+    refusal keeps its own message, even one that happens to start like a grammar error's."""
+    from framework.errors import ConfigError, GrammarError
+    from framework.server.structured_outputs import grammar_errors
+
+    to_api_error = grammar_errors("response_format.json_schema.schema")
+    grammar = to_api_error(GrammarError("structured_outputs.json: invalid JSON schema: bad type"))
+    assert (grammar.status, grammar.message, grammar.param) == (
+        400, "response_format.json_schema.schema: invalid JSON schema: bad type", "response_format.json_schema.schema")
+    other = to_api_error(ConfigError("structured_outputs.json: looks alike, but is not the grammar"))
+    assert (other.status, other.message, other.param) == (
+        400, "structured_outputs.json: looks alike, but is not the grammar", None)
+    assert grammar_errors(None)(GrammarError("structured_outputs.regex: x")).message == "structured_outputs.regex: x"
+
+
+def test_the_engine_process_marks_a_grammar_refusal_for_the_client():
+    """An AddRequest whose grammar is invalid is answered AddFailed(grammar=True), any other refusal
+    grammar=False (test_structured_outputs_server.py sees the client turn the first into a 400 that
+    names the request field)."""
+    from framework.errors import ConfigError, GrammarError
+    from framework.server.engine_process import EngineLoop
+    from framework.server.messages import AddFailed, AddRequest
+
+    sent = []
+
+    class Core:
+        def add_request(self, request_id, prompt_token_ids, params, pooling):
+            raise GrammarError("structured_outputs.regex: invalid regular expression: (")
+
+    loop = EngineLoop.__new__(EngineLoop)
+    loop.core, loop.send = Core(), sent.append
+    loop.handle(AddRequest(request_id="r1", prompt_token_ids=[1], params=None))
+    assert sent == [AddFailed(request_id="r1", message="structured_outputs.regex: invalid regular expression: (",
+                              grammar=True)]
+    Core.add_request = lambda *args: (_ for _ in ()).throw(ConfigError("the prompt is too long"))
+    loop.handle(AddRequest(request_id="r2", prompt_token_ids=[1], params=None))
+    assert sent[-1] == AddFailed(request_id="r2", message="the prompt is too long", grammar=False)

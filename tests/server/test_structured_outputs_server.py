@@ -44,12 +44,14 @@ def test_invalid_schema_is_a_400_and_the_server_stays_up(client):
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format=bad,
                                            stream=stream)
         error = excinfo.value
-        assert error.status_code == 400
-        assert "invalid JSON schema" in error.message and "objekt" in error.message
+        assert error.status_code == 400 and error.body["param"] == "response_format.json_schema.schema", error.body
+        assert error.body["message"].startswith("response_format.json_schema.schema: invalid JSON schema")
+        assert "objekt" in error.message
     with pytest.raises(openai.BadRequestError, match="response_format.type must be one of text, json_object"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format={"type": "yaml"})
-    with pytest.raises(openai.BadRequestError, match="invalid regular expression"):
+    with pytest.raises(openai.BadRequestError, match="invalid regular expression") as excinfo:
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "(unclosed"})
+    assert excinfo.value.body["param"] == "guided_regex", excinfo.value.body
     # still serving, constrained and free requests alike
     answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}],
                                             max_tokens=4, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
