@@ -215,6 +215,20 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 # --- requests -------------------------------------------------------------------------------------
 
 
+def write_kernel_report(path: str, results: list, **extra: Any) -> None:
+    """Write a kernel benchmark's JSON to ``path``: date, device, commit, command, the torch and
+    Triton versions, ``extra`` (the run's own settings) and ``results``."""
+    import time
+
+    import triton
+
+    report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(),
+              "command": command_line(), "torch": torch.__version__, "triton": triton.__version__, **extra,
+              "results": results}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
 def nano_requests(num_requests: int, vocab: int) -> tuple[list[dict[str, list[int]]], list[int]]:
     """nano-vllm's bench.py requests: prompts of ids below ``vocab`` and output lengths, both
     uniform in 100..1024, from ``random.Random(0)`` (the prompts first, then the lengths)."""

@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import time
 from typing import Any, NamedTuple
 
 import torch
 import triton
-from common import SHAPES, command_line, device_name, git_commit, graph_time
+from common import SHAPES, graph_time, write_kernel_report
 from fw_triton_attention.decode import decode_attention, num_kv_splits
 from fw_triton_attention.kv_store import store_kv
 
@@ -184,11 +182,7 @@ def main() -> None:
         results.append(run_case(shape, args.tp, batch, context, max_model_len))
         print(describe(results[-1]), flush=True)
     if args.out:
-        report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(),
-                  "command": command_line(), "torch": torch.__version__, "triton": triton.__version__,
-                  "results": results}
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_kernel_report(args.out, results)
 
 
 if __name__ == "__main__":

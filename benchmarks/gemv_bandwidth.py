@@ -18,12 +18,9 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
-import time
 
 import torch
-import triton
-from common import COPY_BANDWIDTH, SHAPES, command_line, device_name, git_commit, graph_time
+from common import COPY_BANDWIDTH, SHAPES, graph_time, write_kernel_report
 from fw_triton_ops.gemv import GemvConfig, gemv, gemv_config
 
 from framework.distributed.partition import attention_heads_per_rank
@@ -118,11 +115,7 @@ def main() -> None:
               f"Triton op's rule, {step['best_s'] * 1e3:.2f} ms taking the faster per layer; copy bandwidth "
               f"{COPY_BANDWIDTH / 1e12:.2f} TB/s")
     if args.out:
-        report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(),
-                  "command": command_line(),
-                  "torch": torch.__version__, "triton": triton.__version__, "results": results}
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_kernel_report(args.out, results)
 
 
 if __name__ == "__main__":

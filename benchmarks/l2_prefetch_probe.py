@@ -29,12 +29,9 @@ Every case is a CUDA graph replayed many times, each repeat on a different copy 
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import torch
-import triton
-from common import SHAPES, command_line, device_name, git_commit, graph_time
+from common import SHAPES, graph_time, write_kernel_report
 from fw_triton_ops.prefetch import prefetch_to_l2
 from gemv_bandwidth import layer_shapes
 
@@ -151,10 +148,7 @@ def main() -> None:
                         if key.endswith("_error"):
                             print(f"  {key}: {value}", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(),
-                       "command": command_line(), "torch": torch.__version__, "triton": triton.__version__,
-                       "window_calls": args.window_calls, "max_mb": args.max_mb, "results": results}, f, indent=2)
+        write_kernel_report(args.out, results, window_calls=args.window_calls, max_mb=args.max_mb)
 
 
 if __name__ == "__main__":

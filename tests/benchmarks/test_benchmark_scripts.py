@@ -125,3 +125,16 @@ def test_decode_attention_sweep_checks_fused_against_unfused_and_skips_surplus_s
     at_128 = {(s["block_n"], s["num_splits"]) for s in sweep_settings(128)}
     assert at_128 == {(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (128, 1)}
     assert len(sweep_settings(4096)) == 3 * 3 * 3 * 4
+
+
+def test_kernel_reports_carry_date_device_commit_command_and_versions(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setenv("FW_COMMIT", "abc1234")
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "gemv_bandwidth.py"), "--rows", "1", "--out", "x.json"])
+    from common import write_kernel_report
+
+    write_kernel_report(str(tmp_path / "r.json"), [{"n": 1}], window_calls=2)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert {"date", "device", "torch", "triton"} <= set(report)
+    assert (report["commit"], report["command"], report["window_calls"], report["results"]) == (
+        "abc1234", "python benchmarks/gemv_bandwidth.py --rows 1", 2, [{"n": 1}])

@@ -96,15 +96,13 @@ def _decode_attention_kernel(
     for tile in range(start, end, BLOCK_N):
         kv_pos = tile + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < end
+        load_mask = kv_mask & (kv_pos != last) if STORE_NEW_KV else kv_mask  # the new row is not in the cache yet
+        k, v = load_kv_tile(cache_ptr, table_row, kv_pos, load_mask, kv_head, dims, dim_mask, stride_cache_block,
+                            stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE, FP32)
         if STORE_NEW_KV:
-            k, v = load_kv_tile(cache_ptr, table_row, kv_pos, kv_mask & (kv_pos != last), kv_head, dims, dim_mask,
-                                stride_cache_block, stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE, FP32)
             is_new = (kv_pos == last)[:, None]
             k = tl.where(is_new, new_k[None, :].to(k.dtype), k)
             v = tl.where(is_new, new_v[None, :].to(v.dtype), v)
-        else:
-            k, v = load_kv_tile(cache_ptr, table_row, kv_pos, kv_mask, kv_head, dims, dim_mask, stride_cache_block,
-                                stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE, FP32)
         allowed = row_mask[:, None] & kv_mask[None, :]
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
 
