@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from framework.distributed.fast_all_reduce import ALL_REDUCE_CHOICES
+
 #: Model shapes (Hugging Face ``config.json`` fields) for random-weight engines. A shape without
 #: ``architectures`` is a Llama (see :func:`model_config`).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -180,7 +182,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (GPUs 0..N-1 unless --d)")
     parser.add_argument("--d", default=None, help="GPU ordinals, e.g. 0,1 (tensor parallelism over them)")
-    parser.add_argument("--all-reduce", default="auto", choices=["nccl", "symm_mem", "auto"],
+    parser.add_argument("--all-reduce", default="auto", choices=list(ALL_REDUCE_CHOICES),
                         help="tensor-parallel all-reduce (fw --all-reduce; auto: symm_mem on Hopper GPUs of one host with peer access)")
 
 

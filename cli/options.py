@@ -34,7 +34,8 @@ AsyncScheduling = Annotated[bool | None, typer.Option(
     help="Prepare each step on the host while the device runs the previous one (default: on for CUDA devices).")]
 AllReduce = Annotated[str, typer.Option("--all-reduce", help="Tensor-parallel all-reduce: auto (symm_mem where every GPU "
                                         "is Hopper or newer, on one host with peer access; else nccl), symm_mem (one-shot over NVLink peer "
-                                        "memory for decode-sized tensors; an error where it cannot run) or nccl.")]
+                                        "memory for decode-sized tensors; an error where it cannot run), nccl, or flashinfer (symm_mem plus FlashInfer's fused "
+                                        "all-reduce + residual add + RMS norm in decode steps; not yet measured).")]
 LoadFormat = Annotated[str, typer.Option("--load-format", help="auto (detect), or a weight format by name: safetensors, gguf, dummy (random weights for a config.json).")]
 AttentionBackend = Annotated[str, typer.Option("--attention-backend", help="auto or a registered backend name (fw plugins check).")]
 

@@ -7,8 +7,10 @@ that for ``--tp`` / ``--d 0,1``). See docs/tensor-parallel.md.
 
 from framework.distributed.state import (
     all_reduce,
+    all_reduce_add_rms_norm,
     broadcast_message,
     destroy_tensor_parallel,
+    enable_flashinfer_all_reduce_norm,
     enable_symm_mem_all_reduce,
     gather_to_rank0,
     get_tp_rank,
@@ -20,8 +22,10 @@ from framework.distributed.state import (
 
 __all__ = [
     "all_reduce",
+    "all_reduce_add_rms_norm",
     "broadcast_message",
     "destroy_tensor_parallel",
+    "enable_flashinfer_all_reduce_norm",
     "enable_symm_mem_all_reduce",
     "gather_to_rank0",
     "get_tp_rank",

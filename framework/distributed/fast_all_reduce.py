@@ -33,8 +33,10 @@ log = logging.getLogger("fw.distributed")
 #: The values of ``--all-reduce``: ``auto`` is ``symm_mem`` where every rank's GPU can use it (one
 #: host, peer access, compute capability 9.0+, a bf16 or fp32 model, the first such engine of the
 #: process), else ``nccl``. Measured on 2xH200: 6.5 us against NCCL's 20 us for 8 KiB
-#: inside a CUDA graph (docs/tensor-parallel.md).
-ALL_REDUCE_CHOICES = ("nccl", "symm_mem", "auto")
+#: inside a CUDA graph (docs/tensor-parallel.md). ``flashinfer`` adds FlashInfer's fused
+#: all-reduce + residual add + RMS norm (:mod:`framework.distributed.flashinfer_all_reduce`) to
+#: ``symm_mem``; only by name.
+ALL_REDUCE_CHOICES = ("nccl", "symm_mem", "auto", "flashinfer")
 
 #: The largest symmetric buffer allocated (bytes): one-shot beats NCCL only for small tensors.
 MAX_BUFFER_BYTES = 8 * 2**20
@@ -59,8 +61,8 @@ def resolve_all_reduce(name: str, device: torch.device) -> str:
     check_all_reduce_name(name)
     if name == "auto":
         return "auto" if device.type == "cuda" else "nccl"
-    if name == "symm_mem" and device.type != "cuda":
-        raise ConfigError(f"--all-reduce symm_mem needs CUDA GPUs with peer access; this engine runs on {device.type} "
+    if name in ("symm_mem", "flashinfer") and device.type != "cuda":
+        raise ConfigError(f"--all-reduce {name} needs CUDA GPUs with peer access; this engine runs on {device.type} "
                           "(gloo has no peer memory): use --all-reduce nccl or auto")
     return name
 

@@ -43,6 +43,7 @@ class TensorParallelState:
     control_group: Any = None
     #: the symmetric-memory all-reduce (``--all-reduce symm_mem``); None: NCCL / gloo only
     fast_all_reduce: Any = None
+    fused_all_reduce_norm: Any = None  # FlashInferFusedAllReduceNorm with --all-reduce flashinfer
     #: the group name this engine set symmetric memory up on (see note_symm_mem_set_up)
     symm_mem_group: str | None = None
 
@@ -143,9 +144,10 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
     with its peers. It runs on a daemon thread so that a peer that is already gone costs at most
     ``timeout_s`` (then the process exits without a clean teardown) instead of a hang.
     """
-    if _state.fast_all_reduce is not None:
-        _state.fast_all_reduce.close()
-        _state.fast_all_reduce = None
+    for name in ("fast_all_reduce", "fused_all_reduce_norm"):
+        if getattr(_state, name) is not None:
+            getattr(_state, name).close()
+            setattr(_state, name, None)
     if _state.symm_mem_group is not None:
         SYMM_MEM_GROUPS_OF_EARLIER_ENGINES.add(_state.symm_mem_group)
         _state.symm_mem_group = None
@@ -192,6 +194,41 @@ def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int, *, required
     return True
 
 
+def enable_flashinfer_all_reduce_norm(device: torch.device, max_tokens: int, hidden_size: int,
+                                      dtype: torch.dtype) -> None:
+    """``--all-reduce flashinfer``: from now on :func:`all_reduce_add_rms_norm` runs FlashInfer's
+    fused kernel for up to ``max_tokens`` rows of ``hidden_size`` in ``dtype``.
+
+    Every rank calls it together, after :func:`init_tensor_parallel` and before any CUDA graph is
+    captured. Raises :class:`ConfigError` on every rank when any rank cannot run it (several hosts,
+    no P2P, FlashInfer's communication module missing or failing to import).
+    """
+    if _state.size == 1:
+        return
+    from framework.distributed.fast_all_reduce import peer_access_problem
+
+    problem = peer_access_problem(device, _state.control_group)
+    if problem is None:
+        failure = None
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (9, 0):  # FlashInfer builds its communication kernels for SM 9.x and newer
+            failure = f"its kernel needs compute capability 9.0 or newer; {device} is {capability[0]}.{capability[1]}"
+        else:
+            try:
+                import flashinfer.comm.trtllm_ar  # noqa: F401  (the import every rank must manage)
+            except Exception as error:  # ImportError, or FlashInfer failing at import on this machine
+                failure = (f"FlashInfer's communication module is not available ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''}); install flashinfer-python")
+        if not min_over_ranks(int(failure is None)) and failure is None:
+            failure = "another rank cannot run it (its log says why)"
+        problem = failure
+    if problem is not None:
+        raise ConfigError(f"--all-reduce flashinfer: {problem}: use --all-reduce symm_mem or nccl")
+    from framework.distributed.flashinfer_all_reduce import FlashInferFusedAllReduceNorm
+
+    _state.fused_all_reduce_norm = FlashInferFusedAllReduceNorm(device, max_tokens, hidden_size, dtype)
+
+
 # --- collectives ----------------------------------------------------------------------------
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -205,6 +242,22 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
             return _state.fast_all_reduce.all_reduce(x)
         dist.all_reduce(x)
     return x
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                            fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm(all_reduce(x), residual, weight, eps, offset)``: the sum of every rank's
+    partial ``x``, plus the residual stream, normalised; returns ``(normalised, new_residual)``.
+
+    With ``--all-reduce flashinfer`` and a tensor that fits its workspace, one FlashInfer kernel
+    does all three (:mod:`framework.distributed.flashinfer_all_reduce`); otherwise the all-reduce
+    of :func:`all_reduce`, then ``fused_add_rms_norm`` (the norm layer's kernel).
+    """
+    fused = _state.fused_all_reduce_norm
+    if fused is not None and fused.fits(x):
+        return fused(x, residual, weight, eps, offset)
+    return fused_add_rms_norm(all_reduce(x), residual, weight, eps, offset)
 
 
 def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

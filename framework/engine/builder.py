@@ -20,7 +20,12 @@ from framework import distributed, plugins, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig, free_port
-from framework.distributed.fast_all_reduce import all_reduce_for_dtype, buffer_bytes, resolve_all_reduce
+from framework.distributed.fast_all_reduce import (
+    SUPPORTED_DTYPES,
+    all_reduce_for_dtype,
+    buffer_bytes,
+    resolve_all_reduce,
+)
 from framework.distributed.launch import WorkerGroup
 from framework.distributed.messages import StepMessage
 from framework.engine.cuda_graphs import CUDAGraphRunner
@@ -31,6 +36,7 @@ from framework.engine.sampler import Sampler
 from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError, FwError, ModelLoadError
 from framework.layers.attention import Attention
+from framework.layers.layernorm import RMSNorm
 from framework.layers.weight_prefetch import WeightPrefetcher, setting_from_env
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
@@ -80,7 +86,8 @@ class EngineBuilder:
     ``all_reduce`` (``--all-reduce``) picks the tensor-parallel all-reduce: ``auto`` (default:
     ``symm_mem`` when every rank is a Hopper-or-newer GPU of one host with peer access, else ``nccl``),
     ``symm_mem`` (one-shot on NVLink peer memory for decode-sized tensors; an error where it cannot
-    run) or ``nccl``.
+    run), ``nccl``, or ``flashinfer`` (symm_mem where it can run, plus FlashInfer's fused all-reduce
+    + residual add + RMS norm for decode steps of models whose norms take the all-reduce).
     """
 
     def __init__(self, model: str | None = None, *, weights: str | None = None, file: str | None = None,
@@ -105,7 +112,7 @@ class EngineBuilder:
         self.parallel = ParallelConfig(tensor_parallel_size, num_nodes, node_rank, device_ids, master_addr, master_port,
                                        rendezvous_timeout, distributed_timeout, tp_rank)
         self.device = self.parallel.device(device)
-        self.all_reduce = resolve_all_reduce(all_reduce, self.device)  # nccl, symm_mem or auto (validated)
+        self.all_reduce = resolve_all_reduce(all_reduce, self.device)  # nccl, symm_mem, auto or flashinfer (validated)
         if self.parallel.is_parallel and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
         self.workers: WorkerGroup | None = None
@@ -322,6 +329,15 @@ class EngineBuilder:
                                          rendezvous_timeout_s=parallel.rendezvous_timeout,
                                          timeout_s=parallel.distributed_timeout,
                                          check_workers=self.workers.failure if self.workers is not None else None)
+        if self.all_reduce == "flashinfer":
+            # symm_mem (where it can run) or NCCL for every all-reduce that no norm fuses; the fused
+            # all-reduce + add + norm comes once the model is built (enable_fused_all_reduce_norm)
+            self._plain_all_reduce = "nccl"
+            if config.dtype in SUPPORTED_DTYPES and distributed.enable_symm_mem_all_reduce(
+                    self.device, buffer_bytes(self.scheduler.max_num_seqs, config.hidden_size, config.dtype),
+                    required=False):
+                self._plain_all_reduce = "symm_mem"
+            return
         self.all_reduce = all_reduce_for_dtype(self.all_reduce, config.dtype)
         if self.all_reduce in ("symm_mem", "auto"):
             enabled = distributed.enable_symm_mem_all_reduce(
@@ -341,6 +357,7 @@ class EngineBuilder:
         """Every rank's part: the sharded model, attention backend, KV cache and decode graphs."""
         self.start_tensor_parallel()
         self.load_model()
+        self.enable_fused_all_reduce_norm()
         if self.weight_prefetch is not None and self.device.type == "cuda":
             self.weight_prefetcher = WeightPrefetcher(self.torch_model, self.weight_prefetch, self.device)
         elif self.weight_prefetch is not None:
@@ -351,6 +368,22 @@ class EngineBuilder:
         runner = ModelRunner(self.torch_model, backend, kv_caches, self.cache.block_size, self.device, sampler)
         runner.graph_runner = self.capture_cuda_graphs(backend, kv_caches)
         return runner
+
+    def enable_fused_all_reduce_norm(self) -> None:
+        """``--all-reduce flashinfer`` on a built model: FlashInfer's fused all-reduce + residual add
+        + RMS norm when the model's norms take the all-reduce (every rank builds the same model, so
+        all decide alike; before the KV cache is sized, which then leaves room for its workspace);
+        a model whose norms do not keeps the plain all-reduce, and the summary says which."""
+        if self.all_reduce != "flashinfer" or not self.parallel.is_parallel:
+            return
+        assert self.torch_model is not None and self.config is not None
+        if not any(isinstance(module, RMSNorm) and module.reduces_input for module in self.torch_model.modules()):
+            log.info("--all-reduce flashinfer: %s's norms do not take the all-reduce; %s sums everything",
+                     self.config.architecture, self._plain_all_reduce)
+            self.all_reduce = self._plain_all_reduce
+            return
+        distributed.enable_flashinfer_all_reduce_norm(self.device, self.scheduler.max_num_seqs, self.config.hidden_size,
+                                                      self.config.dtype)
 
     def use_async_scheduling(self) -> bool:
         """``async_scheduling`` as asked; by default on for CUDA (on the CPU nothing would overlap)."""

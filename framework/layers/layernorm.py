@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from framework import distributed
 from framework.kernels import get_kernel
 
 
@@ -23,10 +24,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, dtype=params_dtype), requires_grad=False)
         self._rms_norm = get_kernel("rms_norm")
         self._fused_add_rms_norm = get_kernel("fused_add_rms_norm")
+        #: Under tensor parallelism, ``forward(x, residual)`` receives this rank's partial sum ``x``
+        #: (a row-parallel layer that left its all-reduce to the norm) and all-reduces it first, in
+        #: one kernel with the add and the norm where :mod:`framework.distributed` has one.
+        self.reduces_input = False
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
             return self._rms_norm(x, self.weight, self.eps, self.offset)
+        if self.reduces_input:
+            return distributed.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.offset,
+                                                       self._fused_add_rms_norm)
         return self._fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)
 
     def extra_repr(self) -> str:

@@ -29,6 +29,15 @@ class GatedMLP(nn.Module):
                                            prefix=f"{prefix}.down_proj", reduce_results=reduce_results)
         self.act_fn = act_fn
 
+    @property
+    def reduce_results(self) -> bool:
+        """Whether the output is all-reduced (False: this rank's partial sum, for the caller)."""
+        return self.down_proj.reduce_results
+
+    @reduce_results.setter
+    def reduce_results(self, value: bool) -> None:
+        self.down_proj.reduce_results = value
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
 

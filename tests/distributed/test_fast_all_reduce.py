@@ -31,10 +31,13 @@ def test_resolve_all_reduce_validates_the_name_and_the_device():
     assert resolve_all_reduce("auto", cpu) == "nccl"  # gloo
     assert resolve_all_reduce("auto", cuda) == "auto"  # decided once the group exists
     assert resolve_all_reduce("symm_mem", cuda) == "symm_mem"
-    with pytest.raises(ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto; got 'custom'"):
+    with pytest.raises(ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'custom'"):
         resolve_all_reduce("custom", cuda)
     with pytest.raises(ConfigError, match=r"symm_mem needs CUDA GPUs with peer access; this engine runs on cpu"):
         resolve_all_reduce("symm_mem", cpu)
+    assert resolve_all_reduce("flashinfer", cuda) == "flashinfer"
+    with pytest.raises(ConfigError, match=r"flashinfer needs CUDA GPUs with peer access; this engine runs on cpu"):
+        resolve_all_reduce("flashinfer", cpu)
 
 
 def test_fp16_models_keep_nccl_under_auto_and_refuse_symm_mem():
@@ -65,7 +68,7 @@ def test_cli_all_reduce_flag_errors_name_the_valid_values(command):
     app = build_app()
     result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--all-reduce", "fast"])
     assert result.exit_code == 2, result.output
-    assert "--all-reduce must be one of nccl, symm_mem, auto; got 'fast'" in result.output
+    assert "--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'fast'" in result.output
     result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--device", "cpu", "--tp", "2",
                                       "--all-reduce", "symm_mem"])
     assert result.exit_code == 2, result.output
@@ -233,6 +236,35 @@ def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_ncc
         assert fast.all_reduce(too_big_or_odd) is too_big_or_odd and calls.pop() == ("nccl", tuple(too_big_or_odd.shape))
 
 
+def test_all_reduce_add_rms_norm_takes_the_fused_kernel_for_what_fits_and_else_sums_then_normalises(monkeypatch):
+    """The dispatch of a norm that takes its input's all-reduce: the fused all-reduce + add + norm
+    (``--all-reduce flashinfer``) for tensors it fits, else ``all_reduce`` then the norm kernel."""
+    from framework import ops
+    from framework.distributed import state
+
+    fused_rows = []
+
+    class FakeFused:
+        def fits(self, x):
+            return x.shape[0] <= 2
+
+        def __call__(self, x, residual, weight, eps, offset):
+            fused_rows.append(x.shape[0])
+            return ops.fused_add_rms_norm(x, residual, weight, eps, offset)
+
+    summed = []
+    monkeypatch.setattr(state, "all_reduce", lambda x: summed.append(x.shape[0]) or x * 2)  # as if two ranks held x
+    monkeypatch.setattr(state._state, "fused_all_reduce_norm", FakeFused())
+    weight = torch.randn(8)
+    for rows in (2, 5):
+        x, residual = torch.randn(rows, 8), torch.randn(rows, 8)
+        got = state.all_reduce_add_rms_norm(x, residual, weight, 1e-6, 1.0, ops.fused_add_rms_norm)
+        want = ops.fused_add_rms_norm(x if rows <= 2 else x * 2, residual, weight, 1e-6, 1.0)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert fused_rows == [2] and summed == [5]
+
+
 def test_an_engine_that_set_symmetric_memory_up_leaves_its_group_name_to_the_guard(monkeypatch):
     """Leaving the group records the name the engine set symmetric memory up on; the peer check of
     a later engine whose default group has that name then reports it (auto keeps NCCL)."""
@@ -252,3 +284,26 @@ def test_an_engine_that_set_symmetric_memory_up_leaves_its_group_name_to_the_gua
     assert fast_all_reduce._set_up_before()
     world.group_name = "8"
     assert not fast_all_reduce._set_up_before()
+
+
+@pytest.mark.parametrize("defers", [True, False])
+def test_flashinfer_fuses_only_where_the_models_norms_take_the_all_reduce(monkeypatch, defers):
+    """``--all-reduce flashinfer`` sets the fused kernel up after the model is built, and only when
+    some norm takes the all-reduce; otherwise the plain all-reduce stays and the summary says so."""
+    from types import SimpleNamespace
+
+    from framework import distributed
+    from framework.engine.builder import EngineBuilder
+    from framework.layers import RMSNorm
+
+    norm = RMSNorm(8)
+    norm.reduces_input = defers
+    enabled = []
+    monkeypatch.setattr(distributed, "enable_flashinfer_all_reduce_norm", lambda *args: enabled.append(args))
+    builder = SimpleNamespace(all_reduce="flashinfer", parallel=SimpleNamespace(is_parallel=True),
+                              torch_model=torch.nn.Sequential(norm), _plain_all_reduce="symm_mem", device="cuda:0",
+                              scheduler=SimpleNamespace(max_num_seqs=16),
+                              config=SimpleNamespace(architecture="X", hidden_size=8, dtype=torch.bfloat16))
+    EngineBuilder.enable_fused_all_reduce_norm(builder)
+    assert builder.all_reduce == ("flashinfer" if defers else "symm_mem")
+    assert enabled == ([("cuda:0", 16, 8, torch.bfloat16)] if defers else [])

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from framework.config import ModelConfig
+from framework.distributed import get_tp_size
 from framework.layers import (
     LayerNorm,
     QKVParallelLinear,
@@ -251,6 +252,22 @@ class LlamaDecoderLayer(nn.Module):
             self.post_self_attn_layernorm = variant.make_norm(hidden)
             self.post_mlp_layernorm = variant.make_norm(hidden)
 
+    @property
+    def can_defer_all_reduce(self) -> bool:
+        """Whether both branches can leave their tensor-parallel all-reduce to the norm after them:
+        a sequential residual, no branch norms, RMSNorms, and an MLP with ``reduce_results``."""
+        return (not self.parallel_residual and not self.branch_norms and isinstance(self.input_layernorm, RMSNorm)
+                and hasattr(self.mlp, "reduce_results"))
+
+    def defer_all_reduce(self) -> None:
+        """The attention and the MLP return partial sums; the next norms (this layer's
+        post-attention norm, the next layer's input norm, the model's final norm) all-reduce them
+        with the residual add and the norm (:func:`framework.distributed.all_reduce_add_rms_norm`)."""
+        self.self_attn.o_proj.reduce_results = False
+        self.mlp.reduce_results = False
+        # the first layer's input norm gets the embeddings and no residual: it does not reduce
+        self.input_layernorm.reduces_input = self.post_attention_layernorm.reduces_input = True
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
         hidden, residual = residual_norm(self.input_layernorm, hidden, residual)
         if self.parallel_residual:
@@ -275,6 +292,10 @@ class LlamaModel(DecoderStack):
             LlamaDecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}", make_mlp) for i in range(config.num_layers)
         )
         self.norm = LlamaVariant.from_config(config).make_norm(config.hidden_size)
+        if get_tp_size() > 1 and all(layer.can_defer_all_reduce for layer in self.layers):
+            for layer in self.layers:
+                layer.defer_all_reduce()
+            self.norm.reduces_input = True  # the last layer's MLP output is a partial sum
 
 
 class LlamaForCausalLM(CausalLM):

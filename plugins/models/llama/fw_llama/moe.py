@@ -73,12 +73,13 @@ class SparseMoeBlock(nn.Module):
                                                        prefix=f"{prefix}.shared_expert_gate")
         else:
             self.shared_expert = self.shared_expert_gate = None
+        self.reduce_results = True  # False: return this rank's partial sum (the next norm all-reduces it)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, self.gate(hidden))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        if self.experts.tp_size > 1:
+        if self.experts.tp_size > 1 and self.reduce_results:
             out = tensor_parallel_all_reduce(out)
         return out
 

@@ -32,7 +32,13 @@ SCORED = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2
 def run(path, **engine_args) -> tuple[list[list[int]], list]:
     """Greedy ids of PROMPTS, and the prompt + sampled logprobs of the scored request (as flat floats / ids)."""
     with LLM(str(path), **ENGINE, **engine_args) as llm:
-        assert llm.engine.summary["tensor_parallel_size"] == engine_args.get("tensor_parallel_size", 1)
+        tp = engine_args.get("tensor_parallel_size", 1)
+        assert llm.engine.summary["tensor_parallel_size"] == tp
+        model = llm.engine.core.runner.model.model
+        # under TP every branch leaves its all-reduce to the next norm (all_reduce_add_rms_norm)
+        assert model.norm.reduces_input == (tp > 1)
+        assert all(layer.self_attn.o_proj.reduce_results == layer.mlp.reduce_results == (tp == 1)
+                   and layer.post_attention_layernorm.reduces_input == (tp > 1) for layer in model.layers)
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
         assert llm.engine.core.stats().num_preemptions > 0
         scored = llm.generate({"prompt_token_ids": PROMPTS[1]}, SCORED)[0]
