@@ -32,10 +32,12 @@ NoCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run dec
 AsyncScheduling = Annotated[bool | None, typer.Option(
     "--async-scheduling/--no-async-scheduling",
     help="Prepare each step on the host while the device runs the previous one (default: on for CUDA devices).")]
-AllReduce = Annotated[str, typer.Option("--all-reduce", help="Tensor-parallel all-reduce: auto (symm_mem where every GPU "
-                                        "is Hopper or newer, on one host with peer access; else nccl), symm_mem (one-shot over NVLink peer "
-                                        "memory for decode-sized tensors; an error where it cannot run), nccl, or flashinfer (symm_mem plus FlashInfer's fused "
-                                        "all-reduce + residual add + RMS norm in decode steps; not yet measured).")]
+AllReduce = Annotated[str, typer.Option("--all-reduce", help="Tensor-parallel all-reduce: auto (flashinfer for bf16 models where "
+                                        "FlashInfer's fused kernel is built already, else symm_mem where every GPU is Hopper or newer, on "
+                                        "one host with peer access, else nccl), symm_mem (one-shot over NVLink peer memory for "
+                                        "decode-sized tensors; an error where it cannot run), nccl, or flashinfer (symm_mem plus "
+                                        "FlashInfer's fused all-reduce + residual add + RMS norm in decode steps; builds the kernel "
+                                        "on first use, about 7 minutes).")]
 LoadFormat = Annotated[str, typer.Option("--load-format", help="auto (detect), or a weight format by name: safetensors, gguf, dummy (random weights for a config.json).")]
 AttentionBackend = Annotated[str, typer.Option("--attention-backend", help="auto or a registered backend name (fw plugins check).")]
 

@@ -302,8 +302,57 @@ def test_flashinfer_fuses_only_where_the_models_norms_take_the_all_reduce(monkey
     monkeypatch.setattr(distributed, "enable_flashinfer_all_reduce_norm", lambda *args: enabled.append(args))
     builder = SimpleNamespace(all_reduce="flashinfer", parallel=SimpleNamespace(is_parallel=True),
                               torch_model=torch.nn.Sequential(norm), _plain_all_reduce="symm_mem", device="cuda:0",
+                              _fused_norm_required=True,
                               scheduler=SimpleNamespace(max_num_seqs=16),
                               config=SimpleNamespace(architecture="X", hidden_size=8, dtype=torch.bfloat16))
     EngineBuilder.enable_fused_all_reduce_norm(builder)
     assert builder.all_reduce == ("flashinfer" if defers else "symm_mem")
     assert enabled == ([("cuda:0", 16, 8, torch.bfloat16)] if defers else [])
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_auto_takes_the_fused_all_reduce_only_where_flashinfers_module_is_built(monkeypatch, built):
+    """``--all-reduce auto`` on GPUs asks whether FlashInfer's communication module is on disk
+    (ahead of time or an earlier JIT build: auto never starts the 7-minute build)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from framework.distributed.flashinfer_all_reduce import unavailable_reason
+    from framework.engine.builder import EngineBuilder
+
+    comm = ModuleType("flashinfer.jit.comm")
+    comm.gen_trtllm_comm_module = lambda: SimpleNamespace(is_compiled=built)
+    monkeypatch.setitem(sys.modules, "flashinfer.jit.comm", comm)
+    reason = unavailable_reason()
+    assert reason is None if built else "not built yet; --all-reduce flashinfer builds it once" in reason
+    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == ("flashinfer" if built else "auto")
+    monkeypatch.setitem(sys.modules, "flashinfer.jit.comm", None)  # FlashInfer not installed: the import fails
+    assert unavailable_reason().startswith("FlashInfer is not available (ModuleNotFoundError")
+    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == "auto"
+
+
+@pytest.mark.parametrize("required", [True, False])
+def test_a_fused_all_reduce_that_cannot_be_set_up_fails_when_asked_for_and_falls_back_under_auto(monkeypatch, required):
+    from types import SimpleNamespace
+
+    from framework import distributed
+    from framework.engine.builder import EngineBuilder
+    from framework.layers import RMSNorm
+
+    norm = RMSNorm(8)
+    norm.reduces_input = True
+
+    def refuse(*args):
+        raise ConfigError("--all-reduce flashinfer: several hosts: use --all-reduce symm_mem or nccl")
+
+    monkeypatch.setattr(distributed, "enable_flashinfer_all_reduce_norm", refuse)
+    builder = SimpleNamespace(all_reduce="flashinfer", parallel=SimpleNamespace(is_parallel=True),
+                              torch_model=torch.nn.Sequential(norm), _plain_all_reduce="nccl", device="cuda:0",
+                              _fused_norm_required=required, scheduler=SimpleNamespace(max_num_seqs=16),
+                              config=SimpleNamespace(architecture="X", hidden_size=8, dtype=torch.bfloat16))
+    if required:
+        with pytest.raises(ConfigError, match="several hosts"):
+            EngineBuilder.enable_fused_all_reduce_norm(builder)
+    else:
+        EngineBuilder.enable_fused_all_reduce_norm(builder)
+        assert builder.all_reduce == "nccl"
