@@ -14,8 +14,10 @@ bring the first megabytes of the next linear layer's weight into L2::
 "Next" is the order the model's first forward called its linear layers in. Only layers with the
 unquantized method (a plain ``weight``) take part, and only decode-sized calls (at most
 :data:`MAX_ROWS` rows) prefetch. A prefetch changes no value, so outputs are identical with it
-on or off; whether it is faster is for ``benchmarks/l2_prefetch_probe.py`` and
-``benchmarks/decode.py`` to show, which is why it is off unless asked for.
+on or off. Measured on two H200s it is slower: Llama-3-8B TP=2 batch-1 decode gave 287.9 tok/s
+with ``bulk`` against 308.2 without, and ``benchmarks/l2_prefetch_probe.py`` found an attention-sized
+window followed by the GEMV no faster with a concurrent prefetch (docs/benchmarks.md). It stays
+off unless asked for, for further experiments.
 
 ``FW_PREFETCH_WEIGHTS=METHOD[:MB]``: ``METHOD`` is ``auto``, ``bulk`` or ``load`` (see
 ``framework.ops.prefetch_to_l2``), ``MB`` the most one prefetch brings in (default
