@@ -183,7 +183,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (GPUs 0..N-1 unless --d)")
     parser.add_argument("--d", default=None, help="GPU ordinals, e.g. 0,1 (tensor parallelism over them)")
     parser.add_argument("--all-reduce", default="auto", choices=list(ALL_REDUCE_CHOICES),
-                        help="tensor-parallel all-reduce (fw --all-reduce; auto: symm_mem on Hopper GPUs of one host with peer access)")
+                        help="tensor-parallel all-reduce (fw --all-reduce; auto: flashinfer for bf16 where its module is built, "
+                             "else symm_mem on Hopper GPUs of one host with peer access)")
 
 
 def device_ids(args: argparse.Namespace) -> list[int] | None:

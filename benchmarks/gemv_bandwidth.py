@@ -8,8 +8,8 @@ cuBLAS reaches 88 % of the copy bandwidth there (docs/benchmarks.md). This measu
 linear layer of a shape as one tensor-parallel rank holds it (fused QKV, O, fused gate/up, down,
 LM head), the weight bytes per second of ``F.linear`` (cuBLAS), of the best setting of the
 triton_ops plugin's split-K GEMV (``fw_triton_ops.gemv``, the kernel registry's ``linear`` op
-``triton``, opt-in) and of the setting its rule picks (what the engine runs with
-``FW_KERNELS=linear=triton``), each replayed from a CUDA graph (no launch overhead) over copies of
+``triton``) and of the setting its rule picks (what the engine runs for a shape that the GPU's
+table, ``fw_triton_ops.gemv_tuned``, does not list; the table is this sweep's best), each replayed from a CUDA graph (no launch overhead) over copies of
 the weight that fill several times the L2 (every call reads from HBM, as in a decode step), and the whole
 step's weight time with each.
 """

@@ -35,7 +35,8 @@ log = logging.getLogger("fw.distributed")
 #: process), else ``nccl``. Measured on 2xH200: 6.5 us against NCCL's 20 us for 8 KiB
 #: inside a CUDA graph (docs/tensor-parallel.md). ``flashinfer`` adds FlashInfer's fused
 #: all-reduce + residual add + RMS norm (:mod:`framework.distributed.flashinfer_all_reduce`) to
-#: ``symm_mem``; only by name.
+#: ``symm_mem``; ``auto`` takes it too for bf16 models of one host where its module is built
+#: (``EngineBuilder.set_up_all_reduce``).
 ALL_REDUCE_CHOICES = ("nccl", "symm_mem", "auto", "flashinfer")
 
 #: The largest symmetric buffer allocated (bytes): one-shot beats NCCL only for small tensors.

@@ -10,9 +10,10 @@ runs the norm kernel. The one-shot Lamport protocol writes each rank's rows into
 buffer and polls for them, with no barrier round trip; the buffers are torch symmetric memory on
 the default group (no NVLink multicast). FlashInfer compiles the kernel just in time on first use
 (about 7 minutes on the 32-core GPU host) unless an ahead-of-time build or an earlier JIT build
-is on disk.
+is on disk. (A JIT build is reused through ninja, which rebuilds it if FlashInfer's sources or the
+compiler changed since: then ``auto`` waits for that build too.)
 
-``--all-reduce auto`` takes it (bf16 models, Hopper GPUs of one host) where that build is already
+``--all-reduce auto`` takes it (bf16 models, GPUs of one host) where that build is already
 on disk (:func:`unavailable_reason`): on two H200s it took Llama-3-8B's batch-1 decode from 302
 to 329-345 tokens/s and Qwen3-32B's from 97.5 to 102.2 (docs/benchmarks.md); ``auto`` never
 starts the 7-minute build, and falls back to the plain all-reduce if the set-up fails.
@@ -26,6 +27,7 @@ keeps the plain all-reduce for them.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -46,12 +48,15 @@ def unavailable_reason() -> str | None:
     try:
         from flashinfer.jit.comm import gen_trtllm_comm_module
 
-        built = gen_trtllm_comm_module().is_compiled
+        spec = gen_trtllm_comm_module()
+        built, ahead_of_time = spec.is_compiled, spec.is_aot
     except Exception as error:  # not installed, or FlashInfer failing at import on this machine
         return f"FlashInfer is not available ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
     if not built:
         return ("FlashInfer's communication module is not built yet; --all-reduce flashinfer builds it once "
                 "(about 7 minutes) into FlashInfer's cache")
+    if os.environ.get("FLASHINFER_DISABLE_JIT") and not ahead_of_time:
+        return "FLASHINFER_DISABLE_JIT is set and the module is a JIT build, which FlashInfer then refuses to load"
     return None
 
 

@@ -201,7 +201,9 @@ def enable_flashinfer_all_reduce_norm(device: torch.device, max_tokens: int, hid
 
     Every rank calls it together, after :func:`init_tensor_parallel` and before any CUDA graph is
     captured. Raises :class:`ConfigError` on every rank when any rank cannot run it (several hosts,
-    no P2P, FlashInfer's communication module missing or failing to import).
+    no P2P, FlashInfer's communication module missing, failing to import or to load, its workspace
+    failing before its collectives). A rank failing inside the workspace's collectives leaves the
+    others waiting there until ``--distributed-timeout``.
     """
     if _state.size == 1:
         return
@@ -214,19 +216,41 @@ def enable_flashinfer_all_reduce_norm(device: torch.device, max_tokens: int, hid
         if capability < (9, 0):  # FlashInfer builds its communication kernels for SM 9.x and newer
             failure = f"its kernel needs compute capability 9.0 or newer; {device} is {capability[0]}.{capability[1]}"
         else:
-            try:
-                import flashinfer.comm.trtllm_ar  # noqa: F401  (the import every rank must manage)
-            except Exception as error:  # ImportError, or FlashInfer failing at import on this machine
+            try:  # the import and the load (its JIT build the first time) every rank must manage
+                from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+
+                get_trtllm_comm_module()
+            except Exception as error:  # not installed, failing at import, or the module failing to build or load
                 failure = (f"FlashInfer's communication module is not available ({type(error).__name__}: "
-                           f"{str(error).splitlines()[0] if str(error) else ''}); install flashinfer-python")
-        if not min_over_ranks(int(failure is None)) and failure is None:
-            failure = "another rank cannot run it (its log says why)"
-        problem = failure
+                           f"{_first_line(error)}); install flashinfer-python")
+        problem = _agreed(failure)
     if problem is not None:
         raise ConfigError(f"--all-reduce flashinfer: {problem}: use --all-reduce symm_mem or nccl")
     from framework.distributed.flashinfer_all_reduce import FlashInferFusedAllReduceNorm
 
-    _state.fused_all_reduce_norm = FlashInferFusedAllReduceNorm(device, max_tokens, hidden_size, dtype)
+    failure = None
+    try:  # a failure before the workspace's collectives (e.g. out of memory) is every rank's, as below
+        fused = FlashInferFusedAllReduceNorm(device, max_tokens, hidden_size, dtype)
+    except ConfigError:
+        raise  # the dtype check: the same on every rank, before any collective
+    except Exception as error:
+        failure = f"its workspace failed to set up ({type(error).__name__}: {_first_line(error)})"
+    problem = _agreed(failure)
+    if problem is not None:
+        raise ConfigError(f"--all-reduce flashinfer: {problem}: use --all-reduce symm_mem or nccl")
+    _state.fused_all_reduce_norm = fused
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else ""
+
+
+def _agreed(failure: str | None) -> str | None:
+    """This rank's ``failure``, or another rank's failure: every rank of the group calls it together
+    and gets None only when none failed."""
+    if not min_over_ranks(int(failure is None)) and failure is None:
+        return "another rank cannot run it (its log says why)"
+    return failure
 
 
 # --- collectives ----------------------------------------------------------------------------

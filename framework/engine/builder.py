@@ -84,7 +84,7 @@ class EngineBuilder:
     """Builds an :class:`Engine`; keyword arguments mirror the ``fw serve`` flags.
 
     ``all_reduce`` (``--all-reduce``) picks the tensor-parallel all-reduce: ``auto`` (default:
-    ``flashinfer`` for bf16 models where FlashInfer's fused kernel is built already, else ``symm_mem``
+    ``flashinfer`` for bf16 models on one host where FlashInfer's fused kernel is built already, else ``symm_mem``
     when every rank is a Hopper-or-newer GPU of one host with peer access, else ``nccl``),
     ``symm_mem`` (one-shot on NVLink peer memory for decode-sized tensors; an error where it cannot
     run), ``nccl``, or ``flashinfer`` (symm_mem where it can run, plus FlashInfer's fused all-reduce
@@ -330,8 +330,20 @@ class EngineBuilder:
                                          rendezvous_timeout_s=parallel.rendezvous_timeout,
                                          timeout_s=parallel.distributed_timeout,
                                          check_workers=self.workers.failure if self.workers is not None else None)
+        self.set_up_all_reduce(config)
+
+    def set_up_all_reduce(self, config: ModelConfig) -> None:
+        """Every rank, once the group exists: settle ``self.all_reduce`` to what sums the layers'
+        outputs (``nccl``, ``symm_mem``, or ``flashinfer``, whose fused kernel comes once the model
+        is built: :meth:`enable_fused_all_reduce_norm`), setting symm_mem up where it is chosen.
+
+        ``auto`` on GPUs of one host takes ``flashinfer`` for bf16 models (the dtype it was measured
+        in) where every rank has FlashInfer's module built (:meth:`auto_flashinfer_or_not`), and falls
+        back from it if its set-up fails; asked for by name, it must set up.
+        """
         self._fused_norm_required = self.all_reduce == "flashinfer"
-        if self.all_reduce == "auto" and self.device.type == "cuda" and config.dtype in SUPPORTED_DTYPES:
+        if (self.all_reduce == "auto" and self.device.type == "cuda" and config.dtype == torch.bfloat16
+                and self.parallel.num_nodes == 1):
             self.all_reduce = self.auto_flashinfer_or_not()
         if self.all_reduce == "flashinfer":
             # symm_mem (where it can run) or NCCL for every all-reduce that no norm fuses; the fused

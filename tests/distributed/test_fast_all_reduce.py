@@ -321,10 +321,15 @@ def test_auto_takes_the_fused_all_reduce_only_where_flashinfers_module_is_built(
     from framework.engine.builder import EngineBuilder
 
     comm = ModuleType("flashinfer.jit.comm")
-    comm.gen_trtllm_comm_module = lambda: SimpleNamespace(is_compiled=built)
+    comm.gen_trtllm_comm_module = lambda: SimpleNamespace(is_compiled=built, is_aot=False)  # a JIT build, or none
     monkeypatch.setitem(sys.modules, "flashinfer.jit.comm", comm)
+    monkeypatch.delenv("FLASHINFER_DISABLE_JIT", raising=False)
     reason = unavailable_reason()
     assert reason is None if built else "not built yet; --all-reduce flashinfer builds it once" in reason
+    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == ("flashinfer" if built else "auto")
+    monkeypatch.setenv("FLASHINFER_DISABLE_JIT", "1")  # FlashInfer then loads ahead-of-time modules only
+    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == "auto"
+    comm.gen_trtllm_comm_module = lambda: SimpleNamespace(is_compiled=built, is_aot=built)
     assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == ("flashinfer" if built else "auto")
     monkeypatch.setitem(sys.modules, "flashinfer.jit.comm", None)  # FlashInfer not installed: the import fails
     assert unavailable_reason().startswith("FlashInfer is not available (ModuleNotFoundError")
@@ -356,3 +361,61 @@ def test_a_fused_all_reduce_that_cannot_be_set_up_fails_when_asked_for_and_falls
     else:
         EngineBuilder.enable_fused_all_reduce_norm(builder)
         assert builder.all_reduce == "nccl"
+
+
+@pytest.mark.parametrize("asked, dtype, num_nodes, fused, required", [
+    ("auto", torch.bfloat16, 1, "flashinfer", False),  # built on every rank: taken, and may fall back
+    ("auto", torch.float32, 1, "symm_mem", False),  # only bf16 was measured: FlashInfer is not asked
+    ("auto", torch.bfloat16, 2, "symm_mem", False),  # several hosts: not asked either
+    ("flashinfer", torch.float32, 1, "flashinfer", True),  # by name: any fused dtype, and it must set up
+])
+def test_setting_the_all_reduce_up_asks_flashinfer_only_for_bf16_on_one_host(monkeypatch, asked, dtype, num_nodes,
+                                                                              fused, required):
+    from types import SimpleNamespace
+
+    from framework import distributed
+    from framework.engine.builder import EngineBuilder
+
+    asked_flashinfer = []
+    monkeypatch.setattr(distributed, "enable_symm_mem_all_reduce", lambda *args, required: True)
+    builder = SimpleNamespace(all_reduce=asked, device=torch.device("cuda", 0),
+                              parallel=SimpleNamespace(num_nodes=num_nodes), scheduler=SimpleNamespace(max_num_seqs=16),
+                              auto_flashinfer_or_not=lambda: asked_flashinfer.append(1) or "flashinfer")
+    EngineBuilder.set_up_all_reduce(builder, SimpleNamespace(dtype=dtype, hidden_size=64))
+    assert builder.all_reduce == fused and builder._fused_norm_required is required
+    assert asked_flashinfer == ([1] if asked == "auto" and fused == "flashinfer" else [])
+    if fused == "flashinfer":
+        assert builder._plain_all_reduce == "symm_mem"  # what sums the rest (and everything, after a fallback)
+
+
+@pytest.mark.parametrize("failing", ["load", "workspace"])
+def test_flashinfer_set_up_failures_become_a_config_error_on_every_rank(monkeypatch, failing):
+    """The module load (its JIT build the first time) and the workspace run inside ``try``; the
+    ranks agree, and every one raises the ConfigError that ``auto`` falls back on."""
+    import sys
+    from types import ModuleType
+
+    from framework.distributed import fast_all_reduce, flashinfer_all_reduce, state
+
+    trtllm_ar = ModuleType("flashinfer.comm.trtllm_ar")
+
+    def load():
+        if failing == "load":
+            raise RuntimeError("JIT compilation is disabled via FLASHINFER_DISABLE_JIT")
+
+    def workspace(*args):
+        raise RuntimeError("CUDA out of memory")
+
+    trtllm_ar.get_trtllm_comm_module = load
+    monkeypatch.setitem(sys.modules, "flashinfer.comm.trtllm_ar", trtllm_ar)
+    monkeypatch.setattr(fast_all_reduce, "peer_access_problem", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(flashinfer_all_reduce, "FlashInferFusedAllReduceNorm", workspace)
+    agreed = []
+    monkeypatch.setattr(state, "min_over_ranks", lambda value: agreed.append(value) or value)
+    monkeypatch.setattr(state._state, "size", 2)
+    message = {"load": r"communication module is not available \(RuntimeError: JIT compilation is disabled",
+               "workspace": r"its workspace failed to set up \(RuntimeError: CUDA out of memory\)"}[failing]
+    with pytest.raises(ConfigError, match=message):
+        state.enable_flashinfer_all_reduce_norm(torch.device("cuda", 0), 16, 64, torch.bfloat16)
+    assert agreed[-1] == 0 and state._state.fused_all_reduce_norm is None

@@ -2,8 +2,8 @@
 
 A batch-1 decode step is its weight reads. On an H200 (copy bandwidth 4.28 TB/s), with each
 weight read from HBM as in a decode step, cuBLAS streams one row through Llama-3-8B's layers at
-TP=2 at 3.20 TB/s over the step, Qwen3-32B's at 3.61 TB/s; this kernel at the measured setting
-per shape (:mod:`fw_triton_ops.gemv_tuned`) takes those steps' weight time from 2.34 to 2.21 ms and
+TP=2 at 3.13 TB/s over the step, Qwen3-32B's at 3.61 TB/s; this kernel at the measured setting
+per shape (:mod:`fw_triton_ops.gemv_tuned`) takes those steps' weight time from 2.40 to 2.22 ms and
 from 8.86 to 8.40 ms (``benchmarks/gemv_bandwidth.py``:
 ``docs/benchmarks/2026-11-30-h200x2-gemv-cold-27df6aa.json``). One row through ``tl.dot`` (padded
 to 16 rows) streams faster than the elementwise product at most shapes: its loads pipeline.
@@ -12,9 +12,9 @@ to 16 rows) streams faster than the elementwise product at most shapes: its load
 on CUDA. It runs the GEMV only where it was measured faster, and calls ``F.linear`` itself for
 everything else:
 
-* CUDA tensors of bf16 or fp16 on Hopper or later GPUs (fp32 and older GPUs go to cuBLAS; under
-  ``TRITON_INTERPRET=1`` CPU tensors of fp32 run interpreted, for the tests, as the interpreter
-  computes bf16 wrongly);
+* CUDA tensors of bf16 or fp16 on a GPU model with measured settings (the H200; fp32 and other
+  GPUs go to cuBLAS; under ``TRITON_INTERPRET=1`` CPU tensors of fp32 run interpreted, for the
+  tests, as the interpreter computes bf16 wrongly);
 * ``x`` of any shape ``[..., K]`` holding one row (batch-1 decode; more rows go to cuBLAS: only one
   row was measured from HBM), and a weight shape that the device's table does not give to cuBLAS;
 * ``weight`` ``[N, K]`` with unit column stride, ``bias`` (optional) ``[N]`` contiguous, all of
@@ -31,13 +31,14 @@ Launches per call (each one a node in a captured decode graph):
   gives the same bits on every run and every tensor-parallel rank. The partial sums are
   ``16 * split_k * rows * N`` bytes, a fraction of a percent of the weight bytes at decode shapes.
 
-Configuration: settings measured per GPU and shape (:func:`linear_config`), a static rule
-(:func:`gemv_config`) fitted to the sweep for other shapes, not ``triton.autotune``.
+Configuration: settings measured per GPU model and shape (:func:`linear_config`), a static rule
+(:func:`gemv_config`) fitted to the sweep for other shapes on such a GPU, not ``triton.autotune``.
 Autotuning times every candidate (synchronising) on the first call of each shape; the engine's
 eager warm-up before each CUDA-graph capture would absorb that, but a shape first met inside a
 capture would break it, the choice would differ between runs and ranks, and it cannot be used
-under the interpreter. A table and a rule cost nothing per call, never synchronises, and is the same
-everywhere; the benchmark times its choice next to the best of its sweep, so a poor fit shows.
+under the interpreter. A table and a rule cost nothing per call, never synchronise, and give the
+same setting on every run and rank of one GPU model; the benchmark times the rule next to the best
+of its sweep (the table is that best), so a poor fit shows.
 """
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ def gemv_config(n: int, k: int, rows: int, num_sms: int = DEFAULT_NUM_SMS) -> Ge
       Llama-3-70B, Qwen3-32B, Qwen3-0.6B at TP 1 and 2): rows padded to 16 through ``tl.dot``, 4 warps,
       ``BLOCK_K=256``, ``BLOCK_N`` 128 from N = 8192, 64 from 5120, else 32, and K split in two
       when the N blocks fill under half the SMs and K >= 2048. Over each model's layers this costs
-      0.1-3 % more than the sweep's best per shape (2 % slower than cuBLAS for Llama-3-8B at TP 1,
-      5-28 % faster for the others);
+      0.6-6.6 % more than the sweep's best per shape; against cuBLAS, 1.8 % slower for Llama-3-8B
+      at TP 1, within 0.3 % for Llama-3-70B, 4-29 % faster for the others;
     * 2-8 rows, fitted to an earlier sweep whose weights stayed in L2 (not re-measured from HBM;
       :func:`linear` sends only one row here): no split, 4 warps, ``BLOCK_K=256``, ``BLOCK_N=128``
       from N = 16384, else 64.
@@ -210,8 +211,11 @@ def _device_name(device: torch.device) -> str:
 
 @functools.cache
 def _measured_gpu(device: torch.device) -> bool:
-    """Hopper and later: where the GEMV was measured against cuBLAS (older GPUs keep cuBLAS)."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether this GPU model has a table of measured settings (:mod:`fw_triton_ops.gemv_tuned`):
+    the GEMV runs only there; other GPUs keep cuBLAS until the benchmark has measured them."""
+    from fw_triton_ops.gemv_tuned import TUNED_ONE_ROW
+
+    return _device_name(device) in TUNED_ONE_ROW
 
 
 def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

@@ -158,9 +158,22 @@ def test_linear_takes_the_measured_setting_of_its_gpu_and_cublas_where_the_table
     assert linear_config(5120, 5120, cpu) is None
     assert linear_config(25600, 5120, cpu) == h200[(25600, 5120)]
     assert linear_config(48, 96, cpu) == gemv_config(48, 96, 1)
-    monkeypatch.setitem(TUNED_ONE_ROW, "NVIDIA H200", {**h200, (40, 96): None})
+    cuda = torch.device("cuda")  # _measured_gpu asks only the (patched) device name
+    assert gemv_module._measured_gpu.__wrapped__(cuda)
+    monkeypatch.setattr(gemv_module, "_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    assert not gemv_module._measured_gpu.__wrapped__(cuda)  # a GPU without a table keeps cuBLAS
+
+
+@interpreted
+def test_linear_calls_f_linear_where_the_table_says_cublas(monkeypatch, gemv_calls):
+    from fw_triton_ops.gemv_tuned import TUNED_ONE_ROW
+
+    monkeypatch.setattr(gemv_module, "_device_name", lambda device: "NVIDIA H200")
     x, weight, bias = _inputs(1, 40, 96, seed=14)
-    assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias)) and gemv_calls == []
+    linear(x, weight, bias)
+    assert len(gemv_calls) == 1  # the rule's setting: (40, 96) is not in the table
+    monkeypatch.setitem(TUNED_ONE_ROW, "NVIDIA H200", {**TUNED_ONE_ROW["NVIDIA H200"], (40, 96): None})
+    assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias)) and len(gemv_calls) == 1
 
 
 # --- registry and layers ----------------------------------------------------------------------------------------
@@ -241,8 +254,9 @@ def test_compiled_linear_matches_float32_math_on_cuda(n, k, rows, dtype, gemv_ca
         assert out.shape == (rows, n) and out.dtype == dtype
         error, torch_error, scale = _errors_against_fp32(out, x, weight, b)
         assert error <= 2 * torch_error + 1e-3 * scale, (error, torch_error, scale)
-    # one row runs the GEMV unless this GPU's table gives the shape to cuBLAS; more rows go to cuBLAS
-    assert len(gemv_calls) == (2 if rows == 1 and linear_config(n, k, x.device) is not None else 0)
+    # one row on a GPU with measured settings runs the GEMV unless the table gives the shape to cuBLAS
+    runs = gemv_module.takes(x, weight, None) and linear_config(n, k, x.device) is not None
+    assert len(gemv_calls) == (2 if runs else 0)
 
 
 @pytest.mark.gpu
@@ -278,6 +292,8 @@ def test_compiled_linear_does_not_sync_and_replays_in_a_cuda_graph(gemv_calls):
         return linear(one, qkv, qkv_bias), linear(eight, gate_up, gate_up_bias), linear(one, qkv)
 
     qkv = linear_config(3072, 4096, torch.device("cuda"))
+    if not gemv_module._measured_gpu(torch.device("cuda")):
+        pytest.skip(f"no measured GEMV settings for {torch.cuda.get_device_name()}: linear keeps cuBLAS there")
     if qkv is None or qkv.split_k == 1:
         pytest.skip("this GPU's setting does not split the QKV layer; the graph would not cover the sum kernel")
     check_no_sync_and_cuda_graph_replay(run, _decode_layers_inputs(seed=10), lambda: _decode_layers_inputs(seed=20))
@@ -293,6 +309,8 @@ def test_tiny_llama_bf16_with_the_triton_linear_in_cuda_graphs_is_as_close_to_tr
     as with cuBLAS."""
     import transformers
 
+    if not gemv_module._measured_gpu(torch.device("cuda")):
+        pytest.skip(f"no measured GEMV settings for {torch.cuda.get_device_name()}: linear keeps cuBLAS there")
     config = transformers.LlamaConfig(**{**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512})
     reference = write_tiny_model(tmp_path, config)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
