@@ -20,7 +20,6 @@ REFERENCE_KERNELS = {
     "qk_norm_rotary_embedding": "framework.ops:qk_norm_rotary_embedding",
     "fused_moe": "framework.ops:fused_moe",
     "linear": "framework.ops:linear",
-    "prefetch_to_l2": "framework.ops:prefetch_to_l2",
 }
 
 

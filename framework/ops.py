@@ -173,23 +173,3 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
         out.index_add_(0, tokens, expert_out)
     return out.to(hidden.dtype)
 
-
-#: How :func:`prefetch_to_l2` may bring bytes in: ``auto`` (the implementation's best), ``load``
-#: (loads kept in L2) or ``bulk`` (Hopper's fire-and-forget bulk prefetch).
-PREFETCH_METHODS = ("auto", "load", "bulk")
-
-
-def check_prefetch_method(method: str) -> None:
-    """Raise ``ValueError`` naming :data:`PREFETCH_METHODS` unless ``method`` is one of them."""
-    if method not in PREFETCH_METHODS:
-        raise ValueError(f"prefetch method must be one of {', '.join(PREFETCH_METHODS)}; got {method!r}")
-
-
-def prefetch_to_l2(tensor: Tensor, max_bytes: int, method: str = "auto") -> None:
-    """A hint: bring the first ``max_bytes`` of contiguous ``tensor`` into the GPU's L2 cache.
-
-    Changes no value, so every implementation is correct. This reference has no cache to fill and
-    does nothing; see ``fw_triton_ops.prefetch`` for the GPU's. An implementation raises
-    ``ValueError`` for a method the device cannot run (``bulk`` before Hopper).
-    """
-    check_prefetch_method(method)

@@ -37,7 +37,6 @@ from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError, FwError, ModelLoadError
 from framework.layers.attention import Attention
 from framework.layers.layernorm import RMSNorm
-from framework.layers.weight_prefetch import WeightPrefetcher, setting_from_env
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
 from framework.loader.source import resolve_local_path
@@ -131,8 +130,6 @@ class EngineBuilder:
         self.async_scheduling = async_scheduling
         self.load_format = load_format
         self.yarn_scaling_factor = yarn_scaling_factor
-        self.weight_prefetch = setting_from_env()  # experimental, FW_PREFETCH_WEIGHTS
-        self.weight_prefetcher: WeightPrefetcher | None = None
         self.platform: Platform = platform_for_device(self.device.type)  # a CPU device on a CUDA machine: the CPU's
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
@@ -374,10 +371,6 @@ class EngineBuilder:
         self.start_tensor_parallel()
         self.load_model()
         self.enable_fused_all_reduce_norm()
-        if self.weight_prefetch is not None and self.device.type == "cuda":
-            self.weight_prefetcher = WeightPrefetcher(self.torch_model, self.weight_prefetch, self.device)
-        elif self.weight_prefetch is not None:
-            log.info("FW_PREFETCH_WEIGHTS is ignored on %s (it prefetches into a GPU's L2 cache)", self.device)
         backend = self.select_attention_backend()
         kv_caches = self.allocate_kv_cache(backend)
         sampler = Sampler(eos_token_ids=sorted(self.config.eos_token_ids))
@@ -470,8 +463,6 @@ class EngineBuilder:
             "plugins": [info.name for info in plugins.loaded_plugins()],
             "tensor_parallel_size": self.parallel.tensor_parallel_size,
         }
-        if self.weight_prefetcher is not None:
-            summary["weight_prefetch"] = f"{self.weight_prefetcher.setting.describe()} ({self.weight_prefetcher.implementation})"
         if self.parallel.is_parallel:
             summary["device"] = (f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "
                                  f"(tensor parallel {self.parallel.tensor_parallel_size}, {self.parallel.num_nodes} node(s))")

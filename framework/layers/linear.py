@@ -25,7 +25,6 @@ tensor-parallel group, see :mod:`framework.distributed`, so model code never pas
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -198,16 +197,10 @@ class LinearBase(KeepsWeightAttrs):
     ``input_size_per_partition``, ``output_partition_sizes``, ``output_size_per_partition``,
     ``tp_size``, ``tp_rank``, ``prefix``, ``params_dtype``. The bias has this rank's
     ``output_size_per_partition`` entries and ``output_dim=0``.
-
-    ``after_matmul``, when set on a layer (an instance attribute: a function set on the class would
-    be bound and get the layer twice), is called as ``after_matmul(layer, x)`` right after the
-    layer's own matmul is queued and before any all-reduce (:mod:`framework.layers.weight_prefetch`).
     """
 
     #: Its loaders only narrow and copy, so they take lazy checkpoint slices (model_loader).
     reads_checkpoint_slices = True
-
-    after_matmul: Callable[[nn.Module, Tensor], None] | None = None
 
     def __init__(
         self,
@@ -246,10 +239,7 @@ class LinearBase(KeepsWeightAttrs):
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        output = self.linear_method.apply(self, x, self.bias)
-        if self.after_matmul is not None:
-            self.after_matmul(self, x)
-        return output
+        return self.linear_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, bias={self.bias is not None}, "
@@ -457,8 +447,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: Tensor) -> Tensor:
         output = self.linear_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
-        if self.after_matmul is not None:
-            self.after_matmul(self, x)
         if self.tp_size > 1 and self.reduce_results:
             output = tensor_parallel_all_reduce(output)
         return output

@@ -13,8 +13,6 @@ TRITON_KERNELS = {
     "qk_norm_rotary_embedding": ("fw_triton_ops.rotary:qk_norm_rotary_embedding",
                                  "per-head RMS norm of query and key, then rotary, in one kernel"),
     "fused_moe": ("fw_triton_ops.fused_moe:fused_moe", "MoE experts as two grouped GEMMs (SiLU-and-mul fused)"),
-    "prefetch_to_l2": ("fw_triton_ops.prefetch:prefetch_to_l2",
-                       "weights into L2 ahead of their matmul: bulk prefetch (Hopper) or evict_last loads"),
     "linear": ("fw_triton_ops.gemv:linear",
                "split-K GEMV for one row (bf16/fp16, Hopper+, at the shapes measured faster than cuBLAS); "
                "F.linear otherwise"),
