@@ -20,12 +20,7 @@ from framework import distributed, plugins, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig, free_port
-from framework.distributed.fast_all_reduce import (
-    SUPPORTED_DTYPES,
-    all_reduce_for_dtype,
-    buffer_bytes,
-    resolve_all_reduce,
-)
+from framework.distributed.fast_all_reduce import all_reduce_for_dtype, buffer_bytes, resolve_all_reduce
 from framework.distributed.launch import WorkerGroup
 from framework.distributed.messages import StepMessage
 from framework.engine.cuda_graphs import CUDAGraphRunner
@@ -342,21 +337,16 @@ class EngineBuilder:
         if (self.all_reduce == "auto" and self.device.type == "cuda" and config.dtype == torch.bfloat16
                 and self.parallel.num_nodes == 1):
             self.all_reduce = self.auto_flashinfer_or_not()
-        if self.all_reduce == "flashinfer":
-            # symm_mem (where it can run) or NCCL for every all-reduce that no norm fuses; the fused
-            # all-reduce + add + norm comes once the model is built (enable_fused_all_reduce_norm)
-            self._plain_all_reduce = "nccl"
-            if config.dtype in SUPPORTED_DTYPES and distributed.enable_symm_mem_all_reduce(
-                    self.device, buffer_bytes(self.scheduler.max_num_seqs, config.hidden_size, config.dtype),
-                    required=False):
-                self._plain_all_reduce = "symm_mem"
-            return
-        self.all_reduce = all_reduce_for_dtype(self.all_reduce, config.dtype)
-        if self.all_reduce in ("symm_mem", "auto"):
+        fused = self.all_reduce == "flashinfer"
+        # what sums everything no norm fuses: flashinfer takes symm_mem where it can run, as auto does
+        plain = all_reduce_for_dtype("auto" if fused else self.all_reduce, config.dtype)
+        if plain in ("symm_mem", "auto"):
             enabled = distributed.enable_symm_mem_all_reduce(
                 self.device, buffer_bytes(self.scheduler.max_num_seqs, config.hidden_size, config.dtype),
-                required=self.all_reduce == "symm_mem")
-            self.all_reduce = "symm_mem" if enabled else "nccl"
+                required=plain == "symm_mem")
+            plain = "symm_mem" if enabled else "nccl"
+        self._plain_all_reduce = plain
+        self.all_reduce = "flashinfer" if fused else plain  # the fused kernel comes once the model is built
 
     def _parallel_kwargs(self) -> dict[str, Any]:
         """The builder keyword arguments that place another rank of this group."""

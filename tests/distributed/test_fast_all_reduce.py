@@ -363,14 +363,15 @@ def test_a_fused_all_reduce_that_cannot_be_set_up_fails_when_asked_for_and_falls
         assert builder.all_reduce == "nccl"
 
 
-@pytest.mark.parametrize("asked, dtype, num_nodes, fused, required", [
-    ("auto", torch.bfloat16, 1, "flashinfer", False),  # built on every rank: taken, and may fall back
-    ("auto", torch.float32, 1, "symm_mem", False),  # only bf16 was measured: FlashInfer is not asked
-    ("auto", torch.bfloat16, 2, "symm_mem", False),  # several hosts: not asked either
-    ("flashinfer", torch.float32, 1, "flashinfer", True),  # by name: any fused dtype, and it must set up
+@pytest.mark.parametrize("asked, dtype, num_nodes, fused, required, plain", [
+    ("auto", torch.bfloat16, 1, "flashinfer", False, "symm_mem"),  # built on every rank: taken, and may fall back
+    ("auto", torch.float32, 1, "symm_mem", False, "symm_mem"),  # only bf16 was measured: FlashInfer is not asked
+    ("auto", torch.bfloat16, 2, "symm_mem", False, "symm_mem"),  # several hosts: not asked either
+    ("flashinfer", torch.float32, 1, "flashinfer", True, "symm_mem"),  # by name: any fused dtype; it must set up
+    ("flashinfer", torch.float16, 1, "flashinfer", True, "nccl"),  # the one-shot op does not sum fp16: NCCL does
 ])
 def test_setting_the_all_reduce_up_asks_flashinfer_only_for_bf16_on_one_host(monkeypatch, asked, dtype, num_nodes,
-                                                                              fused, required):
+                                                                              fused, required, plain):
     from types import SimpleNamespace
 
     from framework import distributed
@@ -384,8 +385,7 @@ def test_setting_the_all_reduce_up_asks_flashinfer_only_for_bf16_on_one_host(mon
     EngineBuilder.set_up_all_reduce(builder, SimpleNamespace(dtype=dtype, hidden_size=64))
     assert builder.all_reduce == fused and builder._fused_norm_required is required
     assert asked_flashinfer == ([1] if asked == "auto" and fused == "flashinfer" else [])
-    if fused == "flashinfer":
-        assert builder._plain_all_reduce == "symm_mem"  # what sums the rest (and everything, after a fallback)
+    assert builder._plain_all_reduce == plain  # what sums the rest (and everything, after a fallback)
 
 
 @pytest.mark.parametrize("failing", ["load", "workspace"])
