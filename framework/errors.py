@@ -14,6 +14,13 @@ class ConfigError(FwError, ValueError):
     """A setting, flag or argument has a value fw cannot use."""
 
 
+def brief(error: BaseException) -> str:
+    """``"TypeName: first line of the message"``: a library's exception, short enough to quote
+    inside fw's own message (torch and FlashInfer errors run to many lines)."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 class GrammarError(ConfigError):
     """A request's structured-output constraint is invalid or failed to compile. The message starts
     with the constraint's kind (``structured_outputs.<kind>: ...``); the server answers with a 400

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from framework.distributed.state import SYMM_MEM_GROUPS_OF_EARLIER_ENGINES, min_over_ranks, note_symm_mem_set_up
-from framework.errors import ConfigError
+from framework.errors import ConfigError, brief
 
 log = logging.getLogger("fw.distributed")
 
@@ -175,7 +175,7 @@ class SymmMemAllReduce:
         if failure is not None:
             self.buffer = self.handle = None
             raise ConfigError(f"--all-reduce symm_mem: torch symmetric memory could not be set up on {device} "
-                              f"({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}); "
+                              f"({brief(failure)}); "
                               "use --all-reduce nccl") from failure
         log.info("symmetric-memory all-reduce on %s: %d ranks, %d KiB buffer", device, dist.get_world_size(group),
                  self.max_bytes // 1024)

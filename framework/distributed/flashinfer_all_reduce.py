@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from framework.distributed.state import note_symm_mem_set_up
-from framework.errors import ConfigError
+from framework.errors import ConfigError, brief
 
 log = logging.getLogger("fw.distributed")
 
@@ -51,7 +51,7 @@ def unavailable_reason() -> str | None:
         spec = gen_trtllm_comm_module()
         built, ahead_of_time = spec.is_compiled, spec.is_aot
     except Exception as error:  # not installed, or FlashInfer failing at import on this machine
-        return f"FlashInfer is not available ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        return f"FlashInfer is not available ({brief(error)})"
     if not built:
         return ("FlashInfer's communication module is not built yet; --all-reduce flashinfer builds it once "
                 "(about 7 minutes) into FlashInfer's cache")

@@ -26,7 +26,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, brief
 
 log = logging.getLogger("fw.distributed")
 
@@ -92,7 +92,7 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
     except Exception as error:  # torch raises RuntimeError / DistNetworkError with a long text
         role = "host the rendezvous on" if rank == 0 else "reach rank 0 at"
         raise ConfigError(f"tensor-parallel rank {rank} could not {role} {master_addr}:{master_port} within "
-                          f"{timeout_s:g} s ({type(error).__name__}: {str(error).splitlines()[0]}); check --master-addr, "
+                          f"{timeout_s:g} s ({brief(error)}); check --master-addr, "
                           "--master-port and that node 0 is running (--rendezvous-timeout sets the wait)") from None
     store.set(f"fw/joined/{rank}", "1")
     deadline = time.monotonic() + timeout_s
@@ -221,8 +221,7 @@ def enable_flashinfer_all_reduce_norm(device: torch.device, max_tokens: int, hid
 
                 get_trtllm_comm_module()
             except Exception as error:  # not installed, failing at import, or the module failing to build or load
-                failure = (f"FlashInfer's communication module is not available ({type(error).__name__}: "
-                           f"{_first_line(error)}); install flashinfer-python")
+                failure = f"FlashInfer's communication module is not available ({brief(error)}); install flashinfer-python"
         problem = _agreed(failure)
     if problem is not None:
         raise ConfigError(f"--all-reduce flashinfer: {problem}: use --all-reduce symm_mem or nccl")
@@ -234,15 +233,11 @@ def enable_flashinfer_all_reduce_norm(device: torch.device, max_tokens: int, hid
     except ConfigError:
         raise  # the dtype check: the same on every rank, before any collective
     except Exception as error:
-        failure = f"its workspace failed to set up ({type(error).__name__}: {_first_line(error)})"
+        failure = f"its workspace failed to set up ({brief(error)})"
     problem = _agreed(failure)
     if problem is not None:
         raise ConfigError(f"--all-reduce flashinfer: {problem}: use --all-reduce symm_mem or nccl")
     _state.fused_all_reduce_norm = fused
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else ""
 
 
 def _agreed(failure: str | None) -> str | None:

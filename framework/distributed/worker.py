@@ -52,7 +52,7 @@ def run_worker(kwargs: dict) -> int:
     rank = kwargs.get("tp_rank")
     from framework.distributed.state import destroy_tensor_parallel
     from framework.engine.builder import EngineBuilder
-    from framework.errors import FwError
+    from framework.errors import FwError, brief
 
     try:
         try:
@@ -67,7 +67,7 @@ def run_worker(kwargs: dict) -> int:
             serve_steps(runner)
             runner.release_cuda_graphs()  # before leaving the group: the graphs hold its collectives
         except Exception as error:  # rank 0 went away or a collective failed
-            print(f"fw: tensor-parallel rank {rank} stopped: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            print(f"fw: tensor-parallel rank {rank} stopped: {brief(error)}",
                   file=sys.stderr, flush=True)
             return 1
         return 0
