@@ -586,6 +586,12 @@ def check_no_sync_and_cuda_graph_replay(run, inputs, fresh_inputs) -> None:
     torch.testing.assert_close(outs, run(*inputs), rtol=0, atol=0)
 
 
+def require_triton() -> None:
+    """Skip the calling test, or at module level the whole module, when triton is not installed."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'triton>=3.4'; the interpreter "
+                                         "runs it on CPU)")
+
+
 #: Marks a test that runs Triton kernels under the interpreter on the CPU (the root conftest sets
 #: ``TRITON_INTERPRET=1`` there; where CUDA is present the kernels compile instead and these skip).
 #: The condition is a string so that pytest reads the variable when the test runs, not at import.

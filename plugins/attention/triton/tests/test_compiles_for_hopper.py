@@ -3,14 +3,11 @@ backend launches: with and without storing the new K/V, split or not, with a sli
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from framework.testing import HopperCompile, compile_for_hopper
+from framework.testing import HopperCompile, compile_for_hopper, require_triton
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+require_triton()
 
 POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
             "seq_lens_ptr": "*i32", "block_table_ptr": "*i32", "new_k_ptr": "*bf16", "new_v_ptr": "*bf16",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -18,12 +16,11 @@ from framework.testing import (
     check_greedy_parity,
     dense_attention,
     interpreted,
+    require_triton,
     write_tiny_model,
 )
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
-                allow_module_level=True)
+require_triton()
 
 from fw_triton_attention.backend import TritonAttentionBackend  # noqa: E402
 from fw_triton_attention.decode import decode_attention, num_kv_splits  # noqa: E402

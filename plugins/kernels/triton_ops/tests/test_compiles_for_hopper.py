@@ -4,14 +4,11 @@ rotary styles."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from framework.testing import HopperCompile, compile_for_hopper
+from framework.testing import HopperCompile, compile_for_hopper, require_triton
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+require_triton()
 
 GEMV = "fw_triton_ops.gemv:_gemv_kernel"
 GEMV_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16"}

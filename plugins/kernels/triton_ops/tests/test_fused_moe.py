@@ -3,18 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from framework import ops
 from framework.layers.fused_moe import select_experts
-from framework.testing import check_no_sync_and_cuda_graph_replay, interpreted
+from framework.testing import check_no_sync_and_cuda_graph_replay, interpreted, require_triton
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
-                allow_module_level=True)
+require_triton()
 
 from fw_triton_ops.fused_moe import align_pairs_to_blocks, fused_moe  # noqa: E402
 

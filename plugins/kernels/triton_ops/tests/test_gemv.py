@@ -5,7 +5,6 @@ default on CUDA, the GEMV for one row at the shapes measured faster; layers and 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -23,12 +22,11 @@ from framework.testing import (
     count_kernel_calls,
     interpreted,
     reference_logits,
+    require_triton,
     write_tiny_model,
 )
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
-                allow_module_level=True)
+require_triton()
 
 import fw_triton_ops.gemv as gemv_module  # noqa: E402
 from fw_triton_ops.gemv import GemvConfig, gemv, gemv_config, linear, linear_config  # noqa: E402

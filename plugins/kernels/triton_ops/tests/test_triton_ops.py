@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from fw_triton_ops.hooks import OPT_IN_KERNELS
@@ -11,14 +9,12 @@ from fw_triton_ops.hooks import OPT_IN_KERNELS
 from framework import ops, registries
 from framework.builtin import REFERENCE_KERNELS
 from framework.platform import Platform
-from framework.testing import check_no_sync_and_cuda_graph_replay, interpreted
+from framework.testing import check_no_sync_and_cuda_graph_replay, interpreted, require_triton
 
 #: The ops whose Triton implementation outranks the torch reference (the opt-in ones: tests/test_gemv.py).
 DEFAULT_TRITON_OPS = sorted(set(REFERENCE_KERNELS) - set(OPT_IN_KERNELS))
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)",
-                allow_module_level=True)
+require_triton()
 
 from fw_triton_ops.activation import gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from fw_triton_ops.norm import fused_add_rms_norm, rms_norm  # noqa: E402

@@ -22,6 +22,7 @@ from framework.testing import (
     check_logits_parity,
     count_kernel_calls,
     reference_logits,
+    require_triton,
     write_randomised_model,
 )
 
@@ -168,10 +169,7 @@ def test_gpu_fast_path_greedy_tokens_match_transformers(tiny):
 def test_qwen3_with_the_triton_qk_norm_rotary_kernel_matches_transformers(one_thread, tmp_path, monkeypatch):
     """The one-launch QK norm + RoPE kernel in the model (interpreted on CPU, forced by name):
     transformers' logits and greedy ids, prompts in chunks and batches."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
+    require_triton()
     reference = write_randomised_model(tmp_path, CONFIGS["qwen3_qk_norm"]())
     monkeypatch.setenv("FW_KERNELS", "qk_norm_rotary_embedding=triton")
     with count_kernel_calls() as calls:
