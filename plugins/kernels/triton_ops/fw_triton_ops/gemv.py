@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +52,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-#: The most rows (tokens) :func:`gemv` takes (:func:`linear` sends it one row).
-MAX_ROWS = 8
+from fw_triton_ops.gemv_tuned import TUNED_ONE_ROW, GemvConfig
+
 #: Streaming multiprocessors assumed off CUDA (the interpreter): the H200's, where the rule was fitted.
 DEFAULT_NUM_SMS = 132
 #: Triton reads this once, when a kernel is decorated; so does :func:`linear`.
@@ -125,19 +124,6 @@ def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, N, stride_ps, stride_pm, 
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-class GemvConfig(NamedTuple):
-    """One launch setting of :func:`gemv` (the benchmark sweeps these)."""
-
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    num_stages: int = 4
-    #: One row through ``tl.dot`` too (padded to 16 rows) instead of the elementwise product; more
-    #: rows always take ``tl.dot``.
-    tensor_cores: bool = False
-
-
 def gemv_config(n: int, k: int, rows: int, num_sms: int = DEFAULT_NUM_SMS) -> GemvConfig:
     """The rule's setting for ``[rows, k] @ [n, k]^T`` (bf16), for shapes without a measured one
     (:mod:`fw_triton_ops.gemv_tuned`):
@@ -163,8 +149,6 @@ def linear_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
     """What :func:`linear` runs for one row against an ``[n, k]`` weight on ``device``: the setting
     measured for this GPU and shape (:mod:`fw_triton_ops.gemv_tuned`; None where cuBLAS was as
     fast), else :func:`gemv_config`'s rule."""
-    from fw_triton_ops.gemv_tuned import TUNED_ONE_ROW
-
     table = TUNED_ONE_ROW.get(_device_name(device), {})
     if (n, k) in table:
         return table[(n, k)]
@@ -173,7 +157,8 @@ def linear_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> Tensor:
     """``x @ weight.T + bias`` with ``config``, for a 2-D ``x`` ``[rows, K]`` (unit column stride) and
-    ``weight`` ``[N, K]`` (unit column stride); ``bias`` ``[N]`` contiguous or None. Returns a new
+    ``weight`` ``[N, K]`` (unit column stride); ``bias`` ``[N]`` contiguous or None; a few rows (the
+    benchmark times 1 and 8; more than 16 pad ``tl.dot`` further and are not what it is for). Returns a new
     ``[rows, N]`` tensor of ``x.dtype``. No checks beyond these: :func:`linear` decides what comes here."""
     rows, k = x.shape
     n = weight.shape[0]
@@ -213,8 +198,6 @@ def _device_name(device: torch.device) -> str:
 def _measured_gpu(device: torch.device) -> bool:
     """Whether this GPU model has a table of measured settings (:mod:`fw_triton_ops.gemv_tuned`):
     the GEMV runs only there; other GPUs keep cuBLAS until the benchmark has measured them."""
-    from fw_triton_ops.gemv_tuned import TUNED_ONE_ROW
-
     return _device_name(device) in TUNED_ONE_ROW
 
 
@@ -238,8 +221,8 @@ def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The ``linear`` op (:func:`framework.ops.linear`): the GEMV for decode-sized inputs (see the
-    module docstring for which), ``F.linear`` for the rest. Returns ``[..., N]`` of ``x.dtype``."""
+    """The ``linear`` op (:func:`framework.ops.linear`): the GEMV for one row on a GPU with measured
+    settings (see the module docstring for which), ``F.linear`` for the rest. Returns ``[..., N]`` of ``x.dtype``."""
     if not takes(x, weight, bias):
         return F.linear(x, weight, bias)
     n, k = weight.shape

@@ -16,7 +16,21 @@ from the same command.
 
 from __future__ import annotations
 
-from fw_triton_ops.gemv import GemvConfig
+from typing import NamedTuple
+
+
+class GemvConfig(NamedTuple):
+    """One launch setting of :func:`fw_triton_ops.gemv.gemv` (the benchmark sweeps these)."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int = 4
+    #: One row through ``tl.dot`` too (padded to 16 rows) instead of the elementwise product; more
+    #: rows always take ``tl.dot``.
+    tensor_cores: bool = False
+
 
 TUNED_ONE_ROW: dict[str, dict[tuple[int, int], GemvConfig | None]] = {"NVIDIA H200": {
     (1024, 1024): GemvConfig(32, 256, 1, 4, tensor_cores=True),  # 4.3 us, cuBLAS 7.5: qwen3-0.6b TP2 o
