@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import command_line, device_name, git_commit
+from common import report_header
 
 #: bf16 elements: batch 1 of hidden 4096 and 5120, then larger batches of hidden 4096
 SIZES = (4096, 5120, 65536, 4096 * 64)
@@ -89,8 +88,7 @@ def worker(rank: int, ranks: int, port: int, impls: list[str], out: str | None, 
         if impl == "symm_mem":
             fast.close()
     if rank == 0 and out:
-        report = {"date": run["date"], "device": device_name(), "commit": run["commit"], "command": run["command"],
-                  "ranks": ranks, "torch": torch.__version__, "results": results}
+        report = {**run, "ranks": ranks, "results": results}
         Path(out).write_text(json.dumps(report, indent=2))
     dist.barrier()
     dist.destroy_process_group()
@@ -104,7 +102,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    run = {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "command": command_line()}
+    run = report_header()  # here: the workers' command line is not the user's
     mp.spawn(worker, args=(args.ranks, args.port, args.impl, str(args.out) if args.out else None, run), nprocs=args.ranks)
 
 

@@ -216,16 +216,21 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 # --- requests -------------------------------------------------------------------------------------
 
 
-def write_kernel_report(path: str, results: list, **extra: Any) -> None:
-    """Write a kernel benchmark's JSON to ``path``: date, device, commit, command, the torch and
-    Triton versions, ``extra`` (the run's own settings) and ``results``."""
+def report_header(device: str | None = None) -> dict[str, str]:
+    """The keys every results JSON starts with: date, device (default :func:`device_name`), commit,
+    command and the torch version."""
     import time
 
+    return {"date": time.strftime("%Y-%m-%d"), "device": device or device_name(), "commit": git_commit(),
+            "command": command_line(), "torch": torch.__version__}
+
+
+def write_kernel_report(path: str, results: list, **extra: Any) -> None:
+    """Write a kernel benchmark's JSON to ``path``: :func:`report_header`, the Triton version,
+    ``extra`` (the run's own settings) and ``results``."""
     import triton
 
-    report = {"date": time.strftime("%Y-%m-%d"), "device": device_name(), "commit": git_commit(),
-              "command": command_line(), "torch": torch.__version__, "triton": triton.__version__, **extra,
-              "results": results}
+    report = {**report_header(), "triton": triton.__version__, **extra, "results": results}
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import command_line, git_commit
+from common import report_header
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -76,10 +76,8 @@ def main() -> None:
     for batch in args.batch:
         rows.append(time_fw(path, batch, args.new_tokens))
         rows.append(time_transformers(path, batch, args.new_tokens))
-    report = {"date": time.strftime("%Y-%m-%d"), "device": f"cpu ({platform.processor() or platform.machine()}, "
-              f"{torch.get_num_threads()} threads)", "commit": git_commit(), "model": path.name, "torch": torch.__version__,
-              "command": command_line(),
-              "results": rows}
+    report = {**report_header(f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"),
+              "model": path.name, "results": rows}
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     print(f"{path.name} on {report['device']}, {args.new_tokens} new tokens, greedy")

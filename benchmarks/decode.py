@@ -39,13 +39,11 @@ from common import (
     add_engine_arguments,
     add_random_requests,
     bytes_read_per_token,
-    command_line,
     device_ids,
-    device_name,
     engine_kwargs,
-    git_commit,
     model_config,
     prefill_until_decode,
+    report_header,
     tensor_parallel_size,
     write_model_folder,
 )
@@ -109,15 +107,13 @@ def main() -> None:
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)
     results = [run_case(llm, b, c, args.steps, weight_bytes) for b in args.batch for c in args.context]
-    device, commit = device_name(), git_commit()
-    command = command_line()
+    header = report_header()
     for result in results:  # the GPU issue's keys on every result (output_len: the timed decode steps)
-        result.update(device=device, model=f"{args.shape} shape, random weights", dtype=args.dtype, tp=tp, num_gpus=tp,
-                      commit=commit, command=command)
-    report = {"date": time.strftime("%Y-%m-%d"), "device": device, "commit": commit, "command": command,
-              "shape": args.shape, "dtype": args.dtype, "tp": tp, "all_reduce": args.all_reduce, "devices": devices or [0],
+        result.update(device=header["device"], model=f"{args.shape} shape, random weights", dtype=args.dtype, tp=tp,
+                      num_gpus=tp, commit=header["commit"], command=header["command"])
+    report = {**header, "shape": args.shape, "dtype": args.dtype, "tp": tp, "all_reduce": args.all_reduce, "devices": devices or [0],
               "weight_bytes": weight_bytes, "weight_bytes_note": "per rank" if tp > 1 else "whole model", "build_s": build_s,
-              "summary": llm.engine.summary, "torch": torch.__version__, "fw_kernels": os.environ.get("FW_KERNELS", ""),
+              "summary": llm.engine.summary, "fw_kernels": os.environ.get("FW_KERNELS", ""),
               "results": results}
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, default=str))

@@ -36,14 +36,12 @@ from common import (
     add_engine_arguments,
     add_random_requests,
     bytes_read_per_token,
-    command_line,
-    device_name,
     engine_kwargs,
-    git_commit,
     model_config,
     nano_requests,
     prefill_until_decode,
     random_prompt,
+    report_header,
     synchronize,
     tensor_parallel_size,
     write_model_folder,
@@ -143,11 +141,10 @@ def main() -> None:
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)  # MoE: only the experts one token uses; tied: the LM head
-    shared = {"date": time.strftime("%Y-%m-%d"), "device": device_name(),
+    shared = {**report_header(),
               "model": f"{args.shape} shape ({config['architectures'][0]}), random weights", "dtype": args.dtype, "tp": tp, "num_gpus": tp,
               "attention_backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.summary.get("cuda_graphs"),
-              "async_scheduling": llm.engine.summary.get("async_scheduling"),
-              "commit": git_commit(), "command": command_line(), "torch": torch.__version__}
+              "async_scheduling": llm.engine.summary.get("async_scheduling")}
     results = []
     for kind, numbers in cases:
         if kind == "decode":
