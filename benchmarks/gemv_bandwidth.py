@@ -89,10 +89,12 @@ def check() -> None:
     cuda = torch.cuda.is_available()  # bf16 there; fp32 on a CPU (the interpreter computes bf16 wrongly)
     dtype, tolerance = (torch.bfloat16, 2e-2) if cuda else (torch.float32, 1e-4)
     generator = torch.Generator().manual_seed(0)
-    for rows, n, k, split_k in [(1, 40, 96, 1), (1, 72, 200, 2), (3, 72, 200, 2), (8, 33, 130, 4), (5, 64, 64, 1)]:
+    for rows, n, k, split_k, tensor_cores in [(1, 40, 96, 1, False), (1, 72, 200, 2, False), (1, 72, 200, 2, True),
+                                              (3, 72, 200, 2, False), (8, 33, 130, 4, False), (5, 64, 64, 1, False)]:
         x = torch.randn(rows, k, generator=generator).to("cuda" if cuda else "cpu", dtype)
         w = torch.randn(n, k, generator=generator).to(x.device, dtype)
-        got = gemv(x, w, None, GemvConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4)).float()
+        config = GemvConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, tensor_cores=tensor_cores)
+        got = gemv(x, w, None, config).float()
         expected = torch.nn.functional.linear(x.float(), w.float())
         torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
     print("fw_triton_ops.gemv matches F.linear")

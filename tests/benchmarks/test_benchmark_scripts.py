@@ -88,7 +88,7 @@ def test_engine_flags_become_the_llm_arguments(monkeypatch):
 
 def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchmarks, capsys):
     """``gemv_bandwidth.py --check``: the triton_ops plugin's GEMV it times against cuBLAS equals
-    ``F.linear`` (one row and several, split K; under TRITON_INTERPRET=1 here)."""
+    ``F.linear`` (one row, elementwise and on tensor cores, and several; split K; under TRITON_INTERPRET=1 here)."""
     benchmarks("gemv_bandwidth.py", "--check")
     assert "fw_triton_ops.gemv matches F.linear" in capsys.readouterr().out
     from gemv_bandwidth import layer_shapes
@@ -133,8 +133,8 @@ def test_kernel_reports_carry_date_device_commit_command_and_versions(monkeypatc
     monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "gemv_bandwidth.py"), "--rows", "1", "--out", "x.json"])
     from common import write_kernel_report
 
-    write_kernel_report(str(tmp_path / "r.json"), [{"n": 1}], window_calls=2)
+    write_kernel_report(str(tmp_path / "r.json"), [{"n": 1}], rows=2)
     report = json.loads((tmp_path / "r.json").read_text())
     assert {"date", "device", "torch", "triton"} <= set(report)
-    assert (report["commit"], report["command"], report["window_calls"], report["results"]) == (
+    assert (report["commit"], report["command"], report["rows"], report["results"]) == (
         "abc1234", "python benchmarks/gemv_bandwidth.py --rows 1", 2, [{"n": 1}])
