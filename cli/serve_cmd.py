@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -11,7 +12,7 @@ from cli import options as o
 
 def serve(
     m: o.Model = None, w: o.Weights = None, f: o.File = None, revision: o.Revision = None,
-    host: Annotated[str | None, typer.Option("--h", "--host", help="Bind address: host, host:port, \\[ipv6]:port, tcp://host[:port] or unix:///path (default 0.0.0.0).")] = None,
+    host: Annotated[str | None, typer.Option("--h", "--host", help="Bind address: host, host:port, \\[ipv6]:port, tcp://host[:port] or unix:///path (default 127.0.0.1; --h 0.0.0.0 serves the network).")] = None,
     port: Annotated[int, typer.Option("--p", "--port", help="TCP port when --h gives none.")] = 2000,
     dtype: o.Dtype = "auto", device: o.Device = None, d: o.Devices = None, yarn_scaling_factor: o.YarnFactor = None, kv_fraction: o.KvFraction = 0.7, mem: o.Mem = None,
     max_model_len: o.MaxModelLen = None, max_num_seqs: o.MaxNumSeqs = 256, prefill_chunk_size: o.PrefillChunk = 8192,
@@ -21,8 +22,10 @@ def serve(
     max_gen_tokens: Annotated[int | None, typer.Option("--max-gen-tokens", help="Default max_tokens of requests that give none.")] = None,
     frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Default frequency penalty (-2 to 2).")] = 0.0,
     presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Default presence penalty (-2 to 2).")] = 0.0,
-    api_key: Annotated[list[str] | None, typer.Option("--api-key", help="Require this bearer key (repeat for several).")] = None,
+    api_key: Annotated[list[str] | None, typer.Option("--api-key", help="Require this bearer key (repeat for several); FW_API_KEY or --api-key-file keep it off the command line.")] = None,
     api_key_file: Annotated[str | None, typer.Option("--api-key-file", help="File with accepted bearer keys, one a line.")] = None,
+    allowed_origins: Annotated[list[str] | None, typer.Option("--allowed-origins", help="Web origins that may call the API from a browser (CORS), e.g. http://localhost:5173; repeat or separate with commas; * allows any. Default: none.")] = None,
+    allowed_hosts: Annotated[list[str] | None, typer.Option("--allowed-hosts", help="Host names the server answers to beyond loopback names, IP addresses and the bind address (DNS-rebinding guard); repeat or separate with commas; * allows any.")] = None,
     served_model_name: Annotated[list[str] | None, typer.Option("--served-model-name", help="Model name(s) clients use (default: --m).")] = None,
     max_queued_requests: Annotated[int | None, typer.Option("--max-queued-requests", help="Sequences allowed to wait beyond --max-num-seqs before answering 429.")] = None,
     max_queued_tokens: Annotated[int | None, typer.Option("--max-queued-tokens", help="Prompt tokens in flight at which new requests get 429.")] = None,
@@ -36,6 +39,10 @@ def serve(
     mcp_config: Annotated[str | None, typer.Option("--mcp-config", help="JSON file of MCP servers in the mcpServers format (command/args/env for stdio, url for streamable HTTP).")] = None,
     mcp_command: Annotated[str | None, typer.Option("--mcp-command", help="Command of one stdio MCP server (named 'mcp').")] = None,
     mcp_args: Annotated[str | None, typer.Option("--mcp-args", help="Arguments of --mcp-command, as one shell-quoted string.")] = None,
+    mcp_execute: Annotated[bool, typer.Option("--mcp-execute", help="Let clients ask the server to run MCP tools (mcp_execute: true) on every MCP server; without it only servers with \"execute\": true in --mcp-config run tools.")] = False,
+    mcp_max_calls_per_round: Annotated[int, typer.Option("--mcp-max-calls-per-round", help="MCP tool calls the server runs in one round of a request; further calls get an error result.")] = 8,
+    mcp_max_result_bytes: Annotated[int, typer.Option("--mcp-max-result-bytes", help="Bytes of one MCP tool result passed to the model; a longer result is truncated with a note.")] = 64 << 10,
+    mcp_max_time: Annotated[float, typer.Option("--mcp-max-time", help="Seconds of MCP tool calls one request may spend in all; then calls get an error result and no further round runs.")] = 300.0,
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", hidden=True)] = None,
     tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0, master_addr: o.MasterAddr = "127.0.0.1",
     master_port: o.MasterPort = None, rendezvous_timeout: o.RendezvousTimeout = 300.0,
@@ -45,19 +52,17 @@ def serve(
     from framework.errors import ConfigError, FwError
 
     try:
-        from framework.server.launcher import parse_bind, run_server
+        from framework.server.launcher import exposure_warning, parse_bind, run_server
+        from framework.server.origins import check_origins
         from framework.server.state import ServerConfig
 
         bind = parse_bind(host, port)
-        keys = list(api_key or [])
-        if api_key_file is not None:
-            try:
-                with open(api_key_file, encoding="utf-8") as handle:
-                    keys += [line.strip() for line in handle if line.strip() and not line.startswith("#")]
-            except OSError as error:
-                raise ConfigError(f"--api-key-file {api_key_file!r}: {error.strerror}") from None
-            if not keys:
-                raise ConfigError(f"--api-key-file {api_key_file!r} holds no keys")
+        keys = api_keys(api_key, api_key_file)
+        origins = check_origins(_split(allowed_origins))
+        for name, value in (("--mcp-max-calls-per-round", mcp_max_calls_per_round),
+                            ("--mcp-max-result-bytes", mcp_max_result_bytes), ("--mcp-max-time", mcp_max_time)):
+            if value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
         for name, value in (("--frequency-penalty", frequency_penalty), ("--presence-penalty", presence_penalty)):
             if not -2.0 <= value <= 2.0:
                 raise ConfigError(f"{name} must be in [-2, 2], got {value}")
@@ -79,7 +84,13 @@ def serve(
                               max_request_bytes=max_request_bytes,
                               max_gen_tokens=max_gen_tokens, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, tool_parser=enforce_parser,
-                              reasoning_parser=reasoning_parser, mcp_servers=mcp_servers)
+                              reasoning_parser=reasoning_parser, mcp_servers=mcp_servers, mcp_execute=mcp_execute,
+                              mcp_max_calls_per_round=mcp_max_calls_per_round,
+                              mcp_max_result_bytes=mcp_max_result_bytes, mcp_max_time_s=mcp_max_time,
+                              allowed_hosts=_split(allowed_hosts), allowed_origins=origins)
+        warning = exposure_warning(bind, keys)
+        if warning is not None and node_rank == 0:
+            typer.echo(warning, err=True)
         engine_kwargs = o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device, d=d,
                                         yarn_scaling_factor=yarn_scaling_factor,
                                         max_model_len=max_model_len, kv_fraction=kv_fraction, mem_mb=mem,
@@ -105,3 +116,36 @@ def serve(
         raise o.fail(str(error)) from None
     if code:
         raise typer.Exit(code)
+
+
+def api_keys(flags: list[str] | None, key_file: str | None) -> list[str]:
+    """The accepted keys: ``--api-key`` values, the ``FW_API_KEY`` variable and ``--api-key-file`` lines.
+
+    An empty key (``--api-key ""``, ``FW_API_KEY=""``, an empty file) is an error, not "no key"."""
+    from framework.errors import ConfigError
+
+    keys = []
+    for key in flags or []:
+        if not key.strip():
+            raise ConfigError("--api-key is empty; give a non-empty key (or leave the flag out to serve without one)")
+        keys.append(key.strip())
+    if "FW_API_KEY" in os.environ:
+        key = os.environ["FW_API_KEY"].strip()
+        if not key:
+            raise ConfigError("FW_API_KEY is set but empty; set it to a key, or unset it to serve without one")
+        keys.append(key)
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as handle:
+                from_file = [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+        except OSError as error:
+            raise ConfigError(f"--api-key-file {key_file!r}: {error.strerror}") from None
+        if not from_file:
+            raise ConfigError(f"--api-key-file {key_file!r} holds no keys")
+        keys += from_file
+    return keys
+
+
+def _split(values: list[str] | None) -> list[str]:
+    """Repeated and comma-separated flag values, as one list."""
+    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]

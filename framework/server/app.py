@@ -3,12 +3,15 @@
 Routes are grouped by resource (OpenAI API under ``/v1``, service endpoints at the root); the
 shared :class:`ServerState` is injected. The lifespan starts the engine process in the
 background, so ``/health`` answers 503 while the model loads, and stops it on shutdown.
+Every request first passes :class:`~framework.server.origins.OriginGuard` (Host, Origin, CORS,
+JSON bodies), then the API key check (keys compared in constant time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,6 +19,7 @@ from typing import Any
 from litestar import Controller, Litestar, Request, Response, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException
+from litestar.middleware import DefineMiddleware
 from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -30,6 +34,7 @@ from framework.server.errors import (
     internal_error_handler,
 )
 from framework.server.messages import Ready
+from framework.server.origins import OriginGuard, OriginPolicy
 from framework.server.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -134,6 +139,17 @@ class ServiceController(Controller):
             raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
         return DetokenizeResponse(prompt=server.client.tokenizer.decode(body.tokens))
 
+def is_known_key(key: str | None, keys: list[str]) -> bool:
+    """Whether ``key`` is one of ``keys``, compared in constant time (every key, every byte)."""
+    if key is None:
+        return False
+    offered = key.encode()
+    found = False
+    for known in keys:
+        found |= hmac.compare_digest(offered, known.encode())
+    return found
+
+
 def _model_card(state: ServerState, name: str) -> ModelCard:
     return ModelCard(id=name, created=state.started, max_model_len=state.max_model_len, root=state.config.model_root)
 
@@ -155,7 +171,7 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
         if config.api_keys:
             header = request.headers.get("authorization", "")
             key = header[7:].strip() if header[:7].lower() == "bearer " else None
-            if key not in config.api_keys:
+            if not is_known_key(key, config.api_keys):
                 raise APIError(401, "Incorrect API key provided" if key else "Missing API key: send 'Authorization: "
                                     "Bearer <key>'", code="invalid_api_key")
         if state.is_draining:
@@ -176,7 +192,7 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
         if config.mcp_servers:
             from framework.server.mcp_client import MCPManager
 
-            state.mcp = MCPManager(config.mcp_servers)
+            state.mcp = MCPManager(config.mcp_servers, execute_all=config.mcp_execute)
             await state.mcp.start()
         try:
             yield
@@ -199,11 +215,14 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
         else:
             log.error("the engine failed to start: %s", error)
 
+    policy = OriginPolicy.for_server(config.bind_host, config.is_unix_socket, config.allowed_hosts,
+                                     config.allowed_origins, config.ui_port)
     handlers: dict[Any, Callable] = {APIError: api_error_handler, HTTPException: http_exception_handler,
                                      Exception: internal_error_handler}
     app = Litestar(route_handlers=[OpenAIController, ServiceController],
                    dependencies={"server": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
-                   before_request=guard, exception_handlers=handlers, lifespan=[lifespan],
+                   before_request=guard, middleware=[DefineMiddleware(OriginGuard, policy=policy)],
+                   exception_handlers=handlers, lifespan=[lifespan],
                    request_max_body_size=config.max_request_bytes, openapi_config=None)
     app.state.server = state
     return app

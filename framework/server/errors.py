@@ -21,7 +21,8 @@ log = logging.getLogger("fw.server")
 T = TypeVar("T")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          421: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_server_error", 503: "service_unavailable"}
 
 

@@ -7,8 +7,12 @@ engine), then the engine process is stopped.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import signal
 import socket
+import stat
 import sys
 from types import FrameType
 from typing import Any, NamedTuple
@@ -22,7 +26,8 @@ from framework.server.engine_client import AsyncEngineClient
 from framework.server.messages import Ready
 from framework.server.state import ServerConfig, ServerState
 
-DEFAULT_HOST = "0.0.0.0"
+#: Loopback by default: serving the LAN is one flag away (``--h 0.0.0.0``), and then a key should guard it.
+DEFAULT_HOST = "127.0.0.1"
 
 
 class BindAddress(NamedTuple):
@@ -107,13 +112,45 @@ class _Server(uvicorn.Server):
                   flush=True)
 
 
+def exposure_warning(bind: BindAddress, api_keys: list[str]) -> str | None:
+    """The start-up warning for a server that listens beyond this machine with no API key (None: no warning)."""
+    from framework.server.origins import is_loopback
+
+    if bind.uds is not None or api_keys or is_loopback(bind.host):
+        return None
+    return (f"fw: warning: listening on {bind.url} without an API key: anyone who can reach this address can use "
+            "the model; set FW_API_KEY or --api-key-file (or bind 127.0.0.1)")
+
+
+def unix_socket(path: str) -> socket.socket:
+    """A listening unix socket at ``path``, created with mode 0600 (only this user may connect).
+
+    A stale socket file at ``path`` is replaced; any other file there is an error."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ConfigError(f"--h unix://{path}: a file that is not a socket is in the way")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # no window in which the socket is reachable by others
+    try:
+        sock.bind(path)
+    except OSError as error:
+        sock.close()
+        raise ConfigError(f"cannot listen on unix://{path}: {error.strerror}") from None
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(2048)
+    return sock
+
+
 def bind_sockets(bind: BindAddress, ui_server: bool) -> tuple[list[socket.socket] | None, BindAddress | None]:
     """With ``ui_server``: the API socket and the web UI's socket (API port minus one), and the UI's address.
 
-    Without it: ``(None, None)`` (uvicorn binds the API address itself).
+    Without it: ``(None, None)`` (uvicorn binds the TCP address itself), or the unix socket (mode 0600).
     """
     if not ui_server:
-        return None, None
+        return ([unix_socket(bind.uds)] if bind.uds is not None else None), None
     from framework.server.webui import ui_port_for
 
     if bind.uds is not None:
@@ -143,6 +180,8 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
     With ``ui_server`` the web UI is served too, on the API port minus one (see :mod:`framework.server.webui`).
     """
     sockets, ui_bind = bind_sockets(bind, ui_server)
+    config = dataclasses.replace(config, bind_host=bind.host, is_unix_socket=bind.uds is not None,
+                                 ui_port=ui_bind.port if ui_bind is not None else None)
     client = AsyncEngineClient(engine_kwargs)
     failure: list[str] = []
     server: _Server | None = None
@@ -163,7 +202,7 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
         from framework.server.webui import WebUIApp
 
         asgi_app = WebUIApp(app, ui_bind.port)
-    uv_config = uvicorn.Config(asgi_app, host=bind.host or DEFAULT_HOST, port=bind.port or 0, uds=bind.uds,
+    uv_config = uvicorn.Config(asgi_app, host=bind.host or DEFAULT_HOST, port=bind.port or 0,
                                log_level=log_level, access_log=False, lifespan="on",
                                timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
     ui_url = None

@@ -10,6 +10,11 @@ Servers are configured in the ``mcpServers`` format that MCP clients share::
 server is connected and its tools listed; a tool is offered to the model as
 ``<server>__<tool>``. A server that fails to start is logged and listed with its error
 (``GET /v1/mcp/servers``); the others work.
+
+Running tools for a client (``mcp_execute``) is the operator's choice: ``fw serve --mcp-execute``
+allows it on every server, ``"execute": true`` in a server's entry on that one, and
+``"allowed_tools": ["add", ...]`` in an entry limits it to those tools. Tools the server may not
+run are still offered; their calls go back to the client.
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ def load_mcp_config(path: str | None, command: str | None = None, args: str | No
             raise ConfigError(f"MCP server {name!r} needs exactly one of \"command\" (stdio) or \"url\" (streamable HTTP)")
         if "command" in entry and not isinstance(entry.get("args", []), list):
             raise ConfigError(f"MCP server {name!r}: \"args\" must be a list of strings")
+        if not isinstance(entry.get("execute", False), bool):
+            raise ConfigError(f"MCP server {name!r}: \"execute\" must be true or false")
+        allowed = entry.get("allowed_tools")
+        if allowed is not None and not (isinstance(allowed, list) and all(isinstance(t, str) for t in allowed)):
+            raise ConfigError(f"MCP server {name!r}: \"allowed_tools\" must be a list of the server's tool names")
     return servers or None
 
 
@@ -84,8 +94,9 @@ class MCPManager:
     leaves them when stopped (anyio requires both in one task); calls use the session from any task.
     """
 
-    def __init__(self, servers: dict[str, Any]) -> None:
+    def __init__(self, servers: dict[str, Any], execute_all: bool = False) -> None:
         self.servers = {name: MCPServerState(name, entry) for name, entry in servers.items()}
+        self.execute_all = execute_all
         self._tools: dict[str, tuple[MCPServerState, str]] = {}
         self._openai_tools: list[dict[str, Any]] | None = None  # built once per listing (see openai_tools)
 
@@ -161,8 +172,23 @@ class MCPManager:
     def has_tool(self, name: str) -> bool:
         return name in self._tools
 
-    async def call_tool(self, name: str, arguments: str) -> tuple[str, bool]:
-        """Run tool ``name`` with the JSON ``arguments``; returns ``(result text, is_error)``, never raises."""
+    def is_execution_enabled(self) -> bool:
+        """Whether the operator lets clients have any server's tools run (``--mcp-execute`` / ``"execute"``)."""
+        return self.execute_all or any(s.entry.get("execute", False) for s in self.servers.values())
+
+    def can_execute(self, name: str) -> bool:
+        """Whether the server may run tool ``name`` for a client: its server is executable and the
+        tool is in the server's ``allowed_tools`` (when it has that list)."""
+        if name not in self._tools:
+            return False
+        server, tool_name = self._tools[name]
+        allowed = server.entry.get("allowed_tools")
+        return (self.execute_all or server.entry.get("execute", False)) and (allowed is None or tool_name in allowed)
+
+    async def call_tool(self, name: str, arguments: str, timeout_s: float = CALL_TIMEOUT_S,
+                        max_result_bytes: int | None = None) -> tuple[str, bool]:
+        """Run tool ``name`` with the JSON ``arguments`` for at most ``timeout_s``; returns ``(result
+        text, is_error)`` (cut to ``max_result_bytes`` of UTF-8, see :func:`truncate_result`), never raises."""
         server, tool_name = self._tools[name]
         if server.session is None:
             return f"the MCP server {server.name!r} is not running", True
@@ -173,18 +199,39 @@ class MCPManager:
         except ValueError as error:
             return f"the arguments of {name} are not valid JSON ({error}): {arguments!r}", True
         try:
-            result = await asyncio.wait_for(server.session.call_tool(tool_name, args), CALL_TIMEOUT_S)
+            result = await asyncio.wait_for(server.session.call_tool(tool_name, args), min(timeout_s, CALL_TIMEOUT_S))
+        except TimeoutError:
+            return f"calling {name} took longer than {min(timeout_s, CALL_TIMEOUT_S):g} s and was stopped", True
         except Exception as error:
             return f"calling {name} failed: {_describe(error)}", True
         texts = [getattr(part, "text", None) or json.dumps(_plain(part)) for part in result.content or []]
         if not texts and getattr(result, "structured_content", None) is not None:
             texts = [json.dumps(result.structured_content)]
-        return "\n".join(texts), bool(getattr(result, "is_error", False))
+        text = "\n".join(texts)
+        return truncate_result(text, max_result_bytes), bool(getattr(result, "is_error", False))
 
     def status(self) -> list[dict[str, Any]]:
-        """Each server: transport, ``ok`` or ``error`` with the message, and its tool names."""
-        return [{"name": s.name, "transport": s.transport, "status": "error" if s.error else "ok", "error": s.error,
-                 "tools": [f"{s.name}{SEPARATOR}{t.name}" for t in s.tools]} for s in self.servers.values()]
+        """Each server: transport, ``ok`` or ``error`` with the message, its tool names, and whether
+        the server runs its tools for clients (``execute``; ``executable_tools`` names those it may run)."""
+        result = []
+        for s in self.servers.values():
+            tools = [f"{s.name}{SEPARATOR}{t.name}" for t in s.tools]
+            executable = [name for name in tools if self.can_execute(name)]
+            result.append({"name": s.name, "transport": s.transport, "status": "error" if s.error else "ok",
+                           "error": s.error, "tools": tools,
+                           "execute": self.execute_all or bool(s.entry.get("execute", False)),
+                           "executable_tools": executable})
+        return result
+
+
+def truncate_result(text: str, max_bytes: int | None) -> str:
+    """``text`` if it fits in ``max_bytes`` of UTF-8; else its first ``max_bytes`` (whole characters)
+    and a note of how much was cut, so the model knows the result is incomplete."""
+    data = text.encode()
+    if max_bytes is None or len(data) <= max_bytes:
+        return text
+    kept = data[:max_bytes].decode(errors="ignore")
+    return f"{kept}\n[truncated: {len(data) - len(kept.encode())} more bytes (--mcp-max-result-bytes {max_bytes})]"
 
 
 def _http_client(url: str, headers: dict[str, str] | None) -> Any:

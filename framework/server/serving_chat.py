@@ -136,6 +136,10 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if body.mcp_execute:
         if mcp is None:
             raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)", "mcp_execute")
+        if not mcp.is_execution_enabled():
+            raise APIError(400, "'mcp_execute' is not enabled on this server: the operator has not allowed clients to "
+                                "have its MCP tools run (fw serve --mcp-execute, or \"execute\": true for a server in "
+                                "--mcp-config)", param="mcp_execute", code="mcp_execute_disabled")
         if body.n != 1:
             raise bad_request("'mcp_execute' works with requests of n = 1", "mcp_execute")
     if not 0 <= body.mcp_max_rounds <= MAX_MCP_ROUNDS:
@@ -233,6 +237,11 @@ class MCPRounds:
     already). With ``mcp_execute``, when a round's first choice ends with calls that are all MCP
     tools and rounds are left (:meth:`runs`), the server runs them (:meth:`run_calls`): the
     assistant turn and the tool results join the conversation and the next round answers it.
+
+    Caps (``--mcp-max-*``): a round runs at most ``mcp_max_calls_per_round`` calls (the others get
+    an error result), each result is cut to ``mcp_max_result_bytes``, and once the request has
+    spent ``mcp_max_time_s`` in calls, the remaining calls get an error result and no round runs
+    calls any more (the next calls go back to the client).
     """
 
     def __init__(self, state: ServerState, request_id: str, turn: ChatTurn, arrival: float,
@@ -243,6 +252,7 @@ class MCPRounds:
         self.prompt_tokens = 0
         self.records: list[MCPCallRecord] = []  # every call the server ran, in order
         self.messages = list(turn.messages) if turn.body.mcp_execute else []
+        self.deadline = time.monotonic() + state.config.mcp_max_time_s
 
     def events(self) -> AsyncIterator[ChoiceDelta]:
         """This round's deltas, every choice merged."""
@@ -257,16 +267,27 @@ class MCPRounds:
         """Whether the server runs ``calls`` (the first choice's, at the end of this round) itself."""
         body = self.turn.body
         return bool(body.mcp_execute and calls and self.index < body.mcp_max_rounds
-                    and all(self.state.mcp.has_tool(call.name) for call in calls))
+                    and time.monotonic() < self.deadline
+                    and all(self.state.mcp.can_execute(call.name) for call in calls))
 
     async def run_calls(self, content: str, calls: list[ToolCall]) -> list[MCPCallRecord]:
         """Run MCP ``calls`` in order, add the assistant turn (``content`` and the calls) and the
         tool results to the conversation, and make the next round's turn; returns the records."""
         self.messages.append({"role": "assistant", "content": content, "tool_calls": template_tool_calls(
             [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls])})
+        config = self.state.config
         records = []
-        for call in calls:
-            result, is_error = await self.state.mcp.call_tool(call.name, call.arguments)
+        for number, call in enumerate(calls):
+            left_s = self.deadline - time.monotonic()
+            if number >= config.mcp_max_calls_per_round:
+                result, is_error = (f"not run: more than {config.mcp_max_calls_per_round} tool calls in one round "
+                                    "(--mcp-max-calls-per-round)"), True
+            elif left_s <= 0:
+                result, is_error = (f"not run: this request spent its {config.mcp_max_time_s:g} s of MCP tool time "
+                                    "(--mcp-max-time)"), True
+            else:
+                result, is_error = await self.state.mcp.call_tool(call.name, call.arguments, timeout_s=left_s,
+                                                                  max_result_bytes=config.mcp_max_result_bytes)
             records.append(MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result,
                                          is_error=is_error))
             self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})

@@ -45,6 +45,22 @@ class ServerConfig:
     reasoning_parser: str | None = None
     #: MCP servers in the ``mcpServers`` format (``--mcp-config`` / ``--mcp-command``); None: no MCP.
     mcp_servers: dict[str, Any] | None = None
+    #: ``--mcp-execute``: clients may ask the server to run MCP tools (``mcp_execute``) on every
+    #: configured server; without it only servers whose config says ``"execute": true`` run tools.
+    mcp_execute: bool = False
+    #: Caps on one request's MCP execution: calls run per round, bytes of each result, seconds in all.
+    mcp_max_calls_per_round: int = 8
+    mcp_max_result_bytes: int = 64 << 10
+    mcp_max_time_s: float = 300.0
+    #: Where the server listens (the Host and Origin checks of :mod:`framework.server.origins`).
+    bind_host: str | None = "127.0.0.1"
+    is_unix_socket: bool = False
+    #: ``--allowed-hosts`` (beyond loopback names, IP addresses and the bind address) and
+    #: ``--allowed-origins`` (CORS); ``*`` allows any.
+    allowed_hosts: list[str] = field(default_factory=list)
+    allowed_origins: list[str] = field(default_factory=list)
+    #: The web UI's port (``--ui-server``), whose origin is allowed; None without the UI.
+    ui_port: int | None = None
 
 
 class ServerState:

@@ -75,7 +75,7 @@ def server(tmp_path_factory, free_tcp_port, http_mcp_url):
 
     engine = ScriptedEngineClient(scripted_reply)
     config = ServerConfig(served_model_names=["scripted"], tool_parser="qwen",
-                          mcp_servers=load_mcp_config(str(config_file)))
+                          mcp_servers=load_mcp_config(str(config_file)), mcp_execute=True)
     with ThreadedServer(create_app(engine, config, start_engine=False), free_tcp_port()) as running:
         running.engine = engine
         yield running
@@ -216,7 +216,9 @@ def test_mcp_config_forms_and_errors(tmp_path):
     bad = tmp_path / "bad.json"
     for content, message in [("{", "not valid JSON"), ('{"servers": {}}', "mcpServers"),
                              ('{"mcpServers": {"x": {"command": "a", "url": "b"}}}', "exactly one of"),
-                             ('{"mcpServers": {"a__b": {"command": "a"}}}', "server name")]:
+                             ('{"mcpServers": {"a__b": {"command": "a"}}}', "server name"),
+                             ('{"mcpServers": {"a": {"command": "a", "execute": "yes"}}}', "\"execute\" must be"),
+                             ('{"mcpServers": {"a": {"command": "a", "allowed_tools": "add"}}}', "allowed_tools")]:
         bad.write_text(content)
         with pytest.raises(ConfigError, match=message):
             load_mcp_config(str(bad))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 
@@ -42,6 +44,11 @@ def test_unix_socket_bind_serves_requests(unix_server):
             return (await c.post("/v1/completions", json={**BODY, "max_tokens": 3})).json()
 
     assert asyncio.run(main())["usage"]["completion_tokens"] == 3
+
+
+def test_unix_socket_is_created_with_mode_0600(unix_server):
+    mode = os.stat(unix_server.socket_path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600, oct(mode)
 
 
 def test_max_gen_tokens_is_the_default_max_tokens(unix_server):
@@ -170,7 +177,8 @@ def test_serve_module_does_not_import_torch():
 
 
 @pytest.mark.parametrize(("address", "expected"), [
-    (None, ("0.0.0.0", 2000, None)),
+    (None, ("127.0.0.1", 2000, None)),
+    ("0.0.0.0", ("0.0.0.0", 2000, None)),
     ("127.0.0.1", ("127.0.0.1", 2000, None)),
     ("127.0.0.1:8000", ("127.0.0.1", 8000, None)),
     ("[::1]:8000", ("::1", 8000, None)),

@@ -40,7 +40,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(serve_on_free_port):
     with serve_on_free_port(["--device", "cpu", "--max-model-len", "2048", "--mem", "64",
-                             "--mcp-command", sys.executable, "--mcp-args", FIXTURE]) as proc:
+                             "--mcp-command", sys.executable, "--mcp-args", FIXTURE, "--mcp-execute"]) as proc:
         yield proc
 
 

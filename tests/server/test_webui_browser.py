@@ -414,7 +414,7 @@ def test_mcp_tool_run_by_the_real_server_is_shown(browser, tmp_path, free_tcp_po
     config_file.write_text(json.dumps({"mcpServers": {"calc": {"command": sys.executable, "args": [MCP_FIXTURE]}}}))
     engine = ScriptedEngineClient(scripted_reply)
     config = ServerConfig(served_model_names=["scripted"], tool_parser="qwen",
-                          mcp_servers=load_mcp_config(str(config_file)))
+                          mcp_servers=load_mcp_config(str(config_file)), mcp_execute=True)
     port = free_tcp_port()
     with ThreadedServer(WebUIApp(create_app(engine, config, start_engine=False), ui_port=port), port) as running:
         page = browser.new_page(viewport={"width": 1100, "height": 800})

@@ -80,9 +80,13 @@ export function replyParts(message) {
   return parts.filter((part) => part.calls || part.text.trim());
 }
 
-/** The MCP servers that are up and have tools, from `GET /v1/mcp/servers`'s `data`. */
+/**
+ * The MCP servers that are up, have tools and run them for clients, from `GET /v1/mcp/servers`'s
+ * `data` (`execute: false`: the operator has not enabled `mcp_execute` for that server).
+ */
 export function usableMcpServers(servers) {
-  return (servers || []).filter((s) => s.status === 'ok' && Array.isArray(s.tools) && s.tools.length > 0);
+  return (servers || []).filter((s) => s.status === 'ok' && Array.isArray(s.tools) && s.tools.length > 0
+    && s.execute !== false);
 }
 
 /** Pretty JSON when `text` parses, else `text` as it is. */
