@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -81,14 +82,17 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
                      timeout_s: float, check_workers: Callable[[], str | None] | None = None) -> dist.TCPStore:
     """Meet every rank at ``master_addr:master_port`` (rank 0 hosts the TCP store).
 
+    Rank 0 listens on ``master_addr`` only (torch's own store would listen on every interface):
+    the store accepts any process that reaches it, so the node network must be private.
     Raises :class:`ConfigError` naming the address and the ranks that never arrived when the
     rendezvous does not complete within ``timeout_s``, or at once when ``check_workers()`` (this
     node's worker processes) reports one that exited.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
+        listen_fd = _listen(master_addr, master_port) if rank == 0 else None
         store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+                              wait_for_workers=False, master_listen_fd=listen_fd)
     except Exception as error:  # torch raises RuntimeError / DistNetworkError with a long text
         role = "host the rendezvous on" if rank == 0 else "reach rank 0 at"
         raise ConfigError(f"tensor-parallel rank {rank} could not {role} {master_addr}:{master_port} within "
@@ -109,6 +113,12 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
                               f"rank(s) {', '.join(map(str, missing))} of {world_size} never joined (start every node "
                               "with the same --master-addr/--master-port, --num-nodes and its own --node-rank)")
         time.sleep(0.05)
+
+
+def _listen(address: str, port: int) -> int:
+    """A socket listening on ``address:port`` only, as a file descriptor the TCP store takes over."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return socket.create_server((address, port), family=family, backlog=512).detach()
 
 
 def init_tensor_parallel(rank: int, world_size: int, device: torch.device, *, master_addr: str = "127.0.0.1",
