@@ -144,10 +144,13 @@ class OriginGuard:
             return
         headers = _headers(scope)
         host = headers.get("host", "")
+        cors_origin = None
         try:
             cors_origin = self.check(scope, headers, host)
-        except APIError as error:
-            await _send_error(send, error)
+            check_media_type(scope, headers)
+        except APIError as error:  # an allowed origin gets CORS headers on its errors too, to read them
+            await _send(send, error.status, [(b"content-type", b"application/json")]
+                        + (_cors_headers(cors_origin) if cors_origin else []), msgspec.json.encode(error.body()))
             return
         if cors_origin is None:
             await self.app(scope, receive, send)
@@ -167,7 +170,8 @@ class OriginGuard:
         await self.app(scope, receive, send_with_cors)
 
     def check(self, scope: dict, headers: dict[str, str], host: str) -> str | None:
-        """Raise the :class:`APIError` refusing the request, or return the CORS origin to answer (None: not CORS)."""
+        """Raise the :class:`APIError` refusing the request's Host or origin, or return the CORS
+        origin to answer (None: not a CORS request)."""
         policy = self.policy
         if host and not policy.is_host_allowed(host_name(host)):
             raise APIError(421, f"this server does not answer to the Host {host_name(host)!r} (it accepts loopback "
@@ -184,13 +188,18 @@ class OriginGuard:
         elif origin is None and headers.get("sec-fetch-site") == "cross-site":
             raise APIError(403, "cross-site requests are refused (Sec-Fetch-Site: cross-site without an allowed "
                                 "Origin); see --allowed-origins", param="Sec-Fetch-Site", code="cross_origin_refused")
-        if scope["method"] == "POST":
-            media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if media_type != JSON_MEDIA_TYPE:
-                shown = repr(headers["content-type"]) if "content-type" in headers else "none"
-                raise APIError(415, f"request bodies must be JSON: send 'Content-Type: application/json' (got {shown})",
-                               param="Content-Type", code="unsupported_media_type")
         return cors_origin
+
+
+def check_media_type(scope: dict, headers: dict[str, str]) -> None:
+    """A POST body must be ``application/json`` (parameters such as a charset are fine): 415 otherwise."""
+    if scope["method"] != "POST":
+        return
+    media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        shown = repr(headers["content-type"]) if "content-type" in headers else "none"
+        raise APIError(415, f"request bodies must be JSON: send 'Content-Type: application/json' (got {shown})",
+                       param="Content-Type", code="unsupported_media_type")
 
 
 def _headers(scope: dict) -> dict[str, str]:
@@ -208,5 +217,3 @@ async def _send(send: Any, status: int, headers: list[tuple[bytes, bytes]], body
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send: Any, error: APIError) -> None:
-    await _send(send, error.status, [(b"content-type", b"application/json")], msgspec.json.encode(error.body()))

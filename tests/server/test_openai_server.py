@@ -267,6 +267,23 @@ def test_bad_or_missing_api_key_is_401(server):
     assert httpx.get(server.base_url + "/health").status_code == 200  # health needs no key
 
 
+def test_a_foreign_pages_requests_are_refused_by_a_real_server(http, server):
+    """What a page on another site (or a DNS-rebinding name) can send to fw serve, with the right key even."""
+    body = b'{"model": "tiny", "prompt": "t5", "max_tokens": 1}'
+    simple = http.post("/v1/completions", content=body, headers={"Content-Type": "text/plain",
+                                                                  "Origin": "https://evil.example"})
+    _error(simple, 403, "cross_origin_refused")
+    _error(http.post("/v1/completions", content=body, headers={"Content-Type": "text/plain"}), 415,
+           "unsupported_media_type")
+    port = server.base_url.rsplit(":", 1)[1]
+    _error(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json",
+                                                                "Host": f"rebind.evil.example:{port}"}),
+           421, "invalid_host")
+    same_origin = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json",
+                                                                       "Origin": server.base_url})
+    assert same_origin.status_code == 200 and same_origin.json()["usage"]["completion_tokens"] == 1
+
+
 def test_oversized_body_is_413(http):
     response = http.post("/v1/completions", json={"prompt": "t5 " * (MAX_REQUEST_BYTES // 3 + 10)})
     _error(response, 413, "request_too_large")

@@ -151,6 +151,9 @@ def test_allowed_origin_gets_a_preflight_and_cors_headers():
         assert response.json()["tokens"] == engine.tokenizer.encode("hello", add_special_tokens=True)
         assert response.headers["access-control-allow-origin"] == "http://localhost:5173"
         assert "Origin" in response.headers["vary"]
+        not_json = client.post("/tokenize", content=b"{}", headers={**origin, "Content-Type": "text/plain"})
+        _error(not_json, 415, "unsupported_media_type")  # readable by the allowed page: it has CORS headers
+        assert not_json.headers["access-control-allow-origin"] == "http://localhost:5173"
         refused = client.post("/tokenize", json=BODY, headers={"Origin": "http://localhost:5174",
                                                                "Authorization": "Bearer k"})
         _error(refused, 403, "cross_origin_refused")
