@@ -173,6 +173,13 @@ def bind_sockets(bind: BindAddress, ui_server: bool) -> tuple[list[socket.socket
     return sockets, ui_bind
 
 
+def config_for_bind(config: ServerConfig, bind: BindAddress, ui_bind: BindAddress | None) -> ServerConfig:
+    """``config`` with where the server listens, for the Host and Origin checks: the bind host, whether
+    it is a unix socket, and the web UI's port (its origin is allowed)."""
+    return dataclasses.replace(config, bind_host=bind.host, is_unix_socket=bind.uds is not None,
+                               ui_port=ui_bind.port if ui_bind is not None else None)
+
+
 def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAddress, *, shutdown_timeout: float = 30.0,
                log_level: str = "warning", ui_server: bool = False) -> int:
     """Serve until stopped; returns the process exit code (1 if the model failed to load).
@@ -180,8 +187,7 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
     With ``ui_server`` the web UI is served too, on the API port minus one (see :mod:`framework.server.webui`).
     """
     sockets, ui_bind = bind_sockets(bind, ui_server)
-    config = dataclasses.replace(config, bind_host=bind.host, is_unix_socket=bind.uds is not None,
-                                 ui_port=ui_bind.port if ui_bind is not None else None)
+    config = config_for_bind(config, bind, ui_bind)
     client = AsyncEngineClient(engine_kwargs)
     failure: list[str] = []
     server: _Server | None = None

@@ -147,3 +147,23 @@ def test_truncation_keeps_whole_characters():
     assert truncate_result("short", 5) == "short"
     cut = truncate_result("héé", 2)  # 'h' then a 2-byte 'é' that does not fit
     assert cut == "h\n[truncated: 4 more bytes (--mcp-max-result-bytes 2)]"
+
+
+def test_a_call_is_stopped_when_the_time_left_runs_out():
+    import asyncio
+
+    from framework.server.mcp_client import MCPManager
+
+    class SlowSession:
+        async def call_tool(self, name, args):
+            await asyncio.sleep(30)
+
+    async def run() -> tuple[str, bool]:
+        manager = MCPManager({"slow": {"command": "unused"}}, execute_all=True)
+        server = manager.servers["slow"]
+        server.session, server.tools = SlowSession(), [type("Tool", (), {"name": "wait"})()]
+        manager._tools["slow__wait"] = (server, "wait")  # what start() records for a listed tool
+        return await manager.call_tool("slow__wait", "{}", timeout_s=0.05)
+
+    result, is_error = asyncio.run(run())
+    assert is_error and result == "calling slow__wait took longer than 0.05 s and was stopped"

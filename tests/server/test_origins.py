@@ -45,6 +45,11 @@ def test_plain_json_post_without_origin_reaches_the_handler(http):
     assert "access-control-allow-origin" not in response.headers
 
 
+@pytest.mark.parametrize("origin", ["null", "http://localhost.evil.example:2000", "http://127.0.0.1.nip.io:2000"])
+def test_opaque_and_look_alike_origins_are_foreign(http, origin):
+    _error(http.post("/tokenize", json=BODY, headers={"Origin": origin}), 403, "cross_origin_refused")
+
+
 def test_a_foreign_pages_text_plain_post_is_refused(http):
     # What a page on another site can send without a preflight: a "simple" cross-origin POST.
     response = http.post("/tokenize", content=b'{"prompt": "hello"}',

@@ -158,3 +158,32 @@ def test_ui_port_applies_the_api_key_rules_of_the_real_app():
     assert page.status_code == 200  # the page itself needs no key: it asks for one
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     assert allowed.status_code == 200 and [m["id"] for m in allowed.json()["data"]] == ["m"]
+
+
+def test_the_ui_pages_own_requests_pass_the_origin_checks_of_the_real_app():
+    """What the page on the UI port sends (same origin, JSON) reaches the API; a foreign page's does not."""
+    from framework.server.app import create_app
+    from framework.server.launcher import config_for_bind
+    from framework.server.state import ServerConfig
+
+    from .scripted_engine import ScriptedEngineClient
+
+    engine = ScriptedEngineClient(lambda prompt: "")
+    config = config_for_bind(ServerConfig(served_model_names=["m"]), BindAddress("0.0.0.0", 2000, None),
+                             BindAddress("0.0.0.0", 1999, None))
+    assert (config.bind_host, config.ui_port, config.is_unix_socket) == ("0.0.0.0", 1999, False)
+    webui = WebUIApp(create_app(engine, config, start_engine=False), ui_port=1999)
+    expected = engine.tokenizer.encode("hi", add_special_tokens=True)
+
+    async def main() -> tuple[httpx.Response, ...]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=webui), base_url="http://192.168.1.5:1999") as http:
+            page = {"Origin": "http://192.168.1.5:1999", "Sec-Fetch-Site": "same-origin"}
+            return (await http.post("/tokenize", json={"prompt": "hi"}, headers=page),
+                    await http.post("http://192.168.1.5:2000/tokenize", json={"prompt": "hi"},
+                                    headers={**page, "Sec-Fetch-Site": "same-site"}),
+                    await http.post("/tokenize", json={"prompt": "hi"}, headers={"Origin": "https://evil.example"}))
+
+    same_origin, ui_to_api_port, foreign = asyncio.run(main())
+    assert same_origin.status_code == 200 and same_origin.json()["tokens"] == expected
+    assert ui_to_api_port.status_code == 200 and ui_to_api_port.json()["tokens"] == expected
+    assert foreign.status_code == 403 and foreign.json()["error"]["code"] == "cross_origin_refused"
