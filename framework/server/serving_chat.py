@@ -252,7 +252,7 @@ class MCPRounds:
         self.prompt_tokens = 0
         self.records: list[MCPCallRecord] = []  # every call the server ran, in order
         self.messages = list(turn.messages) if turn.body.mcp_execute else []
-        self.deadline = time.monotonic() + state.config.mcp_max_time_s
+        self.tool_time_s = 0.0  # spent in MCP calls so far (--mcp-max-time bounds it)
 
     def events(self) -> AsyncIterator[ChoiceDelta]:
         """This round's deltas, every choice merged."""
@@ -267,7 +267,7 @@ class MCPRounds:
         """Whether the server runs ``calls`` (the first choice's, at the end of this round) itself."""
         body = self.turn.body
         return bool(body.mcp_execute and calls and self.index < body.mcp_max_rounds
-                    and time.monotonic() < self.deadline
+                    and self.tool_time_s < self.state.config.mcp_max_time_s
                     and all(self.state.mcp.can_execute(call.name) for call in calls))
 
     async def run_calls(self, content: str, calls: list[ToolCall]) -> list[MCPCallRecord]:
@@ -278,7 +278,7 @@ class MCPRounds:
         config = self.state.config
         records = []
         for number, call in enumerate(calls):
-            left_s = self.deadline - time.monotonic()
+            left_s = config.mcp_max_time_s - self.tool_time_s
             if number >= config.mcp_max_calls_per_round:
                 result, is_error = (f"not run: more than {config.mcp_max_calls_per_round} tool calls in one round "
                                     "(--mcp-max-calls-per-round)"), True
@@ -286,8 +286,10 @@ class MCPRounds:
                 result, is_error = (f"not run: this request spent its {config.mcp_max_time_s:g} s of MCP tool time "
                                     "(--mcp-max-time)"), True
             else:
+                started = time.monotonic()
                 result, is_error = await self.state.mcp.call_tool(call.name, call.arguments, timeout_s=left_s,
                                                                   max_result_bytes=config.mcp_max_result_bytes)
+                self.tool_time_s += time.monotonic() - started
             records.append(MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result,
                                          is_error=is_error))
             self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})

@@ -28,8 +28,10 @@ SHOUT = '<tool_call>\n{"name": "calc__shout", "arguments": {"text": "hello world
 
 def reply(prompt: str) -> str:
     """Until tool results are in the prompt: one add call, or three adds ("three"), or a shout
-    ("shout"); then an answer quoting the results."""
+    ("shout"); then an answer quoting the results. "again": an add call on every round."""
     results = re.findall(r"<\|tool\|>(.*?)(?=<\|tool\||<\|assistant\||$)", prompt, re.S)
+    if "<|user|>again" in prompt:  # calls add on every round
+        return ADD
     if results:
         return "Results: " + " | ".join(r.strip() for r in results)
     if "<|user|>three" in prompt:
@@ -135,12 +137,24 @@ def test_a_long_result_is_truncated_with_a_note(server, calls, monkeypatch):
     assert record["result"] == "HELLO\n[truncated: 6 more bytes (--mcp-max-result-bytes 5)]"
 
 
-def test_a_spent_time_budget_runs_no_more_calls(server, calls, monkeypatch):
+def test_calls_after_the_time_budget_is_spent_are_not_run(server, calls, monkeypatch):
     monkeypatch.setattr(server.state.mcp, "execute_all", True)
-    monkeypatch.setattr(server.state.config, "mcp_max_time_s", 1e-9)
-    choice = _chat(server, mcp_execute=True).json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"].get("mcp_calls") is None
-    assert calls == []
+    monkeypatch.setattr(server.state.config, "mcp_max_time_s", 1e-6)  # less than any call takes
+    message = _chat(server, "three", mcp_execute=True).json()["choices"][0]["message"]
+    first, *rest = message["mcp_calls"]
+    assert first["is_error"] and first["result"] == "calling calc__add took longer than 1e-06 s and was stopped"
+    assert [(r["is_error"], r["result"]) for r in rest] == [
+        (True, "not run: this request spent its 1e-06 s of MCP tool time (--mcp-max-time)")] * 2
+    assert calls == ["calc__add"]
+
+
+def test_no_round_runs_calls_once_the_time_budget_is_spent(server, calls, monkeypatch):
+    monkeypatch.setattr(server.state.mcp, "execute_all", True)
+    monkeypatch.setattr(server.state.config, "mcp_max_time_s", 1e-6)
+    choice = _chat(server, "again", mcp_execute=True).json()["choices"][0]
+    assert len(choice["message"]["mcp_calls"]) == 1 and calls == ["calc__add"]  # the first round's call ran
+    assert choice["finish_reason"] == "tool_calls"  # the second round's call went back to the client
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "calc__add"
 
 
 def test_truncation_keeps_whole_characters():
