@@ -114,6 +114,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def is_device_usable(self) -> bool:
+        """Whether the device still runs work: true after an out-of-memory error, false after a
+        fault that poisons the CUDA context (an illegal address, a device-side assert)."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - any error here means the context is gone
+            return False
+        return True
+
     @staticmethod
     def step_inputs(batch: ScheduledBatch) -> list[StepInput]:
         """What each request computes this step: its new tokens, first position and block ids."""

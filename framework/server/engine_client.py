@@ -25,8 +25,8 @@ import tokenizers
 import zmq
 import zmq.asyncio
 
-from framework.engine.outputs import EngineStats, RequestOutput
-from framework.errors import ConfigError, FwError, GrammarError
+from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, EngineStats, RequestOutput
+from framework.errors import ConfigError, FwError, GrammarError, RequestFailedError
 from framework.sampling_params import SamplingParams
 from framework.server.messages import (
     AbortRequests,
@@ -137,9 +137,10 @@ class AsyncEngineClient:
         """Yield this request's outputs until one has a finish reason (with ``pooling``: one output
         carrying the embedding).
 
-        Raises ConfigError if the engine refuses the request, at once or later (an output with an
-        ``error``: its grammar failed to compile), and EngineDeadError if the engine dies. Leaving
-        early (break, cancellation, a client disconnect) aborts the request.
+        Raises ConfigError if the engine refuses the request, at once or later (GrammarError: its
+        grammar failed to compile), RequestFailedError if a step it was in failed, and
+        EngineDeadError if the engine dies. Leaving early (break, cancellation, a client
+        disconnect) aborts the request.
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -155,9 +156,11 @@ class AsyncEngineClient:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                if item.error is not None:  # only a grammar that failed to compile finishes with an error
+                if item.error is not None:
                     finished = True
-                    raise GrammarError(item.error)
+                    if item.error_kind == GRAMMAR_FAILED:
+                        raise GrammarError(item.error)
+                    raise RequestFailedError(item.error, out_of_memory=item.error_kind == OUT_OF_MEMORY)
                 if item.finish_reason is not None:
                     finished = True
                 yield item
@@ -211,7 +214,8 @@ class AsyncEngineClient:
             elif isinstance(message, AddFailed):
                 queue = self._queues.get(message.request_id)
                 if queue is not None:
-                    queue.put_nowait((GrammarError if message.grammar else ConfigError)(message.message))
+                    error_type = GrammarError if message.grammar else RequestFailedError if message.internal else ConfigError
+                    queue.put_nowait(error_type(message.message))
             elif isinstance(message, Ready):
                 if not self._ready_future.done():
                     self._ready_future.set_result(message)

@@ -153,14 +153,15 @@ class EngineLoop:
 
     def handle(self, message) -> bool:
         """Apply one request message; False means shut down."""
-        from framework.errors import FwError, GrammarError
+        from framework.errors import FwError, GrammarError, RequestFailedError
 
         if isinstance(message, AddRequest):
-            try:
+            try:  # add_request raises only FwErrors (RequestFailedError for its own failures)
                 self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.pooling)
             except FwError as error:
                 self.send(AddFailed(request_id=message.request_id, message=str(error),
-                                    grammar=isinstance(error, GrammarError)))
+                                    grammar=isinstance(error, GrammarError),
+                                    internal=isinstance(error, RequestFailedError)))
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 self.core.abort(request_id)

@@ -75,6 +75,8 @@ class AddFailed(msgspec.Struct, tag="add_failed", kw_only=True):
     message: str
     #: the refusal was a GrammarError (the request's structured-output constraint)
     grammar: bool = False
+    #: the request was valid but the engine failed to queue it (a RequestFailedError)
+    internal: bool = False
 
 
 class StatsReply(msgspec.Struct, tag="stats", kw_only=True):

@@ -13,7 +13,7 @@ import msgspec
 from litestar import Request
 from litestar.background_tasks import BackgroundTask
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, RequestFailedError
 from framework.server.engine_client import AsyncEngineClient, EngineDeadError
 from framework.server.errors import APIError, error_event
 from framework.server.metrics import ServerMetrics
@@ -160,6 +160,10 @@ def engine_error(error: Exception) -> APIError:
         return APIError(400, str(error), code="invalid_value")
     if isinstance(error, EngineDeadError):
         return APIError(503, str(error), code="engine_dead")
+    if isinstance(error, RequestFailedError):
+        if error.out_of_memory:
+            return APIError(503, str(error), code="out_of_memory", headers={"Retry-After": "1"})
+        return APIError(500, str(error), code="engine_step_failed")
     return APIError(500, f"{type(error).__name__}: {error}", code="internal_error")
 
 
