@@ -36,6 +36,8 @@ def serve(
     mcp_config: Annotated[str | None, typer.Option("--mcp-config", help="JSON file of MCP servers in the mcpServers format (command/args/env for stdio, url for streamable HTTP).")] = None,
     mcp_command: Annotated[str | None, typer.Option("--mcp-command", help="Command of one stdio MCP server (named 'mcp').")] = None,
     mcp_args: Annotated[str | None, typer.Option("--mcp-args", help="Arguments of --mcp-command, as one shell-quoted string.")] = None,
+    no_engine_restart: Annotated[bool, typer.Option("--no-engine-restart", help="Do not restart the engine process when it dies (/health stays 503).")] = False,
+    engine_heartbeat_timeout: Annotated[float, typer.Option("--engine-heartbeat-timeout", help="Seconds without a sign of life from the engine loop after which /health answers 503.")] = 60.0,
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", hidden=True)] = None,
     tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0, master_addr: o.MasterAddr = "127.0.0.1",
     master_port: o.MasterPort = None, rendezvous_timeout: o.RendezvousTimeout = 300.0,
@@ -61,6 +63,8 @@ def serve(
         for name, value in (("--frequency-penalty", frequency_penalty), ("--presence-penalty", presence_penalty)):
             if not -2.0 <= value <= 2.0:
                 raise ConfigError(f"{name} must be in [-2, 2], got {value}")
+        if not engine_heartbeat_timeout > 0:
+            raise ConfigError(f"--engine-heartbeat-timeout must be > 0 seconds, got {engine_heartbeat_timeout}")
         if max_gen_tokens is not None and max_gen_tokens < 1:
             raise ConfigError(f"--max-gen-tokens must be >= 1, got {max_gen_tokens}")
         from framework.server.chat_tools import check_parser_names
@@ -79,7 +83,8 @@ def serve(
                               max_request_bytes=max_request_bytes,
                               max_gen_tokens=max_gen_tokens, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, tool_parser=enforce_parser,
-                              reasoning_parser=reasoning_parser, mcp_servers=mcp_servers)
+                              reasoning_parser=reasoning_parser, mcp_servers=mcp_servers,
+                              engine_restart=not no_engine_restart, engine_heartbeat_timeout_s=engine_heartbeat_timeout)
         engine_kwargs = o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device, d=d,
                                         yarn_scaling_factor=yarn_scaling_factor,
                                         max_model_len=max_model_len, kv_fraction=kv_fraction, mem_mb=mem,

@@ -143,7 +143,8 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
     With ``ui_server`` the web UI is served too, on the API port minus one (see :mod:`framework.server.webui`).
     """
     sockets, ui_bind = bind_sockets(bind, ui_server)
-    client = AsyncEngineClient(engine_kwargs)
+    client = AsyncEngineClient(engine_kwargs, restart=config.engine_restart,
+                               heartbeat_timeout_s=config.engine_heartbeat_timeout_s)
     failure: list[str] = []
     server: _Server | None = None
 

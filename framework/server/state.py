@@ -45,6 +45,10 @@ class ServerConfig:
     reasoning_parser: str | None = None
     #: MCP servers in the ``mcpServers`` format (``--mcp-config`` / ``--mcp-command``); None: no MCP.
     mcp_servers: dict[str, Any] | None = None
+    #: Supervision of the engine process: restart it when it dies (``--no-engine-restart`` turns it
+    #: off), and answer 503 on /health when its loop has sent nothing for this many seconds.
+    engine_restart: bool = True
+    engine_heartbeat_timeout_s: float = 60.0
 
 
 class ServerState:
