@@ -140,3 +140,26 @@ def test_llm_generate_raises_request_failed_for_a_failed_step(tiny_path):
     with pytest.raises(RequestFailedError, match="ran out of memory"):
         llm.generate([{"prompt_token_ids": PROMPTS["b"]}], GREEDY)
     assert_nothing_leaked(llm.engine.core)
+
+
+def test_an_error_from_the_grammar_library_fails_that_step_and_frees_the_grammar_state(tiny_path):
+    """xgrammar raising while the sampled token is accepted (the matcher's state is then unknown):
+    the constrained request fails, its grammar state is released, and the next constrained
+    request is served under its grammar."""
+    pytest.importorskip("xgrammar")
+    from framework.sampling_params import StructuredOutputsParams
+
+    core = LLM(tiny_path, num_blocks=32, block_size=8).engine.core
+    manager = core.structured_outputs
+    constrained = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(regex="(t[2-5]){3}"))
+    fail_once(manager, "accept_token", RuntimeError("matcher rejected token"), 1)
+    core.add_request("g", PROMPTS["b"], constrained)
+    request = core.requests["g"]
+    failed = run(core)["g"]
+    assert failed[-1].error_kind == STEP_FAILED and "matcher rejected" not in failed[-1].error
+    assert request.structured_output is None and manager.num_compiling == 0
+    assert_nothing_leaked(core)
+    core.add_request("g", PROMPTS["b"], constrained)
+    served = run(core)["g"]
+    ids = [t for output in served for t in output.new_token_ids]
+    assert served[-1].error is None and len(ids) == 4 and set(ids[:3]) <= {2, 3, 4, 5} and ids[3] == 1  # then EOS
