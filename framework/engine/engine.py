@@ -311,6 +311,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
+            num_failed_steps=self.num_failed_steps,
         )
 
     def run_until_done(self, timeout_s: float | None = None) -> list[RequestOutput]:

@@ -51,3 +51,4 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    num_failed_steps: int = 0  # steps that raised; their requests finished with an error

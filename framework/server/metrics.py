@@ -60,6 +60,8 @@ class _EngineCollector:
         yield counter("fw:num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions)
         yield counter("fw:prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens)
         yield counter("fw:generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("fw:num_failed_steps", "Engine steps that raised (their requests failed, the engine went on).",
+                      stats.num_failed_steps)
 
 
 class ServerMetrics:
