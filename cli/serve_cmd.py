@@ -43,6 +43,8 @@ def serve(
     mcp_max_calls_per_round: Annotated[int, typer.Option("--mcp-max-calls-per-round", help="MCP tool calls the server runs in one round of a request; further calls get an error result.")] = 8,
     mcp_max_result_bytes: Annotated[int, typer.Option("--mcp-max-result-bytes", help="Bytes of one MCP tool result passed to the model; a longer result is truncated with a note.")] = 64 << 10,
     mcp_max_time: Annotated[float, typer.Option("--mcp-max-time", help="Seconds of MCP tool calls one request may spend in all; then calls get an error result and no further round runs.")] = 300.0,
+    no_engine_restart: Annotated[bool, typer.Option("--no-engine-restart", help="Do not restart the engine process when it dies (/health stays 503).")] = False,
+    engine_heartbeat_timeout: Annotated[float, typer.Option("--engine-heartbeat-timeout", help="Seconds without a sign of life from the engine loop after which /health answers 503.")] = 60.0,
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", hidden=True)] = None,
     tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0, master_addr: o.MasterAddr = "127.0.0.1",
     master_port: o.MasterPort = None, rendezvous_timeout: o.RendezvousTimeout = 300.0,
@@ -66,6 +68,8 @@ def serve(
         for name, value in (("--frequency-penalty", frequency_penalty), ("--presence-penalty", presence_penalty)):
             if not -2.0 <= value <= 2.0:
                 raise ConfigError(f"{name} must be in [-2, 2], got {value}")
+        if not engine_heartbeat_timeout > 0:
+            raise ConfigError(f"--engine-heartbeat-timeout must be > 0 seconds, got {engine_heartbeat_timeout}")
         if max_gen_tokens is not None and max_gen_tokens < 1:
             raise ConfigError(f"--max-gen-tokens must be >= 1, got {max_gen_tokens}")
         from framework.server.chat_tools import check_parser_names
@@ -87,7 +91,8 @@ def serve(
                               reasoning_parser=reasoning_parser, mcp_servers=mcp_servers, mcp_execute=mcp_execute,
                               mcp_max_calls_per_round=mcp_max_calls_per_round,
                               mcp_max_result_bytes=mcp_max_result_bytes, mcp_max_time_s=mcp_max_time,
-                              allowed_hosts=_split(allowed_hosts), allowed_origins=origins)
+                              allowed_hosts=_split(allowed_hosts), allowed_origins=origins,
+                              engine_restart=not no_engine_restart, engine_heartbeat_timeout_s=engine_heartbeat_timeout)
         warning = exposure_warning(bind, keys)
         if warning is not None and node_rank == 0:
             typer.echo(warning, err=True)

@@ -27,6 +27,16 @@ class GrammarError(ConfigError):
     naming the request field the constraint came from."""
 
 
+class RequestFailedError(FwError):
+    """The engine gave up a valid request because a step it was part of failed (``out_of_memory``:
+    the device ran out of memory; else an internal error, logged by the engine). Retrying may
+    succeed; the server answers 503 for the first and 500 for the second."""
+
+    def __init__(self, message: str, out_of_memory: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
+
+
 class UnknownNameError(ConfigError, KeyError):
     """A name was looked up in a registry that does not hold it; the message lists valid names."""
 

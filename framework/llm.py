@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from framework.engine.builder import Engine, EngineBuilder
-from framework.engine.outputs import LogprobEntry
+from framework.engine.outputs import GRAMMAR_FAILED, LogprobEntry
 from framework.engine.request import FinishReason
-from framework.errors import ConfigError
+from framework.errors import ConfigError, RequestFailedError
 from framework.output_text import SequenceText
 from framework.sampling_params import SamplingParams
 
@@ -102,10 +102,11 @@ class LLM:
                 core.add_request(request_id, ids, child)
         while core.has_unfinished():
             for step in core.step():
-                if step.error is not None:  # the engine gave it up (its grammar failed to compile)
+                if step.error is not None:  # the engine gave it up (its grammar failed to compile, or its step failed)
                     for request_id in sequences:
                         core.abort(request_id)
-                    raise ConfigError(f"request {step.request_id}: {step.error}")
+                    error_type = ConfigError if step.error_kind == GRAMMAR_FAILED else RequestFailedError
+                    raise error_type(f"request {step.request_id}: {step.error}")
                 output, sequence_text, result, _ = sequences[step.request_id]
                 output.token_ids.extend(step.new_token_ids)
                 if step.new_logprobs and output.logprobs is not None:

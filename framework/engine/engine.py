@@ -2,6 +2,11 @@
 
 It deals in token ids only; text (templates, detokenization, stop strings) belongs to the
 caller (:class:`framework.llm.LLM` in-process, the API process when serving).
+
+A step that raises fails the requests of that step (and of the step still in flight), not the
+engine: each gets an output with an ``error`` and its blocks and grammar state are freed. Only
+when the device is no longer usable (or a tensor-parallel group may be out of step) does the
+error leave :meth:`EngineCore.step`.
 """
 
 from __future__ import annotations
@@ -11,15 +16,17 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from framework.config import EngineConfig
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import LaunchedStep, ModelRunner
-from framework.engine.outputs import EngineStats, RequestOutput
+from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, STEP_FAILED, EngineStats, RequestOutput
 from framework.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus
 from framework.engine.sampler import make_generator
 from framework.engine.scheduler import ScheduledBatch, Scheduler
 from framework.engine.structured_outputs import StructuredOutputManager
-from framework.errors import ConfigError
+from framework.errors import ConfigError, FwError, RequestFailedError
 from framework.sampling_params import SamplingParams
 
 log = logging.getLogger("fw.engine")
@@ -54,6 +61,8 @@ class EngineCore:
         self.structured_outputs = structured_outputs  # None: requests with structured_outputs are refused
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self.requests: dict[str, Request] = {}
+        self.scheduled: list[Request] = []  # the batch of the step being run (failed with it if it raises)
+        self.num_failed_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -65,8 +74,20 @@ class EngineCore:
         With ``pooling`` (``"mean"`` or ``"last"``) the request is an embedding: the prompt is
         run once and its output carries the L2-normalized pooled hidden state, no tokens.
         With ``params.structured_outputs`` an invalid grammar raises ConfigError here; a valid
-        one compiles in the background and the request is scheduled once it is ready.
+        one compiles in the background and the request is scheduled once it is ready. Any other
+        failure is logged and raised as :class:`RequestFailedError`; the request is then not queued.
         """
+        try:
+            self._add_request(request_id, prompt_token_ids, params, pooling)
+        except FwError:
+            raise
+        except Exception as error:
+            log.exception("request %s could not be added", request_id)
+            raise RequestFailedError(f"the engine could not add the request ({type(error).__name__}); "
+                                     "the error is in the server log") from error
+
+    def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     pooling: str | None) -> None:
         if pooling not in POOLING_TYPES:
             raise ConfigError(f"unknown pooling {pooling!r}; valid: mean, last")
         if request_id in self.requests:
@@ -107,9 +128,11 @@ class EngineCore:
         self._retire(request, FinishReason.ABORT)
         return True
 
-    def _retire(self, request: Request, reason: FinishReason) -> None:
-        """Finish ``request``: key its full blocks for the prefix cache, free them, forget the request."""
-        self.kv_cache.cache_full_blocks(request)  # its computed tokens are real: placeholders are never computed
+    def _retire(self, request: Request, reason: FinishReason, cache_blocks: bool = True) -> None:
+        """Finish ``request``: key its full blocks for the prefix cache (unless a failed step may
+        have left them half written), free them, forget the request."""
+        if cache_blocks:
+            self.kv_cache.cache_full_blocks(request)  # its computed tokens are real: placeholders are never computed
         self.scheduler.finish(request, reason)
         self.requests.pop(request.request_id, None)
         if self.structured_outputs is not None:
@@ -136,19 +159,68 @@ class EngineCore:
         every request can get a block without preemption. Otherwise the previous step is read
         back first. A request whose last token (by length) is in flight is not scheduled again;
         one that stops by EOS or a stop token had one more step launched, whose result is dropped.
+
+        If anything raises, the requests of the failed step and of the step in flight finish with
+        an error output (see :meth:`_fail_step`); the error propagates only when the engine cannot
+        go on (:meth:`_can_recover`).
         """
-        outputs = self._admit_compiled() if self.structured_outputs is not None else []
+        outputs: list[RequestOutput] = []
+        try:
+            self._step(outputs)
+        except Exception as error:
+            if not self._can_recover():
+                raise
+            outputs += self._fail_step(error)
+        finally:
+            self.scheduled = []
+        return outputs
+
+    def _step(self, outputs: list[RequestOutput]) -> None:
+        """:meth:`step`'s work, appending to ``outputs`` as it goes (so a failure keeps what was reported)."""
+        if self.structured_outputs is not None:
+            outputs += self._admit_compiled()
         if self.inflight is not None and not self._can_overlap():
-            outputs += self._finish(self.inflight)
+            self._finish(self.inflight, outputs)
             self.inflight = None
         batch = self.scheduler.schedule()
+        self.scheduled = batch.requests
         launched = self._launch(batch) if batch.requests else None
         if self.inflight is not None:
-            outputs += self._finish(self.inflight)
+            self._finish(self.inflight, outputs)
         self.inflight = launched
         if launched is not None and not self.async_scheduling:
-            outputs += self._finish(launched)
+            self._finish(launched, outputs)
             self.inflight = None
+
+    def _can_recover(self) -> bool:
+        """Whether the engine may go on after a failed step: not with a tensor-parallel group (the
+        workers may be inside a collective rank 0 left) nor on a device that no longer runs work."""
+        return self.runner.broadcast is None and self.runner.is_device_usable()
+
+    def _fail_step(self, error: Exception) -> list[RequestOutput]:
+        """Finish every unfinished request of the failed step and of the step in flight with an
+        error output; free their blocks (not keyed for the prefix cache) and grammar state."""
+        self.num_failed_steps += 1
+        log.error("a step failed; its requests are given up", exc_info=error)
+        out_of_memory = isinstance(error, torch.OutOfMemoryError)
+        if out_of_memory:
+            message, kind = "the device ran out of memory while running this request; retry it later", OUT_OF_MEMORY
+        else:
+            message = f"the engine failed while running this request ({type(error).__name__}); the error is in the server log"
+            kind = STEP_FAILED
+        failed = {id(request): request for request in (self.inflight.requests if self.inflight is not None else [])}
+        failed.update((id(request), request) for request in self.scheduled)
+        self.inflight = None
+        self.runner.last_sampled = None  # the failed step's ids: no placeholder may read them
+        outputs = []
+        for request in failed.values():
+            if request.status is RequestStatus.FINISHED:
+                continue
+            self._retire(request, FinishReason.ABORT, cache_blocks=False)
+            outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="abort",
+                                         num_prompt_tokens=request.num_prompt_tokens, error=message, error_kind=kind))
+        if out_of_memory and self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()  # give what the failed step held back to the next one
         return outputs
 
     def _can_overlap(self) -> bool:
@@ -174,9 +246,8 @@ class EngineCore:
             request.output_token_ids.append(PLACEHOLDER)
         return InflightStep(batch.requests, launched, indices)
 
-    def _finish(self, step: InflightStep) -> list[RequestOutput]:
-        """Read a launched step back: fill its placeholders, check stops, build the outputs."""
-        outputs = []
+    def _finish(self, step: InflightStep, outputs: list[RequestOutput]) -> None:
+        """Read a launched step back: fill its placeholders, check stops, append the outputs."""
         for item, index in itertools.zip_longest(self.runner.collect(step.launched), step.indices):
             request = item.request
             if request.status is RequestStatus.FINISHED:
@@ -209,7 +280,6 @@ class EngineCore:
             for request in step.requests:
                 if request.status is not RequestStatus.FINISHED:
                     self.kv_cache.cache_full_blocks(request)  # their computed tokens are all real now
-        return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Schedule the requests whose grammar compiled; those whose compile failed finish ("abort")
@@ -225,7 +295,8 @@ class EngineCore:
             log.error("request %s: %s", request.request_id, message)
             self._retire(request, FinishReason.ABORT)  # in no queue and holding no blocks yet
             outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="abort",
-                                         num_prompt_tokens=request.num_prompt_tokens, error=message))
+                                         num_prompt_tokens=request.num_prompt_tokens, error=message,
+                                         error_kind=GRAMMAR_FAILED))
         return outputs
 
     def stats(self) -> EngineStats:
@@ -240,6 +311,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
+            num_failed_steps=self.num_failed_steps,
         )
 
     def run_until_done(self, timeout_s: float | None = None) -> list[RequestOutput]:

@@ -64,16 +64,20 @@ class LaunchedStep:
 class RowPlan:
     """Which hidden rows of a step get logits, decided once for rank 0 and the workers' message.
 
-    ``prompt_logprobs``: (request index, row count) of each chunk that scores prompt tokens;
-    ``sampling``: indices of the requests that sample (their last row), in batch order.
+    ``prompt_logprobs``: (request index, first row, row count) of each piece of a request's rows
+    that scores prompt tokens, the first row counted from the request's first row this step; a
+    request's rows are cut into pieces of at most ``max_prompt_logprob_rows`` so that no call
+    holds full-vocabulary logits for a whole long prompt. ``sampling``: indices of the requests
+    that sample (their last row), in batch order.
     """
 
-    prompt_logprobs: list[tuple[int, int]]
+    prompt_logprobs: list[tuple[int, int, int]]
     sampling: list[int]
 
     def logits_rows(self, offsets: list[int]) -> list[list[int]]:
         """The hidden rows of each ``compute_logits`` call, in call order."""
-        calls = [list(range(offsets[index], offsets[index] + count)) for index, count in self.prompt_logprobs]
+        calls = [list(range(offsets[index] + first, offsets[index] + first + count))
+                 for index, first, count in self.prompt_logprobs]
         return calls + ([[offsets[index + 1] - 1 for index in self.sampling]] if self.sampling else [])
 
 
@@ -104,6 +108,8 @@ class ModelRunner:
         #: tensor parallel with async scheduling: rank 0 broadcasts each step's sampled ids on the
         #: device, so the workers' placeholder inputs read them as rank 0's do
         self.share_sampled = False
+        #: rows of logits per prompt-logprob call: 256 rows of a 152k vocabulary are 156 MB in fp32
+        self.max_prompt_logprob_rows = 256
 
     def release_cuda_graphs(self) -> None:
         """Drop the decode graphs and wait for the device (before a tensor-parallel group is left:
@@ -113,6 +119,17 @@ class ModelRunner:
             gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def is_device_usable(self) -> bool:
+        """Whether the device still runs work: true after an out-of-memory error, false after a
+        fault that poisons the CUDA context (an illegal address, a device-side assert)."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - any error here means the context is gone
+            return False
+        return True
 
     @staticmethod
     def step_inputs(batch: ScheduledBatch) -> list[StepInput]:
@@ -255,8 +272,9 @@ class ModelRunner:
                     pooled.append(SampledToken(request, -1, embedding=embedding))
             elif request.sampling_params.prompt_logprobs is not None and request.num_computed_tokens == 0:
                 request.prompt_logprobs = [None]  # prompt token 0 has no logprob
-        for index, count in plan.prompt_logprobs:
-            self._prompt_logprobs(batch.requests[index], hidden[offsets[index]:offsets[index] + count], count)
+        for index, first, count in plan.prompt_logprobs:
+            start = offsets[index] + first
+            self._prompt_logprobs(batch.requests[index], hidden[start:start + count], first, count)
         self.last_sampled = None
         if not plan.sampling:
             return LaunchedStep([], None, pooled)
@@ -314,17 +332,16 @@ class ModelRunner:
                 result.logprob = (logprobs[row], top)
         return results + step.pooled
 
-    @classmethod
-    def _plan_rows(cls, batch: ScheduledBatch) -> RowPlan:
-        """The prompt-logprob chunks and the sampling requests of ``batch`` (see :class:`RowPlan`)."""
+    def _plan_rows(self, batch: ScheduledBatch) -> RowPlan:
+        """The prompt-logprob pieces and the sampling requests of ``batch`` (see :class:`RowPlan`)."""
         plan = RowPlan([], [])
+        piece = self.max_prompt_logprob_rows
         for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if request.pooling:
                 continue
             if request.sampling_params.prompt_logprobs is not None:
-                count = cls._num_prompt_logprob_rows(request, num_new)
-                if count:
-                    plan.prompt_logprobs.append((index, count))
+                count = self._num_prompt_logprob_rows(request, num_new)
+                plan.prompt_logprobs.extend((index, first, min(piece, count - first)) for first in range(0, count, piece))
             if request.num_computed_tokens + num_new == request.num_tokens:
                 plan.sampling.append(index)
         return plan
@@ -350,10 +367,11 @@ class ModelRunner:
         vector = request.pooled / (request.num_prompt_tokens if request.pooling == "mean" else 1)
         return torch.nn.functional.normalize(vector, dim=0).tolist()
 
-    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, count: int) -> None:
-        """Logprobs of prompt tokens ``start + 1 .. start + count`` from this chunk's first ``count``
-        rows (position p predicts token p + 1)."""
-        start = request.num_computed_tokens
+    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, first: int, count: int) -> None:
+        """Logprobs of prompt tokens ``start + 1 .. start + count`` from the ``count`` rows of
+        ``hidden``, which are the rows from ``first`` of this step's chunk, so ``start`` is
+        ``num_computed_tokens + first`` (position p predicts token p + 1). Pieces arrive in order."""
+        start = request.num_computed_tokens + first
         stop = start + count
         targets = torch.tensor(request.prompt_token_ids[start + 1:stop + 1], device=hidden.device)
         logits = self.model.compute_logits(hidden).float()

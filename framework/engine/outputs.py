@@ -24,9 +24,18 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     embedding: list[float] | None = None  # pooling requests: the normalized pooled hidden state
-    #: Why the engine gave the request up (with finish_reason "abort"), e.g. its grammar failed to
-    #: compile: the caller reports it as the request's error. None for every other output.
+    #: Why the engine gave the request up (with finish_reason "abort"): the caller reports it as the
+    #: request's error. None for every other output.
     error: str | None = None
+    #: What kind of failure ``error`` is: :data:`GRAMMAR_FAILED` (its grammar failed to compile: the
+    #: request was bad), :data:`OUT_OF_MEMORY` or :data:`STEP_FAILED` (a step it was in raised: the
+    #: request was fine and may be retried).
+    error_kind: str | None = None
+
+
+GRAMMAR_FAILED = "grammar"
+OUT_OF_MEMORY = "out_of_memory"
+STEP_FAILED = "step_failed"
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -42,3 +51,4 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    num_failed_steps: int = 0  # steps that raised; their requests finished with an error

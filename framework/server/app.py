@@ -96,11 +96,18 @@ class ServiceController(Controller):
         client = server.client
         if server.is_draining:
             return Response({"status": "draining"}, status_code=503)
+        restarts = {"engine_restarts": client.num_restarts}
+        if client.is_restarting:
+            return Response({"status": "restarting", "message": client.dead_reason, **restarts}, status_code=503)
         if client.dead_reason is not None:
-            return Response({"status": "error", "message": client.dead_reason}, status_code=503)
+            return Response({"status": "error", "message": client.dead_reason, **restarts}, status_code=503)
         if not client.is_ready:
             return Response({"status": "loading"}, status_code=503)
-        return Response({"status": "ok"}, status_code=200)
+        if client.is_unresponsive:
+            return Response({"status": "unresponsive", **restarts,
+                             "message": f"the engine loop has sent nothing for over {client.heartbeat_timeout_s:g} s"},
+                            status_code=503)
+        return Response({"status": "ok", **restarts}, status_code=200)
 
     @get("/version")
     async def version(self) -> dict[str, str]:
@@ -112,7 +119,7 @@ class ServiceController(Controller):
         if server.client.is_healthy:
             with contextlib.suppress(Exception):
                 stats = await server.client.stats(timeout_s=5.0)
-        return Response(server.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+        return Response(server.metrics.render(stats, server.client.num_restarts), media_type=CONTENT_TYPE_LATEST)
 
     @post("/tokenize", status_code=200)
     async def tokenize(self, server: Server, request: Request) -> TokenizeResponse:
@@ -177,6 +184,9 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
         if state.is_draining:
             raise APIError(503, "the server is shutting down", code="server_draining")
         client = state.client
+        if client.is_restarting:
+            raise APIError(503, f"the engine is restarting: {client.dead_reason}", code="engine_restarting",
+                           headers={"Retry-After": "1"})
         if client.dead_reason is not None:
             raise APIError(503, f"the engine is not running: {client.dead_reason}", code="engine_dead")
         if not client.is_ready:

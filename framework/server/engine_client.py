@@ -2,8 +2,13 @@
 
 It starts ``python -m framework.server.engine_process``, sends msgspec-encoded requests over a ZMQ
 PUSH socket, and one background task routes the batched step outputs to per-request queues.
-A watcher thread notices when the engine process exits: every waiting ``generate`` then raises
-:class:`EngineDeadError` instead of hanging, and ``is_healthy`` turns False.
+
+Supervision: a watcher thread notices when the engine process exits. Every waiting ``generate``
+then raises :class:`EngineDeadError` instead of hanging, ``is_healthy`` turns False, and (unless
+``restart`` is off) a new engine process is started on fresh sockets; once it reports ready the
+client serves again and ``num_restarts`` counts it. A restart that fails to load is retried a few
+times with a growing delay, then the engine stays dead. An engine whose loop sends nothing
+(outputs or heartbeats) for ``heartbeat_timeout_s`` is ``is_unresponsive``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,8 +31,8 @@ import tokenizers
 import zmq
 import zmq.asyncio
 
-from framework.engine.outputs import EngineStats, RequestOutput
-from framework.errors import ConfigError, FwError, GrammarError
+from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, EngineStats, RequestOutput
+from framework.errors import ConfigError, FwError, GrammarError, RequestFailedError
 from framework.sampling_params import SamplingParams
 from framework.server.messages import (
     AbortRequests,
@@ -35,6 +41,7 @@ from framework.server.messages import (
     EngineFailed,
     EngineReply,
     GetStats,
+    Heartbeat,
     LoadFailed,
     Ready,
     Shutdown,
@@ -52,15 +59,26 @@ class EngineLoadError(FwError):
     """The engine process could not load the model; the message says why."""
 
 
-class AsyncEngineClient:
-    """Start, talk to and stop one engine process. Methods must be called on one event loop."""
+#: Delays before the attempts to restart a dead engine (a failed load moves on to the next one).
+RESTART_DELAYS_S = (0.0, 1.0, 4.0)
 
-    def __init__(self, builder_kwargs: dict[str, Any]) -> None:
+
+class AsyncEngineClient:
+    """Start, talk to, supervise and stop one engine process. Methods must be called on one event loop."""
+
+    def __init__(self, builder_kwargs: dict[str, Any], *, restart: bool = True, heartbeat_timeout_s: float = 60.0) -> None:
         self.builder_kwargs = builder_kwargs
+        self.restart = restart
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.ready: Ready | None = None
         self.tokenizer: Tokenizer | None = None
         self.dead_reason: str | None = None
         self.process: subprocess.Popen | None = None
+        self.num_restarts = 0
+        self.is_restarting = False
+        self.last_heard = time.monotonic()  # when the engine process last sent anything
+        self._closing = False
+        self._restarter: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
@@ -72,6 +90,14 @@ class AsyncEngineClient:
     # --- life cycle ----------------------------------------------------------------------
     async def start(self) -> Ready:
         """Spawn the engine process and wait until it reports ready; raises EngineLoadError."""
+        self.ready = await self._spawn()
+        spec = self.ready.tokenizer
+        self.tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(spec.tokenizer_json), spec.chat_template, spec.bos_token,
+                                   spec.eos_token, spec.pad_token, frozenset(spec.extra_eos_token_ids), spec.template_vars)
+        return self.ready
+
+    async def _spawn(self) -> Ready:
+        """Open fresh sockets, start an engine process on them, and wait for its Ready."""
         loop = asyncio.get_running_loop()
         self._tmpdir = tempfile.TemporaryDirectory(prefix="fw-ipc-")
         input_addr = f"ipc://{self._tmpdir.name}/input"
@@ -86,7 +112,7 @@ class AsyncEngineClient:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_addr)
         self._ready_future = loop.create_future()
-        self._reader = asyncio.create_task(self._read_outputs())
+        self._reader = asyncio.create_task(self._read_outputs(self._output, self._decoder))
         self.process = subprocess.Popen([sys.executable, "-m", "framework.server.engine_process", input_addr, output_addr],
                                         stdin=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.process.stdin.write(json.dumps(self.builder_kwargs).encode())
@@ -94,14 +120,47 @@ class AsyncEngineClient:
         process = self.process
         threading.Thread(target=lambda: (process.wait(), loop.call_soon_threadsafe(self._on_exit, process)),
                          name="fw-engine-watcher", daemon=True).start()
-        self.ready = await self._ready_future
-        spec = self.ready.tokenizer
-        self.tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(spec.tokenizer_json), spec.chat_template, spec.bos_token,
-                                   spec.eos_token, spec.pad_token, frozenset(spec.extra_eos_token_ids), spec.template_vars)
-        return self.ready
+        ready = await self._ready_future
+        self.last_heard = time.monotonic()
+        return ready
+
+    def _close_sockets(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if hasattr(self, "_input"):
+            self._input.close()
+            self._output.close()
+            self._context.term()
+            self._sync_context.term()
+            self._tmpdir.cleanup()
+            del self._input
+
+    async def _restart(self) -> None:
+        """Start a new engine process in place of the dead one (see the module docstring)."""
+        self.is_restarting = True
+        try:
+            for attempt, delay in enumerate(RESTART_DELAYS_S, 1):
+                await asyncio.sleep(delay)
+                if self._closing:
+                    return
+                self._close_sockets()
+                try:
+                    ready = await self._spawn()
+                except Exception as error:  # noqa: BLE001 - a failed load (EngineLoadError) or a socket error
+                    self.dead_reason = f"the engine could not be restarted (attempt {attempt} of {len(RESTART_DELAYS_S)}): {error}"
+                    continue
+                self.ready, self.dead_reason = ready, None
+                self.num_restarts += 1
+                return
+        finally:
+            self.is_restarting = False
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Ask the engine process to exit, kill it if it does not, and close the sockets."""
+        self._closing = True
+        if self._restarter is not None:
+            self._restarter.cancel()
         process = self.process
         if process is not None and process.poll() is None:
             try:
@@ -114,14 +173,7 @@ class AsyncEngineClient:
                 process.kill()
                 await asyncio.to_thread(process.wait)
         self._fail_all("the server is shutting down")
-        if self._reader is not None:
-            self._reader.cancel()
-        if hasattr(self, "_input"):
-            self._input.close()
-            self._output.close()
-            self._context.term()
-            self._sync_context.term()
-            self._tmpdir.cleanup()
+        self._close_sockets()
 
     @property
     def is_ready(self) -> bool:
@@ -131,15 +183,21 @@ class AsyncEngineClient:
     def is_healthy(self) -> bool:
         return self.is_ready and self.process is not None and self.process.poll() is None
 
+    @property
+    def is_unresponsive(self) -> bool:
+        """The engine is up but its loop has sent nothing for ``heartbeat_timeout_s`` (wedged in a step)."""
+        return self.is_healthy and time.monotonic() - self.last_heard > self.heartbeat_timeout_s
+
     # --- requests ------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        pooling: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs until one has a finish reason (with ``pooling``: one output
         carrying the embedding).
 
-        Raises ConfigError if the engine refuses the request, at once or later (an output with an
-        ``error``: its grammar failed to compile), and EngineDeadError if the engine dies. Leaving
-        early (break, cancellation, a client disconnect) aborts the request.
+        Raises ConfigError if the engine refuses the request, at once or later (GrammarError: its
+        grammar failed to compile), RequestFailedError if a step it was in failed, and
+        EngineDeadError if the engine dies. Leaving early (break, cancellation, a client
+        disconnect) aborts the request.
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -155,9 +213,11 @@ class AsyncEngineClient:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                if item.error is not None:  # only a grammar that failed to compile finishes with an error
+                if item.error is not None:
                     finished = True
-                    raise GrammarError(item.error)
+                    if item.error_kind == GRAMMAR_FAILED:
+                        raise GrammarError(item.error)
+                    raise RequestFailedError(item.error, out_of_memory=item.error_kind == OUT_OF_MEMORY)
                 if item.finish_reason is not None:
                     finished = True
                 yield item
@@ -196,9 +256,13 @@ class AsyncEngineClient:
     def _send(self, message) -> None:
         self._input.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
 
-    async def _read_outputs(self) -> None:
+    async def _read_outputs(self, socket: zmq.asyncio.Socket, decoder: msgspec.msgpack.Decoder) -> None:
+        """Route one engine process's messages (its own socket: a restarted engine has new ones)."""
         while True:
-            message = self._decoder.decode(await self._output.recv())
+            message = decoder.decode(await socket.recv())
+            self.last_heard = time.monotonic()
+            if isinstance(message, Heartbeat):
+                continue
             if isinstance(message, StepOutputs):
                 for output in message.outputs:
                     queue = self._queues.get(output.request_id)
@@ -211,7 +275,8 @@ class AsyncEngineClient:
             elif isinstance(message, AddFailed):
                 queue = self._queues.get(message.request_id)
                 if queue is not None:
-                    queue.put_nowait((GrammarError if message.grammar else ConfigError)(message.message))
+                    error_type = GrammarError if message.grammar else RequestFailedError if message.internal else ConfigError
+                    queue.put_nowait(error_type(message.message))
             elif isinstance(message, Ready):
                 if not self._ready_future.done():
                     self._ready_future.set_result(message)
@@ -222,10 +287,20 @@ class AsyncEngineClient:
                 self._mark_dead(message.message)
 
     def _on_exit(self, process: subprocess.Popen) -> None:
-        if self._ready_future is not None and not self._ready_future.done():
-            self._ready_future.set_exception(EngineLoadError(f"the engine process exited with code {process.returncode} "
-                                                             "before the model was loaded"))
-        self._mark_dead(self.dead_reason or f"the engine process exited (code {process.returncode})")
+        if process is not self.process:
+            return
+        future = self._ready_future
+        if future is not None and not future.done():
+            future.set_exception(EngineLoadError(f"the engine process exited with code {process.returncode} "
+                                                 "before the model was loaded"))
+        was_serving = future is not None and not future.cancelled() and future.exception() is None
+        restarting = was_serving and self.restart and not self._closing
+        reason = self.dead_reason or f"the engine process exited (code {process.returncode})"
+        if restarting:
+            reason += "; it is being restarted, retry the request shortly"
+        self._mark_dead(reason)
+        if restarting:  # (a process that never got ready is retried, or reported, by whoever spawned it)
+            self._restarter = asyncio.ensure_future(self._restart())
 
     def _mark_dead(self, reason: str) -> None:
         self.dead_reason = reason

@@ -25,6 +25,7 @@ from framework.server.messages import (
     EngineFailed,
     EngineRequest,
     GetStats,
+    Heartbeat,
     LoadFailed,
     Ready,
     Shutdown,
@@ -37,6 +38,8 @@ log = logging.getLogger("fw.engine")
 
 #: How often an idle engine wakes up to check that the API process still exists.
 _IDLE_POLL_MS = 1000
+#: A loop that has sent nothing for this long sends a Heartbeat (the API process's /health watches them).
+HEARTBEAT_INTERVAL_S = 1.0
 #: How long the loop has to report a dead tensor-parallel worker before the watchdog exits the process.
 _WORKER_FAILURE_GRACE_S = 10.0
 
@@ -78,9 +81,11 @@ class EngineLoop:
         self.parent_pid = os.getppid()
         self.core = None
         self.engine = None
+        self.last_sent = time.monotonic()
 
     def send(self, message) -> None:
         data = self.encoder.encode(message)
+        self.last_sent = time.monotonic()
         while True:
             try:
                 self.output.send(data, flags=zmq.NOBLOCK)
@@ -137,6 +142,8 @@ class EngineLoop:
         core = self.core
         while True:
             busy = core.has_unfinished()
+            if time.monotonic() - self.last_sent >= HEARTBEAT_INTERVAL_S:
+                self.send(Heartbeat())
             if not busy and not self.input.poll(_IDLE_POLL_MS):
                 if os.getppid() != self.parent_pid:  # the API process is gone: nobody to serve
                     return
@@ -153,14 +160,15 @@ class EngineLoop:
 
     def handle(self, message) -> bool:
         """Apply one request message; False means shut down."""
-        from framework.errors import FwError, GrammarError
+        from framework.errors import FwError, GrammarError, RequestFailedError
 
         if isinstance(message, AddRequest):
-            try:
+            try:  # add_request raises only FwErrors (RequestFailedError for its own failures)
                 self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.pooling)
             except FwError as error:
                 self.send(AddFailed(request_id=message.request_id, message=str(error),
-                                    grammar=isinstance(error, GrammarError)))
+                                    grammar=isinstance(error, GrammarError),
+                                    internal=isinstance(error, RequestFailedError)))
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 self.core.abort(request_id)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from framework.engine.outputs import LogprobEntry
-from framework.errors import GrammarError
+from framework.errors import GrammarError, RequestFailedError
 from framework.output_text import SequenceText
 from framework.sampling_params import SamplingParams
 from framework.server.engine_client import AsyncEngineClient
@@ -185,6 +185,6 @@ async def _pump(client: AsyncEngineClient, child_id: str, index: int, prompt_ind
             if stopped:
                 return  # leaving generate() aborts the engine request
     except Exception as error:
-        if metrics is not None and isinstance(error, GrammarError):
-            metrics.finished("abort")  # the engine finished it as aborted (its grammar was invalid or failed to compile)
+        if metrics is not None and isinstance(error, GrammarError | RequestFailedError):
+            metrics.finished("abort")  # the engine finished it as aborted (a bad grammar, or a failed step)
         queue.put_nowait(error)

@@ -3,7 +3,7 @@
 Two one-way PUSH/PULL channels::
 
     API process  ──(EngineRequest: AddRequest | AbortRequests | GetStats | Shutdown)──▶  engine process
-    API process  ◀──(EngineReply: Ready | LoadFailed | StepOutputs | AddFailed | StatsReply | EngineFailed)──
+    API process  ◀──(EngineReply: Ready | LoadFailed | StepOutputs | AddFailed | StatsReply | EngineFailed | Heartbeat)──
 
 Outputs are batched: one :class:`StepOutputs` per engine step carries every request's new tokens.
 """
@@ -75,6 +75,8 @@ class AddFailed(msgspec.Struct, tag="add_failed", kw_only=True):
     message: str
     #: the refusal was a GrammarError (the request's structured-output constraint)
     grammar: bool = False
+    #: the request was valid but the engine failed to queue it (a RequestFailedError)
+    internal: bool = False
 
 
 class StatsReply(msgspec.Struct, tag="stats", kw_only=True):
@@ -86,4 +88,8 @@ class EngineFailed(msgspec.Struct, tag="engine_failed", kw_only=True):
     message: str
 
 
-EngineReply = Ready | LoadFailed | StepOutputs | AddFailed | StatsReply | EngineFailed
+class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
+    """Sent by an engine loop that has sent nothing else for a while: the loop is alive."""
+
+
+EngineReply = Ready | LoadFailed | StepOutputs | AddFailed | StatsReply | EngineFailed | Heartbeat

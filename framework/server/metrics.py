@@ -1,7 +1,8 @@
 """Prometheus metrics (prometheus-client), one registry per app.
 
 Engine counters (running / waiting requests, KV-cache usage, prefix-cache queries and hits,
-prompt / generation tokens, preemptions) are read from the engine process at scrape time;
+prompt / generation tokens, preemptions) are read from the engine process at scrape time, the
+engine restarts from the API process's supervisor;
 latency histograms (TTFT, inter-token, end-to-end) are observed in the API process.
 """
 
@@ -25,13 +26,18 @@ class _EngineCollector:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats: EngineStats | None = None
+        self.num_restarts = 0
 
     def collect(self):
+        labels = ["model_name"]
+        value = [self.model_name]
+        restarts = CounterMetricFamily("fw:engine_restarts", "Times the engine process was restarted after it died.",
+                                       labels=labels)
+        restarts.add_metric(value, self.num_restarts)
+        yield restarts
         stats = self.stats
         if stats is None:
             return
-        labels = ["model_name"]
-        value = [self.model_name]
 
         def gauge(name, doc, v):
             family = GaugeMetricFamily(name, doc, labels=labels)
@@ -54,6 +60,8 @@ class _EngineCollector:
         yield counter("fw:num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions)
         yield counter("fw:prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens)
         yield counter("fw:generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("fw:num_failed_steps", "Engine steps that raised (their requests failed, the engine went on).",
+                      stats.num_failed_steps)
 
 
 class ServerMetrics:
@@ -78,6 +86,6 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        self.engine.stats = stats
+    def render(self, stats: EngineStats | None, num_restarts: int = 0) -> bytes:
+        self.engine.stats, self.engine.num_restarts = stats, num_restarts
         return generate_latest(self.registry)

@@ -13,7 +13,7 @@ import msgspec
 from litestar import Request
 from litestar.background_tasks import BackgroundTask
 
-from framework.errors import ConfigError
+from framework.errors import ConfigError, RequestFailedError
 from framework.server.engine_client import AsyncEngineClient, EngineDeadError
 from framework.server.errors import APIError, error_event
 from framework.server.metrics import ServerMetrics
@@ -61,6 +61,10 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     #: The web UI's port (``--ui-server``), whose origin is allowed; None without the UI.
     ui_port: int | None = None
+    #: Supervision of the engine process: restart it when it dies (``--no-engine-restart`` turns it
+    #: off), and answer 503 on /health when its loop has sent nothing for this many seconds.
+    engine_restart: bool = True
+    engine_heartbeat_timeout_s: float = 60.0
 
 
 class ServerState:
@@ -176,6 +180,10 @@ def engine_error(error: Exception) -> APIError:
         return APIError(400, str(error), code="invalid_value")
     if isinstance(error, EngineDeadError):
         return APIError(503, str(error), code="engine_dead")
+    if isinstance(error, RequestFailedError):
+        if error.out_of_memory:
+            return APIError(503, str(error), code="out_of_memory", headers={"Retry-After": "1"})
+        return APIError(500, str(error), code="engine_step_failed")
     return APIError(500, f"{type(error).__name__}: {error}", code="internal_error")
 
 

@@ -52,6 +52,9 @@ class ScriptedEngineClient:
 
     is_ready = True
     is_healthy = True
+    is_restarting = False
+    is_unresponsive = False
+    num_restarts = 0
 
     async def generate(self, request_id, prompt_token_ids, params, pooling=None):
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)

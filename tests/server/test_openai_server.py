@@ -26,7 +26,10 @@ def server(tiny_model_dir, serve_on_free_port):
                              "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-num-seqs", "64",
                              # async scheduling (the GPU default) under every API test here; the
                              # other server modules run the CPU default (sync)
-                             "--async-scheduling"]) as proc:
+                             "--async-scheduling",
+                             # the last test kills the engine: it must stay dead here (restarts:
+                             # test_engine_supervision.py)
+                             "--no-engine-restart"]) as proc:
         yield proc
 
 

@@ -17,6 +17,10 @@ BASE_URL = "http://127.0.0.1:2000"
 class StandInClient:
     """Just enough of AsyncEngineClient for requests that never reach the engine."""
 
+    is_restarting = False
+    is_unresponsive = False
+    num_restarts = 0
+
     def __init__(self, ready: bool) -> None:
         self.ready = SimpleNamespace(max_model_len=64, vocab_size=32) if ready else None
         self.dead_reason = None

@@ -145,7 +145,8 @@ def test_ui_port_applies_the_api_key_rules_of_the_real_app():
     from framework.server.app import create_app
     from framework.server.state import ServerConfig
 
-    client = SimpleNamespace(ready=SimpleNamespace(max_model_len=64, vocab_size=32), dead_reason=None, is_ready=True)
+    client = SimpleNamespace(ready=SimpleNamespace(max_model_len=64, vocab_size=32), dead_reason=None, is_ready=True,
+                             is_restarting=False)
     api = create_app(client, ServerConfig(served_model_names=["m"], api_keys=["secret"]), start_engine=False)
     webui = WebUIApp(api, ui_port=1999)
 
