@@ -8,8 +8,10 @@ steps one by one (``open_source``, ``model_config``, ``load_model``, ``select_at
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,11 +172,26 @@ class EngineBuilder:
         if self.source.name == "dummy":
             self.source.device = self.device  # each rank draws the (identical, seeded) tensors on its own device
         weights = model_loader.with_progress(self.source.iter_weights(), self.source.num_weights(), "Loading weights")
-        loaded = model_loader.load_weights(model, weights)
-        model_loader.check_all_loaded(model, loaded, config.source)
-        model_loader.finish_loading(model, self.device)
+        try:
+            loaded = model_loader.load_weights(model, weights)
+            model_loader.check_all_loaded(model, loaded, config.source)
+            model_loader.finish_loading(model, self.device)
+        except BaseException as error:
+            del model
+            self.release_model(error)
+            raise
         self.torch_model = model.eval()
         return self.torch_model
+
+    def release_model(self, error: BaseException | None = None) -> None:
+        """Drop the (partly) built model and return its device memory: after a failed step nothing
+        stays half-loaded, even while the caller holds ``error`` (whose finished frames lose their locals)."""
+        self.torch_model = None
+        if error is not None:
+            traceback.clear_frames(error.__traceback__)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _quant_config(self):
         assert self.source is not None and self.config is not None
@@ -421,6 +438,7 @@ class EngineBuilder:
             if self.workers is not None:
                 self.workers.close()
             distributed.destroy_tensor_parallel()
+            self.release_model(error)
             if reason is not None and not isinstance(error, FwError):  # the worker's own error is above in the log
                 raise ModelLoadError(f"{reason} while the model was loading (its error is printed above)") from error
             raise

@@ -140,7 +140,11 @@ def open_gguf(path: str | Path) -> GGUFFile:
     tensors = {}
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        raw = t.data.view(np.uint8).reshape(*shape[:-1], bytes_per_row(t.tensor_type, shape[-1]))
+        try:
+            raw = t.data.view(np.uint8).reshape(*shape[:-1], bytes_per_row(t.tensor_type, shape[-1]))
+        except ValueError as exc:
+            raise GGUFFormatError(f"{path}: tensor '{t.name}' {t.tensor_type.name} {list(shape)}: "
+                                  f"its data does not fit its shape ({exc})") from None
         tensors[t.name] = TensorInfo(t.name, t.tensor_type, shape, torch.from_numpy(raw), path, t.data_offset)
     return GGUFFile(path, metadata, tensors)
 
