@@ -468,6 +468,8 @@ class EngineBuilder:
             "cuda_graphs": self.graph_summary,
             "async_scheduling": core.async_scheduling,
             "weight_format": self.source.name,
+            "weight_bytes": model_bytes(self.torch_model),
+            "checkpoint_bytes": self.source.checkpoint_bytes(),
             "plugins": [info.name for info in plugins.loaded_plugins()],
             "tensor_parallel_size": self.parallel.tensor_parallel_size,
         }
@@ -477,7 +479,17 @@ class EngineBuilder:
             summary["all_reduce"] = self.all_reduce
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", self.num_blocks, cache.block_size,
                  self.num_blocks * cache.block_size, self.kv_cache_bytes / 2**20)
+        checkpoint = summary["checkpoint_bytes"]
+        log.info("Weights: %.2f GiB on %s%s", summary["weight_bytes"] / 2**30, self.device,
+                 f" (checkpoint files {checkpoint / 2**30:.2f} GiB)" if checkpoint else "")
         return Engine(core, self._tokenizer, self.config, self._generation, self.backend_name, summary, self.workers)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Device bytes of ``model``'s parameters and buffers (each shared tensor once): the memory its
+    weights take on this rank, packed quantized weights at their packed size."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def with_yarn_scaling(hf_config: dict[str, Any], factor: float) -> dict[str, Any]:
