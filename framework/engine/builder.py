@@ -179,6 +179,8 @@ class EngineBuilder:
         except BaseException as error:
             del model
             self.release_model(error)
+            if isinstance(error, ModelLoadError) and not str(error).startswith(config.source):
+                raise ModelLoadError(f"{config.source}: {error}") from None  # which model, beside which tensor
             raise
         self.torch_model = model.eval()
         return self.torch_model

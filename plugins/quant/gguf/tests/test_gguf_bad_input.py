@@ -5,6 +5,7 @@ ConfigError naming the file and tensor (no numpy/struct traceback) and leaves no
 from __future__ import annotations
 
 import gc
+import re
 import struct
 import weakref
 
@@ -106,8 +107,10 @@ def test_tensor_that_does_not_fit_the_model_frees_the_partly_loaded_one(smollm2_
     monkeypatch.setattr(model_loader, "build_model", recording_build)
     wrong = gguf.quants.quantize(np.ones((576, 512), dtype=np.float32), Q.Q8_0)
     path = rewrite(smollm2_gguf_path, tmp_path / "wrong-shape.gguf", {"blk.29.attn_q.weight": (wrong, Q.Q8_0)})
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.29\.self_attn\.qkv_proj shard 'q': expected packed \w+ rows") as info:
+    with pytest.raises(ModelLoadError) as info:
         LLM(str(path), num_blocks=16)
+    assert re.match(rf"{re.escape(str(path))}: model\.layers\.29\.self_attn\.qkv_proj shard 'q': expected packed \w+ rows",
+                    str(info.value)), str(info.value)
     gc.collect()
     assert len(built) == 1 and built[0]() is None, "the half-loaded model is still referenced"
     assert info.value.__traceback__ is not None  # the error keeps its traceback, only the frames' locals go
