@@ -123,10 +123,14 @@ def run_fw(args, path: Path, cases: list[tuple[str, list[int]]]) -> dict:
 
 
 def table_rows(report: dict) -> list[tuple[str, str, float | None, float | None]]:
-    """``(case, quant, llama.cpp tok/s, fw tok/s)`` per fw case; llama.cpp's number where it measured the same case."""
+    """``(case, quant, llama.cpp tok/s, fw tok/s)`` per fw case, llama.cpp's number where it measured
+    the same case (None where not); a file fw failed on gets llama.cpp's tg128 and pp512 alone."""
     rows = []
     for quant, entry in report["files"].items():
         lcp = entry.get("llamacpp") or {}
+        if not entry["fw"]["results"]:  # fw failed on this file: llama.cpp's numbers alone
+            rows += [("decode batch 1 (tg128)", quant, lcp.get("decode_tokens_per_s"), None),
+                     ("prefill 512 (pp512)", quant, lcp.get("prefill_tokens_per_s"), None)]
         for result in entry["fw"]["results"]:
             if result["case"] == "prefill":
                 case, peer, ours = f"prefill {result['input_len']}", lcp.get("prefill_tokens_per_s"), result["prefill_tokens_per_s"]
@@ -163,6 +167,8 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gguf-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     files = make_files(args, config, workdir)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the random draws' cache: llama.cpp runs next, beside this process
     report = {**report_header(), "shape": args.shape, "model": f"{args.shape} shape ({config['architectures'][0]}), random weights",
               "dtype": args.dtype, "files": {}}
     decode_batches = sorted({n[0] for k, n in cases if k == "decode"})
@@ -172,7 +178,12 @@ def main() -> None:
             entry["llamacpp"] = run_llamacpp(binaries, path, decode_batches)
     for quant, path in files.items():
         entry = report["files"][quant]
-        entry["fw"] = run_fw(args, path, cases)
+        try:
+            entry["fw"] = run_fw(args, path, cases)
+        except Exception as error:  # keep llama.cpp's numbers and the other files' results
+            print(f"fw failed on {path.name}: {type(error).__name__}: {error}", flush=True)
+            entry["fw"] = {"error": f"{type(error).__name__}: {error}", "results": []}
+            continue
         entry["weights_over_file"] = entry["fw"]["weight_bytes"] / entry["file_bytes"]
     report["table"] = [dict(zip(("case", "quant", "llamacpp_tokens_per_s", "fw_tokens_per_s"), row)) for row in table_rows(report)]
     if args.out:
@@ -181,12 +192,19 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"{args.shape} on {report['device']} (commit {report['commit']}, fw dtype {args.dtype})")
     for quant, entry in report["files"].items():
+        if "error" in entry["fw"]:
+            print(f"  {quant}: file {_size(entry['file_bytes'])}, fw failed: {entry['fw']['error']}")
+            continue
         print(f"  {quant}: file {_size(entry['file_bytes'])}, fw weights {_size(entry['fw']['weight_bytes'])} "
               f"({entry['weights_over_file']:.2f}x the file)")
     print(f"{'case':<30} {'quant':<8} {'llama.cpp':>10} {'fw':>10} {'fw/llama.cpp':>13}")
     for case, quant, peer, ours in table_rows(report):
-        shown, ratio = (f"{peer:.1f}", f"{ours / peer:.2f}x") if peer else ("-", "-")
-        print(f"{case:<30} {quant:<8} {shown:>10} {ours:>10.1f} {ratio:>13}")
+        ratio = f"{ours / peer:.2f}x" if peer and ours else "-"
+        print(f"{case:<30} {quant:<8} {_rate(peer):>10} {_rate(ours):>10} {ratio:>13}")
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:.1f}"
 
 
 def _size(num_bytes: int) -> str:

@@ -81,13 +81,18 @@ for pl, speed in ((1, 270.0), (2, 512.5)):
 """
 
 
-def test_llamacpp_commands_and_numbers_sit_beside_fws(benchmark, tmp_path):
-    binaries = tmp_path / "bin"
-    binaries.mkdir()
+def fake_llamacpp(folder: Path) -> Path:
+    """Stand-ins for llama-quantize, llama-bench and llama-batched-bench in ``folder``."""
+    folder.mkdir()
     for name, body in (("llama-quantize", FAKE_QUANTIZE), ("llama-bench", FAKE_BENCH), ("llama-batched-bench", FAKE_BATCHED)):
-        script = binaries / name
+        script = folder / name
         script.write_text(f"#!{sys.executable}\n{body}")
         script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+def test_llamacpp_commands_and_numbers_sit_beside_fws(benchmark, tmp_path):
+    binaries = fake_llamacpp(tmp_path / "bin")
     out, files = tmp_path / "gguf.json", tmp_path / "files"
     benchmark("--shape", "tiny", "--llamacpp-bin", str(binaries), "--quants", "Q4_K_M", "--cases", "decode:1:8:4",
               "decode:2:8:4", "prefill:16", "--dtype", "f32", "--workdir", str(files), "--out", str(out))
@@ -107,6 +112,24 @@ def test_llamacpp_commands_and_numbers_sit_beside_fws(benchmark, tmp_path):
     assert [(row["case"], row["llamacpp_tokens_per_s"], row["fw_tokens_per_s"]) for row in report["table"]] == [
         ("decode batch 1, 8/4", 277.25, fw[0]["decode_tokens_per_s"]), ("decode batch 2, 8/4", 512.5, fw[1]["decode_tokens_per_s"]),
         ("prefill 16", 9334.5, fw[2]["prefill_tokens_per_s"])]
+
+
+def test_fw_failing_on_a_file_keeps_llamacpps_numbers(benchmark, tmp_path, monkeypatch, capsys):
+    import framework
+
+    def broken_engine(*args, **kwargs):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+    monkeypatch.setattr(framework, "LLM", broken_engine)
+    out = tmp_path / "gguf.json"
+    benchmark("--shape", "tiny", "--llamacpp-bin", str(fake_llamacpp(tmp_path / "bin")), "--quants", "Q4_K_M",
+              "--cases", "decode:1:8:4", "--dtype", "f32", "--out", str(out))
+    entry = json.loads(out.read_text())["files"]["Q4_K_M"]
+    assert entry["fw"]["error"] == "RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture"
+    assert entry["llamacpp"]["decode_tokens_per_s"] == 277.25
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        f"{'decode batch 1 (tg128)':<30} {'Q4_K_M':<8} {'277.2':>10} {'-':>10} {'-':>13}",
+        f"{'prefill 512 (pp512)':<30} {'Q4_K_M':<8} {'9334.5':>10} {'-':>10} {'-':>13}"]
 
 
 def test_q8_0_blocks_drawn_on_the_device_are_gguf_quants_bytes(monkeypatch):
