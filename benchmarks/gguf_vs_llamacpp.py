@@ -4,6 +4,9 @@
     python benchmarks/gguf_vs_llamacpp.py --shape qwen3-30b-a3b --quants Q4_K_M --cases decode:1:128:256 --out $OUT/gguf-moe.json
     python benchmarks/gguf_vs_llamacpp.py --shape tiny --skip-llamacpp --quants Q8_0 Q4_0 --dtype f32   # CPU check
 
+A shape whose files take long to make splits over two calls (a machine keeps its /tmp between
+calls while it stays warm): ``--workdir /tmp/gguf --files-only``, then ``--workdir /tmp/gguf --reuse``.
+
 One call: write a random-weight GGUF of the shape (:mod:`gguf_files`: llama.cpp's layout and
 metadata, a byte-level BPE vocabulary both engines load; F16 matrices, or Q8_0 for MoE shapes,
 whose F16 file would not fit the GPU machine's disk beside its quantized copy), quantize it with
@@ -42,8 +45,13 @@ DEFAULT_CASES = ["decode:1:128:256", "decode:64:128:128", "prefill:512"]
 
 
 def make_files(args, config, workdir: Path) -> dict[str, Path]:
-    """The GGUF file of each of ``--quants``: written, or quantized from the written source."""
+    """The GGUF file of each of ``--quants``: written, or quantized from the written source (with
+    ``--reuse``, the files an earlier call left in ``--workdir`` are taken as they are)."""
     source_type = Q[args.source_type] if args.source_type != "auto" else (Q.Q8_0 if "num_experts" in config else Q.F16)
+    targets = {name: workdir / f"{args.shape}-{name}.gguf" for name in args.quants}
+    if args.reuse and all(path.is_file() for path in targets.values()):
+        print(f"reusing {', '.join(path.name for path in targets.values())}", flush=True)
+        return targets
     started = time.perf_counter()
     source = write_random_gguf(workdir / f"{args.shape}-{source_type.name}.gguf", config, source_type)
     print(f"wrote {source.name} ({source.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - started:.0f} s", flush=True)
@@ -53,7 +61,7 @@ def make_files(args, config, workdir: Path) -> dict[str, Path]:
         if name == source_type.name:
             files[name] = source
             continue
-        target = workdir / f"{args.shape}-{name}.gguf"
+        target = targets[name]
         started = time.perf_counter()
         if not args.skip_llamacpp and quantize.exists():
             command = [str(quantize), "--allow-requantize", str(source), str(target), name, str(os.cpu_count() or 4)]
@@ -154,6 +162,9 @@ def main() -> None:
     parser.add_argument("--skip-llamacpp", action="store_true", help="fw only (files quantized with gguf.quants)")
     parser.add_argument("--workdir", type=Path, help="where the GGUF files go (default: a new temporary folder)")
     parser.add_argument("--keep-files", action="store_true")
+    parser.add_argument("--reuse", action="store_true", help="take the files already in --workdir (from an earlier call)")
+    parser.add_argument("--files-only", action="store_true",
+                        help="make the files in --workdir and stop (a later call with --reuse times them)")
     add_engine_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -166,7 +177,11 @@ def main() -> None:
     config = model_config(args.shape)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gguf-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if (args.reuse or args.files_only) and args.workdir is None:
+        parser.error("--reuse and --files-only need --workdir")
     files = make_files(args, config, workdir)
+    if args.files_only:
+        return
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the random draws' cache: llama.cpp runs next, beside this process
     report = {**report_header(), "shape": args.shape, "model": f"{args.shape} shape ({config['architectures'][0]}), random weights",

@@ -114,6 +114,20 @@ def test_llamacpp_commands_and_numbers_sit_beside_fws(benchmark, tmp_path):
         ("prefill 16", 9334.5, fw[2]["prefill_tokens_per_s"])]
 
 
+def test_files_made_in_one_call_are_timed_in_the_next(benchmark, tmp_path):
+    files, out = tmp_path / "files", tmp_path / "gguf.json"
+    common = ["--shape", "tiny", "--skip-llamacpp", "--quants", "Q8_0", "--workdir", str(files)]
+    benchmark(*common, "--files-only")
+    made = files / "tiny-Q8_0.gguf"
+    assert sorted(p.name for p in files.iterdir()) == ["tiny-Q8_0.gguf"] and not out.exists()
+    made.touch()
+    stamp = made.stat().st_mtime_ns
+    benchmark(*common, "--reuse", "--cases", "decode:1:8:2", "--dtype", "f32", "--out", str(out))
+    assert made.stat().st_mtime_ns == stamp  # taken as it was, not written again
+    entry = json.loads(out.read_text())["files"]["Q8_0"]
+    assert entry["file_bytes"] == made.stat().st_size and entry["fw"]["results"][0]["decode_tokens_per_s"] > 0
+
+
 def test_fw_failing_on_a_file_keeps_llamacpps_numbers(benchmark, tmp_path, monkeypatch, capsys):
     import framework
 
