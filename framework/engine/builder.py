@@ -8,8 +8,10 @@ steps one by one (``open_source``, ``model_config``, ``load_model``, ``select_at
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,11 +172,28 @@ class EngineBuilder:
         if self.source.name == "dummy":
             self.source.device = self.device  # each rank draws the (identical, seeded) tensors on its own device
         weights = model_loader.with_progress(self.source.iter_weights(), self.source.num_weights(), "Loading weights")
-        loaded = model_loader.load_weights(model, weights)
-        model_loader.check_all_loaded(model, loaded, config.source)
-        model_loader.finish_loading(model, self.device)
+        try:
+            loaded = model_loader.load_weights(model, weights)
+            model_loader.check_all_loaded(model, loaded, config.source)
+            model_loader.finish_loading(model, self.device)
+        except BaseException as error:
+            del model
+            self.release_model(error)
+            if isinstance(error, ModelLoadError) and not str(error).startswith(config.source):
+                raise ModelLoadError(f"{config.source}: {error}") from None  # which model, beside which tensor
+            raise
         self.torch_model = model.eval()
         return self.torch_model
+
+    def release_model(self, error: BaseException | None = None) -> None:
+        """Drop the (partly) built model and return its device memory: after a failed step nothing
+        stays half-loaded, even while the caller holds ``error`` (whose finished frames lose their locals)."""
+        self.torch_model = None
+        if error is not None:
+            traceback.clear_frames(error.__traceback__)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _quant_config(self):
         assert self.source is not None and self.config is not None
@@ -421,6 +440,7 @@ class EngineBuilder:
             if self.workers is not None:
                 self.workers.close()
             distributed.destroy_tensor_parallel()
+            self.release_model(error)
             if reason is not None and not isinstance(error, FwError):  # the worker's own error is above in the log
                 raise ModelLoadError(f"{reason} while the model was loading (its error is printed above)") from error
             raise
@@ -450,6 +470,8 @@ class EngineBuilder:
             "cuda_graphs": self.graph_summary,
             "async_scheduling": core.async_scheduling,
             "weight_format": self.source.name,
+            "weight_bytes": model_bytes(self.torch_model),
+            "checkpoint_bytes": self.source.checkpoint_bytes(),
             "plugins": [info.name for info in plugins.loaded_plugins()],
             "tensor_parallel_size": self.parallel.tensor_parallel_size,
         }
@@ -459,7 +481,17 @@ class EngineBuilder:
             summary["all_reduce"] = self.all_reduce
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", self.num_blocks, cache.block_size,
                  self.num_blocks * cache.block_size, self.kv_cache_bytes / 2**20)
+        checkpoint = summary["checkpoint_bytes"]
+        log.info("Weights: %.2f GiB on %s%s", summary["weight_bytes"] / 2**30, self.device,
+                 f" (checkpoint files {checkpoint / 2**30:.2f} GiB)" if checkpoint else "")
         return Engine(core, self._tokenizer, self.config, self._generation, self.backend_name, summary, self.workers)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Device bytes of ``model``'s parameters and buffers (each shared tensor once): the memory its
+    weights take on this rank, packed quantized weights at their packed size."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def with_yarn_scaling(hf_config: dict[str, Any], factor: float) -> dict[str, Any]:

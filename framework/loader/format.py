@@ -54,3 +54,9 @@ class WeightFormat(ABC):
     def num_weights(self) -> int | None:
         """How many tensors ``iter_weights`` yields, for the progress bar (None if unknown)."""
         return None
+
+    def checkpoint_bytes(self) -> int | None:
+        """Bytes of the weight files on disk, for the start-up summary; None when the weights come
+        from no file. A format that lists its weight files in ``self.files`` gets this for free."""
+        files = getattr(self, "files", None)
+        return sum(Path(file).stat().st_size for file in files) if files else None

@@ -1,7 +1,10 @@
 """Turning ``--m`` / ``--w`` / ``--f`` into a local path: a directory, a file, or a Hub download.
 
 Hub access goes through ``huggingface_hub`` (its cache, ``HF_HUB_OFFLINE``, tokens); a repo that
-cannot be reached and is not cached fails with a message naming it.
+cannot be reached and is not cached fails with a message naming it. A repo of GGUF files named
+without ``--f`` is listed first: its one model (one file, or one split's shards) is downloaded,
+and a repo of several fails with their names and quant types. A split GGUF (``--f`` its first
+shard, or picked so) downloads every shard.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from framework.errors import ModelLoadError
+from framework.loader.gguf_names import gguf_models, quant_name, split_shard_names
 
 #: Files a model needs besides its weights.
 _META_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken"]
@@ -64,11 +68,15 @@ def _download(repo_id: str, file: str | None, revision: str | None) -> Path:
         RevisionNotFoundError,
     )
 
-    if file:
-        patterns = [file, f"{file}/*", *_META_PATTERNS]
-    else:
-        patterns = [*_META_PATTERNS, "*.safetensors"]
     try:
+        if file is None and (picked := _pick_gguf(repo_id, revision)) is not None:
+            return _download_gguf(repo_id, picked, revision) / picked  # the file itself: no --f to join
+        if file and split_shard_names(file):
+            return _download_gguf(repo_id, file, revision)
+        if file:
+            patterns = [file, f"{file}/*", *_META_PATTERNS]
+        else:
+            patterns = [*_META_PATTERNS, "*.safetensors"]
         return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except LocalEntryNotFoundError:
         raise ModelLoadError(
@@ -83,3 +91,53 @@ def _download(repo_id: str, file: str | None, revision: str | None) -> Path:
         raise ModelLoadError(f"revision {revision!r} of model {repo_id!r} does not exist") from None
     except OSError as exc:
         raise ModelLoadError(f"could not download model {repo_id!r}: {exc}") from None
+
+
+def _pick_gguf(repo_id: str, revision: str | None) -> str | None:
+    """The one GGUF model (its first file) of a repo that holds GGUF files and no safetensors;
+    None for any other repo, or when the Hub cannot list it (offline: the cache decides).
+
+    Raises ModelLoadError listing the models and their quant names when there are several.
+    """
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        names = huggingface_hub.list_repo_files(repo_id, revision=revision)
+    except HfHubHTTPError:
+        raise  # the Hub answered: not found, gated, bad revision (named by the caller)
+    except OSError:  # offline or unreachable: the cache decides
+        return None
+    if any(name.endswith(".safetensors") for name in names):
+        return None
+    models = gguf_models(names)
+    if len(models) <= 1:
+        return models[0][0] if models else None
+    lines = []
+    for shards in models:
+        parts = f" ({len(shards)} shards)" if len(shards) > 1 else ""
+        lines.append(f"{shards[0]}{parts}" + (f"  [{q}]" if (q := quant_name(shards[0])) else ""))
+    quants = sorted({q for shards in models if (q := quant_name(shards[0]))})
+    raise ModelLoadError(
+        f"model {repo_id!r} holds {len(models)} GGUF models" + (f" (quant types {', '.join(quants)})" if quants else "")
+        + "; pick one with --f:\n  " + "\n  ".join(lines))
+
+
+def _download_gguf(repo_id: str, file: str, revision: str | None) -> Path:
+    """Download the GGUF ``file`` (a split's shard: every shard of the split); the snapshot folder."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    names = split_shard_names(file) or [file]
+    snapshot = None
+    for name in names:
+        try:
+            local = Path(huggingface_hub.hf_hub_download(repo_id, name, revision=revision))
+        except LocalEntryNotFoundError:
+            raise  # offline and not cached
+        except EntryNotFoundError:
+            what = f"shard {name!r} of its {len(names)}-file split" if len(names) > 1 else f"file {name!r}"
+            raise ModelLoadError(f"model {repo_id!r} has no {what} on the Hub") from None
+        snapshot = snapshot or local.parents[len(Path(name).parts) - 1]
+    assert snapshot is not None
+    return snapshot

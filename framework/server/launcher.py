@@ -72,12 +72,22 @@ def parse_bind(address: str | None, port: int) -> BindAddress:
     return BindAddress(host or DEFAULT_HOST, port, None)
 
 
+def weights_line(summary: dict[str, Any]) -> str:
+    """``"4.60 GiB (file 4.58 GiB)"``: the memory the weights take on the (first) device, beside
+    the size of the checkpoint's files when they came from files."""
+    text = f"{summary.get('weight_bytes', 0) / 2**30:.2f} GiB"
+    if summary.get("checkpoint_bytes"):
+        text += f" (file {summary['checkpoint_bytes'] / 2**30:.2f} GiB)"
+    return text
+
+
 def format_summary(ready: Ready) -> str:
     s = ready.summary
     lines = [f"fw {framework.__version__}",
              f"  model      {s.get('model')} ({s.get('architecture')}, {s.get('weight_format')})",
              f"  dtype      {s.get('dtype')} on {s.get('device')}; attention backend {s.get('attention_backend')}",
              f"  context    {ready.max_model_len} tokens",
+             f"  weights    {weights_line(s)}",
              f"  KV cache   {s.get('kv_blocks')} blocks, {s.get('kv_tokens')} tokens, {s.get('kv_bytes', 0) / 2**20:.1f} MiB",
              f"  plugins    {', '.join(s.get('plugins', []))}"]
     return "\n".join(lines)

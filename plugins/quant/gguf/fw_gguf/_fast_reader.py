@@ -27,6 +27,7 @@ class CorruptError(Exception):
 _ARRAY, _STRING = int(GGUFValueType.ARRAY), int(GGUFValueType.STRING)
 _SCALAR_NP = {int(k): v for k, v in GGUFReader.gguf_scalar_to_np.items()}
 _VALUE_TYPES = {int(t) for t in GGUFValueType}
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 class FastGGUFReader(GGUFReader):
@@ -79,18 +80,30 @@ class FastGGUFReader(GGUFReader):
         return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_tensors(self, start_offs, fields):
-        size = self._plain.shape[0]
+        size, spans = self._plain.shape[0], []
         for info in fields:
             name = bytes(info.parts[1]).decode("utf-8", errors="replace")
-            raw_type = int(info.parts[4][0])
+            n_dims, raw_type = int(info.parts[2][0]), int(info.parts[4][0])
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise CorruptError(f"tensor '{name}' has {n_dims} dimensions; GGUF tensors have 1 to {_MAX_DIMS}")
             if raw_type not in GGML_QUANT_SIZES:
                 raise CorruptError(f"tensor '{name}' has unknown ggml type id {raw_type}")
             block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
-            end = start_offs + int(info.parts[5][0]) + int(np.prod(info.parts[3])) * type_size // block_size
+            offset = int(info.parts[5][0])
+            if offset % self.alignment:
+                raise CorruptError(f"tensor '{name}' data offset {offset} is not a multiple of the file's "
+                                   f"alignment {self.alignment}")
+            start = start_offs + offset
+            end = start + int(np.prod(info.parts[3], dtype=object)) * type_size // block_size
             if end > size:
                 raise CorruptError(
                     f"file is truncated: tensor '{name}' ends at byte {end} but the file has {size} bytes"
                 )
+            spans.append((start, end, name))
+        spans.sort()
+        for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+            if start < end:
+                raise CorruptError(f"tensor '{other}' data overlaps tensor '{name}' (corrupt tensor offsets)")
         super()._build_tensors(start_offs, fields)
 
 

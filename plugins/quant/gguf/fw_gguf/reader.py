@@ -10,7 +10,6 @@ metadata, every shard carries some tensors.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,11 @@ import torch
 from gguf import GGUF_MAGIC, GGMLQuantizationType
 from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
+from framework.loader.gguf_names import gguf_models, split_shard_names
+
 from ._fast_reader import CorruptError, FastGGUFReader, TruncatedError, field_value
 from .dequant import bytes_per_row, dequantize
 
-_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 
 
@@ -140,31 +140,27 @@ def open_gguf(path: str | Path) -> GGUFFile:
     tensors = {}
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        raw = t.data.view(np.uint8).reshape(*shape[:-1], bytes_per_row(t.tensor_type, shape[-1]))
+        try:
+            raw = t.data.view(np.uint8).reshape(*shape[:-1], bytes_per_row(t.tensor_type, shape[-1]))
+        except ValueError as exc:
+            raise GGUFFormatError(f"{path}: tensor '{t.name}' {t.tensor_type.name} {list(shape)}: "
+                                  f"its data does not fit its shape ({exc})") from None
         tensors[t.name] = TensorInfo(t.name, t.tensor_type, shape, torch.from_numpy(raw), path, t.data_offset)
     return GGUFFile(path, metadata, tensors)
 
 
 def _split_shards(path: Path) -> list[Path] | None:
     """All shard paths of a split named like `path`, or None if `path` is not a shard name."""
-    m = _SPLIT_NAME.match(path.name)
-    if m is None:
-        return None
-    count = int(m["count"])
-    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    names = split_shard_names(path.name)
+    return None if names is None else [path.with_name(name) for name in names]
 
 
 def _candidates(directory: Path) -> list[list[Path]]:
     """The distinct models under `directory` (its files, then one level of subfolders), ignoring
     multimodal projectors (`mmproj*`); each model is its list of files."""
-    groups: dict[Path, list[Path]] = {}
-    for file in sorted(directory.glob("*.gguf")) + sorted(directory.glob("*/*.gguf")):
-        if "mmproj" in file.name.lower() or not file.is_file():
-            continue
-        shards = _split_shards(file)
-        key = shards[0] if shards else file
-        groups.setdefault(key, shards or [file])
-    return list(groups.values())
+    files = [f for f in sorted(directory.glob("*.gguf")) + sorted(directory.glob("*/*.gguf")) if f.is_file()]
+    models = gguf_models(f.relative_to(directory).as_posix() for f in files)
+    return [[directory / name for name in model] for model in models]
 
 
 def resolve_gguf_files(path: str | Path) -> list[Path]:
