@@ -144,8 +144,10 @@ def test_gguf_moe_gives_the_logits_of_the_safetensors_checkpoint(tiny_moe):
 
 
 def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny_moe, monkeypatch, check_kept_packed):
-    """Q8_0 router and shared expert kept packed by the gguf LinearMethod (``FW_GGUF_KEEP_PACKED``,
-    the GPU path) and experts dequantized into FusedMoE's stacked weights."""
+    """Q8_0 router and shared expert kept packed by the gguf LinearMethod and the Q8_0 expert stacks
+    by the gguf FusedMoEMethod (``FW_GGUF_KEEP_PACKED``, the GPU path): the file's bytes, no dense copy."""
+    from fw_gguf.moe import GGUFFusedMoEMethod
+
     from framework.layers.fused_moe import FusedMoE
 
     arch, folder, reference = tiny_moe
@@ -167,7 +169,16 @@ def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny
     if arch == "qwen2moe":
         assert {f"model.layers.{i}.mlp.shared_expert.{p}" for i in sparse for p in ("gate_up_proj", "down_proj")} <= quantized
     experts = [module for module in model.modules() if isinstance(module, FusedMoE)]
-    assert len(experts) == len(sparse) and all(e.w13_weight.dtype == e.w2_weight.dtype == torch.float32 for e in experts)
+    assert len(experts) == len(sparse)
+    for index, layer in zip(sparse, experts, strict=True):
+        assert isinstance(layer.quant_method, GGUFFusedMoEMethod)
+        assert not [name for name, t in layer.named_parameters() if t.numel()]  # placeholders only
+        for shard, projection in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+            packed = getattr(layer, f"gguf_{shard}")
+            assert packed.dtype == torch.uint8
+            values = gguf.quants.dequantize(packed.numpy(), Q.Q8_0)  # gguf-py's own decoding of the kept bytes
+            torch.testing.assert_close(torch.from_numpy(values), stored[f"blk.{index}.ffn_{projection}_exps.weight"],
+                                       rtol=0, atol=0)
 
 
 def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):
