@@ -13,8 +13,9 @@ tensor-parallel size (``tp_size`` / ``tp_rank`` given explicitly, no process gro
 checkpoint through the real loader (``model_loader.load_weights`` and ``finish_loading``) and
 compares, in each activation dtype and for each number of rows: the method's ``apply`` with
 the float32 matmul of the reference weights (relative to the output's largest value), and its
-``dequantize`` with the reference weights. On a CUDA device the ``apply`` is also captured in
-a CUDA graph and replayed on fresh inputs.
+``dequantize`` with the reference weights rounded to the dtype (within that dtype's
+tolerance). On a CUDA device the ``apply`` is also captured in a CUDA graph and replayed on
+fresh inputs.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def check_linear_method(scheme: QuantScheme, *, device: str = "cpu", dtypes: Ite
                     layer = _build(name, make, scheme.quant_config(quantized), quantized, device)
                 reference = _build(name, make, None, dense, device)  # float32
                 method = layer.linear_method
-                torch.testing.assert_close(method.dequantize(layer).float(), reference.weight.float().to(dtype).float(),
+                torch.testing.assert_close(method.dequantize(layer).to(dtype), reference.weight.to(dtype),
                                            msg=lambda m, case=case: f"{case}: dequantize(): {m}")
                 for rows in num_rows:
                     x = torch.randn(rows, layer.input_size_per_partition, generator=generator).to(device, dtype)
@@ -223,7 +224,7 @@ def check_moe_method(scheme: QuantScheme, *, device: str = "cpu", dtypes: Iterab
             reference = _build("experts", make, None, dense, device, map_expert_weight_name)  # float32
             method = layer.quant_method
             for got, want, what in zip(method.dequantize(layer), (reference.w13_weight, reference.w2_weight), ("w13", "w2")):
-                torch.testing.assert_close(got.float(), want.to(dtype).float(),
+                torch.testing.assert_close(got.to(dtype), want.to(dtype),
                                            msg=lambda m, case=case, what=what: f"{case}: dequantize() {what}: {m}")
 
             def run(x: Tensor, logits: Tensor, m=method, lay=layer) -> Tensor:
