@@ -215,3 +215,30 @@ def test_quantized_experts_load_lazily_into_the_model_dtype(tiny_moe):
         assert experts.w13_weight.dtype == torch.bfloat16
         assert torch.equal(experts.w13_weight, w13.to(torch.bfloat16))
         assert torch.equal(experts.w2_weight, stored[f"blk.{i}.ffn_down_exps.weight"].to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_packed_experts_in_cuda_graphs_give_the_greedy_ids_of_transformers(tiny_moe):
+    """On the GPU the Q8_0 expert stacks stay packed (GGUFFusedMoEMethod) through CUDA-graphed
+    decode steps: one sequence (the gather path) and six at once (more pairs than experts: every
+    expert dequantized inside the graph) give transformers' greedy ids on the file's values."""
+    from fw_gguf.moe import GGUFFusedMoEMethod
+
+    from framework.layers.fused_moe import FusedMoE
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    arch, folder, reference = tiny_moe
+    stored = write_gguf(folder / "model-q8-gpu.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
+    dequantized = transformers.AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32,
+                                                                attn_implementation="eager").eval()
+    dequantized.load_state_dict(hf_state_from(reference, stored))
+    prompts = [*PROMPTS, *([3 + i, 17, 29 + i] for i in range(4))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(folder / "model-q8-gpu.gguf"), device="cuda", dtype="f32", num_blocks=64)
+    assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+    experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(isinstance(e.quant_method, GGUFFusedMoEMethod) for e in experts)
+    for batch in ([prompts[0]], prompts):
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in batch], greedy)]
+        assert ids == [reference_greedy(dequantized, p, greedy.max_tokens) for p in batch]
