@@ -200,7 +200,8 @@ def quantized_fused_moe(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2
     * more pairs (prefill): loops over the experts that were hit, dequantizing each once;
       syncs with the host once (not CUDA-graphable).
 
-    A kernel registered for this op checks ``quant_type`` and must give the same result.
+    A kernel registered for this op reads the ``quant_type`` layouts it knows from ``data`` /
+    ``scales`` directly (calling this reference for the others) and must give the same result.
     """
     num_tokens, top_k = topk_ids.shape
     num_experts = w1.data.shape[0]
