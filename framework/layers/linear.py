@@ -306,10 +306,22 @@ class ColumnParallelLinear(LinearBase):
             return
         output_dim = getattr(param, "output_dim", None)
         if output_dim is None:  # not split by output (a per-tensor quantity): same on every shard
-            copy_weight(param.data, loaded_weight)
+            self._load_shared(param, loaded_weight, shard_index)
             return
         offset, size = self._param_rows(param, offset), self._param_rows(param, size)
         copy_weight(param.data.narrow(output_dim, offset, size), loaded_weight.narrow(output_dim, source_index * size, size))
+
+    def _load_shared(self, param: Tensor, loaded_weight: Tensor, shard_index: int) -> None:
+        """Load a quantity every shard shares; refuse shards that disagree on it (a per-shard
+        quantity needs ``per_shard=True``, or the last shard's value would silently win)."""
+        loaded_weight = materialize(loaded_weight)
+        filled = self.__dict__.setdefault("_shared_params_loaded", set())
+        if id(param) in filled and not torch.equal(param.data, loaded_weight.to(param.data)):
+            raise ValueError(f"{self.prefix}: shard {shard_index} holds a different value for a parameter of shape "
+                             f"{tuple(param.shape)} that all shards share (it has neither output_dim nor "
+                             "per_shard=True); a quantity kept per shard needs per_shard=True")
+        copy_weight(param.data, loaded_weight)
+        filled.add(id(param))
 
     def _split_fused(self, param: Tensor, loaded_weight: Tensor, shard_ids: list[Any], sizes: list[int]) -> None:
         """Load a checkpoint tensor that already holds every shard, concatenated (Phi-3's qkv_proj)."""

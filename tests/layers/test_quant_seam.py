@@ -130,6 +130,21 @@ def test_fused_qkv_keeps_one_scale_per_shard():
     assert layer.weight_scale.tolist() == [0.5, 2.0, 3.0]
 
 
+def test_shards_that_disagree_on_a_shared_per_tensor_value_are_refused():
+    """A scale without ``per_shard`` is shared by the shards: differing values are an error, not
+    a silent overwrite by the last shard."""
+    from framework.layers import MergedColumnParallelLinear
+
+    layer = MergedColumnParallelLinear(32, [16, 16], quant_config=Int8Config(), prefix="mlp.gate_up_proj", tp_size=1,
+                                       tp_rank=0)
+    layer.weight_scale = nn.Parameter(torch.empty(()), requires_grad=False)  # one value for both shards
+    set_weight_attrs(layer.weight_scale, {"weight_loader": layer.weight_loader})
+    layer.weight_loader(layer.weight_scale, torch.tensor(0.5), 0)
+    layer.weight_loader(layer.weight_scale, torch.tensor(0.5), 1)  # the same value: fine
+    with pytest.raises(ValueError, match=r"mlp\.gate_up_proj: shard 1 holds a different value .* needs per_shard=True"):
+        layer.weight_loader(layer.weight_scale, torch.tensor(2.0), 1)
+
+
 def test_int8_linear_method_with_per_shard_scales_passes_the_conformance_kit():
     cases = check_linear_method(Int8Scheme(), dtypes=(torch.bfloat16, torch.float16), num_rows=(1, 7, 64, 512))
     assert "qkv_proj tp=4 rank=3 float16" in cases and "gate_up_proj tp=2 rank=1 bfloat16" in cases
