@@ -19,6 +19,7 @@ REFERENCE_KERNELS = {
     "rotary_embedding": "framework.ops:rotary_embedding",
     "qk_norm_rotary_embedding": "framework.ops:qk_norm_rotary_embedding",
     "fused_moe": "framework.ops:fused_moe",
+    "quantized_fused_moe": "framework.ops:quantized_fused_moe",
     "linear": "framework.ops:linear",
 }
 

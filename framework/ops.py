@@ -13,6 +13,9 @@ tensors are the ones to use. A fast implementation may update its inputs in plac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -156,11 +159,76 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
     ``hidden.dtype``. This reference sorts the (token, expert) pairs by expert and loops over the
     experts that were hit; it syncs with the host once per call (fine on CPU, not CUDA-graphable).
     """
+    return _moe_per_expert(hidden, lambda expert: (w13[expert], w2[expert]), w13.shape[0], topk_weights, topk_ids)
+
+
+class PackedExperts(NamedTuple):
+    """One projection of every expert in a quantized layout: an argument of :func:`quantized_fused_moe`.
+
+    ``data``: ``[E, rows, row_units]`` in the format's storage dtype (GGUF: uint8 blocks), expert
+    ``e``'s ``rows`` output features; ``scales``: the format's side tensor indexed by expert on
+    dim 0 (per-group scales, zero points), or None where ``data`` embeds them (GGUF blocks);
+    ``quant_type``: the layout, ``"<format>:<type>"`` (``"gguf:Q4_K"``), which a kernel reads to
+    know whether it can decode it; ``in_features``: the inputs of each row; ``dequantize(data,
+    scales, dtype) -> [n, rows, in_features]``: the format's decoder of ``n`` experts' tensors
+    (selected along dim 0), which the torch reference calls and a kernel replaces.
+    """
+
+    data: Tensor
+    scales: Tensor | None
+    quant_type: str
+    in_features: int
+    dequantize: Callable[[Tensor, Tensor | None, torch.dtype], Tensor]
+
+    def experts(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """The dense weights ``[len(ids), rows, in_features]`` of experts ``ids`` (any order, repeats allowed)."""
+        scales = None if self.scales is None else self.scales.index_select(0, ids)
+        return self.dequantize(self.data.index_select(0, ids), scales, dtype)
+
+
+def quantized_fused_moe(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
+                        topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """:func:`fused_moe` over experts kept quantized: gate ``w1`` and up ``w3`` ``[E, I, H]``, down
+    ``w2`` ``[E, H, I]`` as :class:`PackedExperts` (each projection may have its own type).
+
+    Returns what :func:`fused_moe` returns on the dequantized weights (``w13 = cat(w1, w3)``
+    per expert), in ``hidden.dtype``. This reference has two paths:
+
+    * ``T * k <= E`` pairs (decode): gathers the packed tensors of the chosen experts by
+      ``topk_ids`` (one per pair), dequantizes only those and multiplies per pair (``bmm``):
+      no host sync, so it can run inside a CUDA graph when ``dequantize`` can;
+    * more pairs (prefill): loops over the experts that were hit, dequantizing each once;
+      syncs with the host once (not CUDA-graphable).
+
+    A kernel registered for this op reads the ``quant_type`` layouts it knows from ``data`` /
+    ``scales`` directly (calling this reference for the others) and must give the same result.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w1.data.shape[0]
+    if num_tokens * top_k > num_experts:
+        def weights(expert: int) -> tuple[Tensor, Tensor]:
+            ids = torch.tensor([expert], device=hidden.device)
+            gate_up = torch.cat([w1.experts(ids, hidden.dtype)[0], w3.experts(ids, hidden.dtype)[0]])
+            return gate_up, w2.experts(ids, hidden.dtype)[0]
+
+        return _moe_per_expert(hidden, weights, num_experts, topk_weights, topk_ids)
+    ids = topk_ids.reshape(-1).long()  # pair p = token * top_k + j
+    x = hidden.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [P, H, 1]
+    gate_up = torch.cat([torch.bmm(w1.experts(ids, hidden.dtype), x), torch.bmm(w3.experts(ids, hidden.dtype), x)], 1)
+    act = silu_and_mul(gate_up.squeeze(-1)).unsqueeze(-1)  # [P, I, 1]
+    expert_out = torch.bmm(w2.experts(ids, hidden.dtype), act).squeeze(-1).float()  # [P, H]
+    weighted = expert_out * topk_weights.reshape(-1, 1).float()
+    return weighted.view(num_tokens, top_k, -1).sum(1).to(hidden.dtype)
+
+
+def _moe_per_expert(hidden: Tensor, weights: Callable[[int], tuple[Tensor, Tensor]], num_experts: int,
+                    topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """:func:`fused_moe`'s loop, with expert ``e``'s ``(w13 [2I, H], w2 [H, I])`` from ``weights(e)``."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # pair p = token * top_k + j, grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -168,8 +236,8 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        act = silu_and_mul(F.linear(hidden[tokens], w13[expert]))
-        expert_out = F.linear(act, w2[expert]).float() * topk_weights.reshape(-1)[pairs, None].float()
+        w13, w2 = weights(expert)
+        act = silu_and_mul(F.linear(hidden[tokens], w13))
+        expert_out = F.linear(act, w2).float() * topk_weights.reshape(-1)[pairs, None].float()
         out.index_add_(0, tokens, expert_out)
     return out.to(hidden.dtype)
-

@@ -38,6 +38,7 @@ from framework.loader import model_loader
 from framework.loader.format import WeightFormat
 from framework.loader.source import resolve_local_path
 from framework.platform import Platform, platform_for_device
+from framework.quantization import build_quant_config, verify_quant_methods
 from framework.tokenizer import Tokenizer
 
 log = logging.getLogger("fw.engine")
@@ -168,6 +169,8 @@ class EngineBuilder:
             quant_config.packed_modules_mapping = dict(getattr(model_cls, "packed_modules_mapping", {}))
         torch.manual_seed(self.seed)
         model = model_loader.build_model(model_cls, config, quant_config, self.device)
+        if quant_config is not None:
+            verify_quant_methods(model, config.dtype, self.device)
         assert self.source is not None
         if self.source.name == "dummy":
             self.source.device = self.device  # each rank draws the (identical, seeded) tensors on its own device
@@ -206,7 +209,7 @@ class EngineBuilder:
         reasons = spec.unavailable_reasons(self.platform)
         if reasons:
             raise ConfigError(f"quantization method {name!r} cannot run here: {'; '.join(reasons)}")
-        return spec.load().from_config(checkpoint or {})
+        return build_quant_config(spec.load(), checkpoint or {}, self.config, self.device)
 
     def attention_layers(self) -> list[AttentionLayerConfig]:
         model = self.torch_model or self.load_model()

@@ -5,7 +5,7 @@ Import from here: ``from framework.layers import QKVParallelLinear, RMSNorm, get
 
 from framework.layers.activation import GeluTanhAndMul, SiluAndMul
 from framework.layers.embedding import LMHead, VocabEmbedding
-from framework.layers.fused_moe import FusedMoE, select_experts
+from framework.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod, select_experts
 from framework.layers.layernorm import LayerNorm, RMSNorm, norm_per_head, residual_norm
 from framework.layers.linear import (
     ColumnParallelLinear,
@@ -37,6 +37,7 @@ __all__ = [
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",
+    "UnquantizedFusedMoEMethod",
     "UnquantizedLinearMethod",
     "VocabEmbedding",
     "get_rope",

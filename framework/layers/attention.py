@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from framework.attention_backend import AttentionLayerConfig, MLAConfig
 from framework.forward_context import get_forward_context
+
+if TYPE_CHECKING:
+    from framework.quantization import QuantConfig, QuantMethodBase
 
 
 class Attention(nn.Module):
@@ -18,16 +23,23 @@ class Attention(nn.Module):
     With ``mla`` it is a multi-head-latent-attention layer (``"mla"`` KV layout): build it with
     ``num_kv_heads=1`` and ``head_size = mla.latent_size``, call it with the absorbed query, the
     latent key and ``value=None`` (see :meth:`framework.attention_backend.AttentionBackend.forward`).
+
+    ``quant_method`` is what ``quant_config.get_quant_method(self, prefix)`` returns: the KV-cache
+    quantization method to come; ``None`` (a plain cache) for every format today.
     """
 
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None, mla: MLAConfig | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, mla: MLAConfig | None = None,
+                 *, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         if mla is not None and (num_kv_heads != 1 or head_size != mla.latent_size):
             raise ValueError(f"an MLA layer has one KV head of the latent size {mla.latent_size}, "
                              f"got {num_kv_heads} heads of {head_size}")
         self.layer_index = layer_index
         self.config = AttentionLayerConfig(num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla)
+        self.prefix = prefix
+        self.quant_method: QuantMethodBase | None = (
+            quant_config.get_quant_method(self, prefix) if quant_config is not None else None)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
         context = get_forward_context()

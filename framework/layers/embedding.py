@@ -1,6 +1,6 @@
 """The token embedding and the LM head, vocab-parallel (each rank holds a slice of the vocabulary).
 
-Both store a ``[vocab, hidden]`` table through a :class:`~framework.layers.linear.LinearMethod`
+Both store a ``[vocab, hidden]`` table through a :class:`~framework.quantization.LinearMethod`
 (the table is a linear weight with the vocabulary as output features), so a quantization
 method can quantize either: the embedding looks rows up with ``linear_method.embedding``, the
 LM head multiplies with ``linear_method.apply``. Rank r holds token ids
@@ -62,11 +62,19 @@ class VocabEmbedding(KeepsWeightAttrs):
         self.output_partition_sizes = [self.num_embeddings_per_partition]
         self.output_size_per_partition = self.num_embeddings_per_partition
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        method = quant_config.get_linear_method(self, prefix) if quant_config is not None else None
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        if method is not None and not isinstance(method, LinearMethod):
+            raise TypeError(f"{prefix}: {type(quant_config).__name__}.get_quant_method returned {type(method).__name__} "
+                            "for a vocabulary table; expected a LinearMethod or None")
         self.linear_method: LinearMethod | None = method or UnquantizedLinearMethod()
         self.linear_method.create_weights(
             self, embedding_dim, self.output_partition_sizes, embedding_dim, num_embeddings, self.params_dtype
         )
+
+    @property
+    def quant_method(self) -> LinearMethod | None:
+        """The table's LinearMethod (``None`` for a head tied to the embedding's table)."""
+        return self.linear_method
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         """Copy this rank's vocabulary rows of the full checkpoint table (padding rows: zero)."""

@@ -29,6 +29,10 @@ stacked parameters (:func:`map_expert_weight_name` is the ``map_weight_name`` of
 | Mixtral | ``{e}.w1`` / ``{e}.w3`` / ``{e}.w2`` ``.weight`` | the same |
 | transformers 5 state dict | ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]`` | all experts at once |
 | GGUF (stacked per projection) | ``gate_proj.weight`` ``[E, I, H]``, ``up_proj``, ``down_proj`` | all experts, one shard |
+
+A name's last part picks the parameter (``.weight`` -> ``w13_weight``; a quantized method's
+``.qweight`` / ``.scales`` / ``.weight_scale`` -> ``w13_qweight`` / ...), created by the layer's
+quant method (:class:`~framework.quantization.FusedMoEMethod`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from framework.layers.linear import (
     set_weight_attrs,
     tensor_parallel_all_reduce,
 )
+from framework.loader.checkpoint_slice import materialize
+from framework.quantization import FusedMoEMethod
 
 if TYPE_CHECKING:
     from framework.quantization import QuantConfig
@@ -55,8 +61,10 @@ if TYPE_CHECKING:
 #: Checkpoint projection name -> the shard of the stacked weights it fills.
 EXPERT_SHARDS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj|gate_proj|up_proj)(?:\.weight)?$")
+# the tensor's suffix (weight, qweight, scales, weight_scale, ...) names the parameter: w13_<suffix>, w2_<suffix>
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+                         r"\.(?P<suffix>\w+)$")
+_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj|gate_proj|up_proj)(?:\.(?P<suffix>\w+))?$")
 
 
 class RoutedExperts(NamedTuple):
@@ -78,20 +86,24 @@ def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> Rout
 
 
 def expert_weight_target(name: str) -> tuple[str, tuple[str, int | None]] | None:
-    """``(parameter name, (shard_id, expert_id))`` for a checkpoint name of an expert weight, else None.
+    """``(parameter name, (shard_id, expert_id))`` for a checkpoint name of an expert tensor, else None.
 
     ``shard_id`` is ``"w1"`` (gate), ``"w3"`` (up), ``"w13"`` (gate and up concatenated) or
     ``"w2"`` (down); ``expert_id`` is None when the tensor holds every expert, stacked on dim 0.
+    The parameter is ``w13_<suffix>`` or ``w2_<suffix>`` after the checkpoint name's last part
+    (``.weight`` -> ``w13_weight``, ``.qweight`` -> ``w13_qweight``, ``.weight_scale`` ->
+    ``w13_weight_scale``; a stacked tensor without a suffix is a ``weight``), so a quantized
+    method's parameters receive their tensors by name.
     """
     if match := _PER_EXPERT.match(name):
-        shard = EXPERT_SHARDS[match["proj"]]
-        param = "w2_weight" if shard == "w2" else "w13_weight"
-        return f"{match['prefix']}.{param}", (shard, int(match["expert"]))
-    if match := _STACKED.match(name):
+        shard, expert = EXPERT_SHARDS[match["proj"]], int(match["expert"])
+    elif match := _STACKED.match(name):
         shard = {"gate_up_proj": "w13", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[match["proj"]]
-        param = "w2_weight" if shard == "w2" else "w13_weight"
-        return f"{match['prefix']}.{param}", (shard, None)
-    return None
+        expert = None
+    else:
+        return None
+    param = "w2" if shard == "w2" else "w13"
+    return f"{match['prefix']}.{param}_{match['suffix'] or 'weight'}", (shard, expert)
 
 
 def map_expert_weight_name(name: str) -> tuple[str, tuple | None]:
@@ -103,6 +115,28 @@ def map_expert_weight_name(name: str) -> tuple[str, tuple | None]:
     return target if target is not None else (name, None)
 
 
+class UnquantizedFusedMoEMethod(FusedMoEMethod):
+    """Plain ``w13_weight [E, 2I, H]`` / ``w2_weight [E, H, I]`` in ``params_dtype``, run by the kernel
+    registry's ``fused_moe`` op, resolved once in :meth:`create_weights` (as ``UnquantizedLinearMethod``)."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
+        width = intermediate_size_per_partition
+        w13 = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype), requires_grad=False)
+        w2 = nn.Parameter(torch.empty(num_experts, hidden_size, width, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(w13, {"weight_loader": layer.weight_loader, "moe_projection": "w13", "feature_dim": -2})
+        set_weight_attrs(w2, {"weight_loader": layer.weight_loader, "moe_projection": "w2", "feature_dim": -1})
+        layer.register_parameter("w13_weight", w13)
+        layer.register_parameter("w2_weight", w2)
+        self.fused_moe = get_kernel("fused_moe")
+
+    def apply(self, layer: nn.Module, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        return self.fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+
+    def dequantize(self, layer: nn.Module) -> tuple[Tensor, Tensor]:
+        return layer.w13_weight, layer.w2_weight
+
+
 class FusedMoE(KeepsWeightAttrs):
     """``num_experts`` SwiGLU experts of one layer, stacked; each token uses ``top_k`` of them.
 
@@ -111,9 +145,20 @@ class FusedMoE(KeepsWeightAttrs):
     takes a routing computed elsewhere (grouped top-k, sigmoid scores, bias-corrected routers).
     Returns ``[T, H]``: the routing-weighted sum of the chosen experts' outputs.
 
-    The expert weights are plain tensors in ``params_dtype``: ``quant_config`` is accepted for a
-    future MoE quantization method (GGUF files load here with their experts dequantized at load,
-    lazily: only this rank's features, in ``params_dtype``).
+    Storage and compute belong to the layer's :class:`~framework.quantization.FusedMoEMethod`
+    (``quant_method``): ``quant_config.get_quant_method(self, prefix)``, else
+    :class:`UnquantizedFusedMoEMethod` (plain weights in ``params_dtype``; GGUF experts on the CPU
+    load there, dequantized lazily: only this rank's features, in ``params_dtype``).
+
+    :meth:`weight_loader` serves any method's expert parameters that carry these attributes:
+
+    * ``moe_projection``: ``"w13"`` (gate then up) or ``"w2"`` (down);
+    * ``feature_dim``: the (negative) dimension along which the expert's intermediate features
+      run, ``-2`` for ``w13_weight [E, 2I, H]``, ``-1`` for ``w2_weight [E, H, I]``; a packed
+      parameter may hold several features per entry or several entries per feature (offsets
+      scale with ``size(feature_dim) / features``); ``None``: not split (a per-expert scale);
+    * ``per_shard=True`` (``w13`` only, with ``feature_dim`` None): the last dimension has two
+      entries, gate then up, each filled from its own checkpoint tensor.
 
     Tensor parallelism: ``tp_size`` / ``tp_rank`` default to this process's group; this rank
     holds ``intermediate_size_per_partition = intermediate_size / tp_size`` features of every
@@ -140,50 +185,73 @@ class FusedMoE(KeepsWeightAttrs):
         self.hidden_size, self.intermediate_size, self.prefix = hidden_size, intermediate_size, prefix
         self.tp_size, self.tp_rank, self.reduce_results = tp_size, tp_rank, reduce_results
         self.intermediate_size_per_partition = width = intermediate_size // tp_size
-        dtype = params_dtype or torch.get_default_dtype()
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size, dtype=dtype),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, width, dtype=dtype),
-                                      requires_grad=False)
-        for param in (self.w13_weight, self.w2_weight):
-            set_weight_attrs(param, {"weight_loader": self.weight_loader})
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        if method is not None and not isinstance(method, FusedMoEMethod):
+            raise TypeError(f"{prefix}: {type(quant_config).__name__}.get_quant_method returned {type(method).__name__} "
+                            "for a FusedMoE layer; expected a FusedMoEMethod or None")
+        self.quant_method: FusedMoEMethod = method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(self, num_experts, hidden_size, width, self.params_dtype)
         self._loaded_experts: dict[str, set[int]] = {"w1": set(), "w3": set(), "w2": set()}
-        self._kernel = get_kernel("fused_moe")
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: str, expert_id: int | None = None) -> None:
-        """Copy this rank's part of a full checkpoint tensor into ``param`` (``w13_weight`` or ``w2_weight``).
+        """Copy this rank's part of a full checkpoint tensor into ``param`` (a ``w13_*`` or ``w2_*`` parameter).
 
         ``shard_id``: ``"w1"`` (gate rows of w13), ``"w3"`` (up rows), ``"w13"`` (both, gate
         then up) or ``"w2"``; ``expert_id``: the expert, or None for a tensor stacking all
         experts on dim 0. ``loaded_weight`` may be a lazy ``CheckpointSlice``: only this rank's
-        intermediate features (dim -2 of gate/up, dim -1 of down) are read.
+        intermediate features (along the parameter's ``feature_dim``) are read.
         """
+        self.check_expert_shard(param, shard_id, expert_id)
+        target = param.data if expert_id is None else param.data[expert_id]
+        dim = getattr(param, "feature_dim", None)
+        if dim is None:
+            self._load_unsplit(param, target, loaded_weight, shard_id)
+        else:
+            features = self.intermediate_size_per_partition * (1 if shard_id == "w2" else 2)
+            entries = lambda n: n * param.size(dim) // features  # noqa: E731  (entries of n features)
+            size, width = entries(self.intermediate_size), entries(self.intermediate_size_per_partition)
+            start = self.tp_rank * width
+            if shard_id == "w2":
+                copy_weight(target, self._narrow(loaded_weight, dim, size, start, width))
+            elif shard_id == "w13":  # [.., 2I, H]: gate rows [0, I), up rows [I, 2I)
+                copy_weight(target.narrow(dim, 0, width), self._narrow(loaded_weight, dim, 2 * size, start, width))
+                copy_weight(target.narrow(dim, width, width), self._narrow(loaded_weight, dim, 2 * size, size + start, width))
+            else:
+                copy_weight(target.narrow(dim, 0 if shard_id == "w1" else width, width),
+                            self._narrow(loaded_weight, dim, size, start, width))
+        self.record_loaded(shard_id, expert_id)
+
+    def check_expert_shard(self, param: Tensor, shard_id: str, expert_id: int | None) -> None:
+        """Refuse an unknown ``shard_id``, a shard in the wrong projection's parameter or an expert out of range."""
         if shard_id not in ("w1", "w3", "w13", "w2"):
             raise ValueError(f"{self.prefix}: unknown expert shard {shard_id!r}; valid: w1 (gate), w3 (up), w13, w2 (down)")
-        if (shard_id == "w2") != (param is self.w2_weight):
+        if (shard_id == "w2") != (getattr(param, "moe_projection", None) == "w2"):
             raise ValueError(f"{self.prefix}: expert shard {shard_id!r} does not belong in this parameter")
         if expert_id is not None and not 0 <= expert_id < self.num_experts:
             raise ValueError(f"{self.prefix}: expert {expert_id} out of range; this layer has {self.num_experts} experts")
-        target = param.data if expert_id is None else param.data[expert_id]
-        size, width = self.intermediate_size, self.intermediate_size_per_partition
-        start = self.tp_rank * width
-        if shard_id == "w2":
-            copy_weight(target, self._narrow(loaded_weight, -1, size, start, width))
-        elif shard_id == "w13":  # [.., 2I, H]: gate rows [0, I), up rows [I, 2I)
-            copy_weight(target[..., :width, :], self._narrow(loaded_weight, -2, 2 * size, start, width))
-            copy_weight(target[..., width:, :], self._narrow(loaded_weight, -2, 2 * size, size + start, width))
-        else:
-            rows = slice(0, width) if shard_id == "w1" else slice(width, 2 * width)
-            copy_weight(target[..., rows, :], self._narrow(loaded_weight, -2, size, start, width))
+
+    def record_loaded(self, shard_id: str, expert_id: int | None) -> None:
+        """Note that ``shard_id`` of ``expert_id`` (None: every expert) is loaded (for :meth:`missing_weights`);
+        a method with its own loader calls this."""
         experts = range(self.num_experts) if expert_id is None else (expert_id,)
         for shard in ("w1", "w3") if shard_id == "w13" else (shard_id,):
             self._loaded_experts[shard].update(experts)
+
+    def _load_unsplit(self, param: Tensor, target: Tensor, loaded_weight: Tensor, shard_id: str) -> None:
+        """A parameter not split by features: whole, or (``per_shard``) its gate or up entry."""
+        loaded_weight = materialize(loaded_weight)
+        if getattr(param, "per_shard", False) and shard_id in ("w1", "w3"):
+            target = target[..., 0 if shard_id == "w1" else 1]
+        if loaded_weight.numel() == target.numel():
+            loaded_weight = loaded_weight.reshape(target.shape)
+        copy_weight(target, loaded_weight)
 
     def _narrow(self, loaded_weight: Tensor, dim: int, full: int, start: int, width: int) -> Tensor:
         """``loaded_weight.narrow(dim, start, width)``, refusing a tensor whose ``dim`` is not ``full`` long."""
         if loaded_weight.dim() < 2 or loaded_weight.size(dim) != full:
             raise ValueError(f"{self.prefix}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit: "
-                             f"expected {full} intermediate features along dim {dim} (experts' intermediate size "
+                             f"expected {full} entries along dim {dim} (experts' intermediate size "
                              f"{self.intermediate_size})")
         return loaded_weight.narrow(dim % loaded_weight.dim(), start, width)
 
@@ -204,7 +272,7 @@ class FusedMoE(KeepsWeightAttrs):
             if router_logits is None:
                 raise ValueError("FusedMoE.forward needs router_logits or precomputed topk_weights and topk_ids")
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = self._kernel(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         if self.tp_size > 1 and self.reduce_results:
             out = tensor_parallel_all_reduce(out)
         return out
@@ -212,4 +280,4 @@ class FusedMoE(KeepsWeightAttrs):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size_per_partition}/{self.intermediate_size}, renormalize={self.renormalize}, "
-                f"tp={self.tp_rank}/{self.tp_size}")
+                f"tp={self.tp_rank}/{self.tp_size}, method={type(self.quant_method).__name__}")

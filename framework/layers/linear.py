@@ -7,7 +7,10 @@ parameters; the layer knows how checkpoint tensors map onto them. Each parameter
 * ``weight_loader(param, loaded_weight, shard_id=None)``: copies a checkpoint tensor (the full,
   unsharded tensor) into this rank's part of the parameter;
 * ``output_dim`` / ``input_dim``: which parameter dimension runs along output features / input
-  features (``None`` or absent: the parameter is not split along it, e.g. a per-tensor scale).
+  features (``None`` or absent: the parameter is not split along it, e.g. a per-tensor scale);
+* ``per_shard=True`` (optional): the parameter holds one entry per fused shard along dim 0
+  (``output_partition_sizes`` order: a per-tensor scale of each of q, k, v or of gate, up); the
+  loader fills entry ``i`` from shard ``i``'s checkpoint tensor instead of the whole parameter.
 
 Loaders work on parameter rows, whatever a row holds: a quantized method may pack several
 output features per row (its parameter then has proportionally fewer rows) and the offsets scale
@@ -24,7 +27,6 @@ tensor-parallel group, see :mod:`framework.distributed`, so model code never pas
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +37,7 @@ from framework import distributed
 from framework.distributed.partition import attention_heads_per_rank
 from framework.kernels import get_kernel
 from framework.loader.checkpoint_slice import materialize
+from framework.quantization import LinearMethod
 
 if TYPE_CHECKING:
     from framework.quantization import QuantConfig
@@ -63,48 +66,6 @@ class KeepsWeightAttrs(nn.Module):
         return self
 
 
-class LinearMethod(ABC):
-    """How one layer stores and multiplies its weights (unquantized, GGUF, GPTQ, ...).
-
-    Lifecycle, in order: :meth:`create_weights` from the layer's constructor (possibly on the
-    ``meta`` device); the loader copies checkpoint tensors through each parameter's
-    ``weight_loader``; :meth:`process_weights_after_loading` once; :meth:`apply` every forward.
-    """
-
-    @abstractmethod
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-    ) -> None:
-        """Register this rank's parameters on ``layer``.
-
-        ``output_partition_sizes`` are this rank's output features per fused shard (``[q, k, v]``
-        for QKV, ``[gate, up]`` for gate_up, one entry otherwise); ``input_size`` and
-        ``output_size`` are the unsharded sizes. Every parameter gets ``weight_loader`` (use
-        ``layer.weight_loader`` unless the format needs its own) and ``output_dim`` /
-        ``input_dim`` (see the module docstring). Create tensors with ``torch.empty`` so that
-        a ``meta`` device context applies. Parameters are inference-only
-        (``requires_grad=False``).
-        """
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Called once after all checkpoint tensors are loaded (repack, transpose, dequantize on CPU)."""
-        return None
-
-    @abstractmethod
-    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """``x @ W.T + bias`` for ``x`` ``[..., input_size_per_partition]``; no communication."""
-
-    def embedding(self, layer: nn.Module, input_ids: Tensor) -> Tensor:
-        """Rows ``input_ids`` of the weight, for a ``VocabEmbedding`` using this method."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be used for an embedding table")
-
-
 class UnquantizedLinearMethod(LinearMethod):
     """A plain ``[out, in]`` weight in ``params_dtype``, multiplied by the kernel registry's ``linear``
     op (``F.linear`` unless a plugin's implementation is chosen), resolved once in :meth:`create_weights`
@@ -131,6 +92,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
         return self.linear(x, layer.weight, bias)
+
+    def dequantize(self, layer: nn.Module) -> Tensor:
+        return layer.weight
 
     def embedding(self, layer: nn.Module, input_ids: Tensor) -> Tensor:
         return F.embedding(input_ids, layer.weight)
@@ -172,6 +136,22 @@ def load_column_shard(param: Tensor, loaded_weight: Tensor, tp_rank: int, *, zer
         param.data.narrow(output_dim, present, rows - present).zero_()
     if present:
         copy_weight(param.data.narrow(output_dim, 0, present), loaded_weight.narrow(output_dim, start, present))
+
+
+def is_per_shard(param: Tensor) -> bool:
+    """Whether ``param`` keeps one entry per fused shard along dim 0 (``per_shard=True``)."""
+    return bool(getattr(param, "per_shard", False))
+
+
+def load_shard_entry(param: Tensor, loaded_weight: Tensor, index: int) -> None:
+    """Copy shard ``index``'s checkpoint tensor into entry ``index`` (dim 0) of a ``per_shard`` parameter."""
+    if not 0 <= index < param.size(0):
+        raise ValueError(f"shard {index} has no entry in a per-shard parameter of shape {tuple(param.shape)}")
+    target = param.data[index]
+    loaded_weight = materialize(loaded_weight)
+    if loaded_weight.numel() == target.numel():
+        loaded_weight = loaded_weight.reshape(target.shape)
+    copy_weight(target, loaded_weight)
 
 
 def tensor_parallel_all_reduce(x: Tensor) -> Tensor:
@@ -222,7 +202,10 @@ class LinearBase(KeepsWeightAttrs):
         self.output_size_per_partition = sum(output_partition_sizes)
         self.tp_size, self.tp_rank, self.prefix = tp_size, tp_rank, prefix
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        method = quant_config.get_linear_method(self, prefix) if quant_config is not None else None
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        if method is not None and not isinstance(method, LinearMethod):
+            raise TypeError(f"{prefix}: {type(quant_config).__name__}.get_quant_method returned {type(method).__name__} "
+                            "for a linear layer; expected a LinearMethod or None")
         self.linear_method: LinearMethod = method or UnquantizedLinearMethod()
         self.linear_method.create_weights(
             self, input_size_per_partition, self.output_partition_sizes, input_size, output_size, self.params_dtype
@@ -237,6 +220,11 @@ class LinearBase(KeepsWeightAttrs):
         """Copy the full checkpoint tensor ``loaded_weight`` (shard ``shard_id`` of a fused layer)
         into this rank's part of ``param``."""
         raise NotImplementedError
+
+    @property
+    def quant_method(self) -> LinearMethod:
+        """The layer's LinearMethod (the name every quantized layer kind shares)."""
+        return self.linear_method
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear_method.apply(self, x, self.bias)
@@ -265,6 +253,9 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, input_size, [output_size], bias, quant_config, prefix, params_dtype, tp_size, tp_rank)
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        if is_per_shard(param):
+            load_shard_entry(param, loaded_weight, 0)
+            return
         copy_weight(param.data, loaded_weight)
 
 
@@ -289,6 +280,9 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size, input_size, partitions, bias, quant_config, prefix, params_dtype, tp_size, tp_rank)
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        if is_per_shard(param):
+            load_shard_entry(param, loaded_weight, 0)
+            return
         load_column_shard(param, loaded_weight, self.tp_rank)
 
     def _param_rows(self, param: Tensor, num_features: int) -> int:
@@ -297,19 +291,37 @@ class ColumnParallelLinear(LinearBase):
         assert remainder == 0, f"{num_features} features do not map to whole rows of {tuple(param.shape)}"
         return rows
 
-    def _load_fused_shard(self, param: Tensor, loaded_weight: Tensor, offset: int, size: int, source_index: int) -> None:
-        """Copy shard ``source_index`` (of ``size`` features per rank) of the full checkpoint
-        tensor into this rank's parameter rows starting at feature ``offset``::
+    def _load_fused_shard(self, param: Tensor, loaded_weight: Tensor, shard_index: int, offset: int, size: int,
+                          source_index: int) -> None:
+        """Copy part ``source_index`` (of ``size`` features per rank) of fused shard ``shard_index``'s
+        full checkpoint tensor into this rank's parameter rows starting at feature ``offset``::
 
             param rows:  [ shard 0 | shard 1 | ... ]     loaded rows: [ rank 0 | rank 1 | ... ]
                                    ^ offset, size                              ^ source_index * size
+
+        A ``per_shard`` parameter gets the tensor in its entry ``shard_index`` instead.
         """
+        if is_per_shard(param):
+            load_shard_entry(param, loaded_weight, shard_index)
+            return
         output_dim = getattr(param, "output_dim", None)
         if output_dim is None:  # not split by output (a per-tensor quantity): same on every shard
-            copy_weight(param.data, loaded_weight)
+            self._load_shared(param, loaded_weight, shard_index)
             return
         offset, size = self._param_rows(param, offset), self._param_rows(param, size)
         copy_weight(param.data.narrow(output_dim, offset, size), loaded_weight.narrow(output_dim, source_index * size, size))
+
+    def _load_shared(self, param: Tensor, loaded_weight: Tensor, shard_index: int) -> None:
+        """Load a quantity every shard shares; refuse shards that disagree on it (a per-shard
+        quantity needs ``per_shard=True``, or the last shard's value would silently win)."""
+        loaded_weight = materialize(loaded_weight)
+        filled = self.__dict__.setdefault("_shared_params_loaded", set())
+        if id(param) in filled and not torch.equal(param.data, loaded_weight.to(param.data)):
+            raise ValueError(f"{self.prefix}: shard {shard_index} holds a different value for a parameter of shape "
+                             f"{tuple(param.shape)} that all shards share (it has neither output_dim nor "
+                             "per_shard=True); a quantity kept per shard needs per_shard=True")
+        copy_weight(param.data, loaded_weight)
+        filled.add(id(param))
 
     def _split_fused(self, param: Tensor, loaded_weight: Tensor, shard_ids: list[Any], sizes: list[int]) -> None:
         """Load a checkpoint tensor that already holds every shard, concatenated (Phi-3's qkv_proj)."""
@@ -352,7 +364,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id {shard_id!r} out of range; valid: 0..{len(self.output_sizes) - 1}")
         offset = sum(self.output_partition_sizes[:shard_id])
-        self._load_fused_shard(param, loaded_weight, offset, self.output_partition_sizes[shard_id], self.tp_rank)
+        self._load_fused_shard(param, loaded_weight, shard_id, offset, self.output_partition_sizes[shard_id], self.tp_rank)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -401,7 +413,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         """``shard_id`` is ``"q"``, ``"k"`` or ``"v"``; ``None`` means ``[q | k | v]`` concatenated."""
         q_size, kv_size, _ = self.output_partition_sizes
         kv_source = self.kv_shard_rank
-        shards = {"q": (0, q_size, self.tp_rank), "k": (q_size, kv_size, kv_source), "v": (q_size + kv_size, kv_size, kv_source)}
+        shards = {"q": (0, 0, q_size, self.tp_rank), "k": (1, q_size, kv_size, kv_source),
+                  "v": (2, q_size + kv_size, kv_size, kv_source)}
         if shard_id is None:
             total_q, total_kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
             self._split_fused(param, loaded_weight, ["q", "k", "v"], [total_q, total_kv, total_kv])
@@ -439,6 +452,9 @@ class RowParallelLinear(LinearBase):
                          prefix, params_dtype, tp_size, tp_rank)
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
+        if is_per_shard(param):
+            load_shard_entry(param, loaded_weight, 0)
+            return
         input_dim = getattr(param, "input_dim", None)
         if input_dim is not None:
             columns = param.size(input_dim)

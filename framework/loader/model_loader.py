@@ -100,7 +100,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", None)
-        if not reads_checkpoint_slices(getattr(loader, "__self__", None)):  # a bound method: its layer
+        if not reads_checkpoint_slices(getattr(loader, "__self__", loader)):  # a bound method: its layer
             tensor = materialize(tensor)
         if loader is None:
             _copy_checked(param, tensor, name)
@@ -111,10 +111,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
 
 
 def reads_checkpoint_slices(owner: object) -> bool:
-    """Whether ``owner`` (a model with its own ``load_weights``, or the layer a parameter's
-    ``weight_loader`` is bound to) takes lazy CheckpointSlices: its class says so with
-    ``reads_checkpoint_slices = True`` (the core layers whose loaders only narrow and copy:
-    ``LinearBase``, ``VocabEmbedding``, ``FusedMoE``). Everything else gets whole tensors."""
+    """Whether ``owner`` (a model with its own ``load_weights``, the layer a parameter's
+    ``weight_loader`` is bound to, or the loader itself when it is not a bound method) takes lazy
+    CheckpointSlices: it says so with ``reads_checkpoint_slices = True`` (the core layers whose
+    loaders only narrow and copy: ``LinearBase``, ``VocabEmbedding``, ``FusedMoE``; a quant
+    method's ``functools.partial`` loader that reads a slice's packed source). Everything else
+    gets whole tensors."""
     return bool(getattr(owner, "reads_checkpoint_slices", False))
 
 
@@ -125,9 +127,10 @@ def _copy_checked(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 
 def finish_loading(model: nn.Module, device: torch.device) -> None:
-    """After weights: let quant methods repack, and modules with computed buffers fill them."""
+    """After weights: let every module's quant method (linear layers, vocabulary tables, FusedMoE)
+    repack, and modules with computed buffers fill them."""
     for module in model.modules():
-        method = getattr(module, "linear_method", None)
+        method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
         init = getattr(module, "init_buffers", None)

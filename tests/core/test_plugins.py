@@ -62,7 +62,7 @@ def test_all_entry_points_load_and_broken_plugin_is_reported_by_name(three_plugi
     assert registries.kernels().names() == sorted(
         ["rms_norm/alpha", "rms_norm/beta", "rms_norm/torch", "fused_add_rms_norm/torch", "silu_and_mul/torch",
          "gelu_tanh_and_mul/torch", "rotary_embedding/torch", "qk_norm_rotary_embedding/torch", "fused_moe/torch",
-         "linear/torch"]
+         "quantized_fused_moe/torch", "linear/torch"]
     )
 
 

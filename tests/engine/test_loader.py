@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from framework import LLM, SamplingParams
 from framework.config import resolve_dtype
 from framework.errors import ConfigError, ModelLoadError
+from framework.quantization import QuantConfig
 from framework.testing import write_tiny_model
 
 TINY = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -183,3 +184,40 @@ def test_device_ordinals_flag():
         device_from_ordinals("0,1", None)
     with pytest.raises(ConfigError, match="GPU ordinals"):
         device_from_ordinals("gpu0", None)
+
+
+class HalfOnlyConfig(QuantConfig):
+    """A quantization that computes in float16 only; records the model config it was built with."""
+
+    supported_act_dtypes = frozenset({torch.float16})
+    built_with: list = []
+
+    @classmethod
+    def get_name(cls):
+        return "halfonly"
+
+    def get_quant_method(self, layer, prefix):
+        return None
+
+    @classmethod
+    def from_config(cls, config, model_config=None):
+        cls.built_with.append(model_config)
+        return cls()
+
+
+def test_a_quantization_that_cannot_run_the_dtype_fails_before_any_weight_is_read(tiny_dir, register_fw_plugin, monkeypatch):
+    from framework import hookimpl
+    from framework.loader.safetensors_format import SafetensorsFormat
+    from framework.specs import QuantMethodSpec
+
+    class Plugin:
+        @hookimpl
+        def register_quantization_methods(self):
+            return [QuantMethodSpec(name="halfonly", impl=f"{__name__}:HalfOnlyConfig", description="test")]
+
+    register_fw_plugin(Plugin(), name="halfonly")
+    monkeypatch.setattr(SafetensorsFormat, "iter_weights", lambda self: pytest.fail("a weight was read"))
+    with pytest.raises(ConfigError, match=r"quantization 'halfonly' does not support activations in float32; "
+                                          r"supported: float16 \(choose one with --dtype\)"):
+        LLM(str(tiny_dir), dtype="fp32", quantization="halfonly", num_blocks=16)
+    assert HalfOnlyConfig.built_with[-1].dtype == torch.float32  # from_config saw the model config

@@ -181,7 +181,7 @@ class PairPackedConfig(QuantConfig):
     def get_name(cls):
         return "pair-packed"
 
-    def get_linear_method(self, layer, prefix):
+    def get_quant_method(self, layer, prefix):
         return None if prefix.endswith("o_proj") else PairPackedMethod()
 
     @classmethod

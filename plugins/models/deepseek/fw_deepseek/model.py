@@ -96,7 +96,8 @@ class DeepseekV2Attention(nn.Module):
         self.rotary_emb = get_rope(self.rope_dim, self.rope_dim, config.max_model_len, config.rope_theta,
                                    config.rope_scaling, is_neox_style=False)
         mla = MLAConfig(self.kv_lora_rank, self.rope_dim)
-        self.attn = Attention(layer_index, self.num_heads, 1, mla.latent_size, softmax_scale(config, qk_head_dim), mla=mla)
+        self.attn = Attention(layer_index, self.num_heads, 1, mla.latent_size, softmax_scale(config, qk_head_dim), mla=mla,
+                              quant_config=quant_config, prefix=f"{prefix}.attn")
         if not isinstance(self.kv_b_proj.linear_method, UnquantizedLinearMethod):
             raise ConfigError(f"{prefix}.kv_b_proj: multi-head latent attention absorbs kv_b_proj's plain weight; a "
                               f"quantized kv_b_proj ({type(self.kv_b_proj.linear_method).__name__}) is unsupported: use "

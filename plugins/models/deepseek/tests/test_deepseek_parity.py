@@ -146,7 +146,7 @@ def test_quantized_kv_b_proj_is_refused_at_start_up():
         apply = UnquantizedLinearMethod.apply
 
     class KvBOnly:
-        def get_linear_method(self, layer, prefix):
+        def get_quant_method(self, layer, prefix):
             return OtherMethod() if prefix.endswith("kv_b_proj") else None
 
     hf_config = CONFIGS["v2_lite_grouped_routing"]().to_dict()

@@ -101,7 +101,8 @@ class GemmaAttention(nn.Module):
         soft_cap = config.get("attn_logit_softcapping") if generation == 2 else None
         window = config.get("sliding_window") if layer_type == SLIDING else None
         self.attn = Attention(layer_index, num_heads, num_kv_heads, head_size, float(scalar or head_size) ** -0.5,
-                              sliding_window=window, logits_soft_cap=soft_cap)
+                              sliding_window=window, logits_soft_cap=soft_cap, quant_config=quant_config,
+                              prefix=f"{prefix}.attn")
         if generation >= 3:
             eps = float(config.get("rms_norm_eps", 1e-6))
             self.q_norm = RMSNorm(head_size, eps, offset=1.0)

@@ -203,7 +203,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = get_rope(head_size, rotary_dim(config), config.max_model_len, config.rope_theta,
                                    rope_scaling(config), is_neox_style=variant.is_neox_style)
         self.attn = Attention(layer_index, num_heads, num_kv_heads, head_size, head_size**-0.5,
-                              sliding_window=layer_sliding_window(config, layer_index))
+                              sliding_window=layer_sliding_window(config, layer_index), quant_config=quant_config,
+                              prefix=f"{prefix}.attn")
         self.q_norm = self.k_norm = None
         if variant.qk_norm == "rms":  # Qwen3: checkpoint names q_norm / k_norm
             self.q_norm, self.k_norm = RMSNorm(head_size, variant.eps), RMSNorm(head_size, variant.eps)

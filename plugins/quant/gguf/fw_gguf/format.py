@@ -90,11 +90,11 @@ class GGUFFormat(WeightFormat):
         return len(shape) == 2 and hf_name.endswith(".weight") and "norm" not in hf_name
 
     def quantization_config(self) -> dict[str, Any]:
-        """``tensor_types`` maps each HF weight-matrix name to its GGUF type name."""
+        """``tensor_types`` maps each HF weight-matrix and expert-stack name to its GGUF type name."""
         types = {}
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
-            if hf_name and self._is_matrix(hf_name, info.shape):
+            if hf_name and (self._is_matrix(hf_name, info.shape) or len(info.shape) == 3):
                 types[hf_name] = as_quant_type(info.qtype).name
         return {"quant_method": "gguf", "tensor_types": types}
 
@@ -102,9 +102,9 @@ class GGUFFormat(WeightFormat):
         """HF names with packed uint8 rows (matrices, any GGUF type) or float tensors (norms, biases).
 
         MoE experts stacked per projection (``[experts, out, in]``) come as lazy
-        :class:`~fw_gguf.lazy.GGUFTensorSlice` objects: FusedMoE holds plain weights (a
-        packed-expert MoE method is future work), and its loader dequantizes only this rank's
-        features, in the model's dtype, on the model's device.
+        :class:`~fw_gguf.lazy.GGUFTensorSlice` objects: the packed-expert method
+        (``fw_gguf.moe``) copies their bytes; FusedMoE's plain weights (the CPU) dequantize only
+        this rank's features, in the model's dtype, on the model's device.
         """
         offset = norm_weight_offset(self.arch)
         for name, info in self.model.tensors.items():

@@ -1,6 +1,6 @@
 """GGUF tensors as lazy checkpoint slices: decoded only in the block a layer keeps, in its dtype.
 
-MoE experts stacked per projection (``ffn_gate_exps [E, I, H]``, ...) load into ``FusedMoE``'s
+MoE experts stacked per projection (``ffn_gate_exps [E, I, H]``, ...) load on the CPU into ``FusedMoE``'s
 plain weights. Dequantizing a whole stack to fp32 first would take ~3.5x its packed size (8x for
 4-bit types) on every tensor-parallel rank; as a :class:`GGUFTensorSlice` the stack is narrowed to
 this rank's intermediate features by ``FusedMoE.weight_loader`` and decoded only there, straight

@@ -26,16 +26,23 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from framework.errors import ConfigError, ModelLoadError
-from framework.layers.linear import LinearMethod, set_weight_attrs
-from framework.quantization import QuantConfig
+from framework.layers.linear import set_weight_attrs
+from framework.quantization import LinearMethod, QuantConfig, QuantMethodBase
 
 from .dequant import as_quant_type, bytes_per_row, dequantize
 
 _QKV_ORDER = {"q": 0, "k": 1, "v": 2}
 
+#: What the packed layers compute in (the dequantized weights take the activations' dtype).
+GGUF_ACT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+GGUF_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
 
 class GGUFQuantConfig(QuantConfig):
-    """Knows the GGUF type of every weight matrix (``tensor_types``: HF name -> type name)."""
+    """Knows the GGUF type of every weight matrix and expert stack (``tensor_types``: HF name -> type name)."""
+
+    supported_act_dtypes = GGUF_ACT_DTYPES
+    supported_device_types = GGUF_DEVICE_TYPES
 
     def __init__(self, tensor_types: dict[str, str]) -> None:
         self.tensor_types = tensor_types
@@ -45,7 +52,7 @@ class GGUFQuantConfig(QuantConfig):
         return "gguf"
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> GGUFQuantConfig:
+    def from_config(cls, config: dict[str, Any], model_config: Any = None) -> GGUFQuantConfig:
         if "tensor_types" not in config:
             raise ValueError("gguf quantization config needs 'tensor_types' (it comes from the GGUF file itself)")
         return cls(dict(config["tensor_types"]))
@@ -62,13 +69,27 @@ class GGUFQuantConfig(QuantConfig):
         names.sort(key=lambda item: _QKV_ORDER.get(item[0], item[0]))
         return [(shard, self.tensor_types[name]) for shard, name in names]
 
-    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethodBase | None:
+        """GGUFLinearMethod for a weight matrix the file holds, GGUFFusedMoEMethod for its expert
+        stacks (kept packed where they run: see ``fw_gguf.moe``); None for anything else."""
+        from framework.layers.attention import Attention
+        from framework.layers.fused_moe import FusedMoE
+
+        if isinstance(layer, FusedMoE):
+            from .moe import gguf_moe_method
+
+            return gguf_moe_method(self.tensor_types, layer, prefix)
+        if isinstance(layer, Attention):  # GGUF files hold no KV-cache quantization
+            return None
         shards = self.shard_types(prefix)
         return None if shards is None else GGUFLinearMethod(shards)
 
 
 class GGUFLinearMethod(LinearMethod):
     """Packed GGUF shards per layer; ``weight`` is a placeholder whose loader routes shards."""
+
+    supported_act_dtypes = GGUF_ACT_DTYPES
+    supported_device_types = GGUF_DEVICE_TYPES
 
     def __init__(self, shards: list[tuple[Any, str]]) -> None:
         self.shards = shards
@@ -111,6 +132,9 @@ class GGUFLinearMethod(LinearMethod):
         parts = [dequantize(getattr(layer, f"gguf_weight_{i}"), qtype, (rows, layer.gguf_in_features), dtype)
                  for i, (qtype, rows) in enumerate(zip(layer.gguf_types, layer.gguf_rows))]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return self.dequantized(layer, layer.params_dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         keep_packed = os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")

@@ -84,9 +84,10 @@ F16_FIELDS = {
 }
 
 
-def _random_packed(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+def _random_packed(qtype: Q, rows: int, cols: int, seed: int = 0, scale_exponents: tuple[int, int] = (-8, 2)) -> np.ndarray:
     """Random packed rows `[rows, bytes_per_row]` of `qtype`: random quant bits and finite fp16 scales
-    spanning subnormal to large (NaN/inf scales would make bit-exact comparison meaningless)."""
+    spanning subnormal to large (NaN/inf scales would make bit-exact comparison meaningless); the
+    scales are normal samples times 10**e, e drawn from `scale_exponents` ([low, high))."""
     rng = np.random.default_rng(seed)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if qtype in (Q.F32, Q.F16, Q.BF16):
@@ -96,7 +97,7 @@ def _random_packed(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         return values.astype(np.float32 if qtype == Q.F32 else np.float16).view(np.uint8)
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     for offset in F16_FIELDS[qtype]:
-        scale = rng.standard_normal((blocks.shape[0], 1)) * 10.0 ** rng.integers(-8, 2, (blocks.shape[0], 1))
+        scale = rng.standard_normal((blocks.shape[0], 1)) * 10.0 ** rng.integers(*scale_exponents, (blocks.shape[0], 1))
         blocks[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 

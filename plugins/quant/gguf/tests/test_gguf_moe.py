@@ -144,8 +144,10 @@ def test_gguf_moe_gives_the_logits_of_the_safetensors_checkpoint(tiny_moe):
 
 
 def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny_moe, monkeypatch, check_kept_packed):
-    """Q8_0 router and shared expert kept packed by the gguf LinearMethod (``FW_GGUF_KEEP_PACKED``,
-    the GPU path) and experts dequantized into FusedMoE's stacked weights."""
+    """Q8_0 router and shared expert kept packed by the gguf LinearMethod and the Q8_0 expert stacks
+    by the gguf FusedMoEMethod (``FW_GGUF_KEEP_PACKED``, the GPU path): the file's bytes, no dense copy."""
+    from fw_gguf.moe import GGUFFusedMoEMethod
+
     from framework.layers.fused_moe import FusedMoE
 
     arch, folder, reference = tiny_moe
@@ -167,7 +169,16 @@ def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny
     if arch == "qwen2moe":
         assert {f"model.layers.{i}.mlp.shared_expert.{p}" for i in sparse for p in ("gate_up_proj", "down_proj")} <= quantized
     experts = [module for module in model.modules() if isinstance(module, FusedMoE)]
-    assert len(experts) == len(sparse) and all(e.w13_weight.dtype == e.w2_weight.dtype == torch.float32 for e in experts)
+    assert len(experts) == len(sparse)
+    for index, layer in zip(sparse, experts, strict=True):
+        assert isinstance(layer.quant_method, GGUFFusedMoEMethod)
+        assert not [name for name, t in layer.named_parameters() if t.numel()]  # placeholders only
+        for shard, projection in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+            packed = getattr(layer, f"gguf_{shard}")
+            assert packed.dtype == torch.uint8
+            values = gguf.quants.dequantize(packed.numpy(), Q.Q8_0)  # gguf-py's own decoding of the kept bytes
+            torch.testing.assert_close(torch.from_numpy(values), stored[f"blk.{index}.ffn_{projection}_exps.weight"],
+                                       rtol=0, atol=0)
 
 
 def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):
@@ -204,3 +215,30 @@ def test_quantized_experts_load_lazily_into_the_model_dtype(tiny_moe):
         assert experts.w13_weight.dtype == torch.bfloat16
         assert torch.equal(experts.w13_weight, w13.to(torch.bfloat16))
         assert torch.equal(experts.w2_weight, stored[f"blk.{i}.ffn_down_exps.weight"].to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_packed_experts_in_cuda_graphs_give_the_greedy_ids_of_transformers(tiny_moe):
+    """On the GPU the Q8_0 expert stacks stay packed (GGUFFusedMoEMethod) through CUDA-graphed
+    decode steps: one sequence (the gather path) and six at once (more pairs than experts: every
+    expert dequantized inside the graph) give transformers' greedy ids on the file's values."""
+    from fw_gguf.moe import GGUFFusedMoEMethod
+
+    from framework.layers.fused_moe import FusedMoE
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    arch, folder, reference = tiny_moe
+    stored = write_gguf(folder / "model-q8-gpu.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
+    dequantized = transformers.AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32,
+                                                                attn_implementation="eager").eval()
+    dequantized.load_state_dict(hf_state_from(reference, stored))
+    prompts = [*PROMPTS, *([3 + i, 17, 29 + i] for i in range(4))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(folder / "model-q8-gpu.gguf"), device="cuda", dtype="f32", num_blocks=64)
+    assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+    experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(isinstance(e.quant_method, GGUFFusedMoEMethod) for e in experts)
+    for batch in ([prompts[0]], prompts):
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in batch], greedy)]
+        assert ids == [reference_greedy(dequantized, p, greedy.max_tokens) for p in batch]

@@ -21,7 +21,7 @@ class OneMethod:
     def __init__(self, shards) -> None:
         self.shards = shards
 
-    def get_linear_method(self, layer, prefix):
+    def get_quant_method(self, layer, prefix):
         return GGUFLinearMethod(self.shards)
 
 

@@ -9,6 +9,10 @@ Fixtures:
 * ``one_thread`` (module scope): torch on one intra-op thread for a module of tiny-model tests
   (threads only add synchronisation there, and on a busy 2-core runner OpenMP's spinning threads
   make them many times slower); the previous setting is restored after the module.
+
+Conformance kits for plugin authors: attention backends (``check_attention_backend``), tool
+parsers, model parity (``ModelParityTests``), and quantization methods against
+dequantize-then-matmul (``check_linear_method``, ``check_moe_method``, in :mod:`framework.testing.quant`).
 """
 
 from __future__ import annotations
@@ -746,3 +750,16 @@ def metric_value(text: str, name: str, label: str | None = None) -> float:
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 
+
+
+_QUANT_KITS = ("QuantScheme", "check_linear_method", "check_moe_method")
+
+
+def __getattr__(name: str) -> Any:
+    """The quantization conformance kits (:mod:`framework.testing.quant`), imported on first use
+    (they import torch; this module does not)."""
+    if name in _QUANT_KITS:
+        from framework.testing import quant
+
+        return getattr(quant, name)
+    raise AttributeError(f"module 'framework.testing' has no attribute {name!r}")
