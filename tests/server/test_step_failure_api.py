@@ -37,7 +37,7 @@ CHAT = {"messages": [{"role": "user", "content": "capital of France?"}], "max_to
 
 def _http(error: RequestFailedError) -> TestClient:
     app = create_app(FailingOnceClient(error), ServerConfig(served_model_names=["m"]), start_engine=False)
-    return TestClient(app)
+    return TestClient(app, base_url="http://127.0.0.1:2000")  # a loopback Host, as the Host check wants
 
 
 @pytest.mark.parametrize(("error", "status", "code"), [(OOM, 503, "out_of_memory"), (INTERNAL, 500, "engine_step_failed")])
