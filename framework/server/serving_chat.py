@@ -24,7 +24,9 @@ from framework.server.chat_tools import (
 )
 from framework.server.errors import APIError, bad_request, decode_body
 from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
+from framework.server.limits import check_sampling_limits, read_body
 from framework.server.protocol import (
+    DEFAULT_VALUES,
     UNSUPPORTED_CHAT_FIELDS,
     ChatChoice,
     ChatCompletionChunk,
@@ -53,10 +55,17 @@ MAX_MCP_ROUNDS = 16
 
 
 def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
-    """A field fw does not support yet is a 400 naming it, never silently ignored."""
+    """A field fw does not support yet is a 400 naming it, never silently ignored (unless it is
+    set to the value that asks for what fw does anyway, :data:`DEFAULT_VALUES`)."""
     for name in names:
-        if getattr(body, name) is not None:
+        value = getattr(body, name)
+        if value is not None and not any(type(value) is type(ok) and value == ok for ok in DEFAULT_VALUES.get(name, ())):
             raise APIError(400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter")
+    options = getattr(body, "stream_options", None)
+    if options is not None and options.continuous_usage_stats:
+        raise APIError(400, "'stream_options.continuous_usage_stats' is not supported by this server yet; "
+                            "'include_usage' sends the usage at the end", param="stream_options.continuous_usage_stats",
+                       code="unsupported_parameter")
     if getattr(body, "best_of", None) not in (None, 1, getattr(body, "n", 1)):
         raise APIError(400, "'best_of' is not supported by this server yet", param="best_of",
                        code="unsupported_parameter")
@@ -125,9 +134,10 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[LogprobEntry] | None, toke
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response | Stream:
     arrival = time.perf_counter()
-    body = decode_body(await request.body(), ChatCompletionRequest)
+    body = decode_body(await read_body(request, state.config.request_body_timeout_s), ChatCompletionRequest)
     state.check_model(body.model)
     reject_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
+    check_sampling_limits(body, state.config.max_n)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     mcp = state.mcp
