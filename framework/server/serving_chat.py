@@ -13,6 +13,7 @@ from litestar.response import Stream
 from framework.engine.outputs import LogprobEntry
 from framework.errors import ConfigError
 from framework.parsers.base import ToolCall, ToolCallDelta, ToolParseDelta, assemble
+from framework.server.chat_tokens import encode_chat
 from framework.server.chat_tools import (
     ParsedDelta,
     ToolSetup,
@@ -116,8 +117,17 @@ def chat_prompt_text(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: l
         raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
 
 
+def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
+                messages: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    """The rendered prompt and its token ids, the client's text kept out of the control tokens
+    (:func:`framework.server.chat_tokens.encode_chat`)."""
+    messages = template_messages(body.messages) if messages is None else messages
+    return encode_chat(tokenizer, messages, lambda shaped: chat_prompt_text(tokenizer, body, tools, shaped),
+                       {"tools": tools, "chat_template_kwargs": body.chat_template_kwargs})
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    return tokenizer.encode(chat_prompt_text(tokenizer, body), add_special_tokens=False)
+    return chat_prompt(tokenizer, body)[1]
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[LogprobEntry] | None, token_ids: list[int]) -> ChatLogprobs | None:
@@ -182,8 +192,7 @@ class ChatTurn:
         self.body, self.setup, self.state = body, setup, state
         self.messages = messages  # the conversation as the template takes it (template_messages ran once)
         client = state.client
-        self.prompt_text = chat_prompt_text(client.tokenizer, body, setup.tools, messages)
-        self.prompt_ids = client.tokenizer.encode(self.prompt_text, add_special_tokens=False)
+        self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(self.prompt_ids)],
                                        max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,
