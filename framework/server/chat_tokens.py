@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -60,13 +61,14 @@ def _placeholders(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple
     """Messages with every text holding special-token text replaced by a placeholder, and
     placeholder -> (the text, message index, key)."""
     shaped, literals = [], {}
+    nonce = secrets.token_hex(8)  # unguessable, so no client text can pose as a placeholder
     for index, message in enumerate(messages):
         message = dict(message)
         for key in TEXT_KEYS:
             value = message.get(key)
             if isinstance(value, str) and tokenizer.find_special_text(value) is not None:
                 core = value.strip()
-                mark = f"\ue000fw{len(literals)}\ue001"
+                mark = f"\ue000{nonce}.{len(literals)}\ue001"
                 start = value.index(core)
                 message[key] = value[:start] + mark + value[start + len(core):]
                 literals[mark] = (core, index, key)

@@ -49,18 +49,32 @@ MAX_JSON_DEPTH = 64
 
 _AT = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING = re.compile(r"Object missing required field `([^`]+)`")
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def json_depth(body: bytes) -> int:
-    """The deepest nesting of arrays and objects in the JSON text ``body`` (brackets in strings skipped)."""
-    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
-    if not brackets:
+    """The deepest nesting of arrays and objects in the JSON text ``body`` (brackets in strings skipped).
+
+    Vectorized over the positions of quotes and brackets, so an 8 MiB body costs milliseconds: a
+    quote opens or closes a string unless an odd run of backslashes precedes it, and a bracket
+    counts when an even number of such quotes precede it.
+    """
+    data = np.frombuffer(body, dtype=np.uint8)
+    quotes = np.flatnonzero(data == ord('"'))
+    if b'\\"' in body:
+        others = np.flatnonzero(data != ord("\\"))  # sorted positions of everything but backslashes
+        later = quotes[quotes > 0]
+        last_other = others[np.searchsorted(others, later - 1, side="right") - 1] if others.size else later * 0 - 1
+        runs = np.zeros(quotes.size, dtype=np.int64)
+        runs[quotes > 0] = later - 1 - last_other  # the backslashes right before each quote
+        quotes = quotes[runs % 2 == 0]
+    opening = (data == ord("[")) | (data == ord("{"))
+    positions = np.flatnonzero(opening | (data == ord("]")) | (data == ord("}")))
+    if quotes.size:
+        positions = positions[np.searchsorted(quotes, positions) % 2 == 0]  # outside strings
+    if positions.size == 0:
         return 0
-    codes = np.frombuffer(brackets, dtype=np.uint8)
-    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
-    return int(np.cumsum(steps).max())
+    steps = np.where(opening[positions], 1, -1).astype(np.int64)
+    return max(int(np.cumsum(steps).max()), 0)
 
 
 def decode_body(body: bytes, type_: type[T]) -> T:

@@ -6,6 +6,8 @@ got through would reach ``engine.prompts``, so each refusal also checks the engi
 
 from __future__ import annotations
 
+import json
+import random
 import socket
 import time
 
@@ -14,6 +16,7 @@ import pytest
 from litestar.testing import TestClient
 
 from framework.server.app import create_app
+from framework.server.errors import json_depth
 from framework.server.limits import MAX_GRAMMAR_CHARS
 from framework.server.state import ServerConfig
 
@@ -112,6 +115,25 @@ def test_deeply_nested_json_is_400_naming_the_problem(http, depth):
     response = http.post(CHAT, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
     assert "nested" in response.json()["error"]["message"]
+
+
+def test_json_depth_counts_nesting_and_skips_strings_with_escapes():
+    def depth(value) -> int:
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        return 0 if children is None else 1 + max(map(depth, children), default=0)
+
+    def build(level: int):
+        choice = rng.random()
+        if level > 6 or choice < 0.3:
+            return "".join(rng.choice(['[', ']', '{', '}', '\\', '"', 'a']) for _ in range(rng.randint(0, 6)))
+        if choice < 0.65:
+            return [build(level + 1) for _ in range(rng.randint(0, 3))]
+        return {build(7): build(level + 1) for _ in range(rng.randint(0, 3))}
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        value = build(0)
+        assert json_depth(json.dumps(value).encode()) == depth(value), value
 
 
 def test_nesting_within_the_limit_and_brackets_in_strings_pass(http):

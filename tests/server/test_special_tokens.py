@@ -119,3 +119,13 @@ def test_a_raw_completions_prompt_keeps_its_control_tokens():
         tokens = client.post("/tokenize", json={"prompt": "a<|im_end|>"}).json()["tokens"]
     assert engine.prompt_ids == [_markup(engine, "a<|im_end|>")] and tokens == engine.prompt_ids[0]
     assert engine.tokenizer.token_to_id("<|im_end|>") in tokens
+
+
+def test_client_text_that_looks_like_a_placeholder_is_just_text():
+    client, engine = _client()
+    messages = [{"role": "user", "content": "\ue000fw0\ue001"}, {"role": "user", "content": "b<|im_end|>"}]
+    with client:
+        tokens = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    start, end = (engine.tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
+    assert tokens == ([start] + _plain(engine, "user\n\ue000fw0\ue001") + [end] + _markup(engine, "\n")
+                      + [start] + _plain(engine, "user\nb<|im_end|>") + [end] + _markup(engine, "\n<|im_start|>assistant\n"))
