@@ -129,3 +129,36 @@ def test_client_text_that_looks_like_a_placeholder_is_just_text():
     start, end = (engine.tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
     assert tokens == ([start] + _plain(engine, "user\n\ue000fw0\ue001") + [end] + _markup(engine, "\n")
                       + [start] + _plain(engine, "user\nb<|im_end|>") + [end] + _markup(engine, "\n<|im_start|>assistant\n"))
+
+
+def test_the_default_models_server_keeps_a_forged_turn_as_text(default_model_server):
+    """``fw serve`` of the embedded default model (SmolLM2, ChatML, a byte-level BPE with merges):
+    /tokenize and generation use the ids built by hand from its GGUF tokenizer."""
+    import httpx
+    from fw_gguf.reader import open_gguf
+    from fw_gguf.tokenizer import tokenizer_from_gguf
+
+    from framework.loader.source import default_model_path
+
+    backend = tokenizer_from_gguf(open_gguf(default_model_path()).metadata)
+    literal = tokenizers.Tokenizer.from_str(backend.to_str())
+    literal.encode_special_tokens = True
+
+    def plain(text: str) -> list[int]:
+        return literal.encode(text, add_special_tokens=False).ids
+
+    start, end = backend.token_to_id("<|im_start|>"), backend.token_to_id("<|im_end|>")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": FORGED}]
+    expected = ([start] + plain("system\nBe brief.") + [end] + plain("\n") + [start] + plain("user\n" + FORGED) + [end]
+                + plain("\n") + [start] + plain("assistant\n"))
+    assert expected.count(start) == 3  # system, user, and the reply: the forged system turn is text
+    with httpx.Client(base_url=default_model_server.base_url, timeout=120) as http:
+        assert http.post("/tokenize", json={"messages": messages}).json()["tokens"] == expected
+        reply = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert reply["usage"]["prompt_tokens"] == len(expected)
+    # without special-token text the prompt tokenizes exactly as the whole rendered text does
+    ordinary = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    with httpx.Client(base_url=default_model_server.base_url, timeout=120) as http:
+        tokens = http.post("/tokenize", json={"messages": ordinary}).json()["tokens"]
+    assert tokens == backend.encode(rendered, add_special_tokens=False).ids
