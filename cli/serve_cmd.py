@@ -27,9 +27,14 @@ def serve(
     allowed_origins: Annotated[list[str] | None, typer.Option("--allowed-origins", help="Web origins that may call the API from a browser (CORS), e.g. http://localhost:5173; repeat or separate with commas; * allows any. Default: none.")] = None,
     allowed_hosts: Annotated[list[str] | None, typer.Option("--allowed-hosts", help="Host names the server answers to beyond loopback names, IP addresses and the bind address (DNS-rebinding guard); repeat or separate with commas; * allows any.")] = None,
     served_model_name: Annotated[list[str] | None, typer.Option("--served-model-name", help="Model name(s) clients use (default: --m).")] = None,
-    max_queued_requests: Annotated[int | None, typer.Option("--max-queued-requests", help="Sequences allowed to wait beyond --max-num-seqs before answering 429.")] = None,
-    max_queued_tokens: Annotated[int | None, typer.Option("--max-queued-tokens", help="Prompt tokens in flight at which new requests get 429.")] = None,
+    max_queued_requests: Annotated[int, typer.Option("--max-queued-requests", help="Sequences allowed to wait beyond --max-num-seqs before answering 429.")] = 1024,
+    max_queued_tokens: Annotated[int, typer.Option("--max-queued-tokens", help="Prompt tokens in flight at which new requests get 429.")] = 1 << 20,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Largest request body accepted (413 above).")] = 8 << 20,
+    max_n: Annotated[int, typer.Option("--max-n", help="Largest n (choices per prompt) of a request (400 above).")] = 128,
+    max_prompts: Annotated[int, typer.Option("--max-prompts", help="Most prompts in one completions request (400 above).")] = 128,
+    max_embedding_inputs: Annotated[int, typer.Option("--max-embedding-inputs", help="Most inputs in one embeddings request (400 above).")] = 256,
+    request_body_timeout: Annotated[float, typer.Option("--request-body-timeout", help="Seconds a client may take to send its request body (408 after).")] = 30.0,
+    limit_concurrency: Annotated[int, typer.Option("--limit-concurrency", help="Most connections and requests at once; beyond it new ones get 503.")] = 1024,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="Seconds in-flight requests may take to finish after SIGTERM.")] = 30.0,
     seed: Annotated[int, typer.Option("--seed", help="Engine seed (weights a format leaves uninitialized).")] = 0,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
@@ -72,6 +77,14 @@ def serve(
             raise ConfigError(f"--engine-heartbeat-timeout must be > 0 seconds, got {engine_heartbeat_timeout}")
         if max_gen_tokens is not None and max_gen_tokens < 1:
             raise ConfigError(f"--max-gen-tokens must be >= 1, got {max_gen_tokens}")
+        for name, value, low in (("--max-queued-requests", max_queued_requests, 0), ("--max-queued-tokens", max_queued_tokens, 1),
+                                 ("--max-n", max_n, 1), ("--max-prompts", max_prompts, 1),
+                                 ("--max-embedding-inputs", max_embedding_inputs, 1),
+                                 ("--limit-concurrency", limit_concurrency, 1)):
+            if value < low:
+                raise ConfigError(f"{name} must be >= {low}, got {value}")
+        if not request_body_timeout > 0:
+            raise ConfigError(f"--request-body-timeout must be > 0 seconds, got {request_body_timeout}")
         from framework.server.chat_tools import check_parser_names
         from framework.server.mcp_client import load_mcp_config
 
@@ -85,7 +98,8 @@ def serve(
         config = ServerConfig(served_model_names=list(served_model_name or []) or [root or default_name],
                               model_root=root, api_keys=keys, max_num_seqs=max_num_seqs,
                               max_queued_requests=max_queued_requests, max_queued_tokens=max_queued_tokens,
-                              max_request_bytes=max_request_bytes,
+                              max_request_bytes=max_request_bytes, max_n=max_n, max_prompts=max_prompts,
+                              max_embedding_inputs=max_embedding_inputs, request_body_timeout_s=request_body_timeout,
                               max_gen_tokens=max_gen_tokens, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, tool_parser=enforce_parser,
                               reasoning_parser=reasoning_parser, mcp_servers=mcp_servers, mcp_execute=mcp_execute,
@@ -116,7 +130,7 @@ def serve(
         raise o.fail(str(error)) from None
     try:
         code = run_server(engine_kwargs, config, bind, shutdown_timeout=shutdown_timeout, log_level=log_level,
-                          ui_server=ui_server)
+                          ui_server=ui_server, limit_concurrency=limit_concurrency)
     except ConfigError as error:
         raise o.fail(str(error)) from None
     if code:

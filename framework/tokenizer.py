@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -33,6 +34,8 @@ class Tokenizer:
     extra_eos_token_ids: frozenset[int] = frozenset()
     template_vars: dict[str, Any] = field(default_factory=dict)
     _compiled: Any = None
+    _literal: Any = None  # a copy of ``backend`` that reads special-token text as plain text
+    _special_pattern: Any = None
 
     @classmethod
     def from_directory(cls, path: Path) -> Tokenizer:
@@ -74,7 +77,31 @@ class Tokenizer:
         return frozenset(self.backend.token_to_id(t.content) for t in self.backend.get_added_tokens_decoder().values() if t.special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize ``text``; special-token text in it (``<|im_end|>``) becomes that control token."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_literal(self, text: str) -> list[int]:
+        """Tokenize ``text`` as plain text: special-token text in it is spelled out, never a control
+        token (no BOS/EOS are added either)."""
+        if self._literal is None:
+            literal = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal.encode(text, add_special_tokens=False).ids
+
+    def special_text_pattern(self) -> Any:
+        """A compiled regex matching the text of any special token (longest first); None without any."""
+        if self._special_pattern is None:
+            texts = sorted({t.content for t in self.backend.get_added_tokens_decoder().values() if t.special and t.content},
+                           key=len, reverse=True)
+            self._special_pattern = re.compile("|".join(map(re.escape, texts))) if texts else False
+        return self._special_pattern or None
+
+    def find_special_text(self, text: str) -> str | None:
+        """The first special token's text found in ``text``, or None."""
+        pattern = self.special_text_pattern()
+        found = pattern.search(text) if pattern is not None else None
+        return found.group() if found else None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -8,7 +8,10 @@ EBNF, choice). The :class:`StructuredOutputManager` owns everything grammar-rela
                   (kind, spec), so the same schema compiles once
     pop_ready     requests whose grammar finished compiling: the engine schedules them only
                   then, so a slow compile never blocks the other requests; those whose compile
-                  failed come back with the error (the engine finishes them with it)
+                  failed, or did not finish within ``compile_timeout_s`` of the request's
+                  arrival, come back with the error (the engine finishes them with it)
+    release       a finished or aborted request drops its grammar state; a compile that only it
+                  was waiting for and that has not started yet is cancelled
     prepare_bitmask / apply_bitmask
                   per step, before sampling: one bit per vocabulary token for each row, filled on
                   the host by the row's GrammarMatcher (all ones for unconstrained rows), copied
@@ -31,6 +34,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -51,6 +55,8 @@ log = logging.getLogger("fw.engine")
 
 #: xgrammar prefixes its errors with "[time] /path/file.cc:line: "; users need only the message.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+#: Seconds a request waits for its grammar to compile before it fails.
+COMPILE_TIMEOUT_S = 30.0
 
 
 def build_grammar(params: StructuredOutputsParams) -> Any:
@@ -107,6 +113,7 @@ class StructuredOutputState:
 
     compiled: Future
     start_after: str | None = None
+    submitted: float = 0.0  # time.monotonic() when the request asked for the grammar
     matcher: Any = None  # xgrammar.GrammarMatcher, created when the request first samples
     is_active: bool = True  # False until ``start_after`` has been generated
     recent_text: str = ""  # the end of the generated text, while looking for ``start_after``
@@ -118,15 +125,21 @@ class StructuredOutputManager:
 
     ``vocab_size`` is the width of the model's logits (it may exceed the tokenizer's
     vocabulary: the extra ids are never allowed); ``stop_token_ids`` end a grammar (EOS).
+    Grammars compile on a pool of ``compile_workers`` threads, so one slow grammar does not
+    hold up every other; a request whose grammar is not compiled ``compile_timeout_s`` after
+    it arrived fails (the compile itself cannot be interrupted and may finish for later ones).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, stop_token_ids: list[int], device: torch.device,
-                 max_cached_grammars: int = 256) -> None:
+                 max_cached_grammars: int = 256, compile_timeout_s: float = COMPILE_TIMEOUT_S,
+                 compile_workers: int = 2) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.device = device
         self.max_cached_grammars = max_cached_grammars
+        self.compile_timeout_s = compile_timeout_s
+        self.compile_workers = compile_workers
         self._executor: ThreadPoolExecutor | None = None
         self._compiler: Future | None = None  # -> xgrammar.GrammarCompiler
         self._grammars: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -149,7 +162,7 @@ class StructuredOutputManager:
                 self._grammars.popitem(last=False)
         else:
             self._grammars.move_to_end(key)
-        state = StructuredOutputState(compiled, params.start_after)
+        state = StructuredOutputState(compiled, params.start_after, submitted=time.monotonic())
         if params.start_after:
             from tokenizers.decoders import DecodeStream
 
@@ -173,9 +186,16 @@ class StructuredOutputManager:
         if timeout_s > 0:
             wait_futures([r.structured_output.compiled for r in self._compiling], timeout_s, "FIRST_COMPLETED")
         ready, failed, waiting = [], [], []
+        now = time.monotonic()
         for request in self._compiling:
-            compiled = request.structured_output.compiled
-            if not compiled.done():
+            state = request.structured_output
+            compiled = state.compiled
+            if not compiled.done() and now - state.submitted > self.compile_timeout_s:
+                params = request.sampling_params.structured_outputs
+                failed.append((request, f"structured_outputs.{params.kind}: the grammar did not compile within "
+                                        f"{self.compile_timeout_s:g} s; simplify it"))
+                request.structured_output = None
+            elif not compiled.done():
                 waiting.append(request)
             elif compiled.exception() is not None:
                 failed.append((request, compile_error_message(request.sampling_params.structured_outputs,
@@ -184,12 +204,25 @@ class StructuredOutputManager:
             else:
                 ready.append(request)
         self._compiling = waiting
+        for request, _ in failed:
+            self._cancel_unwanted(request.sampling_params.structured_outputs)
         return ready, failed
+
+    def _cancel_unwanted(self, params: StructuredOutputsParams) -> None:
+        """Cancel the compile of ``params`` if it has not started and no waiting request needs it."""
+        key = (params.kind, params.spec)
+        compiled = self._grammars.get(key)
+        if compiled is None or any(r.structured_output.compiled is compiled for r in self._compiling):
+            return
+        if compiled.cancel():
+            del self._grammars[key]
 
     def release(self, request: Request) -> None:
         """Forget the request's grammar state (finished or aborted)."""
         if request.structured_output is not None and request in self._compiling:
             self._compiling.remove(request)
+            request.structured_output = None
+            self._cancel_unwanted(request.sampling_params.structured_outputs)
         request.structured_output = None
 
     # --- each step -----------------------------------------------------------------------
@@ -261,7 +294,7 @@ class StructuredOutputManager:
 
     def _submit(self, fn, *args) -> Future:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fw-grammar")
+            self._executor = ThreadPoolExecutor(max_workers=self.compile_workers, thread_name_prefix="fw-grammar")
             self._compiler = self._executor.submit(self._make_compiler)
         return self._executor.submit(fn, *args)
 

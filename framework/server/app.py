@@ -33,6 +33,7 @@ from framework.server.errors import (
     http_exception_handler,
     internal_error_handler,
 )
+from framework.server.limits import read_body
 from framework.server.messages import Ready
 from framework.server.origins import OriginGuard, OriginPolicy
 from framework.server.protocol import (
@@ -123,7 +124,7 @@ class ServiceController(Controller):
 
     @post("/tokenize", status_code=200)
     async def tokenize(self, server: Server, request: Request) -> TokenizeResponse:
-        body = decode_body(await request.body(), TokenizeRequest)
+        body = decode_body(await read_body(request, server.config.request_body_timeout_s), TokenizeRequest)
         server.check_model(body.model)
         tokenizer = server.client.tokenizer
         if (body.prompt is None) == (body.messages is None):
@@ -138,7 +139,7 @@ class ServiceController(Controller):
 
     @post("/detokenize", status_code=200)
     async def detokenize(self, server: Server, request: Request) -> DetokenizeResponse:
-        body = decode_body(await request.body(), DetokenizeRequest)
+        body = decode_body(await read_body(request, server.config.request_body_timeout_s), DetokenizeRequest)
         server.check_model(body.model)
         vocab = server.client.ready.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]

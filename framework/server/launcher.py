@@ -191,10 +191,11 @@ def config_for_bind(config: ServerConfig, bind: BindAddress, ui_bind: BindAddres
 
 
 def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAddress, *, shutdown_timeout: float = 30.0,
-               log_level: str = "warning", ui_server: bool = False) -> int:
+               log_level: str = "warning", ui_server: bool = False, limit_concurrency: int | None = None) -> int:
     """Serve until stopped; returns the process exit code (1 if the model failed to load).
 
     With ``ui_server`` the web UI is served too, on the API port minus one (see :mod:`framework.server.webui`).
+    ``limit_concurrency``: uvicorn answers 503 to connections and requests beyond this many at once.
     """
     sockets, ui_bind = bind_sockets(bind, ui_server)
     config = config_for_bind(config, bind, ui_bind)
@@ -221,7 +222,8 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
         asgi_app = WebUIApp(app, ui_bind.port)
     uv_config = uvicorn.Config(asgi_app, host=bind.host or DEFAULT_HOST, port=bind.port or 0,
                                log_level=log_level, access_log=False, lifespan="on",
-                               timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
+                               timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30,
+                               limit_concurrency=limit_concurrency)
     ui_url = None
     if ui_bind is not None:  # a wildcard address is not one to browse to
         browsable = ui_bind._replace(host="localhost") if ui_bind.host in ("0.0.0.0", "::") else ui_bind

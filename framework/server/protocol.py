@@ -17,6 +17,7 @@ Stop = str | list[str] | None
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    #: vLLM's usage in every chunk: not supported, so ``true`` is a 400.
     continuous_usage_stats: bool = False
 
 
@@ -50,9 +51,21 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # OpenAI fields fw does not support yet: setting one is a 400 naming it.
+    # OpenAI and vLLM fields fw does not support yet: setting one is a 400 naming it.
     best_of: int | None = None
     service_tier: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    priority: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -72,7 +85,12 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    continue_final_message: Any = None
+    reasoning_effort: Any = None
+    add_special_tokens: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    echo: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -96,10 +114,22 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     response_format: Any = None
 
 
+#: Sampling fields fw rejects when set to anything but their default (None, or what is listed).
+UNSUPPORTED_SAMPLING_FIELDS = ("service_tier", "use_beam_search", "length_penalty", "prompt_logprobs", "priority",
+                               "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "logits_processors",
+                               "spaces_between_special_tokens", "return_tokens_as_token_ids",
+                               "guided_decoding_backend", "guided_whitespace_pattern")
+#: Values of a refused field that ask for what fw does anyway (so they are accepted).
+DEFAULT_VALUES: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,), "priority": (0,), "length_penalty": (1.0, 1), "continue_final_message": (False,),
+    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,), "echo": (False,),
+    "bad_words": ([],), "logits_processors": ([],), "add_special_tokens": (False,), "documents": ([],),
+    "service_tier": ("auto", "default")}
 #: Fields that fw rejects when set (not None / not their default).
-UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call",
-                           "audio", "modalities", "prediction", "web_search_options", "service_tier")
-UNSUPPORTED_COMPLETION_FIELDS = ("suffix", "service_tier")
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
+                           "continue_final_message", "reasoning_effort", "add_special_tokens", "documents",
+                           "chat_template", "echo", *UNSUPPORTED_SAMPLING_FIELDS)
+UNSUPPORTED_COMPLETION_FIELDS = ("suffix", *UNSUPPORTED_SAMPLING_FIELDS)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

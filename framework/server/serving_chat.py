@@ -13,6 +13,7 @@ from litestar.response import Stream
 from framework.engine.outputs import LogprobEntry
 from framework.errors import ConfigError
 from framework.parsers.base import ToolCall, ToolCallDelta, ToolParseDelta, assemble
+from framework.server.chat_tokens import encode_chat
 from framework.server.chat_tools import (
     ParsedDelta,
     ToolSetup,
@@ -24,7 +25,9 @@ from framework.server.chat_tools import (
 )
 from framework.server.errors import APIError, bad_request, decode_body
 from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
+from framework.server.limits import check_sampling_limits, read_body
 from framework.server.protocol import (
+    DEFAULT_VALUES,
     UNSUPPORTED_CHAT_FIELDS,
     ChatChoice,
     ChatCompletionChunk,
@@ -53,10 +56,17 @@ MAX_MCP_ROUNDS = 16
 
 
 def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
-    """A field fw does not support yet is a 400 naming it, never silently ignored."""
+    """A field fw does not support yet is a 400 naming it, never silently ignored (unless it is
+    set to the value that asks for what fw does anyway, :data:`DEFAULT_VALUES`)."""
     for name in names:
-        if getattr(body, name) is not None:
+        value = getattr(body, name)
+        if value is not None and not any(type(value) is type(ok) and value == ok for ok in DEFAULT_VALUES.get(name, ())):
             raise APIError(400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter")
+    options = getattr(body, "stream_options", None)
+    if options is not None and options.continuous_usage_stats:
+        raise APIError(400, "'stream_options.continuous_usage_stats' is not supported by this server yet; "
+                            "'include_usage' sends the usage at the end", param="stream_options.continuous_usage_stats",
+                       code="unsupported_parameter")
     if getattr(body, "best_of", None) not in (None, 1, getattr(body, "n", 1)):
         raise APIError(400, "'best_of' is not supported by this server yet", param="best_of",
                        code="unsupported_parameter")
@@ -107,8 +117,17 @@ def chat_prompt_text(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: l
         raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
 
 
+def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
+                messages: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    """The rendered prompt and its token ids, the client's text kept out of the control tokens
+    (:func:`framework.server.chat_tokens.encode_chat`)."""
+    messages = template_messages(body.messages) if messages is None else messages
+    return encode_chat(tokenizer, messages, lambda shaped: chat_prompt_text(tokenizer, body, tools, shaped),
+                       {"tools": tools, "chat_template_kwargs": body.chat_template_kwargs})
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    return tokenizer.encode(chat_prompt_text(tokenizer, body), add_special_tokens=False)
+    return chat_prompt(tokenizer, body)[1]
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[LogprobEntry] | None, token_ids: list[int]) -> ChatLogprobs | None:
@@ -125,9 +144,10 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[LogprobEntry] | None, toke
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response | Stream:
     arrival = time.perf_counter()
-    body = decode_body(await request.body(), ChatCompletionRequest)
+    body = decode_body(await read_body(request, state.config.request_body_timeout_s), ChatCompletionRequest)
     state.check_model(body.model)
     reject_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
+    check_sampling_limits(body, state.config.max_n)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     mcp = state.mcp
@@ -176,8 +196,7 @@ class ChatTurn:
         self.body, self.setup, self.state = body, setup, state
         self.messages = messages  # the conversation as the template takes it (template_messages ran once)
         client = state.client
-        self.prompt_text = chat_prompt_text(client.tokenizer, body, setup.tools, messages)
-        self.prompt_ids = client.tokenizer.encode(self.prompt_text, add_special_tokens=False)
+        self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(self.prompt_ids)],
                                        max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,

@@ -11,6 +11,7 @@ from litestar.response import Stream
 from framework.engine.outputs import LogprobEntry
 from framework.server.errors import APIError, bad_request, decode_body
 from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
+from framework.server.limits import check_count, check_sampling_limits, check_token_ids, read_body
 from framework.server.protocol import (
     UNSUPPORTED_COMPLETION_FIELDS,
     CompletionChoice,
@@ -25,8 +26,14 @@ from framework.server.structured_outputs import first_event_or_error, grammar_er
 from framework.tokenizer import Tokenizer
 
 
-def prompt_token_lists(tokenizer: Tokenizer, prompt: object) -> tuple[list[list[int]], list[str]]:
-    """Every prompt as token ids, plus its text (for ``echo``)."""
+def prompt_token_lists(tokenizer: Tokenizer, prompt: object, vocab_size: int, max_items: int,
+                       flag: str = "--max-prompts") -> tuple[list[list[int]], list[str]]:
+    """Every prompt as token ids, plus its text (for ``echo``): at most ``max_items`` of them,
+    token ids given by the client checked against ``vocab_size`` before anything decodes them.
+
+    Text is tokenized with special-token parsing on: a raw prompt is the client's own text, so
+    ``<|im_end|>`` written in it is that control token (as in vLLM and llama.cpp).
+    """
     def is_ids(value: object) -> bool:
         return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -39,12 +46,14 @@ def prompt_token_lists(tokenizer: Tokenizer, prompt: object) -> tuple[list[list[
     else:
         raise APIError(400, "'prompt' must be a non-empty string, a list of strings, a list of token ids, or a list of "
                             "lists of token ids", param="prompt", code="invalid_type")
+    check_count(len(items), "prompt", max_items, flag)
     ids, texts = [], []
     for item in items:
         if isinstance(item, str):
             ids.append(tokenizer.encode(item))
             texts.append(item)
         else:
+            check_token_ids(item, vocab_size, "prompt")
             ids.append(list(item))
             texts.append(tokenizer.decode(item, skip_special_tokens=False))
         if not ids[-1]:
@@ -77,19 +86,18 @@ class _LogprobBuilder:
 
 async def create_completion(state: ServerState, request: Request) -> Response | Stream:
     arrival = time.perf_counter()
-    body = decode_body(await request.body(), CompletionRequest)
+    body = decode_body(await read_body(request, state.config.request_body_timeout_s), CompletionRequest)
     state.check_model(body.model)
     reject_unsupported(body, UNSUPPORTED_COMPLETION_FIELDS)
+    check_sampling_limits(body, state.config.max_n)
     client = state.client
     num_prompts = len(body.prompt) if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else 1
-    release = state.admit(max(body.n, 1) * num_prompts)
+    check_count(num_prompts, "prompt", state.config.max_prompts, "--max-prompts")
+    release = state.admit(body.n * num_prompts)
     try:
-        prompts, texts = prompt_token_lists(client.tokenizer, body.prompt)
-        release.add_tokens(sum(len(p) for p in prompts) * max(body.n, 1))
-        for ids in prompts:
-            bad = [t for t in ids if not 0 <= t < client.ready.vocab_size]
-            if bad:
-                raise bad_request(f"prompt token ids must be in [0, {client.ready.vocab_size}); got {bad[:5]}", "prompt")
+        prompts, texts = prompt_token_lists(client.tokenizer, body.prompt, client.ready.vocab_size,
+                                            state.config.max_prompts)
+        release.add_tokens(sum(len(p) for p in prompts) * body.n)
         params = build_sampling_params(body, max_tokens=body.max_tokens,
                                        prompt_lens=[len(p) for p in prompts], max_model_len=state.max_model_len,
                                        vocab_size=client.ready.vocab_size, logprobs=body.logprobs,

@@ -13,6 +13,7 @@ import numpy as np
 from litestar import Request
 
 from framework.server.errors import APIError, decode_body
+from framework.server.limits import read_body
 from framework.server.protocol import (
     UNSUPPORTED_EMBEDDING_FIELDS,
     EmbeddingData,
@@ -26,21 +27,20 @@ from framework.server.state import ServerState, engine_error, new_id, until_disc
 
 
 async def create_embedding(state: ServerState, request: Request) -> EmbeddingResponse:
-    body = decode_body(await request.body(), EmbeddingRequest)
+    body = decode_body(await read_body(request, state.config.request_body_timeout_s), EmbeddingRequest)
     state.check_model(body.model)
     reject_unsupported(body, UNSUPPORTED_EMBEDDING_FIELDS)
     client = state.client
     try:
-        inputs, _ = prompt_token_lists(client.tokenizer, body.input)
+        inputs, _ = prompt_token_lists(client.tokenizer, body.input, client.ready.vocab_size,
+                                       state.config.max_embedding_inputs, "--max-embedding-inputs")
     except APIError as error:
-        raise APIError(400, error.message.replace("'prompt'", "'input'"), param="input", code=error.code) from None
+        message = error.message.replace("'prompt'", "'input'").replace("prompt token ids", "input token ids")
+        raise APIError(400, message, param="input", code=error.code) from None
     for ids in inputs:
         if len(ids) > state.max_model_len:
             raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens; an input has "
                                 f"{len(ids)} tokens.", param="input", code="context_length_exceeded")
-        bad = [t for t in ids if not 0 <= t < client.ready.vocab_size]
-        if bad:
-            raise APIError(400, f"input token ids must be in [0, {client.ready.vocab_size}); got {bad[:5]}", param="input")
     release = state.admit(len(inputs))
     release.add_tokens(sum(len(ids) for ids in inputs))
     request_id = new_id("embd")

@@ -30,10 +30,17 @@ class ServerConfig:
     api_keys: list[str] = field(default_factory=list)
     max_num_seqs: int = 256
     #: Sequences admitted beyond ``max_num_seqs`` before answering 429; None = unlimited.
-    max_queued_requests: int | None = None
+    max_queued_requests: int | None = 1024
     #: Prompt tokens in flight at which new requests get 429; None = unlimited.
-    max_queued_tokens: int | None = None
+    max_queued_tokens: int | None = 1 << 20
     max_request_bytes: int = 8 << 20
+    #: Seconds a client may take to send its request body (408 after); None = no deadline.
+    request_body_timeout_s: float | None = 30.0
+    #: The largest ``n`` (choices per prompt) of a chat or completions request.
+    max_n: int = 128
+    #: The most prompts of one completions request, and inputs of one embeddings request.
+    max_prompts: int = 128
+    max_embedding_inputs: int = 256
     #: Default ``max_tokens`` when a request gives none (None: the room left in the context).
     max_gen_tokens: int | None = None
     #: Defaults for requests that leave the penalties unset.

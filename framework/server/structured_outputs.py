@@ -15,8 +15,9 @@ field                                                  constraint
 ``guided_grammar``                                     expression, a list of strings, an EBNF grammar
 =====================================================  ================================================
 
-Shape errors are 400s naming the field, raised here (the API process never imports xgrammar);
-whether a schema, regex or grammar parses is checked by the engine when the request is added, and
+Shape errors are 400s naming the field, raised here (the API process never imports xgrammar), and
+so is a schema, regex, grammar or choice list longer than
+:data:`~framework.server.limits.MAX_GRAMMAR_CHARS`; whether a schema, regex or grammar parses is checked by the engine when the request is added, and
 whether it compiles just after (on the engine's compile thread, before the request is scheduled).
 Either error reaches the client as a 400 naming the field (:func:`grammar_errors`): streamed
 responses wait for their first event before they start (:func:`first_event_or_error`).
@@ -33,6 +34,7 @@ import msgspec
 from framework.errors import GrammarError
 from framework.sampling_params import StructuredOutputsParams
 from framework.server.errors import APIError, bad_request
+from framework.server.limits import check_grammar_size
 from framework.server.state import engine_error
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -126,13 +128,15 @@ def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
 
 def _build(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
     try:
-        return msgspec.convert(fields, StructuredOutputsParams)
+        params = msgspec.convert(fields, StructuredOutputsParams)
     except (msgspec.ValidationError, ValueError) as error:
         text = str(error)
         at = _AT.search(text)
         if at and param == "structured_outputs":  # a wrong type: name the key
             param, text = f"{param}.{at.group(1)}", _AT.sub("", text)
         raise bad_request(f"{param}: {text}", param) from None
+    check_grammar_size(f"structured_outputs.{params.kind}" if param == "structured_outputs" else param, params.spec)
+    return params
 
 
 async def first_event_or_error(events: AsyncIterator[Any], on_error: Callable[[], None],

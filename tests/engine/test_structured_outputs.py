@@ -183,6 +183,63 @@ def test_a_grammar_that_fails_to_compile_finishes_with_its_error_and_frees_every
     assert result[0].outputs[0].token_ids[3] == EOS
 
 
+def test_a_grammar_that_compiles_too_long_fails_its_request_and_others_go_on(tiny_path, monkeypatch):
+    llm = LLM(tiny_path, num_blocks=64)
+    core, manager = llm.engine.core, llm.engine.core.structured_outputs
+    manager.compile_timeout_s = 0.3
+    release = threading.Event()
+    compile_grammar = manager._compile
+    slow = StructuredOutputsParams(regex="t9t9t9")
+
+    def slow_compile(grammar):
+        if '"t" "9" "t" "9"' in str(grammar):
+            release.wait(60)
+        return compile_grammar(grammar)
+
+    monkeypatch.setattr(manager, "_compile", slow_compile)
+    core.add_request("slow", [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=slow))
+    core.add_request("fast", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, structured_outputs=THREE_SMALL))
+    try:
+        outputs = core.run_until_done(timeout_s=30)
+    finally:
+        release.set()
+    failed = [o for o in outputs if o.request_id == "slow"]
+    assert len(failed) == 1 and failed[0].finish_reason == "abort"
+    assert failed[0].error == "structured_outputs.regex: the grammar did not compile within 0.3 s; simplify it"
+    fast = [t for o in outputs if o.request_id == "fast" for t in o.new_token_ids]  # the second worker compiled it
+    assert len(fast) == 4 and set(fast[:3]) <= {2, 3, 4, 5}
+    assert not core.requests and manager.num_compiling == 0
+    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+
+
+def test_an_aborted_request_cancels_its_pending_compile(tiny_path, monkeypatch):
+    llm = LLM(tiny_path, num_blocks=64)
+    core, manager = llm.engine.core, llm.engine.core.structured_outputs
+    release = threading.Event()
+    compiled: list[str] = []
+    compile_grammar = manager._compile
+
+    def blocking_compile(grammar):
+        release.wait(60)
+        compiled.append(str(grammar))
+        return compile_grammar(grammar)
+
+    monkeypatch.setattr(manager, "_compile", blocking_compile)
+    grammars = [StructuredOutputsParams(regex=f"t{i}t{i}") for i in (2, 3, 4)]
+    for i, params in enumerate(grammars):  # two keep both compile workers busy; the third waits
+        core.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=4, structured_outputs=params))
+    pending = core.requests["r2"].structured_output.compiled
+    assert core.abort("r2") and pending.cancelled()
+    assert (grammars[2].kind, grammars[2].spec) not in manager._grammars  # a later request compiles it anew
+    release.set()
+    core.run_until_done(timeout_s=30)
+    assert len(compiled) == 2 and not any('"t" "4" "t" "4"' in g for g in compiled)
+    assert not core.requests and manager.num_compiling == 0
+    # the same grammar asked for again compiles and constrains
+    result = llm.generate([_prompt(1)], SamplingParams(temperature=0, max_tokens=4, structured_outputs=grammars[2]))
+    assert result[0].outputs[0].token_ids == [4, 4, EOS]  # t4 t4, then the grammar allows only EOS
+
+
 def test_abort_frees_the_grammar_state(tiny_llm):
     core, manager = tiny_llm.engine.core, tiny_llm.engine.core.structured_outputs
     core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=THREE_SMALL))

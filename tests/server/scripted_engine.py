@@ -47,6 +47,9 @@ class ScriptedEngineClient:
         self.dead_reason = None
         self.prompts: list[str] = []
         self.prompt_lengths: list[int] = []
+        self.prompt_ids: list[list[int]] = []
+        #: ids of the requests generating now (a request the server left running would stay here)
+        self.active: set[str] = set()
         #: the prefix-cache hit each request reports, from its prompt length (none by default)
         self.cached_tokens: Callable[[int], int] = lambda num_prompt_tokens: 0
 
@@ -60,13 +63,23 @@ class ScriptedEngineClient:
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         self.prompts.append(prompt)
         self.prompt_lengths.append(len(prompt_token_ids))
+        self.prompt_ids.append(list(prompt_token_ids))
         ids = self.tokenizer.encode(self.reply(prompt), add_special_tokens=False)[: params.max_tokens]
-        for start in range(0, len(ids), 3):
-            await asyncio.sleep(0)
-            last = start + 3 >= len(ids)
-            yield RequestOutput(request_id=request_id, new_token_ids=ids[start:start + 3],
-                                finish_reason="stop" if last else None, num_prompt_tokens=len(prompt_token_ids),
-                                num_cached_tokens=self.cached_tokens(len(prompt_token_ids)))
+        self.active.add(request_id)
+        try:
+            if pooling is not None:
+                await asyncio.sleep(0)
+                yield RequestOutput(request_id=request_id, new_token_ids=[], finish_reason="stop",
+                                    num_prompt_tokens=len(prompt_token_ids), embedding=[1.0, 0.0])
+                return
+            for start in range(0, len(ids), 3):
+                await asyncio.sleep(0)
+                last = start + 3 >= len(ids)
+                yield RequestOutput(request_id=request_id, new_token_ids=ids[start:start + 3],
+                                    finish_reason="stop" if last else None, num_prompt_tokens=len(prompt_token_ids),
+                                    num_cached_tokens=self.cached_tokens(len(prompt_token_ids)))
+        finally:
+            self.active.discard(request_id)
 
     def abort(self, *request_ids):
         pass

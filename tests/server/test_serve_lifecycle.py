@@ -171,6 +171,39 @@ def test_serve_options_reach_the_engine_and_the_server(monkeypatch):
     assert bad.exit_code == 2 and "port" in bad.output
 
 
+def test_serve_request_limits_reach_the_server_and_are_checked(monkeypatch):
+    from typer import Typer
+    from typer.testing import CliRunner
+
+    from cli import serve_cmd
+    from framework.server import launcher
+
+    calls = []
+    monkeypatch.setattr(launcher, "run_server", lambda *args, **kwargs: calls.append((args, kwargs)) or 0)
+    app = Typer()
+    app.command("serve")(serve_cmd.serve)
+    app.command("other")(lambda: None)
+    runner = CliRunner()
+    result = runner.invoke(app, ["serve"])
+    assert result.exit_code == 0, result.output
+    (_, config, _), kwargs = calls[-1]
+    assert (config.max_n, config.max_prompts, config.max_embedding_inputs) == (128, 128, 256)
+    assert (config.max_queued_requests, config.max_queued_tokens) == (1024, 1 << 20)  # finite by default
+    assert config.request_body_timeout_s == 30.0 and kwargs["limit_concurrency"] == 1024
+    result = runner.invoke(app, ["serve", "--max-n", "4", "--max-prompts", "2", "--max-embedding-inputs", "3",
+                                 "--request-body-timeout", "5", "--limit-concurrency", "10",
+                                 "--max-queued-requests", "0", "--max-queued-tokens", "100"])
+    assert result.exit_code == 0, result.output
+    (_, config, _), kwargs = calls[-1]
+    assert (config.max_n, config.max_prompts, config.max_embedding_inputs) == (4, 2, 3)
+    assert (config.max_queued_requests, config.max_queued_tokens) == (0, 100)
+    assert config.request_body_timeout_s == 5.0 and kwargs["limit_concurrency"] == 10
+    for flag, value in (("--max-n", "0"), ("--limit-concurrency", "0"), ("--request-body-timeout", "0"),
+                        ("--max-queued-tokens", "0")):
+        bad = runner.invoke(app, ["serve", flag, value])
+        assert bad.exit_code != 0 and flag in bad.output, (flag, bad.output)
+
+
 def test_serve_module_does_not_import_torch():
     code = "import sys, cli.serve_cmd; assert 'torch' not in sys.modules and 'litestar' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
