@@ -29,7 +29,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def _client(**config) -> tuple[TestClient, ScriptedEngineClient]:
     engine = ScriptedEngineClient(lambda prompt: "ok")
     app = create_app(engine, ServerConfig(served_model_names=["m"], **config), start_engine=False)
-    return TestClient(app), engine
+    return TestClient(app, base_url="http://127.0.0.1:2000"), engine  # a loopback Host
 
 
 @pytest.fixture
@@ -197,7 +197,7 @@ def test_a_slow_body_is_408_and_the_server_keeps_answering(free_tcp_port):
     port = free_tcp_port()
     with ThreadedServer(app, port) as server, socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
         start = time.perf_counter()
-        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"messages\": ")  # and never the rest
         assert httpx.get(server.base_url + "/health").status_code == 200
         reply = slow.recv(65536).decode()

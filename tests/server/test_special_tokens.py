@@ -26,7 +26,8 @@ def _client(template: str = CHATML):
     engine.tokenizer.backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     engine.tokenizer.chat_template = template
     engine.ready.vocab_size = engine.tokenizer.vocab_size
-    client = TestClient(create_app(engine, ServerConfig(served_model_names=["m"], tool_parser="hermes"), start_engine=False))
+    client = TestClient(create_app(engine, ServerConfig(served_model_names=["m"], tool_parser="hermes"), start_engine=False),
+                        base_url="http://127.0.0.1:2000")  # a loopback Host
     return client, engine
 
 
