@@ -6,11 +6,18 @@ keeps its own packed buffer and type::
 
     qkv_proj:  gguf_weight_0 [q rows, bytes(Q4_K)]   gguf_weight_1 [k rows, ...]   gguf_weight_2 [v rows, bytes(Q6_K)]
 
-``apply`` dequantizes the shards and multiplies; the GPU performance work replaces that with
-kernels that dequantize inside the matmul (one per type, see ``fw_gguf.dequant.DEQUANTIZE_BLOCKS``).
+On CUDA the shards stay packed and ``apply`` runs the Triton kernels of :mod:`fw_gguf.kernels`
+for bf16/fp16 activations: one launch per shard into its column slice of one output; up to
+:data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (the GEMV for 1-8 rows,
+tensor-core tiles above), more rows dequantize the shards into one matrix and use cuBLAS. After
+loading, a matrix layer's shards are regrouped into the kernels' planar layout (same bytes, same
+size, ``fw_gguf.kernels.decode``; ``layer.gguf_planar`` says which); the token embedding keeps the
+file's layout for its row lookups (a tied head multiplies it as it is). Other activation dtypes
+dequantize in torch and multiply.
+
 On the CPU, where a per-step dequantization would cost more than the matmul, the weights are
 dequantized once after loading (DESIGN §4's CPU fallback); ``FW_GGUF_KEEP_PACKED=1`` keeps them
-packed there too.
+packed there too (torch dequantization in ``apply``).
 """
 
 from __future__ import annotations
@@ -30,8 +37,15 @@ from framework.layers.linear import LinearMethod, set_weight_attrs
 from framework.quantization import QuantConfig
 
 from .dequant import as_quant_type, bytes_per_row, dequantize
+from .kernels.layout import KERNEL_TYPES, from_planar, to_planar
 
 _QKV_ORDER = {"q": 0, "k": 1, "v": 2}
+
+#: From this many rows on, CUDA ``apply`` dequantizes the shards and calls cuBLAS instead of
+#: multiplying the packed blocks (prefill-sized batches are compute-bound; cuBLAS's bf16 GEMM is
+#: faster there than re-decoding each weight tile for every block of rows).
+DEQUANTIZE_MIN_ROWS = 256
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class GGUFQuantConfig(QuantConfig):
@@ -87,6 +101,7 @@ class GGUFLinearMethod(LinearMethod):
             packed = torch.empty(num_rows, bytes_per_row(qtype, input_size_per_partition), dtype=torch.uint8)
             layer.register_buffer(f"gguf_weight_{index}", packed)
         layer.register_buffer("gguf_dense", None)
+        layer.gguf_planar = [False] * len(rows)
         placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         set_weight_attrs(placeholder, {"weight_loader": functools.partial(self.load_shard, layer)})
         layer.register_parameter("weight", placeholder)
@@ -108,12 +123,23 @@ class GGUFLinearMethod(LinearMethod):
         """The full weight ``[out, in]`` in ``dtype`` (every shard dequantized and concatenated)."""
         if layer.gguf_dense is not None:
             return layer.gguf_dense
-        parts = [dequantize(getattr(layer, f"gguf_weight_{i}"), qtype, (rows, layer.gguf_in_features), dtype)
+        parts = [dequantize(self.file_blocks(layer, i), qtype, (rows, layer.gguf_in_features), dtype)
                  for i, (qtype, rows) in enumerate(zip(layer.gguf_types, layer.gguf_rows))]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    @staticmethod
+    def file_blocks(layer: nn.Module, index: int) -> torch.Tensor:
+        """Shard ``index``'s bytes in the GGUF file's block layout (undoing the planar regrouping)."""
+        packed = getattr(layer, f"gguf_weight_{index}")
+        if not layer.gguf_planar[index]:
+            return packed
+        return from_planar(packed.reshape(-1), layer.gguf_types[index]).view(packed.shape)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         keep_packed = os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")
+        if layer.gguf_weight_0.device.type == "cuda":
+            self._to_kernel_layout(layer)
+            return
         if layer.gguf_weight_0.device.type != "cpu" or keep_packed:
             return
         dense = self.dequantized(layer, layer.params_dtype)
@@ -121,16 +147,74 @@ class GGUFLinearMethod(LinearMethod):
             delattr(layer, f"gguf_weight_{index}")
         layer.gguf_dense = dense
 
+    @staticmethod
+    def _to_kernel_layout(layer: nn.Module) -> None:
+        """Regroup a matrix layer's shards into the kernels' planar layout (the token embedding,
+        which also looks rows up, keeps the file's)."""
+        from framework.layers.embedding import LMHead, VocabEmbedding
+
+        if isinstance(layer, VocabEmbedding) and not isinstance(layer, LMHead):
+            return
+        for index, qtype in enumerate(layer.gguf_types):
+            if qtype in KERNEL_TYPES:
+                packed = getattr(layer, f"gguf_weight_{index}")
+                setattr(layer, f"gguf_weight_{index}", to_planar(packed, qtype).view(packed.shape))
+                layer.gguf_planar[index] = True
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.gguf_dense is None and uses_kernels(layer, x):
+            return linear_packed(layer, x, bias)
         return F.linear(x, self.dequantized(layer, x.dtype), bias)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the table: only the looked-up packed rows are dequantized."""
         if layer.gguf_dense is not None:
             return F.embedding(input_ids, layer.gguf_dense)
-        rows = layer.gguf_weight_0.index_select(0, input_ids.reshape(-1))
+        rows = self.file_blocks(layer, 0).index_select(0, input_ids.reshape(-1))
         values = dequantize(rows, layer.gguf_types[0], (rows.shape[0], layer.gguf_in_features), layer.params_dtype)
         return values.view(*input_ids.shape, layer.gguf_in_features)
+
+
+def uses_kernels(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``apply`` runs the Triton kernels: packed shards of kernel types on CUDA, bf16/fp16 ``x``."""
+    return (x.device.type == "cuda" and x.dtype in _KERNEL_DTYPES and x.shape[-1] == layer.gguf_in_features
+            and all(qtype in KERNEL_TYPES for qtype in layer.gguf_types)
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` through the kernels, ``W`` the layer's packed shards (any layout, any
+    kernel type each): one launch per shard into its column slice of one ``[..., N]`` output of
+    x's dtype. Runs wherever the kernels run (CUDA, or the CPU under ``TRITON_INTERPRET=1``)."""
+    from .kernels.matmul import gguf_dequantize, gguf_matmul  # Triton: imported only where kernels run
+
+    k = layer.gguf_in_features
+    x2d = x.reshape(-1, k)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    rows, n = x2d.shape[0], sum(layer.gguf_rows)
+    if rows >= DEQUANTIZE_MIN_ROWS:
+        weight = torch.empty(n, k, dtype=x.dtype, device=x.device)
+        for index, start, shard_rows in _shard_slices(layer):
+            gguf_dequantize(getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], shard_rows, k, x.dtype,
+                            planar=layer.gguf_planar[index], out=weight[start:start + shard_rows])
+        return F.linear(x, weight, bias)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        for index, start, shard_rows in _shard_slices(layer):
+            gguf_matmul(x2d, getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], shard_rows, k,
+                        planar=layer.gguf_planar[index], out=out[:, start:start + shard_rows])
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], n)
+
+
+def _shard_slices(layer: nn.Module) -> list[tuple[int, int, int]]:
+    """``[(shard index, first output row, rows)]`` of the layer's shards."""
+    starts = [0]
+    for rows in layer.gguf_rows[:-1]:
+        starts.append(starts[-1] + rows)
+    return [(index, start, rows) for index, (start, rows) in enumerate(zip(starts, layer.gguf_rows))]
 
 
 # --- tensor parallelism: this rank's packed rows / bytes ---------------------------------------
