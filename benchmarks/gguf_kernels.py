@@ -60,8 +60,10 @@ def sweep_settings(qtype: GGMLQuantizationType, rows: int) -> list[GGUFKernelCon
     block_size = GROUPS[qtype][0] * GROUPS[qtype][1]
     steps = (1, 2) if block_size == 256 else (4, 8, 16)
     if rows <= 8:
-        return [GGUFKernelConfig(1 if rows == 1 else 16, block_n, nb, split_k, warps, stages)
-                for block_n, nb, split_k, warps, stages in itertools.product((16, 32, 64), steps, (1, 2, 4, 8), (4, 8), (3,))]
+        block_ms = (1, 16) if rows == 1 else (16,)  # one row: elementwise, or padded onto tensor cores
+        return [GGUFKernelConfig(block_m, block_n, nb, split_k, warps, stages)
+                for block_m, block_n, nb, split_k, warps, stages
+                in itertools.product(block_ms, (16, 32, 64), steps, (1, 2, 4, 8), (4, 8), (3,))]
     return [GGUFKernelConfig(block_m, block_n, nb, 1, warps, stages)
             for block_m, block_n, nb, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), steps[:1], (4, 8), (2, 3))
             if block_m <= max(16, triton_next_pow2(rows))]

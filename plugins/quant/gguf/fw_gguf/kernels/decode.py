@@ -92,6 +92,14 @@ def _signed8(byte):
 
 
 @triton.jit
+def _small_int_to_float(value):
+    """``value`` (int32, ``|value| < 2**22``) as the exactly equal fp32, by adding it to the bits of
+    1.5 * 2**23 and subtracting that float: two full-rate operations instead of a conversion, which
+    runs at a fraction of the rate and would bound a 4-bit GEMV below the memory bandwidth."""
+    return (value + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
 def _iq4_level(nibble):
     word = tl.where(nibble < 8, tl.where(nibble < 4, IQ4_W0, IQ4_W1), tl.where(nibble < 12, IQ4_W2, IQ4_W3))
     return _signed8((word >> ((nibble & 3) * 8)) & 255)
@@ -181,4 +189,4 @@ def decode(w_ptr, blk, T, g, s, mask, QTYPE: tl.constexpr, PLANAR: tl.constexpr)
         nibble = (_u8(_field(w_ptr, blk, T, 8, 128, 136, PLANAR) + g * 16 + s % 16, mask) >> ((s // 16) * 4)) & 15
         q = _iq4_level(nibble)
         scale, offset = d * ((low | (top << 4)) - 32).to(tl.float32), tl.zeros_like(d)
-    return q.to(tl.float32), scale, offset
+    return _small_int_to_float(q), scale, offset
