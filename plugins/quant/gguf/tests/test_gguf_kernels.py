@@ -116,7 +116,9 @@ def test_static_config_rule():
     assert matmul_config(Q.Q8_0, 4096, 4096, 1).blocks_per_step == 8
     assert matmul_config(Q.Q4_K, 128256, 4096, 1).split_k == 1
     assert matmul_config(Q.Q4_K, 4096, 4096, 8).block_m == 16
-    big = matmul_config(Q.Q6_K, 4096, 14336, 200)
+    batch = matmul_config(Q.Q4_K, 4096, 4096, 64)  # 64 programs (128 split in two) < 132 SMs: split in 4
+    assert (batch.block_m, batch.block_n, batch.split_k) == (64, 64, 4)
+    big = matmul_config(Q.Q6_K, 28672, 4096, 200)
     assert (big.block_m, big.block_n, big.split_k) == (64, 128, 1)
 
 
