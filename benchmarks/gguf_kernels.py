@@ -8,11 +8,12 @@ For each type, Llama-3-8B layer shape (fused qkv, o, fused gate_up, down, LM hea
 it first checks the kernels (the dequantize kernel bit-exact in bf16 with the torch reference, the
 matmul within bf16 tolerance of ``x @ W^T`` on that reference), then times, each replayed from a
 CUDA graph over copies of the weight that fill several times the L2 (every call reads from HBM, as
-a decode step does): the matmul at the static rule's setting (``matmul_config``), what the method
+a decode step does): the matmul at its static setting (``kernel_config``: the TUNED table, else the
+rule), what the method
 runs from ``DEQUANTIZE_MIN_ROWS`` rows on (the dequantize kernel into a matrix, then cuBLAS), and
 cuBLAS on the bf16 matrix. Bandwidth is of the packed bytes, also as a fraction of the H200's
-copy bandwidth. ``--sweep`` times a grid of settings too and reports the fastest, so the rule (or a
-table) can be fitted to it. Weights are random blocks with small fp16 scales (valid for every type).
+copy bandwidth. ``--sweep`` times a grid of settings too, reports the fastest and prints them as
+entries for ``fw_gguf.kernels.matmul.TUNED`` (or to fit the rule to). Weights are random blocks with small fp16 scales (valid for every type).
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 from common import COPY_BANDWIDTH, graph_time, write_kernel_report  # noqa: E402
 from fw_gguf.dequant import dequantize  # noqa: E402
 from fw_gguf.kernels.layout import FIELDS, GROUPS, to_planar  # noqa: E402
-from fw_gguf.kernels.matmul import GGUFKernelConfig, gguf_dequantize, gguf_matmul, matmul_config  # noqa: E402
+from fw_gguf.kernels.matmul import (  # noqa: E402
+    GGUFKernelConfig,
+    gguf_dequantize,
+    gguf_matmul,
+    kernel_config,
+    row_bucket,
+)
 from fw_gguf.method import DEQUANTIZE_MIN_ROWS  # noqa: E402
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
@@ -115,7 +122,7 @@ def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
     copies = [planar] + [planar.clone() for _ in range(0 if tiny else -(-COLD_BYTES // planar.nbytes) - 1)]
     dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
     time_it = timer(tiny)
-    rule = matmul_config(qtype, n, k, rows)
+    rule = kernel_config(qtype, n, k, rows, torch.device(device))
     kernel_s = time_it(lambda w: gguf_matmul(x, w, qtype, n, k, planar=True, config=rule), copies)
     scratch = torch.empty(n, k, dtype=dtype, device=device)
 
@@ -168,6 +175,12 @@ def main() -> None:
               f"{result['cublas_bf16_us']:14.1f} {best:>8s}", flush=True)
         if not tiny:
             torch.cuda.empty_cache()
+    if args.sweep:
+        print("# fw_gguf.kernels.matmul.TUNED entries (the sweep's fastest per case):")
+        name = "cpu" if tiny else torch.cuda.get_device_name(0)
+        for r in results:
+            best = {key: value for key, value in r["best"].items() if key != "us"}
+            print(f"    ({name!r}, {r['type']!r}, {r['n']}, {r['k']}, {row_bucket(r['rows'])}): GGUFKernelConfig(**{best}),")
     if args.out:
         write_kernel_report(args.out, results, copy_bandwidth=COPY_BANDWIDTH, tiny=tiny,
                             dequantize_min_rows=DEQUANTIZE_MIN_ROWS)

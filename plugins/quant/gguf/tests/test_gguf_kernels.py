@@ -16,8 +16,15 @@ from framework.testing import HopperCompile, compile_for_hopper, interpreted, re
 require_triton()
 
 from fw_gguf.dequant import dequantize  # noqa: E402
+from fw_gguf.kernels import matmul as matmul_module  # noqa: E402
 from fw_gguf.kernels.layout import FIELDS, GROUPS, KERNEL_TYPES, from_planar, to_planar  # noqa: E402
-from fw_gguf.kernels.matmul import GGUFKernelConfig, gguf_dequantize, gguf_matmul, matmul_config  # noqa: E402
+from fw_gguf.kernels.matmul import (  # noqa: E402
+    GGUFKernelConfig,
+    gguf_dequantize,
+    gguf_matmul,
+    kernel_config,
+    matmul_config,
+)
 
 TYPES = sorted(KERNEL_TYPES, key=int)
 # gguf-py quantizes these itself: blocks from an independent packer; the others are random bytes
@@ -120,6 +127,15 @@ def test_static_config_rule():
     assert (batch.block_m, batch.block_n, batch.split_k) == (64, 64, 4)
     big = matmul_config(Q.Q6_K, 28672, 4096, 200)
     assert (big.block_m, big.block_n, big.split_k) == (64, 128, 1)
+
+
+def test_a_tuned_setting_replaces_the_rule_for_its_device_shape_and_rows(monkeypatch):
+    tuned = GGUFKernelConfig(block_m=16, block_n=16, blocks_per_step=2, split_k=3)
+    monkeypatch.setitem(matmul_module.TUNED, ("cpu", "Q4_K", 4096, 4096, 8), tuned)
+    cpu = torch.device("cpu")
+    assert [kernel_config(Q.Q4_K, 4096, 4096, rows, cpu) for rows in (2, 8)] == [tuned, tuned]
+    assert kernel_config(Q.Q4_K, 4096, 4096, 1, cpu) == matmul_config(Q.Q4_K, 4096, 4096, 1)
+    assert kernel_config(Q.Q6_K, 4096, 4096, 8, cpu) == matmul_config(Q.Q6_K, 4096, 4096, 8)
 
 
 def test_wrong_sizes_and_types_are_refused():

@@ -16,8 +16,9 @@
   final cast.
 
 Nothing here synchronises or copies from the host, so every call can be captured in a CUDA graph.
-Configurations are static per shape (:func:`matmul_config`), not autotuned: the same choice on every
-run and rank, and a sweep (``benchmarks/gguf_kernels.py --sweep``) can replace the rule.
+Configurations are static per shape, not autotuned: a table measured per GPU model (:data:`TUNED`,
+filled from ``benchmarks/gguf_kernels.py --sweep``), else a rule (:func:`matmul_config`); the same
+choice on every run and rank, nothing timed or synchronised at run time.
 """
 
 from __future__ import annotations
@@ -155,6 +156,27 @@ def matmul_config(qtype: GGMLQuantizationType, n: int, k: int, rows: int,
                             num_warps=4 if block_m * block_n <= 4096 else 8, num_stages=2)
 
 
+#: Settings measured on a GPU model (``benchmarks/gguf_kernels.py --sweep`` prints entries to paste):
+#: ``(device name, type name, N, K, row bucket) -> setting``, where the row bucket is
+#: :func:`row_bucket`'s. Shapes not listed use :func:`matmul_config`'s rule.
+TUNED: dict[tuple[str, str, int, int, int], GGUFKernelConfig] = {}
+
+
+def row_bucket(rows: int) -> int:
+    """The rows a tuned setting is measured at and used for: 1, up to 8, up to 64, more (512)."""
+    return 1 if rows == 1 else 8 if rows <= 8 else 64 if rows <= 64 else 512
+
+
+def kernel_config(qtype: GGMLQuantizationType, n: int, k: int, rows: int, device: torch.device) -> GGUFKernelConfig:
+    """What :func:`gguf_matmul` launches on ``device``: the measured setting (:data:`TUNED`) if any,
+    else the rule's."""
+    if TUNED:
+        tuned = TUNED.get((_device_name(device), qtype.name, n, k, row_bucket(rows)))
+        if tuned is not None:
+            return tuned
+    return matmul_config(qtype, n, k, rows, _num_sms(device))
+
+
 def _check(weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> tuple[int, int]:
     if qtype not in GROUPS:
         raise ValueError(f"no GGUF kernel for {qtype.name}; kernels exist for {', '.join(t.name for t in GROUPS)}")
@@ -182,7 +204,7 @@ def gguf_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationTy
     rows = x.shape[0]
     if out is None:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    config = config or matmul_config(qtype, n, k, rows, _num_sms(x.device))
+    config = config or kernel_config(qtype, n, k, rows, x.device)
     groups, size = GROUPS[qtype]
     grid = (triton.cdiv(n, config.block_n), config.split_k, triton.cdiv(rows, config.block_m))
     meta = dict(QTYPE=int(qtype), PLANAR=planar, G=groups, S=size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -225,6 +247,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 _SMS: dict[int, int] = {}
+_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    if device not in _NAMES:
+        _NAMES[device] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return _NAMES[device]
 
 
 def _cuda_sms(index: int) -> int:
