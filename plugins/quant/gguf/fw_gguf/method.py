@@ -7,13 +7,14 @@ keeps its own packed buffer and type::
     qkv_proj:  gguf_weight_0 [q rows, bytes(Q4_K)]   gguf_weight_1 [k rows, ...]   gguf_weight_2 [v rows, bytes(Q6_K)]
 
 On CUDA the shards stay packed and ``apply`` runs the Triton kernels of :mod:`fw_gguf.kernels`
-for bf16/fp16 activations: one launch per shard into its column slice of one output; up to
+for bf16/fp16 activations: one launch per shard into its column slice of one output; fewer than
 :data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (the GEMV for 1-8 rows,
-tensor-core tiles above), more rows dequantize the shards into one matrix and use cuBLAS. After
+tensor-core tiles above), more dequantize the shards into one matrix and use cuBLAS. After
 loading, a matrix layer's shards are regrouped into the kernels' planar layout (same bytes, same
 size, ``fw_gguf.kernels.decode``; ``layer.gguf_planar`` says which); the token embedding keeps the
 file's layout for its row lookups (a tied head multiplies it as it is). Other activation dtypes
-dequantize in torch and multiply.
+dequantize in torch and multiply. A layer whose tensors are all F32/F16/BF16 in the file becomes a
+dense matrix in the model dtype at load (cuBLAS; no larger than the file's for 16-bit models).
 
 On the CPU, where a per-step dequantization would cost more than the matmul, the weights are
 dequantized once after loading (DESIGN §4's CPU fallback); ``FW_GGUF_KEEP_PACKED=1`` keeps them
@@ -46,6 +47,7 @@ _QKV_ORDER = {"q": 0, "k": 1, "v": 2}
 #: faster there than re-decoding each weight tile for every block of rows).
 DEQUANTIZE_MIN_ROWS = 256
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 
 class GGUFQuantConfig(QuantConfig):
@@ -137,10 +139,13 @@ class GGUFLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         keep_packed = os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")
-        if layer.gguf_weight_0.device.type == "cuda":
+        device = layer.gguf_weight_0.device.type
+        if device == "cuda" and not all(qtype in _FLOAT_TYPES for qtype in layer.gguf_types):
             self._to_kernel_layout(layer)
             return
-        if layer.gguf_weight_0.device.type != "cpu" or keep_packed:
+        # CPU (unless kept packed), and float tensors on CUDA: the file's F32/F16/BF16 values in
+        # the model dtype, no larger than the file, for cuBLAS instead of a conversion per call
+        if device not in ("cpu", "cuda") or (device == "cpu" and keep_packed):
             return
         dense = self.dequantized(layer, layer.params_dtype)
         for index in range(len(self.shards)):

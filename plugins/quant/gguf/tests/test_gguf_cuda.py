@@ -1,4 +1,4 @@
-"""On the GPU: a K-quant GGUF (Q4_K with Q6_K v/down/head, as Q4_K_M files are) runs through the
+"""On the GPU: a K-quant GGUF (Q4_K with Q6_K v/down/head, as Q4_K_M files are, and one F16 matrix) runs through the
 engine with CUDA graphs on the packed Triton kernels and gives the greedy tokens of the torch
 dequantize-then-matmul path (itself captured in graphs: the capture that used to crash); and
 the kernels against the torch reference on CUDA in bf16."""
@@ -62,7 +62,10 @@ def write_kquant_llama(path) -> None:
         matrix(f"blk.{i}.attn_q.weight", Q.Q4_K, HIDDEN, HIDDEN)
         matrix(f"blk.{i}.attn_k.weight", Q.Q4_K, KV_HEADS * head_dim, HIDDEN)
         matrix(f"blk.{i}.attn_v.weight", Q.Q6_K, KV_HEADS * head_dim, HIDDEN)
-        matrix(f"blk.{i}.attn_output.weight", Q.Q4_K, HIDDEN, HIDDEN)
+        if i == 1:  # a float tensor among the blocks: a dense bf16 matrix on the GPU
+            writer.add_tensor(f"blk.{i}.attn_output.weight", (rng.standard_normal((HIDDEN, HIDDEN)) * 0.05).astype(np.float16))
+        else:
+            matrix(f"blk.{i}.attn_output.weight", Q.Q4_K, HIDDEN, HIDDEN)
         matrix(f"blk.{i}.ffn_gate.weight", Q.Q4_K, FFN, HIDDEN)
         matrix(f"blk.{i}.ffn_up.weight", Q.Q4_K, FFN, HIDDEN)
         matrix(f"blk.{i}.ffn_down.weight", Q.Q6_K, HIDDEN, FFN)
@@ -77,10 +80,12 @@ def _generate(path, prompts, steps):
     assert "decode graphs" in llm.engine.summary["cuda_graphs"]
     model = llm.engine.core.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
+    o_proj = model.model.layers[1].self_attn.o_proj
+    assert o_proj.gguf_dense is not None and o_proj.gguf_dense.dtype == torch.bfloat16
     layout = (list(qkv.gguf_planar), [t.name for t in qkv.gguf_types])
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     tokens = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    del llm, model, qkv
+    del llm, model, qkv, o_proj
     gc.collect()
     torch.cuda.empty_cache()
     return tokens, layout
