@@ -13,7 +13,8 @@ rule), what the method
 runs from ``DEQUANTIZE_MIN_ROWS`` rows on (the dequantize kernel into a matrix, then cuBLAS), and
 cuBLAS on the bf16 matrix. Bandwidth is of the packed bytes, also as a fraction of the H200's
 copy bandwidth. ``--sweep`` times a grid of settings too, reports the fastest and prints them as
-entries for ``fw_gguf.kernels.matmul.TUNED`` (or to fit the rule to). Weights are random blocks with small fp16 scales (valid for every type).
+entries for ``fw_gguf.kernels.matmul.TUNED`` (or to fit the rule to); it compiles and times up to
+96 settings per case, so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. Weights are random blocks with small fp16 scales (valid for every type).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, device: str, gene
 
 def sweep_settings(qtype: GGMLQuantizationType, rows: int) -> list[GGUFKernelConfig]:
     block_size = GROUPS[qtype][0] * GROUPS[qtype][1]
-    steps = (1, 2) if block_size == 256 else (4, 8, 16)
+    steps = (1, 2) if block_size == 256 else (4, 8)
     if rows <= 8:
         block_ms = (1, 16) if rows == 1 else (16,)  # one row: elementwise, or padded onto tensor cores
         return [GGUFKernelConfig(block_m, block_n, nb, split_k, warps, stages)
@@ -139,12 +140,23 @@ def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
               "cublas_bf16_tb_s": dense.nbytes / cublas_s / 1e12,
               "method_path": "dequantize+cublas" if rows >= DEQUANTIZE_MIN_ROWS else "kernel"}
     if sweep:
-        settings = []
+        expected = gguf_matmul(x, planar, qtype, n, k, planar=True, config=rule).float()
+        settings, refused = [], []
         for config in sweep_settings(qtype, rows):
+            try:  # a setting may need more shared memory than an SM has: report it, time the rest
+                error = (gguf_matmul(x, planar, qtype, n, k, planar=True, config=config).float() - expected).abs().max()
+            except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
+                refused.append({**config.__dict__, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
+            if error > 0.05 * expected.abs().max():  # a wrong setting must not win
+                refused.append({**config.__dict__, "error": f"wrong result, error {error.item():.3g}"})
+                print(f"  WRONG: {qtype.name} {rows}x{k} @ {n}x{k} at {config}: error {error.item():.3g}")
+                continue
             seconds = time_it(lambda w, config=config: gguf_matmul(x, w, qtype, n, k, planar=True, config=config), copies)
             settings.append({**config.__dict__, "us": seconds * 1e6})
         best = min(settings, key=lambda s: s["us"])
-        result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings)
+        result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings,
+                      refused=refused)
     return result
 
 
