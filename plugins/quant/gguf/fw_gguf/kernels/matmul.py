@@ -77,7 +77,8 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, T, stride_xm, stride_om, stri
         q, scale, offset = decode(w_ptr, n4 * blocks_per_row + kb, T, g4, s4, (n4 < N) & live, QTYPE, PLANAR)
         w = q * scale - offset
         if BLOCK_M == 1:
-            x = tl.load(x_ptr + kb * QK + g4 * S + s4, mask=live, other=0.0).to(tl.float32)
+            # x at every row of the tile: the same layout as the weight bytes, not a conversion of them
+            x = tl.load(x_ptr + n4 * 0 + kb * QK + g4 * S + s4, mask=live, other=0.0).to(tl.float32)
             tiles += w * x
         else:
             ks = kb0 * QK + tl.arange(0, BLOCK_K)
