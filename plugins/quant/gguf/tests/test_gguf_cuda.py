@@ -76,7 +76,7 @@ def write_kquant_llama(path) -> None:
 
 
 def _generate(path, prompts, steps):
-    llm = LLM(str(path), device="cuda", num_blocks=64)
+    llm = LLM(str(path), device="cuda", dtype="bf16", num_blocks=64)
     assert "decode graphs" in llm.engine.summary["cuda_graphs"]
     model = llm.engine.core.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
