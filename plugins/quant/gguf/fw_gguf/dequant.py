@@ -176,12 +176,19 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
+#: IQ4_LEVELS as int8 bytes packed little-endian into four 32-bit words (levels 0-3, 4-7, ...).
+IQ4_LEVEL_WORDS = tuple(int.from_bytes(bytes(level & 0xFF for level in IQ4_LEVELS[i:i + 4]), "little")
+                        for i in range(0, 16, 4))
+
+
 def _iq4_levels(nibbles: torch.Tensor) -> torch.Tensor:
-    """4-bit indices -> their IQ4 level as fp32 (a table built by arithmetic on the device: graph-safe)."""
-    table = torch.zeros(16, dtype=torch.float32, device=nibbles.device)
-    for index, level in enumerate(IQ4_LEVELS):  # fill_ on a slice: a device kernel, no host copy
-        table[index].fill_(level)
-    return table[nibbles.long()]
+    """4-bit indices -> their IQ4 level as fp32, picked out of IQ4_LEVEL_WORDS by shifts: no table
+    tensor to copy to the device (graph-safe), a few elementwise kernels."""
+    n = nibbles.to(torch.int64)
+    w0, w1, w2, w3 = IQ4_LEVEL_WORDS
+    word = torch.where(n < 8, torch.where(n < 4, w0, w1), torch.where(n < 12, w2, w3))
+    byte = (word >> ((n & 3) * 8)) & 0xFF
+    return ((byte ^ 0x80) - 0x80).to(torch.float32)
 
 
 def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:

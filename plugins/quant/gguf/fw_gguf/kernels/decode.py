@@ -52,15 +52,14 @@ Q6_K: tl.constexpr = tl.constexpr(int(Q.Q6_K))
 IQ4_NL: tl.constexpr = tl.constexpr(int(Q.IQ4_NL))
 IQ4_XS: tl.constexpr = tl.constexpr(int(Q.IQ4_XS))
 
-def _level_words() -> tuple[int, int, int, int]:
-    from fw_gguf.dequant import IQ4_LEVELS
+def _signed_words() -> tuple[int, ...]:
+    from fw_gguf.dequant import IQ4_LEVEL_WORDS
 
-    raw = bytes(level & 0xFF for level in IQ4_LEVELS)
-    return tuple(int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, 16, 4))
+    return tuple(word - (1 << 32) if word >= 1 << 31 else word for word in IQ4_LEVEL_WORDS)
 
 
 # IQ4's 16 int8 levels packed little-endian into four int32 words (no table in memory)
-_IQ4_WORDS = _level_words()
+_IQ4_WORDS = _signed_words()
 IQ4_W0: tl.constexpr = tl.constexpr(_IQ4_WORDS[0])
 IQ4_W1: tl.constexpr = tl.constexpr(_IQ4_WORDS[1])
 IQ4_W2: tl.constexpr = tl.constexpr(_IQ4_WORDS[2])
