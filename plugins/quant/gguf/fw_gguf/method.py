@@ -104,6 +104,7 @@ class GGUFLinearMethod(LinearMethod):
             layer.register_buffer(f"gguf_weight_{index}", packed)
         layer.register_buffer("gguf_dense", None)
         layer.gguf_planar = [False] * len(rows)
+        layer.gguf_groups = [(index, index + 1) for index in range(len(rows))]
         placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         set_weight_attrs(placeholder, {"weight_loader": functools.partial(self.load_shard, layer)})
         layer.register_parameter("weight", placeholder)
@@ -131,11 +132,14 @@ class GGUFLinearMethod(LinearMethod):
 
     @staticmethod
     def file_blocks(layer: nn.Module, index: int) -> torch.Tensor:
-        """Shard ``index``'s bytes in the GGUF file's block layout (undoing the planar regrouping)."""
-        packed = getattr(layer, f"gguf_weight_{index}")
-        if not layer.gguf_planar[index]:
-            return packed
-        return from_planar(packed.reshape(-1), layer.gguf_types[index]).view(packed.shape)
+        """Shard ``index``'s bytes in the GGUF file's block layout, ``[rows, bytes per row]`` (undoing
+        the merge with its neighbours and the planar regrouping, where the GPU did them)."""
+        start, end = next(group for group in layer.gguf_groups if group[0] <= index < group[1])
+        packed = getattr(layer, f"gguf_weight_{start}")
+        if layer.gguf_planar[index]:
+            packed = from_planar(packed.reshape(-1), layer.gguf_types[index]).view(packed.shape)
+        first = sum(layer.gguf_rows[start:index])
+        return packed[first:first + layer.gguf_rows[index]]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         keep_packed = os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")
@@ -154,17 +158,35 @@ class GGUFLinearMethod(LinearMethod):
 
     @staticmethod
     def _to_kernel_layout(layer: nn.Module) -> None:
-        """Regroup a matrix layer's shards into the kernels' planar layout (the token embedding,
-        which also looks rows up, keeps the file's)."""
+        """Merge neighbouring shards of one kernel type into one matrix (one launch for them) and
+        regroup each matrix into the kernels' planar layout. The token embedding, which also looks
+        rows up, keeps the file's layout::
+
+            Q4_K_M qkv_proj:  [q Q4_K | k Q4_K | v Q6_K]  ->  gguf_weight_0 = planar(q ; k)   (gguf_weight_1 = None)
+                                                              gguf_weight_2 = planar(v)
+            gguf_groups = [(0, 2), (2, 3)]
+        """
         from framework.layers.embedding import LMHead, VocabEmbedding
 
         if isinstance(layer, VocabEmbedding) and not isinstance(layer, LMHead):
             return
-        for index, qtype in enumerate(layer.gguf_types):
-            if qtype in KERNEL_TYPES:
-                packed = getattr(layer, f"gguf_weight_{index}")
-                setattr(layer, f"gguf_weight_{index}", to_planar(packed, qtype).view(packed.shape))
+        types, groups = layer.gguf_types, []
+        for index, qtype in enumerate(types):
+            if groups and qtype in KERNEL_TYPES and types[groups[-1][0]] == qtype:
+                groups[-1] = (groups[-1][0], index + 1)
+            else:
+                groups.append((index, index + 1))
+        for start, end in groups:
+            if types[start] not in KERNEL_TYPES:
+                continue
+            parts = [getattr(layer, f"gguf_weight_{index}") for index in range(start, end)]
+            merged = parts[0] if len(parts) == 1 else torch.cat(parts)
+            planar = to_planar(merged, types[start]).view(merged.shape)
+            for index in range(start, end):
+                setattr(layer, f"gguf_weight_{index}", None)
                 layer.gguf_planar[index] = True
+            setattr(layer, f"gguf_weight_{start}", planar)
+        layer.gguf_groups = groups
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.gguf_dense is None and uses_kernels(layer, x):
@@ -189,8 +211,9 @@ def uses_kernels(layer: nn.Module, x: torch.Tensor) -> bool:
 
 def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` through the kernels, ``W`` the layer's packed shards (any layout, any
-    kernel type each): one launch per shard into its column slice of one ``[..., N]`` output of
-    x's dtype. Runs wherever the kernels run (CUDA, or the CPU under ``TRITON_INTERPRET=1``)."""
+    kernel type each): one launch per group of merged shards (``layer.gguf_groups``) into its
+    column slice of one ``[..., N]`` output of x's dtype. Runs wherever the kernels run (CUDA, or
+    the CPU under ``TRITON_INTERPRET=1``)."""
     from .kernels.matmul import gguf_dequantize, gguf_matmul  # Triton: imported only where kernels run
 
     k = layer.gguf_in_features
@@ -200,26 +223,24 @@ def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     rows, n = x2d.shape[0], sum(layer.gguf_rows)
     if rows >= DEQUANTIZE_MIN_ROWS:
         weight = torch.empty(n, k, dtype=x.dtype, device=x.device)
-        for index, start, shard_rows in _shard_slices(layer):
-            gguf_dequantize(getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], shard_rows, k, x.dtype,
-                            planar=layer.gguf_planar[index], out=weight[start:start + shard_rows])
+        for index, start, group_rows in _group_slices(layer):
+            gguf_dequantize(getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], group_rows, k, x.dtype,
+                            planar=layer.gguf_planar[index], out=weight[start:start + group_rows])
         return F.linear(x, weight, bias)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
-        for index, start, shard_rows in _shard_slices(layer):
-            gguf_matmul(x2d, getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], shard_rows, k,
-                        planar=layer.gguf_planar[index], out=out[:, start:start + shard_rows])
+        for index, start, group_rows in _group_slices(layer):
+            gguf_matmul(x2d, getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], group_rows, k,
+                        planar=layer.gguf_planar[index], out=out[:, start:start + group_rows])
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)
 
 
-def _shard_slices(layer: nn.Module) -> list[tuple[int, int, int]]:
-    """``[(shard index, first output row, rows)]`` of the layer's shards."""
-    starts = [0]
-    for rows in layer.gguf_rows[:-1]:
-        starts.append(starts[-1] + rows)
-    return [(index, start, rows) for index, (start, rows) in enumerate(zip(starts, layer.gguf_rows))]
+def _group_slices(layer: nn.Module) -> list[tuple[int, int, int]]:
+    """``[(buffer index, first output row, rows)]`` of the layer's groups of shards."""
+    rows = layer.gguf_rows
+    return [(start, sum(rows[:start]), sum(rows[start:end])) for start, end in layer.gguf_groups]
 
 
 # --- tensor parallelism: this rank's packed rows / bytes ---------------------------------------

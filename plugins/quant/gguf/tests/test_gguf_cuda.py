@@ -82,7 +82,7 @@ def _generate(path, prompts, steps):
     qkv = model.model.layers[0].self_attn.qkv_proj
     o_proj = model.model.layers[1].self_attn.o_proj
     assert o_proj.gguf_dense is not None and o_proj.gguf_dense.dtype == torch.bfloat16
-    layout = (list(qkv.gguf_planar), [t.name for t in qkv.gguf_types])
+    layout = (list(qkv.gguf_planar), list(qkv.gguf_groups), [t.name for t in qkv.gguf_types])
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     tokens = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     del llm, model, qkv, o_proj
@@ -109,7 +109,7 @@ def test_kquant_engine_with_cuda_graphs_matches_the_dequantized_path(tmp_path, m
 
     monkeypatch.setattr(matmul, "gguf_matmul", counted)
     kernels, layout = _generate(path, prompts, 16)
-    assert calls["matmul"] > 0 and layout == ([True] * 3, ["Q4_K", "Q4_K", "Q6_K"])
+    assert calls["matmul"] > 0 and layout == ([True] * 3, [(0, 2), (2, 3)], ["Q4_K", "Q4_K", "Q6_K"])
     monkeypatch.setattr(method, "uses_kernels", lambda layer, x: False)  # torch dequantization in every apply
     reference, layout = _generate(path, prompts, 16)
     assert kernels == reference and all(len(t) == 16 for t in kernels)

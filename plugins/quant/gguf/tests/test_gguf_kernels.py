@@ -177,28 +177,37 @@ def test_kernels_compile_for_hopper():
 
 
 @interpreted
-def test_method_runs_one_launch_per_shard_of_a_mixed_type_layer(gemma3_gguf_path, monkeypatch):
-    """Gemma 3's qkv_proj (Q4_K q/k beside a different v type) through the method's kernel path, in
-    the file's layout and after the CUDA-side regrouping into planes, against dequantize-then-matmul."""
-    from fw_gguf.method import linear_packed
+def test_method_merges_same_type_shards_and_launches_once_per_group(gemma3_gguf_path, monkeypatch):
+    """Gemma 3's qkv_proj (Q4_K q and k beside a different v type) through the method's kernel
+    path, in the file's layout and after the GPU's load-time merge of q and k into one planar
+    matrix, against dequantize-then-matmul; the file's bytes stay recoverable shard by shard."""
+    from fw_gguf import method
 
     from framework import LLM
 
     monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
     model = LLM(str(gemma3_gguf_path), num_blocks=16).engine.core.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert len({t.name for t in qkv.gguf_types}) > 1
+    types = [t.name for t in qkv.gguf_types]
+    assert types[0] == types[1] != types[2], types
     expected_weight = qkv.linear_method.dequantized(qkv, torch.float32)
     x = torch.randn(2, 1, qkv.gguf_in_features, generator=torch.Generator().manual_seed(0))
     expected = (x.double() @ expected_weight.double().T).float()
     tol = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    torch.testing.assert_close(linear_packed(qkv, x), expected, **tol)
+    launches = []
+    real = matmul_module.gguf_matmul
+    monkeypatch.setattr(matmul_module, "gguf_matmul", lambda x, w, qtype, n, *a, **kw: launches.append(n) or
+                        real(x, w, qtype, n, *a, **kw))
+    torch.testing.assert_close(method.linear_packed(qkv, x), expected, **tol)
+    assert launches == qkv.gguf_rows  # one per shard in the file's layout
     file_bytes = [getattr(qkv, f"gguf_weight_{i}").clone() for i in range(3)]
     qkv.linear_method._to_kernel_layout(qkv)
-    assert qkv.gguf_planar == [True] * 3
-    assert not torch.equal(qkv.gguf_weight_0, file_bytes[0]) and qkv.gguf_weight_0.shape == file_bytes[0].shape
+    assert qkv.gguf_groups == [(0, 2), (2, 3)] and qkv.gguf_planar == [True] * 3 and qkv.gguf_weight_1 is None
+    assert qkv.gguf_weight_0.shape == (qkv.gguf_rows[0] + qkv.gguf_rows[1], file_bytes[0].shape[1])
     assert all(torch.equal(qkv.linear_method.file_blocks(qkv, i), file_bytes[i]) for i in range(3))
     assert torch.equal(qkv.linear_method.dequantized(qkv, torch.float32), expected_weight)
-    torch.testing.assert_close(linear_packed(qkv, x), expected, **tol)
-    monkeypatch.setattr("fw_gguf.method.DEQUANTIZE_MIN_ROWS", 2)  # the dequantize-then-cuBLAS form
-    torch.testing.assert_close(linear_packed(qkv, x), expected, **tol)
+    launches.clear()
+    torch.testing.assert_close(method.linear_packed(qkv, x), expected, **tol)
+    assert launches == [qkv.gguf_rows[0] + qkv.gguf_rows[1], qkv.gguf_rows[2]]
+    monkeypatch.setattr(method, "DEQUANTIZE_MIN_ROWS", 2)  # the dequantize-then-cuBLAS form
+    torch.testing.assert_close(method.linear_packed(qkv, x), expected, **tol)
