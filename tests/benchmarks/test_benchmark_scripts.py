@@ -101,6 +101,20 @@ def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchm
                    "lm_head": (64128, 4096)}
 
 
+def test_gguf_kernels_checks_and_times_every_case_and_writes_the_report(benchmarks, tmp_path, capsys):
+    """``gguf_kernels.py --tiny``: the packed-GGUF kernels checked against the torch reference, then
+    timed (interpreted here) beside dequantize+cuBLAS and the dense matmul, one result per case."""
+    out = tmp_path / "gguf.json"
+    benchmarks("gguf_kernels.py", "--tiny", "--types", "Q4_K", "Q8_0", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["command"] == "python benchmarks/gguf_kernels.py --tiny --types Q4_K Q8_0" and report["tiny"]
+    cases = [(r["type"], r["layer"], r["rows"]) for r in report["results"]]
+    assert cases == [(t, layer, rows) for t in ("Q4_K", "Q8_0") for layer in ("qkv", "down") for rows in (1, 3, 17)]
+    for result in report["results"]:
+        assert result["check_rel_error"] < 1e-5 and result["rule_us"] > 0 and result["packed_bytes"] > 0
+    assert "Q8_0   down" in capsys.readouterr().out
+
+
 def test_nano_requests_are_nano_vllms_lengths_and_the_same_every_run(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from common import nano_requests

@@ -29,8 +29,10 @@ class UnsupportedQuantTypeError(ValueError):
     """A GGUF tensor uses a ggml type fw cannot dequantize (IQ*, TQ*, MXFP4, integer types...)."""
 
 
-def _shifts(values: tuple[int, ...], device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
+def _shifts(count: int, step: int, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
+    """``0, step, 2*step, ...`` (``count`` values) as uint8 of ``shape``, made on ``device`` by a kernel:
+    no host-to-device copy, so it is safe inside CUDA-graph capture."""
+    return torch.arange(0, count * step, step, dtype=torch.uint8, device=device).reshape(shape)
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -45,7 +47,7 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def _bits(packed: torch.Tensor) -> torch.Tensor:
     """`[n, k]` bytes -> `[n, 8k]` single bits, little-endian (bit j of a uint32 is element j)."""
-    shifts = _shifts(tuple(range(8)), packed.device, (1, 1, 8))
+    shifts = _shifts(8, 1, packed.device, (1, 1, 8))
     return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(packed.shape[0], -1)
 
 
@@ -100,7 +102,7 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     d, dmin = _f16(blocks, 80), _f16(blocks, 82)
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
-    shifts = _shifts((0, 2, 4, 6), blocks.device, (1, 1, 4, 1))
+    shifts = _shifts(4, 2, blocks.device, (1, 1, 4, 1))
     q = ((qs.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 16, 16).to(torch.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
@@ -111,12 +113,12 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
     d = _f16(blocks, 108)
-    low = (scales[:, :8].reshape(n, 1, 8) >> _shifts((0, 4), blocks.device, (1, 2, 1))).reshape(n, 16)
-    high = (scales[:, 8:].reshape(n, 1, 4) >> _shifts((0, 2, 4, 6), blocks.device, (1, 4, 1))).reshape(n, 16)
+    low = (scales[:, :8].reshape(n, 1, 8) >> _shifts(2, 4, blocks.device, (1, 2, 1))).reshape(n, 16)
+    high = (scales[:, 8:].reshape(n, 1, 4) >> _shifts(4, 2, blocks.device, (1, 4, 1))).reshape(n, 16)
     sc = ((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32
     dl = (d * sc.to(torch.float32)).reshape(n, 16, 1)
-    ql = (qs.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), blocks.device, (1, 1, 4, 1))).reshape(n, 16, 16) & 3
-    hm = (hmask.reshape(n, 1, 1, 32) >> _shifts(tuple(range(8)), blocks.device, (1, 1, 8, 1))).reshape(n, 16, 16)
+    ql = (qs.reshape(n, 2, 1, 32) >> _shifts(4, 2, blocks.device, (1, 1, 4, 1))).reshape(n, 16, 16) & 3
+    hm = (hmask.reshape(n, 1, 1, 32) >> _shifts(8, 1, blocks.device, (1, 1, 8, 1))).reshape(n, 16, 16)
     # a clear mask bit means "subtract 4"
     q = ql.to(torch.int8) - (((hm & 1) ^ 1) << 2).to(torch.int8)
     return (dl * q.to(torch.float32)).reshape(n, QK_K)
@@ -153,7 +155,7 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     dl = (d * sc).reshape(n, 8, 1)
     ml = (dmin * mn).reshape(n, 8, 1)
     ql = _nibbles(blocks[:, 48:].reshape(n * 4, 32)).reshape(n, 8, 32)
-    qh = (blocks[:, 16:48].reshape(n, 1, 32) >> _shifts(tuple(range(8)), blocks.device, (1, 8, 1))) & 1
+    qh = (blocks[:, 16:48].reshape(n, 1, 32) >> _shifts(8, 1, blocks.device, (1, 8, 1))) & 1
     q = (ql | (qh << 4)).to(torch.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
@@ -165,8 +167,47 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 208)
     dl = (d * scales.view(torch.int8).to(torch.float32)).reshape(n, 16, 1)
     low = _nibbles(ql.reshape(n * 2, 64)).reshape(n, 8, 32)
-    high = ((qh.reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), blocks.device, (1, 1, 4, 1))) & 3).reshape(n, 8, 32)
+    high = ((qh.reshape(n, 2, 1, 32) >> _shifts(4, 2, blocks.device, (1, 1, 4, 1))) & 3).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
+    return (dl * q).reshape(n, QK_K)
+
+
+#: IQ4_NL / IQ4_XS's 16 non-linear levels (ggml's ``kvalues_iq4nl``).
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+#: IQ4_LEVELS as int8 bytes packed little-endian into four 32-bit words (levels 0-3, 4-7, ...).
+IQ4_LEVEL_WORDS = tuple(int.from_bytes(bytes(level & 0xFF for level in IQ4_LEVELS[i:i + 4]), "little")
+                        for i in range(0, 16, 4))
+
+
+def _iq4_levels(nibbles: torch.Tensor) -> torch.Tensor:
+    """4-bit indices -> their IQ4 level as fp32, picked out of IQ4_LEVEL_WORDS by shifts: no table
+    tensor to copy to the device (graph-safe), a few elementwise kernels."""
+    n = nibbles.to(torch.int64)
+    w0, w1, w2, w3 = IQ4_LEVEL_WORDS
+    word = torch.where(n < 8, torch.where(n < 4, w0, w1), torch.where(n < 12, w2, w3))
+    byte = (word >> ((n & 3) * 8)) & 0xFF
+    return ((byte ^ 0x80) - 0x80).to(torch.float32)
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    # | d 2 | qs 16 |  -- like Q4_0, but each nibble indexes IQ4_LEVELS
+    d = _f16(blocks, 0)
+    return d * _iq4_levels(_nibbles(blocks[:, 2:]))
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # | d 2 | scales_h 2 (uint16: 2 bits per group) | scales_l 4 (a nibble per group) | qs 128 |
+    # 8 groups of 32; group g's 16 bytes hold its low halves' nibbles then its high halves'
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    high = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # [n, 1]
+    high = (high >> (2 * torch.arange(8, dtype=torch.int32, device=blocks.device))) & 3
+    low = _nibbles(blocks[:, 4:8]).reshape(n, 2, 4).transpose(1, 2).reshape(n, 8).to(torch.int32)
+    scales = (low | (high << 4)) - 32
+    dl = (d * scales.to(torch.float32)).reshape(n, 8, 1)
+    q = _iq4_levels(_nibbles(blocks[:, 8:].reshape(n * 8, 16))).reshape(n, 8, 32)
     return (dl * q).reshape(n, QK_K)
 
 
@@ -184,6 +225,8 @@ DEQUANTIZE_BLOCKS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Ten
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
+    Q.IQ4_NL: _iq4_nl,
+    Q.IQ4_XS: _iq4_xs,
 }
 """Per-type block dequantizers: uint8 `[num_blocks, type_size]` -> fp32 `[num_blocks, block_size]`."""
 

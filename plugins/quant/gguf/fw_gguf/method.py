@@ -6,11 +6,19 @@ keeps its own packed buffer and type::
 
     qkv_proj:  gguf_weight_0 [q rows, bytes(Q4_K)]   gguf_weight_1 [k rows, ...]   gguf_weight_2 [v rows, bytes(Q6_K)]
 
-``apply`` dequantizes the shards and multiplies; the GPU performance work replaces that with
-kernels that dequantize inside the matmul (one per type, see ``fw_gguf.dequant.DEQUANTIZE_BLOCKS``).
+On CUDA the shards stay packed and ``apply`` runs the Triton kernels of :mod:`fw_gguf.kernels`
+for bf16/fp16 activations: one launch per shard into its column slice of one output; fewer than
+:data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (the GEMV for 1-8 rows,
+tensor-core tiles above), more dequantize the shards into one matrix and use cuBLAS. After
+loading, a matrix layer's shards are regrouped into the kernels' planar layout (same bytes, same
+size, ``fw_gguf.kernels.decode``; ``layer.gguf_planar`` says which); the token embedding keeps the
+file's layout for its row lookups (a tied head multiplies it as it is). Other activation dtypes
+dequantize in torch and multiply. A layer whose tensors are all F32/F16/BF16 in the file becomes a
+dense matrix in the model dtype at load (cuBLAS; no larger than the file's for 16-bit models).
+
 On the CPU, where a per-step dequantization would cost more than the matmul, the weights are
 dequantized once after loading (DESIGN §4's CPU fallback); ``FW_GGUF_KEEP_PACKED=1`` keeps them
-packed there too.
+packed there too (torch dequantization in ``apply``).
 """
 
 from __future__ import annotations
@@ -30,12 +38,19 @@ from framework.layers.linear import set_weight_attrs
 from framework.quantization import LinearMethod, QuantConfig, QuantMethodBase
 
 from .dequant import as_quant_type, bytes_per_row, dequantize
+from .kernels.layout import KERNEL_TYPES, from_planar, to_planar
 
 _QKV_ORDER = {"q": 0, "k": 1, "v": 2}
 
 #: What the packed layers compute in (the dequantized weights take the activations' dtype).
 GGUF_ACT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 GGUF_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+#: From this many rows on, CUDA ``apply`` dequantizes the shards and calls cuBLAS instead of
+#: multiplying the packed blocks (prefill-sized batches are compute-bound; cuBLAS's bf16 GEMM is
+#: faster there than re-decoding each weight tile for every block of rows).
+DEQUANTIZE_MIN_ROWS = 256
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 
 class GGUFQuantConfig(QuantConfig):
@@ -108,6 +123,8 @@ class GGUFLinearMethod(LinearMethod):
             packed = torch.empty(num_rows, bytes_per_row(qtype, input_size_per_partition), dtype=torch.uint8)
             layer.register_buffer(f"gguf_weight_{index}", packed)
         layer.register_buffer("gguf_dense", None)
+        layer.gguf_planar = [False] * len(rows)
+        layer.gguf_groups = [(index, index + 1) for index in range(len(rows))]
         placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         set_weight_attrs(placeholder, {"weight_loader": functools.partial(self.load_shard, layer)})
         layer.register_parameter("weight", placeholder)
@@ -129,32 +146,124 @@ class GGUFLinearMethod(LinearMethod):
         """The full weight ``[out, in]`` in ``dtype`` (every shard dequantized and concatenated)."""
         if layer.gguf_dense is not None:
             return layer.gguf_dense
-        parts = [dequantize(getattr(layer, f"gguf_weight_{i}"), qtype, (rows, layer.gguf_in_features), dtype)
+        parts = [dequantize(self.file_blocks(layer, i), qtype, (rows, layer.gguf_in_features), dtype)
                  for i, (qtype, rows) in enumerate(zip(layer.gguf_types, layer.gguf_rows))]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return self.dequantized(layer, layer.params_dtype)
 
+    @staticmethod
+    def file_blocks(layer: nn.Module, index: int) -> torch.Tensor:
+        """Shard ``index``'s bytes in the GGUF file's block layout, ``[rows, bytes per row]`` (undoing
+        the merge with its neighbours and the planar regrouping, where the GPU did them)."""
+        start, end = next(group for group in layer.gguf_groups if group[0] <= index < group[1])
+        packed = getattr(layer, f"gguf_weight_{start}")
+        if layer.gguf_planar[index]:
+            packed = from_planar(packed.reshape(-1), layer.gguf_types[index]).view(packed.shape)
+        first = sum(layer.gguf_rows[start:index])
+        return packed[first:first + layer.gguf_rows[index]]
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         keep_packed = os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")
-        if layer.gguf_weight_0.device.type != "cpu" or keep_packed:
+        device = layer.gguf_weight_0.device.type
+        if device == "cuda" and not all(qtype in _FLOAT_TYPES for qtype in layer.gguf_types):
+            self._to_kernel_layout(layer)
+            return
+        # CPU (unless kept packed), and float tensors on CUDA: the file's F32/F16/BF16 values in
+        # the model dtype, no larger than the file, for cuBLAS instead of a conversion per call
+        if device not in ("cpu", "cuda") or (device == "cpu" and keep_packed):
             return
         dense = self.dequantized(layer, layer.params_dtype)
         for index in range(len(self.shards)):
             delattr(layer, f"gguf_weight_{index}")
         layer.gguf_dense = dense
 
+    @staticmethod
+    def _to_kernel_layout(layer: nn.Module) -> None:
+        """Merge neighbouring shards of one kernel type into one matrix (one launch for them) and
+        regroup each matrix into the kernels' planar layout. The token embedding, which also looks
+        rows up, keeps the file's layout::
+
+            Q4_K_M qkv_proj:  [q Q4_K | k Q4_K | v Q6_K]  ->  gguf_weight_0 = planar(q ; k)   (gguf_weight_1 = None)
+                                                              gguf_weight_2 = planar(v)
+            gguf_groups = [(0, 2), (2, 3)]
+        """
+        from framework.layers.embedding import LMHead, VocabEmbedding
+
+        if isinstance(layer, VocabEmbedding) and not isinstance(layer, LMHead):
+            return
+        types, groups = layer.gguf_types, []
+        for index, qtype in enumerate(types):
+            if groups and qtype in KERNEL_TYPES and types[groups[-1][0]] == qtype:
+                groups[-1] = (groups[-1][0], index + 1)
+            else:
+                groups.append((index, index + 1))
+        for start, end in groups:
+            if types[start] not in KERNEL_TYPES:
+                continue
+            parts = [getattr(layer, f"gguf_weight_{index}") for index in range(start, end)]
+            merged = parts[0] if len(parts) == 1 else torch.cat(parts)
+            planar = to_planar(merged, types[start]).view(merged.shape)
+            for index in range(start, end):
+                setattr(layer, f"gguf_weight_{index}", None)
+                layer.gguf_planar[index] = True
+            setattr(layer, f"gguf_weight_{start}", planar)
+        layer.gguf_groups = groups
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.gguf_dense is None and uses_kernels(layer, x):
+            return linear_packed(layer, x, bias)
         return F.linear(x, self.dequantized(layer, x.dtype), bias)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the table: only the looked-up packed rows are dequantized."""
         if layer.gguf_dense is not None:
             return F.embedding(input_ids, layer.gguf_dense)
-        rows = layer.gguf_weight_0.index_select(0, input_ids.reshape(-1))
+        rows = self.file_blocks(layer, 0).index_select(0, input_ids.reshape(-1))
         values = dequantize(rows, layer.gguf_types[0], (rows.shape[0], layer.gguf_in_features), layer.params_dtype)
         return values.view(*input_ids.shape, layer.gguf_in_features)
+
+
+def uses_kernels(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``apply`` runs the Triton kernels: packed shards of kernel types on CUDA, bf16/fp16 ``x``."""
+    return (x.device.type == "cuda" and x.dtype in _KERNEL_DTYPES and x.shape[-1] == layer.gguf_in_features
+            and all(qtype in KERNEL_TYPES for qtype in layer.gguf_types)
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` through the kernels, ``W`` the layer's packed shards (any layout, any
+    kernel type each): one launch per group of merged shards (``layer.gguf_groups``) into its
+    column slice of one ``[..., N]`` output of x's dtype. Runs wherever the kernels run (CUDA, or
+    the CPU under ``TRITON_INTERPRET=1``)."""
+    from .kernels.matmul import gguf_dequantize, gguf_matmul  # Triton: imported only where kernels run
+
+    k = layer.gguf_in_features
+    x2d = x.reshape(-1, k)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    rows, n = x2d.shape[0], sum(layer.gguf_rows)
+    if rows >= DEQUANTIZE_MIN_ROWS:
+        weight = torch.empty(n, k, dtype=x.dtype, device=x.device)
+        for index, start, group_rows in _group_slices(layer):
+            gguf_dequantize(getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], group_rows, k, x.dtype,
+                            planar=layer.gguf_planar[index], out=weight[start:start + group_rows])
+        return F.linear(x, weight, bias)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        for index, start, group_rows in _group_slices(layer):
+            gguf_matmul(x2d, getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], group_rows, k,
+                        planar=layer.gguf_planar[index], out=out[:, start:start + group_rows])
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], n)
+
+
+def _group_slices(layer: nn.Module) -> list[tuple[int, int, int]]:
+    """``[(buffer index, first output row, rows)]`` of the layer's groups of shards."""
+    rows = layer.gguf_rows
+    return [(start, sum(rows[:start]), sum(rows[start:end])) for start, end in layer.gguf_groups]
 
 
 # --- tensor parallelism: this rank's packed rows / bytes ---------------------------------------

@@ -66,7 +66,7 @@ def test_iq_type_raises_a_clear_error():
         dequantize(data, Q.IQ2_XXS, (256,))
     with pytest.raises(UnsupportedQuantTypeError, match=r"type id 9999 is unknown"):
         dequantize(data, 9999, (256,))
-    assert Q.IQ4_XS not in SUPPORTED_TYPES and isinstance(UnsupportedQuantTypeError("x"), ValueError)
+    assert Q.IQ3_S not in SUPPORTED_TYPES and isinstance(UnsupportedQuantTypeError("x"), ValueError)
 
 
 def test_byte_count_and_row_size_are_checked():
@@ -117,3 +117,17 @@ def test_cuda_dequantize_bit_exact_with_gguf_py(qtype, chunked, random_packed, m
     _assert_bit_exact(out.cpu(), _reference(packed, qtype))
     bf16 = dequantize(torch.from_numpy(packed).cuda(), qtype, shape, dtype=torch.bfloat16)
     assert torch.equal(bf16.cpu(), _reference(packed, qtype).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES, key=int), ids=lambda q: q.name)
+def test_dequantize_builds_no_tensor_from_host_values(qtype, random_packed, monkeypatch):
+    # torch.tensor(list, device=cuda) is a host-to-device copy, which CUDA-graph capture refuses
+    packed = torch.from_numpy(random_packed(qtype, rows=3, cols=_cols(qtype), seed=7))
+    expected = dequantize(packed, qtype, (3, _cols(qtype)))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dequantize built a tensor from host values")
+
+    monkeypatch.setattr(torch, "tensor", refuse)
+    monkeypatch.setattr(torch, "as_tensor", refuse)
+    _assert_bit_exact(dequantize(packed, qtype, (3, _cols(qtype))), expected)

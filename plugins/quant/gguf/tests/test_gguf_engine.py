@@ -159,3 +159,15 @@ def test_hub_repo_with_file_loads_from_the_cache_offline(smollm2_gguf_path, tmp_
     for file in ("quant/model-q4_1.gguf", "quant"):
         llm = LLM("fwtest/smollm2-gguf", file=file, num_blocks=16)
         assert llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids == expected
+
+
+def test_gemma3_packed_and_dequantized_paths_give_the_same_greedy_tokens(gemma3_gguf_path, monkeypatch):
+    """Q4_K / Q5_0 / Q6_K / Q8_0 layers kept packed (dequantized in every apply, as the GPU's
+    fallback) against the CPU's dequantize-at-load path."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for keep in ("0", "1"):
+        monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep)
+        llm = LLM(str(gemma3_gguf_path), num_blocks=16)
+        tokens[keep] = [r.outputs[0].token_ids for r in llm.generate(PROMPTS[:2], params)]
+    assert tokens["0"] == tokens["1"] and all(len(ids) == 8 for ids in tokens["0"])

@@ -1,0 +1,202 @@
+"""GGUF packed-weight kernels on the GPU (``fw_gguf.kernels``) against bf16 cuBLAS on the dequantized weight.
+
+    python benchmarks/gguf_kernels.py --out $OUT/gguf_kernels.json
+    python benchmarks/gguf_kernels.py --types Q4_K --layers qkv down --rows 1 --sweep --out $OUT/sweep.json
+    python benchmarks/gguf_kernels.py --tiny     # the script itself on a CPU (TRITON_INTERPRET=1)
+
+For each type, Llama-3-8B layer shape (fused qkv, o, fused gate_up, down, LM head) and row count,
+it first checks the kernels (the dequantize kernel bit-exact in bf16 with the torch reference, the
+matmul within bf16 tolerance of ``x @ W^T`` on that reference), then times, each replayed from a
+CUDA graph over copies of the weight that fill several times the L2 (every call reads from HBM, as
+a decode step does): the matmul at its static setting (``kernel_config``: the TUNED table, else the
+rule), what the method
+runs from ``DEQUANTIZE_MIN_ROWS`` rows on (the dequantize kernel into a matrix, then cuBLAS), and
+cuBLAS on the bf16 matrix. Bandwidth is of the packed bytes, also as a fraction of the H200's
+copy bandwidth. ``--sweep`` times a grid of settings too, reports the fastest and prints them as
+entries for ``fw_gguf.kernels.matmul.TUNED`` (or to fit the rule to); it compiles and times up to
+96 settings per case, so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. Weights are random blocks with small fp16 scales (valid for every type).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from common import COPY_BANDWIDTH, graph_time, write_kernel_report  # noqa: E402
+from fw_gguf.dequant import dequantize  # noqa: E402
+from fw_gguf.kernels.layout import FIELDS, GROUPS, to_planar  # noqa: E402
+from fw_gguf.kernels.matmul import (  # noqa: E402
+    GGUFKernelConfig,
+    gguf_dequantize,
+    gguf_matmul,
+    kernel_config,
+    row_bucket,
+)
+from fw_gguf.method import DEQUANTIZE_MIN_ROWS  # noqa: E402
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
+
+#: ``name: (N, K)`` of each Llama-3-8B linear weight (TP 1) and of the --tiny stand-ins.
+LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "head": (128256, 4096)}
+TINY_LAYERS = {"qkv": (96, 512), "down": (40, 768)}
+TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_K", "Q4_0"]
+#: Bytes of weight copies each timing cycles through: several times the H200's 50 MB L2.
+COLD_BYTES = 512 * 2**20
+_F16_FIELDS = {qtype: [start for start, size in fields if size == 2] for qtype, fields in FIELDS.items()}
+
+
+def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, device: str, generator: torch.Generator) -> torch.Tensor:
+    """``[n, bytes per row]`` random GGUF blocks, every 2-byte field an fp16 of about 1e-3 (both
+    signs): quants random, scales finite, values small. (Q4_1/Q5_1's fp16 min is such a field too.)"""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    total = n * k // block_size
+    blocks = torch.randint(0, 256, (total, type_size), dtype=torch.uint8, device=device, generator=generator)
+    for start in _F16_FIELDS[qtype]:
+        scale = torch.randn(total, 1, device=device, generator=generator) * 1e-3
+        blocks[:, start:start + 2] = scale.half().view(torch.uint8)
+    return blocks.view(n, -1)
+
+
+def sweep_settings(qtype: GGMLQuantizationType, rows: int) -> list[GGUFKernelConfig]:
+    block_size = GROUPS[qtype][0] * GROUPS[qtype][1]
+    steps = (1, 2) if block_size == 256 else (4, 8)
+    if rows <= 8:
+        block_ms = (1, 16) if rows == 1 else (16,)  # one row: elementwise, or padded onto tensor cores
+        return [GGUFKernelConfig(block_m, block_n, nb, split_k, warps, stages)
+                for block_m, block_n, nb, split_k, warps, stages
+                in itertools.product(block_ms, (16, 32, 64), steps, (1, 2, 4, 8), (4, 8), (3,))]
+    return [GGUFKernelConfig(block_m, block_n, nb, 1, warps, stages)
+            for block_m, block_n, nb, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), steps[:1], (4, 8), (2, 3))
+            if block_m <= max(16, triton_next_pow2(rows))]
+
+
+def triton_next_pow2(value: int) -> int:
+    return 1 << (value - 1).bit_length()
+
+
+def timer(tiny: bool):
+    """``time(fn, copies)``: seconds per call of ``fn(copy)`` cycling through ``copies``."""
+    def cuda_time(fn, copies):
+        calls = itertools.cycle(copies)
+        return graph_time(lambda: fn(next(calls)), repeats=max(20, len(copies)))
+
+    def cpu_time(fn, copies):
+        start = time.perf_counter()
+        fn(copies[0])
+        return time.perf_counter() - start
+
+    return cpu_time if tiny else cuda_time
+
+
+def check(qtype, packed, planar, reference, rows, device, generator) -> float:
+    """Raise unless the kernels agree with the torch reference; returns the matmul's relative error."""
+    n, k = reference.shape
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # the interpreter computes bf16 wrongly
+    values = gguf_dequantize(planar, qtype, n, k, dtype, planar=True)
+    if not torch.equal(values, reference.to(dtype)):
+        raise AssertionError(f"{qtype.name} [{n}, {k}]: the dequantize kernel differs from the torch reference")
+    x = torch.randn(rows, k, device=device, generator=generator).to(dtype)
+    expected = x.double() @ reference.double().T
+    error = ((gguf_matmul(x, planar, qtype, n, k, planar=True).double() - expected).abs().max()
+             / expected.abs().max()).item()
+    if error > (1e-5 if dtype == torch.float32 else 2e-2):
+        raise AssertionError(f"{qtype.name} [{n}, {k}] x {rows} rows: matmul relative error {error:.3g}")
+    return error
+
+
+def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
+    packed = random_blocks(qtype, n, k, device, generator)
+    planar = to_planar(packed, qtype)
+    reference = dequantize(packed, qtype, (n, k))
+    error = check(qtype, packed, planar, reference, min(rows, 8) if tiny else rows, device, generator)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    dense = reference.to(dtype)
+    del reference, packed
+    x = torch.randn(rows, k, device=device, generator=generator).to(dtype)
+    copies = [planar] + [planar.clone() for _ in range(0 if tiny else -(-COLD_BYTES // planar.nbytes) - 1)]
+    dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
+    time_it = timer(tiny)
+    rule = kernel_config(qtype, n, k, rows, torch.device(device))
+    kernel_s = time_it(lambda w: gguf_matmul(x, w, qtype, n, k, planar=True, config=rule), copies)
+    scratch = torch.empty(n, k, dtype=dtype, device=device)
+
+    def dequantize_then_cublas(w):
+        return torch.nn.functional.linear(x, gguf_dequantize(w, qtype, n, k, dtype, planar=True, out=scratch))
+
+    dequant_s = time_it(dequantize_then_cublas, copies)
+    cublas_s = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies)
+    packed_bytes = planar.numel()
+    result = {"type": qtype.name, "n": n, "k": k, "rows": rows, "packed_bytes": packed_bytes, "check_rel_error": error,
+              "rule": rule.__dict__, "rule_us": kernel_s * 1e6, "rule_gb_s": packed_bytes / kernel_s / 1e9,
+              "rule_copy_fraction": packed_bytes / kernel_s / COPY_BANDWIDTH,
+              "dequant_cublas_us": dequant_s * 1e6, "cublas_bf16_us": cublas_s * 1e6,
+              "cublas_bf16_tb_s": dense.nbytes / cublas_s / 1e12,
+              "method_path": "dequantize+cublas" if rows >= DEQUANTIZE_MIN_ROWS else "kernel"}
+    if sweep:
+        expected = gguf_matmul(x, planar, qtype, n, k, planar=True, config=rule).float()
+        settings, refused = [], []
+        for config in sweep_settings(qtype, rows):
+            try:  # a setting may need more shared memory than an SM has: report it, time the rest
+                error = (gguf_matmul(x, planar, qtype, n, k, planar=True, config=config).float() - expected).abs().max()
+            except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
+                refused.append({**config.__dict__, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
+            if error > 0.05 * expected.abs().max():  # a wrong setting must not win
+                refused.append({**config.__dict__, "error": f"wrong result, error {error.item():.3g}"})
+                print(f"  WRONG: {qtype.name} {rows}x{k} @ {n}x{k} at {config}: error {error.item():.3g}")
+                continue
+            seconds = time_it(lambda w, config=config: gguf_matmul(x, w, qtype, n, k, planar=True, config=config), copies)
+            settings.append({**config.__dict__, "us": seconds * 1e6})
+        best = min(settings, key=lambda s: s["us"])
+        result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings,
+                      refused=refused)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", nargs="+", default=TYPES, choices=sorted(t.name for t in GROUPS))
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512])
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of settings per case")
+    parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU under the interpreter")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    tiny = args.tiny or not torch.cuda.is_available()
+    device = "cpu" if tiny else "cuda"
+    layers = TINY_LAYERS if tiny else {name: LAYERS[name] for name in args.layers}
+    rows_list = [1, 3, 17] if tiny else args.rows
+    generator = torch.Generator(device).manual_seed(0)
+    results = []
+    print(f"{'type':6s} {'layer':8s} {'N':>6s} {'K':>6s} {'rows':>4s} {'kernel us':>10s} {'GB/s':>7s} {'copy%':>6s} "
+          f"{'deq+cuBLAS us':>13s} {'bf16 cuBLAS us':>14s} {'best us':>8s}")
+    for type_name, (name, (n, k)), rows in itertools.product(args.types, layers.items(), rows_list):
+        qtype = GGMLQuantizationType[type_name]
+        result = {"layer": name, **measure(qtype, n, k, rows, args.sweep, tiny, device, generator)}
+        results.append(result)
+        best = f"{result['best']['us']:8.1f}" if "best" in result else "-"
+        print(f"{type_name:6s} {name:8s} {n:6d} {k:6d} {rows:4d} {result['rule_us']:10.1f} {result['rule_gb_s']:7.0f} "
+              f"{100 * result['rule_copy_fraction']:5.1f}% {result['dequant_cublas_us']:13.1f} "
+              f"{result['cublas_bf16_us']:14.1f} {best:>8s}", flush=True)
+        if not tiny:
+            torch.cuda.empty_cache()
+    if args.sweep:
+        print("# fw_gguf.kernels.matmul.TUNED entries (the sweep's fastest per case):")
+        name = "cpu" if tiny else torch.cuda.get_device_name(0)
+        for r in results:
+            best = {key: value for key, value in r["best"].items() if key != "us"}
+            print(f"    ({name!r}, {r['type']!r}, {r['n']}, {r['k']}, {row_bucket(r['rows'])}): GGUFKernelConfig(**{best}),")
+    if args.out:
+        write_kernel_report(args.out, results, copy_bandwidth=COPY_BANDWIDTH, tiny=tiny,
+                            dequantize_min_rows=DEQUANTIZE_MIN_ROWS)
+
+
+if __name__ == "__main__":
+    main()

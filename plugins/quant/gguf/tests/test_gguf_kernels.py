@@ -1,0 +1,213 @@
+"""fw_gguf.kernels under the Triton interpreter (fp32; the interpreter computes bf16 wrongly): the
+dequantize kernel bit-exact with the torch reference for every type and both layouts, the GEMV and
+tensor-core forms of the matmul against dequantize-then-matmul, and the method's per-shard launches;
+plus sm_90 compilation of the main variants."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from framework.testing import HopperCompile, compile_for_hopper, interpreted, require_triton
+
+require_triton()
+
+from fw_gguf.dequant import dequantize  # noqa: E402
+from fw_gguf.kernels import matmul as matmul_module  # noqa: E402
+from fw_gguf.kernels.layout import FIELDS, GROUPS, KERNEL_TYPES, from_planar, to_planar  # noqa: E402
+from fw_gguf.kernels.matmul import (  # noqa: E402
+    GGUFKernelConfig,
+    gguf_dequantize,
+    gguf_matmul,
+    kernel_config,
+    matmul_config,
+)
+
+TYPES = sorted(KERNEL_TYPES, key=int)
+# gguf-py quantizes these itself: blocks from an independent packer; the others are random bytes
+QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+
+
+def _block_size(qtype: Q) -> int:
+    return gguf.GGML_QUANT_SIZES[qtype][0]
+
+
+def _weights(qtype: Q, n: int, k: int, seed: int, random_packed) -> torch.Tensor:
+    if qtype in QUANTIZABLE:
+        rng = np.random.default_rng(seed)
+        values = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2, (n, 1))).astype(np.float32)
+        return torch.from_numpy(gguf.quants.quantize(values, qtype))
+    return torch.from_numpy(random_packed(qtype, n, k, seed=seed))
+
+
+def _layout(packed: torch.Tensor, qtype: Q, planar: bool) -> torch.Tensor:
+    return to_planar(packed, qtype) if planar else packed.reshape(-1).contiguous()
+
+
+def _assert_bit_exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype == torch.float32 and actual.shape == expected.shape
+    assert expected.abs().sum() > 0
+    assert torch.equal(actual.view(torch.int32), expected.view(torch.int32))
+
+
+def test_fields_tile_every_block_and_planar_round_trips(random_packed):
+    for qtype, fields in FIELDS.items():
+        ends = [start + size for start, size in fields]
+        assert [start for start, _ in fields] == [0, *ends[:-1]] and ends[-1] == gguf.GGML_QUANT_SIZES[qtype][1]
+        assert GROUPS[qtype][0] * GROUPS[qtype][1] == _block_size(qtype)
+        packed = torch.from_numpy(random_packed(qtype, 3, 2 * _block_size(qtype), seed=1))
+        planar = to_planar(packed, qtype)
+        assert planar.numel() == packed.numel() and not torch.equal(planar, packed.reshape(-1))
+        assert torch.equal(from_planar(planar, qtype), packed.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]))
+
+
+@interpreted
+@pytest.mark.parametrize("planar", [False, True], ids=["gguf", "planar"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_dequantize_kernel_is_bit_exact_with_the_torch_reference(qtype, planar, random_packed):
+    n, k = 19, 3 * _block_size(qtype)  # rows and blocks that do not fill the kernel's tiles
+    packed = torch.from_numpy(random_packed(qtype, n, k, seed=int(qtype)))
+    expected = dequantize(packed, qtype, (n, k))
+    _assert_bit_exact(gguf_dequantize(_layout(packed, qtype, planar), qtype, n, k, torch.float32, planar=planar),
+                      expected)
+    out = torch.full((n, k + 5), 7.0)  # into a column slice, as a fused layer's shard
+    gguf_dequantize(_layout(packed, qtype, planar), qtype, n, k, torch.float32, planar=planar, out=out[:, 2:2 + k])
+    _assert_bit_exact(out[:, 2:2 + k], expected)
+    assert (out[:, :2] == 7).all() and (out[:, 2 + k:] == 7).all()
+
+
+def _check_matmul(qtype, planar, rows, n, k, seed, random_packed, config=None):
+    packed = _weights(qtype, n, k, seed, random_packed)
+    weight = dequantize(packed, qtype, (n, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    expected = x.double() @ weight.double().T
+    got = gguf_matmul(x, _layout(packed, qtype, planar), qtype, n, k, planar=planar, config=config)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 64])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_matmul_matches_dequantize_then_matmul_for_every_row_count(qtype, rows, random_packed):
+    # odd N (partial N tile), K = 3 blocks (partial K step for 32-value types)
+    _check_matmul(qtype, True, rows, 37, 3 * _block_size(qtype) if _block_size(qtype) == 256 else 96,
+                  rows, random_packed)
+
+
+@interpreted
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t not in (Q.Q8_0, Q.Q4_K, Q.Q6_K)], ids=lambda q: q.name)
+def test_matmul_of_every_other_type_in_both_forms_and_layouts(qtype, random_packed):
+    k = 2 * _block_size(qtype) if _block_size(qtype) == 256 else 288
+    for planar in (False, True):
+        _check_matmul(qtype, planar, 1, 21, k, int(qtype), random_packed)
+        _check_matmul(qtype, planar, 5, 21, k, int(qtype) + 1, random_packed)
+
+
+@interpreted
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_split_k_partials_sum_to_the_same_result(split_k, random_packed):
+    # 5 blocks over 3 or 8 splits leaves splits with one block or none (they store zeros)
+    for block_m in (1, 16):
+        config = GGUFKernelConfig(block_m=block_m, block_n=16, blocks_per_step=1, split_k=split_k)
+        _check_matmul(Q.Q4_K, True, 2 if block_m > 1 else 1, 23, 5 * 256, split_k, random_packed, config)
+        _check_matmul(Q.Q8_0, False, 1, 23, 5 * 32, split_k, random_packed, config)
+
+
+def test_static_config_rule():
+    one = matmul_config(Q.Q4_K, 4096, 4096, 1)
+    assert (one.block_m, one.blocks_per_step, one.split_k) == (1, 1, 4)  # 128 N blocks x 2 < 264 programs
+    assert matmul_config(Q.Q8_0, 4096, 4096, 1).blocks_per_step == 8
+    assert matmul_config(Q.Q4_K, 128256, 4096, 1).split_k == 1
+    assert matmul_config(Q.Q4_K, 4096, 4096, 8).block_m == 16
+    batch = matmul_config(Q.Q4_K, 4096, 4096, 64)  # 64 programs (128 split in two) < 132 SMs: split in 4
+    assert (batch.block_m, batch.block_n, batch.split_k) == (64, 64, 4)
+    big = matmul_config(Q.Q6_K, 28672, 4096, 200)
+    assert (big.block_m, big.block_n, big.split_k) == (64, 128, 1)
+
+
+def test_a_tuned_setting_replaces_the_rule_for_its_device_shape_and_rows(monkeypatch):
+    tuned = GGUFKernelConfig(block_m=16, block_n=16, blocks_per_step=2, split_k=3)
+    monkeypatch.setitem(matmul_module.TUNED, ("cpu", "Q4_K", 4096, 4096, 8), tuned)
+    cpu = torch.device("cpu")
+    assert [kernel_config(Q.Q4_K, 4096, 4096, rows, cpu) for rows in (2, 8)] == [tuned, tuned]
+    assert kernel_config(Q.Q4_K, 4096, 4096, 1, cpu) == matmul_config(Q.Q4_K, 4096, 4096, 1)
+    assert kernel_config(Q.Q6_K, 4096, 4096, 8, cpu) == matmul_config(Q.Q6_K, 4096, 4096, 8)
+
+
+def test_wrong_sizes_and_types_are_refused():
+    with pytest.raises(ValueError, match="no GGUF kernel for IQ2_XXS"):
+        gguf_matmul(torch.zeros(1, 256), torch.zeros(66, dtype=torch.uint8), Q.IQ2_XXS, 1, 256)
+    with pytest.raises(ValueError, match=r"Q4_K \[2, 256\] needs 288 packed bytes"):
+        gguf_matmul(torch.zeros(1, 256), torch.zeros(144, dtype=torch.uint8), Q.Q4_K, 2, 256)
+    with pytest.raises(ValueError, match="not a whole number of 32-value blocks"):
+        gguf_dequantize(torch.zeros(34, dtype=torch.uint8), Q.Q8_0, 1, 40, torch.float32)
+
+
+MATMUL = "fw_gguf.kernels.matmul:_matmul_kernel"
+
+
+def _case(qtype, block_m, block_n, split_k, planar=True, warps=4, stages=3, out="*bf16"):
+    groups, size = GROUPS[qtype]
+    nb = max(1, 256 // (groups * size))
+    return HopperCompile(MATMUL, {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32" if split_k > 1 else out},
+                         dict(QTYPE=int(qtype), PLANAR=planar, G=groups, S=size, BLOCK_M=block_m, BLOCK_N=block_n,
+                              NB=nb, SPLIT_K=split_k), options=dict(num_warps=warps, num_stages=stages))
+
+
+def test_kernels_compile_for_hopper():
+    cases = [
+        _case(Q.Q4_K, 1, 32, 2),  # the decode GEMV, K split
+        _case(Q.Q8_0, 1, 32, 1),
+        _case(Q.Q6_K, 16, 32, 1, planar=False),  # 2-8 rows on tensor cores, the file's layout
+        _case(Q.IQ4_XS, 64, 128, 1, warps=8, stages=2),  # batch tiles
+        HopperCompile("fw_gguf.kernels.matmul:_dequantize_kernel", {"w_ptr": "*u8", "out_ptr": "*bf16"},
+                      dict(QTYPE=int(Q.Q3_K), PLANAR=True, G=16, S=16, BLOCK_N=16, NB=1),
+                      options=dict(num_warps=4, enable_fp_fusion=False)),
+        HopperCompile("fw_gguf.kernels.matmul:_sum_splits_kernel", {"partial_ptr": "*fp32", "out_ptr": "*bf16"},
+                      dict(SPLIT_K=4, BLOCK=1024), options=dict(num_warps=4)),
+    ]
+    ptx = compile_for_hopper(cases)
+    assert all(".target sm_90" in text for text in ptx)
+    assert all("mma" in text for text in ptx[2:4]) and "mma" not in ptx[0]
+    assert "fma" not in ptx[4]  # dequantization rounds the product and the offset separately
+
+
+@interpreted
+def test_method_merges_same_type_shards_and_launches_once_per_group(gemma3_gguf_path, monkeypatch):
+    """Gemma 3's qkv_proj (Q4_K q and k beside a different v type) through the method's kernel
+    path, in the file's layout and after the GPU's load-time merge of q and k into one planar
+    matrix, against dequantize-then-matmul; the file's bytes stay recoverable shard by shard."""
+    from fw_gguf import method
+
+    from framework import LLM
+
+    monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
+    model = LLM(str(gemma3_gguf_path), num_blocks=16).engine.core.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    types = [t.name for t in qkv.gguf_types]
+    assert types[0] == types[1] != types[2], types
+    expected_weight = qkv.linear_method.dequantized(qkv, torch.float32)
+    x = torch.randn(2, 1, qkv.gguf_in_features, generator=torch.Generator().manual_seed(0))
+    expected = (x.double() @ expected_weight.double().T).float()
+    tol = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    launches = []
+    real = matmul_module.gguf_matmul
+    monkeypatch.setattr(matmul_module, "gguf_matmul", lambda x, w, qtype, n, *a, **kw: launches.append(n) or
+                        real(x, w, qtype, n, *a, **kw))
+    torch.testing.assert_close(method.linear_packed(qkv, x), expected, **tol)
+    assert launches == qkv.gguf_rows  # one per shard in the file's layout
+    file_bytes = [getattr(qkv, f"gguf_weight_{i}").clone() for i in range(3)]
+    qkv.linear_method._to_kernel_layout(qkv)
+    assert qkv.gguf_groups == [(0, 2), (2, 3)] and qkv.gguf_planar == [True] * 3 and qkv.gguf_weight_1 is None
+    assert qkv.gguf_weight_0.shape == (qkv.gguf_rows[0] + qkv.gguf_rows[1], file_bytes[0].shape[1])
+    assert all(torch.equal(qkv.linear_method.file_blocks(qkv, i), file_bytes[i]) for i in range(3))
+    assert torch.equal(qkv.linear_method.dequantized(qkv, torch.float32), expected_weight)
+    launches.clear()
+    torch.testing.assert_close(method.linear_packed(qkv, x), expected, **tol)
+    assert launches == [qkv.gguf_rows[0] + qkv.gguf_rows[1], qkv.gguf_rows[2]]
+    monkeypatch.setattr(method, "DEQUANTIZE_MIN_ROWS", 2)  # the dequantize-then-cuBLAS form
+    torch.testing.assert_close(method.linear_packed(qkv, x), expected, **tol)
