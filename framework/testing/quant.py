@@ -120,7 +120,10 @@ def _check_graph_replay(what: str, run: Callable[[Tensor], Tensor], example: Ten
         fresh = torch.randn(example.shape, generator=generator).to(example)
         static.copy_(fresh)
         graph.replay()
-        torch.testing.assert_close(captured, run(fresh), msg=lambda m: f"{what} in a CUDA graph: {m}")
+        # the captured path may differ from the eager one (a packed MoE method dequantizes every
+        # expert inside a capture, loops over the experts hit outside it), so both are held to the
+        # dtype's tolerance of the largest output, as against the reference
+        _check_close(f"{what} in a CUDA graph", captured, run(fresh).float(), example.dtype)
 
 
 def _linear_layers(hidden: int) -> dict[str, tuple[dict[str, tuple[int, int]], Callable]]:
