@@ -145,7 +145,8 @@ def test_load_error_is_shown_and_exits_non_zero(launch_fw_server, free_tcp_port,
     assert "could not load the model" in proc_output and "no-model-here" in proc_output
 
 
-def test_serve_options_reach_the_engine_and_the_server(monkeypatch):
+def _serve_runner(monkeypatch):
+    """``(runner, app, calls)``: ``fw serve`` as a Typer app whose ``run_server`` records its arguments."""
     from typer import Typer
     from typer.testing import CliRunner
 
@@ -157,7 +158,11 @@ def test_serve_options_reach_the_engine_and_the_server(monkeypatch):
     app = Typer()
     app.command("serve")(serve_cmd.serve)
     app.command("other")(lambda: None)
-    runner = CliRunner()
+    return CliRunner(), app, calls
+
+
+def test_serve_options_reach_the_engine_and_the_server(monkeypatch):
+    runner, app, calls = _serve_runner(monkeypatch)
     result = runner.invoke(app, ["serve", "--h", "[::1]:9000", "--disable-prefix-cache", "--disable-cuda-graph",
                                  "--api-key", "a", "--api-key", "b", "--max-gen-tokens", "7", "--num-blocks", "64"])
     assert result.exit_code == 0, result.output
@@ -172,18 +177,7 @@ def test_serve_options_reach_the_engine_and_the_server(monkeypatch):
 
 
 def test_serve_request_limits_reach_the_server_and_are_checked(monkeypatch):
-    from typer import Typer
-    from typer.testing import CliRunner
-
-    from cli import serve_cmd
-    from framework.server import launcher
-
-    calls = []
-    monkeypatch.setattr(launcher, "run_server", lambda *args, **kwargs: calls.append((args, kwargs)) or 0)
-    app = Typer()
-    app.command("serve")(serve_cmd.serve)
-    app.command("other")(lambda: None)
-    runner = CliRunner()
+    runner, app, calls = _serve_runner(monkeypatch)
     result = runner.invoke(app, ["serve"])
     assert result.exit_code == 0, result.output
     (_, config, _), kwargs = calls[-1]
