@@ -5,6 +5,8 @@ plus sm_90 compilation of the main variants."""
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -150,12 +152,13 @@ def test_wrong_sizes_and_types_are_refused():
 MATMUL = "fw_gguf.kernels.matmul:_matmul_kernel"
 
 
-def _case(qtype, block_m, block_n, split_k, planar=True, warps=4, stages=3, out="*bf16"):
+def _case(qtype, block_m, block_n, split_k, planar=True, warps=4, stages=3, out="*bf16", divisible_by_16=()):
     groups, size = GROUPS[qtype]
     nb = max(1, 256 // (groups * size))
     return HopperCompile(MATMUL, {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32" if split_k > 1 else out},
                          dict(QTYPE=int(qtype), PLANAR=planar, G=groups, S=size, BLOCK_M=block_m, BLOCK_N=block_n,
-                              NB=nb, SPLIT_K=split_k), options=dict(num_warps=warps, num_stages=stages))
+                              NB=nb, SPLIT_K=split_k), options=dict(num_warps=warps, num_stages=stages),
+                         divisible_by_16=divisible_by_16)
 
 
 def test_kernels_compile_for_hopper():
@@ -174,6 +177,39 @@ def test_kernels_compile_for_hopper():
     assert all(".target sm_90" in text for text in ptx)
     assert all("mma" in text for text in ptx[2:4]) and "mma" not in ptx[0]
     assert "fma" not in ptx[4]  # dequantization rounds the product and the offset separately
+
+
+# What a GPU launch of an aligned planar weight compiles: torch allocations are 256-byte aligned and
+# T (blocks in all) is a multiple of 16 for model shapes, and Triton's launcher specializes on both.
+# x is left unaligned, so that every 16-byte load in the PTX is one of the weight's.
+ALIGNED_WEIGHT = ("w_ptr", "out_ptr", "T", "N", "K")
+
+
+def _weight_loads(ptx: str) -> dict[str, int]:
+    """``{form: count}`` of the global loads in ``ptx``; a ``cp.async`` form says its bytes."""
+    counts: dict[str, int] = {}
+    for form, operands in re.findall(r"(ld\.global[.\w]*|cp\.async\.c[ag]\.shared\.global)([^;]*);", ptx):
+        key = form + (" " + str(int(operands.split(",")[2], 16)) if form.startswith("cp.async") else "")
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_planar_weight_bytes_are_read_with_16_byte_loads():
+    """The quant bytes of an aligned planar weight come in ``ld.global.v4.b32`` (the GEMV) or 16-byte
+    ``cp.async`` (the tensor-core tiles): none byte by byte. The GEMV's count is at least the
+    quant bytes each of its 128 threads reads (Q6_K reads each ql / qh byte once per element it
+    holds, so twice or four times that)."""
+    types = (Q.Q8_0, Q.Q4_K, Q.Q6_K)
+    quant_bytes = {Q.Q8_0: 32 * 8 * 32, Q.Q4_K: 32 * 128, Q.Q6_K: 32 * 192}  # BLOCK_N rows x NB blocks
+    cases = [_case(t, 1, 32, 1, divisible_by_16=ALIGNED_WEIGHT) for t in types]
+    cases += [_case(t, 16, 32, 1, divisible_by_16=ALIGNED_WEIGHT) for t in types]
+    ptx = compile_for_hopper(cases)
+    for qtype, gemv, dot in zip(types, ptx[:3], ptx[3:]):
+        gemv_loads, dot_loads = _weight_loads(gemv), _weight_loads(dot)
+        assert "ld.global.b8" not in gemv_loads and "ld.global.b8" not in dot_loads, (qtype.name, gemv_loads, dot_loads)
+        assert gemv_loads.get("ld.global.v4.b32", 0) >= quant_bytes[qtype] // 128 // 16, (qtype.name, gemv_loads)
+        assert dot_loads.get("cp.async.cg.shared.global 16", 0) >= quant_bytes[qtype] // 2 // 128 // 16, \
+            (qtype.name, dot_loads)
 
 
 @interpreted
