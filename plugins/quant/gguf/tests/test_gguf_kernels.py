@@ -119,6 +119,23 @@ def test_split_k_partials_sum_to_the_same_result(split_k, random_packed):
         _check_matmul(Q.Q8_0, False, 1, 23, 5 * 32, split_k, random_packed, config)
 
 
+@interpreted
+@pytest.mark.parametrize("planar", [False, True], ids=["gguf", "planar"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda q: q.name)
+def test_gemv_with_x_shared_across_rows_matches_dequantize_then_matmul(qtype, planar, random_packed):
+    # partial N tile, a partial K step for 32-value types, and K split with an empty split
+    nb = 1 if _block_size(qtype) == 256 else 2
+    k = 3 * _block_size(qtype)
+    for split_k in (1, 4):
+        config = GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=nb, split_k=split_k, shared_x=True)
+        _check_matmul(qtype, planar, 1, 21, k, int(qtype) + split_k, random_packed, config)
+
+
+def test_shared_x_is_refused_outside_the_gemv():
+    with pytest.raises(ValueError, match="shared_x is a form of the 1-row GEMV"):
+        GGUFKernelConfig(block_m=16, block_n=32, blocks_per_step=1, shared_x=True)
+
+
 def test_static_config_rule():
     one = matmul_config(Q.Q4_K, 4096, 4096, 1)
     assert (one.block_m, one.blocks_per_step, one.split_k) == (1, 1, 4)  # 128 N blocks x 2 < 264 programs
@@ -129,6 +146,7 @@ def test_static_config_rule():
     assert (batch.block_m, batch.block_n, batch.split_k) == (64, 64, 4)
     big = matmul_config(Q.Q6_K, 28672, 4096, 200)
     assert (big.block_m, big.block_n, big.split_k) == (64, 128, 1)
+    assert not any(matmul_config(Q.Q4_K, 4096, 4096, rows).shared_x for rows in (1, 8, 64))  # opt-in
 
 
 def test_a_tuned_setting_replaces_the_rule_for_its_device_shape_and_rows(monkeypatch):
@@ -152,12 +170,14 @@ def test_wrong_sizes_and_types_are_refused():
 MATMUL = "fw_gguf.kernels.matmul:_matmul_kernel"
 
 
-def _case(qtype, block_m, block_n, split_k, planar=True, warps=4, stages=3, out="*bf16", divisible_by_16=()):
+def _case(qtype, block_m, block_n, split_k, planar=True, warps=4, stages=3, out="*bf16", divisible_by_16=(),
+          shared_x=False):
     groups, size = GROUPS[qtype]
     nb = max(1, 256 // (groups * size))
     return HopperCompile(MATMUL, {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32" if split_k > 1 else out},
                          dict(QTYPE=int(qtype), PLANAR=planar, G=groups, S=size, BLOCK_M=block_m, BLOCK_N=block_n,
-                              NB=nb, SPLIT_K=split_k), options=dict(num_warps=warps, num_stages=stages),
+                              NB=nb, SPLIT_K=split_k, SHARED_X=shared_x),
+                         options=dict(num_warps=warps, num_stages=stages),
                          divisible_by_16=divisible_by_16)
 
 
@@ -210,6 +230,22 @@ def test_planar_weight_bytes_are_read_with_16_byte_loads():
         assert gemv_loads.get("ld.global.v4.b32", 0) >= quant_bytes[qtype] // 128 // 16, (qtype.name, gemv_loads)
         assert dot_loads.get("cp.async.cg.shared.global 16", 0) >= quant_bytes[qtype] // 2 // 128 // 16, \
             (qtype.name, dot_loads)
+
+
+def test_shared_x_gemv_reads_x_once_per_program():
+    """With x aligned too, the per-row GEMV reads x in each row's threads (8 more 16-byte loads a
+    thread than the weight's alone), the shared form once per program (at most 4 bytes a thread),
+    through shared memory; the weight's 16-byte loads are the same in both."""
+    types = (Q.Q8_0, Q.Q4_K, Q.Q6_K)
+    aligned = ALIGNED_WEIGHT + ("x_ptr",)
+    ptx = compile_for_hopper([_case(t, 1, 32, 1, divisible_by_16=d, shared_x=shared) for shared, d in
+                              ((False, ALIGNED_WEIGHT), (False, aligned), (True, aligned)) for t in types])
+    for index, qtype in enumerate(types):
+        weight_only, per_row, shared = (_weight_loads(ptx[index + 3 * form]) for form in range(3))
+        wide = weight_only["ld.global.v4.b32"]
+        assert per_row["ld.global.v4.b32"] == wide + 8, (qtype.name, weight_only, per_row)  # 256 x 32 bf16 / 128
+        assert shared["ld.global.v4.b32"] == wide and shared.get("ld.global.b32", 0) >= 1, (qtype.name, shared)
+        assert "st.shared" in ptx[index + 6]
 
 
 @interpreted
