@@ -1,7 +1,7 @@
 """fw_gguf.kernels under the Triton interpreter (fp32; the interpreter computes bf16 wrongly): the
 dequantize kernel bit-exact with the torch reference for every type and both layouts, the GEMV and
 tensor-core forms of the matmul against dequantize-then-matmul, and the method's per-shard launches;
-plus sm_90 compilation of the main variants."""
+plus sm_90 compilation of the main variants and the width of their global loads."""
 
 from __future__ import annotations
 
@@ -230,6 +230,11 @@ def test_planar_weight_bytes_are_read_with_16_byte_loads():
         assert gemv_loads.get("ld.global.v4.b32", 0) >= quant_bytes[qtype] // 128 // 16, (qtype.name, gemv_loads)
         assert dot_loads.get("cp.async.cg.shared.global 16", 0) >= quant_bytes[qtype] // 2 // 128 // 16, \
             (qtype.name, dot_loads)
+
+
+def test_alignment_facts_must_name_kernel_arguments():
+    with pytest.raises(ValueError, match=r"has no arguments \['w'\] to compile as multiples of 16"):
+        compile_for_hopper([_case(Q.Q8_0, 1, 32, 1, divisible_by_16=("w",))])
 
 
 def test_shared_x_gemv_reads_x_once_per_program():
