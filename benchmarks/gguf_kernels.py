@@ -14,7 +14,7 @@ runs from ``DEQUANTIZE_MIN_ROWS`` rows on (the dequantize kernel into a matrix, 
 cuBLAS on the bf16 matrix. Bandwidth is of the packed bytes, also as a fraction of the H200's
 copy bandwidth. ``--sweep`` times a grid of settings too, reports the fastest and prints them as
 entries for ``fw_gguf.kernels.matmul.TUNED`` (or to fit the rule to); it compiles and times up to
-96 settings per case, so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. Weights are random blocks with small fp16 scales (valid for every type).
+144 settings per case (the 1-row GEMV with x read per row and shared), so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. Weights are random blocks with small fp16 scales (valid for every type).
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def sweep_settings(qtype: GGMLQuantizationType, rows: int) -> list[GGUFKernelCon
     steps = (1, 2) if block_size == 256 else (4, 8)
     if rows <= 8:
         block_ms = (1, 16) if rows == 1 else (16,)  # one row: elementwise, or padded onto tensor cores
-        return [GGUFKernelConfig(block_m, block_n, nb, split_k, warps, stages)
-                for block_m, block_n, nb, split_k, warps, stages
-                in itertools.product(block_ms, (16, 32, 64), steps, (1, 2, 4, 8), (4, 8), (3,))]
+        return [GGUFKernelConfig(block_m, block_n, nb, split_k, warps, stages, shared_x)
+                for block_m, block_n, nb, split_k, warps, stages, shared_x
+                in itertools.product(block_ms, (16, 32, 64), steps, (1, 2, 4, 8), (4, 8), (3,), (False, True))
+                if block_m == 1 or not shared_x]
     return [GGUFKernelConfig(block_m, block_n, nb, 1, warps, stages)
             for block_m, block_n, nb, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), steps[:1], (4, 8), (2, 3))
             if block_m <= max(16, triton_next_pow2(rows))]

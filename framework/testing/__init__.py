@@ -606,8 +606,10 @@ interpreted = pytest.mark.skipif('os.environ.get("TRITON_INTERPRET") != "1"',
 class HopperCompile(NamedTuple):
     """One kernel variant for :func:`compile_for_hopper`: the kernel as ``"module:name"``, the types
     of its pointer arguments (``"*bf16"``, ``"*i32"``...), its constexpr values, which other
-    arguments are 64-bit ints or fp32 scalars (the rest are 32-bit ints), and compile options
-    (``num_warps``, ``num_stages``)."""
+    arguments are 64-bit ints or fp32 scalars (the rest are 32-bit ints), compile options
+    (``num_warps``, ``num_stages``), and which arguments to compile as multiples of 16: Triton's
+    launcher specializes a kernel so for a 16-byte-aligned pointer or an int divisible by 16, and
+    vectorized loads depend on it, so list them to see the PTX a GPU launch with such values runs."""
 
     kernel: str
     pointer_types: dict[str, str]
@@ -615,6 +617,7 @@ class HopperCompile(NamedTuple):
     int64_args: tuple[str, ...] = ()
     float_args: tuple[str, ...] = ()
     options: dict[str, Any] | None = None
+    divisible_by_16: tuple[str, ...] = ()
 
 
 def compile_for_hopper(cases: list[HopperCompile]) -> list[str]:
@@ -652,15 +655,21 @@ def _compile_for_hopper_here(cases: list[HopperCompile]) -> list[str]:
     for case in cases:
         module, name = case.kernel.split(":")
         kernel = getattr(importlib.import_module(module), name)
+        unknown = set(case.divisible_by_16) - set(inspect.signature(kernel.fn).parameters)
+        if unknown:
+            raise ValueError(f"{case.kernel} has no arguments {sorted(unknown)} to compile as multiples of 16")
         signature = {}
-        for arg in inspect.signature(kernel.fn).parameters:
+        attrs = {}
+        for index, arg in enumerate(inspect.signature(kernel.fn).parameters):
+            if arg in case.divisible_by_16:
+                attrs[(index,)] = [["tt.divisibility", 16]]
             if arg in case.constexprs:
                 signature[arg] = "constexpr"
             elif arg in case.pointer_types:
                 signature[arg] = case.pointer_types[arg]
             else:
                 signature[arg] = "i64" if arg in case.int64_args else "fp32" if arg in case.float_args else "i32"
-        source = ASTSource(kernel, signature, constexprs=case.constexprs)
+        source = ASTSource(kernel, signature, constexprs=case.constexprs, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=case.options or {})
         if compiled.metadata.shared > HOPPER_SHARED_MEMORY:  # Triton itself checks this only when loading on a GPU
             raise ValueError(f"{case.kernel} {case.constexprs} needs {compiled.metadata.shared} bytes of shared memory; "

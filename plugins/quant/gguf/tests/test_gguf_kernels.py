@@ -1,9 +1,11 @@
 """fw_gguf.kernels under the Triton interpreter (fp32; the interpreter computes bf16 wrongly): the
 dequantize kernel bit-exact with the torch reference for every type and both layouts, the GEMV and
 tensor-core forms of the matmul against dequantize-then-matmul, and the method's per-shard launches;
-plus sm_90 compilation of the main variants."""
+plus sm_90 compilation of the main variants and the width of their global loads."""
 
 from __future__ import annotations
+
+import re
 
 import gguf
 import numpy as np
@@ -117,6 +119,23 @@ def test_split_k_partials_sum_to_the_same_result(split_k, random_packed):
         _check_matmul(Q.Q8_0, False, 1, 23, 5 * 32, split_k, random_packed, config)
 
 
+@interpreted
+@pytest.mark.parametrize("planar", [False, True], ids=["gguf", "planar"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda q: q.name)
+def test_gemv_with_x_shared_across_rows_matches_dequantize_then_matmul(qtype, planar, random_packed):
+    # partial N tile, a partial K step for 32-value types, and K split with an empty split
+    nb = 1 if _block_size(qtype) == 256 else 2
+    k = 3 * _block_size(qtype)
+    for split_k in (1, 4):
+        config = GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=nb, split_k=split_k, shared_x=True)
+        _check_matmul(qtype, planar, 1, 21, k, int(qtype) + split_k, random_packed, config)
+
+
+def test_shared_x_is_refused_outside_the_gemv():
+    with pytest.raises(ValueError, match="shared_x is a form of the 1-row GEMV"):
+        GGUFKernelConfig(block_m=16, block_n=32, blocks_per_step=1, shared_x=True)
+
+
 def test_static_config_rule():
     one = matmul_config(Q.Q4_K, 4096, 4096, 1)
     assert (one.block_m, one.blocks_per_step, one.split_k) == (1, 1, 4)  # 128 N blocks x 2 < 264 programs
@@ -127,6 +146,7 @@ def test_static_config_rule():
     assert (batch.block_m, batch.block_n, batch.split_k) == (64, 64, 4)
     big = matmul_config(Q.Q6_K, 28672, 4096, 200)
     assert (big.block_m, big.block_n, big.split_k) == (64, 128, 1)
+    assert not any(matmul_config(Q.Q4_K, 4096, 4096, rows).shared_x for rows in (1, 8, 64))  # opt-in
 
 
 def test_a_tuned_setting_replaces_the_rule_for_its_device_shape_and_rows(monkeypatch):
@@ -150,12 +170,15 @@ def test_wrong_sizes_and_types_are_refused():
 MATMUL = "fw_gguf.kernels.matmul:_matmul_kernel"
 
 
-def _case(qtype, block_m, block_n, split_k, planar=True, warps=4, stages=3, out="*bf16"):
+def _case(qtype, block_m, block_n, split_k, planar=True, warps=4, stages=3, out="*bf16", divisible_by_16=(),
+          shared_x=False):
     groups, size = GROUPS[qtype]
     nb = max(1, 256 // (groups * size))
     return HopperCompile(MATMUL, {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32" if split_k > 1 else out},
                          dict(QTYPE=int(qtype), PLANAR=planar, G=groups, S=size, BLOCK_M=block_m, BLOCK_N=block_n,
-                              NB=nb, SPLIT_K=split_k), options=dict(num_warps=warps, num_stages=stages))
+                              NB=nb, SPLIT_K=split_k, SHARED_X=shared_x),
+                         options=dict(num_warps=warps, num_stages=stages),
+                         divisible_by_16=divisible_by_16)
 
 
 def test_kernels_compile_for_hopper():
@@ -174,6 +197,60 @@ def test_kernels_compile_for_hopper():
     assert all(".target sm_90" in text for text in ptx)
     assert all("mma" in text for text in ptx[2:4]) and "mma" not in ptx[0]
     assert "fma" not in ptx[4]  # dequantization rounds the product and the offset separately
+
+
+# What a GPU launch of an aligned planar weight compiles: torch allocations are 256-byte aligned and
+# T (blocks in all) is a multiple of 16 for model shapes, and Triton's launcher specializes on both.
+# x is left unaligned, so that every 16-byte load in the PTX is one of the weight's.
+ALIGNED_WEIGHT = ("w_ptr", "out_ptr", "T", "N", "K")
+
+
+def _weight_loads(ptx: str) -> dict[str, int]:
+    """``{form: count}`` of the global loads in ``ptx``; a ``cp.async`` form says its bytes."""
+    counts: dict[str, int] = {}
+    for form, operands in re.findall(r"(ld\.global[.\w]*|cp\.async\.c[ag]\.shared\.global)([^;]*);", ptx):
+        key = form + (" " + str(int(operands.split(",")[2], 16)) if form.startswith("cp.async") else "")
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_planar_weight_bytes_are_read_with_16_byte_loads():
+    """The quant bytes of an aligned planar weight come in ``ld.global.v4.b32`` (the GEMV) or 16-byte
+    ``cp.async`` (the tensor-core tiles): none byte by byte. The GEMV's count is at least the
+    quant bytes each of its 128 threads reads (Q6_K reads each ql / qh byte once per element it
+    holds, so twice or four times that)."""
+    types = (Q.Q8_0, Q.Q4_K, Q.Q6_K)
+    quant_bytes = {Q.Q8_0: 32 * 8 * 32, Q.Q4_K: 32 * 128, Q.Q6_K: 32 * 192}  # BLOCK_N rows x NB blocks
+    cases = [_case(t, 1, 32, 1, divisible_by_16=ALIGNED_WEIGHT) for t in types]
+    cases += [_case(t, 16, 32, 1, divisible_by_16=ALIGNED_WEIGHT) for t in types]
+    ptx = compile_for_hopper(cases)
+    for qtype, gemv, dot in zip(types, ptx[:3], ptx[3:]):
+        gemv_loads, dot_loads = _weight_loads(gemv), _weight_loads(dot)
+        assert "ld.global.b8" not in gemv_loads and "ld.global.b8" not in dot_loads, (qtype.name, gemv_loads, dot_loads)
+        assert gemv_loads.get("ld.global.v4.b32", 0) >= quant_bytes[qtype] // 128 // 16, (qtype.name, gemv_loads)
+        assert dot_loads.get("cp.async.cg.shared.global 16", 0) >= quant_bytes[qtype] // 2 // 128 // 16, \
+            (qtype.name, dot_loads)
+
+
+def test_alignment_facts_must_name_kernel_arguments():
+    with pytest.raises(ValueError, match=r"has no arguments \['w'\] to compile as multiples of 16"):
+        compile_for_hopper([_case(Q.Q8_0, 1, 32, 1, divisible_by_16=("w",))])
+
+
+def test_shared_x_gemv_reads_x_once_per_program():
+    """With x aligned too, the per-row GEMV reads x in each row's threads (8 more 16-byte loads a
+    thread than the weight's alone), the shared form once per program (at most 4 bytes a thread),
+    through shared memory; the weight's 16-byte loads are the same in both."""
+    types = (Q.Q8_0, Q.Q4_K, Q.Q6_K)
+    aligned = ALIGNED_WEIGHT + ("x_ptr",)
+    ptx = compile_for_hopper([_case(t, 1, 32, 1, divisible_by_16=d, shared_x=shared) for shared, d in
+                              ((False, ALIGNED_WEIGHT), (False, aligned), (True, aligned)) for t in types])
+    for index, qtype in enumerate(types):
+        weight_only, per_row, shared = (_weight_loads(ptx[index + 3 * form]) for form in range(3))
+        wide = weight_only["ld.global.v4.b32"]
+        assert per_row["ld.global.v4.b32"] == wide + 8, (qtype.name, weight_only, per_row)  # 256 x 32 bf16 / 128
+        assert shared["ld.global.v4.b32"] == wide and shared.get("ld.global.b32", 0) >= 1, (qtype.name, shared)
+        assert "st.shared" in ptx[index + 6]
 
 
 @interpreted

@@ -4,7 +4,10 @@
   by the constexpr ``BLOCK_M``:
 
   - ``BLOCK_M == 1`` (one row, the decode step): each program streams ``BLOCK_N`` weight rows over
-    its split of K once, multiplies elementwise in fp32 and reduces at the end;
+    its split of K once, multiplies elementwise in fp32 and reduces at the end. x is read by the
+    threads of every weight row (the tile's layout, from L1/L2: no layout conversion), or, with
+    ``SHARED_X`` (:attr:`GGUFKernelConfig.shared_x`, off by default), once per program and handed
+    to the rows through shared memory;
   - ``BLOCK_M >= 16`` (2-8 rows padded to 16, and batches/prefill): the decoded tile is cast to x's
     dtype and multiplied on the tensor cores (``tl.dot``, fp32 accumulation).
 
@@ -14,6 +17,11 @@
 * :func:`gguf_dequantize`: packed -> ``[N, K]`` matrix, each value ``q * scale - offset`` with fp
   contraction off, so bit-exact with the fp32 torch reference (:mod:`fw_gguf.dequant`) before the
   final cast.
+
+The planar weights' quant bytes are read in 16-byte loads (``ld.global.v4.b32``, or 16-byte
+``cp.async`` for the tensor-core tiles) when the compiler knows their alignment: Triton's launcher
+specializes on a 16-byte-aligned weight pointer and ``T`` (blocks in all) divisible by 16, as every
+model shape has; else the loads narrow to what the alignment it can prove allows.
 
 Nothing here synchronises or copies from the host, so every call can be captured in a CUDA graph.
 Configurations are static per shape, not autotuned: a table measured per GPU model (:data:`TUNED`,
@@ -39,7 +47,11 @@ DEFAULT_NUM_SMS = 132
 @dataclass(frozen=True)
 class GGUFKernelConfig:
     """One launch shape of :func:`gguf_matmul`: rows per program (1: elementwise GEMV, >= 16:
-    ``tl.dot``), weight rows per program, GGUF blocks per K step, K splits, warps and stages."""
+    ``tl.dot``), weight rows per program, GGUF blocks per K step, K splits, warps and stages; and
+    for the GEMV, ``shared_x``: read x once per program and share it across the ``block_n`` rows
+    through shared memory, instead of each row's threads reading it (the rule leaves it off; the
+    sweep times both, :data:`TUNED` may turn it on). Raises ``ValueError`` for ``shared_x`` with
+    ``block_m != 1``."""
 
     block_m: int
     block_n: int
@@ -47,13 +59,20 @@ class GGUFKernelConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    shared_x: bool = False
+
+    def __post_init__(self) -> None:
+        if self.shared_x and self.block_m != 1:
+            raise ValueError(f"shared_x is a form of the 1-row GEMV (block_m=1), not of block_m={self.block_m}")
 
 
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, T, stride_xm, stride_om, stride_os,
                    QTYPE: tl.constexpr, PLANAR: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Program (block of N, split of K, block of M); each K step is ``NB`` GGUF blocks of every row."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr,
+                   SHARED_X: tl.constexpr):
+    """Program (block of N, split of K, block of M); each K step is ``NB`` GGUF blocks of every row.
+    ``SHARED_X`` (``BLOCK_M == 1`` only): x loaded as ``[1, NB, G, S]`` and broadcast over the rows."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     QK: tl.constexpr = G * S
     BLOCK_K: tl.constexpr = NB * QK
@@ -77,8 +96,11 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, T, stride_xm, stride_om, stri
         q, scale, offset = decode(w_ptr, n4 * blocks_per_row + kb, T, g4, s4, (n4 < N) & live, QTYPE, PLANAR)
         w = q * scale - offset
         if BLOCK_M == 1:
-            # x at every row of the tile: the same layout as the weight bytes, not a conversion of them
-            x = tl.load(x_ptr + n4 * 0 + kb * QK + g4 * S + s4, mask=live, other=0.0).to(tl.float32)
+            # per row: x in the weight tile's own layout; shared: 1/BLOCK_N of the loads, plus a conversion
+            if SHARED_X:
+                x = tl.load(x_ptr + kb * QK + g4 * S + s4, mask=live, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + n4 * 0 + kb * QK + g4 * S + s4, mask=live, other=0.0).to(tl.float32)
             tiles += w * x
         else:
             ks = kb0 * QK + tl.arange(0, BLOCK_K)
@@ -209,7 +231,7 @@ def gguf_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationTy
     groups, size = GROUPS[qtype]
     grid = (triton.cdiv(n, config.block_n), config.split_k, triton.cdiv(rows, config.block_m))
     meta = dict(QTYPE=int(qtype), PLANAR=planar, G=groups, S=size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                NB=config.blocks_per_step, SPLIT_K=config.split_k, num_warps=config.num_warps,
+                NB=config.blocks_per_step, SPLIT_K=config.split_k, SHARED_X=config.shared_x, num_warps=config.num_warps,
                 num_stages=config.num_stages)
     if config.split_k == 1:
         _matmul_kernel[grid](x, weight, out, rows, n, k, total_blocks, x.stride(0), out.stride(0), 0, **meta)
