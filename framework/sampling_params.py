@@ -60,8 +60,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if isinstance(self.json, str):
             try:
                 schema = _json.loads(self.json)
-            except ValueError as exc:
-                raise ValueError(f"structured_outputs.json must be a JSON Schema, got text that is not JSON: {exc}") from None
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser recurses
+                raise ValueError(f"structured_outputs.json must be a JSON Schema, got text that is not JSON: "
+                                 f"{type(exc).__name__}: {str(exc)[:200]}") from None
             _check(isinstance(schema, (dict, bool)), "structured_outputs.json", self.json, "a JSON Schema object")
         for name in ("regex", "grammar", "start_after"):
             value = getattr(self, name)

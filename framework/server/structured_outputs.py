@@ -33,7 +33,7 @@ import msgspec
 
 from framework.errors import GrammarError
 from framework.sampling_params import StructuredOutputsParams
-from framework.server.errors import APIError, bad_request
+from framework.server.errors import MAX_JSON_DEPTH, APIError, bad_request, json_depth
 from framework.server.limits import check_grammar_size
 from framework.server.state import engine_error
 
@@ -127,6 +127,9 @@ def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
 
 
 def _build(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
+    schema = fields.get("json")
+    if isinstance(schema, str) and json_depth(schema.encode()) > MAX_JSON_DEPTH:  # the body's own limit, for a schema given as text
+        raise bad_request(f"{param}: the JSON schema is nested more than {MAX_JSON_DEPTH} levels deep", param)
     try:
         params = msgspec.convert(fields, StructuredOutputsParams)
     except (msgspec.ValidationError, ValueError) as error:

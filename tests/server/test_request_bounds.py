@@ -117,6 +117,15 @@ def test_deeply_nested_json_is_400_naming_the_problem(http, depth):
     assert "nested" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
+def test_a_schema_given_as_text_nested_too_deep_is_400_not_500(http, field):
+    schema = "[" * 50_000 + "]" * 50_000  # inside a string: the body's own depth check cannot see it
+    value = {"json": schema} if field == "structured_outputs" else schema
+    response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value})
+    assert response.status_code == 400, response.text
+    assert "nested" in response.json()["error"]["message"] and http.engine.prompts == []
+
+
 def test_json_depth_counts_nesting_and_skips_strings_with_escapes():
     def depth(value) -> int:
         children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
