@@ -298,6 +298,7 @@ class AsyncEngineClient:
         reason = self.dead_reason or f"the engine process exited (code {process.returncode})"
         if restarting:
             reason += "; it is being restarted, retry the request shortly"
+            self.is_restarting = True  # from now on, not once the restart task first runs (/health says so)
         self._mark_dead(reason)
         if restarting:  # (a process that never got ready is retried, or reported, by whoever spawned it)
             self._restarter = asyncio.ensure_future(self._restart())
