@@ -165,6 +165,13 @@ def test_wrong_sizes_and_types_are_refused():
         gguf_matmul(torch.zeros(1, 256), torch.zeros(144, dtype=torch.uint8), Q.Q4_K, 2, 256)
     with pytest.raises(ValueError, match="not a whole number of 32-value blocks"):
         gguf_dequantize(torch.zeros(34, dtype=torch.uint8), Q.Q8_0, 1, 40, torch.float32)
+    # a 4-bit [262144, 8192] head: its packed bytes fit 32-bit offsets, its 2**31 output values do not
+    head = torch.empty(262144 * 8192 // 256 * 144, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match="offsets are 32-bit"):
+        gguf_dequantize(head, Q.Q4_K, 262144, 8192, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"block_m=1\) multiplies one row"):  # it would read row 0 only
+        gguf_matmul(torch.zeros(3, 256), torch.zeros(144, dtype=torch.uint8), Q.Q4_K, 1, 256,
+                    config=GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=1))
 
 
 MATMUL = "fw_gguf.kernels.matmul:_matmul_kernel"

@@ -210,8 +210,9 @@ def _check(weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) ->
     if weight.dtype != torch.uint8 or weight.numel() != total_blocks * type_size:
         raise ValueError(f"{qtype.name} [{n}, {k}] needs {total_blocks * type_size} packed bytes (uint8), got "
                          f"{weight.numel()} {weight.dtype}")
-    if weight.numel() >= 2**31:
-        raise ValueError(f"{qtype.name} [{n}, {k}]: the kernels' byte offsets are 32-bit; {weight.numel()} bytes is too many")
+    if weight.numel() >= 2**31 or n * k >= 2**31:
+        raise ValueError(f"{qtype.name} [{n}, {k}]: the kernels' offsets are 32-bit; {weight.numel()} bytes and "
+                         f"{n * k} values must each stay below 2**31")
     return total_blocks, block_size
 
 
@@ -228,6 +229,8 @@ def gguf_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationTy
     if out is None:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     config = config or kernel_config(qtype, n, k, rows, x.device)
+    if config.block_m == 1 and rows > 1:  # the elementwise form reads one row of x
+        raise ValueError(f"GGUFKernelConfig(block_m=1) multiplies one row of x; got {rows} rows (use block_m >= 16)")
     groups, size = GROUPS[qtype]
     grid = (triton.cdiv(n, config.block_n), config.split_k, triton.cdiv(rows, config.block_m))
     meta = dict(QTYPE=int(qtype), PLANAR=planar, G=groups, S=size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
