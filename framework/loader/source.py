@@ -102,11 +102,13 @@ def _pick_gguf(repo_id: str, revision: str | None) -> str | None:
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError
 
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return None  # offline: the cache decides, without a listing's retries
     try:
         names = huggingface_hub.list_repo_files(repo_id, revision=revision)
     except HfHubHTTPError:
         raise  # the Hub answered: not found, gated, bad revision (named by the caller)
-    except OSError:  # offline or unreachable: the cache decides
+    except Exception:  # noqa: BLE001 - unreachable (OSError, or the HTTP client's own transport errors): the cache decides
         return None
     if any(name.endswith(".safetensors") for name in names):
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import huggingface_hub
 import pytest
 from huggingface_hub.errors import EntryNotFoundError, OfflineModeIsEnabled
@@ -93,13 +94,16 @@ def test_repo_with_safetensors_keeps_the_snapshot_download(monkeypatch, tmp_path
     assert hub.downloaded == ["snapshot ['*.json', '*.jinja', 'tokenizer*', '*.model', '*.tiktoken', '*.safetensors']"]
 
 
-def test_unlisted_hub_falls_back_to_the_cache(monkeypatch, tmp_path):
+@pytest.mark.parametrize("failure", [OfflineModeIsEnabled("offline mode is enabled"),
+                                     httpx.ConnectError("[Errno -3] Temporary failure in name resolution")])
+def test_unlisted_hub_falls_back_to_the_cache(monkeypatch, tmp_path, failure):
+    # httpx's transport errors are not OSErrors: an unreachable Hub must still leave it to the cache
     hub = FakeHub(monkeypatch, tmp_path, [])
 
-    def offline(*args, **kwargs):
-        raise OfflineModeIsEnabled("offline mode is enabled")
+    def unreachable(*args, **kwargs):
+        raise failure
 
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", offline)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", unreachable)
     assert resolve_local_path("someone/Model-GGUF") == hub.snapshot
     assert len(hub.downloaded) == 1 and hub.downloaded[0].startswith("snapshot")
 
