@@ -193,6 +193,8 @@ class FusedMoE(KeepsWeightAttrs):
         self.quant_method: FusedMoEMethod = method or UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(self, num_experts, hidden_size, width, self.params_dtype)
         self._loaded_experts: dict[str, set[int]] = {"w1": set(), "w3": set(), "w2": set()}
+        #: (parameter id, expert) of gate/up values loaded into a parameter they share (not per_shard)
+        self._shared_loaded: set[tuple[int, int | None]] = set()
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: str, expert_id: int | None = None) -> None:
         """Copy this rank's part of a full checkpoint tensor into ``param`` (a ``w13_*`` or ``w2_*`` parameter).
@@ -206,9 +208,12 @@ class FusedMoE(KeepsWeightAttrs):
         target = param.data if expert_id is None else param.data[expert_id]
         dim = getattr(param, "feature_dim", None)
         if dim is None:
-            self._load_unsplit(param, target, loaded_weight, shard_id)
+            self._load_unsplit(param, target, loaded_weight, shard_id, expert_id)
         else:
             features = self.intermediate_size_per_partition * (1 if shard_id == "w2" else 2)
+            if param.size(dim) * self.intermediate_size_per_partition % features:
+                raise ValueError(f"{self.prefix}: a parameter with {param.size(dim)} entries along its feature_dim "
+                                 f"cannot hold whole entries for {self.intermediate_size_per_partition} features per shard")
             entries = lambda n: n * param.size(dim) // features  # noqa: E731  (entries of n features)
             size, width = entries(self.intermediate_size), entries(self.intermediate_size_per_partition)
             start = self.tp_rank * width
@@ -238,14 +243,24 @@ class FusedMoE(KeepsWeightAttrs):
         for shard in ("w1", "w3") if shard_id == "w13" else (shard_id,):
             self._loaded_experts[shard].update(experts)
 
-    def _load_unsplit(self, param: Tensor, target: Tensor, loaded_weight: Tensor, shard_id: str) -> None:
-        """A parameter not split by features: whole, or (``per_shard``) its gate or up entry."""
+    def _load_unsplit(self, param: Tensor, target: Tensor, loaded_weight: Tensor, shard_id: str,
+                      expert_id: int | None) -> None:
+        """A parameter not split by features: whole, or (``per_shard``) its gate or up entry. Gate and
+        up loaded into one shared entry must agree (as for fused linear layers: the last would win)."""
         loaded_weight = materialize(loaded_weight)
-        if getattr(param, "per_shard", False) and shard_id in ("w1", "w3"):
+        shared = shard_id in ("w1", "w3") and not getattr(param, "per_shard", False)
+        if shard_id in ("w1", "w3") and not shared:
             target = target[..., 0 if shard_id == "w1" else 1]
         if loaded_weight.numel() == target.numel():
             loaded_weight = loaded_weight.reshape(target.shape)
+        key = (id(param), expert_id)
+        if shared and key in self._shared_loaded and not torch.equal(target, loaded_weight.to(target)):
+            raise ValueError(f"{self.prefix}: the {'up' if shard_id == 'w3' else 'gate'} projection holds a different "
+                             f"value for a parameter of shape {tuple(param.shape)} that gate and up share (it has neither "
+                             "feature_dim nor per_shard=True); a quantity kept per projection needs per_shard=True")
         copy_weight(target, loaded_weight)
+        if shared:
+            self._shared_loaded.add(key)
 
     def _narrow(self, loaded_weight: Tensor, dim: int, full: int, start: int, width: int) -> Tensor:
         """``loaded_weight.narrow(dim, start, width)``, refusing a tensor whose ``dim`` is not ``full`` long."""

@@ -145,6 +145,22 @@ def test_shards_that_disagree_on_a_shared_per_tensor_value_are_refused():
         layer.weight_loader(layer.weight_scale, torch.tensor(2.0), 1)
 
 
+def test_moe_gate_and_up_that_disagree_on_a_shared_value_are_refused():
+    """The MoE loader keeps the linear layers' rule: a w13 value without ``feature_dim`` or
+    ``per_shard`` is shared by gate and up, so differing values are an error, not an overwrite."""
+    from framework.layers import FusedMoE
+
+    layer = FusedMoE(2, 1, 16, 8, renormalize=True, prefix="mlp.experts", tp_size=1, tp_rank=0)
+    scale = nn.Parameter(torch.empty(2), requires_grad=False)
+    set_weight_attrs(scale, {"weight_loader": layer.weight_loader, "moe_projection": "w13"})
+    layer.weight_loader(scale, torch.tensor(0.5), "w1", 0)
+    layer.weight_loader(scale, torch.tensor(0.5), "w3", 0)  # the same value: fine
+    layer.weight_loader(scale, torch.tensor(4.0), "w1", 1)  # another expert's entry
+    with pytest.raises(ValueError, match=r"mlp\.experts: the up projection holds a different value"):
+        layer.weight_loader(scale, torch.tensor(2.0), "w3", 1)
+    assert scale.tolist() == [0.5, 4.0]
+
+
 def test_int8_linear_method_with_per_shard_scales_passes_the_conformance_kit():
     cases = check_linear_method(Int8Scheme(), dtypes=(torch.bfloat16, torch.float16), num_rows=(1, 7, 64, 512))
     assert "qkv_proj tp=4 rank=3 float16" in cases and "gate_up_proj tp=2 rank=1 bfloat16" in cases
