@@ -196,6 +196,24 @@ class QuantConfig(ABC):
                         model_config.dtype, torch.device(device).type)
 
 
+def quant_method_for(quant_config: QuantConfig | None, layer: nn.Module, prefix: str,
+                     expected: type[QuantMethodBase], what: str) -> Any:
+    """``quant_config``'s method for ``layer`` (None without a config or for an unquantized layer),
+    refusing with ``TypeError`` one of the wrong kind: ``expected`` is :class:`LinearMethod` for
+    linear layers and vocabulary tables, :class:`FusedMoEMethod` for ``FusedMoE``, and
+    :class:`QuantMethodBase` (neither of those) for attention layers."""
+    method = quant_config.get_quant_method(layer, prefix) if quant_config is not None else None
+    if method is None:
+        return None
+    wrong = not isinstance(method, expected) or (
+        expected is QuantMethodBase and isinstance(method, LinearMethod | FusedMoEMethod))
+    if wrong:
+        wanted = "a KV-cache method" if expected is QuantMethodBase else f"a {expected.__name__}"
+        raise TypeError(f"{prefix}: {type(quant_config).__name__}.get_quant_method returned {type(method).__name__} "
+                        f"for {what}; expected {wanted} or None")
+    return method
+
+
 def build_quant_config(config_cls: type[QuantConfig], checkpoint: dict[str, Any],
                        model_config: ModelConfig, device: torch.device) -> QuantConfig:
     """``config_cls.from_config`` (passing ``model_config`` when its signature takes it), verified

@@ -9,9 +9,10 @@ from torch import nn
 
 from framework.attention_backend import AttentionLayerConfig, MLAConfig
 from framework.forward_context import get_forward_context
+from framework.quantization import QuantMethodBase, quant_method_for
 
 if TYPE_CHECKING:
-    from framework.quantization import QuantConfig, QuantMethodBase
+    from framework.quantization import QuantConfig
 
 
 class Attention(nn.Module):
@@ -38,8 +39,8 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.config = AttentionLayerConfig(num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla)
         self.prefix = prefix
-        self.quant_method: QuantMethodBase | None = (
-            quant_config.get_quant_method(self, prefix) if quant_config is not None else None)
+        self.quant_method: QuantMethodBase | None = quant_method_for(quant_config, self, prefix, QuantMethodBase,
+                                                                      "an attention layer")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
         context = get_forward_context()

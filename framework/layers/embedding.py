@@ -27,6 +27,7 @@ from framework.layers.linear import (
     tensor_parallel_all_reduce,
     tensor_parallel_gather_to_rank0,
 )
+from framework.quantization import quant_method_for
 
 if TYPE_CHECKING:
     from framework.quantization import QuantConfig
@@ -62,10 +63,7 @@ class VocabEmbedding(KeepsWeightAttrs):
         self.output_partition_sizes = [self.num_embeddings_per_partition]
         self.output_size_per_partition = self.num_embeddings_per_partition
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
-        if method is not None and not isinstance(method, LinearMethod):
-            raise TypeError(f"{prefix}: {type(quant_config).__name__}.get_quant_method returned {type(method).__name__} "
-                            "for a vocabulary table; expected a LinearMethod or None")
+        method = quant_method_for(quant_config, self, prefix, LinearMethod, "a vocabulary table")
         self.linear_method: LinearMethod | None = method or UnquantizedLinearMethod()
         self.linear_method.create_weights(
             self, embedding_dim, self.output_partition_sizes, embedding_dim, num_embeddings, self.params_dtype

@@ -53,7 +53,7 @@ from framework.layers.linear import (
     tensor_parallel_all_reduce,
 )
 from framework.loader.checkpoint_slice import materialize
-from framework.quantization import FusedMoEMethod
+from framework.quantization import FusedMoEMethod, quant_method_for
 
 if TYPE_CHECKING:
     from framework.quantization import QuantConfig
@@ -186,10 +186,7 @@ class FusedMoE(KeepsWeightAttrs):
         self.tp_size, self.tp_rank, self.reduce_results = tp_size, tp_rank, reduce_results
         self.intermediate_size_per_partition = width = intermediate_size // tp_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
-        if method is not None and not isinstance(method, FusedMoEMethod):
-            raise TypeError(f"{prefix}: {type(quant_config).__name__}.get_quant_method returned {type(method).__name__} "
-                            "for a FusedMoE layer; expected a FusedMoEMethod or None")
+        method = quant_method_for(quant_config, self, prefix, FusedMoEMethod, "a FusedMoE layer")
         self.quant_method: FusedMoEMethod = method or UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(self, num_experts, hidden_size, width, self.params_dtype)
         self._loaded_experts: dict[str, set[int]] = {"w1": set(), "w3": set(), "w2": set()}

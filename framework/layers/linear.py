@@ -37,7 +37,7 @@ from framework import distributed
 from framework.distributed.partition import attention_heads_per_rank
 from framework.kernels import get_kernel
 from framework.loader.checkpoint_slice import materialize
-from framework.quantization import LinearMethod
+from framework.quantization import LinearMethod, quant_method_for
 
 if TYPE_CHECKING:
     from framework.quantization import QuantConfig
@@ -202,10 +202,7 @@ class LinearBase(KeepsWeightAttrs):
         self.output_size_per_partition = sum(output_partition_sizes)
         self.tp_size, self.tp_rank, self.prefix = tp_size, tp_rank, prefix
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
-        if method is not None and not isinstance(method, LinearMethod):
-            raise TypeError(f"{prefix}: {type(quant_config).__name__}.get_quant_method returned {type(method).__name__} "
-                            "for a linear layer; expected a LinearMethod or None")
+        method = quant_method_for(quant_config, self, prefix, LinearMethod, "a linear layer")
         self.linear_method: LinearMethod = method or UnquantizedLinearMethod()
         self.linear_method.create_weights(
             self, input_size_per_partition, self.output_partition_sizes, input_size, output_size, self.params_dtype

@@ -214,6 +214,8 @@ def test_a_method_for_the_wrong_layer_kind_is_refused():
 
     with pytest.raises(TypeError, match="experts: Confused.get_quant_method returned Int8Method for a FusedMoE layer"):
         FusedMoE(4, 2, 32, 64, renormalize=True, quant_config=Confused(), prefix="experts", tp_size=1, tp_rank=0)
+    with pytest.raises(TypeError, match="attn: Confused.get_quant_method returned Int8Method for an attention layer"):
+        Attention(0, 4, 2, 16, 0.25, quant_config=Confused(), prefix="attn")
 
 
 def _model_config(dtype):
