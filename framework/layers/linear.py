@@ -15,7 +15,8 @@ parameters; the layer knows how checkpoint tensors map onto them. Each parameter
 Loaders work on parameter rows, whatever a row holds: a quantized method may pack several
 output features per row (its parameter then has proportionally fewer rows) and the offsets scale
 with it. The model's loader calls ``getattr(param, "weight_loader", default)`` for each
-checkpoint tensor, then ``linear_method.process_weights_after_loading(layer)`` once per layer.
+checkpoint tensor, then ``finish_loading`` calls ``process_weights_after_loading(layer)`` of every
+module's quant method (``linear_method`` here) once.
 
 Tensor parallelism (``tp_size`` ranks, this one ``tp_rank``; both default to this process's
 tensor-parallel group, see :mod:`framework.distributed`, so model code never passes them)::

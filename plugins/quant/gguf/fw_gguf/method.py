@@ -8,8 +8,8 @@ keeps its own packed buffer and type::
 
 On CUDA the shards stay packed and ``apply`` runs the Triton kernels of :mod:`fw_gguf.kernels`
 for bf16/fp16 activations: one launch per shard into its column slice of one output; fewer than
-:data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (the GEMV for 1-8 rows,
-tensor-core tiles above), more dequantize the shards into one matrix and use cuBLAS. After
+:data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (the GEMV for one row,
+tensor-core tiles for more), more dequantize the shards into one matrix and use cuBLAS. After
 loading, a matrix layer's shards are regrouped into the kernels' planar layout (same bytes, same
 size, ``fw_gguf.kernels.decode``; ``layer.gguf_planar`` says which); the token embedding keeps the
 file's layout for its row lookups (a tied head multiplies it as it is). Other activation dtypes
