@@ -107,7 +107,7 @@ class OriginPolicy:
     def for_server(cls, bind_host: str | None, is_unix_socket: bool, allowed_hosts: Iterable[str] = (),
                    allowed_origins: Iterable[str] = (), ui_port: int | None = None) -> OriginPolicy:
         """The policy of a server bound to ``bind_host`` (a unix socket is reached by no browser: any Host)."""
-        hosts = {h.strip().lower() for h in allowed_hosts}
+        hosts = {host_name(h) for h in allowed_hosts}  # a Host is compared without its port: so is an allowed one
         if is_unix_socket:
             hosts.add(ANY)
         if bind_host and bind_host.lower() not in WILDCARD_HOSTS:

@@ -89,9 +89,9 @@ def test_loopback_names_and_ip_addresses_are_accepted_hosts(http, host):
 
 
 def test_bind_address_and_allowed_hosts_are_accepted_hosts():
-    client, _ = _client(bind_host="gpu-box.lan", allowed_hosts=["fw.internal"])
+    client, _ = _client(bind_host="gpu-box.lan", allowed_hosts=["fw.internal", "named.lan:2000"])
     with client:
-        for host in ("gpu-box.lan:2000", "fw.internal", "localhost"):
+        for host in ("gpu-box.lan:2000", "fw.internal", "localhost", "named.lan:2000"):
             assert client.get("/v1/models", headers={"Host": host}).status_code == 200, host
         _error(client.get("/v1/models", headers={"Host": "other.lan"}), 421, "invalid_host")
     anything, _ = _client(allowed_hosts=["*"])
