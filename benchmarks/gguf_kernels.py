@@ -31,6 +31,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 
 from common import COPY_BANDWIDTH, graph_time, write_kernel_report  # noqa: E402
 from fw_gguf.dequant import dequantize  # noqa: E402
+from fw_gguf.kernels.gemv import GemvConfig, gemv_setting, gemv_supported, quantize_x_reference  # noqa: E402
 from fw_gguf.kernels.layout import FIELDS, GROUPS, to_planar  # noqa: E402
 from fw_gguf.kernels.matmul import (  # noqa: E402
     GGUFKernelConfig,
@@ -78,6 +79,15 @@ def sweep_settings(qtype: GGMLQuantizationType, rows: int) -> list[GGUFKernelCon
             if block_m <= max(16, triton_next_pow2(rows))]
 
 
+def gemv_sweep_settings() -> list[GemvConfig]:
+    return [GemvConfig(block_n, nb, split_k, warps, stages)
+            for block_n, nb, split_k, warps, stages in itertools.product((16, 32, 64), (1, 2, 4), (1, 2, 4, 8), (4, 8), (2,))]
+
+
+def uses_gemv(qtype: GGMLQuantizationType, n: int, k: int, rows: int) -> bool:
+    return rows == 1 and gemv_supported(qtype, k, n * k // GGML_QUANT_SIZES[qtype][0])
+
+
 def triton_next_pow2(value: int) -> int:
     return 1 << (value - 1).bit_length()
 
@@ -104,7 +114,9 @@ def check(qtype, packed, planar, reference, rows, device, generator) -> float:
     if not torch.equal(values, reference.to(dtype)):
         raise AssertionError(f"{qtype.name} [{n}, {k}]: the dequantize kernel differs from the torch reference")
     x = torch.randn(rows, k, device=device, generator=generator).to(dtype)
-    expected = x.double() @ reference.double().T
+    # the integer GEMV multiplies x rounded to int8 per 32 values (fw_gguf.kernels.gemv)
+    x_used = quantize_x_reference(x.float()) if uses_gemv(qtype, n, k, rows) else x
+    expected = x_used.double() @ reference.double().T
     error = ((gguf_matmul(x, planar, qtype, n, k, planar=True).double() - expected).abs().max()
              / expected.abs().max()).item()
     if error > (1e-5 if dtype == torch.float32 else 2e-2):
@@ -124,8 +136,14 @@ def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
     copies = [planar] + [planar.clone() for _ in range(0 if tiny else -(-COLD_BYTES // planar.nbytes) - 1)]
     dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
     time_it = timer(tiny)
-    rule = kernel_config(qtype, n, k, rows, torch.device(device))
+    gemv = uses_gemv(qtype, n, k, rows)
+    elementwise = kernel_config(qtype, n, k, rows, torch.device(device))
+    rule = gemv_setting(qtype, n, k, "cpu" if tiny else torch.cuda.get_device_name(0),
+                        132 if tiny else torch.cuda.get_device_properties(0).multi_processor_count) \
+        if gemv else elementwise
     kernel_s = time_it(lambda w: gguf_matmul(x, w, qtype, n, k, planar=True, config=rule), copies)
+    elementwise_s = time_it(lambda w: gguf_matmul(x, w, qtype, n, k, planar=True, config=elementwise), copies) \
+        if gemv else kernel_s
     scratch = torch.empty(n, k, dtype=dtype, device=device)
 
     def dequantize_then_cublas(w):
@@ -135,7 +153,8 @@ def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
     cublas_s = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies)
     packed_bytes = planar.numel()
     result = {"type": qtype.name, "n": n, "k": k, "rows": rows, "packed_bytes": packed_bytes, "check_rel_error": error,
-              "rule": rule.__dict__, "rule_us": kernel_s * 1e6, "rule_gb_s": packed_bytes / kernel_s / 1e9,
+              "rule": {"kind": type(rule).__name__, **rule.__dict__}, "rule_us": kernel_s * 1e6,
+              "elementwise_us": elementwise_s * 1e6, "rule_gb_s": packed_bytes / kernel_s / 1e9,
               "rule_copy_fraction": packed_bytes / kernel_s / COPY_BANDWIDTH,
               "dequant_cublas_us": dequant_s * 1e6, "cublas_bf16_us": cublas_s * 1e6,
               "cublas_bf16_tb_s": dense.nbytes / cublas_s / 1e12,
@@ -143,7 +162,7 @@ def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
     if sweep:
         expected = gguf_matmul(x, planar, qtype, n, k, planar=True, config=rule).float()
         settings, refused = [], []
-        for config in sweep_settings(qtype, rows):
+        for config in (gemv_sweep_settings() if gemv else sweep_settings(qtype, rows)):
             try:  # a setting may need more shared memory than an SM has: report it, time the rest
                 error = (gguf_matmul(x, planar, qtype, n, k, planar=True, config=config).float() - expected).abs().max()
             except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
@@ -154,7 +173,7 @@ def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
                 print(f"  WRONG: {qtype.name} {rows}x{k} @ {n}x{k} at {config}: error {error.item():.3g}")
                 continue
             seconds = time_it(lambda w, config=config: gguf_matmul(x, w, qtype, n, k, planar=True, config=config), copies)
-            settings.append({**config.__dict__, "us": seconds * 1e6})
+            settings.append({"kind": type(config).__name__, **config.__dict__, "us": seconds * 1e6})
         best = min(settings, key=lambda s: s["us"])
         result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings,
                       refused=refused)
@@ -177,14 +196,14 @@ def main() -> None:
     generator = torch.Generator(device).manual_seed(0)
     results = []
     print(f"{'type':6s} {'layer':8s} {'N':>6s} {'K':>6s} {'rows':>4s} {'kernel us':>10s} {'GB/s':>7s} {'copy%':>6s} "
-          f"{'deq+cuBLAS us':>13s} {'bf16 cuBLAS us':>14s} {'best us':>8s}")
+          f"{'elementwise us':>14s} {'deq+cuBLAS us':>13s} {'bf16 cuBLAS us':>14s} {'best us':>8s}")
     for type_name, (name, (n, k)), rows in itertools.product(args.types, layers.items(), rows_list):
         qtype = GGMLQuantizationType[type_name]
         result = {"layer": name, **measure(qtype, n, k, rows, args.sweep, tiny, device, generator)}
         results.append(result)
         best = f"{result['best']['us']:8.1f}" if "best" in result else "-"
         print(f"{type_name:6s} {name:8s} {n:6d} {k:6d} {rows:4d} {result['rule_us']:10.1f} {result['rule_gb_s']:7.0f} "
-              f"{100 * result['rule_copy_fraction']:5.1f}% {result['dequant_cublas_us']:13.1f} "
+              f"{100 * result['rule_copy_fraction']:5.1f}% {result['elementwise_us']:14.1f} {result['dequant_cublas_us']:13.1f} "
               f"{result['cublas_bf16_us']:14.1f} {best:>8s}", flush=True)
         if not tiny:
             torch.cuda.empty_cache()
@@ -192,8 +211,11 @@ def main() -> None:
         print("# fw_gguf.kernels.matmul.TUNED entries (the sweep's fastest per case):")
         name = "cpu" if tiny else torch.cuda.get_device_name(0)
         for r in results:
-            best = {key: value for key, value in r["best"].items() if key != "us"}
-            print(f"    ({name!r}, {r['type']!r}, {r['n']}, {r['k']}, {row_bucket(r['rows'])}): GGUFKernelConfig(**{best}),")
+            best = {key: value for key, value in r["best"].items() if key not in ("us", "kind")}
+            if r["best"]["kind"] == "GemvConfig":
+                print(f"    ({name!r}, {r['type']!r}, {r['n']}, {r['k']}): GemvConfig(**{best}),  # GEMV_TUNED")
+            else:
+                print(f"    ({name!r}, {r['type']!r}, {r['n']}, {r['k']}, {row_bucket(r['rows'])}): GGUFKernelConfig(**{best}),")
     if args.out:
         write_kernel_report(args.out, results, copy_bandwidth=COPY_BANDWIDTH, tiny=tiny,
                             dequantize_min_rows=DEQUANTIZE_MIN_ROWS)

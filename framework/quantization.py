@@ -105,6 +105,13 @@ class LinearMethod(QuantMethodBase, ABC):
         tensor in ``layer.params_dtype`` (``apply(x) == x @ dequantize().T`` up to rounding)."""
         raise NotImplementedError(f"{type(self).__name__} cannot dequantize its weights")
 
+    def activation_group(self, layer: nn.Module, x: Tensor) -> int | None:
+        """The group size ``g`` if :meth:`apply` on this ``x`` rounds the activations to int8,
+        symmetric per ``g`` consecutive input features (scale ``max |x| / 127`` of the group, as
+        llama.cpp's integer GEMVs do), else ``None`` (the default: x is multiplied as given). The
+        conformance kit then allows, per output, the error that rounding can make."""
+        return None
+
     def embedding(self, layer: nn.Module, input_ids: Tensor) -> Tensor:
         """Rows ``input_ids`` of the weight, for a ``VocabEmbedding`` using this method."""
         raise NotImplementedError(f"{type(self).__name__} cannot be used for an embedding table")

@@ -193,6 +193,50 @@ def test_the_kit_fails_a_method_that_drops_a_shard_scale():
         check_linear_method(Scheme(), dtypes=(torch.float32,), num_rows=(1,), tp_sizes=(1,))
 
 
+def _rounded_to_int8(x, group, levels=127):
+    """An independent form of int8 rounding per ``group`` features (scale max|x|/127, half away from 0);
+    fewer ``levels``: a coarser rounding."""
+    g = x.float().reshape(*x.shape[:-1], -1, group)
+    step = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / levels
+    return ((g / step).abs().add(0.5).floor() * (g / step).sign() * step).reshape(x.shape)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_the_kit_allows_declared_activation_rounding_and_only_that(declared):
+    """A method multiplying int8-rounded activations (as llama.cpp-style integer GEMVs do) passes in
+    float32 when it declares the rounding, fails when it does not; rounding coarser than it declares
+    fails too."""
+
+    class RoundsX(Int8Method):
+        def __init__(self, levels, declares):
+            self.levels, self.declares = levels, declares
+
+        def apply(self, layer, x, bias=None):
+            return super().apply(layer, _rounded_to_int8(x, 32, self.levels).to(x.dtype), bias)
+
+        def activation_group(self, layer, x):
+            return 32 if self.declares else None
+
+    def run(levels, declares):
+        class Config(Int8Config):
+            def get_quant_method(self, layer, prefix):
+                return RoundsX(levels, declares) if isinstance(layer, LinearBase) else None
+
+        class Scheme(Int8Scheme):
+            def quant_config(self, tensors):
+                return Config()
+
+        return check_linear_method(Scheme(), dtypes=(torch.float32,), num_rows=(1, 7), tp_sizes=(1,))
+
+    if declared:
+        assert "qkv_proj tp=1 rank=0 float32" in run(127, True)
+        with pytest.raises(AssertionError, match="beyond the declared activation rounding"):
+            run(7, True)  # 4-bit steps, 18x coarser than the int8 it declares
+    else:
+        with pytest.raises(AssertionError, match=r"max error .* \(allowed 0.0001 in torch.float32\)"):
+            run(127, False)
+
+
 def test_quant_config_is_asked_for_attention_layers_and_returns_none_by_default():
     config = Int8Config()
     attention = Attention(0, 4, 2, 16, 0.25, quant_config=config, prefix="model.layers.0.self_attn.attn")
