@@ -81,7 +81,7 @@ def sweep_settings(qtype: GGMLQuantizationType, rows: int) -> list[GGUFKernelCon
 
 def gemv_sweep_settings() -> list[GemvConfig]:
     return [GemvConfig(block_n, nb, split_k, warps, stages)
-            for block_n, nb, split_k, warps, stages in itertools.product((16, 32, 64), (1, 2, 4), (1, 2, 4, 8), (4, 8), (2,))]
+            for block_n, nb, split_k, warps, stages in itertools.product((8, 16, 32, 64), (1, 2, 4), (1, 2, 4, 8), (4, 8), (2,))]
 
 
 def uses_gemv(qtype: GGMLQuantizationType, n: int, k: int, rows: int) -> bool:
