@@ -8,7 +8,8 @@ keeps its own packed buffer and type::
 
 On CUDA the shards stay packed and ``apply`` runs the Triton kernels of :mod:`fw_gguf.kernels`
 for bf16/fp16 activations: one launch per shard into its column slice of one output; fewer than
-:data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (the GEMV for one row,
+:data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (a GEMV for one row — for
+Q8_0 / Q4_K / Q6_K the integer one, which rounds x to int8 per 32 values as llama.cpp does —
 tensor-core tiles for more), more dequantize the shards into one matrix and use cuBLAS. After
 loading, a matrix layer's shards are regrouped into the kernels' planar layout (same bytes, same
 size, ``fw_gguf.kernels.decode``; ``layer.gguf_planar`` says which); the token embedding keeps the

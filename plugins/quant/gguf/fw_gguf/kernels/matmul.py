@@ -1,9 +1,12 @@
 """GGUF weights multiplied and dequantized where they lie packed: Triton kernels over :func:`decode`.
 
-* :func:`gguf_matmul`: ``out[M, N] = x[M, K] @ W[N, K]^T`` with ``W`` packed. One kernel, two forms
-  by the constexpr ``BLOCK_M``:
+* :func:`gguf_matmul`: ``out[M, N] = x[M, K] @ W[N, K]^T`` with ``W`` packed. One row of a planar
+  Q8_0 / Q4_K / Q6_K matrix (the decode step of most files) goes to the integer GEMV of
+  :mod:`fw_gguf.kernels.gemv` (x rounded to int8 per 32 values, as llama.cpp does); everything
+  else to one kernel, two forms by the constexpr ``BLOCK_M``:
 
-  - ``BLOCK_M == 1`` (one row, the decode step): each program streams ``BLOCK_N`` weight rows over
+  - ``BLOCK_M == 1`` (one row of the other types, or asked for with a ``GGUFKernelConfig``: exact
+    in x): each program streams ``BLOCK_N`` weight rows over
     its split of K once, multiplies elementwise in fp32 and reduces at the end. x is read by the
     threads of every weight row (the tile's layout, from L1/L2: no layout conversion), or, with
     ``SHARED_X`` (:attr:`GGUFKernelConfig.shared_x`, off by default), once per program and handed
