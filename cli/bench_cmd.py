@@ -13,18 +13,15 @@ import typer
 from cli import options as o
 
 
+@o.with_engine_options(exclude=o.NOT_IN_BENCH)
 def bench(
-    m: o.Model = None, w: o.Weights = None, f: o.File = None, dtype: o.Dtype = "auto", device: o.Device = None,
-    max_model_len: o.MaxModelLen = None, mem: o.Mem = None, max_num_seqs: o.MaxNumSeqs = 256,
-    prefill_chunk_size: o.PrefillChunk = 8192, attention_backend: o.AttentionBackend = "auto",
-    no_cuda_graph: o.NoCudaGraph = False, async_scheduling: o.AsyncScheduling = None, no_prefix_cache: o.NoPrefixCache = False, load_format: o.LoadFormat = "auto",
+    engine: o.EngineOptions,
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="Requests to run.")] = 32,
     input_len: Annotated[int, typer.Option("--input-len", help="Mean prompt length in tokens.")] = 128,
     output_len: Annotated[int, typer.Option("--output-len", help="Mean output length in tokens.")] = 128,
     range_ratio: Annotated[float, typer.Option("--range-ratio", help="Lengths vary uniformly by +- this fraction.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     output_json: Annotated[Path | None, typer.Option("--output-json", help="Write the full results here.")] = None,
-    d: o.Devices = None, tp: o.TensorParallel = None, all_reduce: o.AllReduce = "auto",
 ) -> None:
     """Run NUM_PROMPTS random requests through the engine and report tokens/s."""
     from framework import LLM, SamplingParams
@@ -32,11 +29,7 @@ def bench(
 
     try:
         started = time.perf_counter()
-        llm = LLM(**o.engine_kwargs(m=m, w=w, f=f, dtype=dtype, device=device, max_model_len=max_model_len,
-                                    mem_mb=mem, max_num_seqs=max_num_seqs, prefill_chunk_size=prefill_chunk_size,
-                                    attention_backend=attention_backend, no_cuda_graph=no_cuda_graph, async_scheduling=async_scheduling,
-                                    no_prefix_cache=no_prefix_cache, load_format=load_format, d=d,
-                                    tensor_parallel_size=tp, all_reduce=all_reduce))
+        llm = LLM(**engine.args().to_dict())
         load_s = time.perf_counter() - started
     except (FwError, ValueError) as exc:
         raise o.fail(str(exc)) from None

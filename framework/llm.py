@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from framework.engine.args import EngineArgs
 from framework.engine.builder import Engine, EngineBuilder
 from framework.engine.outputs import GRAMMAR_FAILED, LogprobEntry
 from framework.engine.request import FinishReason
@@ -47,10 +48,14 @@ class GenerationResult:
 
 
 class LLM:
-    """An in-process engine with text in and text out; keyword arguments go to :class:`EngineBuilder`."""
+    """An in-process engine with text in and text out.
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine: Engine = EngineBuilder(model, **engine_args).build()
+    ``LLM(model, **options)`` takes the :class:`~framework.engine.args.EngineArgs` fields as keyword
+    options (``LLM(args=EngineArgs(...))`` a built one), validated before anything loads.
+    """
+
+    def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, **options: Any) -> None:
+        self.engine: Engine = EngineBuilder(model, args=args, **options).build()
         self._ids = itertools.count()
 
     def close(self) -> None:

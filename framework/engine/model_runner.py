@@ -25,6 +25,7 @@ import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +40,10 @@ from framework.engine.sampler import Sampler, compute_logprobs
 from framework.engine.scheduler import ScheduledBatch
 from framework.engine.transfer import HostCopy, to_device
 from framework.forward_context import ForwardContext, forward_context
+
+if TYPE_CHECKING:
+    from framework.engine.cuda_graphs import CUDAGraphRunner
+    from framework.engine.structured_outputs import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -91,23 +96,28 @@ class ModelRunner:
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, sampler: Sampler) -> None:
+                 device: torch.device, sampler: Sampler, *, graph_runner: CUDAGraphRunner | None = None,
+                 broadcast: Callable[[StepMessage], object] | None = None,
+                 structured_outputs: StructuredOutputManager | None = None, share_sampled: bool = False) -> None:
+        """``graph_runner``: captured decode graphs (None: eager); ``broadcast``: rank 0 of a
+        tensor-parallel group sends each step to the workers with it; ``structured_outputs``: grammar
+        masks on the logits (rank 0); ``share_sampled``: see the module docstring."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
-        self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
-        self.broadcast: Callable[[StepMessage], object] | None = None  # rank 0 of a tensor-parallel group
+        self.graph_runner = graph_runner
+        self.broadcast = broadcast
         self.block_tables = BlockTableSync()  # what the workers know of each request's block ids
-        self.structured_outputs = None  # a StructuredOutputManager: grammar masks on the logits
+        self.structured_outputs = structured_outputs
         #: the latest sampling step's rows by request id and its token ids, still on the device
         self.last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
         self.step_input_ids: torch.Tensor | None = None  # the current step's input ids, on the device
         #: tensor parallel with async scheduling: rank 0 broadcasts each step's sampled ids on the
         #: device, so the workers' placeholder inputs read them as rank 0's do
-        self.share_sampled = False
+        self.share_sampled = share_sampled
         #: rows of logits per prompt-logprob call: 256 rows of a 152k vocabulary are 156 MB in fp32
         self.max_prompt_logprob_rows = 256
 

@@ -1,6 +1,6 @@
 """``AsyncEngineClient``: the API process's handle on the engine process.
 
-It starts ``python -m framework.server.engine_process``, sends msgspec-encoded requests over a ZMQ
+It starts ``python -m framework.engine.engine_process``, sends msgspec-encoded requests over a ZMQ
 PUSH socket, and one background task routes the batched step outputs to per-request queues.
 
 Supervision: a watcher thread notices when the engine process exits. Every waiting ``generate``
@@ -31,10 +31,7 @@ import tokenizers
 import zmq
 import zmq.asyncio
 
-from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, EngineStats, RequestOutput
-from framework.errors import ConfigError, FwError, GrammarError, RequestFailedError
-from framework.sampling_params import SamplingParams
-from framework.server.messages import (
+from framework.engine.messages import (
     AbortRequests,
     AddFailed,
     AddRequest,
@@ -48,6 +45,9 @@ from framework.server.messages import (
     StatsReply,
     StepOutputs,
 )
+from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, EngineStats, RequestOutput
+from framework.errors import ConfigError, FwError, GrammarError, RequestFailedError
+from framework.sampling_params import SamplingParams
 from framework.tokenizer import Tokenizer
 
 
@@ -113,7 +113,7 @@ class AsyncEngineClient:
         self._output.bind(output_addr)
         self._ready_future = loop.create_future()
         self._reader = asyncio.create_task(self._read_outputs(self._output, self._decoder))
-        self.process = subprocess.Popen([sys.executable, "-m", "framework.server.engine_process", input_addr, output_addr],
+        self.process = subprocess.Popen([sys.executable, "-m", "framework.engine.engine_process", input_addr, output_addr],
                                         stdin=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.process.stdin.write(json.dumps(self.builder_kwargs).encode())
         self.process.stdin.close()

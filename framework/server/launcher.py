@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 import uvicorn
 
 import framework
+from framework.engine.messages import Ready
 from framework.errors import ConfigError
 from framework.server.app import create_app
 from framework.server.engine_client import AsyncEngineClient
-from framework.server.messages import Ready
 from framework.server.state import ServerConfig, ServerState
 
 #: Loopback by default: serving the LAN is one flag away (``--h 0.0.0.0``), and then a key should guard it.

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from cli.main import build_app
 from framework import LLM, EngineBuilder, SamplingParams
-from framework.distributed import fast_all_reduce
+from framework.distributed import all_reduce_policy, fast_all_reduce
 from framework.distributed.fast_all_reduce import (
     MAX_BUFFER_BYTES,
     all_reduce_for_dtype,
@@ -82,18 +82,15 @@ def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, dev
     """The CLI's early ``--all-reduce`` check and :class:`EngineBuilder` validate on one device, the
     one these flags name on a (faked) CUDA machine: node 1's first rank is its local GPU 0."""
     from cli.options import engine_kwargs
-    from framework.engine import builder
 
-    seen: dict[str, torch.device] = {}
+    seen: dict[str, list[torch.device]] = {"cli": [], "builder": []}
+    where = "cli"
 
-    def recording(where):
-        def resolve(name, device):
-            seen[where] = device
-            return resolve_all_reduce(name, device)
-        return resolve
+    def resolve(name, device):
+        seen[where].append(device)
+        return resolve_all_reduce(name, device)
 
-    monkeypatch.setattr(fast_all_reduce, "resolve_all_reduce", recording("cli"))
-    monkeypatch.setattr(builder, "resolve_all_reduce", recording("builder"))
+    monkeypatch.setattr(fast_all_reduce, "resolve_all_reduce", resolve)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # the builder makes a rank's GPU current
     from framework import platform
@@ -101,8 +98,10 @@ def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, dev
     monkeypatch.setattr(platform, "detect_platform", lambda probe_device=True: platform.Platform(
         "cuda", num_devices=2, device_name="fake", compute_capability=(9, 0), probed=True))
     kwargs = engine_kwargs(m="./no-such-model", all_reduce="auto", **flags)
+    where = "builder"
     EngineBuilder(**kwargs)
-    assert seen["cli"] == seen["builder"] == torch.device(device), seen
+    assert seen["cli"] and seen["builder"], seen
+    assert set(seen["cli"]) == set(seen["builder"]) == {torch.device(device)}, seen
 
 
 def test_cli_refuses_gpu_ordinals_with_a_cpu_device_before_starting_anything():
@@ -152,18 +151,18 @@ def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts
     device = torch.device("cuda", 0)
     if problem is None:
         assert fast_all_reduce.peer_access_problem(device) is None
-        assert state.enable_symm_mem_all_reduce(device, 4096, required=False) is True
+        assert all_reduce_policy.enable_symm_mem_all_reduce(device, 4096, required=False) is True
         assert built and state._state.fast_all_reduce == "symm"
         return
     assert re.search(problem, fast_all_reduce.peer_access_problem(device, auto=True))
-    assert state.enable_symm_mem_all_reduce(device, 4096, required=False) is False
+    assert all_reduce_policy.enable_symm_mem_all_reduce(device, 4096, required=False) is False
     assert not built and state._state.fast_all_reduce is None  # NCCL stays
     if capability < fast_all_reduce.AUTO_MIN_CAPABILITY:  # --all-reduce symm_mem forces it there
         assert fast_all_reduce.peer_access_problem(device) is None
-        assert state.enable_symm_mem_all_reduce(device, 4096, required=True) is True and built
+        assert all_reduce_policy.enable_symm_mem_all_reduce(device, 4096, required=True) is True and built
         return
     with pytest.raises(ConfigError, match=f"--all-reduce symm_mem: .*{problem}.*: use --all-reduce nccl"):
-        state.enable_symm_mem_all_reduce(device, 4096, required=True)
+        all_reduce_policy.enable_symm_mem_all_reduce(device, 4096, required=True)
 
 
 @pytest.mark.parametrize("failing", ["this rank", "another rank", "rendezvous"])
@@ -205,10 +204,10 @@ def test_a_symmetric_memory_set_up_failure_is_a_clear_error_and_auto_keeps_nccl(
     monkeypatch.setattr(state._state, "fast_all_reduce", None)
     monkeypatch.setattr(state._state, "control_group", Group())
     monkeypatch.setattr(fast_all_reduce.dist, "group", types.SimpleNamespace(WORLD=Group()))  # the data group
-    assert state.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=False) is False
+    assert all_reduce_policy.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=False) is False
     assert state._state.fast_all_reduce is None
     with pytest.raises(ConfigError, match=reason):
-        state.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=True)
+        all_reduce_policy.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=True)
 
 
 def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_nccl(monkeypatch):
@@ -290,23 +289,18 @@ def test_an_engine_that_set_symmetric_memory_up_leaves_its_group_name_to_the_gua
 def test_flashinfer_fuses_only_where_the_models_norms_take_the_all_reduce(monkeypatch, defers):
     """``--all-reduce flashinfer`` sets the fused kernel up after the model is built, and only when
     some norm takes the all-reduce; otherwise the plain all-reduce stays and the summary says so."""
-    from types import SimpleNamespace
 
-    from framework import distributed
-    from framework.engine.builder import EngineBuilder
+    from framework.distributed.all_reduce_policy import AllReducePolicy
+    from framework.engine.builder import norms_take_all_reduce
     from framework.layers import RMSNorm
 
     norm = RMSNorm(8)
     norm.reduces_input = defers
     enabled = []
-    monkeypatch.setattr(distributed, "enable_flashinfer_all_reduce_norm", lambda *args: enabled.append(args))
-    builder = SimpleNamespace(all_reduce="flashinfer", parallel=SimpleNamespace(is_parallel=True),
-                              torch_model=torch.nn.Sequential(norm), _plain_all_reduce="symm_mem", device="cuda:0",
-                              _fused_norm_required=True,
-                              scheduler=SimpleNamespace(max_num_seqs=16),
-                              config=SimpleNamespace(architecture="X", hidden_size=8, dtype=torch.bfloat16))
-    EngineBuilder.enable_fused_all_reduce_norm(builder)
-    assert builder.all_reduce == ("flashinfer" if defers else "symm_mem")
+    monkeypatch.setattr(all_reduce_policy, "enable_flashinfer_all_reduce_norm", lambda *args: enabled.append(args))
+    policy = AllReducePolicy("flashinfer", "cuda:0", plain="symm_mem", fused_norm_required=True)
+    policy.enable_fused_norm(norms_take_all_reduce(torch.nn.Sequential(norm)), "X", 16, 8, torch.bfloat16)
+    assert policy.name == ("flashinfer" if defers else "symm_mem")
     assert enabled == ([("cuda:0", 16, 8, torch.bfloat16)] if defers else [])
 
 
@@ -317,8 +311,8 @@ def test_auto_takes_the_fused_all_reduce_only_where_flashinfers_module_is_built(
     import sys
     from types import ModuleType, SimpleNamespace
 
+    from framework.distributed.all_reduce_policy import auto_flashinfer_or_not
     from framework.distributed.flashinfer_all_reduce import unavailable_reason
-    from framework.engine.builder import EngineBuilder
 
     comm = ModuleType("flashinfer.jit.comm")
     comm.gen_trtllm_comm_module = lambda: SimpleNamespace(is_compiled=built, is_aot=False)  # a JIT build, or none
@@ -326,41 +320,32 @@ def test_auto_takes_the_fused_all_reduce_only_where_flashinfers_module_is_built(
     monkeypatch.delenv("FLASHINFER_DISABLE_JIT", raising=False)
     reason = unavailable_reason()
     assert reason is None if built else "not built yet; --all-reduce flashinfer builds it once" in reason
-    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == ("flashinfer" if built else "auto")
+    assert auto_flashinfer_or_not() == ("flashinfer" if built else "auto")
     monkeypatch.setenv("FLASHINFER_DISABLE_JIT", "1")  # FlashInfer then loads ahead-of-time modules only
-    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == "auto"
+    assert auto_flashinfer_or_not() == "auto"
     comm.gen_trtllm_comm_module = lambda: SimpleNamespace(is_compiled=built, is_aot=built)
-    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == ("flashinfer" if built else "auto")
+    assert auto_flashinfer_or_not() == ("flashinfer" if built else "auto")
     monkeypatch.setitem(sys.modules, "flashinfer.jit.comm", None)  # FlashInfer not installed: the import fails
     assert unavailable_reason().startswith("FlashInfer is not available (ModuleNotFoundError")
-    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == "auto"
+    assert auto_flashinfer_or_not() == "auto"
 
 
 @pytest.mark.parametrize("required", [True, False])
 def test_a_fused_all_reduce_that_cannot_be_set_up_fails_when_asked_for_and_falls_back_under_auto(monkeypatch, required):
-    from types import SimpleNamespace
 
-    from framework import distributed
-    from framework.engine.builder import EngineBuilder
-    from framework.layers import RMSNorm
-
-    norm = RMSNorm(8)
-    norm.reduces_input = True
+    from framework.distributed.all_reduce_policy import AllReducePolicy
 
     def refuse(*args):
         raise ConfigError("--all-reduce flashinfer: several hosts: use --all-reduce symm_mem or nccl")
 
-    monkeypatch.setattr(distributed, "enable_flashinfer_all_reduce_norm", refuse)
-    builder = SimpleNamespace(all_reduce="flashinfer", parallel=SimpleNamespace(is_parallel=True),
-                              torch_model=torch.nn.Sequential(norm), _plain_all_reduce="nccl", device="cuda:0",
-                              _fused_norm_required=required, scheduler=SimpleNamespace(max_num_seqs=16),
-                              config=SimpleNamespace(architecture="X", hidden_size=8, dtype=torch.bfloat16))
+    monkeypatch.setattr(all_reduce_policy, "enable_flashinfer_all_reduce_norm", refuse)
+    policy = AllReducePolicy("flashinfer", "cuda:0", plain="nccl", fused_norm_required=required)
     if required:
         with pytest.raises(ConfigError, match="several hosts"):
-            EngineBuilder.enable_fused_all_reduce_norm(builder)
+            policy.enable_fused_norm(True, "X", 16, 8, torch.bfloat16)
     else:
-        EngineBuilder.enable_fused_all_reduce_norm(builder)
-        assert builder.all_reduce == "nccl"
+        policy.enable_fused_norm(True, "X", 16, 8, torch.bfloat16)
+        assert policy.name == "nccl"
 
 
 @pytest.mark.parametrize("asked, dtype, num_nodes, fused, required, plain", [
@@ -372,20 +357,18 @@ def test_a_fused_all_reduce_that_cannot_be_set_up_fails_when_asked_for_and_falls
 ])
 def test_setting_the_all_reduce_up_asks_flashinfer_only_for_bf16_on_one_host(monkeypatch, asked, dtype, num_nodes,
                                                                               fused, required, plain):
-    from types import SimpleNamespace
 
-    from framework import distributed
-    from framework.engine.builder import EngineBuilder
+    from framework.distributed import all_reduce_policy
 
     asked_flashinfer = []
-    monkeypatch.setattr(distributed, "enable_symm_mem_all_reduce", lambda *args, required: True)
-    builder = SimpleNamespace(all_reduce=asked, device=torch.device("cuda", 0),
-                              parallel=SimpleNamespace(num_nodes=num_nodes), scheduler=SimpleNamespace(max_num_seqs=16),
-                              auto_flashinfer_or_not=lambda: asked_flashinfer.append(1) or "flashinfer")
-    EngineBuilder.set_up_all_reduce(builder, SimpleNamespace(dtype=dtype, hidden_size=64))
-    assert builder.all_reduce == fused and builder._fused_norm_required is required
+    monkeypatch.setattr(all_reduce_policy, "enable_symm_mem_all_reduce", lambda *args, required: True)
+    monkeypatch.setattr(all_reduce_policy, "auto_flashinfer_or_not",
+                        lambda: asked_flashinfer.append(1) or "flashinfer")
+    policy = all_reduce_policy.AllReducePolicy(asked, torch.device("cuda", 0), num_nodes)
+    policy.set_up(dtype, 64, 16)
+    assert policy.name == fused and policy.fused_norm_required is required
     assert asked_flashinfer == ([1] if asked == "auto" and fused == "flashinfer" else [])
-    assert builder._plain_all_reduce == plain  # what sums the rest (and everything, after a fallback)
+    assert policy.plain == plain  # what sums the rest (and everything, after a fallback)
 
 
 @pytest.mark.parametrize("failing", ["load", "workspace"])
@@ -395,7 +378,7 @@ def test_flashinfer_set_up_failures_become_a_config_error_on_every_rank(monkeypa
     import sys
     from types import ModuleType
 
-    from framework.distributed import fast_all_reduce, flashinfer_all_reduce, state
+    from framework.distributed import all_reduce_policy, fast_all_reduce, flashinfer_all_reduce, state
 
     trtllm_ar = ModuleType("flashinfer.comm.trtllm_ar")
 
@@ -417,5 +400,5 @@ def test_flashinfer_set_up_failures_become_a_config_error_on_every_rank(monkeypa
     message = {"load": r"communication module is not available \(RuntimeError: JIT compilation is disabled",
                "workspace": r"its workspace failed to set up \(RuntimeError: CUDA out of memory\)"}[failing]
     with pytest.raises(ConfigError, match=message):
-        state.enable_flashinfer_all_reduce_norm(torch.device("cuda", 0), 16, 64, torch.bfloat16)
+        all_reduce_policy.enable_flashinfer_all_reduce_norm(torch.device("cuda", 0), 16, 64, torch.bfloat16)
     assert agreed[-1] == 0 and state._state.fused_all_reduce_norm is None

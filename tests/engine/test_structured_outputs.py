@@ -334,7 +334,7 @@ QUESTIONS = {"person": "Describe a person (name and age) as JSON.", "enum": "Pic
 @pytest.fixture(scope="module")
 def default_llm():
     """The default model on CPU with one compute thread, as the engine process runs on a 2-core
-    machine (framework/server/engine_process.py): two OpenMP threads on a busy 2-core CI machine
+    machine (framework.engine.engine_process.py): two OpenMP threads on a busy 2-core CI machine
     made these steps about 8x slower."""
     import torch
 

@@ -85,9 +85,9 @@ def test_the_engine_process_marks_a_grammar_refusal_for_the_client():
     """An AddRequest whose grammar is invalid is answered AddFailed(grammar=True), any other refusal
     grammar=False (test_structured_outputs_server.py sees the client turn the first into a 400 that
     names the request field)."""
+    from framework.engine.engine_process import EngineLoop
+    from framework.engine.messages import AddFailed, AddRequest
     from framework.errors import ConfigError, GrammarError
-    from framework.server.engine_process import EngineLoop
-    from framework.server.messages import AddFailed, AddRequest
 
     sent = []
 

@@ -27,7 +27,7 @@ PROMPT_IDS = [5, 9, 33, 2, 71, 40]
 
 
 def worker_pids(master_port: int) -> list[int]:
-    """Processes of ``framework.distributed.worker`` that joined the rendezvous on ``master_port``."""
+    """Processes of ``framework.engine.tp_worker`` that joined the rendezvous on ``master_port``."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -36,7 +36,7 @@ def worker_pids(master_port: int) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"framework.distributed.worker" in argv and f"--master=127.0.0.1:{master_port}".encode() in argv:
+        if b"framework.engine.tp_worker" in argv and f"--master=127.0.0.1:{master_port}".encode() in argv:
             pids.append(int(entry.name))
     return pids
 
