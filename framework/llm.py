@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from framework import plugins
 from framework.engine.args import EngineArgs
 from framework.engine.builder import Engine, EngineBuilder
 from framework.engine.outputs import GRAMMAR_FAILED, LogprobEntry
@@ -57,9 +58,15 @@ class LLM:
     def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, **options: Any) -> None:
         self.engine: Engine = EngineBuilder(model, args=args, **options).build()
         self._ids = itertools.count()
+        self._closed = False
+        plugins.call_lifecycle_sync("startup", engine=self.engine)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        """Tell the plugins (``shutdown``) and stop the tensor-parallel workers, if any (they also stop
+        when this process exits); idempotent."""
+        if not self._closed:
+            self._closed = True
+            plugins.call_lifecycle_sync("shutdown", engine=self.engine)
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:

@@ -15,6 +15,8 @@ A plugin that fails to import, or implements a hook that does not exist, is repo
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import itertools
 import logging
 import os
@@ -212,3 +214,21 @@ def call_first(hook_name: str, **kwargs: Any) -> Any:
 def call_all(hook_name: str, **kwargs: Any) -> list[Any]:
     """Call a hook on every plugin and return the non-``None`` results (lifecycle hooks)."""
     return getattr(load_plugins().hook, hook_name)(**kwargs)
+
+
+async def call_lifecycle(hook_name: str, **kwargs: Any) -> None:
+    """Call ``startup`` / ``shutdown`` on every plugin, awaiting the awaitables they return, in order."""
+    for result in call_all(hook_name, **kwargs):
+        if inspect.isawaitable(result):
+            await result
+
+
+def call_lifecycle_sync(hook_name: str, **kwargs: Any) -> None:
+    """:func:`call_lifecycle` from code without an event loop (``LLM``): awaitables run to completion."""
+    results = [result for result in call_all(hook_name, **kwargs) if inspect.isawaitable(result)]
+    if results:
+        async def wait_all() -> None:
+            for result in results:
+                await result
+
+        asyncio.run(wait_all())

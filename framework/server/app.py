@@ -2,7 +2,9 @@
 
 Routes are grouped by resource (OpenAI API under ``/v1``, service endpoints at the root); the
 shared :class:`ServerState` is injected. The lifespan starts the engine process in the
-background, so ``/health`` answers 503 while the model loads, and stops it on shutdown.
+background, so ``/health`` answers 503 while the model loads, and stops it on shutdown. Plugins
+add routes (``register_routes``) and adjust the app config (``app_init``) when the app is built,
+and hear ``startup`` once the engine is ready and ``shutdown`` before it stops.
 Every request first passes :class:`~framework.server.origins.OriginGuard` (Host, Origin, CORS,
 JSON bodies), then the API key check (keys compared in constant time).
 """
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from litestar import Controller, Litestar, Request, Response, get, post
+from litestar.config.app import AppConfig
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException
 from litestar.middleware import DefineMiddleware
@@ -24,6 +27,8 @@ from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import framework
+from framework import plugins
+from framework.engine.messages import Ready
 from framework.server.engine_client import AsyncEngineClient
 from framework.server.errors import (
     APIError,
@@ -34,7 +39,6 @@ from framework.server.errors import (
     internal_error_handler,
 )
 from framework.server.limits import read_body
-from framework.server.messages import Ready
 from framework.server.origins import OriginGuard, OriginPolicy
 from framework.server.protocol import (
     ChatCompletionRequest,
@@ -194,12 +198,25 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
             raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
                            headers={"Retry-After": "1"})
 
+    started = asyncio.Event()  # the plugins' startup hooks ran: their shutdown hooks run at the end
+
+    async def plugins_startup() -> None:
+        await plugins.call_lifecycle("startup", engine=engine_client)
+        started.set()
+
+    async def start_then_plugins() -> Ready:
+        ready = await engine_client.start()
+        await plugins_startup()
+        return ready
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         task = None
         if start_engine:
-            task = asyncio.create_task(engine_client.start())
+            task = asyncio.create_task(start_then_plugins())
             task.add_done_callback(_report)
+        else:  # the caller started the engine already
+            await plugins_startup()
         if config.mcp_servers:
             from framework.server.mcp_client import MCPManager
 
@@ -212,6 +229,8 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
                 task.cancel()
             if state.mcp is not None:
                 await state.mcp.close()
+            if started.is_set():
+                await plugins.call_lifecycle("shutdown", engine=engine_client)
             await engine_client.shutdown()
 
     def _report(task: asyncio.Task) -> None:
@@ -230,7 +249,13 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
                                      config.allowed_origins, config.ui_port)
     handlers: dict[Any, Callable] = {APIError: api_error_handler, HTTPException: http_exception_handler,
                                      Exception: internal_error_handler}
-    app = Litestar(route_handlers=[OpenAIController, ServiceController],
+    plugin_routes = [handler for routes in plugins.call_all("register_routes") for handler in routes]
+
+    def plugins_app_init(app_config: AppConfig) -> AppConfig:
+        plugins.call_all("app_init", app_config=app_config)
+        return app_config
+
+    app = Litestar(route_handlers=[OpenAIController, ServiceController, *plugin_routes], on_app_init=[plugins_app_init],
                    dependencies={"server": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
                    before_request=guard, middleware=[DefineMiddleware(OriginGuard, policy=policy)],
                    exception_handlers=handlers, lifespan=[lifespan],
