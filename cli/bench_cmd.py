@@ -19,7 +19,9 @@ def bench(
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="Requests to run.")] = 32,
     input_len: Annotated[int, typer.Option("--input-len", help="Mean prompt length in tokens.")] = 128,
     output_len: Annotated[int, typer.Option("--output-len", help="Mean output length in tokens.")] = 128,
-    range_ratio: Annotated[float, typer.Option("--range-ratio", help="Lengths vary uniformly by +- this fraction.")] = 0.0,
+    range_ratio: Annotated[
+        float, typer.Option("--range-ratio", help="Lengths vary uniformly by +- this fraction.")
+    ] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     output_json: Annotated[Path | None, typer.Option("--output-json", help="Write the full results here.")] = None,
 ) -> None:
@@ -47,15 +49,28 @@ def bench(
     num_in = sum(len(p["prompt_token_ids"]) for p in prompts)
     num_out = sum(len(r.outputs[0].token_ids) for r in results)
     report = {
-        "summary": llm.engine.summary, "tp": llm.engine.summary.get("tensor_parallel_size", 1), "num_prompts": num_prompts, "input_tokens": num_in, "output_tokens": num_out,
-        "elapsed_s": elapsed, "load_s": load_s, "requests_per_s": num_prompts / elapsed,
-        "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "summary": llm.engine.summary,
+        "tp": llm.engine.summary.get("tensor_parallel_size", 1),
+        "num_prompts": num_prompts,
+        "input_tokens": num_in,
+        "output_tokens": num_out,
+        "elapsed_s": elapsed,
+        "load_s": load_s,
+        "requests_per_s": num_prompts / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
     }
     llm.close()
     if output_json:
         output_json.write_text(json.dumps(report, indent=2, default=str))
-    typer.echo(f"model {report['summary']['model']} on {report['summary']['device']} ({report['summary']['dtype']}, "
-               f"attention {report['summary']['attention_backend']})")
-    typer.echo(f"{'requests':>10} {'in tok':>8} {'out tok':>8} {'time s':>8} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12}")
-    typer.echo(f"{num_prompts:>10} {num_in:>8} {num_out:>8} {elapsed:>8.2f} {report['requests_per_s']:>8.2f} "
-               f"{report['output_tokens_per_s']:>10.1f} {report['total_tokens_per_s']:>12.1f}")
+    typer.echo(
+        f"model {report['summary']['model']} on {report['summary']['device']} ({report['summary']['dtype']}, "
+        f"attention {report['summary']['attention_backend']})"
+    )
+    typer.echo(
+        f"{'requests':>10} {'in tok':>8} {'out tok':>8} {'time s':>8} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12}"
+    )
+    typer.echo(
+        f"{num_prompts:>10} {num_in:>8} {num_out:>8} {elapsed:>8.2f} {report['requests_per_s']:>8.2f} "
+        f"{report['output_tokens_per_s']:>10.1f} {report['total_tokens_per_s']:>12.1f}"
+    )

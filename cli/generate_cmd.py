@@ -22,19 +22,27 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k")] = 0,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print token ids and metadata as JSON.")] = False,
-    json_schema: Annotated[Path | None, typer.Option("--json-schema", help="A JSON Schema file: the output is JSON "
-                                                     "valid under it.")] = None,
+    json_schema: Annotated[
+        Path | None, typer.Option("--json-schema", help="A JSON Schema file: the output is JSON valid under it.")
+    ] = None,
     regex: Annotated[str | None, typer.Option("--regex", help="The output is a full match of this regex.")] = None,
-    choice: Annotated[list[str] | None, typer.Option("--choice", help="The output is one of these strings "
-                                                     "(repeat the option).")] = None,
+    choice: Annotated[
+        list[str] | None, typer.Option("--choice", help="The output is one of these strings (repeat the option).")
+    ] = None,
 ) -> None:
     """Generate a completion for PROMPT and print it."""
     from framework import LLM, SamplingParams
     from framework.errors import FwError
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                structured_outputs=_structured_outputs(json_schema, regex, choice))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            structured_outputs=_structured_outputs(json_schema, regex, choice),
+        )
         args = engine.args()
         kwargs = args.to_dict()
         if args.node_rank > 0:  # the other nodes only run their tensor-parallel workers
@@ -51,8 +59,16 @@ def generate(
         raise o.fail(str(exc)) from None
     output = result.outputs[0]
     if as_json:
-        typer.echo(json.dumps({"text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
-                               "prompt_token_ids": result.prompt_token_ids}))
+        typer.echo(
+            json.dumps(
+                {
+                    "text": output.text,
+                    "token_ids": output.token_ids,
+                    "finish_reason": output.finish_reason,
+                    "prompt_token_ids": result.prompt_token_ids,
+                }
+            )
+        )
     else:
         typer.echo(output.text)
 

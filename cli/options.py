@@ -12,8 +12,9 @@ import typer
 
 #: Engine options a command leaves out (it has its own flag of that name, or no use for it).
 NOT_IN_GENERATE = frozenset({"seed"})  # --seed is the sampling seed there
-NOT_IN_BENCH = frozenset({"seed", "num_nodes", "node_rank", "master_addr", "master_port", "rendezvous_timeout",
-                          "distributed_timeout"})  # --seed is the prompts' seed; bench runs on one node
+NOT_IN_BENCH = frozenset(
+    {"seed", "num_nodes", "node_rank", "master_addr", "master_port", "rendezvous_timeout", "distributed_timeout"}
+)  # --seed is the prompts' seed; bench runs on one node
 
 
 def with_engine_options(exclude: frozenset[str] = frozenset()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -27,8 +28,11 @@ def with_engine_options(exclude: frozenset[str] = frozenset()) -> Callable[[Call
 
     def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
         hints = typing.get_type_hints(function, include_extras=True)
-        own = [param.replace(annotation=hints[param.name], kind=inspect.Parameter.KEYWORD_ONLY)
-               for param in inspect.signature(function).parameters.values() if param.name != "engine"]
+        own = [
+            param.replace(annotation=hints[param.name], kind=inspect.Parameter.KEYWORD_ONLY)
+            for param in inspect.signature(function).parameters.values()
+            if param.name != "engine"
+        ]
         generated = []
         for name, (base, meta, default) in engine_fields().items():
             if name in exclude:
@@ -40,8 +44,14 @@ def with_engine_options(exclude: frozenset[str] = frozenset()) -> Callable[[Call
             elif name == "device_ids":
                 cli_type = str | None  # --d 0,1
             option = typer.Option(*extra["flags"], help=meta.description, hidden=extra["hidden"])
-            generated.append(inspect.Parameter(cli_name, inspect.Parameter.KEYWORD_ONLY, default=cli_default,
-                                               annotation=Annotated[cli_type, option]))
+            generated.append(
+                inspect.Parameter(
+                    cli_name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=cli_default,
+                    annotation=Annotated[cli_type, option],
+                )
+            )
         cli_names = {param.name for param in generated}
 
         @functools.wraps(function)
@@ -112,8 +122,16 @@ class EngineOptions:
 def engine_kwargs(**values: Any) -> dict[str, Any]:
     """Option values by their CLI spelling (``m``, ``d``, ``mem``, ``no_cuda_graph`` ...) or field
     name, as validated :class:`EngineBuilder` keyword arguments (for callers that hold flag values)."""
-    aliases = {"m": "model", "w": "weights", "f": "file", "mem": "mem_mb", "tp": "tensor_parallel_size",
-               "d": "device_ids", "no_prefix_cache": "disable_prefix_cache", "no_cuda_graph": "disable_cuda_graph"}
+    aliases = {
+        "m": "model",
+        "w": "weights",
+        "f": "file",
+        "mem": "mem_mb",
+        "tp": "tensor_parallel_size",
+        "d": "device_ids",
+        "no_prefix_cache": "disable_prefix_cache",
+        "no_cuda_graph": "disable_cuda_graph",
+    }
     values = {aliases.get(key, key): value for key, value in values.items()}
     return EngineOptions(values).args().to_dict()
 
@@ -134,7 +152,9 @@ def device_from_ordinals(ordinals: str, device: str | None) -> str:
 
     parts = [str(p) for p in parse_ordinals(ordinals)]
     if len(parts) > 1:
-        raise ConfigError(f"--d {ordinals}: several devices mean tensor parallelism; the engine takes them as device_ids")
+        raise ConfigError(
+            f"--d {ordinals}: several devices mean tensor parallelism; the engine takes them as device_ids"
+        )
     if device and device != f"cuda:{parts[0]}":
         raise ConfigError(f"--d {ordinals} and --device {device} disagree; give one of them")
     return f"cuda:{parts[0]}"

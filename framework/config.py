@@ -32,7 +32,9 @@ DTYPES = {
 }
 
 
-def resolve_dtype(name: str | torch.dtype | None, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
+def resolve_dtype(
+    name: str | torch.dtype | None, device: torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
     """The compute dtype for ``--dtype name`` on ``device``.
 
     ``auto`` means: on CPU float32 (bf16 matmuls on CPUs without AMX are slower than fp32 and
@@ -69,8 +71,15 @@ class ModelConfig:
     source: str = ""
 
     @classmethod
-    def from_hf_config(cls, hf_config: dict[str, Any], *, dtype: torch.dtype, max_model_len: int | None = None,
-                       eos_token_ids: frozenset[int] = frozenset(), source: str = "") -> ModelConfig:
+    def from_hf_config(
+        cls,
+        hf_config: dict[str, Any],
+        *,
+        dtype: torch.dtype,
+        max_model_len: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        source: str = "",
+    ) -> ModelConfig:
         archs = hf_config.get("architectures") or []
         if not archs:
             raise ConfigError(f"model config of {source or 'the model'} has no 'architectures' entry")
@@ -191,9 +200,11 @@ class SchedulerConfig:
         chunk = args.prefill_chunk_size or max_model_len or 8192  # (8192 only until the context length is known)
         batched = args.max_num_batched_tokens or max(chunk, args.max_num_seqs)
         if args.prefill_chunk_size == 0 and max_model_len is not None and batched < max_model_len:
-            raise ConfigError(f"--prefill-chunk-size 0 computes each prompt in one step, but --max-num-batched-tokens "
-                              f"{batched} is below the context length {max_model_len}: raise it, lower "
-                              "--max-model-len, or turn chunking back on")
+            raise ConfigError(
+                f"--prefill-chunk-size 0 computes each prompt in one step, but --max-num-batched-tokens "
+                f"{batched} is below the context length {max_model_len}: raise it, lower "
+                "--max-model-len, or turn chunking back on"
+            )
         return cls(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched, prefill_chunk_size=chunk)
 
     def __post_init__(self) -> None:
@@ -221,7 +232,11 @@ def with_yarn_scaling(hf_config: dict[str, Any], factor: float) -> dict[str, Any
         raise ConfigError(f"--yarn-scaling-factor must be > 1, got {factor}")
     config = dict(hf_config)
     original = int(config.get("max_position_embeddings") or 2048)
-    config["rope_scaling"] = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original}
+    config["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": original,
+    }
     params = config.pop("rope_parameters", None) or {}
     if "rope_theta" in params and "rope_theta" not in config:
         config["rope_theta"] = params["rope_theta"]

@@ -45,11 +45,11 @@ def register_weight_formats() -> list[Any]:
 def register_quantization_methods() -> list[Any]:
     """Return ``[QuantMethodSpec]`` for the quantization methods this plugin provides.
 
-    Called once per process. Merged into one registry keyed by method name (``gguf``, ``gptq``,
-    ``isq``, ...); the chosen method's ``QuantConfig`` gives each layer its quant method
-(``get_quant_method``: a ``LinearMethod`` for linear layers and vocabulary tables, a
-``FusedMoEMethod`` for ``FusedMoE``, the KV-cache method for attention layers) and declares
-the activation dtypes and devices it supports (see ``framework.quantization``).
+        Called once per process. Merged into one registry keyed by method name (``gguf``, ``gptq``,
+        ``isq``, ...); the chosen method's ``QuantConfig`` gives each layer its quant method
+    (``get_quant_method``: a ``LinearMethod`` for linear layers and vocabulary tables, a
+    ``FusedMoEMethod`` for ``FusedMoE``, the KV-cache method for attention layers) and declares
+    the activation dtypes and devices it supports (see ``framework.quantization``).
     """
 
 

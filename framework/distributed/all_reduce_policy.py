@@ -55,14 +55,17 @@ class AllReducePolicy:
         plain = fast_all_reduce.all_reduce_for_dtype("auto" if fused else self.name, dtype)
         if plain in ("symm_mem", "auto"):
             enabled = enable_symm_mem_all_reduce(
-                self.device, fast_all_reduce.buffer_bytes(max_num_seqs, hidden_size, dtype),
-                required=plain == "symm_mem")
+                self.device,
+                fast_all_reduce.buffer_bytes(max_num_seqs, hidden_size, dtype),
+                required=plain == "symm_mem",
+            )
             plain = "symm_mem" if enabled else "nccl"
         self.plain = plain
         self.name = "flashinfer" if fused else plain  # the fused kernel comes once the model is built
 
-    def enable_fused_norm(self, norms_take_all_reduce: bool, architecture: str, max_num_seqs: int,
-                          hidden_size: int, dtype: torch.dtype) -> None:
+    def enable_fused_norm(
+        self, norms_take_all_reduce: bool, architecture: str, max_num_seqs: int, hidden_size: int, dtype: torch.dtype
+    ) -> None:
         """``flashinfer`` on a built model: FlashInfer's fused all-reduce + residual add + RMS norm
         when the model's norms take the all-reduce (every rank builds the same model, so all decide
         alike; before the KV cache is sized, which then leaves room for its workspace). A model
@@ -70,8 +73,11 @@ class AllReducePolicy:
         if self.name != "flashinfer":
             return
         if not norms_take_all_reduce:
-            log.info("--all-reduce flashinfer: %s's norms do not take the all-reduce; %s sums everything",
-                     architecture, self.plain)
+            log.info(
+                "--all-reduce flashinfer: %s's norms do not take the all-reduce; %s sums everything",
+                architecture,
+                self.plain,
+            )
             self.name = self.plain
             return
         try:
@@ -111,7 +117,9 @@ def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int, *, required
         log.info("--all-reduce auto: NCCL, since the symmetric-memory all-reduce cannot run here (%s)", problem)
         return False
     try:  # a set-up failure fails on every rank alike (SymmMemAllReduce agrees on it first)
-        state._state.fast_all_reduce = fast_all_reduce.SymmMemAllReduce(device, max_bytes, host_group=state._state.control_group)
+        state._state.fast_all_reduce = fast_all_reduce.SymmMemAllReduce(
+            device, max_bytes, host_group=state._state.control_group
+        )
     except ConfigError as error:
         if required:
             raise
@@ -120,8 +128,9 @@ def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int, *, required
     return True
 
 
-def enable_flashinfer_all_reduce_norm(device: torch.device, max_tokens: int, hidden_size: int,
-                                      dtype: torch.dtype) -> None:
+def enable_flashinfer_all_reduce_norm(
+    device: torch.device, max_tokens: int, hidden_size: int, dtype: torch.dtype
+) -> None:
     """``--all-reduce flashinfer``: from now on :func:`all_reduce_add_rms_norm` runs FlashInfer's
     fused kernel for up to ``max_tokens`` rows of ``hidden_size`` in ``dtype``.
 
@@ -145,7 +154,9 @@ def enable_flashinfer_all_reduce_norm(device: torch.device, max_tokens: int, hid
 
                 get_trtllm_comm_module()
             except Exception as error:  # not installed, failing at import, or the module failing to build or load
-                failure = f"FlashInfer's communication module is not available ({brief(error)}); install flashinfer-python"
+                failure = (
+                    f"FlashInfer's communication module is not available ({brief(error)}); install flashinfer-python"
+                )
         problem = _agreed(failure)
     if problem is not None:
         raise ConfigError(f"--all-reduce flashinfer: {problem}: use --all-reduce symm_mem or nccl")

@@ -45,8 +45,11 @@ class WorkerGroup:
         """Start ``python -m module --rank=R *argv`` per rank ``R`` of ``payloads``, its payload on stdin."""
         processes = {}
         for rank, payload in payloads.items():
-            process = subprocess.Popen([sys.executable, "-m", module, f"--rank={rank}", *argv],
-                                       stdin=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            process = subprocess.Popen(
+                [sys.executable, "-m", module, f"--rank={rank}", *argv],
+                stdin=subprocess.PIPE,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             process.stdin.write(payload)
             process.stdin.close()
             processes[rank] = process

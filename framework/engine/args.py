@@ -54,66 +54,132 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights: Annotated[str | None, _opt("Local weight directory (overrides --m's files).", "--w", "--weights")] = None
     file: Annotated[str | None, _opt("A file or subfolder of GGUFs inside --m.", "--f", "--file")] = None
     revision: Annotated[str | None, _opt("Hub revision (branch, tag or commit).", "--revision")] = None
-    load_format: Annotated[str, _opt("auto (detect), or a weight format by name: safetensors, gguf, dummy "
-                                     "(random weights for a config.json).", "--load-format")] = "auto"
-    quantization: Annotated[str | None, _opt(
-        "Quantization method of the checkpoint (gguf); default: what the checkpoint declares. A method the "
-        "checkpoint does not use is an error.", "--quantization", "-q")] = None
-    dtype: Annotated[str, _opt("bf16, f16, f32 or auto (CPU: f32; GPU: the checkpoint's 16-bit type).", "--dtype")] = "auto"
-    max_model_len: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _opt("Context length (default: the model's).", "--max-model-len")] = None
-    yarn_scaling_factor: Annotated[Annotated[float, msgspec.Meta(gt=1.0)] | None, _opt("Extend the context with YaRN rope scaling by this factor.",
-                                                      "--yarn-scaling-factor")] = None
+    load_format: Annotated[
+        str,
+        _opt(
+            "auto (detect), or a weight format by name: safetensors, gguf, dummy (random weights for a config.json).",
+            "--load-format",
+        ),
+    ] = "auto"
+    quantization: Annotated[
+        str | None,
+        _opt(
+            "Quantization method of the checkpoint (gguf); default: what the checkpoint declares. A method the "
+            "checkpoint does not use is an error.",
+            "--quantization",
+            "-q",
+        ),
+    ] = None
+    dtype: Annotated[str, _opt("bf16, f16, f32 or auto (CPU: f32; GPU: the checkpoint's 16-bit type).", "--dtype")] = (
+        "auto"
+    )
+    max_model_len: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None, _opt("Context length (default: the model's).", "--max-model-len")
+    ] = None
+    yarn_scaling_factor: Annotated[
+        Annotated[float, msgspec.Meta(gt=1.0)] | None,
+        _opt("Extend the context with YaRN rope scaling by this factor.", "--yarn-scaling-factor"),
+    ] = None
     seed: Annotated[int, _opt("Engine seed (weights a format leaves uninitialized).", "--seed")] = 0
     # --- the device --------------------------------------------------------------------
     device: Annotated[str | None, _opt("cpu, cuda or cuda:N (default: cuda if available).", "--device")] = None
-    device_ids: Annotated[list[int] | None, _opt(
-        "GPU ordinal(s) of this node: 0, or 0,1 for tensor parallelism over both (one worker process per device).",
-        "--d")] = None
-    attention_backend: Annotated[str, _opt("auto or a registered backend name (fw plugins check).",
-                                           "--attention-backend")] = "auto"
-    enable_cuda_graphs: Annotated[bool, _opt("Run decode steps eagerly (no CUDA graphs).", "--disable-cuda-graph",
-                                             negate=True)] = True
-    async_scheduling: Annotated[bool | None, _opt(
-        "Prepare each step on the host while the device runs the previous one (default: on for CUDA devices).",
-        "--async-scheduling/--no-async-scheduling")] = None
+    device_ids: Annotated[
+        list[int] | None,
+        _opt(
+            "GPU ordinal(s) of this node: 0, or 0,1 for tensor parallelism over both (one worker process per device).",
+            "--d",
+        ),
+    ] = None
+    attention_backend: Annotated[
+        str, _opt("auto or a registered backend name (fw plugins check).", "--attention-backend")
+    ] = "auto"
+    enable_cuda_graphs: Annotated[
+        bool, _opt("Run decode steps eagerly (no CUDA graphs).", "--disable-cuda-graph", negate=True)
+    ] = True
+    async_scheduling: Annotated[
+        bool | None,
+        _opt(
+            "Prepare each step on the host while the device runs the previous one (default: on for CUDA devices).",
+            "--async-scheduling/--no-async-scheduling",
+        ),
+    ] = None
     # --- the KV cache ------------------------------------------------------------------
     block_size: Annotated[int, _opt("Tokens per KV-cache block (a power of two).", "--block-size", ge=1)] = 16
-    kv_fraction: Annotated[float, _opt("Fraction of free device memory (after the weights) for the KV cache.",
-                                       "--kv-fraction", gt=0.0, le=1.0)] = 0.7
-    gpu_memory_utilization: Annotated[Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None, _opt(
-        "vLLM's budget: the fraction of the GPU's total memory this engine may use in all (weights, activations "
-        "and KV cache); the KV cache gets what is left of it. Replaces --kv-fraction; CUDA only.",
-        "--gpu-memory-utilization")] = None
-    mem_mb: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _opt("KV-cache budget in MB (overrides --kv-fraction and --gpu-memory-utilization).",
-                                       "--mem")] = None
-    num_blocks: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _opt("KV-cache blocks exactly (overrides every budget; for tests).",
-                                           "--num-blocks")] = None
-    enable_prefix_caching: Annotated[bool, _opt("Do not reuse KV blocks across requests.", "--disable-prefix-cache",
-                                                negate=True)] = True
-    prefix_cache_max_tokens: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _opt("Cap on tokens kept in the prefix cache.",
-                                                        "--prefix-cache-max-tokens")] = None
+    kv_fraction: Annotated[
+        float,
+        _opt("Fraction of free device memory (after the weights) for the KV cache.", "--kv-fraction", gt=0.0, le=1.0),
+    ] = 0.7
+    gpu_memory_utilization: Annotated[
+        Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None,
+        _opt(
+            "vLLM's budget: the fraction of the GPU's total memory this engine may use in all (weights, activations "
+            "and KV cache); the KV cache gets what is left of it. Replaces --kv-fraction; CUDA only.",
+            "--gpu-memory-utilization",
+        ),
+    ] = None
+    mem_mb: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        _opt("KV-cache budget in MB (overrides --kv-fraction and --gpu-memory-utilization).", "--mem"),
+    ] = None
+    num_blocks: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        _opt("KV-cache blocks exactly (overrides every budget; for tests).", "--num-blocks"),
+    ] = None
+    enable_prefix_caching: Annotated[
+        bool, _opt("Do not reuse KV blocks across requests.", "--disable-prefix-cache", negate=True)
+    ] = True
+    prefix_cache_max_tokens: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)] | None,
+        _opt("Cap on tokens kept in the prefix cache.", "--prefix-cache-max-tokens"),
+    ] = None
     # --- the scheduler -----------------------------------------------------------------
     max_num_seqs: Annotated[int, _opt("Most requests in one step.", "--max-num-seqs", ge=1)] = 256
-    max_num_batched_tokens: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _opt(
-        "Most tokens in one step, all requests together (default: the larger of --prefill-chunk-size and "
-        "--max-num-seqs; with chunking off, the context length).", "--max-num-batched-tokens")] = None
-    prefill_chunk_size: Annotated[int, _opt("Most prompt tokens of one request per step; 0 turns chunking off "
-                                            "(a prompt is computed in one step).", "--prefill-chunk-size", ge=0)] = 8192
+    max_num_batched_tokens: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        _opt(
+            "Most tokens in one step, all requests together (default: the larger of --prefill-chunk-size and "
+            "--max-num-seqs; with chunking off, the context length).",
+            "--max-num-batched-tokens",
+        ),
+    ] = None
+    prefill_chunk_size: Annotated[
+        int,
+        _opt(
+            "Most prompt tokens of one request per step; 0 turns chunking off (a prompt is computed in one step).",
+            "--prefill-chunk-size",
+            ge=0,
+        ),
+    ] = 8192
     # --- tensor parallelism ------------------------------------------------------------
-    tensor_parallel_size: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _opt(
-        "Tensor-parallel ranks in all (a power of two; default: the --d count times --num-nodes). On CPU: that "
-        "many gloo processes.", "--tp", "--tensor-parallel-size")] = None
-    num_nodes: Annotated[int, _opt("Machines sharing the model (each runs --tp / --num-nodes ranks).",
-                                   "--num-nodes", ge=1)] = 1
-    node_rank: Annotated[int, _opt("This machine's index; only node 0 serves HTTP, the others run workers.",
-                                   "--node-rank", ge=0)] = 0
-    master_addr: Annotated[str, _opt("Address of node 0 for the tensor-parallel rendezvous.", "--master-addr")] = "127.0.0.1"
-    master_port: Annotated[Annotated[int, msgspec.Meta(ge=0, le=65535)] | None, _opt("Rendezvous port on node 0 (default 29500 with several nodes; any free "
-                                            "port on one).", "--master-port")] = None
-    rendezvous_timeout: Annotated[float, _opt("Seconds to wait for every rank to join.", "--rendezvous-timeout",
-                                              gt=0.0)] = 300.0
-    distributed_timeout: Annotated[float, _opt("Seconds a collective may take before a hung rank fails the engine.",
-                                               "--distributed-timeout", gt=0.0)] = 600.0
+    tensor_parallel_size: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        _opt(
+            "Tensor-parallel ranks in all (a power of two; default: the --d count times --num-nodes). On CPU: that "
+            "many gloo processes.",
+            "--tp",
+            "--tensor-parallel-size",
+        ),
+    ] = None
+    num_nodes: Annotated[
+        int, _opt("Machines sharing the model (each runs --tp / --num-nodes ranks).", "--num-nodes", ge=1)
+    ] = 1
+    node_rank: Annotated[
+        int, _opt("This machine's index; only node 0 serves HTTP, the others run workers.", "--node-rank", ge=0)
+    ] = 0
+    master_addr: Annotated[str, _opt("Address of node 0 for the tensor-parallel rendezvous.", "--master-addr")] = (
+        "127.0.0.1"
+    )
+    master_port: Annotated[
+        Annotated[int, msgspec.Meta(ge=0, le=65535)] | None,
+        _opt("Rendezvous port on node 0 (default 29500 with several nodes; any free port on one).", "--master-port"),
+    ] = None
+    rendezvous_timeout: Annotated[
+        float, _opt("Seconds to wait for every rank to join.", "--rendezvous-timeout", gt=0.0)
+    ] = 300.0
+    distributed_timeout: Annotated[
+        float,
+        _opt("Seconds a collective may take before a hung rank fails the engine.", "--distributed-timeout", gt=0.0),
+    ] = 600.0
     all_reduce: Annotated[str, _opt(_ALL_REDUCE_HELP, "--all-reduce")] = "auto"
 
     def __post_init__(self) -> None:
@@ -127,8 +193,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if size is not None and size & (size - 1):
             raise ConfigError(f"the tensor-parallel size must be a power of two (1, 2, 4, 8, ...); got {size}")
         if not self.node_rank < self.num_nodes:
-            raise ConfigError(f"--node-rank must be in [0, {self.num_nodes - 1}] for --num-nodes {self.num_nodes}; "
-                              f"got {self.node_rank}")
+            raise ConfigError(
+                f"--node-rank must be in [0, {self.num_nodes - 1}] for --num-nodes {self.num_nodes}; "
+                f"got {self.node_rank}"
+            )
         if self.device_ids is not None and (not self.device_ids or min(self.device_ids) < 0):
             raise ConfigError(f"--d takes GPU ordinals like 0 or 0,1; got {self.device_ids}")
 
@@ -141,8 +209,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             options["dtype"] = str(options["dtype"]).removeprefix("torch.")
         unknown = sorted(set(options) - set(cls.__struct_fields__))
         if unknown:
-            raise ConfigError(f"unknown engine option(s) {', '.join(map(repr, unknown))}; "
-                              f"valid: {', '.join(cls.__struct_fields__)}")
+            raise ConfigError(
+                f"unknown engine option(s) {', '.join(map(repr, unknown))}; valid: {', '.join(cls.__struct_fields__)}"
+            )
         try:
             return msgspec.convert(options, cls)
         except msgspec.ValidationError as error:
@@ -174,8 +243,16 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         from framework.platform import platform_for_device
 
         plugins.load_plugins()
-        parallel = ParallelConfig(self.tensor_parallel_size, self.num_nodes, self.node_rank, self.device_ids,
-                                  self.master_addr, self.master_port, self.rendezvous_timeout, self.distributed_timeout)
+        parallel = ParallelConfig(
+            self.tensor_parallel_size,
+            self.num_nodes,
+            self.node_rank,
+            self.device_ids,
+            self.master_addr,
+            self.master_port,
+            self.rendezvous_timeout,
+            self.distributed_timeout,
+        )
         device = parallel.device(self.device)
         resolve_all_reduce(self.all_reduce, device)
         platform = platform_for_device(device.type)
@@ -186,8 +263,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.quantization is not None:
             _check_name("--quantization", self.quantization, registries.quantization_methods(platform))
         if self.gpu_memory_utilization is not None and device.type != "cuda":
-            raise ConfigError(f"--gpu-memory-utilization sizes GPU memory; this engine runs on {device.type}: "
-                              "use --mem MB or --kv-fraction for a CPU KV cache")
+            raise ConfigError(
+                f"--gpu-memory-utilization sizes GPU memory; this engine runs on {device.type}: "
+                "use --mem MB or --kv-fraction for a CPU KV cache"
+            )
 
 
 def flag_of(field: str) -> str:
@@ -205,8 +284,9 @@ def engine_fields() -> dict[str, tuple[Any, msgspec.Meta, Any]]:
     global _FIELDS
     if _FIELDS is None:
         hints = typing.get_type_hints(EngineArgs, include_extras=True)
-        defaults = dict(zip(EngineArgs.__struct_fields__[-len(EngineArgs.__struct_defaults__):],
-                            EngineArgs.__struct_defaults__))
+        defaults = dict(
+            zip(EngineArgs.__struct_fields__[-len(EngineArgs.__struct_defaults__) :], EngineArgs.__struct_defaults__)
+        )
         _FIELDS = {}
         for name in EngineArgs.__struct_fields__:
             base, *metadata = typing.get_args(hints[name])
@@ -235,7 +315,7 @@ def _explain(error: msgspec.ValidationError, options: dict[str, Any] | None = No
     if found is None:
         return text  # __post_init__'s own message
     field = found.group(1)
-    expected = re.sub(r", got .*$", "", text[:found.start()])
+    expected = re.sub(r", got .*$", "", text[: found.start()])
     wanted = re.match(r"Expected `([^`]+)`(?: (.+))?$", expected)
     if wanted is not None:  # "Expected `float` > 1.0" -> "must be > 1.0"; "Expected `int`" -> "must be an int"
         kind, bound = wanted.groups()

@@ -18,8 +18,14 @@ from framework.platform import Platform
 log = logging.getLogger("fw.engine")
 
 
-def refusal_reasons(spec: Any, layers: list[AttentionLayerConfig], layout: str, cache_dtype: str,
-                    model_dtype: torch.dtype, platform: Platform) -> list[str]:
+def refusal_reasons(
+    spec: Any,
+    layers: list[AttentionLayerConfig],
+    layout: str,
+    cache_dtype: str,
+    model_dtype: torch.dtype,
+    platform: Platform,
+) -> list[str]:
     """Why backend ``spec`` cannot run these layers here (empty: it can)."""
     reasons = spec.unavailable_reasons(platform)
     if layout not in spec.kv_cache_layouts:
@@ -34,16 +40,19 @@ def refusal_reasons(spec: Any, layers: list[AttentionLayerConfig], layout: str, 
     return reasons
 
 
-def choose_attention_backend(layers: list[AttentionLayerConfig], config: ModelConfig, cache_dtype: str,
-                             requested: str | None, platform: Platform) -> str:
+def choose_attention_backend(
+    layers: list[AttentionLayerConfig], config: ModelConfig, cache_dtype: str, requested: str | None, platform: Platform
+) -> str:
     """The name of the backend to run ``layers`` with; :class:`ConfigError` when none (or the
     requested one) can run, with every refused backend's reasons."""
     registry = registries.attention_backends(platform)
     layout = registries.model_architectures(platform).get(config.architecture).kv_cache_layout
     mismatched = sorted({layer.kv_cache_layout for layer in layers} - {layout})
     if mismatched:
-        raise ConfigError(f"{config.architecture} registers KV layout {layout!r} but its attention layers "
-                          f"use {', '.join(map(repr, mismatched))}: fix the plugin's ModelSpec.kv_cache_layout")
+        raise ConfigError(
+            f"{config.architecture} registers KV layout {layout!r} but its attention layers "
+            f"use {', '.join(map(repr, mismatched))}: fix the plugin's ModelSpec.kv_cache_layout"
+        )
     refusals: dict[str, list[str]] = {}
     candidates = []
     for spec in registry:
@@ -59,8 +68,9 @@ def choose_attention_backend(layers: list[AttentionLayerConfig], config: ModelCo
     if not candidates:
         detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in refusals.items())
         raise ConfigError(f"no attention backend can run this model here ({detail})")
-    name = plugins.call_first("select_attention_backend", candidates=candidates, requested=requested,
-                              model_config=config, platform=platform)
+    name = plugins.call_first(
+        "select_attention_backend", candidates=candidates, requested=requested, model_config=config, platform=platform
+    )
     for refused, why in refusals.items():
         log.info("attention backend %s not used: %s", refused, "; ".join(why))
     return name

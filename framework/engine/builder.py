@@ -85,8 +85,9 @@ class Engine:
 class EngineBuilder:
     """Builds an :class:`Engine` from :class:`EngineArgs` (the ``fw serve`` engine flags)."""
 
-    def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, tp_rank: int | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, args: EngineArgs | None = None, tp_rank: int | None = None, **options: Any
+    ) -> None:
         """``EngineBuilder(model, **options)`` with the :class:`EngineArgs` fields as keyword options,
         or ``EngineBuilder(args=...)``; ``tp_rank`` places a tensor-parallel worker. Every option is
         validated here, before anything is downloaded."""
@@ -98,19 +99,32 @@ class EngineBuilder:
         self.args = args
         self.model, self.weights, self.file, self.revision = args.model, args.weights, args.file, args.revision
         self.dtype_name = args.dtype
-        self.parallel = ParallelConfig(args.tensor_parallel_size, args.num_nodes, args.node_rank, args.device_ids,
-                                       args.master_addr, args.master_port, args.rendezvous_timeout,
-                                       args.distributed_timeout, tp_rank)
+        self.parallel = ParallelConfig(
+            args.tensor_parallel_size,
+            args.num_nodes,
+            args.node_rank,
+            args.device_ids,
+            args.master_addr,
+            args.master_port,
+            args.rendezvous_timeout,
+            args.distributed_timeout,
+            tp_rank,
+        )
         self.device = self.parallel.device(args.device)
         self.all_reduce_policy = AllReducePolicy.resolve(args.all_reduce, self.device, self.parallel.num_nodes)
         if self.parallel.is_parallel and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
         self.workers: WorkerGroup | None = None
         self.max_model_len = args.max_model_len
-        self.cache = CacheConfig(block_size=args.block_size, kv_fraction=args.kv_fraction, mem_mb=args.mem_mb,
-                                 enable_prefix_caching=args.enable_prefix_caching,
-                                 prefix_cache_max_tokens=args.prefix_cache_max_tokens, num_blocks=args.num_blocks,
-                                 gpu_memory_utilization=args.gpu_memory_utilization)
+        self.cache = CacheConfig(
+            block_size=args.block_size,
+            kv_fraction=args.kv_fraction,
+            mem_mb=args.mem_mb,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_cache_max_tokens=args.prefix_cache_max_tokens,
+            num_blocks=args.num_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
         self.scheduler = SchedulerConfig.from_args(args, args.max_model_len)  # again once the context length is known
         self.attention_backend = args.attention_backend
         self.quantization = args.quantization
@@ -145,8 +159,13 @@ class EngineBuilder:
             eos.add(tokenizer.eos_token_id)
         eos |= tokenizer.extra_eos_token_ids
         dtype = resolve_dtype(self.dtype_name, self.device, hf_config.get("torch_dtype") or hf_config.get("dtype"))
-        self.config = ModelConfig.from_hf_config(hf_config, dtype=dtype, max_model_len=self.max_model_len,
-                                                 eos_token_ids=frozenset(eos), source=str(self.model or self.weights or self.source_path))
+        self.config = ModelConfig.from_hf_config(
+            hf_config,
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            eos_token_ids=frozenset(eos),
+            source=str(self.model or self.weights or self.source_path),
+        )
         self._tokenizer, self._generation = tokenizer, generation
         self.scheduler = SchedulerConfig.from_args(self.args, self.config.max_model_len)
         return self.config
@@ -196,11 +215,18 @@ class EngineBuilder:
         checkpoint = self.source.quantization_config()
         declared = (checkpoint or {}).get("quant_method")
         if self.quantization is not None and declared is not None and declared != self.quantization:
-            raise ConfigError(f"--quantization {self.quantization} disagrees with the checkpoint {self.config.source}, "
-                              f"which is quantized with {declared!r}: leave --quantization out (the checkpoint's "
-                              f"method is used) or give --quantization {declared}")
-        name = plugins.call_first("resolve_quantization_method", model_config=self.config, quantization_config=checkpoint,
-                                  requested=self.quantization, platform=self.platform)
+            raise ConfigError(
+                f"--quantization {self.quantization} disagrees with the checkpoint {self.config.source}, "
+                f"which is quantized with {declared!r}: leave --quantization out (the checkpoint's "
+                f"method is used) or give --quantization {declared}"
+            )
+        name = plugins.call_first(
+            "resolve_quantization_method",
+            model_config=self.config,
+            quantization_config=checkpoint,
+            requested=self.quantization,
+            platform=self.platform,
+        )
         if name is None:
             return None
         spec = registries.quantization_methods(self.platform).get(name)
@@ -217,8 +243,9 @@ class EngineBuilder:
     def select_attention_backend(self) -> AttentionBackend:
         """Choose among backends that validate (:mod:`~framework.engine.attention_choice`) and set it up."""
         layers = self.attention_layers()
-        self.backend_name = choose_attention_backend(layers, self.config, self.cache.cache_dtype,
-                                                     self.attention_backend, self.platform)
+        self.backend_name = choose_attention_backend(
+            layers, self.config, self.cache.cache_dtype, self.attention_backend, self.platform
+        )
         backend = registries.attention_backends(self.platform).get(self.backend_name).load()()
         backend.initialize(layers, self.config.dtype, self.cache.block_size, self.device)
         return backend
@@ -227,14 +254,19 @@ class EngineBuilder:
         """Size the KV cache to its budget (:mod:`~framework.engine.kv_cache_sizing`) and allocate it."""
         config, cache, layers = self.config, self.cache, self.attention_layers()
         per_block = kv_cache_sizing.bytes_per_block(layers, cache.block_size, config.dtype)
-        num_blocks = kv_cache_sizing.num_kv_blocks(cache, self.device, per_block, config.max_model_len,
-                                                   self.scheduler.max_num_seqs)
+        num_blocks = kv_cache_sizing.num_kv_blocks(
+            cache, self.device, per_block, config.max_model_len, self.scheduler.max_num_seqs
+        )
         if num_blocks * cache.block_size < config.max_model_len:
-            log.warning("KV cache holds %d tokens, less than the context length %d: long requests will be preempted "
-                        "or refused; raise --mem / --kv-fraction / --gpu-memory-utilization or lower --max-model-len",
-                        num_blocks * cache.block_size, config.max_model_len)
-        caches = kv_cache_sizing.allocate_kv_caches(backend, layers, num_blocks, cache.block_size, config.dtype,
-                                                    self.device)
+            log.warning(
+                "KV cache holds %d tokens, less than the context length %d: long requests will be preempted "
+                "or refused; raise --mem / --kv-fraction / --gpu-memory-utilization or lower --max-model-len",
+                num_blocks * cache.block_size,
+                config.max_model_len,
+            )
+        caches = kv_cache_sizing.allocate_kv_caches(
+            backend, layers, num_blocks, cache.block_size, config.dtype, self.device
+        )
         self.num_blocks = num_blocks
         self.kv_cache_bytes = per_block * num_blocks
         return caches
@@ -247,9 +279,16 @@ class EngineBuilder:
         if not backend.supports_cuda_graphs:
             self.graph_summary = f"off (attention backend {self.backend_name} cannot be graphed)"
             return None
-        graphs = CUDAGraphRunner(self.torch_model, backend, kv_caches, max_num_seqs=self.scheduler.max_num_seqs,
-                                 max_model_len=self.config.max_model_len, block_size=self.cache.block_size,
-                                 sink_block=self.num_blocks, device=self.device)
+        graphs = CUDAGraphRunner(
+            self.torch_model,
+            backend,
+            kv_caches,
+            max_num_seqs=self.scheduler.max_num_seqs,
+            max_model_len=self.config.max_model_len,
+            block_size=self.cache.block_size,
+            sink_block=self.num_blocks,
+            device=self.device,
+        )
         seconds, memory = graphs.capture()
         self.graph_summary = f"{len(graphs.buckets)} decode graphs (batch 1..{graphs.buckets[-1]}) in {seconds:.1f} s, {memory / 2**20:.0f} MiB"
         log.info("CUDA graphs: %s", self.graph_summary)
@@ -264,13 +303,17 @@ class EngineBuilder:
         if not parallel.is_parallel:
             return
         if distributed.is_tensor_parallel():
-            raise ConfigError("this process already runs a tensor-parallel engine; close it (LLM.close() or "
-                              "Engine.shutdown()) before building another")
+            raise ConfigError(
+                "this process already runs a tensor-parallel engine; close it (LLM.close() or "
+                "Engine.shutdown()) before building another"
+            )
         config = self.config or self.model_config()
         spec = registries.model_architectures(self.platform).get(config.architecture)
         if not spec.supports_tensor_parallel:
-            raise ConfigError(f"architecture {config.architecture} cannot be sharded for tensor parallelism yet "
-                              f"(its plugin sets supports_tensor_parallel=False); run it on one device (--tp 1)")
+            raise ConfigError(
+                f"architecture {config.architecture} cannot be sharded for tensor parallelism yet "
+                f"(its plugin sets supports_tensor_parallel=False); run it on one device (--tp 1)"
+            )
         if parallel.master_port is None:
             if parallel.num_nodes > 1:
                 parallel.master_port = DEFAULT_MASTER_PORT
@@ -283,44 +326,71 @@ class EngineBuilder:
         bind_to_numa_node(parallel.local_rank)
         if parallel.rank == 0 and parallel.ranks_per_node > 1:
             self.workers = spawn_workers(self.worker_args(), list(range(1, parallel.ranks_per_node)))
-        distributed.init_tensor_parallel(parallel.rank, parallel.tensor_parallel_size, self.device,
-                                         master_addr=parallel.master_addr, master_port=parallel.master_port,
-                                         rendezvous_timeout_s=parallel.rendezvous_timeout,
-                                         timeout_s=parallel.distributed_timeout,
-                                         check_workers=self.workers.failure if self.workers is not None else None)
+        distributed.init_tensor_parallel(
+            parallel.rank,
+            parallel.tensor_parallel_size,
+            self.device,
+            master_addr=parallel.master_addr,
+            master_port=parallel.master_port,
+            rendezvous_timeout_s=parallel.rendezvous_timeout,
+            timeout_s=parallel.distributed_timeout,
+            check_workers=self.workers.failure if self.workers is not None else None,
+        )
         with out_of_memory_names_the_flag("setting the all-reduce up"):
             self.all_reduce_policy.set_up(config.dtype, config.hidden_size, self.scheduler.max_num_seqs)
 
     def worker_args(self) -> EngineArgs:
         """This engine's options as another rank of the group gets them (the settled port and size)."""
         p = self.parallel
-        return self.args.replace(device=None if p.device_ids is not None else self.device.type,
-                                 device_ids=p.device_ids, tensor_parallel_size=p.tensor_parallel_size,
-                                 master_port=p.master_port)
+        return self.args.replace(
+            device=None if p.device_ids is not None else self.device.type,
+            device_ids=p.device_ids,
+            tensor_parallel_size=p.tensor_parallel_size,
+            master_port=p.master_port,
+        )
 
     @property
     def all_reduce(self) -> str:
         """The all-reduce this engine sums with (settled once the group exists)."""
         return self.all_reduce_policy.name
 
-    def _build_runner(self, *, structured_outputs: StructuredOutputManager | None = None,
-                      broadcast: Any = None, share_sampled: bool = False) -> ModelRunner:
+    def _build_runner(
+        self,
+        *,
+        structured_outputs: StructuredOutputManager | None = None,
+        broadcast: Any = None,
+        share_sampled: bool = False,
+    ) -> ModelRunner:
         """Every rank's part: the sharded model, attention backend, KV cache and decode graphs."""
         self.start_tensor_parallel()
         with out_of_memory_names_the_flag("loading the weights"):
             self.load_model()
         config = self.config
         if self.parallel.is_parallel:
-            self.all_reduce_policy.enable_fused_norm(norms_take_all_reduce(self.torch_model), config.architecture,
-                                                     self.scheduler.max_num_seqs, config.hidden_size, config.dtype)
+            self.all_reduce_policy.enable_fused_norm(
+                norms_take_all_reduce(self.torch_model),
+                config.architecture,
+                self.scheduler.max_num_seqs,
+                config.hidden_size,
+                config.dtype,
+            )
         backend = self.select_attention_backend()
         with out_of_memory_names_the_flag("allocating the KV cache"):
             kv_caches = self.allocate_kv_cache(backend)
         with out_of_memory_names_the_flag("capturing CUDA graphs"):
             graphs = self.capture_cuda_graphs(backend, kv_caches)
-        return ModelRunner(self.torch_model, backend, kv_caches, self.cache.block_size, self.device,
-                           Sampler(eos_token_ids=sorted(config.eos_token_ids)), graph_runner=graphs,
-                           broadcast=broadcast, structured_outputs=structured_outputs, share_sampled=share_sampled)
+        return ModelRunner(
+            self.torch_model,
+            backend,
+            kv_caches,
+            self.cache.block_size,
+            self.device,
+            Sampler(eos_token_ids=sorted(config.eos_token_ids)),
+            graph_runner=graphs,
+            broadcast=broadcast,
+            structured_outputs=structured_outputs,
+            share_sampled=share_sampled,
+        )
 
     def use_async_scheduling(self) -> bool:
         """``async_scheduling`` as asked; by default on for CUDA (on the CPU nothing would overlap)."""
@@ -337,13 +407,19 @@ class EngineBuilder:
         try:
             config = self.config or self.model_config()
             # rank 0 only: the workers of a tensor-parallel group never sample
-            grammars = StructuredOutputManager(self._tokenizer, vocab_size=config.vocab_size,
-                                               stop_token_ids=sorted(config.eos_token_ids), device=self.device)
+            grammars = StructuredOutputManager(
+                self._tokenizer,
+                vocab_size=config.vocab_size,
+                stop_token_ids=sorted(config.eos_token_ids),
+                device=self.device,
+            )
             async_scheduling = self.use_async_scheduling()
             broadcast = functools.partial(distributed.broadcast_message, message_type=StepMessage)
-            runner = self._build_runner(structured_outputs=grammars,
-                                        broadcast=broadcast if self.parallel.is_parallel else None,
-                                        share_sampled=async_scheduling and self.parallel.is_parallel)
+            runner = self._build_runner(
+                structured_outputs=grammars,
+                broadcast=broadcast if self.parallel.is_parallel else None,
+                share_sampled=async_scheduling and self.parallel.is_parallel,
+            )
         except BaseException as error:
             reason = self.workers.wait_for_failure(1.0) if self.workers is not None else None
             if self.workers is not None:
@@ -354,11 +430,14 @@ class EngineBuilder:
                 raise ModelLoadError(f"{reason} while the model was loading (its error is printed above)") from error
             raise
         cache = self.cache
-        max_cached = None if cache.prefix_cache_max_tokens is None else cache.prefix_cache_max_tokens // cache.block_size
+        max_cached = (
+            None if cache.prefix_cache_max_tokens is None else cache.prefix_cache_max_tokens // cache.block_size
+        )
         kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
         engine_config = EngineConfig(config, cache, self.scheduler, str(self.device), self.backend_name, self.seed)
-        core = EngineCore(engine_config, runner, kv_manager, structured_outputs=grammars,
-                          async_scheduling=async_scheduling)
+        core = EngineCore(
+            engine_config, runner, kv_manager, structured_outputs=grammars, async_scheduling=async_scheduling
+        )
         summary = engine_summary(self, core)
         log_summary(self, summary)
         return Engine(core, self._tokenizer, config, self._generation, self.backend_name, summary, self.workers)

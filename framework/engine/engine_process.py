@@ -46,10 +46,15 @@ _WORKER_FAILURE_GRACE_S = 10.0
 
 
 def _tokenizer_spec(tokenizer) -> TokenizerSpec:
-    return TokenizerSpec(tokenizer_json=tokenizer.backend.to_str(), chat_template=tokenizer.chat_template,
-                         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
-                         extra_eos_token_ids=sorted(tokenizer.extra_eos_token_ids),
-                         template_vars=dict(tokenizer.template_vars))
+    return TokenizerSpec(
+        tokenizer_json=tokenizer.backend.to_str(),
+        chat_template=tokenizer.chat_template,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.pad_token,
+        extra_eos_token_ids=sorted(tokenizer.extra_eos_token_ids),
+        template_vars=dict(tokenizer.template_vars),
+    )
 
 
 def _leave_a_core_to_the_api_process(device: str | None) -> None:
@@ -117,8 +122,15 @@ class EngineLoop:
         if engine.workers is not None:
             engine.workers.start_watchdog(self._on_worker_failure)
         config = engine.model_config
-        self.send(Ready(summary=engine.summary, max_model_len=config.max_model_len, vocab_size=config.vocab_size,
-                        eos_token_ids=sorted(config.eos_token_ids), tokenizer=_tokenizer_spec(engine.tokenizer)))
+        self.send(
+            Ready(
+                summary=engine.summary,
+                max_model_len=config.max_model_len,
+                vocab_size=config.vocab_size,
+                eos_token_ids=sorted(config.eos_token_ids),
+                tokenizer=_tokenizer_spec(engine.tokenizer),
+            )
+        )
         return True
 
     def _on_worker_failure(self, reason: str) -> None:
@@ -170,9 +182,14 @@ class EngineLoop:
             try:  # add_request raises only FwErrors (RequestFailedError for its own failures)
                 self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.pooling)
             except FwError as error:
-                self.send(AddFailed(request_id=message.request_id, message=str(error),
-                                    grammar=isinstance(error, GrammarError),
-                                    internal=isinstance(error, RequestFailedError)))
+                self.send(
+                    AddFailed(
+                        request_id=message.request_id,
+                        message=str(error),
+                        grammar=isinstance(error, GrammarError),
+                        internal=isinstance(error, RequestFailedError),
+                    )
+                )
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 self.core.abort(request_id)

@@ -38,15 +38,18 @@ def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
         used = total - free
         budget = int(total * cache.gpu_memory_utilization) - used
         if budget <= 0:
-            raise ConfigError(f"--gpu-memory-utilization {cache.gpu_memory_utilization} leaves no room for the KV "
-                              f"cache: {used / 2**30:.1f} of the GPU's {total / 2**30:.1f} GiB are in use already "
-                              "(the weights and other processes); raise it, or give --mem MB")
+            raise ConfigError(
+                f"--gpu-memory-utilization {cache.gpu_memory_utilization} leaves no room for the KV "
+                f"cache: {used / 2**30:.1f} of the GPU's {total / 2**30:.1f} GiB are in use already "
+                "(the weights and other processes); raise it, or give --mem MB"
+            )
         return budget
     return min(int(available_ram() * cache.kv_fraction), CPU_DEFAULT_KV_BYTES)
 
 
-def num_kv_blocks(cache: CacheConfig, device: torch.device, bytes_per_block: int, max_model_len: int,
-                  max_num_seqs: int) -> int:
+def num_kv_blocks(
+    cache: CacheConfig, device: torch.device, bytes_per_block: int, max_model_len: int, max_num_seqs: int
+) -> int:
     """Blocks that fit the budget (see the module docstring); at least one."""
     if cache.num_blocks:
         return cache.num_blocks
@@ -63,12 +66,20 @@ def bytes_per_block(layers: list[AttentionLayerConfig], block_size: int, dtype: 
     return sum(block_size * layer.kv_elements_per_token * element for layer in layers)
 
 
-def allocate_kv_caches(backend: AttentionBackend, layers: list[AttentionLayerConfig], num_blocks: int,
-                       block_size: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    backend: AttentionBackend,
+    layers: list[AttentionLayerConfig],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
     """One zeroed cache per layer in the backend's shape, with one extra block at the end: the sink
     that CUDA-graph padding rows write into."""
-    return [torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks + 1, block_size), dtype=dtype, device=device)
-            for layer in layers]
+    return [
+        torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks + 1, block_size), dtype=dtype, device=device)
+        for layer in layers
+    ]
 
 
 def available_ram() -> int:

@@ -12,11 +12,11 @@ from framework.errors import ConfigError
 #: start-up step -> what to change when the device runs out of memory in it
 HINTS = {
     "loading the weights": "the weights do not fit: spread them over more GPUs (--tp / --d 0,1), pick a quantized "
-                           "checkpoint (a GGUF file with --f), or a 16-bit --dtype",
+    "checkpoint (a GGUF file with --f), or a 16-bit --dtype",
     "setting the all-reduce up": "lower --max-num-seqs (its buffers grow with it), or use --all-reduce nccl",
     "allocating the KV cache": "lower --gpu-memory-utilization or --kv-fraction, or give a smaller --mem MB",
     "capturing CUDA graphs": "lower --max-num-seqs, or turn the graphs off with --disable-cuda-graph; the KV "
-                             "cache leaves room with a lower --kv-fraction / --gpu-memory-utilization",
+    "cache leaves room with a lower --kv-fraction / --gpu-memory-utilization",
 }
 
 

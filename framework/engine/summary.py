@@ -38,8 +38,10 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
         "tensor_parallel_size": self.parallel.tensor_parallel_size,
     }
     if self.parallel.is_parallel:
-        summary["device"] = (f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "
-                             f"(tensor parallel {self.parallel.tensor_parallel_size}, {self.parallel.num_nodes} node(s))")
+        summary["device"] = (
+            f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "
+            f"(tensor parallel {self.parallel.tensor_parallel_size}, {self.parallel.num_nodes} node(s))"
+        )
         summary["all_reduce"] = self.all_reduce
     return summary
 
@@ -47,11 +49,20 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
 def log_summary(builder: EngineBuilder, summary: dict[str, Any]) -> None:
     """Log the KV cache and weight sizes of the summary."""
     cache = builder.cache
-    log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", builder.num_blocks, cache.block_size,
-             builder.num_blocks * cache.block_size, builder.kv_cache_bytes / 2**20)
+    log.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",
+        builder.num_blocks,
+        cache.block_size,
+        builder.num_blocks * cache.block_size,
+        builder.kv_cache_bytes / 2**20,
+    )
     checkpoint = summary["checkpoint_bytes"]
-    log.info("Weights: %.2f GiB on %s%s", summary["weight_bytes"] / 2**30, builder.device,
-             f" (checkpoint files {checkpoint / 2**30:.2f} GiB)" if checkpoint else "")
+    log.info(
+        "Weights: %.2f GiB on %s%s",
+        summary["weight_bytes"] / 2**30,
+        builder.device,
+        f" (checkpoint files {checkpoint / 2**30:.2f} GiB)" if checkpoint else "",
+    )
 
 
 def model_bytes(model: torch.nn.Module) -> int:

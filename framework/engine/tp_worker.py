@@ -71,8 +71,7 @@ def run_worker(spec: WorkerSpec) -> int:
             serve_steps(runner)
             runner.release_cuda_graphs()  # before leaving the group: the graphs hold its collectives
         except Exception as error:  # rank 0 went away or a collective failed
-            print(f"fw: tensor-parallel rank {rank} stopped: {brief(error)}",
-                  file=sys.stderr, flush=True)
+            print(f"fw: tensor-parallel rank {rank} stopped: {brief(error)}", file=sys.stderr, flush=True)
             return 1
         return 0
     finally:
@@ -86,13 +85,18 @@ def run_node(args: EngineArgs) -> int:
     """
     from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig
 
-    parallel = ParallelConfig(args.tensor_parallel_size, args.num_nodes, args.node_rank, args.device_ids,
-                              args.master_addr, args.master_port)
-    args = args.replace(master_port=parallel.master_port or DEFAULT_MASTER_PORT,
-                        tensor_parallel_size=parallel.tensor_parallel_size)
+    parallel = ParallelConfig(
+        args.tensor_parallel_size, args.num_nodes, args.node_rank, args.device_ids, args.master_addr, args.master_port
+    )
+    args = args.replace(
+        master_port=parallel.master_port or DEFAULT_MASTER_PORT, tensor_parallel_size=parallel.tensor_parallel_size
+    )
     ranks = list(range(parallel.first_local_rank, parallel.first_local_rank + parallel.ranks_per_node))
-    print(f"fw: node {parallel.node_rank} of {parallel.num_nodes}: running tensor-parallel rank(s) "
-          f"{', '.join(map(str, ranks))}, joining {args.master_addr}:{args.master_port}", flush=True)
+    print(
+        f"fw: node {parallel.node_rank} of {parallel.num_nodes}: running tensor-parallel rank(s) "
+        f"{', '.join(map(str, ranks))}, joining {args.master_addr}:{args.master_port}",
+        flush=True,
+    )
     group = spawn_workers(args, ranks[1:])  # the node's first rank runs in this process
     # The rank waits for steps inside gloo, where Python signal handlers never run: let Ctrl-C and
     # SIGTERM end the process at once (the spawned ranks follow through PR_SET_PDEATHSIG).

@@ -22,5 +22,8 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
 
 def spawn_workers(args: EngineArgs, ranks: list[int]) -> WorkerGroup:
     """Start one worker process per rank in ``ranks``, each building ``args``'s engine as that rank."""
-    return WorkerGroup.spawn(WORKER_MODULE, {rank: msgspec.json.encode(WorkerSpec(args=args, tp_rank=rank))
-                                             for rank in ranks}, f"--master={args.master_addr}:{args.master_port}")
+    return WorkerGroup.spawn(
+        WORKER_MODULE,
+        {rank: msgspec.json.encode(WorkerSpec(args=args, tp_rank=rank)) for rank in ranks},
+        f"--master={args.master_addr}:{args.master_port}",
+    )

@@ -63,6 +63,7 @@ Server = NamedDependency[ServerState]
 #: Paths that answer without an API key and while the model loads.
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
+
 class OpenAIController(Controller):
     path = "/v1"
 
@@ -80,7 +81,9 @@ class OpenAIController(Controller):
 
     @get("/models")
     async def models(self, server: Server) -> ModelList:
-        return ModelList(data=[_model_card(server, name) for name in server.config.served_model_names or [server.model_name]])
+        return ModelList(
+            data=[_model_card(server, name) for name in server.config.served_model_names or [server.model_name]]
+        )
 
     @get("/mcp/servers")
     async def mcp_servers(self, server: Server) -> dict[str, Any]:
@@ -92,6 +95,7 @@ class OpenAIController(Controller):
         model_id = model_id.lstrip("/")
         server.check_model(model_id)
         return _model_card(server, model_id)
+
 
 class ServiceController(Controller):
     path = "/"
@@ -109,9 +113,14 @@ class ServiceController(Controller):
         if not client.is_ready:
             return Response({"status": "loading"}, status_code=503)
         if client.is_unresponsive:
-            return Response({"status": "unresponsive", **restarts,
-                             "message": f"the engine loop has sent nothing for over {client.heartbeat_timeout_s:g} s"},
-                            status_code=503)
+            return Response(
+                {
+                    "status": "unresponsive",
+                    **restarts,
+                    "message": f"the engine loop has sent nothing for over {client.heartbeat_timeout_s:g} s",
+                },
+                status_code=503,
+            )
         return Response({"status": "ok", **restarts}, status_code=200)
 
     @get("/version")
@@ -136,8 +145,11 @@ class ServiceController(Controller):
         if body.prompt is not None:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            chat = ChatCompletionRequest(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs,
-                                         add_generation_prompt=body.add_generation_prompt)
+            chat = ChatCompletionRequest(
+                messages=body.messages,
+                chat_template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+            )
             tokens = chat_prompt_ids(tokenizer, chat)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len)
 
@@ -150,6 +162,7 @@ class ServiceController(Controller):
         if bad:
             raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
         return DetokenizeResponse(prompt=server.client.tokenizer.decode(body.tokens))
+
 
 def is_known_key(key: str | None, keys: list[str]) -> bool:
     """Whether ``key`` is one of ``keys``, compared in constant time (every key, every byte)."""
@@ -165,9 +178,15 @@ def is_known_key(key: str | None, keys: list[str]) -> bool:
 def _model_card(state: ServerState, name: str) -> ModelCard:
     return ModelCard(id=name, created=state.started, max_model_len=state.max_model_len, root=state.config.model_root)
 
-def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_engine: bool = True,
-               on_ready: Callable[[Ready], None] | None = None,
-               on_load_error: Callable[[str], None] | None = None) -> Litestar:
+
+def create_app(
+    engine_client: AsyncEngineClient,
+    config: ServerConfig,
+    *,
+    start_engine: bool = True,
+    on_ready: Callable[[Ready], None] | None = None,
+    on_load_error: Callable[[str], None] | None = None,
+) -> Litestar:
     """Build the app around ``engine_client``.
 
     With ``start_engine`` the lifespan starts the engine process (``on_ready`` / ``on_load_error``
@@ -184,19 +203,27 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
             header = request.headers.get("authorization", "")
             key = header[7:].strip() if header[:7].lower() == "bearer " else None
             if not is_known_key(key, config.api_keys):
-                raise APIError(401, "Incorrect API key provided" if key else "Missing API key: send 'Authorization: "
-                                    "Bearer <key>'", code="invalid_api_key")
+                raise APIError(
+                    401,
+                    "Incorrect API key provided" if key else "Missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
         if state.is_draining:
             raise APIError(503, "the server is shutting down", code="server_draining")
         client = state.client
         if client.is_restarting:
-            raise APIError(503, f"the engine is restarting: {client.dead_reason}", code="engine_restarting",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"the engine is restarting: {client.dead_reason}",
+                code="engine_restarting",
+                headers={"Retry-After": "1"},
+            )
         if client.dead_reason is not None:
             raise APIError(503, f"the engine is not running: {client.dead_reason}", code="engine_dead")
         if not client.is_ready:
-            raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503, "the model is still loading; retry shortly", code="model_loading", headers={"Retry-After": "1"}
+            )
 
     started = asyncio.Event()  # the plugins' startup hooks ran: their shutdown hooks run at the end
 
@@ -245,20 +272,30 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
         else:
             log.error("the engine failed to start: %s", error)
 
-    policy = OriginPolicy.for_server(config.bind_host, config.is_unix_socket, config.allowed_hosts,
-                                     config.allowed_origins, config.ui_port)
-    handlers: dict[Any, Callable] = {APIError: api_error_handler, HTTPException: http_exception_handler,
-                                     Exception: internal_error_handler}
+    policy = OriginPolicy.for_server(
+        config.bind_host, config.is_unix_socket, config.allowed_hosts, config.allowed_origins, config.ui_port
+    )
+    handlers: dict[Any, Callable] = {
+        APIError: api_error_handler,
+        HTTPException: http_exception_handler,
+        Exception: internal_error_handler,
+    }
     plugin_routes = [handler for routes in plugins.call_all("register_routes") for handler in routes]
 
     def plugins_app_init(app_config: AppConfig) -> AppConfig:
         plugins.call_all("app_init", app_config=app_config)
         return app_config
 
-    app = Litestar(route_handlers=[OpenAIController, ServiceController, *plugin_routes], on_app_init=[plugins_app_init],
-                   dependencies={"server": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
-                   before_request=guard, middleware=[DefineMiddleware(OriginGuard, policy=policy)],
-                   exception_handlers=handlers, lifespan=[lifespan],
-                   request_max_body_size=config.max_request_bytes, openapi_config=None)
+    app = Litestar(
+        route_handlers=[OpenAIController, ServiceController, *plugin_routes],
+        on_app_init=[plugins_app_init],
+        dependencies={"server": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
+        before_request=guard,
+        middleware=[DefineMiddleware(OriginGuard, policy=policy)],
+        exception_handlers=handlers,
+        lifespan=[lifespan],
+        request_max_body_size=config.max_request_bytes,
+        openapi_config=None,
+    )
     app.state.server = state
     return app

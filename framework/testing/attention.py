@@ -36,8 +36,9 @@ def dense_attention(query, key, value, scale: float, sliding_window=None, soft_c
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-def check_attention_backend(backend, *, device="cpu", dtype=None, block_size: int = 16, atol: float = 1e-4, seed: int = 0,
-                            cases=None) -> None:
+def check_attention_backend(
+    backend, *, device="cpu", dtype=None, block_size: int = 16, atol: float = 1e-4, seed: int = 0, cases=None
+) -> None:
     """Run ``backend`` (an AttentionBackend instance) on random paged inputs of many shapes and
     assert it matches :func:`dense_attention` within ``atol`` (relative to the output scale).
 
@@ -77,8 +78,15 @@ def _check_attention_case(backend, case, device, dtype, block_size: int, atol: f
         out = backend.forward(layer, take(queries), take(keys), take(values), kv_cache, metadata)
         return out.view(-1, num_heads, head_size).double().cpu()
 
-    _compare_with_dense(backend, name, run, context_lens, seq_lens, atol, lambda r, c, s: dense_attention(
-        queries[r][c:s], keys[r][:s], values[r][:s], layer.scale, window, cap))
+    _compare_with_dense(
+        backend,
+        name,
+        run,
+        context_lens,
+        seq_lens,
+        atol,
+        lambda r, c, s: dense_attention(queries[r][c:s], keys[r][:s], values[r][:s], layer.scale, window, cap),
+    )
 
 
 MLA_ATTENTION_CASES = [
@@ -89,8 +97,9 @@ MLA_ATTENTION_CASES = [
 ]
 
 
-def check_mla_attention_backend(backend, *, device="cpu", dtype=None, block_size: int = 16, atol: float = 1e-4,
-                                seed: int = 0) -> None:
+def check_mla_attention_backend(
+    backend, *, device="cpu", dtype=None, block_size: int = 16, atol: float = 1e-4, seed: int = 0
+) -> None:
     """Like :func:`check_attention_backend` for the ``"mla"`` KV layout: ``backend`` attends with
     absorbed queries ``[T, H * (L + R)]`` over cached latents ``[T, L + R]`` whose first ``L``
     features are the values; compared with :func:`dense_attention` over one KV head."""
@@ -102,7 +111,6 @@ def check_mla_attention_backend(backend, *, device="cpu", dtype=None, block_size
         _check_mla_case(backend, case, device, dtype, block_size, atol, generator)
 
 
-
 def _shuffled_block_tables(seq_lens: list[int], block_size: int, generator) -> tuple[int, list[list[int]]]:
     """``(num_blocks, tables)``: blocks for ``seq_lens`` tokens in a shuffled order (plus 3 spare), so
     a backend that ignores its block tables fails."""
@@ -112,11 +120,12 @@ def _shuffled_block_tables(seq_lens: list[int], block_size: int, generator) -> t
     num_blocks = sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks, generator=generator).tolist()
     starts = torch.tensor([0, *blocks_per_seq]).cumsum(0).tolist()
-    return num_blocks, [order[starts[r]:starts[r + 1]] for r in range(len(seq_lens))]
+    return num_blocks, [order[starts[r] : starts[r + 1]] for r in range(len(seq_lens))]
 
 
-def _compare_with_dense(backend, name: str, run, context_lens: list[int], seq_lens: list[int], atol: float,
-                        expected_of) -> None:
+def _compare_with_dense(
+    backend, name: str, run, context_lens: list[int], seq_lens: list[int], atol: float, expected_of
+) -> None:
     """Write each sequence's cached context through ``run``, run the step under test, and compare
     sequence ``r``'s rows with ``expected_of(r, context_len, seq_len)`` within ``atol`` x its scale."""
     context = {r: (0, c) for r, c in enumerate(context_lens) if c}
@@ -126,9 +135,11 @@ def _compare_with_dense(backend, name: str, run, context_lens: list[int], seq_le
     offset = 0
     for r, (c, s) in enumerate(zip(context_lens, seq_lens)):
         expected = expected_of(r, c, s)
-        error = (out[offset:offset + s - c] - expected).abs().max().item()
+        error = (out[offset : offset + s - c] - expected).abs().max().item()
         bound = atol * max(expected.abs().max().item(), 1.0)
-        assert error <= bound, f"{type(backend).__name__} case {name!r} sequence {r}: max error {error:.3g} > {bound:.3g}"
+        assert error <= bound, (
+            f"{type(backend).__name__} case {name!r} sequence {r}: max error {error:.3g} > {bound:.3g}"
+        )
         offset += s - c
 
 
@@ -146,10 +157,19 @@ def _step_metadata(spans: dict[int, tuple[int, int]], tables: list[list[int]], b
     table = torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r in rows], dtype=torch.int32, device=device)
     slots = [tables[r][p // block_size] * block_size + p % block_size for r in rows for p in range(*spans[r])]
     metadata = AttentionMetadata(
-        num_reqs=len(rows), num_tokens=int(cu[-1]), cu_seqlens_q=cu.to(device), seq_lens=lens.to(device),
-        block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        max_query_len=max(q_lens), max_seq_len=int(lens.max()), cu_seqlens_q_cpu=cu, seq_lens_cpu=lens,
-        is_decode_only=all(n == 1 for n in q_lens), block_table_cpu=table.cpu())
+        num_reqs=len(rows),
+        num_tokens=int(cu[-1]),
+        cu_seqlens_q=cu.to(device),
+        seq_lens=lens.to(device),
+        block_table=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(q_lens),
+        max_seq_len=int(lens.max()),
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=lens,
+        is_decode_only=all(n == 1 for n in q_lens),
+        block_table_cpu=table.cpu(),
+    )
     return rows, metadata
 
 
@@ -177,5 +197,14 @@ def _check_mla_case(backend, case, device, dtype, block_size: int, atol: float, 
         out = backend.forward(layer, take(queries).flatten(1), take(latents), None, kv_cache, metadata)
         return out.view(-1, num_heads, rank).double().cpu()
 
-    _compare_with_dense(backend, name, run, context_lens, seq_lens, atol, lambda r, c, s: dense_attention(
-        queries[r][c:s], latents[r][:s, None], latents[r][:s, None, :rank], layer.scale))
+    _compare_with_dense(
+        backend,
+        name,
+        run,
+        context_lens,
+        seq_lens,
+        atol,
+        lambda r, c, s: dense_attention(
+            queries[r][c:s], latents[r][:s, None], latents[r][:s, None, :rank], layer.scale
+        ),
+    )

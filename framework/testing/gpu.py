@@ -36,15 +36,18 @@ def check_no_sync_and_cuda_graph_replay(run, inputs, fresh_inputs) -> None:
 
 def require_triton() -> None:
     """Skip the calling test, or at module level the whole module, when triton is not installed."""
-    pytest.importorskip("triton", reason="triton is not installed (pip install 'triton>=3.4'; the interpreter "
-                                         "runs it on CPU)")
+    pytest.importorskip(
+        "triton", reason="triton is not installed (pip install 'triton>=3.4'; the interpreter runs it on CPU)"
+    )
 
 
 #: Marks a test that runs Triton kernels under the interpreter on the CPU (the root conftest sets
 #: ``TRITON_INTERPRET=1`` there; where CUDA is present the kernels compile instead and these skip).
 #: The condition is a string so that pytest reads the variable when the test runs, not at import.
-interpreted = pytest.mark.skipif('os.environ.get("TRITON_INTERPRET") != "1"',
-                                 reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)")
+interpreted = pytest.mark.skipif(
+    'os.environ.get("TRITON_INTERPRET") != "1"',
+    reason="CPU tests run the kernels under TRITON_INTERPRET=1 (off when CUDA is present)",
+)
 
 
 class HopperCompile(NamedTuple):
@@ -116,16 +119,16 @@ def _compile_for_hopper_here(cases: list[HopperCompile]) -> list[str]:
         source = ASTSource(kernel, signature, constexprs=case.constexprs, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=case.options or {})
         if compiled.metadata.shared > HOPPER_SHARED_MEMORY:  # Triton itself checks this only when loading on a GPU
-            raise ValueError(f"{case.kernel} {case.constexprs} needs {compiled.metadata.shared} bytes of shared memory; "
-                             f"an H100/H200 SM has {HOPPER_SHARED_MEMORY}")
+            raise ValueError(
+                f"{case.kernel} {case.constexprs} needs {compiled.metadata.shared} bytes of shared memory; "
+                f"an H100/H200 SM has {HOPPER_SHARED_MEMORY}"
+            )
         ptx.append(compiled.asm["ptx"])
     return ptx
 
 
 #: Shared memory one thread block may use on an H100/H200 (227 KiB).
 HOPPER_SHARED_MEMORY = 232448
-
-
 
 
 @contextlib.contextmanager

@@ -41,8 +41,9 @@ def write_randomised_model(path, hf_config):
     return write_tiny_model(path, hf_config, randomise_norms_and_biases=True)
 
 
-def write_tiny_model(path, hf_config, seed: int = 0, chat_template: str | None = None, *,
-                     randomise_norms_and_biases: bool = False):
+def write_tiny_model(
+    path, hf_config, seed: int = 0, chat_template: str | None = None, *, randomise_norms_and_biases: bool = False
+):
     """Write a random-weight transformers model of ``hf_config`` (a ``PretrainedConfig``) to ``path``.
 
     Saves safetensors weights, ``config.json``, a word-level ``tokenizer.json`` and

@@ -32,7 +32,7 @@ def reference_greedy(model, prompt: list[int], steps: int = 32) -> list[int]:
     with torch.no_grad():
         for _ in range(steps):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def capture_logits(llm) -> dict:
@@ -158,16 +158,50 @@ def check_greedy_parity(path, reference, prompts: list[list[int]], steps: int = 
     from framework import LLM, SamplingParams
 
     llm = LLM(str(path), **{"num_blocks": 64, "prefill_chunk_size": 8, "max_num_batched_tokens": 24, **engine_args})
-    results = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    results = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    )
     for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt, steps), f"prompt {index}"
         assert result.outputs[0].finish_reason == "length"
 
 
 #: Prompts for tiny-model parity tests (vocabulary >= 160): 5, 13 and 29 tokens.
-PARITY_PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [13, 89, 26, 117, 4, 150, 77, 31, 62, 8, 141, 55, 99, 20, 133,
-                                                           47, 71, 106, 12, 158, 39, 84, 3, 125, 66, 18, 92, 144, 57]]
+PARITY_PROMPTS = [
+    [5, 9, 33, 2, 71],
+    list(range(40, 53)),
+    [
+        13,
+        89,
+        26,
+        117,
+        4,
+        150,
+        77,
+        31,
+        62,
+        8,
+        141,
+        55,
+        99,
+        20,
+        133,
+        47,
+        71,
+        106,
+        12,
+        158,
+        39,
+        84,
+        3,
+        125,
+        66,
+        18,
+        92,
+        144,
+        57,
+    ],
+]
 
 
 def tiny_model_fixture(configs: dict, write=None):
@@ -224,8 +258,9 @@ def check_preemption_parity(path, reference, prompts: list[list[int]], steps: in
 
     llm = LLM(str(path), **{"num_blocks": 9, "max_num_seqs": 4, **engine_args})
     prompts = [*prompts, prompts[0][::-1]]
-    results = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    results = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    )
     assert llm.engine.core.stats().num_preemptions > 0
     for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt, steps), f"prompt {index}"

@@ -12,7 +12,7 @@ def random_chunks(text: str, seed: int, max_size: int = 13) -> list[str]:
     rng, pieces, i = random.Random(seed), [], 0
     while i < len(text):
         size = rng.randint(1, max_size)
-        pieces.append(text[i:i + size])
+        pieces.append(text[i : i + size])
         i += size
     return pieces
 

@@ -54,7 +54,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == "open":
-                return stack[stack.index(target):] + [target]
+                return stack[stack.index(target) :] + [target]
             if target not in state and (found := walk(target)):
                 return found
         state[node] = "done"
@@ -70,8 +70,11 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_distributed_layer_imports_nothing_from_the_engine():
     graph = import_graph()
     assert {"framework.engine.builder", "framework.distributed.state"} <= set(graph)  # the walk found the modules
-    upward = {name: sorted(t for t in targets if t.startswith("framework.engine"))
-              for name, targets in graph.items() if name.startswith("framework.distributed")}
+    upward = {
+        name: sorted(t for t in targets if t.startswith("framework.engine"))
+        for name, targets in graph.items()
+        if name.startswith("framework.distributed")
+    }
     assert not {name: targets for name, targets in upward.items() if targets}
 
 

@@ -8,8 +8,16 @@ from safetensors.torch import load_file
 
 from framework.testing import write_randomised_model
 
-TINY = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True)
+TINY = transformers.LlamaConfig(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attention_bias=True,
+)
 
 
 def test_randomised_model_is_written_once_with_its_random_norms_and_biases(tmp_path, monkeypatch):

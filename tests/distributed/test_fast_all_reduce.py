@@ -31,7 +31,9 @@ def test_resolve_all_reduce_validates_the_name_and_the_device():
     assert resolve_all_reduce("auto", cpu) == "nccl"  # gloo
     assert resolve_all_reduce("auto", cuda) == "auto"  # decided once the group exists
     assert resolve_all_reduce("symm_mem", cuda) == "symm_mem"
-    with pytest.raises(ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'custom'"):
+    with pytest.raises(
+        ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'custom'"
+    ):
         resolve_all_reduce("custom", cuda)
     with pytest.raises(ConfigError, match=r"symm_mem needs CUDA GPUs with peer access; this engine runs on cpu"):
         resolve_all_reduce("symm_mem", cpu)
@@ -43,11 +45,18 @@ def test_resolve_all_reduce_validates_the_name_and_the_device():
 def test_fp16_models_keep_nccl_under_auto_and_refuse_symm_mem():
     assert all_reduce_for_dtype("auto", torch.float16) == "nccl"
     assert all_reduce_for_dtype("nccl", torch.float16) == "nccl"
-    with pytest.raises(ConfigError, match=r"symm_mem sums bf16 and fp32 tensors; this model runs in torch.float16: "
-                                          r"use --dtype bf16 or --all-reduce nccl"):
+    with pytest.raises(
+        ConfigError,
+        match=r"symm_mem sums bf16 and fp32 tensors; this model runs in torch.float16: "
+        r"use --dtype bf16 or --all-reduce nccl",
+    ):
         all_reduce_for_dtype("symm_mem", torch.float16)
     for dtype in (torch.bfloat16, torch.float32):
-        assert [all_reduce_for_dtype(name, dtype) for name in ("auto", "symm_mem", "nccl")] == ["auto", "symm_mem", "nccl"]
+        assert [all_reduce_for_dtype(name, dtype) for name in ("auto", "symm_mem", "nccl")] == [
+            "auto",
+            "symm_mem",
+            "nccl",
+        ]
 
 
 def test_buffer_holds_the_largest_decode_all_reduce_up_to_a_cap():
@@ -69,15 +78,22 @@ def test_cli_all_reduce_flag_errors_name_the_valid_values(command):
     result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--all-reduce", "fast"])
     assert result.exit_code == 2, result.output
     assert "--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'fast'" in result.output
-    result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--device", "cpu", "--tp", "2",
-                                      "--all-reduce", "symm_mem"])
+    result = CliRunner().invoke(
+        app, [*command, "--m", "./no-such-model", "--device", "cpu", "--tp", "2", "--all-reduce", "symm_mem"]
+    )
     assert result.exit_code == 2, result.output
     assert "symm_mem needs CUDA GPUs" in result.output
 
 
-@pytest.mark.parametrize(("flags", "device"), [({}, "cuda"), ({"device": "cpu"}, "cpu"),
-                                               ({"device": "cpu", "tensor_parallel_size": 2}, "cpu"),
-                                               ({"tensor_parallel_size": 2, "num_nodes": 2, "node_rank": 1}, "cuda:0")])
+@pytest.mark.parametrize(
+    ("flags", "device"),
+    [
+        ({}, "cuda"),
+        ({"device": "cpu"}, "cpu"),
+        ({"device": "cpu", "tensor_parallel_size": 2}, "cpu"),
+        ({"tensor_parallel_size": 2, "num_nodes": 2, "node_rank": 1}, "cuda:0"),
+    ],
+)
 def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, device, monkeypatch):
     """The CLI's early ``--all-reduce`` check and :class:`EngineBuilder` validate on one device, the
     one these flags name on a (faked) CUDA machine: node 1's first rank is its local GPU 0."""
@@ -95,8 +111,13 @@ def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, dev
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # the builder makes a rank's GPU current
     from framework import platform
 
-    monkeypatch.setattr(platform, "detect_platform", lambda probe_device=True: platform.Platform(
-        "cuda", num_devices=2, device_name="fake", compute_capability=(9, 0), probed=True))
+    monkeypatch.setattr(
+        platform,
+        "detect_platform",
+        lambda probe_device=True: platform.Platform(
+            "cuda", num_devices=2, device_name="fake", compute_capability=(9, 0), probed=True
+        ),
+    )
     kwargs = engine_kwargs(m="./no-such-model", all_reduce="auto", **flags)
     where = "builder"
     EngineBuilder(**kwargs)
@@ -111,9 +132,19 @@ def test_cli_refuses_gpu_ordinals_with_a_cpu_device_before_starting_anything():
 
 
 def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_path):
-    reference = write_tiny_model(tmp_path, transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1))
+    reference = write_tiny_model(
+        tmp_path,
+        transformers.LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            initializer_range=0.1,
+        ),
+    )
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = [5, 9, 33, 2]
     with LLM(str(tmp_path), device="cpu", tensor_parallel_size=2, num_blocks=8, all_reduce="auto") as llm:
@@ -122,17 +153,28 @@ def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_
     assert ids == reference_greedy(reference, prompt, params.max_tokens)
 
 
-@pytest.mark.parametrize(("hosts", "indices", "peer", "capability", "set_up", "problem"), [
-    (["a", "a"], [0, 1], True, (9, 0), [False, False], None),
-    (["a", "b"], [0, 1], True, (9, 0), [False, False], "the group spans a, b"),
-    (["a", "a"], [0, 1], False, (9, 0), [False, False], "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
-    (["a", "a"], [0, 0], True, (9, 0), [False, False], "two ranks report the same host and device ordinal"),
-    (["a", "a"], [0, 1], True, (8, 0), [False, False], "auto takes it on compute capability 9.0 and up .* these GPUs are 8.0"),
-    # a second engine in rank 0's process (its workers are new): its rendezvous would hang
-    (["a", "a"], [0, 1], True, (9, 0), [True, False], "already set symmetric memory up for an earlier engine"),
-])
-def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts, indices, peer, capability, set_up,
-                                                              problem):
+@pytest.mark.parametrize(
+    ("hosts", "indices", "peer", "capability", "set_up", "problem"),
+    [
+        (["a", "a"], [0, 1], True, (9, 0), [False, False], None),
+        (["a", "b"], [0, 1], True, (9, 0), [False, False], "the group spans a, b"),
+        (["a", "a"], [0, 1], False, (9, 0), [False, False], "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
+        (["a", "a"], [0, 0], True, (9, 0), [False, False], "two ranks report the same host and device ordinal"),
+        (
+            ["a", "a"],
+            [0, 1],
+            True,
+            (8, 0),
+            [False, False],
+            "auto takes it on compute capability 9.0 and up .* these GPUs are 8.0",
+        ),
+        # a second engine in rank 0's process (its workers are new): its rendezvous would hang
+        (["a", "a"], [0, 1], True, (9, 0), [True, False], "already set symmetric memory up for an earlier engine"),
+    ],
+)
+def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(
+    monkeypatch, hosts, indices, peer, capability, set_up, problem
+):
     """``--all-reduce auto``: symm_mem on one host with peer access; otherwise NCCL stays (no error),
     while ``--all-reduce symm_mem`` there is a start-up error naming the reason."""
     from framework.distributed import state
@@ -196,8 +238,11 @@ def test_a_symmetric_memory_set_up_failure_is_a_clear_error_and_auto_keeps_nccl(
     monkeypatch.setattr(symm_mem, "empty", empty)
     monkeypatch.setattr(symm_mem, "rendezvous", rendezvous)
     monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_out", object(), raising=False)
-    reason = {"this rank": "multicast/VMM", "another rank": "another rank could not allocate",
-              "rendezvous": "rendezvous failed"}[failing]
+    reason = {
+        "this rank": "multicast/VMM",
+        "another rank": "another rank could not allocate",
+        "rendezvous": "rendezvous failed",
+    }[failing]
     with pytest.raises(ConfigError, match=f"could not be set up on cuda:0 .*{reason}.*use --all-reduce nccl"):
         fast_all_reduce.SymmMemAllReduce(torch.device("cuda", 0), 4096, Group())
     monkeypatch.setattr(state._state, "size", 2)
@@ -226,13 +271,18 @@ def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_ncc
         calls.append(("one_shot", tuple(staged.shape), staged.dtype, staged.data_ptr() == fast.buffer.data_ptr()))
 
     fast._copy_out, fast._out = one_shot_copy_out, None
-    monkeypatch.setattr(fast_all_reduce.dist, "all_reduce", lambda x, group=None: calls.append(("nccl", tuple(x.shape))))
+    monkeypatch.setattr(
+        fast_all_reduce.dist, "all_reduce", lambda x, group=None: calls.append(("nccl", tuple(x.shape)))
+    )
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     assert torch.equal(fast.all_reduce(x), x * 2) and calls.pop() == ("one_shot", (2, 3), torch.float32, True)
     bf16 = torch.ones(4, 8, dtype=torch.bfloat16)  # exactly the 64 bytes of the buffer
     assert torch.equal(fast.all_reduce(bf16), bf16 * 2) and calls.pop()[:3] == ("one_shot", (4, 8), torch.bfloat16)
     for too_big_or_odd in (torch.ones(17), torch.ones(3, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float16)):
-        assert fast.all_reduce(too_big_or_odd) is too_big_or_odd and calls.pop() == ("nccl", tuple(too_big_or_odd.shape))
+        assert fast.all_reduce(too_big_or_odd) is too_big_or_odd and calls.pop() == (
+            "nccl",
+            tuple(too_big_or_odd.shape),
+        )
 
 
 def test_all_reduce_add_rms_norm_takes_the_fused_kernel_for_what_fits_and_else_sums_then_normalises(monkeypatch):
@@ -278,8 +328,9 @@ def test_an_engine_that_set_symmetric_memory_up_leaves_its_group_name_to_the_gua
     from types import SimpleNamespace
 
     world = SimpleNamespace(group_name="7")  # a later engine's default group, named as the first's
-    monkeypatch.setattr(fast_all_reduce, "dist", SimpleNamespace(is_initialized=lambda: True,
-                                                                 group=SimpleNamespace(WORLD=world)))
+    monkeypatch.setattr(
+        fast_all_reduce, "dist", SimpleNamespace(is_initialized=lambda: True, group=SimpleNamespace(WORLD=world))
+    )
     assert fast_all_reduce._set_up_before()
     world.group_name = "8"
     assert not fast_all_reduce._set_up_before()
@@ -348,22 +399,25 @@ def test_a_fused_all_reduce_that_cannot_be_set_up_fails_when_asked_for_and_falls
         assert policy.name == "nccl"
 
 
-@pytest.mark.parametrize("asked, dtype, num_nodes, fused, required, plain", [
-    ("auto", torch.bfloat16, 1, "flashinfer", False, "symm_mem"),  # built on every rank: taken, and may fall back
-    ("auto", torch.float32, 1, "symm_mem", False, "symm_mem"),  # only bf16 was measured: FlashInfer is not asked
-    ("auto", torch.bfloat16, 2, "symm_mem", False, "symm_mem"),  # several hosts: not asked either
-    ("flashinfer", torch.float32, 1, "flashinfer", True, "symm_mem"),  # by name: any fused dtype; it must set up
-    ("flashinfer", torch.float16, 1, "flashinfer", True, "nccl"),  # the one-shot op does not sum fp16: NCCL does
-])
-def test_setting_the_all_reduce_up_asks_flashinfer_only_for_bf16_on_one_host(monkeypatch, asked, dtype, num_nodes,
-                                                                              fused, required, plain):
+@pytest.mark.parametrize(
+    "asked, dtype, num_nodes, fused, required, plain",
+    [
+        ("auto", torch.bfloat16, 1, "flashinfer", False, "symm_mem"),  # built on every rank: taken, and may fall back
+        ("auto", torch.float32, 1, "symm_mem", False, "symm_mem"),  # only bf16 was measured: FlashInfer is not asked
+        ("auto", torch.bfloat16, 2, "symm_mem", False, "symm_mem"),  # several hosts: not asked either
+        ("flashinfer", torch.float32, 1, "flashinfer", True, "symm_mem"),  # by name: any fused dtype; it must set up
+        ("flashinfer", torch.float16, 1, "flashinfer", True, "nccl"),  # the one-shot op does not sum fp16: NCCL does
+    ],
+)
+def test_setting_the_all_reduce_up_asks_flashinfer_only_for_bf16_on_one_host(
+    monkeypatch, asked, dtype, num_nodes, fused, required, plain
+):
 
     from framework.distributed import all_reduce_policy
 
     asked_flashinfer = []
     monkeypatch.setattr(all_reduce_policy, "enable_symm_mem_all_reduce", lambda *args, required: True)
-    monkeypatch.setattr(all_reduce_policy, "auto_flashinfer_or_not",
-                        lambda: asked_flashinfer.append(1) or "flashinfer")
+    monkeypatch.setattr(all_reduce_policy, "auto_flashinfer_or_not", lambda: asked_flashinfer.append(1) or "flashinfer")
     policy = all_reduce_policy.AllReducePolicy(asked, torch.device("cuda", 0), num_nodes)
     policy.set_up(dtype, 64, 16)
     assert policy.name == fused and policy.fused_norm_required is required
@@ -397,8 +451,10 @@ def test_flashinfer_set_up_failures_become_a_config_error_on_every_rank(monkeypa
     agreed = []
     monkeypatch.setattr(state, "min_over_ranks", lambda value: agreed.append(value) or value)
     monkeypatch.setattr(state._state, "size", 2)
-    message = {"load": r"communication module is not available \(RuntimeError: JIT compilation is disabled",
-               "workspace": r"its workspace failed to set up \(RuntimeError: CUDA out of memory\)"}[failing]
+    message = {
+        "load": r"communication module is not available \(RuntimeError: JIT compilation is disabled",
+        "workspace": r"its workspace failed to set up \(RuntimeError: CUDA out of memory\)",
+    }[failing]
     with pytest.raises(ConfigError, match=message):
         all_reduce_policy.enable_flashinfer_all_reduce_norm(torch.device("cuda", 0), 16, 64, torch.bfloat16)
     assert agreed[-1] == 0 and state._state.fused_all_reduce_norm is None

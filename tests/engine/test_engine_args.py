@@ -23,33 +23,69 @@ from framework.testing import reference_greedy, write_tiny_model
 
 #: a non-default value for every field that builds on this CPU machine (with the options beside it)
 SAMPLES: dict[str, tuple[object, dict]] = {
-    "model": ("some/repo", {}), "weights": ("/some/dir", {}), "file": ("x.gguf", {}), "revision": ("main", {}),
-    "load_format": ("safetensors", {}), "quantization": ("gguf", {}), "dtype": ("bf16", {}),
-    "max_model_len": (128, {}), "yarn_scaling_factor": (2.0, {}), "seed": (7, {}), "device": ("cpu", {}),
-    "device_ids": ([0], {}), "attention_backend": ("torch", {}), "enable_cuda_graphs": (False, {}),
-    "async_scheduling": (True, {}), "block_size": (32, {}), "kv_fraction": (0.5, {}),
-    "gpu_memory_utilization": (0.8, {"device": "cuda"}), "mem_mb": (64, {}), "num_blocks": (9, {}),
-    "enable_prefix_caching": (False, {}), "prefix_cache_max_tokens": (100, {}), "max_num_seqs": (4, {}),
-    "max_num_batched_tokens": (512, {}), "prefill_chunk_size": (0, {}), "tensor_parallel_size": (1, {}),
-    "num_nodes": (2, {"tensor_parallel_size": 2}), "node_rank": (1, {"num_nodes": 2, "tensor_parallel_size": 2}),
-    "master_addr": ("10.0.0.1", {}), "master_port": (29600, {}), "rendezvous_timeout": (10.0, {}),
-    "distributed_timeout": (20.0, {}), "all_reduce": ("nccl", {}),
+    "model": ("some/repo", {}),
+    "weights": ("/some/dir", {}),
+    "file": ("x.gguf", {}),
+    "revision": ("main", {}),
+    "load_format": ("safetensors", {}),
+    "quantization": ("gguf", {}),
+    "dtype": ("bf16", {}),
+    "max_model_len": (128, {}),
+    "yarn_scaling_factor": (2.0, {}),
+    "seed": (7, {}),
+    "device": ("cpu", {}),
+    "device_ids": ([0], {}),
+    "attention_backend": ("torch", {}),
+    "enable_cuda_graphs": (False, {}),
+    "async_scheduling": (True, {}),
+    "block_size": (32, {}),
+    "kv_fraction": (0.5, {}),
+    "gpu_memory_utilization": (0.8, {"device": "cuda"}),
+    "mem_mb": (64, {}),
+    "num_blocks": (9, {}),
+    "enable_prefix_caching": (False, {}),
+    "prefix_cache_max_tokens": (100, {}),
+    "max_num_seqs": (4, {}),
+    "max_num_batched_tokens": (512, {}),
+    "prefill_chunk_size": (0, {}),
+    "tensor_parallel_size": (1, {}),
+    "num_nodes": (2, {"tensor_parallel_size": 2}),
+    "node_rank": (1, {"num_nodes": 2, "tensor_parallel_size": 2}),
+    "master_addr": ("10.0.0.1", {}),
+    "master_port": (29600, {}),
+    "rendezvous_timeout": (10.0, {}),
+    "distributed_timeout": (20.0, {}),
+    "all_reduce": ("nccl", {}),
 }
 
 #: (options, the flag the error names): each fails in EngineArgs, before any file is opened
 BAD_VALUES = [
-    ({"dtype": "int3"}, "--dtype"), ({"device": "tpu"}, "--device"), ({"attention_backend": "nope"}, "--attention-backend"),
-    ({"load_format": "pickle"}, "--load-format"), ({"quantization": "awq"}, "--quantization"),
-    ({"all_reduce": "custom"}, "--all-reduce"), ({"block_size": 12}, "--block-size"), ({"kv_fraction": 1.5}, "--kv-fraction"),
+    ({"dtype": "int3"}, "--dtype"),
+    ({"device": "tpu"}, "--device"),
+    ({"attention_backend": "nope"}, "--attention-backend"),
+    ({"load_format": "pickle"}, "--load-format"),
+    ({"quantization": "awq"}, "--quantization"),
+    ({"all_reduce": "custom"}, "--all-reduce"),
+    ({"block_size": 12}, "--block-size"),
+    ({"kv_fraction": 1.5}, "--kv-fraction"),
     ({"gpu_memory_utilization": 0.0}, "--gpu-memory-utilization"),
-    ({"gpu_memory_utilization": 0.5, "device": "cpu"}, "--gpu-memory-utilization"), ({"mem_mb": 0}, "--mem"),
-    ({"num_blocks": 0}, "--num-blocks"), ({"max_num_seqs": 0}, "--max-num-seqs"),
-    ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens"), ({"prefill_chunk_size": -1}, "--prefill-chunk-size"),
-    ({"max_model_len": 0}, "--max-model-len"), ({"yarn_scaling_factor": 1.0}, "--yarn-scaling-factor"),
-    ({"prefix_cache_max_tokens": -1}, "--prefix-cache-max-tokens"), ({"tensor_parallel_size": 3}, "tensor-parallel size"),
-    ({"num_nodes": 0}, "--num-nodes"), ({"node_rank": 1}, "--node-rank"), ({"master_port": 70000}, "--master-port"),
-    ({"rendezvous_timeout": 0.0}, "--rendezvous-timeout"), ({"distributed_timeout": -1.0}, "--distributed-timeout"),
-    ({"device_ids": [0, 0]}, "--d"), ({"max_num_seqs": "many"}, "--max-num-seqs"),
+    ({"gpu_memory_utilization": 0.5, "device": "cpu"}, "--gpu-memory-utilization"),
+    ({"mem_mb": 0}, "--mem"),
+    ({"num_blocks": 0}, "--num-blocks"),
+    ({"max_num_seqs": 0}, "--max-num-seqs"),
+    ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens"),
+    ({"prefill_chunk_size": -1}, "--prefill-chunk-size"),
+    ({"max_model_len": 0}, "--max-model-len"),
+    ({"yarn_scaling_factor": 1.0}, "--yarn-scaling-factor"),
+    ({"prefix_cache_max_tokens": -1}, "--prefix-cache-max-tokens"),
+    ({"tensor_parallel_size": 3}, "tensor-parallel size"),
+    ({"num_nodes": 0}, "--num-nodes"),
+    ({"node_rank": 1}, "--node-rank"),
+    ({"master_port": 70000}, "--master-port"),
+    ({"rendezvous_timeout": 0.0}, "--rendezvous-timeout"),
+    ({"distributed_timeout": -1.0}, "--distributed-timeout"),
+    ({"device_ids": [0, 0]}, "--d"),
+    ({"max_num_seqs": "many"}, "--max-num-seqs"),
 ]
 
 
@@ -120,14 +156,20 @@ def test_a_bad_value_fails_before_the_model_is_opened(options, flag, monkeypatch
         assert repr(value) in str(error.value) or str(value) in str(error.value)
 
 
-@pytest.mark.parametrize(("options", "flag"), [({"dtype": "int3"}, "--dtype"), ({"block_size": 12}, "--block-size"),
-                                                ({"attention_backend": "nope"}, "--attention-backend"),
-                                                ({"load_format": "pickle"}, "--load-format")])
+@pytest.mark.parametrize(
+    ("options", "flag"),
+    [
+        ({"dtype": "int3"}, "--dtype"),
+        ({"block_size": 12}, "--block-size"),
+        ({"attention_backend": "nope"}, "--attention-backend"),
+        ({"load_format": "pickle"}, "--load-format"),
+    ],
+)
 def test_fw_serve_refuses_a_bad_engine_flag_before_starting_the_server(options, flag, monkeypatch):
     from framework.server import launcher
 
     monkeypatch.setattr(launcher, "run_server", lambda *args, **kwargs: pytest.fail("the server started"))
-    (name, value), = options.items()
+    ((name, value),) = options.items()
     result = CliRunner().invoke(_serve_app(), ["serve", "some/repo", flag, str(value)])
     assert result.exit_code == 2 and flag in result.output and str(value) in result.output, result.output
 
@@ -138,15 +180,35 @@ def test_serve_takes_the_model_as_an_argument_and_the_vllm_flag_names(monkeypatc
     calls = []
     monkeypatch.setattr(launcher, "run_server", lambda *args, **kwargs: calls.append(args) or 0)
     runner = CliRunner()
-    result = runner.invoke(_serve_app(), ["serve", "./my-model", "--tool-call-parser", "hermes",
-                                          "--gpu-memory-utilization", "0.8", "--device", "cuda", "--block-size", "32",
-                                          "--max-num-batched-tokens", "4096", "--quantization", "gguf"])
+    result = runner.invoke(
+        _serve_app(),
+        [
+            "serve",
+            "./my-model",
+            "--tool-call-parser",
+            "hermes",
+            "--gpu-memory-utilization",
+            "0.8",
+            "--device",
+            "cuda",
+            "--block-size",
+            "32",
+            "--max-num-batched-tokens",
+            "4096",
+            "--quantization",
+            "gguf",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    (engine_kwargs, config, _), = calls
+    ((engine_kwargs, config, _),) = calls
     assert engine_kwargs["model"] == "./my-model" and config.served_model_names == ["./my-model"]
     assert config.tool_parser == "hermes"
-    assert (engine_kwargs["gpu_memory_utilization"], engine_kwargs["block_size"], engine_kwargs["max_num_batched_tokens"],
-            engine_kwargs["quantization"]) == (0.8, 32, 4096, "gguf")
+    assert (
+        engine_kwargs["gpu_memory_utilization"],
+        engine_kwargs["block_size"],
+        engine_kwargs["max_num_batched_tokens"],
+        engine_kwargs["quantization"],
+    ) == (0.8, 32, 4096, "gguf")
     same = runner.invoke(_serve_app(), ["serve", "./my-model", "--m", "./my-model"])
     assert same.exit_code == 0, same.output
     both = runner.invoke(_serve_app(), ["serve", "./my-model", "--m", "./other"])
@@ -156,8 +218,15 @@ def test_serve_takes_the_model_as_an_argument_and_the_vllm_flag_names(monkeypatc
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return path, write_tiny_model(path, config)
 
 
@@ -179,13 +248,15 @@ def test_prefill_chunk_size_zero_computes_a_prompt_in_one_step(tiny_llama):
     assert steps[0] == [40]  # the whole prompt in the first step
     assert out.outputs[0].token_ids == reference_greedy(reference, prompt, 4)
     llm.close()
-    with pytest.raises(ConfigError, match="--prefill-chunk-size 0 .* --max-num-batched-tokens 32 is below the context "
-                                          "length 64"):
+    with pytest.raises(
+        ConfigError, match="--prefill-chunk-size 0 .* --max-num-batched-tokens 32 is below the context length 64"
+    ):
         LLM(str(path), device="cpu", num_blocks=16, prefill_chunk_size=0, max_num_batched_tokens=32)
 
 
-def test_a_quantization_the_checkpoint_does_not_declare_is_refused_before_weights_load(tiny_llama, tmp_path,
-                                                                                       monkeypatch, register_fw_plugin):
+def test_a_quantization_the_checkpoint_does_not_declare_is_refused_before_weights_load(
+    tiny_llama, tmp_path, monkeypatch, register_fw_plugin
+):
     import shutil
 
     from framework.loader.safetensors_format import SafetensorsFormat
@@ -205,15 +276,20 @@ def test_a_quantization_the_checkpoint_does_not_declare_is_refused_before_weight
             return [QuantMethodSpec(name="other", impl="x:Y", description="a second method, for this test")]
 
     register_fw_plugin(Plugin(), name="other-quant")
-    with pytest.raises(ConfigError, match="--quantization other disagrees with the checkpoint .* quantized with "
-                                          "'gguf'.* give --quantization gguf"):
+    with pytest.raises(
+        ConfigError,
+        match="--quantization other disagrees with the checkpoint .* quantized with 'gguf'.* give --quantization gguf",
+    ):
         LLM(str(quantized), device="cpu", num_blocks=16, quantization="other")
 
 
-@pytest.mark.parametrize(("step", "target", "flag"), [
-    ("allocating the KV cache", (kv_cache_sizing, "allocate_kv_caches"), "--gpu-memory-utilization"),
-    ("loading the weights", (builder_module.model_loader, "load_weights"), "--tp"),
-])
+@pytest.mark.parametrize(
+    ("step", "target", "flag"),
+    [
+        ("allocating the KV cache", (kv_cache_sizing, "allocate_kv_caches"), "--gpu-memory-utilization"),
+        ("loading the weights", (builder_module.model_loader, "load_weights"), "--tp"),
+    ],
+)
 def test_out_of_memory_at_start_up_names_the_flag_to_change(tiny_llama, monkeypatch, step, target, flag):
     path, _ = tiny_llama
 

@@ -27,9 +27,12 @@ from framework.testing import check_linear_method, check_moe_method
 class Int8Method(LinearMethod):
     """int8 ``qweight`` with one float32 scale per checkpoint tensor: ``weight_scale`` keeps one per fused shard."""
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype):
-        qweight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=torch.int8),
-                               requires_grad=False)
+    def create_weights(
+        self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype
+    ):
+        qweight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=torch.int8), requires_grad=False
+        )
         set_weight_attrs(qweight, {"input_dim": 1, "output_dim": 0, "weight_loader": layer.weight_loader})
         scale = nn.Parameter(torch.empty(len(output_partition_sizes), dtype=torch.float32), requires_grad=False)
         set_weight_attrs(scale, {"per_shard": True, "weight_loader": layer.weight_loader})
@@ -58,7 +61,9 @@ class Int8MoEMethod(FusedMoEMethod):
         }
         for name, (tensor, attrs) in params.items():
             param = nn.Parameter(tensor, requires_grad=False)
-            set_weight_attrs(param, {"weight_loader": layer.weight_loader, "moe_projection": name[:name.index("_")], **attrs})
+            set_weight_attrs(
+                param, {"weight_loader": layer.weight_loader, "moe_projection": name[: name.index("_")], **attrs}
+            )
             layer.register_parameter(name, param)
 
     def dequantize(self, layer):
@@ -135,8 +140,9 @@ def test_shards_that_disagree_on_a_shared_per_tensor_value_are_refused():
     a silent overwrite by the last shard."""
     from framework.layers import MergedColumnParallelLinear
 
-    layer = MergedColumnParallelLinear(32, [16, 16], quant_config=Int8Config(), prefix="mlp.gate_up_proj", tp_size=1,
-                                       tp_rank=0)
+    layer = MergedColumnParallelLinear(
+        32, [16, 16], quant_config=Int8Config(), prefix="mlp.gate_up_proj", tp_size=1, tp_rank=0
+    )
     layer.weight_scale = nn.Parameter(torch.empty(()), requires_grad=False)  # one value for both shards
     set_weight_attrs(layer.weight_scale, {"weight_loader": layer.weight_loader})
     layer.weight_loader(layer.weight_scale, torch.tensor(0.5), 0)
@@ -221,9 +227,18 @@ def test_a_method_for_the_wrong_layer_kind_is_refused():
 def _model_config(dtype):
     from framework.config import ModelConfig
 
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-          "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+    }
     return ModelConfig.from_hf_config(hf, dtype=dtype)
 
 

@@ -91,7 +91,7 @@ def test_a_plugin_route_answers_and_startup_and_shutdown_run_once_around_the_app
     client = ReadyClient(ready=True)
     app = create_app(client, ServerConfig(served_model_names=["m"]), start_engine=False)
     assert lifecycle.count("app_init") == 1
-    (_, handlers), = [call for call in lifecycle.calls if call[0] == "app_init"]
+    ((_, handlers),) = [call for call in lifecycle.calls if call[0] == "app_init"]
     assert {"/plugin/ping"} in handlers  # app_init sees the config with the plugin's route in it
     with TestClient(app, base_url=BASE_URL) as http:
         assert lifecycle.calls[-1] == ("startup", client)
@@ -133,8 +133,15 @@ def test_llm_calls_startup_with_its_engine_and_shutdown_once_on_close(lifecycle,
     from framework import LLM
     from framework.testing import write_tiny_model
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     write_tiny_model(tmp_path, config)
     llm = LLM(str(tmp_path), device="cpu", num_blocks=8)
     assert lifecycle.calls == [("startup", llm.engine)]
