@@ -97,8 +97,6 @@ class EngineBuilder:
             raise ConfigError("give EngineBuilder either args= or keyword options, not both")
         args.check_names()
         self.args = args
-        self.model, self.weights, self.file, self.revision = args.model, args.weights, args.file, args.revision
-        self.dtype_name = args.dtype
         self.parallel = ParallelConfig(
             args.tensor_parallel_size,
             args.num_nodes,
@@ -115,7 +113,6 @@ class EngineBuilder:
         if self.parallel.is_parallel and self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
         self.workers: WorkerGroup | None = None
-        self.max_model_len = args.max_model_len
         self.cache = CacheConfig(
             block_size=args.block_size,
             kv_fraction=args.kv_fraction,
@@ -126,13 +123,6 @@ class EngineBuilder:
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
         self.scheduler = SchedulerConfig.from_args(args, args.max_model_len)  # again once the context length is known
-        self.attention_backend = args.attention_backend
-        self.quantization = args.quantization
-        self.seed = args.seed
-        self.enable_cuda_graphs = args.enable_cuda_graphs
-        self.async_scheduling = args.async_scheduling
-        self.load_format = args.load_format
-        self.yarn_scaling_factor = args.yarn_scaling_factor
         self.platform: Platform = platform_for_device(self.device.type)  # a CPU device on a CUDA machine: the CPU's
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
@@ -142,29 +132,29 @@ class EngineBuilder:
     def open_source(self) -> WeightFormat:
         """Resolve ``model``/``weights``/``file`` to a local path and open its weight format."""
         plugins.load_plugins()
-        path = resolve_local_path(self.model, self.weights, self.file, self.revision)
+        path = resolve_local_path(self.args.model, self.args.weights, self.args.file, self.args.revision)
         self.source_path = path
-        self.source = model_loader.open_model_source(Path(path), self.file, self.load_format)
+        self.source = model_loader.open_model_source(Path(path), self.args.file, self.args.load_format)
         return self.source
 
     def model_config(self) -> ModelConfig:
         source = self.source or self.open_source()
         hf_config = source.hf_config()
-        if self.yarn_scaling_factor:
-            hf_config = with_yarn_scaling(hf_config, self.yarn_scaling_factor)
+        if self.args.yarn_scaling_factor:
+            hf_config = with_yarn_scaling(hf_config, self.args.yarn_scaling_factor)
         generation = source.generation_config()
         tokenizer = source.tokenizer()
         eos = set(_as_list(generation.get("eos_token_id"))) | set(_as_list(hf_config.get("eos_token_id")))
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         eos |= tokenizer.extra_eos_token_ids
-        dtype = resolve_dtype(self.dtype_name, self.device, hf_config.get("torch_dtype") or hf_config.get("dtype"))
+        dtype = resolve_dtype(self.args.dtype, self.device, hf_config.get("torch_dtype") or hf_config.get("dtype"))
         self.config = ModelConfig.from_hf_config(
             hf_config,
             dtype=dtype,
-            max_model_len=self.max_model_len,
+            max_model_len=self.args.max_model_len,
             eos_token_ids=frozenset(eos),
-            source=str(self.model or self.weights or self.source_path),
+            source=str(self.args.model or self.args.weights or self.source_path),
         )
         self._tokenizer, self._generation = tokenizer, generation
         self.scheduler = SchedulerConfig.from_args(self.args, self.config.max_model_len)
@@ -178,7 +168,7 @@ class EngineBuilder:
         quant_config = self._quant_config()
         if quant_config is not None:
             quant_config.packed_modules_mapping = dict(getattr(model_cls, "packed_modules_mapping", {}))
-        torch.manual_seed(self.seed)
+        torch.manual_seed(self.args.seed)
         model = model_loader.build_model(model_cls, config, quant_config, self.device)
         if quant_config is not None:
             verify_quant_methods(model, config.dtype, self.device)
@@ -214,9 +204,9 @@ class EngineBuilder:
         assert self.source is not None and self.config is not None
         checkpoint = self.source.quantization_config()
         declared = (checkpoint or {}).get("quant_method")
-        if self.quantization is not None and declared is not None and declared != self.quantization:
+        if self.args.quantization is not None and declared is not None and declared != self.args.quantization:
             raise ConfigError(
-                f"--quantization {self.quantization} disagrees with the checkpoint {self.config.source}, "
+                f"--quantization {self.args.quantization} disagrees with the checkpoint {self.config.source}, "
                 f"which is quantized with {declared!r}: leave --quantization out (the checkpoint's "
                 f"method is used) or give --quantization {declared}"
             )
@@ -224,7 +214,7 @@ class EngineBuilder:
             "resolve_quantization_method",
             model_config=self.config,
             quantization_config=checkpoint,
-            requested=self.quantization,
+            requested=self.args.quantization,
             platform=self.platform,
         )
         if name is None:
@@ -244,7 +234,7 @@ class EngineBuilder:
         """Choose among backends that validate (:mod:`~framework.engine.attention_choice`) and set it up."""
         layers = self.attention_layers()
         self.backend_name = choose_attention_backend(
-            layers, self.config, self.cache.cache_dtype, self.attention_backend, self.platform
+            layers, self.config, self.cache.cache_dtype, self.args.attention_backend, self.platform
         )
         backend = registries.attention_backends(self.platform).get(self.backend_name).load()()
         backend.initialize(layers, self.config.dtype, self.cache.block_size, self.device)
@@ -274,7 +264,7 @@ class EngineBuilder:
     def capture_cuda_graphs(self, backend: AttentionBackend, kv_caches: list[torch.Tensor]) -> CUDAGraphRunner | None:
         """Capture decode graphs when on CUDA, enabled, and the backend allows it."""
         self.graph_summary = "off"
-        if self.device.type != "cuda" or not self.enable_cuda_graphs:
+        if self.device.type != "cuda" or not self.args.enable_cuda_graphs:
             return None
         if not backend.supports_cuda_graphs:
             self.graph_summary = f"off (attention backend {self.backend_name} cannot be graphed)"
@@ -394,8 +384,8 @@ class EngineBuilder:
 
     def use_async_scheduling(self) -> bool:
         """``async_scheduling`` as asked; by default on for CUDA (on the CPU nothing would overlap)."""
-        if self.async_scheduling is not None:
-            return self.async_scheduling
+        if self.args.async_scheduling is not None:
+            return self.args.async_scheduling
         return self.device.type == "cuda"
 
     def build_worker(self) -> ModelRunner:
@@ -434,7 +424,7 @@ class EngineBuilder:
             None if cache.prefix_cache_max_tokens is None else cache.prefix_cache_max_tokens // cache.block_size
         )
         kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
-        engine_config = EngineConfig(config, cache, self.scheduler, str(self.device), self.backend_name, self.seed)
+        engine_config = EngineConfig(config, cache, self.scheduler, str(self.device), self.backend_name, self.args.seed)
         core = EngineCore(
             engine_config, runner, kv_manager, structured_outputs=grammars, async_scheduling=async_scheduling
         )
