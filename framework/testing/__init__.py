@@ -42,6 +42,7 @@ from framework.testing.gpu import (
     check_no_sync_and_cuda_graph_replay,
     compile_for_hopper,
     count_kernel_calls,
+    interpreted,
     require_triton,
 )
 from framework.testing.metrics import (
@@ -91,6 +92,7 @@ __all__ = [
     "check_no_sync_and_cuda_graph_replay",
     "compile_for_hopper",
     "count_kernel_calls",
+    "interpreted",
     "require_triton",
     "metric_value",
     "make_tiny_tokenizer",
