@@ -48,7 +48,10 @@ def main() -> None:
     llm = LLM(
         str(folder),
         **engine_kwargs(
-            args, max_num_seqs=max(args.batch, 1), max_model_len=max(args.context, args.prefill) + args.steps + 64
+            args,
+            **({"load_format": "auto"} if args.model else {}),
+            max_num_seqs=max(args.batch, 1),
+            max_model_len=max(args.context, args.prefill) + args.steps + 64,
         ),
     )
     core, vocab = llm.engine.core, llm.engine.model_config.vocab_size

@@ -233,21 +233,21 @@ def gemv_config(qtype: GGMLQuantizationType, n: int, k: int, num_sms: int) -> Ge
 #: Settings measured per GPU model (``benchmarks/gguf_kernels.py --rows 1 --sweep`` prints entries):
 #: ``(device name, type name, N, K) -> setting``; other shapes use :func:`gemv_config`'s rule.
 GEMV_TUNED: dict[tuple[str, str, int, int], GemvConfig] = {
-    ('NVIDIA H200', 'Q4_K', 6144, 4096): GemvConfig(block_n=64, blocks_per_step=4, split_k=4),
-    ('NVIDIA H200', 'Q4_K', 4096, 4096): GemvConfig(block_n=64, blocks_per_step=4, split_k=4),
+    ('NVIDIA H200', 'Q4_K', 6144, 4096): GemvConfig(block_n=32, blocks_per_step=4, split_k=4),
+    ('NVIDIA H200', 'Q4_K', 4096, 4096): GemvConfig(block_n=32, blocks_per_step=4, split_k=4),
     ('NVIDIA H200', 'Q4_K', 28672, 4096): GemvConfig(block_n=64, blocks_per_step=4, split_k=1),
     ('NVIDIA H200', 'Q4_K', 4096, 14336): GemvConfig(block_n=32, blocks_per_step=4, split_k=4),
     ('NVIDIA H200', 'Q4_K', 128256, 4096): GemvConfig(block_n=64, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q6_K', 6144, 4096): GemvConfig(block_n=16, blocks_per_step=4, split_k=1, num_warps=8),
-    ('NVIDIA H200', 'Q6_K', 4096, 4096): GemvConfig(block_n=16, blocks_per_step=4, split_k=1, num_warps=8),
+    ('NVIDIA H200', 'Q6_K', 6144, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
+    ('NVIDIA H200', 'Q6_K', 4096, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
     ('NVIDIA H200', 'Q6_K', 28672, 4096): GemvConfig(block_n=32, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q6_K', 4096, 14336): GemvConfig(block_n=32, blocks_per_step=2, split_k=4, num_warps=8),
+    ('NVIDIA H200', 'Q6_K', 4096, 14336): GemvConfig(block_n=16, blocks_per_step=4, split_k=2, num_warps=8),
     ('NVIDIA H200', 'Q6_K', 128256, 4096): GemvConfig(block_n=16, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q8_0', 6144, 4096): GemvConfig(block_n=16, blocks_per_step=1, split_k=4),
-    ('NVIDIA H200', 'Q8_0', 4096, 4096): GemvConfig(block_n=16, blocks_per_step=1, split_k=4),
-    ('NVIDIA H200', 'Q8_0', 28672, 4096): GemvConfig(block_n=16, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q8_0', 4096, 14336): GemvConfig(block_n=16, blocks_per_step=1, split_k=4),
-    ('NVIDIA H200', 'Q8_0', 128256, 4096): GemvConfig(block_n=16, blocks_per_step=4, split_k=4),
+    ('NVIDIA H200', 'Q8_0', 6144, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
+    ('NVIDIA H200', 'Q8_0', 4096, 4096): GemvConfig(block_n=8, blocks_per_step=2, split_k=4),
+    ('NVIDIA H200', 'Q8_0', 28672, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
+    ('NVIDIA H200', 'Q8_0', 4096, 14336): GemvConfig(block_n=8, blocks_per_step=2, split_k=4),
+    ('NVIDIA H200', 'Q8_0', 128256, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
 }
 
 
