@@ -159,7 +159,12 @@ def is_known_key(key: str | None, keys: list[str]) -> bool:
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
-    return ModelCard(id=name, created=state.started, max_model_len=state.max_model_len, root=state.config.model_root)
+    try:
+        tool_calling = state.served_parsers().info()
+    except APIError:  # a parser plugin that fails to load: chat requests say why
+        tool_calling = None
+    return ModelCard(id=name, created=state.started, max_model_len=state.max_model_len, root=state.config.model_root,
+                     tool_calling=tool_calling)
 
 def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_engine: bool = True,
                on_ready: Callable[[Ready], None] | None = None,

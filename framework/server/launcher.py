@@ -23,6 +23,7 @@ import framework
 from framework.errors import ConfigError
 from framework.server.app import create_app
 from framework.server.engine_client import AsyncEngineClient
+from framework.server.errors import APIError
 from framework.server.messages import Ready
 from framework.server.state import ServerConfig, ServerState
 
@@ -91,6 +92,14 @@ def format_summary(ready: Ready) -> str:
              f"  KV cache   {s.get('kv_blocks')} blocks, {s.get('kv_tokens')} tokens, {s.get('kv_bytes', 0) / 2**20:.1f} MiB",
              f"  plugins    {', '.join(s.get('plugins', []))}"]
     return "\n".join(lines)
+
+
+def tool_calling_line(state: ServerState) -> str:
+    """How tool calls are read for this model (the path, and what its template renders of tools)."""
+    try:
+        return state.served_parsers().describe()
+    except APIError as error:  # a parser plugin that fails to load: the server stays up, chat says why
+        return f"unavailable: {error.message}"
 
 
 class _Server(uvicorn.Server):
@@ -206,6 +215,7 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
 
     def on_ready(ready: Ready) -> None:
         print(format_summary(ready), flush=True)
+        print(f"  tools      {tool_calling_line(server.state)}", flush=True)
         server.engine_ready = True
         server.announce()
 

@@ -94,8 +94,10 @@ class ServerState:
             from framework.server.chat_tools import resolve_parsers
 
             try:
-                self._parsers = resolve_parsers(self.config.tool_parser, self.config.reasoning_parser,
-                                                self.client.tokenizer.chat_template)
+                tokenizer = self.client.tokenizer
+                self._parsers = resolve_parsers(
+                    self.config.tool_parser, self.config.reasoning_parser, tokenizer.chat_template,
+                    lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools))
             except ConfigError as error:
                 raise APIError(500, str(error), code="parser_error") from None
         return self._parsers

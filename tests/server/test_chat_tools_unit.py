@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from framework.errors import ConfigError
+from framework.parsers.generic import GenericToolParser
 from framework.parsers.tool_choice import ConstrainedCallsParser, tool_calls_schema
 from framework.server.chat_tools import check_parser_names, resolve_parsers, tool_setup
 from framework.server.errors import APIError
@@ -86,11 +87,14 @@ def test_parsers_come_from_the_flags_or_the_template():
     assert (served.tool_name, served.reasoning_name) == ("qwen", "qwen3")
     served = resolve_parsers("mistral", "none", "<tool_call><think>")
     assert (served.tool_name, served.reasoning_name, served.reasoning) == ("mistral", None, None)
-    assert resolve_parsers(None, None, "{{ messages }}").tool is None
+    generic = resolve_parsers(None, None, "{{ messages }}")  # no tool markup: fw's generic format
+    assert (generic.tool_name, generic.tool_path, generic.tool) == ("generic", "generic", GenericToolParser)
+    off = resolve_parsers("none", None, "{{ messages }}")
+    assert (off.tool, off.tool_path) == (None, "none")
 
 
 def test_unknown_parser_names_list_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"--enforce-parser 'hermes2'.*valid: hermes, json, llama3, mistral, qwen"):
+    with pytest.raises(ConfigError, match=r"--enforce-parser 'hermes2'.*valid: generic, hermes, json, llama3, mistral, qwen"):
         check_parser_names("hermes2", None)
     with pytest.raises(ConfigError, match=r"--reasoning-parser 'r1'.*deepseek_r1, qwen3"):
         check_parser_names(None, "r1")
