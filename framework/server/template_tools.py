@@ -2,7 +2,7 @@
 for a template that cannot show them itself.
 
 :func:`probe_template` renders small conversations that hold a marker string (a tool named
-``fw_probe_tool``, a call of it, its result) and looks for the marker in the prompt: a template
+``fw_probe_tool``, a call of it with a marker argument, its result) and looks for the marker in the prompt: a template
 that silently drops ``tools`` (SmolLM2's renders 34 tokens with or without them) is found at
 start-up, not by a model that never saw its tools. :func:`with_generic_tools` then writes what
 the template would have dropped in the generic format (:mod:`framework.parsers.generic`).
@@ -20,8 +20,8 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": PROBE, "description": 
                                                   "parameters": {"type": "object", "properties": {}}}}]
 _USER = {"role": "user", "content": "What does the probe say?"}
 _CALL = {"role": "assistant", "content": "", "tool_calls": [
-    {"id": "call_probe", "type": "function", "function": {"name": PROBE, "arguments": {}}}]}
-_RESULT = {"role": "tool", "tool_call_id": "call_probe", "name": PROBE, "content": "fw_probe_result"}
+    {"id": "fwprobe01", "type": "function", "function": {"name": PROBE, "arguments": {"fw_probe_arg": "fw_probe_value"}}}]}
+_RESULT = {"role": "tool", "tool_call_id": "fwprobe01", "name": PROBE, "content": "fw_probe_result"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,8 @@ class TemplateToolSupport:
     renders_tools: bool = False
     renders_tool_calls: bool = False
     renders_tool_results: bool = False
+    #: False for a template that refuses (or drops) a system turn: the tool list opens the first user turn
+    renders_system: bool = True
 
     @property
     def is_complete(self) -> bool:
@@ -58,15 +60,17 @@ def probe_template(render: Any) -> TemplateToolSupport:
 
     return TemplateToolSupport(
         renders_tools=shows(PROBE, [_USER], _PROBE_TOOLS),
-        renders_tool_calls=shows(PROBE, [_USER, _CALL], None),
-        renders_tool_results=shows("fw_probe_result", [_USER, _CALL, _RESULT], None))
+        renders_tool_calls=shows("fw_probe_value", [_USER, _CALL], _PROBE_TOOLS),
+        renders_tool_results=shows("fw_probe_result", [_USER, _CALL, _RESULT], _PROBE_TOOLS),
+        renders_system=shows("fw_probe_system", [{"role": "system", "content": "fw_probe_system"}, _USER], None))
 
 
 def with_generic_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        support: TemplateToolSupport) -> list[dict[str, Any]]:
     """``messages`` with what the template drops written in the generic format: the tool list at
-    the end of the system turn (a new one first when there is none), assistant ``tool_calls`` as
-    blocks after the turn's text, and tool results as user turns."""
+    the end of the system turn (a new one first when there is none; the start of the first user
+    turn where the template has no system turn), assistant ``tool_calls`` as blocks after the
+    turn's text, and tool results as user turns."""
     result = []
     for message in messages:
         if message.get("tool_calls") and not support.renders_tool_calls:
@@ -81,7 +85,11 @@ def with_generic_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any
         if result and result[0]["role"] in ("system", "developer"):
             first = result[0]
             result[0] = {**first, "content": f"{first['content']}\n\n{prompt}" if first.get("content") else prompt}
-        else:
+        elif support.renders_system:
             result.insert(0, {"role": "system", "content": prompt})
+        else:  # no system turn to write into: the tool list opens the first user turn
+            at = next((i for i, m in enumerate(result) if m["role"] == "user"), 0)
+            if result:
+                result[at] = {**result[at], "content": f"{prompt}\n\n{result[at].get('content') or ''}"}
     return result
 

@@ -47,6 +47,10 @@ GOLDENS = [
      None, [("get_weather", '{"city": "Bonn"}'), ("get_time", "{}")]),
     ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"tz": "PST"}}', None, [("get_time", '{"tz": "PST"}')]),
     ("llama3", "It is sunny; no call needed.", "It is sunny; no call needed.", []),
+    ("generic", 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+                '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+     "Checking.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ("generic", "No tool: a <tool_ call> is just text here.", "No tool: a <tool_ call> is just text here.", []),
 ]
 
 # Malformed output is plain content, never an exception.
