@@ -95,6 +95,8 @@ class ServerState:
 
             try:
                 tokenizer = self.client.tokenizer
+                if tokenizer is None:  # no engine yet (requests are refused until it is ready): nothing to cache
+                    return resolve_parsers(self.config.tool_parser, self.config.reasoning_parser, None)
                 self._parsers = resolve_parsers(
                     self.config.tool_parser, self.config.reasoning_parser, tokenizer.chat_template,
                     lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools))
