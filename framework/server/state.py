@@ -94,7 +94,7 @@ class ServerState:
             from framework.server.chat_tools import resolve_parsers
 
             try:
-                tokenizer = self.client.tokenizer
+                tokenizer = getattr(self.client, "tokenizer", None)
                 if tokenizer is None:  # no engine yet (requests are refused until it is ready): nothing to cache
                     return resolve_parsers(self.config.tool_parser, self.config.reasoning_parser, None)
                 self._parsers = resolve_parsers(

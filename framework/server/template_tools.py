@@ -2,7 +2,7 @@
 for a template that cannot show them itself.
 
 :func:`probe_template` renders small conversations that hold a marker string (a tool named
-``fw_probe_tool``, a call of it with a marker argument, its result) and looks for the marker in the prompt: a template
+``fw_probe_tool``, a call named ``fw_probe_call``, its result) and looks for the marker in the prompt: a template
 that silently drops ``tools`` (SmolLM2's renders 34 tokens with or without them) is found at
 start-up, not by a model that never saw its tools. :func:`with_generic_tools` then writes what
 the template would have dropped in the generic format (:mod:`framework.parsers.generic`).
@@ -20,7 +20,7 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": PROBE, "description": 
                                                   "parameters": {"type": "object", "properties": {}}}}]
 _USER = {"role": "user", "content": "What does the probe say?"}
 _CALL = {"role": "assistant", "content": "", "tool_calls": [
-    {"id": "fwprobe01", "type": "function", "function": {"name": PROBE, "arguments": {"fw_probe_arg": "fw_probe_value"}}}]}
+    {"id": "fwprobe01", "type": "function", "function": {"name": "fw_probe_call", "arguments": {"fw_probe_arg": "fw_probe_value"}}}]}
 _RESULT = {"role": "tool", "tool_call_id": "fwprobe01", "name": PROBE, "content": "fw_probe_result"}
 
 
@@ -60,7 +60,7 @@ def probe_template(render: Any) -> TemplateToolSupport:
 
     return TemplateToolSupport(
         renders_tools=shows(PROBE, [_USER], _PROBE_TOOLS),
-        renders_tool_calls=shows("fw_probe_value", [_USER, _CALL], _PROBE_TOOLS),
+        renders_tool_calls=shows("fw_probe_call", [_USER, _CALL], _PROBE_TOOLS),
         renders_tool_results=shows("fw_probe_result", [_USER, _CALL, _RESULT], _PROBE_TOOLS),
         renders_system=shows("fw_probe_system", [{"role": "system", "content": "fw_probe_system"}, _USER], None))
 

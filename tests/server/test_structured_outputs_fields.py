@@ -50,7 +50,7 @@ def test_each_field_becomes_its_constraint(make, fields, expected):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}}},
      "response_format.json_schema.schema", "must be a JSON Schema object, got list"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
-     "exactly one of json, json_object, regex, grammar, choice; got regex, choice"),
+     "exactly one of json, json_object, regex, grammar, choice, structural_tag; got regex, choice"),
     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", "unknown keys ['regexp']"),
     ({"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice",
      "structured_outputs.choice: Expected `array | null`, got `str`"),
