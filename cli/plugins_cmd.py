@@ -67,8 +67,14 @@ def _import_problem(spec) -> list[str]:
 
 @app.command("check")
 def check_plugins(
-    model: Annotated[str | None, typer.Option("--m", help="Also say how tool calls are read for this model ('default': "
-                                                          "the embedded one; its chat template only, no weights).")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--m",
+            help="Also say how tool calls are read for this model ('default': "
+            "the embedded one; its chat template only, no weights).",
+        ),
+    ] = None,
     enforce_parser: Annotated[str | None, typer.Option("--enforce-parser", help="As fw serve's flag.")] = None,
 ) -> None:
     """Say which registered backends, methods and kernels can run on this machine, and why not."""
@@ -109,6 +115,10 @@ def _tool_calling(model: str | None, enforce_parser: str | None) -> str:
 
     plugins.load_plugins()
     tokenizer = open_model_source(resolve_local_path(None if model == "default" else model)).tokenizer()
-    served = resolve_parsers(enforce_parser, None, tokenizer.chat_template,
-                             lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools))
+    served = resolve_parsers(
+        enforce_parser,
+        None,
+        tokenizer.chat_template,
+        lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools),
+    )
     return served.describe()

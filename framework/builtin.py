@@ -43,14 +43,23 @@ def register_weight_formats() -> list[WeightFormatSpec]:
 
 @hookimpl
 def register_tool_parsers() -> list[ParserSpec]:
-    return [ParserSpec(name="generic", impl="framework.parsers.generic:GenericToolParser", kind="tool",
-                       description="fw's generic format for templates without tool markup: "
-                                   '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')]
+    return [
+        ParserSpec(
+            name="generic",
+            impl="framework.parsers.generic:GenericToolParser",
+            kind="tool",
+            description="fw's generic format for templates without tool markup: "
+            '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+        )
+    ]
 
 
 @hookimpl
 def register_kernels() -> list[KernelSpec]:
-    return [KernelSpec(op=op, name="torch", impl=impl, description="torch reference") for op, impl in REFERENCE_KERNELS.items()]
+    return [
+        KernelSpec(op=op, name="torch", impl=impl, description="torch reference")
+        for op, impl in REFERENCE_KERNELS.items()
+    ]
 
 
 @hookimpl

@@ -64,8 +64,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             try:
                 schema = _json.loads(self.json)
             except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser recurses
-                raise ValueError(f"structured_outputs.json must be a JSON Schema, got text that is not JSON: "
-                                 f"{type(exc).__name__}: {str(exc)[:200]}") from None
+                raise ValueError(
+                    f"structured_outputs.json must be a JSON Schema, got text that is not JSON: "
+                    f"{type(exc).__name__}: {str(exc)[:200]}"
+                ) from None
             _check(isinstance(schema, (dict, bool)), "structured_outputs.json", self.json, "a JSON Schema object")
         for name in ("regex", "grammar", "structural_tag", "start_after"):
             value = getattr(self, name)
@@ -73,7 +75,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.choice is not None:
             _check(len(self.choice) > 0, "structured_outputs.choice", self.choice, "a non-empty list of strings")
             for option in self.choice:
-                _check(isinstance(option, str) and option != "", "structured_outputs.choice items", option, "non-empty strings")
+                _check(
+                    isinstance(option, str) and option != "",
+                    "structured_outputs.choice items",
+                    option,
+                    "non-empty strings",
+                )
 
     @property
     def kind(self) -> str:

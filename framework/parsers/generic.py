@@ -48,7 +48,9 @@ class GenericToolParser(MarkerToolParser):
             return BlockScan([], None)
         if text[i] not in "{[":
             return BlockScan([], i)
-        calls, end, is_malformed = read_json_calls(text, i, args_keys=("arguments", "parameters"), cache=self.scan_cache)
+        calls, end, is_malformed = read_json_calls(
+            text, i, args_keys=("arguments", "parameters"), cache=self.scan_cache
+        )
         if end is None or is_malformed:
             return BlockScan(calls, end)
         j = skip_ws(text, end)
@@ -86,8 +88,11 @@ def call_text(name: str, arguments: Any) -> str:
 
 def tool_calls_text(content: str, tool_calls: list[dict[str, Any]]) -> str:
     """An assistant turn's text with its OpenAI ``tool_calls`` written as blocks after it."""
-    blocks = "".join(call_text(c["function"]["name"], c["function"].get("arguments", {}))
-                     for c in tool_calls if isinstance(c.get("function"), dict))
+    blocks = "".join(
+        call_text(c["function"]["name"], c["function"].get("arguments", {}))
+        for c in tool_calls
+        if isinstance(c.get("function"), dict)
+    )
     return f"{content}\n{blocks}" if content else blocks
 
 

@@ -30,11 +30,20 @@ def tool_calls_schema(tools: list[dict[str, Any]], name: str | None = None) -> d
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not functions:
         raise ValueError(f"no tool named {name!r} among the request's tools")
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": _parameters_schema(f)},
-              "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": _parameters_schema(f)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
     if name is not None:
         schema["maxItems"] = 1
     return schema
@@ -55,10 +64,22 @@ def auto_tool_calls_tag(tools: list[dict[str, Any]], parallel: bool = True) -> d
     (:mod:`framework.parsers.generic`): free text, in which each ``<tool_call>`` block is a call of
     one of ``tools``, ``{"name": <its name>, "arguments": <valid under its schema>}``, then
     ``</tool_call>``. Without ``parallel`` the reply ends after its first call."""
-    tags = [{"type": "tag", "begin": f'{OPEN}{{"name": {json.dumps(t["function"]["name"], ensure_ascii=False)}, '
-                                      '"arguments": ',
-             "content": {"type": "json_schema", "json_schema": _parameters_schema(t["function"])},
-             "end": f"}}{CLOSE}"} for t in tools]
-    return {"type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags, "at_least_one": False,
-                       "stop_after_first": not parallel}}
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'{OPEN}{{"name": {json.dumps(t["function"]["name"], ensure_ascii=False)}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": _parameters_schema(t["function"])},
+            "end": f"}}{CLOSE}",
+        }
+        for t in tools
+    ]
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": [OPEN],
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": not parallel,
+        },
+    }

@@ -59,6 +59,7 @@ Server = NamedDependency[ServerState]
 #: Paths that answer without an API key and while the model loads.
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
+
 class OpenAIController(Controller):
     path = "/v1"
 
@@ -76,7 +77,9 @@ class OpenAIController(Controller):
 
     @get("/models")
     async def models(self, server: Server) -> ModelList:
-        return ModelList(data=[_model_card(server, name) for name in server.config.served_model_names or [server.model_name]])
+        return ModelList(
+            data=[_model_card(server, name) for name in server.config.served_model_names or [server.model_name]]
+        )
 
     @get("/mcp/servers")
     async def mcp_servers(self, server: Server) -> dict[str, Any]:
@@ -88,6 +91,7 @@ class OpenAIController(Controller):
         model_id = model_id.lstrip("/")
         server.check_model(model_id)
         return _model_card(server, model_id)
+
 
 class ServiceController(Controller):
     path = "/"
@@ -105,9 +109,14 @@ class ServiceController(Controller):
         if not client.is_ready:
             return Response({"status": "loading"}, status_code=503)
         if client.is_unresponsive:
-            return Response({"status": "unresponsive", **restarts,
-                             "message": f"the engine loop has sent nothing for over {client.heartbeat_timeout_s:g} s"},
-                            status_code=503)
+            return Response(
+                {
+                    "status": "unresponsive",
+                    **restarts,
+                    "message": f"the engine loop has sent nothing for over {client.heartbeat_timeout_s:g} s",
+                },
+                status_code=503,
+            )
         return Response({"status": "ok", **restarts}, status_code=200)
 
     @get("/version")
@@ -132,8 +141,11 @@ class ServiceController(Controller):
         if body.prompt is not None:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            chat = ChatCompletionRequest(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs,
-                                         add_generation_prompt=body.add_generation_prompt)
+            chat = ChatCompletionRequest(
+                messages=body.messages,
+                chat_template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+            )
             tokens = chat_prompt_ids(tokenizer, chat)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len)
 
@@ -142,10 +154,15 @@ class ServiceController(Controller):
         """The tokenizer's special tokens and chat template (vLLM's endpoint, which lm-eval's
         ``local-completions`` probes to tokenize through ``/tokenize`` instead of the Hub)."""
         tokenizer = server.client.tokenizer
-        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token,
-                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
-                "chat_template": tokenizer.chat_template, "model_max_length": server.max_model_len,
-                "vocab_size": tokenizer.vocab_size}
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": server.max_model_len,
+            "vocab_size": tokenizer.vocab_size,
+        }
 
     @post("/detokenize", status_code=200)
     async def detokenize(self, server: Server, request: Request) -> DetokenizeResponse:
@@ -156,6 +173,7 @@ class ServiceController(Controller):
         if bad:
             raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
         return DetokenizeResponse(prompt=server.client.tokenizer.decode(body.tokens))
+
 
 def is_known_key(key: str | None, keys: list[str]) -> bool:
     """Whether ``key`` is one of ``keys``, compared in constant time (every key, every byte)."""
@@ -173,12 +191,23 @@ def _model_card(state: ServerState, name: str) -> ModelCard:
         tool_calling = state.served_parsers().info()
     except APIError:  # a parser plugin that fails to load: chat requests say why
         tool_calling = None
-    return ModelCard(id=name, created=state.started, max_model_len=state.max_model_len, root=state.config.model_root,
-                     tool_calling=tool_calling)
+    return ModelCard(
+        id=name,
+        created=state.started,
+        max_model_len=state.max_model_len,
+        root=state.config.model_root,
+        tool_calling=tool_calling,
+    )
 
-def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_engine: bool = True,
-               on_ready: Callable[[Ready], None] | None = None,
-               on_load_error: Callable[[str], None] | None = None) -> Litestar:
+
+def create_app(
+    engine_client: AsyncEngineClient,
+    config: ServerConfig,
+    *,
+    start_engine: bool = True,
+    on_ready: Callable[[Ready], None] | None = None,
+    on_load_error: Callable[[str], None] | None = None,
+) -> Litestar:
     """Build the app around ``engine_client``.
 
     With ``start_engine`` the lifespan starts the engine process (``on_ready`` / ``on_load_error``
@@ -195,19 +224,27 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
             header = request.headers.get("authorization", "")
             key = header[7:].strip() if header[:7].lower() == "bearer " else None
             if not is_known_key(key, config.api_keys):
-                raise APIError(401, "Incorrect API key provided" if key else "Missing API key: send 'Authorization: "
-                                    "Bearer <key>'", code="invalid_api_key")
+                raise APIError(
+                    401,
+                    "Incorrect API key provided" if key else "Missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
         if state.is_draining:
             raise APIError(503, "the server is shutting down", code="server_draining")
         client = state.client
         if client.is_restarting:
-            raise APIError(503, f"the engine is restarting: {client.dead_reason}", code="engine_restarting",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"the engine is restarting: {client.dead_reason}",
+                code="engine_restarting",
+                headers={"Retry-After": "1"},
+            )
         if client.dead_reason is not None:
             raise APIError(503, f"the engine is not running: {client.dead_reason}", code="engine_dead")
         if not client.is_ready:
-            raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503, "the model is still loading; retry shortly", code="model_loading", headers={"Retry-After": "1"}
+            )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -241,14 +278,23 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
         else:
             log.error("the engine failed to start: %s", error)
 
-    policy = OriginPolicy.for_server(config.bind_host, config.is_unix_socket, config.allowed_hosts,
-                                     config.allowed_origins, config.ui_port)
-    handlers: dict[Any, Callable] = {APIError: api_error_handler, HTTPException: http_exception_handler,
-                                     Exception: internal_error_handler}
-    app = Litestar(route_handlers=[OpenAIController, ServiceController],
-                   dependencies={"server": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
-                   before_request=guard, middleware=[DefineMiddleware(OriginGuard, policy=policy)],
-                   exception_handlers=handlers, lifespan=[lifespan],
-                   request_max_body_size=config.max_request_bytes, openapi_config=None)
+    policy = OriginPolicy.for_server(
+        config.bind_host, config.is_unix_socket, config.allowed_hosts, config.allowed_origins, config.ui_port
+    )
+    handlers: dict[Any, Callable] = {
+        APIError: api_error_handler,
+        HTTPException: http_exception_handler,
+        Exception: internal_error_handler,
+    }
+    app = Litestar(
+        route_handlers=[OpenAIController, ServiceController],
+        dependencies={"server": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
+        before_request=guard,
+        middleware=[DefineMiddleware(OriginGuard, policy=policy)],
+        exception_handlers=handlers,
+        lifespan=[lifespan],
+        request_max_body_size=config.max_request_bytes,
+        openapi_config=None,
+    )
     app.state.server = state
     return app

@@ -60,16 +60,22 @@ class ServedParsers:
     def constrains_auto(self) -> bool:
         """Whether ``tool_choice: "auto"`` is constrained by the generic grammar: where fw's own
         prompt teaches the generic format and the parser reads it."""
-        return (self.tool is not None and issubclass(self.tool, GenericToolParser)
-                and not self.template_tools.renders_tools)
+        return (
+            self.tool is not None and issubclass(self.tool, GenericToolParser) and not self.template_tools.renders_tools
+        )
 
     def info(self) -> ToolCallingInfo:
         """The ``tool_calling`` field of ``GET /v1/models``."""
         support = self.template_tools
-        return ToolCallingInfo(path=self.tool_path, parser=self.tool_name, auto_constrained=self.constrains_auto,
-                               template_renders_tools=support.renders_tools,
-                               template_renders_tool_calls=support.renders_tool_calls,
-                               template_renders_tool_results=support.renders_tool_results, description=self.describe())
+        return ToolCallingInfo(
+            path=self.tool_path,
+            parser=self.tool_name,
+            auto_constrained=self.constrains_auto,
+            template_renders_tools=support.renders_tools,
+            template_renders_tool_calls=support.renders_tool_calls,
+            template_renders_tool_results=support.renders_tool_results,
+            description=self.describe(),
+        )
 
     def describe(self) -> str:
         """One line for the start-up summary, ``GET /v1/models`` and ``fw plugins check``."""
@@ -84,8 +90,10 @@ class ServedParsers:
 
 
 #: The flag that names each kind of parser, and its registry.
-_PARSER_FLAGS = {"tool": ("--enforce-parser", registries.tool_parsers),
-                 "reasoning": ("--reasoning-parser", registries.reasoning_parsers)}
+_PARSER_FLAGS = {
+    "tool": ("--enforce-parser", registries.tool_parsers),
+    "reasoning": ("--reasoning-parser", registries.reasoning_parsers),
+}
 
 
 def _checked_parser_name(kind: str, name: str | None) -> str | None:
@@ -100,8 +108,12 @@ def _checked_parser_name(kind: str, name: str | None) -> str | None:
     return name
 
 
-def resolve_parsers(tool_name: str | None, reasoning_name: str | None, chat_template: str | None,
-                    render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str] | None = None) -> ServedParsers:
+def resolve_parsers(
+    tool_name: str | None,
+    reasoning_name: str | None,
+    chat_template: str | None,
+    render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str] | None = None,
+) -> ServedParsers:
     """Load the named parsers (``--enforce-parser``, ``--reasoning-parser``), else the template's
     defaults, else (for tools) the generic parser.
 
@@ -148,13 +160,15 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+        raise bad_request('\'tools\' must be a list of {"type": "function", "function": {...}} objects', "tools")
     names = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
-            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                              "\"parameters\": {...}}}}", f"tools[{i}]")
+            raise bad_request(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}}}',
+                f"tools[{i}]",
+            )
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
@@ -162,8 +176,9 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
             raise bad_request(f"tools[{i}].function.name {name!r} appears twice", f"tools[{i}].function.name")
         names.add(name)
         if "parameters" in function and not isinstance(function["parameters"], dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
-                              f"tools[{i}].function.parameters")
+            raise bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters"
+            )
     return tools or None
 
 
@@ -192,8 +207,10 @@ def tool_setup(body: Any, extra_tools: list[dict[str, Any]] | None = None, can_p
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
-        raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                          "\"function\": {\"name\": ...}}", "tool_choice")
+        raise bad_request(
+            'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     if not tools or name not in {t["function"]["name"] for t in tools}:
         valid = ", ".join(t["function"]["name"] for t in tools or []) or "none given"
         raise bad_request(f"tool_choice names {name!r}, which is not among the tools ({valid})", "tool_choice")

@@ -61,16 +61,25 @@ def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
     set to the value that asks for what fw does anyway, :data:`DEFAULT_VALUES`)."""
     for name in names:
         value = getattr(body, name)
-        if value is not None and not any(type(value) is type(ok) and value == ok for ok in DEFAULT_VALUES.get(name, ())):
-            raise APIError(400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter")
+        if value is not None and not any(
+            type(value) is type(ok) and value == ok for ok in DEFAULT_VALUES.get(name, ())
+        ):
+            raise APIError(
+                400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter"
+            )
     options = getattr(body, "stream_options", None)
     if options is not None and options.continuous_usage_stats:
-        raise APIError(400, "'stream_options.continuous_usage_stats' is not supported by this server yet; "
-                            "'include_usage' sends the usage at the end", param="stream_options.continuous_usage_stats",
-                       code="unsupported_parameter")
+        raise APIError(
+            400,
+            "'stream_options.continuous_usage_stats' is not supported by this server yet; "
+            "'include_usage' sends the usage at the end",
+            param="stream_options.continuous_usage_stats",
+            code="unsupported_parameter",
+        )
     if getattr(body, "best_of", None) not in (None, 1, getattr(body, "n", 1)):
-        raise APIError(400, "'best_of' is not supported by this server yet", param="best_of",
-                       code="unsupported_parameter")
+        raise APIError(
+            400, "'best_of' is not supported by this server yet", param="best_of", code="unsupported_parameter"
+        )
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -80,15 +89,21 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     result = []
     for i, message in enumerate(messages):
         if message.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad_request(f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
-                              f"got {message.role!r}", f"messages[{i}].role")
+            raise bad_request(
+                f"messages[{i}].role must be one of system, developer, user, assistant, tool; got {message.role!r}",
+                f"messages[{i}].role",
+            )
         content = message.content
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"content part type {part.get('type')!r} is not supported (only 'text')",
-                                   param=f"messages[{i}].content[{j}].type", code="unsupported_parameter")
+                    raise APIError(
+                        400,
+                        f"content part type {part.get('type')!r} is not supported (only 'text')",
+                        param=f"messages[{i}].content[{j}].type",
+                        code="unsupported_parameter",
+                    )
                 texts.append(part["text"])
             content = "\n".join(texts)
         item: dict[str, Any] = {"role": message.role, "content": content or ""}
@@ -103,43 +118,67 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def chat_prompt_text(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
-                     messages: list[dict[str, Any]] | None = None) -> str:
+def chat_prompt_text(
+    tokenizer: Tokenizer,
+    body: ChatCompletionRequest,
+    tools: list[dict[str, Any]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
+) -> str:
     """The rendered prompt: the messages (and ``tools``) through the model's chat template."""
     messages = template_messages(body.messages) if messages is None else messages
     kwargs = dict(body.chat_template_kwargs or {})
     add_generation_prompt = kwargs.pop("add_generation_prompt", body.add_generation_prompt)
     kwargs.pop("tools", None)
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
     except ConfigError as error:
         raise bad_request(str(error), "messages") from None
     except Exception as error:  # jinja2 errors from the model's own template
         raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
 
 
-def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
-                messages: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+def chat_prompt(
+    tokenizer: Tokenizer,
+    body: ChatCompletionRequest,
+    tools: list[dict[str, Any]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
+) -> tuple[str, list[int]]:
     """The rendered prompt and its token ids, the client's text kept out of the control tokens
     (:func:`framework.server.chat_tokens.encode_chat`)."""
     messages = template_messages(body.messages) if messages is None else messages
-    return encode_chat(tokenizer, messages, lambda shaped: chat_prompt_text(tokenizer, body, tools, shaped),
-                       {"tools": tools, "chat_template_kwargs": body.chat_template_kwargs})
+    return encode_chat(
+        tokenizer,
+        messages,
+        lambda shaped: chat_prompt_text(tokenizer, body, tools, shaped),
+        {"tools": tools, "chat_template_kwargs": body.chat_template_kwargs},
+    )
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
     return chat_prompt(tokenizer, body)[1]
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: list[LogprobEntry] | None, token_ids: list[int]) -> ChatLogprobs | None:
+def chat_logprobs(
+    tokenizer: Tokenizer, entries: list[LogprobEntry] | None, token_ids: list[int]
+) -> ChatLogprobs | None:
     if entries is None:
         return None
     content = []
     for token_id, (logprob, top) in zip(token_ids, entries, strict=False):
         token = tokenizer.decode([token_id], skip_special_tokens=False)
-        alternatives = [TopLogprob(token=(text := tokenizer.decode([tid], skip_special_tokens=False)), logprob=lp,
-                                   bytes=list(text.encode())) for tid, lp in top]
-        content.append(ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=alternatives))
+        alternatives = [
+            TopLogprob(
+                token=(text := tokenizer.decode([tid], skip_special_tokens=False)),
+                logprob=lp,
+                bytes=list(text.encode()),
+            )
+            for tid, lp in top
+        ]
+        content.append(
+            ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=alternatives)
+        )
     return ChatLogprobs(content=content)
 
 
@@ -152,19 +191,29 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     mcp = state.mcp
-    setup = tool_setup(body, mcp.openai_tools() if mcp is not None else None,
-                       can_parse_calls=mcp is None or state.served_parsers().tool is not None)
+    setup = tool_setup(
+        body,
+        mcp.openai_tools() if mcp is not None else None,
+        can_parse_calls=mcp is None or state.served_parsers().tool is not None,
+    )
     if body.mcp_execute:
         if mcp is None:
             raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)", "mcp_execute")
         if not mcp.is_execution_enabled():
-            raise APIError(400, "'mcp_execute' is not enabled on this server: the operator has not allowed clients to "
-                                "have its MCP tools run (fw serve --mcp-execute, or \"execute\": true for a server in "
-                                "--mcp-config)", param="mcp_execute", code="mcp_execute_disabled")
+            raise APIError(
+                400,
+                "'mcp_execute' is not enabled on this server: the operator has not allowed clients to "
+                'have its MCP tools run (fw serve --mcp-execute, or "execute": true for a server in '
+                "--mcp-config)",
+                param="mcp_execute",
+                code="mcp_execute_disabled",
+            )
         if body.n != 1:
             raise bad_request("'mcp_execute' works with requests of n = 1", "mcp_execute")
     if not 0 <= body.mcp_max_rounds <= MAX_MCP_ROUNDS:
-        raise bad_request(f"'mcp_max_rounds' must be in [0, {MAX_MCP_ROUNDS}], got {body.mcp_max_rounds}", "mcp_max_rounds")
+        raise bad_request(
+            f"'mcp_max_rounds' must be in [0, {MAX_MCP_ROUNDS}], got {body.mcp_max_rounds}", "mcp_max_rounds"
+        )
     release = state.admit(max(body.n, 1))
     try:
         turn = ChatTurn(state, body, setup, template_messages(body.messages))
@@ -180,11 +229,18 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             events = await first_event_or_error(events, release, grammar_errors(turn.grammar_field))
         chunks = _chunks(state, request_id, turn, arrival, include_usage, events)
         body = sse_stream(chunks, finalize=release)
-        return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                      background=release_after(release, body, chunks, events))
+        return Stream(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=release_after(release, body, chunks, events),
+        )
     try:
-        return Response(await until_disconnect(request, _response(state, request_id, turn, arrival),
-                                               grammar_errors(turn.grammar_field)))
+        return Response(
+            await until_disconnect(
+                request, _response(state, request_id, turn, arrival), grammar_errors(turn.grammar_field)
+            )
+        )
     finally:
         release()
 
@@ -192,8 +248,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
 class ChatTurn:
     """One generation of a chat request: the prompt, its sampling params, a parser per choice."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup,
-                 messages: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup, messages: list[dict[str, Any]]
+    ) -> None:
         self.body, self.setup, self.state = body, setup, state
         self.messages = messages  # the conversation as the template takes it (template_messages ran once)
         client = state.client
@@ -202,10 +259,16 @@ class ChatTurn:
         shown = with_generic_tools(messages, setup.tools, self.served.template_tools)
         self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, shown)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(self.prompt_ids)],
-                                       max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,
-                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                       defaults=state.config, default_max_tokens=state.config.max_gen_tokens)
+        params = build_sampling_params(
+            body,
+            max_tokens=max_tokens,
+            prompt_lens=[len(self.prompt_ids)],
+            max_model_len=state.max_model_len,
+            vocab_size=client.ready.vocab_size,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            defaults=state.config,
+            default_max_tokens=state.config.max_gen_tokens,
+        )
         self.parsers = [choice_parser(self.served, setup, self.prompt_text) for _ in range(max(params.n, 1))]
         tools = next((p.tools for p in self.parsers if p is not None and p.tools is not None), None)
         if tools is not None and tools.needs_special_tokens:
@@ -219,8 +282,11 @@ class ChatTurn:
             constraint = None  # the client's response_format shapes the reply; calls are still parsed
         if constraint is not None:
             if params.structured_outputs is not None:
-                raise bad_request(f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
-                                  "response_format or structured_outputs", "tool_choice")
+                raise bad_request(
+                    f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
+                    "response_format or structured_outputs",
+                    "tool_choice",
+                )
             params = params.replace(structured_outputs=constraint)
             # the constraint is built from the tools' parameter schemas: the request's, or the MCP servers'
             self.grammar_field = "tools" if body.tools is not None else "tools (from the MCP servers' tool schemas)"
@@ -244,14 +310,18 @@ class ChatTurn:
             return ResponseMessage(content=choice.text), choice.finish_reason
         first, last = parser.feed(choice.text), parser.finish()
         reasoning = (first.reasoning + last.reasoning) or None
-        calls = assemble([ToolParseDelta(first.content, first.tool_calls), ToolParseDelta(last.content, last.tool_calls)])
-        tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                      for c in calls.tool_calls] or None
+        calls = assemble(
+            [ToolParseDelta(first.content, first.tool_calls), ToolParseDelta(last.content, last.tool_calls)]
+        )
+        tool_calls = [
+            ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls.tool_calls
+        ] or None
         finish = choice.finish_reason
         if tool_calls and finish == "stop" and self.calls_finish:
             finish = "tool_calls"
-        return ResponseMessage(content=calls.content, tool_calls=tool_calls, reasoning_content=reasoning,
-                               reasoning=reasoning), finish
+        return ResponseMessage(
+            content=calls.content, tool_calls=tool_calls, reasoning_content=reasoning, reasoning=reasoning
+        ), finish
 
 
 class MCPRounds:
@@ -268,8 +338,14 @@ class MCPRounds:
     calls any more (the next calls go back to the client).
     """
 
-    def __init__(self, state: ServerState, request_id: str, turn: ChatTurn, arrival: float,
-                 first_events: AsyncIterator[ChoiceDelta] | None = None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        turn: ChatTurn,
+        arrival: float,
+        first_events: AsyncIterator[ChoiceDelta] | None = None,
+    ) -> None:
         self.state, self.request_id, self.turn, self.arrival = state, request_id, turn, arrival
         self.first_events = first_events
         self.index = 0
@@ -284,38 +360,62 @@ class MCPRounds:
         if self.index == 0 and self.first_events is not None:
             return self.first_events
         request_id = f"{self.request_id}-r{self.index}" if self.index else self.request_id
-        return run_choices(self.state.client, request_id, [self.turn.prompt_ids], self.turn.params,
-                           self.state.metrics, self.arrival)
+        return run_choices(
+            self.state.client, request_id, [self.turn.prompt_ids], self.turn.params, self.state.metrics, self.arrival
+        )
 
     def runs(self, calls: list[ToolCall]) -> bool:
         """Whether the server runs ``calls`` (the first choice's, at the end of this round) itself."""
         body = self.turn.body
-        return bool(body.mcp_execute and calls and self.index < body.mcp_max_rounds
-                    and self.tool_time_s < self.state.config.mcp_max_time_s
-                    and all(self.state.mcp.can_execute(call.name) for call in calls))
+        return bool(
+            body.mcp_execute
+            and calls
+            and self.index < body.mcp_max_rounds
+            and self.tool_time_s < self.state.config.mcp_max_time_s
+            and all(self.state.mcp.can_execute(call.name) for call in calls)
+        )
 
     async def run_calls(self, content: str, calls: list[ToolCall]) -> list[MCPCallRecord]:
         """Run MCP ``calls`` in order, add the assistant turn (``content`` and the calls) and the
         tool results to the conversation, and make the next round's turn; returns the records."""
-        self.messages.append({"role": "assistant", "content": content, "tool_calls": template_tool_calls(
-            [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls])})
+        self.messages.append(
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": template_tool_calls(
+                    [
+                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in calls
+                    ]
+                ),
+            }
+        )
         config = self.state.config
         records = []
         for number, call in enumerate(calls):
             left_s = config.mcp_max_time_s - self.tool_time_s
             if number >= config.mcp_max_calls_per_round:
-                result, is_error = (f"not run: more than {config.mcp_max_calls_per_round} tool calls in one round "
-                                    "(--mcp-max-calls-per-round)"), True
+                result, is_error = (
+                    (
+                        f"not run: more than {config.mcp_max_calls_per_round} tool calls in one round "
+                        "(--mcp-max-calls-per-round)"
+                    ),
+                    True,
+                )
             elif left_s <= 0:
-                result, is_error = (f"not run: this request spent its {config.mcp_max_time_s:g} s of MCP tool time "
-                                    "(--mcp-max-time)"), True
+                result, is_error = (
+                    (f"not run: this request spent its {config.mcp_max_time_s:g} s of MCP tool time (--mcp-max-time)"),
+                    True,
+                )
             else:
                 started = time.monotonic()
-                result, is_error = await self.state.mcp.call_tool(call.name, call.arguments, timeout_s=left_s,
-                                                                  max_result_bytes=config.mcp_max_result_bytes)
+                result, is_error = await self.state.mcp.call_tool(
+                    call.name, call.arguments, timeout_s=left_s, max_result_bytes=config.mcp_max_result_bytes
+                )
                 self.tool_time_s += time.monotonic() - started
-            records.append(MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result,
-                                         is_error=is_error))
+            records.append(
+                MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result, is_error=is_error)
+            )
             self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
         self.records += records
         self.turn = self.turn.next_round(self.messages)
@@ -351,15 +451,27 @@ async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival
     for i, (c, (message, finish)) in enumerate(zip(choices, results)):
         if rounds.records and i == 0:
             message.mcp_calls = rounds.records
-        response_choices.append(ChatChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
-                                           logprobs=chat_logprobs(tokenizer, c.logprobs if wants_logprobs else None,
-                                                                  c.token_ids)))
+        response_choices.append(
+            ChatChoice(
+                index=i,
+                message=message,
+                finish_reason=finish,
+                stop_reason=c.stop_reason,
+                logprobs=chat_logprobs(tokenizer, c.logprobs if wants_logprobs else None, c.token_ids),
+            )
+        )
     prompt_tokens = rounds.prompt_tokens
     return ChatCompletionResponse(
-        id=request_id, model=state.model_name, choices=response_choices,
-        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
-                    prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None))
+        id=request_id,
+        model=state.model_name,
+        choices=response_choices,
+        usage=Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None,
+        ),
+    )
 
 
 def _delta_message(parsed: ParsedDelta, sent_calls: set[int]) -> DeltaMessage | None:
@@ -367,17 +479,32 @@ def _delta_message(parsed: ParsedDelta, sent_calls: set[int]) -> DeltaMessage | 
     for piece in parsed.tool_calls:
         first = piece.index not in sent_calls
         sent_calls.add(piece.index)
-        calls.append(DeltaToolCall(index=piece.index, id=piece.id if first else None, type="function" if first else None,
-                                   function=DeltaFunctionCall(name=piece.name if first else None,
-                                                              arguments=piece.arguments)))
+        calls.append(
+            DeltaToolCall(
+                index=piece.index,
+                id=piece.id if first else None,
+                type="function" if first else None,
+                function=DeltaFunctionCall(name=piece.name if first else None, arguments=piece.arguments),
+            )
+        )
     if not (parsed.content or parsed.reasoning or calls):
         return None
-    return DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
-                        reasoning=parsed.reasoning or None, tool_calls=calls or None)
+    return DeltaMessage(
+        content=parsed.content or None,
+        reasoning_content=parsed.reasoning or None,
+        reasoning=parsed.reasoning or None,
+        tool_calls=calls or None,
+    )
 
 
-async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: float, include_usage: bool,
-                  first_events: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChatCompletionChunk]:
+async def _chunks(
+    state: ServerState,
+    request_id: str,
+    turn: ChatTurn,
+    arrival: float,
+    include_usage: bool,
+    first_events: AsyncIterator[ChoiceDelta],
+) -> AsyncIterator[ChatCompletionChunk]:
     """The SSE chunks of a streamed chat request.
 
     ``first_events`` are the first round's (already started). With ``mcp_execute``, tool calls
@@ -414,8 +541,11 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
                     parsed = parser.feed(delta.text)
                     if finish_reason is not None:
                         tail = parser.finish()
-                        parsed = ParsedDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content,
-                                             parsed.tool_calls + tail.tool_calls)
+                        parsed = ParsedDelta(
+                            parsed.reasoning + tail.reasoning,
+                            parsed.content + tail.content,
+                            parsed.tool_calls + tail.tool_calls,
+                        )
                         if parser.has_tool_calls and finish_reason == "stop" and turn.calls_finish:
                             finish_reason = "tool_calls"
                 if executing:
@@ -433,9 +563,17 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
                     calls = []
                 message = _delta_message(parsed, sent_calls[delta.index])
                 if message is not None or finish_reason is not None or delta.logprobs is not None:
-                    yield chunk([ChatStreamChoice(index=delta.index, delta=message or DeltaMessage(content=""),
-                                                  logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
-                                                  finish_reason=finish_reason, stop_reason=delta.stop_reason)])
+                    yield chunk(
+                        [
+                            ChatStreamChoice(
+                                index=delta.index,
+                                delta=message or DeltaMessage(content=""),
+                                logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
+                                finish_reason=finish_reason,
+                                stop_reason=delta.stop_reason,
+                            )
+                        ]
+                    )
         num_cached += round_cached  # summed over rounds, as prompt_tokens is
         if not calls:
             break
@@ -443,6 +581,12 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
         yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(mcp_calls=records))])
     prompt_tokens = rounds.prompt_tokens
     if include_usage:
-        yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens,
-                              prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None))
+        yield chunk(
+            [],
+            Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+                prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None,
+            ),
+        )

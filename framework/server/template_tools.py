@@ -16,11 +16,28 @@ from typing import Any
 from framework.parsers.generic import tool_calls_text, tool_result_text, tool_system_prompt
 
 PROBE = "fw_probe_tool"
-_PROBE_TOOLS = [{"type": "function", "function": {"name": PROBE, "description": "a probe of the chat template",
-                                                  "parameters": {"type": "object", "properties": {}}}}]
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": PROBE,
+            "description": "a probe of the chat template",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
 _USER = {"role": "user", "content": "What does the probe say?"}
-_CALL = {"role": "assistant", "content": "", "tool_calls": [
-    {"id": "fwprobe01", "type": "function", "function": {"name": "fw_probe_call", "arguments": {"fw_probe_arg": "fw_probe_value"}}}]}
+_CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [
+        {
+            "id": "fwprobe01",
+            "type": "function",
+            "function": {"name": "fw_probe_call", "arguments": {"fw_probe_arg": "fw_probe_value"}},
+        }
+    ],
+}
 _RESULT = {"role": "tool", "tool_call_id": "fwprobe01", "name": PROBE, "content": "fw_probe_result"}
 
 
@@ -39,19 +56,26 @@ class TemplateToolSupport:
         return self.renders_tools and self.renders_tool_calls and self.renders_tool_results
 
     def describe(self) -> str:
-        parts = [("tools", self.renders_tools), ("assistant tool_calls", self.renders_tool_calls),
-                 ("tool results", self.renders_tool_results)]
+        parts = [
+            ("tools", self.renders_tools),
+            ("assistant tool_calls", self.renders_tool_calls),
+            ("tool results", self.renders_tool_results),
+        ]
         shown = [name for name, ok in parts if ok]
         dropped = [name for name, ok in parts if not ok]
         if not dropped:
             return "the chat template renders tools, tool calls and tool results"
-        return (f"the chat template drops {', '.join(dropped)}" + (f" (renders {', '.join(shown)})" if shown else "")
-                + "; fw writes them into the conversation itself")
+        return (
+            f"the chat template drops {', '.join(dropped)}"
+            + (f" (renders {', '.join(shown)})" if shown else "")
+            + "; fw writes them into the conversation itself"
+        )
 
 
 def probe_template(render: Any) -> TemplateToolSupport:
     """Render probe conversations with ``render(messages, tools)`` (the model's chat template) and
     report which parts show; a template that raises on a part does not render it."""
+
     def shows(marker: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
         try:
             return marker in render(messages, tools)
@@ -62,11 +86,13 @@ def probe_template(render: Any) -> TemplateToolSupport:
         renders_tools=shows(PROBE, [_USER], _PROBE_TOOLS),
         renders_tool_calls=shows("fw_probe_call", [_USER, _CALL], _PROBE_TOOLS),
         renders_tool_results=shows("fw_probe_result", [_USER, _CALL, _RESULT], _PROBE_TOOLS),
-        renders_system=shows("fw_probe_system", [{"role": "system", "content": "fw_probe_system"}, _USER], None))
+        renders_system=shows("fw_probe_system", [{"role": "system", "content": "fw_probe_system"}, _USER], None),
+    )
 
 
-def with_generic_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       support: TemplateToolSupport) -> list[dict[str, Any]]:
+def with_generic_tools(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, support: TemplateToolSupport
+) -> list[dict[str, Any]]:
     """``messages`` with what the template drops written in the generic format: the tool list at
     the end of the system turn (a new one first when there is none; the start of the first user
     turn where the template has no system turn), assistant ``tool_calls`` as blocks after the
@@ -92,4 +118,3 @@ def with_generic_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any
             if result:
                 result[at] = {**result[at], "content": f"{prompt}\n\n{result[at].get('content') or ''}"}
     return result
-

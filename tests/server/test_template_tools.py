@@ -21,8 +21,16 @@ from framework.testing import make_tiny_tokenizer
 from framework.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 CALL = {"id": "abc123XYZ", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
 USER = {"role": "user", "content": "Weather in Oslo?"}
 
@@ -32,18 +40,25 @@ def tokenizer_for(template: str) -> Tokenizer:
 
 
 def served_for(tokenizer: Tokenizer, tool_name: str | None = None):
-    return resolve_parsers(tool_name, None, tokenizer.chat_template,
-                           lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools))
+    return resolve_parsers(
+        tool_name,
+        None,
+        tokenizer.chat_template,
+        lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools),
+    )
 
 
-@pytest.mark.parametrize("file,parser", [
-    ("Qwen-Qwen2.5-7B-Instruct.jinja", "qwen"),
-    ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", "qwen"),
-    ("Qwen3-Coder.jinja", "qwen_coder"),
-    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
-    ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3"),
-    ("meta-llama-Llama-3.2-3B-Instruct.jinja", "llama3"),
-])
+@pytest.mark.parametrize(
+    "file,parser",
+    [
+        ("Qwen-Qwen2.5-7B-Instruct.jinja", "qwen"),
+        ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", "qwen"),
+        ("Qwen3-Coder.jinja", "qwen_coder"),
+        ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
+        ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3"),
+        ("meta-llama-Llama-3.2-3B-Instruct.jinja", "llama3"),
+    ],
+)
 def test_each_in_tree_parsers_template_renders_tools_and_its_calls_read_back(file, parser):
     tokenizer = tokenizer_for((TEMPLATES / file).read_text())
     served = served_for(tokenizer)
@@ -52,10 +67,11 @@ def test_each_in_tree_parsers_template_renders_tools_and_its_calls_read_back(fil
     assert "Current weather of a city" in tokenizer.apply_chat_template([USER], tools=TOOLS)
     # a call the template writes in the model's own format is read back by the parser picked for it
     prompt = tokenizer.apply_chat_template([USER], tools=TOOLS)
-    full = tokenizer.apply_chat_template([USER, {"role": "assistant", "content": "", "tool_calls": [CALL]}],
-                                         tools=TOOLS, add_generation_prompt=False)
+    full = tokenizer.apply_chat_template(
+        [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]}], tools=TOOLS, add_generation_prompt=False
+    )
     assert full.startswith(prompt), "the assistant turn continues the generation prompt"
-    result = served.tool(TOOLS).parse(full[len(prompt):])
+    result = served.tool(TOOLS).parse(full[len(prompt) :])
     assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [("get_weather", {"city": "Oslo"})]
 
 
@@ -83,8 +99,11 @@ def test_templates_that_drop_tools_get_the_generic_path(name):
     shown = tokenizer.apply_chat_template(with_generic_tools([USER], TOOLS, served.template_tools))
     assert tool_system_prompt(TOOLS) in shown and "Current weather of a city" in shown
     # an agent's history renders too: the call as text in the assistant turn, the result where the template allows
-    history = [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-               {"role": "tool", "tool_call_id": CALL["id"], "content": "sunny"}]
+    history = [
+        USER,
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": CALL["id"], "content": "sunny"},
+    ]
     rendered = tokenizer.apply_chat_template(with_generic_tools(history, TOOLS, served.template_tools))
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in rendered
     assert "sunny" in rendered
@@ -95,26 +114,36 @@ def test_templates_that_drop_tools_get_the_generic_path(name):
 def test_probe_tells_each_dropped_part_apart():
     only_user = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
     plain = tokenizer_for(only_user)
-    assert probe_template(lambda m, t: plain.apply_chat_template(m, tools=t)) == TemplateToolSupport(renders_system=False)
-    raises = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}" \
-             "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}{% endfor %}" \
-             "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}"
+    assert probe_template(lambda m, t: plain.apply_chat_template(m, tools=t)) == TemplateToolSupport(
+        renders_system=False
+    )
+    raises = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+        "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}{% endfor %}"
+        "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}"
+    )
     tokenizer = tokenizer_for(raises)
     support = probe_template(lambda m, t: tokenizer.apply_chat_template(m, tools=t))
-    assert support == TemplateToolSupport(renders_tools=True, renders_tool_calls=True, renders_tool_results=False,
-                                          renders_system=True)
+    assert support == TemplateToolSupport(
+        renders_tools=True, renders_tool_calls=True, renders_tool_results=False, renders_system=True
+    )
     assert PROBE not in tokenizer.apply_chat_template([USER])
 
 
 def test_generic_messages_merge_the_system_turn_and_write_calls_and_results():
     support = TemplateToolSupport()
-    messages = [{"role": "system", "content": "Be brief."}, USER,
-                {"role": "assistant", "content": "Checking.", "tool_calls": [CALL]},
-                {"role": "tool", "tool_call_id": "abc123XYZ", "name": "get_weather", "content": "sunny"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        USER,
+        {"role": "assistant", "content": "Checking.", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "abc123XYZ", "name": "get_weather", "content": "sunny"},
+    ]
     shown = with_generic_tools(messages, TOOLS, support)
     assert shown[0] == {"role": "system", "content": "Be brief.\n\n" + tool_system_prompt(TOOLS)}
-    assert shown[2] == {"role": "assistant", "content": 'Checking.\n<tool_call>{"name": "get_weather", '
-                                                        '"arguments": {"city": "Oslo"}}</tool_call>'}
+    assert shown[2] == {
+        "role": "assistant",
+        "content": 'Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+    }
     assert shown[3] == {"role": "user", "content": '<tool_response>\n{"name": "get_weather"}\nsunny\n</tool_response>'}
     assert messages[2]["tool_calls"] == [CALL]  # the request's own messages are left as they were
     assert with_generic_tools([USER], TOOLS, support)[0] == {"role": "system", "content": tool_system_prompt(TOOLS)}
