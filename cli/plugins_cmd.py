@@ -66,10 +66,23 @@ def _import_problem(spec) -> list[str]:
 
 
 @app.command("check")
-def check_plugins() -> None:
+def check_plugins(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--m",
+            help="Also say how tool calls are read for this model ('default': "
+            "the embedded one; its chat template only, no weights).",
+        ),
+    ] = None,
+    enforce_parser: Annotated[str | None, typer.Option("--enforce-parser", help="As fw serve's flag.")] = None,
+) -> None:
     """Say which registered backends, methods and kernels can run on this machine, and why not."""
     from framework import registries
     from framework.platform import detect_platform
+
+    if model is not None or enforce_parser is not None:
+        typer.echo(f"tool calling: {_tool_calling(model, enforce_parser)}")
 
     platform = detect_platform()
     typer.echo(f"platform: {platform.describe()}")
@@ -91,3 +104,21 @@ def _kv_layouts(spec) -> str:
         return f" (KV layouts: {', '.join(spec.kv_cache_layouts)})"
     layout = getattr(spec, "kv_cache_layout", "standard")
     return "" if layout == "standard" else f" (KV layout: {layout})"
+
+
+def _tool_calling(model: str | None, enforce_parser: str | None) -> str:
+    """The tool-calling path ``fw serve`` would take for ``model`` (the default model when None)."""
+    from framework import plugins
+    from framework.loader.model_loader import open_model_source
+    from framework.loader.source import resolve_local_path
+    from framework.server.chat_tools import resolve_parsers
+
+    plugins.load_plugins()
+    tokenizer = open_model_source(resolve_local_path(None if model == "default" else model)).tokenizer()
+    served = resolve_parsers(
+        enforce_parser,
+        None,
+        tokenizer.chat_template,
+        lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools),
+    )
+    return served.describe()

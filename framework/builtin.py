@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from framework import hookimpl
-from framework.specs import KernelSpec, KVCacheDtypeSpec, WeightFormatSpec
+from framework.specs import KernelSpec, KVCacheDtypeSpec, ParserSpec, WeightFormatSpec
 
 #: The torch reference implementation of every op: runs anywhere and is the test oracle.
 REFERENCE_KERNELS = {
@@ -38,6 +38,19 @@ def register_weight_formats() -> list[WeightFormatSpec]:
             description="random weights for a config.json (benchmarks of large shapes); only by name",
             priority=-100,
         ),
+    ]
+
+
+@hookimpl
+def register_tool_parsers() -> list[ParserSpec]:
+    return [
+        ParserSpec(
+            name="generic",
+            impl="framework.parsers.generic:GenericToolParser",
+            kind="tool",
+            description="fw's generic format for templates without tool markup: "
+            '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+        )
     ]
 
 

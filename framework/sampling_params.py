@@ -17,7 +17,7 @@ _MAX_LOGPROBS = 20
 _MAX_ABS_LOGIT_BIAS = 100.0
 _MAX_ABS_OPENAI_PENALTY = 2.0
 _GREEDY_TEMPERATURE = 1e-5
-_CONSTRAINT_FIELDS = ("json", "json_object", "regex", "grammar", "choice")
+_CONSTRAINT_FIELDS = ("json", "json_object", "regex", "grammar", "choice", "structural_tag")
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -34,6 +34,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``grammar``       a sentence of this EBNF grammar (the GBNF dialect xgrammar reads;
                       the start rule is ``root``).
     ``choice``        exactly one of these strings.
+    ``structural_tag`` text shaped by an xgrammar structural tag (its JSON text): free
+                      text with constrained tags, e.g. tool calls (vLLM's field).
     ================  ==============================================================
 
     ``start_after``: the constraint applies only to the text generated after this string
@@ -48,13 +50,14 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    structural_tag: str | None = None
     start_after: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs must set exactly one of json, json_object, regex, grammar, choice; "
+                "structured_outputs must set exactly one of json, json_object, regex, grammar, choice, structural_tag; "
                 f"got {'none' if not given else ', '.join(given)}"
             )
         if isinstance(self.json, str):
@@ -66,7 +69,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     f"{type(exc).__name__}: {str(exc)[:200]}"
                 ) from None
             _check(isinstance(schema, (dict, bool)), "structured_outputs.json", self.json, "a JSON Schema object")
-        for name in ("regex", "grammar", "start_after"):
+        for name in ("regex", "grammar", "structural_tag", "start_after"):
             value = getattr(self, name)
             _check(value is None or value != "", f"structured_outputs.{name}", value, "a non-empty string")
         if self.choice is not None:
@@ -81,7 +84,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def kind(self) -> str:
-        """The constraint's field name: ``json``, ``json_object``, ``regex``, ``grammar`` or ``choice``."""
+        """The constraint's field name: ``json``, ``json_object``, ``regex``, ``grammar``, ``choice`` or ``structural_tag``."""
         return next(name for name in _CONSTRAINT_FIELDS if getattr(self, name) not in (None, False))
 
     @property

@@ -130,7 +130,9 @@ def test_structured_outputs_take_exactly_one_constraint():
     assert StructuredOutputsParams(json={"type": "object"}).kind == "json"
     assert StructuredOutputsParams(json_object=True).kind == "json_object"
     assert StructuredOutputsParams(choice=["yes", "no"], start_after="</think>").kind == "choice"
-    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, grammar, choice; got none"):
+    with pytest.raises(
+        ValueError, match="exactly one of json, json_object, regex, grammar, choice, structural_tag; got none"
+    ):
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="got regex, choice"):
         StructuredOutputsParams(regex="a+", choice=["a"])

@@ -79,12 +79,19 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
             return xgrammar.Grammar.from_regex(params.regex)
         if kind == "grammar":
             return xgrammar.Grammar.from_ebnf(params.grammar)
+        if kind == "structural_tag":
+            return xgrammar.Grammar.from_structural_tag(params.structural_tag)
         # choice: one EBNF string literal per option (JSON string escapes are EBNF escapes)
         options = " | ".join(json.dumps(option, ensure_ascii=False) for option in params.choice)
         return xgrammar.Grammar.from_ebnf(f"root ::= {options}")
-    except (RuntimeError, ValueError, TypeError) as error:
+    except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's Invalid*Error are among these
         message = _xgrammar_message(error)
-        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(kind, kind)
+        what = {
+            "json": "JSON schema",
+            "regex": "regular expression",
+            "grammar": "EBNF grammar",
+            "structural_tag": "structural tag",
+        }.get(kind, kind)
         raise GrammarError(f"structured_outputs.{kind}: invalid {what}: {message}") from None
 
 

@@ -153,6 +153,21 @@ class ServiceController(Controller):
             tokens = chat_prompt_ids(tokenizer, chat)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len)
 
+    @get("/tokenizer_info")
+    async def tokenizer_info(self, server: Server) -> dict[str, Any]:
+        """The tokenizer's special tokens and chat template (vLLM's endpoint, which lm-eval's
+        ``local-completions`` probes to tokenize through ``/tokenize`` instead of the Hub)."""
+        tokenizer = server.client.tokenizer
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": server.max_model_len,
+            "vocab_size": tokenizer.vocab_size,
+        }
+
     @post("/detokenize", status_code=200)
     async def detokenize(self, server: Server, request: Request) -> DetokenizeResponse:
         body = decode_body(await read_body(request, server.config.request_body_timeout_s), DetokenizeRequest)
@@ -176,7 +191,17 @@ def is_known_key(key: str | None, keys: list[str]) -> bool:
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
-    return ModelCard(id=name, created=state.started, max_model_len=state.max_model_len, root=state.config.model_root)
+    try:
+        tool_calling = state.served_parsers().info()
+    except APIError:  # a parser plugin that fails to load: chat requests say why
+        tool_calling = None
+    return ModelCard(
+        id=name,
+        created=state.started,
+        max_model_len=state.max_model_len,
+        root=state.config.model_root,
+        tool_calling=tool_calling,
+    )
 
 
 def create_app(

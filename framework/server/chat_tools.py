@@ -6,15 +6,23 @@ and run them over each choice's text.
 =================  ===========================================================================
 ``"none"``         no tools go to the template and nothing is parsed as a call
 ``"auto"``         tools go to the template; the server's tool parser reads calls (default
-                   when the request has tools)
+                   when the request has tools); on the generic path the reply is constrained
+                   to text and valid ``<tool_call>`` blocks
 ``"required"``     the reply is constrained to a JSON array of one or more calls
 named function     ``{"type": "function", "function": {"name": ...}}``: constrained to that call
 =================  ===========================================================================
+
+Tool calling takes one of two paths per server (:class:`ServedParsers`): **native**, the parser
+the chat template's markup (or ``--enforce-parser``) names, or **generic**, fw's own format
+(:mod:`framework.parsers.generic`) for a template with no tool markup. Whatever the path, what
+the template drops (found by :func:`~framework.server.template_tools.probe_template`) fw writes
+into the conversation itself.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,19 +31,62 @@ import msgspec
 from framework import plugins, registries
 from framework.errors import ConfigError
 from framework.parsers.base import ReasoningParser, ToolCallDelta, ToolParser
-from framework.parsers.tool_choice import ConstrainedCallsParser, tool_calls_schema
+from framework.parsers.generic import GenericToolParser
+from framework.parsers.tool_choice import ConstrainedCallsParser, auto_tool_calls_tag, tool_calls_schema
 from framework.sampling_params import SamplingParams, StructuredOutputsParams
 from framework.server.errors import bad_request
+from framework.server.protocol import ToolCallingInfo
+from framework.server.template_tools import TemplateToolSupport, probe_template
 
 
 @dataclass(slots=True)
 class ServedParsers:
-    """The server's parsers: named on the command line, else picked from the chat template."""
+    """The server's parsers: named on the command line, else picked from the chat template.
+
+    ``tool_path`` is ``"native"`` (a parser named by ``--enforce-parser`` or by the template's
+    markup), ``"generic"`` (no such parser: fw's generic format) or ``"none"``
+    (``--enforce-parser none``: replies are never read as calls). ``template_tools`` says what
+    the template renders of a tool conversation.
+    """
 
     tool: type[ToolParser] | None = None
     tool_name: str | None = None
     reasoning: type[ReasoningParser] | None = None
     reasoning_name: str | None = None
+    tool_path: str = "none"
+    template_tools: TemplateToolSupport = field(default_factory=TemplateToolSupport)
+
+    @property
+    def constrains_auto(self) -> bool:
+        """Whether ``tool_choice: "auto"`` is constrained by the generic grammar: where fw's own
+        prompt teaches the generic format and the parser reads it."""
+        return (
+            self.tool is not None and issubclass(self.tool, GenericToolParser) and not self.template_tools.renders_tools
+        )
+
+    def info(self) -> ToolCallingInfo:
+        """The ``tool_calling`` field of ``GET /v1/models``."""
+        support = self.template_tools
+        return ToolCallingInfo(
+            path=self.tool_path,
+            parser=self.tool_name,
+            auto_constrained=self.constrains_auto,
+            template_renders_tools=support.renders_tools,
+            template_renders_tool_calls=support.renders_tool_calls,
+            template_renders_tool_results=support.renders_tool_results,
+            description=self.describe(),
+        )
+
+    def describe(self) -> str:
+        """One line for the start-up summary, ``GET /v1/models`` and ``fw plugins check``."""
+        if self.tool_path == "none":
+            head = "off (--enforce-parser none)"
+        elif self.tool_path == "generic":
+            head = "generic (fw's <tool_call> JSON format and parser)"
+        else:
+            head = f"native ({self.tool_name} parser)"
+        grammar = "; tool_choice auto constrained by grammar" if self.constrains_auto else ""
+        return f"{head}{grammar}; {self.template_tools.describe()}"
 
 
 #: The flag that names each kind of parser, and its registry.
@@ -57,18 +108,32 @@ def _checked_parser_name(kind: str, name: str | None) -> str | None:
     return name
 
 
-def resolve_parsers(tool_name: str | None, reasoning_name: str | None, chat_template: str | None) -> ServedParsers:
-    """Load the named parsers (``--enforce-parser``, ``--reasoning-parser``), else the template's defaults.
+def resolve_parsers(
+    tool_name: str | None,
+    reasoning_name: str | None,
+    chat_template: str | None,
+    render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str] | None = None,
+) -> ServedParsers:
+    """Load the named parsers (``--enforce-parser``, ``--reasoning-parser``), else the template's
+    defaults, else (for tools) the generic parser.
 
     ``"none"`` turns a kind off. Unknown names raise ConfigError listing the valid ones.
+    ``render(messages, tools)`` renders the chat template; with it the template is probed for
+    what it shows of tools (:func:`~framework.server.template_tools.probe_template`).
     """
     defaults = plugins.call_first("default_parsers", model_config=None, chat_template=chat_template) or {}
     served = ServedParsers()
+    if render is not None and chat_template:
+        served.template_tools = probe_template(render)
     for kind, name in (("tool", tool_name), ("reasoning", reasoning_name)):
         name = _checked_parser_name(kind, defaults.get(kind) if name is None else name)
         if name is not None:
             setattr(served, kind, _PARSER_FLAGS[kind][1]().get(name).load())
             setattr(served, f"{kind}_name", name)
+    if served.tool is not None:
+        served.tool_path = "native"
+    elif tool_name != "none":
+        served.tool, served.tool_name, served.tool_path = GenericToolParser, "generic", "generic"
     return served
 
 
@@ -152,9 +217,14 @@ def tool_setup(body: Any, extra_tools: list[dict[str, Any]] | None = None, can_p
     return ToolSetup(tools, "named", named=name, parallel=parallel, schema=tool_calls_schema(tools, name))
 
 
-def structured_outputs_for(setup: ToolSetup) -> StructuredOutputsParams | None:
-    """The constraint that enforces ``required`` / a named function (None for none / auto)."""
-    return None if setup.schema is None else StructuredOutputsParams(json=setup.schema)
+def structured_outputs_for(setup: ToolSetup, served: ServedParsers | None = None) -> StructuredOutputsParams | None:
+    """The constraint that enforces ``required`` / a named function, or that keeps an ``auto``
+    reply to text and valid calls on the generic path (None for none, and auto elsewhere)."""
+    if setup.schema is not None:
+        return StructuredOutputsParams(json=setup.schema)
+    if setup.mode == "auto" and served is not None and served.constrains_auto:
+        return StructuredOutputsParams(structural_tag=json.dumps(auto_tool_calls_tag(setup.tools, setup.parallel)))
+    return None
 
 
 def after_reasoning(params: SamplingParams, start_after: str | None) -> SamplingParams:
@@ -231,13 +301,7 @@ def choice_parser(served: ServedParsers, setup: ToolSetup, prompt_text: str) -> 
     tools: ToolParser | None = None
     if setup.mode in ("required", "named"):
         tools = ConstrainedCallsParser(setup.tools)
-    elif setup.mode == "auto":
-        if served.tool is None:
-            raise bad_request(
-                "this server has no tool parser for its model's chat template; start fw serve with "
-                f"--enforce-parser NAME (valid: {', '.join(sorted(registries.tool_parsers().names()))})",
-                "tools",
-            )
+    elif setup.mode == "auto" and served.tool is not None:  # no parser only with --enforce-parser none
         tools = served.tool(setup.tools)
     if reasoning is None and tools is None:
         return None

@@ -144,13 +144,32 @@ def api_error_handler(_: Request, error: APIError) -> Response:
     return Response(error.body(), status_code=error.status, headers=error.headers)
 
 
-def http_exception_handler(_: Request, error: HTTPException) -> Response:
+def http_exception_handler(request: Request, error: HTTPException) -> Response:
     status = error.status_code
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
     message = error.detail or "error"
+    headers = dict(error.headers or {})
+    path, routes = request.url.path, _routes(request)
     if status == 413:
         message = f"the request body is too large ({message})"
-    return Response(APIError(status, message, code=code).body(), status_code=status, headers=error.headers or None)
+    elif status == 404 and message == "Not Found":  # no route (a handler's own 404 says more)
+        listed = "; ".join(f"{' '.join(methods)} {route}" for route, methods in routes.items())
+        message = f"no route {request.method} {path} on this server; its routes: {listed}"
+    elif status == 405:
+        allowed = routes.get(path) or sorted(m for m in headers.get("allow", "").split(", ") if m)
+        message = f"method {request.method} is not allowed on {path}; allowed: {', '.join(allowed)}"
+        headers["allow"] = ", ".join(allowed)
+    return Response(APIError(status, message, code=code).body(), status_code=status, headers=headers or None)
+
+
+def _routes(request: Request) -> dict[str, list[str]]:
+    """The app's HTTP routes, path -> methods (HEAD and OPTIONS, which every route answers, left out)."""
+    routes: dict[str, list[str]] = {}
+    for route in request.app.routes:
+        methods = sorted(m for m in getattr(route, "methods", ()) if m not in ("HEAD", "OPTIONS"))
+        if methods:
+            routes.setdefault(route.path, []).extend(methods)
+    return dict(sorted(routes.items()))
 
 
 def internal_error_handler(_: Request, error: Exception) -> Response:

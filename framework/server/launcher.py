@@ -24,6 +24,7 @@ from framework.engine.messages import Ready
 from framework.errors import ConfigError
 from framework.server.app import create_app
 from framework.server.engine_client import AsyncEngineClient
+from framework.server.errors import APIError
 from framework.server.state import ServerConfig, ServerState
 
 #: Loopback by default: serving the LAN is one flag away (``--h 0.0.0.0``), and then a key should guard it.
@@ -93,6 +94,14 @@ def format_summary(ready: Ready) -> str:
         f"  plugins    {', '.join(s.get('plugins', []))}",
     ]
     return "\n".join(lines)
+
+
+def tool_calling_line(state: ServerState) -> str:
+    """How tool calls are read for this model (the path, and what its template renders of tools)."""
+    try:
+        return state.served_parsers().describe()
+    except APIError as error:  # a parser plugin that fails to load: the server stays up, chat says why
+        return f"unavailable: {error.message}"
 
 
 class _Server(uvicorn.Server):
@@ -229,6 +238,7 @@ def run_server(
 
     def on_ready(ready: Ready) -> None:
         print(format_summary(ready), flush=True)
+        print(f"  tools      {tool_calling_line(server.state)}", flush=True)
         server.engine_ready = True
         server.announce()
 

@@ -51,7 +51,8 @@ def check_sampling_limits(body: Any, max_n: int) -> None:
     check_range(body.top_k, "top_k", -1, MAX_TOP_K)
     check_range(body.min_tokens, "min_tokens", 0, INT64_MAX)
     for name in ("max_tokens", "max_completion_tokens"):
-        check_range(getattr(body, name, None), name, 1, INT64_MAX)
+        scores_prompt = name == "max_tokens" and getattr(body, "echo", False)  # completions: score, generate nothing
+        check_range(getattr(body, name, None), name, 0 if scores_prompt else 1, INT64_MAX)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are accepted", "stop")

@@ -319,6 +319,23 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
+class ToolCallingInfo(msgspec.Struct, kw_only=True):
+    """fw extension of a model card: how this server reads tool calls for the model.
+
+    ``path``: ``native`` (the parser the chat template's markup or ``--enforce-parser`` names),
+    ``generic`` (fw's ``<tool_call>`` JSON format) or ``none``; the ``template_renders_*``
+    flags say what the chat template shows (fw writes the rest into the conversation).
+    """
+
+    path: str
+    parser: str | None
+    auto_constrained: bool
+    template_renders_tools: bool
+    template_renders_tool_calls: bool
+    template_renders_tool_results: bool
+    description: str
+
+
 class ModelCard(msgspec.Struct, kw_only=True):
     id: str
     created: int
@@ -326,6 +343,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     object: str = "model"
     owned_by: str = "fw"
     root: str | None = None
+    tool_calling: ToolCallingInfo | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

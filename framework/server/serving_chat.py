@@ -49,6 +49,7 @@ from framework.server.protocol import (
 )
 from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
 from framework.server.structured_outputs import first_event_or_error, grammar_errors, structured_outputs_field
+from framework.server.template_tools import with_generic_tools
 from framework.tokenizer import Tokenizer
 
 #: The most tool-call rounds ``mcp_execute`` may run for one request (``mcp_max_rounds``).
@@ -253,7 +254,10 @@ class ChatTurn:
         self.body, self.setup, self.state = body, setup, state
         self.messages = messages  # the conversation as the template takes it (template_messages ran once)
         client = state.client
-        self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, messages)
+        self.served = state.served_parsers()
+        # what the template drops of tools, calls and results, written in the generic format
+        shown = with_generic_tools(messages, setup.tools, self.served.template_tools)
+        self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, shown)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = build_sampling_params(
             body,
@@ -265,16 +269,17 @@ class ChatTurn:
             defaults=state.config,
             default_max_tokens=state.config.max_gen_tokens,
         )
-        self.served = state.served_parsers()
         self.parsers = [choice_parser(self.served, setup, self.prompt_text) for _ in range(max(params.n, 1))]
         tools = next((p.tools for p in self.parsers if p is not None and p.tools is not None), None)
         if tools is not None and tools.needs_special_tokens:
             params = params.replace(skip_special_tokens=False)
         reasoning = next((p.reasoning for p in self.parsers if p is not None and p.reasoning is not None), None)
         start_after = reasoning.end_marker if reasoning is not None and reasoning.starts_in_reasoning else None
-        constraint = structured_outputs_for(setup)
+        constraint = structured_outputs_for(setup, self.served)
         #: the request field the grammar came from, named in its errors
         self.grammar_field = structured_outputs_field(body)
+        if constraint is not None and setup.mode == "auto" and params.structured_outputs is not None:
+            constraint = None  # the client's response_format shapes the reply; calls are still parsed
         if constraint is not None:
             if params.structured_outputs is not None:
                 raise bad_request(

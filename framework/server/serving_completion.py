@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -106,6 +107,9 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
         len(body.prompt) if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else 1
     )
     check_count(num_prompts, "prompt", state.config.max_prompts, "--max-prompts")
+    # max_tokens 0 (accepted with echo) scores the prompt: one token is generated (prompt logprobs
+    # come with the first step) and dropped, as if none was
+    scores_only = body.max_tokens == 0
     release = state.admit(body.n * num_prompts)
     try:
         prompts, texts = prompt_token_lists(
@@ -114,7 +118,7 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
         release.add_tokens(sum(len(p) for p in prompts) * body.n)
         params = build_sampling_params(
             body,
-            max_tokens=body.max_tokens,
+            max_tokens=1 if scores_only else body.max_tokens,
             prompt_lens=[len(p) for p in prompts],
             max_model_len=state.max_model_len,
             vocab_size=client.ready.vocab_size,
@@ -128,7 +132,7 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
         raise
     request_id = new_id("cmpl")
     events = run_choices(client, request_id, prompts, params, state.metrics, arrival)
-    job = _Completion(state, request_id, body, prompts, texts, params.n)
+    job = _Completion(state, request_id, body, prompts, texts, params.n, scores_only)
     to_api_error = grammar_errors(structured_outputs_field(body))
     if body.stream and params.structured_outputs is not None:  # an invalid grammar is a 400, not an SSE error
         events = await first_event_or_error(events, release, to_api_error)
@@ -156,6 +160,7 @@ class _Completion:
         prompts: list[list[int]],
         texts: list[str],
         n: int,
+        scores_only: bool = False,
     ) -> None:
         self.state, self.request_id, self.body, self.prompts, self.texts, self.n = (
             state,
@@ -165,6 +170,7 @@ class _Completion:
             texts,
             n,
         )
+        self.scores_only = scores_only  # max_tokens 0: the generated token is dropped
         self.tokenizer = state.client.tokenizer
         self.created = int(time.time())
 
@@ -177,6 +183,19 @@ class _Completion:
             prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None,
         )
 
+    def _scored(self, delta: ChoiceDelta) -> ChoiceDelta:
+        """``delta`` without its generated text and tokens when the request only scores its prompt."""
+        if not self.scores_only:
+            return delta
+        return dataclasses.replace(
+            delta,
+            text="",
+            token_ids=[],
+            logprobs=[] if delta.logprobs is not None else None,
+            finish_reason="length" if delta.finish_reason is not None else None,
+            stop_reason=None,
+        )
+
     def _echo_logprobs(self, builder: _LogprobBuilder, prompt_index: int, prompt_logprobs) -> None:
         if self.body.echo and prompt_logprobs is not None:
             builder.add(self.prompts[prompt_index], prompt_logprobs)
@@ -185,7 +204,7 @@ class _Completion:
         choices = [ChoiceState() for _ in range(len(self.prompts) * self.n)]
         num_cached = 0
         async for delta in events:
-            choices[delta.index].add(delta)
+            choices[delta.index].add(self._scored(delta))
             num_cached = max(num_cached, delta.num_cached_tokens)
         result = []
         for index, choice in enumerate(choices):
@@ -218,6 +237,7 @@ class _Completion:
         builders: dict[int, _LogprobBuilder] = {}
         completion_tokens = num_cached = 0
         async for delta in events:
+            delta = self._scored(delta)
             completion_tokens += len(delta.token_ids)
             num_cached = max(num_cached, delta.num_cached_tokens)
             text = delta.text

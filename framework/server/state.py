@@ -94,8 +94,14 @@ class ServerState:
             from framework.server.chat_tools import resolve_parsers
 
             try:
+                tokenizer = getattr(self.client, "tokenizer", None)
+                if tokenizer is None:  # no engine yet (requests are refused until it is ready): nothing to cache
+                    return resolve_parsers(self.config.tool_parser, self.config.reasoning_parser, None)
                 self._parsers = resolve_parsers(
-                    self.config.tool_parser, self.config.reasoning_parser, self.client.tokenizer.chat_template
+                    self.config.tool_parser,
+                    self.config.reasoning_parser,
+                    tokenizer.chat_template,
+                    lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools),
                 )
             except ConfigError as error:
                 raise APIError(500, str(error), code="parser_error") from None

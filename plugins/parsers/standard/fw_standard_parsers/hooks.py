@@ -36,6 +36,7 @@ TOOL_TEMPLATE_SIGNS = (
     ("<tool_call>", "qwen"),
     ("[TOOL_CALLS]", "mistral"),
     ("<|python_tag|>", "llama3"),
+    ('"parameters": dictionary of argument name and its value', "llama3"),  # Llama 3.2 / 3.3: bare JSON calls
 )
 
 

@@ -107,6 +107,14 @@ GOLDENS = [
         [("get_time", '{"tz": "PST"}')],
     ),
     ("llama3", "It is sunny; no call needed.", "It is sunny; no call needed.", []),
+    (
+        "generic",
+        'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+        "Checking.",
+        [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")],
+    ),
+    ("generic", "No tool: a <tool_ call> is just text here.", "No tool: a <tool_ call> is just text here.", []),
 ]
 
 # Malformed output is plain content, never an exception.
