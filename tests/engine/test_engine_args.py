@@ -64,7 +64,7 @@ BAD_VALUES = [
     ({"device": "tpu"}, "--device"),
     ({"attention_backend": "nope"}, "--attention-backend"),
     ({"load_format": "pickle"}, "--load-format"),
-    ({"quantization": "awq"}, "--quantization"),
+    ({"quantization": "q3-nonexistent"}, "--quantization"),
     ({"all_reduce": "custom"}, "--all-reduce"),
     ({"block_size": 12}, "--block-size"),
     ({"kv_fraction": 1.5}, "--kv-fraction"),
