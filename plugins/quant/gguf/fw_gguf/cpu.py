@@ -74,18 +74,36 @@ def dequantize_cpu(packed: torch.Tensor, qtype: Q, rows: int, k: int) -> torch.T
 
 def linear_cpu(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` over the layer's packed shards into one ``[..., N]`` output of x's dtype
-    (computed in fp32: other dtypes are converted in and out)."""
-    k, n = layer.gguf_in_features, sum(layer.gguf_rows)
+    (computed in fp32: other dtypes are converted in and out). Decode-sized calls go straight to
+    the kernel, one call per shard, with the shard list read once per layer (:func:`shard_plan`)."""
+    k = layer.gguf_in_features
     x2d = x.reshape(-1, k)
     if x2d.dtype != torch.float32 or not x2d.is_contiguous():
         x2d = x2d.to(torch.float32).contiguous()
-    out = torch.empty(x2d.shape[0], n, dtype=torch.float32)
-    if x2d.shape[0]:
-        start = 0
-        for index, (qtype, rows) in enumerate(zip(layer.gguf_types, layer.gguf_rows)):
-            matmul_cpu(x2d, getattr(layer, f"gguf_weight_{index}"), qtype, rows, out[:, start:start + rows])
-            start += rows
+    plan, n = shard_plan(layer)
+    m = x2d.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if 0 < m <= DIRECT_MAX_ROWS:
+        lib, threads, x_ptr, out_ptr = load_kernels(), torch.get_num_threads(), x2d.data_ptr(), out.data_ptr()
+        for qtype, packed, rows, start in plan:
+            _check(lib.fw_gguf_matmul(qtype, x_ptr, packed.data_ptr(), rows, k, m, out_ptr + 4 * start, n, threads), Q(qtype))
+    elif m:
+        for qtype, packed, rows, start in plan:
+            matmul_cpu(x2d, packed, Q(qtype), rows, out[:, start:start + rows])
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], n).to(x.dtype)
+    out = out.view(*x.shape[:-1], n)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+
+def shard_plan(layer: nn.Module) -> tuple[list[tuple[int, torch.Tensor, int, int]], int]:
+    """``([(type id, packed rows, rows, first output column)], output width)`` of the layer's
+    shards, built on first use and kept on the layer."""
+    plan = layer.__dict__.get("_gguf_cpu_plan")
+    if plan is None:
+        plan, start = [], 0
+        for index, (qtype, rows) in enumerate(zip(layer.gguf_types, layer.gguf_rows)):
+            plan.append((int(qtype), getattr(layer, f"gguf_weight_{index}"), rows, start))
+            start += rows
+        plan = layer.__dict__["_gguf_cpu_plan"] = (plan, start)
+    return plan

@@ -253,7 +253,8 @@ constexpr int MAX_ROWS = 8;  // rows of x per pass over the weights
 template <class F>
 void matmul(const float* __restrict x, const uint8_t* __restrict w, int64_t n_out, int64_t k, int64_t m, float* __restrict y, int64_t ldy, int threads) {
   const int64_t blocks = k / F::BLOCK, row_bytes = blocks * F::BYTES;
-#pragma omp parallel for num_threads(threads) schedule(static)
+  // dynamic chunks of rows: on a shared machine a thread that is descheduled holds up less work
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 16) if (threads > 1 && n_out * k >= (1 << 16))
   for (int64_t n = 0; n < n_out; ++n) {
     const uint8_t* row = w + n * row_bytes;
     alignas(64) float values[F::BLOCK];

@@ -83,6 +83,7 @@ def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_pa
 
     prompt = {"prompt_token_ids": [1, 504, 3575, 282, 4649, 314]}
     logits = {}
+    monkeypatch.setenv("FW_GGUF_CPU_PACKED", "0")  # not the CPU kernels: dequantize at load, or in apply
     for keep in ("0", "1"):
         monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep)
         llm = LLM(str(smollm2_gguf_path), num_blocks=16)
@@ -166,6 +167,7 @@ def test_gemma3_packed_and_dequantized_paths_give_the_same_greedy_tokens(gemma3_
     fallback) against the CPU's dequantize-at-load path."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
+    monkeypatch.setenv("FW_GGUF_CPU_PACKED", "0")
     for keep in ("0", "1"):
         monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep)
         llm = LLM(str(gemma3_gguf_path), num_blocks=16)
