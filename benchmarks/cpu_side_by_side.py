@@ -10,7 +10,7 @@ the whole round is repeated ``--repeats`` times (the machine may be shared: the 
   fp32); both fp32, greedy, EOS ignored, timed after a warm-up: decode tokens/s = batch * (new
   tokens - 1) / (total - prefill time); time to first token = one generated token of a chat prompt
   of about ``--chat-tokens`` tokens (prefix cache reset); RSS = the process's resident memory
-  after loading and the warm-up.
+  after loading and the warm-up (fw's KV cache is ``--kv-mb``, 256 MB: enough for these runs).
 - llama.cpp (when ``--llamacpp-bin`` holds a build: ``../shared/tools/llamacpp build cpu``):
   ``llama-bench -p <chat tokens> -n <new tokens> -t <threads>``; its decode is batch 1 only, its
   time to first token the prompt's prefill time.
@@ -58,10 +58,10 @@ def chat_ids(encode, tokens: int) -> list[int]:
     return encode(" ".join(words[:low]))
 
 
-def run_fw(path: Path, batches: list[int], new_tokens: int, chat_tokens: int) -> dict:
+def run_fw(path: Path, batches: list[int], new_tokens: int, chat_tokens: int, kv_mb: int) -> dict:
     from framework import LLM, SamplingParams
 
-    llm = LLM(str(path), device="cpu", enable_cuda_graphs=False, max_num_seqs=max(batches))
+    llm = LLM(str(path), device="cpu", enable_cuda_graphs=False, max_num_seqs=max(batches), mem_mb=kv_mb)
     prompt = {"prompt_token_ids": llm.tokenizer.encode(PROMPT)}
     greedy = dict(ignore_eos=True, temperature=0)
     llm.generate(prompt, SamplingParams(max_tokens=4, **greedy))
@@ -87,7 +87,7 @@ def run_fw(path: Path, batches: list[int], new_tokens: int, chat_tokens: int) ->
     return result
 
 
-def run_transformers(path: Path, batches: list[int], new_tokens: int, chat_tokens: int) -> dict:
+def run_transformers(path: Path, batches: list[int], new_tokens: int, chat_tokens: int, kv_mb: int) -> dict:
     import torch
     import transformers
 
@@ -144,12 +144,13 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     run = run_fw if args.engine == "fw" else run_transformers
-    print(json.dumps(run(args.model, args.batch, args.new_tokens, args.chat_tokens)))
+    print(json.dumps(run(args.model, args.batch, args.new_tokens, args.chat_tokens, args.kv_mb)))
 
 
 def in_child(args, engine: str) -> dict:
     command = [sys.executable, __file__, "--engine", engine, "--model", str(args.model), "--batch", *map(str, args.batch),
-               "--new-tokens", str(args.new_tokens), "--chat-tokens", str(args.chat_tokens), "--threads", str(args.threads)]
+               "--new-tokens", str(args.new_tokens), "--chat-tokens", str(args.chat_tokens), "--threads", str(args.threads),
+               "--kv-mb", str(args.kv_mb)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{engine} failed:\n{done.stderr[-3000:]}")
@@ -173,6 +174,7 @@ def main() -> None:
     parser.add_argument("--chat-tokens", type=int, default=200, help="length of the time-to-first-token chat prompt")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--kv-mb", type=int, default=256, help="fw's KV cache (--mem): RSS is then the weights' and the runtime's")
     parser.add_argument("--llamacpp-bin", type=Path, default=Path(DEFAULT_BIN))
     parser.add_argument("--skip", nargs="*", default=[], choices=["fw", "transformers", "llama.cpp"])
     parser.add_argument("--engine", choices=["fw", "transformers"], help=argparse.SUPPRESS)  # child mode
