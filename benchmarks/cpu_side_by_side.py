@@ -33,8 +33,10 @@ from pathlib import Path
 from common import report_header
 
 PROMPT = "Write a short story about a robot who learns to paint."
-CHAT_TEXT = ("You are helping a small bakery plan its week. It sells bread, croissants, cakes and coffee, opens at "
-             "seven, and has three bakers and two people at the counter. ") * 12
+CHAT_TEXT = (
+    "You are helping a small bakery plan its week. It sells bread, croissants, cakes and coffee, opens at "
+    "seven, and has three bakers and two people at the counter. "
+) * 12
 DEFAULT_BIN = "/tmp/lcp/llama.cpp/build/bin"
 
 
@@ -78,8 +80,10 @@ def run_fw(path: Path, batches: list[int], new_tokens: int, chat_tokens: int, kv
         total = time.perf_counter() - started
         assert all(len(r.outputs[0].token_ids) == new_tokens for r in out)
         result["decode"][str(batch)] = batch * (new_tokens - 1) / (total - prefill)
-    ids = chat_ids(lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True),
-                   chat_tokens)
+    ids = chat_ids(
+        lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True),
+        chat_tokens,
+    )
     cache.reset_prefix_cache()
     started = time.perf_counter()
     llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, **greedy))
@@ -91,7 +95,9 @@ def run_transformers(path: Path, batches: list[int], new_tokens: int, chat_token
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     kwargs = dict(do_sample=False, pad_token_id=0)
     prompt = tokenizer(PROMPT)["input_ids"]
@@ -109,9 +115,16 @@ def run_transformers(path: Path, batches: list[int], new_tokens: int, chat_token
             total = time.perf_counter() - started
             assert out.shape[1] == ids.shape[1] + new_tokens
             result["decode"][str(batch)] = batch * (new_tokens - 1) / (total - prefill)
-        chat = chat_ids(lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                                   add_generation_prompt=True, return_dict=False),
-                        chat_tokens) if tokenizer.chat_template else tokenizer(CHAT_TEXT)["input_ids"][:chat_tokens]
+        chat = (
+            chat_ids(
+                lambda text: tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True, return_dict=False
+                ),
+                chat_tokens,
+            )
+            if tokenizer.chat_template
+            else tokenizer(CHAT_TEXT)["input_ids"][:chat_tokens]
+        )
         started = time.perf_counter()
         model.generate(torch.tensor([list(chat)]), max_new_tokens=1, min_new_tokens=1, **kwargs)
         result.update(ttft_s=time.perf_counter() - started, chat_prompt_tokens=len(chat))
@@ -122,14 +135,31 @@ def run_llamacpp(binaries: Path, path: Path, new_tokens: int, prompt_tokens: int
     bench = binaries / "llama-bench"
     if not bench.exists():
         return None
-    command = [str(bench), "-m", str(path), "-p", str(prompt_tokens), "-n", str(new_tokens), "-t", str(threads),
-               "-r", "3", "-o", "json"]
+    command = [
+        str(bench),
+        "-m",
+        str(path),
+        "-p",
+        str(prompt_tokens),
+        "-n",
+        str(new_tokens),
+        "-t",
+        str(threads),
+        "-r",
+        "3",
+        "-o",
+        "json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         return {"engine": "llama.cpp", "command": " ".join(command), "error": done.stderr[-2000:]}
     entries = json.loads(done.stdout)
-    result = {"engine": "llama.cpp " + str(entries[0].get("build_commit", "")), "command": " ".join(command),
-              "llama_bench": entries, "decode": {}}
+    result = {
+        "engine": "llama.cpp " + str(entries[0].get("build_commit", "")),
+        "command": " ".join(command),
+        "llama_bench": entries,
+        "decode": {},
+    }
     for entry in entries:
         if entry.get("n_gen", 0) == 0:
             result.update(ttft_s=prompt_tokens / entry["avg_ts"], chat_prompt_tokens=prompt_tokens)
@@ -148,9 +178,24 @@ def child(args) -> None:
 
 
 def in_child(args, engine: str) -> dict:
-    command = [sys.executable, __file__, "--engine", engine, "--model", str(args.model), "--batch", *map(str, args.batch),
-               "--new-tokens", str(args.new_tokens), "--chat-tokens", str(args.chat_tokens), "--threads", str(args.threads),
-               "--kv-mb", str(args.kv_mb)]
+    command = [
+        sys.executable,
+        __file__,
+        "--engine",
+        engine,
+        "--model",
+        str(args.model),
+        "--batch",
+        *map(str, args.batch),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--chat-tokens",
+        str(args.chat_tokens),
+        "--threads",
+        str(args.threads),
+        "--kv-mb",
+        str(args.kv_mb),
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{engine} failed:\n{done.stderr[-3000:]}")
@@ -174,7 +219,9 @@ def main() -> None:
     parser.add_argument("--chat-tokens", type=int, default=200, help="length of the time-to-first-token chat prompt")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--kv-mb", type=int, default=256, help="fw's KV cache (--mem): RSS is then the weights' and the runtime's")
+    parser.add_argument(
+        "--kv-mb", type=int, default=256, help="fw's KV cache (--mem): RSS is then the weights' and the runtime's"
+    )
     parser.add_argument("--llamacpp-bin", type=Path, default=Path(DEFAULT_BIN))
     parser.add_argument("--skip", nargs="*", default=[], choices=["fw", "transformers", "llama.cpp"])
     parser.add_argument("--engine", choices=["fw", "transformers"], help=argparse.SUPPRESS)  # child mode
@@ -194,25 +241,42 @@ def main() -> None:
             if engine == "llama.cpp":
                 result = run_llamacpp(args.llamacpp_bin, args.model, args.new_tokens, args.chat_tokens, args.threads)
                 if result is None or "error" in result:
-                    print(f"llama.cpp skipped: {result['error'] if result else 'no llama-bench in ' + str(args.llamacpp_bin)}")
+                    print(
+                        f"llama.cpp skipped: {result['error'] if result else 'no llama-bench in ' + str(args.llamacpp_bin)}"
+                    )
                     continue
             else:
                 result = in_child(args, engine)
-            print(f"round {repeat + 1}: {json.dumps({k: v for k, v in result.items() if k != 'llama_bench'})}", flush=True)
+            print(
+                f"round {repeat + 1}: {json.dumps({k: v for k, v in result.items() if k != 'llama_bench'})}", flush=True
+            )
             runs.setdefault(engine, []).append(result)
     rows = [median_row(engine_runs) for engine_runs in runs.values()]
-    report = {**report_header(f"cpu ({platform.processor() or platform.machine()}, {args.threads} threads, "
-                              f"{os.cpu_count()} cores)"),
-              "model": args.model.name, "file_mb": args.model.stat().st_size / 2**20, "new_tokens": args.new_tokens,
-              "medians": rows, "runs": runs}
+    report = {
+        **report_header(
+            f"cpu ({platform.processor() or platform.machine()}, {args.threads} threads, {os.cpu_count()} cores)"
+        ),
+        "model": args.model.name,
+        "file_mb": args.model.stat().st_size / 2**20,
+        "new_tokens": args.new_tokens,
+        "medians": rows,
+        "runs": runs,
+    }
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
-    print(f"{args.model.name} ({report['file_mb']:.0f} MiB) on {report['device']}, {args.new_tokens} new tokens, "
-          f"greedy, median of {args.repeats}")
-    print(f"{'engine':>26} " + " ".join(f"{'b' + b + ' tok/s':>10}" for b in map(str, args.batch))
-          + f" {'TTFT ms':>9} {'RSS MiB':>8}")
+    print(
+        f"{args.model.name} ({report['file_mb']:.0f} MiB) on {report['device']}, {args.new_tokens} new tokens, "
+        f"greedy, median of {args.repeats}"
+    )
+    print(
+        f"{'engine':>26} "
+        + " ".join(f"{'b' + b + ' tok/s':>10}" for b in map(str, args.batch))
+        + f" {'TTFT ms':>9} {'RSS MiB':>8}"
+    )
     for row in rows:
-        cells = " ".join(f"{row['decode'][b]:>10.1f}" if b in row["decode"] else f"{'-':>10}" for b in map(str, args.batch))
+        cells = " ".join(
+            f"{row['decode'][b]:>10.1f}" if b in row["decode"] else f"{'-':>10}" for b in map(str, args.batch)
+        )
         ttft = f"{1000 * row['ttft_s']:>9.0f}" if "ttft_s" in row else f"{'-':>9}"
         rss = f"{row['rss_mb']:>8.0f}" if "rss_mb" in row else f"{'-':>8}"
         print(f"{row['engine'][:26]:>26} {cells} {ttft} {rss}")

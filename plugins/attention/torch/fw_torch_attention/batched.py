@@ -25,15 +25,25 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
 
     name = "torch_sdpa"
 
-    def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        layer: AttentionLayerConfig,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         num_reqs = metadata.num_reqs
-        if (layer.mla is not None or layer.logits_soft_cap or not metadata.is_decode_only
-                or query.shape[0] != num_reqs):
+        if layer.mla is not None or layer.logits_soft_cap or not metadata.is_decode_only or query.shape[0] != num_reqs:
             return super().forward(layer, query, key, value, kv_cache, metadata)
         heads, kv_heads, head_size = layer.num_heads, layer.num_kv_heads, layer.head_size
-        store_kv(key.view(num_reqs, kv_heads, head_size), value.view(num_reqs, kv_heads, head_size), kv_cache,
-                 metadata.slot_mapping[:num_reqs])
+        store_kv(
+            key.view(num_reqs, kv_heads, head_size),
+            value.view(num_reqs, kv_heads, head_size),
+            kv_cache,
+            metadata.slot_mapping[:num_reqs],
+        )
         block_size, longest = kv_cache.shape[2], metadata.max_seq_len
         num_blocks = -(-longest // block_size)
         cached = kv_cache[:, metadata.block_table[:num_reqs, :num_blocks]]  # [2, R, blocks, block_size, H_kv, D]
@@ -45,6 +55,7 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
         if layer.sliding_window:
             allowed &= positions > seq_lens - 1 - layer.sliding_window
         q = query.view(num_reqs, heads, 1, head_size).float()
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None, None, :], scale=layer.scale,
-                                             enable_gqa=heads != kv_heads)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=allowed[:, None, None, :], scale=layer.scale, enable_gqa=heads != kv_heads
+        )
         return out.to(query.dtype).view(num_reqs, heads * head_size)

@@ -77,7 +77,9 @@ def test_batched_backend_takes_decode_steps_in_one_sdpa_call(monkeypatch):
 
     calls = []
     real = batched.F.scaled_dot_product_attention
-    monkeypatch.setattr(batched.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setattr(
+        batched.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
+    )
     check_attention_backend(batched.BatchedTorchAttentionBackend(), atol=1e-5, cases=BATCHED_DECODE_CASES[:1])
     assert calls == [(5, 8, 1, 64)]  # one call for the five requests' decode step
 
