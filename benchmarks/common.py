@@ -1,7 +1,7 @@
 """What the engine benchmarks share: model shapes on random weights, engine flags, prompts, steady decode.
 
 ``decode.py``, ``gpu_suite.py`` and ``profile_step.py`` build their engines with it;
-``host_overhead.py`` and ``cpu_vs_transformers.py`` take the model folder and the commit from it.
+``host_overhead.py`` and ``cpu_side_by_side.py`` take the model folder and the commit from it.
 The scripts that write JSON results take their ``commit`` and ``command`` from it (:func:`git_commit`,
 :func:`command_line`), the kernel benchmarks their CUDA-graph timer (:func:`graph_time`); ``serving.py``, a client of a running server, stands alone.
 The scripts run as ``python benchmarks/<script>.py``, which puts this directory on ``sys.path``.

@@ -227,3 +227,17 @@ def test_kernel_reports_carry_date_device_commit_command_and_versions(monkeypatc
         2,
         [{"n": 1}],
     )
+
+
+def test_cpu_side_by_side_fits_the_chat_prompt_and_takes_medians(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import cpu_side_by_side as side
+
+    encode = lambda text: list(range(len(text.split()) + 5))  # noqa: E731  (5 template tokens)
+    assert len(side.chat_ids(encode, 40)) == 40 and len(side.chat_ids(encode, 6)) == 6
+    runs = [
+        {"engine": "fw", "rss_mb": rss, "ttft_s": t, "decode": {"1": d}}
+        for rss, t, d in [(300, 0.5, 20.0), (310, 0.9, 25.0), (290, 0.4, 30.0)]
+    ]
+    assert side.median_row(runs) == {"engine": "fw", "runs": 3, "rss_mb": 300, "ttft_s": 0.5, "decode": {"1": 25.0}}
+    assert side.run_llamacpp(tmp_path, tmp_path / "model.gguf", 8, 16, 1) is None  # not built: skipped

@@ -14,5 +14,14 @@ def register_attention_backends():
             priority=0,
             kv_cache_layouts=("standard", "mla"),
             kv_cache_dtypes=("auto",),
-        )
+        ),
+        AttentionBackendSpec(
+            name="torch_sdpa",
+            impl="fw_torch_attention.batched:BatchedTorchAttentionBackend",
+            description="the reference with decode steps batched into one SDPA call (the CPU's default)",
+            priority=10,
+            devices=("cpu",),
+            kv_cache_layouts=("standard",),
+            kv_cache_dtypes=("auto",),
+        ),
     ]

@@ -48,3 +48,45 @@ def test_mla_cache_shape_and_size():
 @pytest.mark.gpu
 def test_torch_backend_mla_layout_on_cuda():
     check_mla_attention_backend(TorchAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2)
+
+
+# decode-only steps (the batched path) of several shapes, besides the shared cases (prefills and
+# soft caps take the reference path)
+BATCHED_DECODE_CASES = [
+    ("decode_gqa_ragged", [1, 1, 1, 1, 1], [0, 5, 16, 31, 200], 8, 2, 64, None, None),
+    ("decode_sliding_window", [1, 1, 1], [4, 40, 90], 4, 1, 32, 9, None),
+    ("decode_one_request", [1], [63], 6, 3, 16, None, None),
+]
+
+
+def test_batched_backend_matches_dense_attention_fp32():
+    from fw_torch_attention.batched import BatchedTorchAttentionBackend
+
+    from framework.testing import ATTENTION_CASES
+
+    check_attention_backend(BatchedTorchAttentionBackend(), atol=1e-5, cases=ATTENTION_CASES + BATCHED_DECODE_CASES)
+
+
+def test_batched_backend_matches_dense_attention_bf16():
+    from fw_torch_attention.batched import BatchedTorchAttentionBackend
+
+    check_attention_backend(BatchedTorchAttentionBackend(), dtype=torch.bfloat16, atol=2e-2, cases=BATCHED_DECODE_CASES)
+
+
+def test_batched_backend_takes_decode_steps_in_one_sdpa_call(monkeypatch):
+    import fw_torch_attention.batched as batched
+
+    calls = []
+    real = batched.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        batched.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
+    )
+    check_attention_backend(batched.BatchedTorchAttentionBackend(), atol=1e-5, cases=BATCHED_DECODE_CASES[:1])
+    assert calls == [(5, 8, 1, 64)]  # one call for the five requests' decode step
+
+
+def test_cpu_engines_pick_the_batched_backend():
+    from framework import registries
+
+    spec = registries.attention_backends().get("torch_sdpa")
+    assert spec.devices == ("cpu",) and spec.priority > registries.attention_backends().get("torch").priority

@@ -17,9 +17,12 @@ file's layout for its row lookups (a tied head multiplies it as it is). Other ac
 dequantize in torch and multiply. A layer whose tensors are all F32/F16/BF16 in the file becomes a
 dense matrix in the model dtype at load (cuBLAS; no larger than the file's for 16-bit models).
 
-On the CPU, where a per-step dequantization would cost more than the matmul, the weights are
-dequantized once after loading (DESIGN §4's CPU fallback); ``FW_GGUF_KEEP_PACKED=1`` keeps them
-packed there too (torch dequantization in ``apply``).
+On the CPU the shards stay packed in the file's layout (RAM for weights = the file's size) when
+every shard is of a type :mod:`fw_gguf.cpu`'s kernels decode (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K,
+Q6_K) and the kernels could be built here; ``apply`` multiplies them in fp32 through those kernels.
+Other layers (other types, no compiler, or ``FW_GGUF_CPU_PACKED=0``) are dequantized once after
+loading (DESIGN §4's CPU fallback). ``FW_GGUF_KEEP_PACKED=1`` keeps every layer packed and
+dequantizes in torch inside ``apply`` instead (the GPU's fallback path, for tests).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from framework.errors import ConfigError, ModelLoadError
 from framework.layers.linear import set_weight_attrs
 from framework.quantization import LinearMethod, QuantConfig, QuantMethodBase
 
+from .cpu import cpu_packable, linear_cpu
 from .dequant import as_quant_type, bytes_per_row, dequantize
 from .kernels.layout import KERNEL_TYPES, from_planar, to_planar
 
@@ -176,6 +180,10 @@ class GGUFLinearMethod(LinearMethod):
             return
         # CPU (unless kept packed), and float tensors on CUDA: the file's F32/F16/BF16 values in
         # the model dtype, no larger than the file, for cuBLAS instead of a conversion per call
+        if device == "cpu" and not keep_packed and _cpu_kernels_wanted() and cpu_packable(layer.gguf_types):
+            layer.gguf_cpu_kernels = True
+            layer.__dict__.pop("_gguf_cpu_plan", None)  # fw_gguf.cpu.shard_plan: rebuilt from these buffers
+            return
         if device not in ("cpu", "cuda") or (device == "cpu" and keep_packed):
             return
         dense = self.dequantized(layer, layer.params_dtype)
@@ -216,8 +224,11 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_groups = groups
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.gguf_dense is None and uses_kernels(layer, x):
-            return linear_packed(layer, x, bias)
+        if layer.gguf_dense is None:
+            if uses_kernels(layer, x):
+                return linear_packed(layer, x, bias)
+            if x.device.type == "cpu" and getattr(layer, "gguf_cpu_kernels", False):
+                return linear_cpu(layer, x, bias)
         return F.linear(x, self.dequantized(layer, x.dtype), bias)
 
     def activation_group(self, layer: nn.Module, x: torch.Tensor) -> int | None:
@@ -241,6 +252,11 @@ class GGUFLinearMethod(LinearMethod):
         rows = self.file_blocks(layer, 0).index_select(0, input_ids.reshape(-1))
         values = dequantize(rows, layer.gguf_types[0], (rows.shape[0], layer.gguf_in_features), layer.params_dtype)
         return values.view(*input_ids.shape, layer.gguf_in_features)
+
+
+def _cpu_kernels_wanted() -> bool:
+    """``FW_GGUF_CPU_PACKED=0`` dequantizes every CPU layer at load (the reference the packed path is tested against)."""
+    return os.environ.get("FW_GGUF_CPU_PACKED", "1") not in ("0", "")
 
 
 def uses_kernels(layer: nn.Module, x: torch.Tensor) -> bool:

@@ -50,10 +50,12 @@ class GGUFScheme:
         return GGUFQuantConfig.from_config({"tensor_types": dict(self.tensor_types)})
 
 
-@pytest.mark.parametrize(("keep_packed", "types"), [("1", LINEAR_TYPES), ("0", LINEAR_TYPES_AT_LOAD)],
-                         ids=["packed", "dequantized-at-load"])
-def test_gguf_linear_method_passes_the_conformance_kit(keep_packed, types, random_packed, monkeypatch):
+@pytest.mark.parametrize(("keep_packed", "cpu_packed", "types"),
+                         [("1", "1", LINEAR_TYPES), ("0", "0", LINEAR_TYPES_AT_LOAD), ("0", "1", LINEAR_TYPES_AT_LOAD)],
+                         ids=["packed", "dequantized-at-load", "cpu-kernels"])
+def test_gguf_linear_method_passes_the_conformance_kit(keep_packed, cpu_packed, types, random_packed, monkeypatch):
     monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep_packed)
+    monkeypatch.setenv("FW_GGUF_CPU_PACKED", cpu_packed)
     scheme = GGUFScheme(types, random_packed)
     cases = check_linear_method(scheme)
     assert "qkv_proj tp=4 rank=3 float16" in cases

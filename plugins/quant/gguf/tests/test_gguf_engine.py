@@ -44,7 +44,11 @@ def hf_greedy(model, prompt_ids: list[int], steps: int = STEPS) -> list[int]:
 
 
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
-def test_greedy_ids_match_transformers_on_the_real_files(which, request, hf_model):
+def test_greedy_ids_match_transformers_on_the_real_files(which, request, hf_model, monkeypatch):
+    # the dequantize-at-load path, whose matmuls are transformers' own (so the ids are equal over
+    # many steps); the packed CPU kernels sum in another order and are tied to this path by
+    # test_gguf_cpu_engine.py
+    monkeypatch.setenv("FW_GGUF_CPU_PACKED", "0")
     path = request.getfixturevalue(f"{which}_gguf_path")
     reference, hf_tokenizer = hf_model(path)
     llm = LLM(str(path), num_blocks=64)
@@ -83,6 +87,7 @@ def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_pa
 
     prompt = {"prompt_token_ids": [1, 504, 3575, 282, 4649, 314]}
     logits = {}
+    monkeypatch.setenv("FW_GGUF_CPU_PACKED", "0")  # not the CPU kernels: dequantize at load, or in apply
     for keep in ("0", "1"):
         monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep)
         llm = LLM(str(smollm2_gguf_path), num_blocks=16)
@@ -166,6 +171,7 @@ def test_gemma3_packed_and_dequantized_paths_give_the_same_greedy_tokens(gemma3_
     fallback) against the CPU's dequantize-at-load path."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
+    monkeypatch.setenv("FW_GGUF_CPU_PACKED", "0")
     for keep in ("0", "1"):
         monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep)
         llm = LLM(str(gemma3_gguf_path), num_blocks=16)

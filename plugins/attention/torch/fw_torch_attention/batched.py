@@ -1,0 +1,61 @@
+"""Paged attention for the CPU: a decode step's requests in one batched SDPA call.
+
+The reference backend (:mod:`fw_torch_attention.backend`) loops over the requests of a step and
+runs a dozen small ops for each; on a CPU those per-request Python loops and ops are a sizeable
+part of a decode step. Here a decode-only step (every request computes one token) gathers every
+request's keys and values from the paged cache at once, padded to the longest sequence, and runs
+one ``F.scaled_dot_product_attention`` over ``[requests, heads, 1, head_size]`` queries with a
+mask for each request's length (and sliding window); grouped-query heads share their KV head
+(``enable_gqa``), nothing is repeated. Steps with prefills, soft-capped logits and the MLA layout
+take the reference path. Computed in float32, as the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from framework.attention_backend import AttentionLayerConfig, AttentionMetadata
+
+from .backend import TorchAttentionBackend, store_kv
+
+
+class BatchedTorchAttentionBackend(TorchAttentionBackend):
+    """The reference backend with decode-only steps batched into one SDPA call."""
+
+    name = "torch_sdpa"
+
+    def forward(
+        self,
+        layer: AttentionLayerConfig,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_reqs = metadata.num_reqs
+        if layer.mla is not None or layer.logits_soft_cap or not metadata.is_decode_only or query.shape[0] != num_reqs:
+            return super().forward(layer, query, key, value, kv_cache, metadata)
+        heads, kv_heads, head_size = layer.num_heads, layer.num_kv_heads, layer.head_size
+        store_kv(
+            key.view(num_reqs, kv_heads, head_size),
+            value.view(num_reqs, kv_heads, head_size),
+            kv_cache,
+            metadata.slot_mapping[:num_reqs],
+        )
+        block_size, longest = kv_cache.shape[2], metadata.max_seq_len
+        num_blocks = -(-longest // block_size)
+        cached = kv_cache[:, metadata.block_table[:num_reqs, :num_blocks]]  # [2, R, blocks, block_size, H_kv, D]
+        cached = cached.view(2, num_reqs, num_blocks * block_size, kv_heads, head_size)[:, :, :longest].transpose(2, 3)
+        keys, values = cached[0].float(), cached[1].float()  # [R, H_kv, L, D]
+        positions = torch.arange(longest, device=query.device)
+        seq_lens = metadata.seq_lens[:num_reqs, None]
+        allowed = positions < seq_lens  # [R, L]: the query sits at position seq_len - 1
+        if layer.sliding_window:
+            allowed &= positions > seq_lens - 1 - layer.sliding_window
+        q = query.view(num_reqs, heads, 1, head_size).float()
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=allowed[:, None, None, :], scale=layer.scale, enable_gqa=heads != kv_heads
+        )
+        return out.to(query.dtype).view(num_reqs, heads * head_size)
