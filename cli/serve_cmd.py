@@ -41,6 +41,7 @@ def serve(
     ui_server: Annotated[bool, typer.Option("--ui-server", help="Also serve the chat web UI, on the API port minus one (--p 2000: http://host:1999).")] = False,
     enforce_parser: Annotated[str | None, typer.Option("--enforce-parser", help="Tool-call parser (qwen, hermes, qwen_coder, json, mistral, llama3, none); default: picked from the chat template.")] = None,
     reasoning_parser: Annotated[str | None, typer.Option("--reasoning-parser", help="Reasoning parser (qwen3, deepseek_r1, none); default: picked from the chat template.")] = None,
+    chat_template: Annotated[str | None, typer.Option("--chat-template", help="A Jinja chat template (a file, or the template text itself) that replaces the model's.")] = None,
     mcp_config: Annotated[str | None, typer.Option("--mcp-config", help="JSON file of MCP servers in the mcpServers format (command/args/env for stdio, url for streamable HTTP).")] = None,
     mcp_command: Annotated[str | None, typer.Option("--mcp-command", help="Command of one stdio MCP server (named 'mcp').")] = None,
     mcp_args: Annotated[str | None, typer.Option("--mcp-args", help="Arguments of --mcp-command, as one shell-quoted string.")] = None,
@@ -89,6 +90,7 @@ def serve(
         from framework.server.mcp_client import load_mcp_config
 
         check_parser_names(enforce_parser, reasoning_parser)
+        template = read_chat_template(chat_template)
         mcp_servers = load_mcp_config(mcp_config, mcp_command, mcp_args)
         root = m or w
         if root is None:  # the embedded default model
@@ -102,7 +104,7 @@ def serve(
                               max_embedding_inputs=max_embedding_inputs, request_body_timeout_s=request_body_timeout,
                               max_gen_tokens=max_gen_tokens, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, tool_parser=enforce_parser,
-                              reasoning_parser=reasoning_parser, mcp_servers=mcp_servers, mcp_execute=mcp_execute,
+                              reasoning_parser=reasoning_parser, chat_template=template, mcp_servers=mcp_servers, mcp_execute=mcp_execute,
                               mcp_max_calls_per_round=mcp_max_calls_per_round,
                               mcp_max_result_bytes=mcp_max_result_bytes, mcp_max_time_s=mcp_max_time,
                               allowed_hosts=_split(allowed_hosts), allowed_origins=origins,
@@ -163,6 +165,26 @@ def api_keys(flags: list[str] | None, key_file: str | None) -> list[str]:
             raise ConfigError(f"--api-key-file {key_file!r} holds no keys")
         keys += from_file
     return keys
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it is no file; it must parse as Jinja."""
+    if value is None:
+        return None
+    from framework.errors import ConfigError
+    from framework.tokenizer import compile_chat_template
+
+    text = value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as handle:
+            text = handle.read()
+    elif "{" not in value:
+        raise ConfigError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
+    try:
+        compile_chat_template(text)
+    except Exception as error:  # jinja2.TemplateSyntaxError, with its line
+        raise ConfigError(f"--chat-template: the template does not parse: {error}") from None
+    return text
 
 
 def _split(values: list[str] | None) -> list[str]:

@@ -24,6 +24,7 @@ from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import framework
+from framework.server.chat_prompt import chat_prompt_ids
 from framework.server.engine_client import AsyncEngineClient
 from framework.server.errors import (
     APIError,
@@ -46,7 +47,7 @@ from framework.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from framework.server.serving_chat import chat_prompt_ids, create_chat_completion
+from framework.server.serving_chat import create_chat_completion
 from framework.server.serving_completion import create_completion
 from framework.server.serving_embedding import create_embedding
 from framework.server.state import ServerConfig, ServerState

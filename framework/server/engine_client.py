@@ -66,8 +66,11 @@ RESTART_DELAYS_S = (0.0, 1.0, 4.0)
 class AsyncEngineClient:
     """Start, talk to, supervise and stop one engine process. Methods must be called on one event loop."""
 
-    def __init__(self, builder_kwargs: dict[str, Any], *, restart: bool = True, heartbeat_timeout_s: float = 60.0) -> None:
+    def __init__(self, builder_kwargs: dict[str, Any], *, restart: bool = True, heartbeat_timeout_s: float = 60.0,
+                 chat_template: str | None = None) -> None:
         self.builder_kwargs = builder_kwargs
+        #: ``--chat-template``: replaces the model's own template
+        self.chat_template = chat_template
         self.restart = restart
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.ready: Ready | None = None
@@ -92,7 +95,8 @@ class AsyncEngineClient:
         """Spawn the engine process and wait until it reports ready; raises EngineLoadError."""
         self.ready = await self._spawn()
         spec = self.ready.tokenizer
-        self.tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(spec.tokenizer_json), spec.chat_template, spec.bos_token,
+        template = self.chat_template if self.chat_template is not None else spec.chat_template
+        self.tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(spec.tokenizer_json), template, spec.bos_token,
                                    spec.eos_token, spec.pad_token, frozenset(spec.extra_eos_token_ids), spec.template_vars)
         return self.ready
 

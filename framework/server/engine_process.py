@@ -18,6 +18,7 @@ import traceback
 import msgspec
 import zmq
 
+from framework.server.generation import sampling_defaults
 from framework.server.messages import (
     AbortRequests,
     AddFailed,
@@ -114,7 +115,8 @@ class EngineLoop:
             engine.workers.start_watchdog(self._on_worker_failure)
         config = engine.model_config
         self.send(Ready(summary=engine.summary, max_model_len=config.max_model_len, vocab_size=config.vocab_size,
-                        eos_token_ids=sorted(config.eos_token_ids), tokenizer=_tokenizer_spec(engine.tokenizer)))
+                        eos_token_ids=sorted(config.eos_token_ids), tokenizer=_tokenizer_spec(engine.tokenizer),
+                        sampling_defaults=sampling_defaults(engine.generation_config)))
         return True
 
     def _on_worker_failure(self, reason: str) -> None:

@@ -65,14 +65,18 @@ class ChoiceState:
 
 def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: list[int], max_model_len: int,
                           vocab_size: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                          defaults: ServerConfig | None = None, default_max_tokens: int | None = None) -> SamplingParams:
+                          defaults: ServerConfig | None = None, default_max_tokens: int | None = None,
+                          model_defaults: dict[str, float] | None = None) -> SamplingParams:
     """Validate the sampling fields of a request; errors are 400s naming the field.
 
     Fields the request leaves unset take the server's defaults (``default_max_tokens``,
-    ``--presence-penalty``, ``--frequency-penalty``); a default ``max_tokens`` never exceeds the
-    room left in the context.
+    ``--presence-penalty``, ``--frequency-penalty``), and ``temperature``, ``top_p``, ``top_k``,
+    ``min_p`` and ``repetition_penalty`` the model's (``model_defaults``, from its
+    ``generation_config.json``: :func:`sampling_defaults`); a default ``max_tokens`` never exceeds
+    the room left in the context.
     """
     defaults = defaults or ServerConfig()
+    model = model_defaults or {}
     longest = max(prompt_lens)
     if longest >= max_model_len or (max_tokens is not None and longest + max_tokens > max_model_len):
         requested = max_tokens if max_tokens is not None else 0
@@ -96,11 +100,11 @@ def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: lis
         if not 0 <= token_id < vocab_size:
             raise bad_request(f"stop_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    fields = {"n": body.n, "temperature": 1.0 if body.temperature is None else body.temperature,
-              "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k or 0,
-              "min_p": body.min_p or 0.0, "presence_penalty": _default(body.presence_penalty, defaults.presence_penalty),
+    fields = {"n": body.n, "temperature": _default(body.temperature, model.get("temperature", 1.0)),
+              "top_p": _default(body.top_p, model.get("top_p", 1.0)), "top_k": _default(body.top_k, model.get("top_k", 0)),
+              "min_p": _default(body.min_p, model.get("min_p", 0.0)), "presence_penalty": _default(body.presence_penalty, defaults.presence_penalty),
               "frequency_penalty": _default(body.frequency_penalty, defaults.frequency_penalty),
-              "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+              "repetition_penalty": _default(body.repetition_penalty, model.get("repetition_penalty", 1.0)),
               "logit_bias": logit_bias, "seed": body.seed,
               "max_tokens": max_tokens if max_tokens is not None else min(max_model_len - longest,
                                                                           default_max_tokens or max_model_len),
@@ -120,6 +124,17 @@ def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: lis
 
 def _default(value: float | None, default: float) -> float:
     return default if value is None else value
+
+
+#: The ``generation_config.json`` keys that are sampling defaults (the names match SamplingParams').
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
+    """The sampling defaults a model's ``generation_config.json`` declares (as vLLM applies them:
+    whatever ``do_sample`` says); values that are not numbers are left out."""
+    return {key: generation_config[key] for key in SAMPLING_DEFAULT_KEYS
+            if isinstance(generation_config.get(key), int | float) and not isinstance(generation_config[key], bool)}
 
 
 async def run_choices(client: AsyncEngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,

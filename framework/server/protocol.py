@@ -86,7 +86,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: Any = None
-    reasoning_effort: Any = None
+    #: reaches the chat template as the variable ``reasoning_effort``
+    reasoning_effort: str | None = None
     add_special_tokens: Any = None
     documents: Any = None
     chat_template: Any = None
@@ -127,7 +128,7 @@ DEFAULT_VALUES: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "default")}
 #: Fields that fw rejects when set (not None / not their default).
 UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
-                           "continue_final_message", "reasoning_effort", "add_special_tokens", "documents",
+                           "continue_final_message", "add_special_tokens", "documents",
                            "chat_template", "echo", *UNSUPPORTED_SAMPLING_FIELDS)
 UNSUPPORTED_COMPLETION_FIELDS = ("suffix", *UNSUPPORTED_SAMPLING_FIELDS)
 

@@ -9,6 +9,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from framework.engine.outputs import LogprobEntry
+from framework.server.chat_prompt import reject_unsupported
 from framework.server.errors import APIError, bad_request, decode_body
 from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
 from framework.server.limits import check_count, check_sampling_limits, check_token_ids, read_body
@@ -20,7 +21,6 @@ from framework.server.protocol import (
     CompletionResponse,
     Usage,
 )
-from framework.server.serving_chat import reject_unsupported
 from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
 from framework.server.structured_outputs import first_event_or_error, grammar_errors, structured_outputs_field
 from framework.tokenizer import Tokenizer

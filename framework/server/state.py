@@ -50,6 +50,11 @@ class ServerConfig:
     #: ``--enforce-parser`` / ``--reasoning-parser`` (None: picked from the chat template; "none": off).
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    #: ``--chat-template``: Jinja text that replaces the model's chat template (None: the model's).
+    chat_template: str | None = None
+    #: The Responses API's store of responses (``previous_response_id``, GET): most kept, seconds kept.
+    max_stored_responses: int = 1000
+    stored_response_ttl_s: float = 3600.0
     #: MCP servers in the ``mcpServers`` format (``--mcp-config`` / ``--mcp-command``); None: no MCP.
     mcp_servers: dict[str, Any] | None = None
     #: ``--mcp-execute``: clients may ask the server to run MCP tools (``mcp_execute``) on every
@@ -106,6 +111,11 @@ class ServerState:
         if names:
             return names[0]
         return self.config.model_root or "fw"
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's sampling defaults (``generation_config.json``) for requests that leave them unset."""
+        return getattr(self.client.ready, "sampling_defaults", None) or {}
 
     @property
     def max_model_len(self) -> int:

@@ -154,7 +154,7 @@ def test_nesting_within_the_limit_and_brackets_in_strings_pass(http):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("continue_final_message", True), ("reasoning_effort", "low"), ("prompt_logprobs", 1), ("use_beam_search", True),
+    ("continue_final_message", True), ("prompt_logprobs", 1), ("use_beam_search", True),
     ("priority", 5), ("length_penalty", 0.5), ("truncate_prompt_tokens", 10), ("allowed_token_ids", [1]),
     ("bad_words", ["x"]), ("return_tokens_as_token_ids", True), ("guided_decoding_backend", "outlines"),
     ("add_special_tokens", True), ("echo", True), ("chat_template", "{{ messages }}"), ("documents", [{"a": "b"}])])
