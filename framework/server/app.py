@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from litestar import Controller, Litestar, Request, Response, get, post
+from litestar import Controller, Litestar, Request, Response, delete, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException
 from litestar.middleware import DefineMiddleware
@@ -50,6 +50,7 @@ from framework.server.protocol import (
 from framework.server.serving_chat import create_chat_completion
 from framework.server.serving_completion import create_completion
 from framework.server.serving_embedding import create_embedding
+from framework.server.serving_responses import cancel_response, create_response, delete_response, get_response
 from framework.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("fw.server")
@@ -70,6 +71,22 @@ class OpenAIController(Controller):
     @post("/completions", status_code=200)
     async def completions(self, server: Server, request: Request) -> Response:
         return await create_completion(server, request)
+
+    @post("/responses", status_code=200)
+    async def responses(self, server: Server, request: Request) -> Response:
+        return await create_response(server, request)
+
+    @get("/responses/{response_id:str}")
+    async def response(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
+        return get_response(server, response_id)
+
+    @delete("/responses/{response_id:str}", status_code=200)
+    async def delete_response(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
+        return delete_response(server, response_id)
+
+    @post("/responses/{response_id:str}/cancel", status_code=200)
+    async def cancel_response(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
+        return await cancel_response(server, response_id)
 
     @post("/embeddings", status_code=200)
     async def embeddings(self, server: Server, request: Request) -> EmbeddingResponse:

@@ -91,6 +91,10 @@ class ServerState:
         self.is_draining = False
         self.started = int(time.time())
         self.mcp: Any = None  # framework.server.mcp_client.MCPManager once started
+        from framework.server.responses_store import ResponseStore
+
+        #: the Responses API's stored responses (previous_response_id, GET / DELETE, background)
+        self.responses = ResponseStore(config.max_stored_responses, config.stored_response_ttl_s)
         self._parsers: Any = None
 
     def served_parsers(self) -> Any:
@@ -248,3 +252,15 @@ async def sse_stream(events: AsyncIterator[Any], finalize: Callable[[], None] | 
         if finalize is not None:
             finalize()
     yield b"data: [DONE]\n\n"
+
+
+async def typed_sse_stream(events: AsyncIterator[dict[str, Any]],
+                           error_event: Callable[[APIError], dict[str, Any]]) -> AsyncIterator[bytes]:
+    """SSE framing of typed events (the Responses and Messages APIs): ``event: <type>`` then
+    ``data: {json}``, no ``[DONE]``; an exception the events did not handle is sent as ``error_event``."""
+    try:
+        async for event in events:
+            yield f"event: {event['type']}\n".encode() + sse(event)
+    except Exception as error:
+        event = error_event(engine_error(error))
+        yield f"event: {event['type']}\n".encode() + sse(event)
