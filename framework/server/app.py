@@ -50,6 +50,7 @@ from framework.server.protocol import (
 from framework.server.serving_chat import create_chat_completion
 from framework.server.serving_completion import create_completion
 from framework.server.serving_embedding import create_embedding
+from framework.server.serving_messages import count_tokens, create_message
 from framework.server.serving_responses import cancel_response, create_response, delete_response, get_response
 from framework.server.state import ServerConfig, ServerState
 
@@ -87,6 +88,14 @@ class OpenAIController(Controller):
     @post("/responses/{response_id:str}/cancel", status_code=200)
     async def cancel_response(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
         return await cancel_response(server, response_id)
+
+    @post("/messages", status_code=200)
+    async def messages(self, server: Server, request: Request) -> Response:
+        return await create_message(server, request)
+
+    @post("/messages/count_tokens", status_code=200)
+    async def count_message_tokens(self, server: Server, request: Request) -> dict[str, int]:
+        return await count_tokens(server, request)
 
     @post("/embeddings", status_code=200)
     async def embeddings(self, server: Server, request: Request) -> EmbeddingResponse:
@@ -196,10 +205,11 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
             return
         if config.api_keys:
             header = request.headers.get("authorization", "")
-            key = header[7:].strip() if header[:7].lower() == "bearer " else None
+            # OpenAI clients send a bearer token, Anthropic clients an x-api-key header
+            key = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key")
             if not is_known_key(key, config.api_keys):
                 raise APIError(401, "Incorrect API key provided" if key else "Missing API key: send 'Authorization: "
-                                    "Bearer <key>'", code="invalid_api_key")
+                                    "Bearer <key>' (or 'x-api-key: <key>')", code="invalid_api_key")
         if state.is_draining:
             raise APIError(503, "the server is shutting down", code="server_draining")
         client = state.client
