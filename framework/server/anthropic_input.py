@@ -4,7 +4,10 @@
 (before the turn's text); an assistant turn's ``tool_use`` blocks its ``tool_calls`` and its
 ``thinking`` blocks its ``reasoning_content``; ``tools`` / ``tool_choice`` their chat counterparts;
 ``thinking`` reaches the template as ``enable_thinking``; ``stop_sequences`` are stop strings.
-``cache_control`` marks are accepted and need nothing: fw caches prompt prefixes by content.
+``output_config.effort`` reaches the template as ``reasoning_effort`` and ``output_config.format``
+constrains the reply (structured outputs). ``cache_control`` marks are accepted and need nothing:
+fw caches prompt prefixes by content. ``temperature``, ``top_p`` and ``top_k`` (dropped from
+Anthropic's current API, still sent by older clients) are honoured.
 Blocks and fields fw cannot honour are a 400 naming them.
 """
 
@@ -19,7 +22,8 @@ from framework.server.errors import APIError, bad_request
 from framework.server.protocol import ChatCompletionRequest, ChatMessage
 
 #: Fields fw refuses when set.
-UNSUPPORTED_MESSAGES_FIELDS = ("container", "mcp_servers", "context_management", "output_format", "citations")
+UNSUPPORTED_MESSAGES_FIELDS = ("container", "mcp_servers", "context_management", "output_format", "citations",
+                               "diagnostics", "inference_geo")
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
@@ -37,12 +41,17 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    output_config: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None  # accepted: fw caches prompt prefixes anyway
+    speed: str | None = None
     # refused when set
     container: Any = None
     mcp_servers: Any = None
     context_management: Any = None
     output_format: Any = None
     citations: Any = None
+    diagnostics: Any = None
+    inference_geo: Any = None
 
 
 def reject_unsupported_messages(body: MessagesRequest) -> None:
@@ -51,6 +60,13 @@ def reject_unsupported_messages(body: MessagesRequest) -> None:
             raise APIError(400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter")
     if body.service_tier not in (None, "auto", "standard_only"):
         raise bad_request(f"service_tier must be 'auto' or 'standard_only'; got {body.service_tier!r}", "service_tier")
+    if body.speed not in (None, "standard"):
+        raise APIError(400, f"speed {body.speed!r} is not supported by this server (only 'standard')", param="speed",
+                       code="unsupported_parameter")
+    unknown = set(body.output_config or {}) - {"effort", "format"}
+    if unknown:
+        raise APIError(400, f"output_config.{sorted(unknown)[0]} is not supported (effort, format)",
+                       param=f"output_config.{sorted(unknown)[0]}", code="unsupported_parameter")
 
 
 def _text(blocks: str | list[dict[str, Any]], param: str) -> str:
@@ -153,8 +169,9 @@ def thinking_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
     if thinking is None:
         return None
     kind = thinking.get("type")
-    if kind not in ("enabled", "disabled", "adaptive"):
-        raise bad_request(f"thinking.type must be enabled, disabled or adaptive; got {kind!r}", "thinking.type")
+    if kind not in ("enabled", "disabled", "adaptive", "between_tools"):
+        raise bad_request(f"thinking.type must be enabled, disabled, adaptive or between_tools; got {kind!r}",
+                          "thinking.type")
     return {"enable_thinking": kind != "disabled"}
 
 
@@ -170,8 +187,17 @@ def chat_request(body: MessagesRequest, *, for_generation: bool = True) -> ChatC
         raise bad_request("'messages' must hold at least one message", "messages")
     tool_choice, parallel = chat_tool_choice(body.tool_choice)
     user = (body.metadata or {}).get("user_id")
+    output = body.output_config or {}
+    form = output.get("format")
+    if form is not None and (not isinstance(form, dict) or form.get("type") != "json_schema"):
+        raise bad_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                          "output_config.format")
+    response_format = None if form is None else {"type": "json_schema", "json_schema": {
+        "name": "output", "schema": form.get("schema")}}
+    effort = output.get("effort")
     return ChatCompletionRequest(
         model=body.model, messages=chat_messages(body), max_tokens=body.max_tokens, temperature=body.temperature,
         top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences, tools=chat_tools(body.tools),
         tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=thinking_kwargs(body.thinking),
-        user=user if isinstance(user, str) else None, stream=body.stream)
+        user=user if isinstance(user, str) else None, stream=body.stream, response_format=response_format,
+        reasoning_effort={"max": "xhigh"}.get(effort, effort))
