@@ -41,6 +41,10 @@ def serve(
     ui_server: Annotated[bool, typer.Option("--ui-server", help="Also serve the chat web UI, on the API port minus one (--p 2000: http://host:1999).")] = False,
     enforce_parser: Annotated[str | None, typer.Option("--enforce-parser", help="Tool-call parser (qwen, hermes, qwen_coder, json, mistral, llama3, none); default: picked from the chat template.")] = None,
     reasoning_parser: Annotated[str | None, typer.Option("--reasoning-parser", help="Reasoning parser (qwen3, deepseek_r1, none); default: picked from the chat template.")] = None,
+    vllm_metrics: Annotated[bool, typer.Option("--vllm-metrics", help="Also export every /metrics series under its vLLM name (vllm:...), for dashboards made for vLLM.")] = False,
+    log_stats_interval: Annotated[float, typer.Option("--log-stats-interval", help="Seconds between two stats lines (throughput, running, waiting, KV-cache use) in the log while the engine works; 0 turns them off.")] = 10.0,
+    max_stored_responses: Annotated[int, typer.Option("--max-stored-responses", help="Responses API: most responses kept in memory for previous_response_id and GET (the oldest go first).")] = 1000,
+    stored_response_ttl: Annotated[float, typer.Option("--stored-response-ttl", help="Responses API: seconds a stored response is kept.")] = 3600.0,
     chat_template: Annotated[str | None, typer.Option("--chat-template", help="A Jinja chat template (a file, or the template text itself) that replaces the model's.")] = None,
     mcp_config: Annotated[str | None, typer.Option("--mcp-config", help="JSON file of MCP servers in the mcpServers format (command/args/env for stdio, url for streamable HTTP).")] = None,
     mcp_command: Annotated[str | None, typer.Option("--mcp-command", help="Command of one stdio MCP server (named 'mcp').")] = None,
@@ -84,6 +88,11 @@ def serve(
                                  ("--limit-concurrency", limit_concurrency, 1)):
             if value < low:
                 raise ConfigError(f"{name} must be >= {low}, got {value}")
+        if log_stats_interval < 0:
+            raise ConfigError(f"--log-stats-interval must be >= 0 seconds, got {log_stats_interval}")
+        if max_stored_responses < 0 or not stored_response_ttl > 0:
+            raise ConfigError("--max-stored-responses must be >= 0 and --stored-response-ttl > 0 seconds; got "
+                              f"{max_stored_responses} and {stored_response_ttl}")
         if not request_body_timeout > 0:
             raise ConfigError(f"--request-body-timeout must be > 0 seconds, got {request_body_timeout}")
         from framework.server.chat_tools import check_parser_names
@@ -104,7 +113,9 @@ def serve(
                               max_embedding_inputs=max_embedding_inputs, request_body_timeout_s=request_body_timeout,
                               max_gen_tokens=max_gen_tokens, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, tool_parser=enforce_parser,
-                              reasoning_parser=reasoning_parser, chat_template=template, mcp_servers=mcp_servers, mcp_execute=mcp_execute,
+                              reasoning_parser=reasoning_parser, chat_template=template, vllm_metrics=vllm_metrics,
+                              log_stats_interval_s=log_stats_interval, max_stored_responses=max_stored_responses,
+                              stored_response_ttl_s=stored_response_ttl, mcp_servers=mcp_servers, mcp_execute=mcp_execute,
                               mcp_max_calls_per_round=mcp_max_calls_per_round,
                               mcp_max_result_bytes=mcp_max_result_bytes, mcp_max_time_s=mcp_max_time,
                               allowed_hosts=_split(allowed_hosts), allowed_origins=origins,

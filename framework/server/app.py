@@ -36,6 +36,7 @@ from framework.server.errors import (
 )
 from framework.server.limits import read_body
 from framework.server.messages import Ready
+from framework.server.metrics import stats_line
 from framework.server.origins import OriginGuard, OriginPolicy
 from framework.server.protocol import (
     ChatCompletionRequest,
@@ -185,6 +186,25 @@ def is_known_key(key: str | None, keys: list[str]) -> bool:
     return found
 
 
+async def _log_stats(state: ServerState) -> None:
+    """Every ``--log-stats-interval`` seconds, while the engine has work or just had some, log :func:`stats_line`."""
+    interval = state.config.log_stats_interval_s
+    previous = None
+    while True:
+        await asyncio.sleep(interval)
+        if not state.client.is_healthy:
+            continue
+        try:
+            stats = await state.client.stats(timeout_s=interval)
+        except Exception:  # the engine is restarting or busy; the next interval tries again
+            continue
+        was_busy = previous is not None and (stats.prompt_tokens, stats.generation_tokens) != (
+            previous.prompt_tokens, previous.generation_tokens)
+        if was_busy or stats.num_running or stats.num_waiting:
+            print(stats_line(previous, stats, interval), flush=True)
+        previous = stats
+
+
 def _model_card(state: ServerState, name: str) -> ModelCard:
     return ModelCard(id=name, created=state.started, max_model_len=state.max_model_len, root=state.config.model_root)
 
@@ -233,9 +253,12 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
 
             state.mcp = MCPManager(config.mcp_servers, execute_all=config.mcp_execute)
             await state.mcp.start()
+        stats_task = asyncio.create_task(_log_stats(state)) if config.log_stats_interval_s > 0 else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             if task is not None and not task.done():
                 task.cancel()
             if state.mcp is not None:

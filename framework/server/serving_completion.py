@@ -102,7 +102,7 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
                                        prompt_lens=[len(p) for p in prompts], max_model_len=state.max_model_len,
                                        vocab_size=client.ready.vocab_size, logprobs=body.logprobs,
                                        prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-                                       defaults=state.config,
+                                       defaults=state.config, model_defaults=state.sampling_defaults,
                                        default_max_tokens=state.config.max_gen_tokens or 16)  # OpenAI's default: 16
     except BaseException:
         release()

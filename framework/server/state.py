@@ -52,6 +52,10 @@ class ServerConfig:
     reasoning_parser: str | None = None
     #: ``--chat-template``: Jinja text that replaces the model's chat template (None: the model's).
     chat_template: str | None = None
+    #: ``--vllm-metrics``: /metrics exports every metric under its vLLM name too.
+    vllm_metrics: bool = False
+    #: ``--log-stats-interval``: seconds between two stats lines in the log while the engine works (0: none).
+    log_stats_interval_s: float = 10.0
     #: The Responses API's store of responses (``previous_response_id``, GET): most kept, seconds kept.
     max_stored_responses: int = 1000
     stored_response_ttl_s: float = 3600.0
@@ -85,7 +89,7 @@ class ServerState:
     def __init__(self, client: AsyncEngineClient, config: ServerConfig) -> None:
         self.client = client
         self.config = config
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, vllm_names=config.vllm_metrics)
         self.num_admitted = 0
         self.num_admitted_tokens = 0
         self.is_draining = False
