@@ -44,6 +44,9 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     output_config: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None  # accepted: fw caches prompt prefixes anyway
     speed: str | None = None
+    # fw extensions (as in chat): the server runs the MCP tools the model calls, for at most this many rounds
+    mcp_execute: bool = False
+    mcp_max_rounds: int = 4
     # refused when set
     container: Any = None
     mcp_servers: Any = None
@@ -97,7 +100,7 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
         if not isinstance(content, list):
             raise bad_request(f"messages[{i}].content must be a string or a list of content blocks",
                               f"messages[{i}].content")
-        texts, calls, thinking, results = [], [], [], []
+        texts, calls, thinking, results, ran = [], [], [], [], []
         for j, block in enumerate(content):
             kind, param = block.get("type") if isinstance(block, dict) else None, f"messages[{i}].content[{j}]"
             if kind == "text":
@@ -109,6 +112,15 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
                 names[call_id] = name
                 calls.append({"id": call_id, "type": "function", "function": {
                     "name": name, "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+            elif kind == "mcp_tool_use" and role == "assistant":  # a call the server ran (mcp_execute)
+                call = {"id": block.get("id"), "type": "function", "function": {
+                    "name": block.get("name"), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}}
+                names[str(block.get("id"))] = str(block.get("name"))
+                ran.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+            elif kind == "mcp_tool_result" and role == "assistant":
+                call_id = str(block.get("tool_use_id"))
+                ran.append(ChatMessage(role="tool", content=_text(block.get("content", ""), f"{param}.content"),
+                                       tool_call_id=call_id, name=names.get(call_id)))
             elif kind == "thinking" and role == "assistant":
                 thinking.append(block.get("thinking", ""))
             elif kind == "tool_result" and role == "user":
@@ -121,9 +133,9 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
                 results.append(ChatMessage(role="tool", content=result, tool_call_id=call_id, name=names.get(call_id)))
             else:
                 raise APIError(400, f"content block type {kind!r} is not supported in a {role} message (user: text, "
-                                    "tool_result; assistant: text, tool_use, thinking)",
+                                    "tool_result; assistant: text, tool_use, thinking, mcp_tool_use, mcp_tool_result)",
                                param=f"{param}.type", code="unsupported_parameter")
-        messages += results
+        messages += results + ran
         if role == "assistant":
             messages.append(ChatMessage(role=role, content="".join(texts), tool_calls=calls or None,
                                         reasoning_content="".join(thinking) or None))
@@ -200,4 +212,5 @@ def chat_request(body: MessagesRequest, *, for_generation: bool = True) -> ChatC
         top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences, tools=chat_tools(body.tools),
         tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=thinking_kwargs(body.thinking),
         user=user if isinstance(user, str) else None, stream=body.stream, response_format=response_format,
-        reasoning_effort={"max": "xhigh"}.get(effort, effort))
+        reasoning_effort={"max": "xhigh"}.get(effort, effort), mcp_execute=body.mcp_execute,
+        mcp_max_rounds=body.mcp_max_rounds)

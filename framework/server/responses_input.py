@@ -54,6 +54,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    # fw extensions (as in chat): the server runs the MCP tools the model calls, for at most this many rounds
+    mcp_execute: bool = False
+    mcp_max_rounds: int = 4
     # refused when set (UNSUPPORTED_RESPONSES_FIELDS)
     conversation: Any = None
     prompt: Any = None
@@ -138,12 +141,22 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
                 raise bad_request(f"input[{i}] (a function_call_output) needs a string 'call_id'", f"input[{i}].call_id")
             output = _text_of(item.get("output", ""), f"input[{i}].output")
             messages.append(ChatMessage(role="tool", content=output, tool_call_id=call_id, name=names.get(call_id)))
+        elif kind == "mcp_call":  # a call the server ran (mcp_execute): the call and its result
+            call_id, name = item.get("id"), item.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise bad_request(f"input[{i}] (an mcp_call) needs string 'id' and 'name'", f"input[{i}]")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": item.get("arguments", "{}")}}
+            messages.append(ChatMessage(role="assistant", content="", tool_calls=[call], reasoning_content=reasoning))
+            reasoning = None
+            output = item.get("output") if item.get("error") is None else item.get("error")
+            messages.append(ChatMessage(role="tool", content=str(output or ""), tool_call_id=call_id, name=name))
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
         else:
             raise APIError(400, f"input item type {kind!r} is not supported (message, function_call, "
-                                "function_call_output, reasoning)", param=f"input[{i}].type", code="unsupported_parameter")
+                                "function_call_output, reasoning, mcp_call)", param=f"input[{i}].type",
+                           code="unsupported_parameter")
     return messages
 
 
@@ -194,4 +207,5 @@ def chat_request(body: ResponsesRequest, history: list[ChatMessage]) -> ChatComp
         top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
         seed=body.seed, user=body.user, tools=chat_tools(body.tools), tool_choice=chat_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls, response_format=response_format(body.text),
-        reasoning_effort=reasoning.get("effort"), stream=body.stream)
+        reasoning_effort=reasoning.get("effort"), stream=body.stream, mcp_execute=body.mcp_execute,
+        mcp_max_rounds=body.mcp_max_rounds)

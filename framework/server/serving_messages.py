@@ -22,7 +22,8 @@ from framework.server.chat_prompt import chat_prompt
 from framework.server.chat_tools import tool_setup
 from framework.server.errors import APIError, anthropic_error_body, decode_body
 from framework.server.limits import read_body
-from framework.server.protocol import ResponseMessage
+from framework.server.mcp_client import SEPARATOR
+from framework.server.protocol import MCPCallRecord, ResponseMessage
 from framework.server.serving_chat import ChatCall, chat_chunk_stream, chat_completion, start_chat, stream_response
 from framework.server.state import ServerState, engine_error, typed_sse_stream
 
@@ -44,9 +45,20 @@ def tool_input(arguments: str) -> Any:
         return {"_raw_arguments": arguments}
 
 
+def mcp_blocks(record: MCPCallRecord) -> list[dict[str, Any]]:
+    """A call the server ran (``mcp_execute``), as the MCP connector's ``mcp_tool_use`` and
+    ``mcp_tool_result`` blocks (the server name is the tool name's ``<server>__`` prefix)."""
+    server = record.name.split(SEPARATOR, 1)[0] if SEPARATOR in record.name else ""
+    return [{"type": "mcp_tool_use", "id": record.id, "name": record.name, "server_name": server,
+             "input": tool_input(record.arguments)},
+            {"type": "mcp_tool_result", "tool_use_id": record.id, "is_error": record.is_error,
+             "content": [{"type": "text", "text": record.result}]}]
+
+
 def content_blocks(message: ResponseMessage) -> list[dict[str, Any]]:
     blocks = [{"type": "thinking", "thinking": message.reasoning_content, "signature": ""}] \
         if message.reasoning_content else []
+    blocks += [block for record in message.mcp_calls or [] for block in mcp_blocks(record)]
     if message.content:
         blocks.append({"type": "text", "text": message.content})
     blocks += [{"type": "tool_use", "id": c.id, "name": c.function.name, "input": tool_input(c.function.arguments)}
@@ -140,6 +152,10 @@ async def stream_events(call: ChatCall, chunks: AsyncIterator[Any]) -> AsyncIter
                             yield event
                     yield {"type": "content_block_delta", "index": index,
                            "delta": {"type": "text_delta", "text": delta.content}}
+                for record in delta.mcp_calls or []:  # calls the server ran between two rounds
+                    for block in mcp_blocks(record):
+                        for event in start(block):
+                            yield event
                 for piece in delta.tool_calls or []:
                     if piece.id is not None:
                         for event in start({"type": "tool_use", "id": piece.id, "name": piece.function.name, "input": {}}):

@@ -22,8 +22,14 @@ from litestar import Request, Response
 
 from framework.server.errors import APIError, decode_body
 from framework.server.limits import read_body
-from framework.server.protocol import ChatCompletionRequest, ChatMessage, ResponseMessage, Usage
-from framework.server.responses_input import ResponsesRequest, chat_request, reject_unsupported_responses
+from framework.server.mcp_client import SEPARATOR
+from framework.server.protocol import ChatCompletionRequest, ChatMessage, MCPCallRecord, ResponseMessage, Usage
+from framework.server.responses_input import (
+    ResponsesRequest,
+    chat_request,
+    input_messages,
+    reject_unsupported_responses,
+)
 from framework.server.responses_store import StoredResponse
 from framework.server.serving_chat import ChatCall, chat_chunk_stream, chat_completion, start_chat, stream_response
 from framework.server.state import ServerState, engine_error, new_id, typed_sse_stream
@@ -49,21 +55,34 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
             "arguments": arguments, "status": status}
 
 
+def mcp_item(record: MCPCallRecord) -> dict[str, Any]:
+    """A call the server ran (``mcp_execute``), as OpenAI's ``mcp_call`` item (the server label is
+    the tool name's ``<server>__`` prefix)."""
+    label = record.name.split(SEPARATOR, 1)[0] if SEPARATOR in record.name else ""
+    return {"type": "mcp_call", "id": record.id, "server_label": label, "name": record.name,
+            "arguments": record.arguments, "output": None if record.is_error else record.result,
+            "error": record.result if record.is_error else None, "status": "completed"}
+
+
 def output_items(message: ResponseMessage) -> list[dict[str, Any]]:
     items = [reasoning_item(message.reasoning_content)] if message.reasoning_content else []
+    items += [mcp_item(record) for record in message.mcp_calls or []]
     if message.content:
         items.append(message_item(message.content))
     items += [call_item(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
     return items
 
 
-def assistant_turn(output: list[dict[str, Any]]) -> ChatMessage:
-    """The output items as the assistant message a follow-up's conversation holds."""
+def output_messages(output: list[dict[str, Any]]) -> list[ChatMessage]:
+    """The output items as the messages a follow-up's conversation holds: the MCP calls the server
+    ran (each call and its result), then the assistant's turn."""
+    messages = input_messages([item for item in output if item["type"] == "mcp_call"])
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
     reasoning = "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
     calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
              for i in output if i["type"] == "function_call"]
-    return ChatMessage(role="assistant", content=text, tool_calls=calls or None, reasoning_content=reasoning or None)
+    return [*messages, ChatMessage(role="assistant", content=text, tool_calls=calls or None,
+                                   reasoning_content=reasoning or None)]
 
 
 def response_usage(usage: Usage | None) -> dict[str, Any] | None:
@@ -102,7 +121,7 @@ class ResponseRun:
 
     def store(self, response: dict[str, Any], task: asyncio.Task | None = None) -> None:
         if self.body.store:
-            messages = [*self.conversation, assistant_turn(response["output"])]
+            messages = [*self.conversation, *output_messages(response["output"])]
             self.state.responses.put(self.id, StoredResponse(response, messages, task))
 
     async def whole(self, call: ChatCall, request: Request | None) -> dict[str, Any]:
@@ -267,6 +286,13 @@ async def stream_events(run: ResponseRun, chunks: AsyncIterator[Any]) -> AsyncIt
                     text += delta.content
                     yield event("response.output_text.delta", item_id=open_item["id"], output_index=len(output),
                                 content_index=0, delta=delta.content, logprobs=[])
+                for record in delta.mcp_calls or []:  # calls the server ran between two rounds
+                    for e in close():
+                        yield e
+                    item = mcp_item(record)
+                    yield event("response.output_item.added", output_index=len(output), item=item)
+                    output.append(item)
+                    yield event("response.output_item.done", output_index=len(output) - 1, item=item)
                 for call in delta.tool_calls or []:
                     if call.id is not None:
                         for e in open_(call_item(call.id, call.function.name or "", "", "in_progress")):
