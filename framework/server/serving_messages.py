@@ -131,11 +131,12 @@ async def stream_events(call: ChatCall, chunks: AsyncIterator[Any]) -> AsyncIter
         events.append({"type": "content_block_start", "index": index, "content_block": block})
         return events
 
-    output_tokens, finish, stop = 0, None, None
+    final, finish, stop = usage(num_prompt, 0), None, None
     try:
         async for chunk in chunks:
-            if chunk.usage is not None:
-                output_tokens = chunk.usage.completion_tokens
+            if chunk.usage is not None:  # the last chunk: the whole request's usage
+                cached = (chunk.usage.prompt_tokens_details or {}).get("cached_tokens", 0)
+                final = usage(chunk.usage.prompt_tokens, chunk.usage.completion_tokens, cached)
             for choice in chunk.choices:
                 delta = choice.delta
                 if choice.finish_reason is not None:
@@ -169,6 +170,5 @@ async def stream_events(call: ChatCall, chunks: AsyncIterator[Any]) -> AsyncIter
     if kind is not None:
         yield {"type": "content_block_stop", "index": index}
     reason, sequence = stop_reason(finish, stop)
-    yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-           "usage": {"output_tokens": output_tokens}}
+    yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final}
     yield {"type": "message_stop"}
