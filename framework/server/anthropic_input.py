@@ -16,17 +16,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import msgspec
-
+from framework.server.chat_prompt import refuse_fields
 from framework.server.errors import APIError, bad_request
-from framework.server.protocol import ChatCompletionRequest, ChatMessage
+from framework.server.protocol import ChatCompletionRequest, ChatMessage, MCPExecuteFields
 
 #: Fields fw refuses when set.
 UNSUPPORTED_MESSAGES_FIELDS = ("container", "mcp_servers", "context_management", "output_format", "citations",
                                "diagnostics", "inference_geo")
 
 
-class MessagesRequest(msgspec.Struct, kw_only=True):
+class MessagesRequest(MCPExecuteFields, kw_only=True):
     model: str | None = None
     messages: list[dict[str, Any]]
     max_tokens: int | None = None  # required by /v1/messages, not by count_tokens
@@ -44,9 +43,6 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     output_config: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None  # accepted: fw caches prompt prefixes anyway
     speed: str | None = None
-    # fw extensions (as in chat): the server runs the MCP tools the model calls, for at most this many rounds
-    mcp_execute: bool = False
-    mcp_max_rounds: int = 4
     # refused when set
     container: Any = None
     mcp_servers: Any = None
@@ -58,9 +54,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
 
 
 def reject_unsupported_messages(body: MessagesRequest) -> None:
-    for name in UNSUPPORTED_MESSAGES_FIELDS:
-        if getattr(body, name) is not None:
-            raise APIError(400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter")
+    refuse_fields(body, UNSUPPORTED_MESSAGES_FIELDS, {})
     if body.service_tier not in (None, "auto", "standard_only"):
         raise bad_request(f"service_tier must be 'auto' or 'standard_only'; got {body.service_tier!r}", "service_tier")
     if body.speed not in (None, "standard"):

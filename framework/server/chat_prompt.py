@@ -39,13 +39,19 @@ def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
+def refuse_fields(body: Any, names: tuple[str, ...], accepted: dict[str, tuple[Any, ...]]) -> None:
     """A field fw does not support yet is a 400 naming it, never silently ignored (unless it is
-    set to the value that asks for what fw does anyway, :data:`DEFAULT_VALUES`)."""
+    set to one of its ``accepted`` values, which ask for what fw does anyway)."""
     for name in names:
         value = getattr(body, name)
-        if value is not None and not any(type(value) is type(ok) and value == ok for ok in DEFAULT_VALUES.get(name, ())):
+        if value is not None and not any(type(value) is type(ok) and value == ok for ok in accepted.get(name, ())):
             raise APIError(400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter")
+
+
+def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
+    """:func:`refuse_fields` with the chat and completions defaults (:data:`DEFAULT_VALUES`), and
+    the refused values of ``stream_options`` and ``best_of``."""
+    refuse_fields(body, names, DEFAULT_VALUES)
     options = getattr(body, "stream_options", None)
     if options is not None and options.continuous_usage_stats:
         raise APIError(400, "'stream_options.continuous_usage_stats' is not supported by this server yet; "

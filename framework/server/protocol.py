@@ -78,6 +78,14 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     reasoning: str | None = None
 
 
+class MCPExecuteFields(msgspec.Struct, kw_only=True):
+    """fw extensions of every chat-like request: let the server run the MCP tools the model calls,
+    for at most ``mcp_max_rounds`` rounds."""
+
+    mcp_execute: bool = False
+    mcp_max_rounds: int = 4
+
+
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -102,7 +110,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    # fw extensions: let the server run the MCP tools the model calls, for at most this many rounds
+    # fw extensions (the fields of MCPExecuteFields; a Struct has one base with fields)
     mcp_execute: bool = False
     mcp_max_rounds: int = 4
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
+from framework.server.chat_prompt import refuse_fields
 from framework.server.errors import APIError, bad_request
-from framework.server.protocol import ChatCompletionRequest, ChatMessage
+from framework.server.protocol import ChatCompletionRequest, ChatMessage, MCPExecuteFields
 
 #: Responses fields fw refuses when set (not None, and not a value in :data:`RESPONSES_DEFAULTS`).
 UNSUPPORTED_RESPONSES_FIELDS = ("conversation", "prompt", "top_logprobs", "max_tool_calls", "context_management",
@@ -28,7 +27,7 @@ RESPONSES_DEFAULTS: dict[str, tuple[Any, ...]] = {"include": ([],), "truncation"
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
+class ResponsesRequest(MCPExecuteFields, kw_only=True):
     model: str | None = None
     input: str | list[dict[str, Any]] = []
     instructions: str | None = None
@@ -54,9 +53,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    # fw extensions (as in chat): the server runs the MCP tools the model calls, for at most this many rounds
-    mcp_execute: bool = False
-    mcp_max_rounds: int = 4
     # refused when set (UNSUPPORTED_RESPONSES_FIELDS)
     conversation: Any = None
     prompt: Any = None
@@ -75,10 +71,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
 
 def reject_unsupported_responses(body: ResponsesRequest) -> None:
-    for name in UNSUPPORTED_RESPONSES_FIELDS:
-        value = getattr(body, name)
-        if value is not None and value not in RESPONSES_DEFAULTS.get(name, ()):
-            raise APIError(400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter")
+    refuse_fields(body, UNSUPPORTED_RESPONSES_FIELDS, RESPONSES_DEFAULTS)
     if body.background and body.stream:
         raise APIError(400, "'background' with 'stream' is not supported by this server yet: create the response in "
                             "the background and poll GET /v1/responses/{id}", param="background",

@@ -76,20 +76,17 @@ async def stream_events(run: ResponseRun, chunks: AsyncIterator[Any]) -> AsyncIt
             for choice in chunk.choices:
                 delta = choice.delta
                 finish_reason = choice.finish_reason or finish_reason
-                if delta.reasoning_content:
-                    if open_item is None or open_item["type"] != "reasoning":
-                        for e in open_(reasoning_item("", "in_progress")):
+                for piece, kind in ((delta.reasoning_content, "reasoning"), (delta.content, "message")):
+                    if not piece:
+                        continue
+                    if open_item is None or open_item["type"] != kind:
+                        item = reasoning_item("", "in_progress") if kind == "reasoning" else message_item("", "in_progress")
+                        for e in open_(item):
                             yield e
-                    text += delta.reasoning_content
-                    yield event("response.reasoning_text.delta", item_id=open_item["id"], output_index=len(output),
-                                content_index=0, delta=delta.reasoning_content)
-                if delta.content:
-                    if open_item is None or open_item["type"] != "message":
-                        for e in open_(message_item("", "in_progress")):
-                            yield e
-                    text += delta.content
-                    yield event("response.output_text.delta", item_id=open_item["id"], output_index=len(output),
-                                content_index=0, delta=delta.content, logprobs=[])
+                    text += piece
+                    extra = {"logprobs": []} if kind == "message" else {}
+                    yield event("response.output_text.delta" if kind == "message" else "response.reasoning_text.delta",
+                                item_id=open_item["id"], output_index=len(output), content_index=0, delta=piece, **extra)
                 for record in delta.mcp_calls or []:  # calls the server ran between two rounds
                     for e in close():
                         yield e
