@@ -18,7 +18,7 @@ from typing import Any
 from litestar import Request, Response
 
 from framework.server.anthropic_input import MessagesRequest, chat_request, reject_unsupported_messages
-from framework.server.chat_prompt import chat_prompt
+from framework.server.chat_prompt import chat_prompt, template_messages
 from framework.server.chat_tools import tool_setup
 from framework.server.errors import APIError, anthropic_error_body, decode_body
 from framework.server.limits import read_body
@@ -104,8 +104,6 @@ async def count_tokens(state: ServerState, request: Request) -> dict[str, int]:
     state.check_model(body.model)
     reject_unsupported_messages(body)
     chat = chat_request(body, for_generation=False)
-    from framework.server.chat_prompt import template_messages
-
     setup = tool_setup(chat)
     _, ids = chat_prompt(state.client.tokenizer, chat, setup.tools, template_messages(chat.messages))
     return {"input_tokens": len(ids)}

@@ -108,7 +108,8 @@ async def _background(run: ResponseRun, call: ChatCall) -> None:
         await run.whole(call, None)
     except asyncio.CancelledError:
         call.release()
-        run.store(run.response("cancelled"))
+        if run.state.responses.get(run.id) is not None:  # cancelled, not deleted or evicted: keep the status
+            run.store(run.response("cancelled"))
         raise
     except Exception as error:
         api_error = engine_error(error)

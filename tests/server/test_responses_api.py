@@ -154,6 +154,14 @@ def test_background_response_completes_and_cancel_stops_it(client, server):
     assert server.state.num_admitted == 0  # its admission was released
     assert server.engine.prompts[-1].endswith("<|user|>slow<|assistant|>")
     assert len(server.engine.finished) == len(server.engine.prompts) - 1  # the slow one never finished
+    # deleting a running background response stops it and forgets it
+    deleted = client.responses.create(model="scripted", input="slow", background=True)
+    time.sleep(0.2)
+    client.responses.delete(deleted.id)
+    time.sleep(0.2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
+    assert server.state.num_admitted == 0
 
 
 @pytest.mark.parametrize("field, value, param", [
