@@ -52,7 +52,13 @@ from framework.server.serving_chat import create_chat_completion
 from framework.server.serving_completion import create_completion
 from framework.server.serving_embedding import create_embedding
 from framework.server.serving_messages import count_tokens, create_message
-from framework.server.serving_responses import cancel_response, create_response, delete_response, get_response
+from framework.server.serving_responses import (
+    cancel_response,
+    create_response,
+    delete_response,
+    get_response,
+    list_input_items,
+)
 from framework.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("fw.server")
@@ -81,6 +87,10 @@ class OpenAIController(Controller):
     @get("/responses/{response_id:str}")
     async def response(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
         return get_response(server, response_id)
+
+    @get("/responses/{response_id:str}/input_items")
+    async def response_input_items(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
+        return list_input_items(server, response_id)
 
     @delete("/responses/{response_id:str}", status_code=200)
     async def delete_response(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:

@@ -66,3 +66,11 @@ def response_usage(usage: Usage | None) -> dict[str, Any] | None:
     return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's input as items with ids (a string is one user message)."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
+    return [{"id": new_item_id("msg" if item.get("type", "message") == "message" else "item"), "type": "message",
+             **item} for item in items]

@@ -25,6 +25,7 @@ class StoredResponse:
     messages: list[ChatMessage]
     task: asyncio.Task | None = None  # a background response still generating
     expires_at: float = 0.0
+    input_items: list[dict[str, Any]] | None = None  # the request's input, for GET .../input_items
 
 
 class ResponseStore:

@@ -26,7 +26,7 @@ from framework.server.responses_input import (
     chat_request,
     reject_unsupported_responses,
 )
-from framework.server.responses_items import new_item_id, output_items, output_messages, response_usage
+from framework.server.responses_items import input_items, new_item_id, output_items, output_messages, response_usage
 from framework.server.responses_store import StoredResponse
 from framework.server.responses_stream import stream_events
 from framework.server.serving_chat import ChatCall, chat_chunk_stream, chat_completion, start_chat, stream_response
@@ -61,7 +61,8 @@ class ResponseRun:
     def store(self, response: dict[str, Any], task: asyncio.Task | None = None) -> None:
         if self.body.store:
             messages = [*self.conversation, *output_messages(response["output"])]
-            self.state.responses.put(self.id, StoredResponse(response, messages, task))
+            self.state.responses.put(self.id, StoredResponse(response, messages, task,
+                                                             input_items=input_items(self.body.input)))
 
     async def whole(self, call: ChatCall, request: Request | None) -> dict[str, Any]:
         completion = await chat_completion(call, request)
@@ -144,6 +145,13 @@ async def cancel_response(state: ServerState, response_id: str) -> dict[str, Any
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await entry.task
     return _stored(state, response_id).response
+
+
+def list_input_items(state: ServerState, response_id: str) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: the request's input items, newest first (as OpenAI lists them)."""
+    items = list(reversed(_stored(state, response_id).input_items or []))
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": False}
 
 
 def _error_event(error: APIError) -> dict[str, Any]:

@@ -125,6 +125,18 @@ def test_stream_sends_the_typed_events_of_the_whole_response(client):
     assert client.responses.retrieve(final.id).output_text == whole.output_text
 
 
+def test_input_items_of_a_stored_response_are_listed(client):
+    items = [{"role": "user", "content": "Weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "rainy"}]
+    response = client.responses.create(model="scripted", input=items, tools=TOOLS)
+    listed = client.responses.input_items.list(response.id).data
+    assert [i.type for i in listed] == ["function_call_output", "function_call", "message"]  # newest first
+    assert listed[0].output == "rainy" and listed[1].call_id == "c1"
+    assert [i.type for i in client.responses.input_items.list(client.responses.create(
+        model="scripted", input="hi").id).data] == ["message"]
+
+
 def test_get_and_delete_by_id_and_store_false(client):
     response = client.responses.create(model="scripted", input="hi")
     assert client.responses.retrieve(response.id).output_text == "Hello there!"
