@@ -189,3 +189,13 @@ def test_fields_fw_cannot_honour_are_400s_naming_them(server, field, value, para
     response = httpx.post(server.base_url + "/v1/responses", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_the_sdk_stream_helper_accumulates_the_events_into_the_response(client):
+    whole = client.responses.create(model="scripted", input="Weather in Paris?", tools=TOOLS)
+    with client.responses.stream(model="scripted", input="Weather in Paris?", tools=TOOLS) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text == whole.output_text
+    [call] = [item for item in final.output if item.type == "function_call"]
+    assert json.loads(call.arguments) == {"city": "Paris"}
