@@ -50,7 +50,9 @@ test-gpu: install
 bench: install
 	$(FW) bench $(ARGS)
 
+# Formatting and lint over the whole tree (CI runs it before the tests).
 lint: install
+	$(VENV)/bin/ruff format --check framework cli plugins tests benchmarks
 	$(VENV)/bin/ruff check framework cli plugins tests benchmarks
 
 clean:

@@ -75,16 +75,21 @@ def worker(rank: int, ranks: int, port: int, impls: list[str], out: str | None, 
             fast = SymmMemAllReduce(device, max(SIZES) * 2)
             reduce = fast.all_reduce
         else:
+
             def reduce(x: torch.Tensor) -> torch.Tensor:
                 dist.all_reduce(x)
                 return x
+
         for numel in SIZES:
             x = torch.ones(numel, dtype=torch.bfloat16, device=device)  # (the repeated sums overflow: no matter)
             eager, graphed = time_all_reduce(reduce, x)
             results.append(dict(impl=impl, kib=numel * 2 / 1024, eager_us=eager, graph_us=graphed))
             if rank == 0:
-                print(f"{impl:>8} all_reduce {numel * 2 / 1024:7.0f} KiB: eager {eager:6.1f} us, "
-                      f"in a CUDA graph {graphed:6.1f} us", flush=True)
+                print(
+                    f"{impl:>8} all_reduce {numel * 2 / 1024:7.0f} KiB: eager {eager:6.1f} us, "
+                    f"in a CUDA graph {graphed:6.1f} us",
+                    flush=True,
+                )
         if impl == "symm_mem":
             fast.close()
     if rank == 0 and out:
@@ -103,7 +108,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     run = report_header()  # here: the workers' command line is not the user's
-    mp.spawn(worker, args=(args.ranks, args.port, args.impl, str(args.out) if args.out else None, run), nprocs=args.ranks)
+    mp.spawn(
+        worker, args=(args.ranks, args.port, args.impl, str(args.out) if args.out else None, run), nprocs=args.ranks
+    )
 
 
 if __name__ == "__main__":

@@ -38,14 +38,21 @@ def time_fw(path: Path, batch: int, new_tokens: int) -> dict:
     out = llm.generate([prompt] * batch, params)
     total = time.perf_counter() - started
     assert all(len(r.outputs[0].token_ids) == new_tokens for r in out)
-    return {"engine": "fw", "batch": batch, "total_s": total, "prefill_s": prefill,
-            "decode_tokens_per_s": batch * (new_tokens - 1) / (total - prefill)}
+    return {
+        "engine": "fw",
+        "batch": batch,
+        "total_s": total,
+        "prefill_s": prefill,
+        "decode_tokens_per_s": batch * (new_tokens - 1) / (total - prefill),
+    }
 
 
 def time_transformers(path: Path, batch: int, new_tokens: int) -> dict:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ids = torch.tensor([tokenizer(PROMPT)["input_ids"]] * batch)
     kwargs = dict(do_sample=False, pad_token_id=0)
@@ -58,8 +65,13 @@ def time_transformers(path: Path, batch: int, new_tokens: int) -> dict:
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
         total = time.perf_counter() - started
     assert out.shape[1] == ids.shape[1] + new_tokens
-    return {"engine": "transformers " + transformers.__version__, "batch": batch, "total_s": total, "prefill_s": prefill,
-            "decode_tokens_per_s": batch * (new_tokens - 1) / (total - prefill)}
+    return {
+        "engine": "transformers " + transformers.__version__,
+        "batch": batch,
+        "total_s": total,
+        "prefill_s": prefill,
+        "decode_tokens_per_s": batch * (new_tokens - 1) / (total - prefill),
+    }
 
 
 def main() -> None:
@@ -76,8 +88,11 @@ def main() -> None:
     for batch in args.batch:
         rows.append(time_fw(path, batch, args.new_tokens))
         rows.append(time_transformers(path, batch, args.new_tokens))
-    report = {**report_header(f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"),
-              "model": path.name, "results": rows}
+    report = {
+        **report_header(f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"),
+        "model": path.name,
+        "results": rows,
+    }
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     print(f"{path.name} on {report['device']}, {args.new_tokens} new tokens, greedy")

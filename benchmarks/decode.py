@@ -72,10 +72,19 @@ def run_case(llm, batch: int, context: int, steps: int, weight_bytes: int) -> di
     for request_id in list(core.requests):
         core.abort(request_id)
     step = statistics.median(times)
-    return {"batch": batch, "context": context, "steps": steps, "median_step_ms": step * 1e3,
-            "tokens_per_s": batch / step, "batch_size": batch, "input_len": context, "output_len": steps,
-            "decode_tokens_per_s": batch / step, "roofline_tokens_per_s": COPY_BANDWIDTH / weight_bytes,
-            "roofline_fraction": (batch / step) / (COPY_BANDWIDTH / weight_bytes) if batch == 1 else None}
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "median_step_ms": step * 1e3,
+        "tokens_per_s": batch / step,
+        "batch_size": batch,
+        "input_len": context,
+        "output_len": steps,
+        "decode_tokens_per_s": batch / step,
+        "roofline_tokens_per_s": COPY_BANDWIDTH / weight_bytes,
+        "roofline_fraction": (batch / step) / (COPY_BANDWIDTH / weight_bytes) if batch == 1 else None,
+    }
 
 
 def main() -> None:
@@ -84,15 +93,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--context", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int,
-                        help="the engine's max_model_len (default: just enough for the cases). fw serve uses the "
-                             "model's, and the Triton decode kernel's split count in the graphs follows it")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the engine's max_model_len (default: just enough for the cases). fw serve uses the "
+        "model's, and the Triton decode kernel's split count in the graphs follows it",
+    )
     add_engine_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.max_model_len is not None and args.max_model_len < max(args.context) + args.steps + 1:
-        parser.error(f"--max-model-len {args.max_model_len} cannot hold a context of {max(args.context)} "
-                     f"plus {args.steps} steps")
+        parser.error(
+            f"--max-model-len {args.max_model_len} cannot hold a context of {max(args.context)} plus {args.steps} steps"
+        )
     devices, tp = device_ids(args), tensor_parallel_size(args)
 
     from framework import LLM
@@ -100,27 +113,52 @@ def main() -> None:
     config = model_config(args.shape)
     folder = write_model_folder(config)
     started = time.perf_counter()
-    llm = LLM(str(folder), **engine_kwargs(
-        args, max_num_seqs=max(args.batch),
-        max_model_len=args.max_model_len or max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192))
+    llm = LLM(
+        str(folder),
+        **engine_kwargs(
+            args,
+            max_num_seqs=max(args.batch),
+            max_model_len=args.max_model_len
+            or max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192,
+        ),
+    )
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)
     results = [run_case(llm, b, c, args.steps, weight_bytes) for b in args.batch for c in args.context]
     header = report_header()
     for result in results:  # the GPU issue's keys on every result (output_len: the timed decode steps)
-        result.update(device=header["device"], model=f"{args.shape} shape, random weights", dtype=args.dtype, tp=tp,
-                      num_gpus=tp, commit=header["commit"], command=header["command"])
-    report = {**header, "shape": args.shape, "dtype": args.dtype, "tp": tp, "all_reduce": args.all_reduce, "devices": devices or [0],
-              "weight_bytes": weight_bytes, "weight_bytes_note": "per rank" if tp > 1 else "whole model", "build_s": build_s,
-              "summary": llm.engine.summary, "fw_kernels": os.environ.get("FW_KERNELS", ""),
-              "results": results}
+        result.update(
+            device=header["device"],
+            model=f"{args.shape} shape, random weights",
+            dtype=args.dtype,
+            tp=tp,
+            num_gpus=tp,
+            commit=header["commit"],
+            command=header["command"],
+        )
+    report = {
+        **header,
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "tp": tp,
+        "all_reduce": args.all_reduce,
+        "devices": devices or [0],
+        "weight_bytes": weight_bytes,
+        "weight_bytes_note": "per rank" if tp > 1 else "whole model",
+        "build_s": build_s,
+        "summary": llm.engine.summary,
+        "fw_kernels": os.environ.get("FW_KERNELS", ""),
+        "results": results,
+    }
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, default=str))
     llm.close()
-    print(f"{args.shape} {args.dtype} TP={tp} ({args.all_reduce} all-reduce) on {report['device']}: attention {llm.engine.attention_backend}, "
-          f"graphs {llm.engine.summary.get('cuda_graphs')}, async {llm.engine.summary.get('async_scheduling')}, weights {weight_bytes / 1e9:.2f} GB, build {build_s:.0f} s"
-          + (f", FW_KERNELS={report['fw_kernels']}" if report["fw_kernels"] else ""))
+    print(
+        f"{args.shape} {args.dtype} TP={tp} ({args.all_reduce} all-reduce) on {report['device']}: attention {llm.engine.attention_backend}, "
+        f"graphs {llm.engine.summary.get('cuda_graphs')}, async {llm.engine.summary.get('async_scheduling')}, weights {weight_bytes / 1e9:.2f} GB, build {build_s:.0f} s"
+        + (f", FW_KERNELS={report['fw_kernels']}" if report["fw_kernels"] else "")
+    )
     print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'roofline':>9}")
     for r in results:
         frac = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] else "-"

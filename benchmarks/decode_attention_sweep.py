@@ -56,8 +56,16 @@ class DecodeCase(NamedTuple):
     slot_mapping: torch.Tensor  # [R], where the new token goes
 
 
-def make_case(batch: int, context: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-              device: str, seed: int = 0) -> DecodeCase:
+def make_case(
+    batch: int,
+    context: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+) -> DecodeCase:
     """Random inputs of one case; pages shuffled so that neighbouring positions are not neighbours in memory."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_request = -(-context // PAGE)
@@ -69,31 +77,56 @@ def make_case(batch: int, context: int, num_heads: int, num_kv_heads: int, head_
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
-    return DecodeCase(rand(batch, num_heads, head_size), rand(batch, num_kv_heads, head_size),
-                      rand(batch, num_kv_heads, head_size), rand(2, num_blocks, PAGE, num_kv_heads, head_size),
-                      torch.full((batch,), context, dtype=torch.int32, device=device),
-                      table.to(device=device, dtype=torch.int32), slots.to(device))
+    return DecodeCase(
+        rand(batch, num_heads, head_size),
+        rand(batch, num_kv_heads, head_size),
+        rand(batch, num_kv_heads, head_size),
+        rand(2, num_blocks, PAGE, num_kv_heads, head_size),
+        torch.full((batch,), context, dtype=torch.int32, device=device),
+        table.to(device=device, dtype=torch.int32),
+        slots.to(device),
+    )
 
 
 def unfused(case: DecodeCase, max_seq_len: int, **tiles: Any) -> torch.Tensor:
     """``store_kv`` then ``decode_attention`` reading the stored token back."""
     store_kv(case.key, case.value, case.kv_cache, case.slot_mapping)
-    return decode_attention(case.query, case.kv_cache, case.seq_lens, case.block_table, num_reqs=len(case.seq_lens),
-                            max_seq_len=max_seq_len, sm_scale=case.query.shape[-1] ** -0.5, **tiles)
+    return decode_attention(
+        case.query,
+        case.kv_cache,
+        case.seq_lens,
+        case.block_table,
+        num_reqs=len(case.seq_lens),
+        max_seq_len=max_seq_len,
+        sm_scale=case.query.shape[-1] ** -0.5,
+        **tiles,
+    )
 
 
 def fused(case: DecodeCase, max_seq_len: int, **tiles: Any) -> torch.Tensor:
     """``decode_attention`` storing the new K/V itself."""
-    return decode_attention(case.query, case.kv_cache, case.seq_lens, case.block_table, num_reqs=len(case.seq_lens),
-                            max_seq_len=max_seq_len, sm_scale=case.query.shape[-1] ** -0.5, key=case.key,
-                            value=case.value, slot_mapping=case.slot_mapping, **tiles)
+    return decode_attention(
+        case.query,
+        case.kv_cache,
+        case.seq_lens,
+        case.block_table,
+        num_reqs=len(case.seq_lens),
+        max_seq_len=max_seq_len,
+        sm_scale=case.query.shape[-1] ** -0.5,
+        key=case.key,
+        value=case.value,
+        slot_mapping=case.slot_mapping,
+        **tiles,
+    )
 
 
 def sweep_settings(context: int) -> list[dict[str, int]]:
     """The grid's settings that give every split at least one tile of the context."""
-    return [dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
-            for block_n, warps, stages, splits in itertools.product(BLOCK_N, NUM_WARPS, NUM_STAGES, NUM_SPLITS)
-            if splits <= triton.cdiv(context, block_n)]
+    return [
+        dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+        for block_n, warps, stages, splits in itertools.product(BLOCK_N, NUM_WARPS, NUM_STAGES, NUM_SPLITS)
+        if splits <= triton.cdiv(context, block_n)
+    ]
 
 
 def run_case(shape: str, tp: int, batch: int, context: int, max_model_len: int) -> dict[str, Any]:
@@ -106,13 +139,22 @@ def run_case(shape: str, tp: int, batch: int, context: int, max_model_len: int) 
     default_splits = num_kv_splits(batch, heads.num_kv_heads, max_model_len, sms)
     reference = unfused(case, max_model_len).float()
     row: dict[str, Any] = {
-        "shape": shape, "tp": tp, "batch": batch, "context": context, "num_heads": heads.num_heads,
-        "num_kv_heads": heads.num_kv_heads, "head_size": head_size, "max_model_len": max_model_len,
-        "kv_bytes": 2 * batch * context * heads.num_kv_heads * head_size * 2, "default_num_splits": default_splits,
+        "shape": shape,
+        "tp": tp,
+        "batch": batch,
+        "context": context,
+        "num_heads": heads.num_heads,
+        "num_kv_heads": heads.num_kv_heads,
+        "head_size": head_size,
+        "max_model_len": max_model_len,
+        "kv_bytes": 2 * batch * context * heads.num_kv_heads * head_size * 2,
+        "default_num_splits": default_splits,
         "store_kv_us": graph_time(lambda: store_kv(case.key, case.value, case.kv_cache, case.slot_mapping)) * 1e6,
         "unfused_us": graph_time(lambda: unfused(case, max_model_len)) * 1e6,
         "fused_us": graph_time(lambda: fused(case, max_model_len)) * 1e6,
-        "sweep": [], "skipped": []}
+        "sweep": [],
+        "skipped": [],
+    }
     for setting in sweep_settings(context):
         try:
             error = (fused(case, max_model_len, **setting).float() - reference).abs().max().item()
@@ -131,14 +173,21 @@ def run_case(shape: str, tp: int, batch: int, context: int, max_model_len: int) 
 def describe(row: dict[str, Any]) -> str:
     """The case's lines of the printed summary."""
     best = row["best"]
-    best_text = "none ran" if best is None else (
-        f"{best['us']:.1f} us at block_n {best['block_n']}, {best['num_warps']} warps, {best['num_stages']} stages, "
-        f"{best['num_splits']} splits ({row['kv_bytes'] / best['us'] / 1e3:.0f} GB/s of K/V)")
-    return (f"{row['shape']} tp{row['tp']} ({row['num_heads']}/{row['num_kv_heads']} heads) batch {row['batch']} "
-            f"context {row['context']}:\n"
-            f"  default ({row['default_num_splits']} splits): store_kv {row['store_kv_us']:.1f} us + decode = "
-            f"{row['unfused_us']:.1f} us unfused, {row['fused_us']:.1f} us fused\n"
-            f"  best of {len(row['sweep'])} fused settings: {best_text}")
+    best_text = (
+        "none ran"
+        if best is None
+        else (
+            f"{best['us']:.1f} us at block_n {best['block_n']}, {best['num_warps']} warps, {best['num_stages']} stages, "
+            f"{best['num_splits']} splits ({row['kv_bytes'] / best['us'] / 1e3:.0f} GB/s of K/V)"
+        )
+    )
+    return (
+        f"{row['shape']} tp{row['tp']} ({row['num_heads']}/{row['num_kv_heads']} heads) batch {row['batch']} "
+        f"context {row['context']}:\n"
+        f"  default ({row['default_num_splits']} splits): store_kv {row['store_kv_us']:.1f} us + decode = "
+        f"{row['unfused_us']:.1f} us unfused, {row['fused_us']:.1f} us fused\n"
+        f"  best of {len(row['sweep'])} fused settings: {best_text}"
+    )
 
 
 def check() -> None:
@@ -149,8 +198,9 @@ def check() -> None:
         raise SystemExit("--check on a CPU runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1")
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     for batch, context, heads, kv_heads in [(1, 40, 4, 2), (3, 33, 8, 2)]:
-        settings = [{}] + [s for s in sweep_settings(context) if s["block_n"] == 32 and s["num_stages"] == 2
-                           and s["num_warps"] == 4]
+        settings = [{}] + [
+            s for s in sweep_settings(context) if s["block_n"] == 32 and s["num_stages"] == 2 and s["num_warps"] == 4
+        ]
         for setting in settings:
             base, tested = (make_case(batch, context, heads, kv_heads, 32, dtype, device) for _ in range(2))
             expected = unfused(base, 4096, **setting)
@@ -166,8 +216,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, nargs="+", default=[128, 512, 4096])
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="the engine's context length, which sets the graph's split count (default: the shape's)")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's context length, which sets the graph's split count (default: the shape's)",
+    )
     parser.add_argument("--check", action="store_true", help="only check fused against unfused on tiny shapes")
     parser.add_argument("--out")
     args = parser.parse_args()

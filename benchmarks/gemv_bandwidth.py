@@ -33,16 +33,21 @@ def layer_shapes(shape: str, tp: int) -> list[tuple[str, int, int, int]]:
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim", hidden // heads)
     per_rank = attention_heads_per_rank(heads, kv_heads, tp)
-    return [("qkv", (per_rank.num_heads + 2 * per_rank.num_kv_heads) * head_dim, hidden, layers),
-            ("o", hidden, heads // tp * head_dim, layers),
-            ("gate_up", 2 * inter // tp, hidden, layers),
-            ("down", hidden, inter // tp, layers),
-            ("lm_head", -(-c["vocab_size"] // tp), hidden, 1)]
+    return [
+        ("qkv", (per_rank.num_heads + 2 * per_rank.num_kv_heads) * head_dim, hidden, layers),
+        ("o", hidden, heads // tp * head_dim, layers),
+        ("gate_up", 2 * inter // tp, hidden, layers),
+        ("down", hidden, inter // tp, layers),
+        ("lm_head", -(-c["vocab_size"] // tp), hidden, 1),
+    ]
 
 
-SETTINGS = [GemvConfig(block_n, block_k, split_k, warps, tensor_cores=tensor_cores)
-            for block_n, block_k, split_k, warps, tensor_cores
-            in itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (4, 8), (False, True))]
+SETTINGS = [
+    GemvConfig(block_n, block_k, split_k, warps, tensor_cores=tensor_cores)
+    for block_n, block_k, split_k, warps, tensor_cores in itertools.product(
+        (32, 64, 128), (128, 256), (1, 2, 4), (4, 8), (False, True)
+    )
+]
 #: Bytes of weight copies each timing cycles through: several times the H200's 50 MB L2, so every
 #: call reads its weight from HBM, as a decode step does (each layer's weight is read once per step).
 COLD_BYTES = 512 * 2**20
@@ -51,7 +56,7 @@ COLD_BYTES = 512 * 2**20
 def measure(n: int, k: int, rows: int) -> dict:
     """cuBLAS, the best Triton setting and the rule's setting for one ``[rows, k] @ [n, k]^T`` (bf16):
     seconds and weight TB/s (a setting that is the rule's own is timed once)."""
-    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
     x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
     copies = [w] + [w.clone() for _ in range(-(-COLD_BYTES // w.nbytes) - 1)]
     repeats = max(20, len(copies))
@@ -76,12 +81,21 @@ def measure(n: int, k: int, rows: int) -> dict:
     best = min(times, key=times.get, default=None)  # None: every setting wrong, cuBLAS alone
     weight_bytes = n * k * 2
     triton_s, rule_s = times.get(best, float("inf")), times.get(rule, float("inf"))
-    return {"n": n, "k": k, "rows": rows, "weight_bytes": weight_bytes,
-            "cublas_us": cublas * 1e6, "cublas_tb_s": weight_bytes / cublas / 1e12,
-            "triton_us": triton_s * 1e6, "triton_tb_s": weight_bytes / triton_s / 1e12,
-            "triton_setting": best and best._asdict(),
-            "rule_us": rule_s * 1e6, "rule_tb_s": weight_bytes / rule_s / 1e12, "rule_setting": rule._asdict(),
-            "settings": [{**config._asdict(), "us": seconds * 1e6} for config, seconds in sorted(times.items())]}
+    return {
+        "n": n,
+        "k": k,
+        "rows": rows,
+        "weight_bytes": weight_bytes,
+        "cublas_us": cublas * 1e6,
+        "cublas_tb_s": weight_bytes / cublas / 1e12,
+        "triton_us": triton_s * 1e6,
+        "triton_tb_s": weight_bytes / triton_s / 1e12,
+        "triton_setting": best and best._asdict(),
+        "rule_us": rule_s * 1e6,
+        "rule_tb_s": weight_bytes / rule_s / 1e12,
+        "rule_setting": rule._asdict(),
+        "settings": [{**config._asdict(), "us": seconds * 1e6} for config, seconds in sorted(times.items())],
+    }
 
 
 def check() -> None:
@@ -89,8 +103,14 @@ def check() -> None:
     cuda = torch.cuda.is_available()  # bf16 there; fp32 on a CPU (the interpreter computes bf16 wrongly)
     dtype, tolerance = (torch.bfloat16, 2e-2) if cuda else (torch.float32, 1e-4)
     generator = torch.Generator().manual_seed(0)
-    for rows, n, k, split_k, tensor_cores in [(1, 40, 96, 1, False), (1, 72, 200, 2, False), (1, 72, 200, 2, True),
-                                              (3, 72, 200, 2, False), (8, 33, 130, 4, False), (5, 64, 64, 1, False)]:
+    for rows, n, k, split_k, tensor_cores in [
+        (1, 40, 96, 1, False),
+        (1, 72, 200, 2, False),
+        (1, 72, 200, 2, True),
+        (3, 72, 200, 2, False),
+        (8, 33, 130, 4, False),
+        (5, 64, 64, 1, False),
+    ]:
         x = torch.randn(rows, k, generator=generator).to("cuda" if cuda else "cpu", dtype)
         w = torch.randn(n, k, generator=generator).to(x.device, dtype)
         config = GemvConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, tensor_cores=tensor_cores)
@@ -121,13 +141,18 @@ def main() -> None:
             step["best_s"] += count * min(result["cublas_us"], result["triton_us"]) / 1e6
             step["rule_s"] += count * result["rule_us"] / 1e6
             step["bytes"] += count * result["weight_bytes"]
-            print(f"{shape} tp{tp} rows {rows} {name:8s} {n:6d}x{k:6d}: cuBLAS {result['cublas_tb_s']:.2f} TB/s, "
-                  f"Triton {result['triton_tb_s']:.2f} TB/s {result['triton_setting']}, "
-                  f"rule {result['rule_tb_s']:.2f} TB/s {result['rule_setting']}", flush=True)
-        print(f"{shape} tp{tp} rows {rows}: weights {step['bytes'] / 1e9:.1f} GB in {step['cublas_s'] * 1e3:.2f} ms "
-              f"with cuBLAS ({step['bytes'] / step['cublas_s'] / 1e12:.2f} TB/s), {step['rule_s'] * 1e3:.2f} ms with the "
-              f"Triton op's rule, {step['best_s'] * 1e3:.2f} ms taking the faster per layer; copy bandwidth "
-              f"{COPY_BANDWIDTH / 1e12:.2f} TB/s")
+            print(
+                f"{shape} tp{tp} rows {rows} {name:8s} {n:6d}x{k:6d}: cuBLAS {result['cublas_tb_s']:.2f} TB/s, "
+                f"Triton {result['triton_tb_s']:.2f} TB/s {result['triton_setting']}, "
+                f"rule {result['rule_tb_s']:.2f} TB/s {result['rule_setting']}",
+                flush=True,
+            )
+        print(
+            f"{shape} tp{tp} rows {rows}: weights {step['bytes'] / 1e9:.1f} GB in {step['cublas_s'] * 1e3:.2f} ms "
+            f"with cuBLAS ({step['bytes'] / step['cublas_s'] / 1e12:.2f} TB/s), {step['rule_s'] * 1e3:.2f} ms with the "
+            f"Triton op's rule, {step['best_s'] * 1e3:.2f} ms taking the faster per layer; copy bandwidth "
+            f"{COPY_BANDWIDTH / 1e12:.2f} TB/s"
+        )
     if args.out:
         write_kernel_report(args.out, results)
 

@@ -23,7 +23,11 @@ from gguf import GGMLQuantizationType as Q
 GGUF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe"}
 SOURCE_TYPES = (Q.F16, Q.F32, Q.Q8_0)
 PYTHON_QUANT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
-_FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+_FILE_TYPES = {
+    Q.F32: gguf.LlamaFileType.ALL_F32,
+    Q.F16: gguf.LlamaFileType.MOSTLY_F16,
+    Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+}
 
 
 def tensor_layout(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
@@ -35,21 +39,31 @@ def tensor_layout(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], st
     tensors = [("token_embd.weight", (vocab, hidden), "weight")]
     for i in range(config["num_hidden_layers"]):
         b = f"blk.{i}."
-        tensors += [(b + "attn_norm.weight", (hidden,), "norm"), (b + "attn_q.weight", (heads * head_dim, hidden), "weight"),
-                    (b + "attn_k.weight", (kv_heads * head_dim, hidden), "weight"),
-                    (b + "attn_v.weight", (kv_heads * head_dim, hidden), "weight"),
-                    (b + "attn_output.weight", (hidden, heads * head_dim), "weight"), (b + "ffn_norm.weight", (hidden,), "norm")]
+        tensors += [
+            (b + "attn_norm.weight", (hidden,), "norm"),
+            (b + "attn_q.weight", (heads * head_dim, hidden), "weight"),
+            (b + "attn_k.weight", (kv_heads * head_dim, hidden), "weight"),
+            (b + "attn_v.weight", (kv_heads * head_dim, hidden), "weight"),
+            (b + "attn_output.weight", (hidden, heads * head_dim), "weight"),
+            (b + "ffn_norm.weight", (hidden,), "norm"),
+        ]
         if is_moe:
             experts, width = config["num_experts"], config["moe_intermediate_size"]
-            tensors += [(b + "attn_q_norm.weight", (head_dim,), "norm"), (b + "attn_k_norm.weight", (head_dim,), "norm"),
-                        (b + "ffn_gate_inp.weight", (experts, hidden), "router"),
-                        (b + "ffn_gate_exps.weight", (experts, width, hidden), "weight"),
-                        (b + "ffn_up_exps.weight", (experts, width, hidden), "weight"),
-                        (b + "ffn_down_exps.weight", (experts, hidden, width), "weight")]
+            tensors += [
+                (b + "attn_q_norm.weight", (head_dim,), "norm"),
+                (b + "attn_k_norm.weight", (head_dim,), "norm"),
+                (b + "ffn_gate_inp.weight", (experts, hidden), "router"),
+                (b + "ffn_gate_exps.weight", (experts, width, hidden), "weight"),
+                (b + "ffn_up_exps.weight", (experts, width, hidden), "weight"),
+                (b + "ffn_down_exps.weight", (experts, hidden, width), "weight"),
+            ]
         else:
             width = config["intermediate_size"]
-            tensors += [(b + "ffn_gate.weight", (width, hidden), "weight"), (b + "ffn_up.weight", (width, hidden), "weight"),
-                        (b + "ffn_down.weight", (hidden, width), "weight")]
+            tensors += [
+                (b + "ffn_gate.weight", (width, hidden), "weight"),
+                (b + "ffn_up.weight", (width, hidden), "weight"),
+                (b + "ffn_down.weight", (hidden, width), "weight"),
+            ]
     tensors.append(("output_norm.weight", (hidden,), "norm"))
     if not config.get("tie_word_embeddings", False):
         tensors.append(("output.weight", (vocab, hidden), "weight"))
@@ -69,7 +83,9 @@ def vocabulary(vocab_size: int) -> tuple[list[str], list[int], list[str], dict[s
     merged = ["Ġt", "Ġa", "he", "in", "Ġthe"]
     num_special = 256 if vocab_size >= 4096 else 8
     fillers = [f"x{i}" for i in range(vocab_size - num_special - len(byte_symbols) - len(merged))]
-    special = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>" for i in range(num_special - 2)]
+    special = ["<|begin_of_text|>", "<|end_of_text|>"] + [
+        f"<|reserved_special_token_{i}|>" for i in range(num_special - 2)
+    ]
     tokens = byte_symbols + merged + fillers + special
     types = [int(gguf.TokenType.NORMAL)] * (len(tokens) - num_special) + [int(gguf.TokenType.CONTROL)] * num_special
     first_special = len(tokens) - num_special
@@ -138,16 +154,21 @@ def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
     return int(np.prod(shape)) // block * size
 
 
-def write_random_gguf(path: Path, config: dict[str, Any], weight_type: Q = Q.F16, seed: int = 0,
-                      device: str | None = None) -> Path:
+def write_random_gguf(
+    path: Path, config: dict[str, Any], weight_type: Q = Q.F16, seed: int = 0, device: str | None = None
+) -> Path:
     """Write ``config``'s shape with random weights (normal, std 0.02; norms near 1) to ``path``."""
     if weight_type not in SOURCE_TYPES:
-        raise ValueError(f"weight type {weight_type.name} cannot be written directly; choose one of "
-                         f"{', '.join(t.name for t in SOURCE_TYPES)}")
+        raise ValueError(
+            f"weight type {weight_type.name} cannot be written directly; choose one of "
+            f"{', '.join(t.name for t in SOURCE_TYPES)}"
+        )
     arch = GGUF_ARCHITECTURES[config["architectures"][0]]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device=device).manual_seed(seed)
-    layout = [(name, shape, Q.F32 if kind != "weight" else weight_type, kind) for name, shape, kind in tensor_layout(config)]
+    layout = [
+        (name, shape, Q.F32 if kind != "weight" else weight_type, kind) for name, shape, kind in tensor_layout(config)
+    ]
     writer = gguf.GGUFWriter(path, arch)
     _add_metadata(writer, arch, config, weight_type)
     for name, shape, qtype, _ in layout:
@@ -173,8 +194,10 @@ def requantize(source: Path, target: Path, qtype: Q) -> Path:
     """``source`` with its weight matrices re-encoded as ``qtype`` by ``gguf.quants`` (norms and the
     MoE router stay F32): what ``llama-quantize source target TYPE`` does, for the non-K types."""
     if qtype not in PYTHON_QUANT_TYPES:
-        raise ValueError(f"{qtype.name} needs llama-quantize (--llamacpp-bin); without it: "
-                         f"{', '.join(t.name for t in PYTHON_QUANT_TYPES)}")
+        raise ValueError(
+            f"{qtype.name} needs llama-quantize (--llamacpp-bin); without it: "
+            f"{', '.join(t.name for t in PYTHON_QUANT_TYPES)}"
+        )
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():

@@ -31,6 +31,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 
 from common import COPY_BANDWIDTH, graph_time, write_kernel_report  # noqa: E402
 from fw_gguf.dequant import dequantize  # noqa: E402
+from fw_gguf.kernels.gemv import GemvConfig, gemv_setting, gemv_supported, quantize_x_reference  # noqa: E402
 from fw_gguf.kernels.layout import FIELDS, GROUPS, to_planar  # noqa: E402
 from fw_gguf.kernels.matmul import (  # noqa: E402
     GGUFKernelConfig,
@@ -43,8 +44,13 @@ from fw_gguf.method import DEQUANTIZE_MIN_ROWS  # noqa: E402
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 #: ``name: (N, K)`` of each Llama-3-8B linear weight (TP 1) and of the --tiny stand-ins.
-LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "head": (128256, 4096)}
+LAYERS = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "head": (128256, 4096),
+}
 TINY_LAYERS = {"qkv": (96, 512), "down": (40, 768)}
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_K", "Q4_0"]
 #: Bytes of weight copies each timing cycles through: several times the H200's 50 MB L2.
@@ -60,7 +66,7 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, device: str, gene
     blocks = torch.randint(0, 256, (total, type_size), dtype=torch.uint8, device=device, generator=generator)
     for start in _F16_FIELDS[qtype]:
         scale = torch.randn(total, 1, device=device, generator=generator) * 1e-3
-        blocks[:, start:start + 2] = scale.half().view(torch.uint8)
+        blocks[:, start : start + 2] = scale.half().view(torch.uint8)
     return blocks.view(n, -1)
 
 
@@ -69,13 +75,33 @@ def sweep_settings(qtype: GGMLQuantizationType, rows: int) -> list[GGUFKernelCon
     steps = (1, 2) if block_size == 256 else (4, 8)
     if rows <= 8:
         block_ms = (1, 16) if rows == 1 else (16,)  # one row: elementwise, or padded onto tensor cores
-        return [GGUFKernelConfig(block_m, block_n, nb, split_k, warps, stages, shared_x)
-                for block_m, block_n, nb, split_k, warps, stages, shared_x
-                in itertools.product(block_ms, (16, 32, 64), steps, (1, 2, 4, 8), (4, 8), (3,), (False, True))
-                if block_m == 1 or not shared_x]
-    return [GGUFKernelConfig(block_m, block_n, nb, 1, warps, stages)
-            for block_m, block_n, nb, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), steps[:1], (4, 8), (2, 3))
-            if block_m <= max(16, triton_next_pow2(rows))]
+        return [
+            GGUFKernelConfig(block_m, block_n, nb, split_k, warps, stages, shared_x)
+            for block_m, block_n, nb, split_k, warps, stages, shared_x in itertools.product(
+                block_ms, (16, 32, 64), steps, (1, 2, 4, 8), (4, 8), (3,), (False, True)
+            )
+            if block_m == 1 or not shared_x
+        ]
+    return [
+        GGUFKernelConfig(block_m, block_n, nb, 1, warps, stages)
+        for block_m, block_n, nb, warps, stages in itertools.product(
+            (16, 32, 64, 128), (64, 128), steps[:1], (4, 8), (2, 3)
+        )
+        if block_m <= max(16, triton_next_pow2(rows))
+    ]
+
+
+def gemv_sweep_settings() -> list[GemvConfig]:
+    return [
+        GemvConfig(block_n, nb, split_k, warps, stages)
+        for block_n, nb, split_k, warps, stages in itertools.product(
+            (8, 16, 32, 64), (1, 2, 4), (1, 2, 4, 8), (4, 8), (2,)
+        )
+    ]
+
+
+def uses_gemv(qtype: GGMLQuantizationType, n: int, k: int, rows: int) -> bool:
+    return rows == 1 and gemv_supported(qtype, k, n * k // GGML_QUANT_SIZES[qtype][0])
 
 
 def triton_next_pow2(value: int) -> int:
@@ -84,6 +110,7 @@ def triton_next_pow2(value: int) -> int:
 
 def timer(tiny: bool):
     """``time(fn, copies)``: seconds per call of ``fn(copy)`` cycling through ``copies``."""
+
     def cuda_time(fn, copies):
         calls = itertools.cycle(copies)
         return graph_time(lambda: fn(next(calls)), repeats=max(20, len(copies)))
@@ -104,9 +131,12 @@ def check(qtype, packed, planar, reference, rows, device, generator) -> float:
     if not torch.equal(values, reference.to(dtype)):
         raise AssertionError(f"{qtype.name} [{n}, {k}]: the dequantize kernel differs from the torch reference")
     x = torch.randn(rows, k, device=device, generator=generator).to(dtype)
-    expected = x.double() @ reference.double().T
-    error = ((gguf_matmul(x, planar, qtype, n, k, planar=True).double() - expected).abs().max()
-             / expected.abs().max()).item()
+    # the integer GEMV multiplies x rounded to int8 per 32 values (fw_gguf.kernels.gemv)
+    x_used = quantize_x_reference(x.float()) if uses_gemv(qtype, n, k, rows) else x
+    expected = x_used.double() @ reference.double().T
+    error = (
+        (gguf_matmul(x, planar, qtype, n, k, planar=True).double() - expected).abs().max() / expected.abs().max()
+    ).item()
     if error > (1e-5 if dtype == torch.float32 else 2e-2):
         raise AssertionError(f"{qtype.name} [{n}, {k}] x {rows} rows: matmul relative error {error:.3g}")
     return error
@@ -124,8 +154,23 @@ def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
     copies = [planar] + [planar.clone() for _ in range(0 if tiny else -(-COLD_BYTES // planar.nbytes) - 1)]
     dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
     time_it = timer(tiny)
-    rule = kernel_config(qtype, n, k, rows, torch.device(device))
+    gemv = uses_gemv(qtype, n, k, rows)
+    elementwise = kernel_config(qtype, n, k, rows, torch.device(device))
+    rule = (
+        gemv_setting(
+            qtype,
+            n,
+            k,
+            "cpu" if tiny else torch.cuda.get_device_name(0),
+            132 if tiny else torch.cuda.get_device_properties(0).multi_processor_count,
+        )
+        if gemv
+        else elementwise
+    )
     kernel_s = time_it(lambda w: gguf_matmul(x, w, qtype, n, k, planar=True, config=rule), copies)
+    elementwise_s = (
+        time_it(lambda w: gguf_matmul(x, w, qtype, n, k, planar=True, config=elementwise), copies) if gemv else kernel_s
+    )
     scratch = torch.empty(n, k, dtype=dtype, device=device)
 
     def dequantize_then_cublas(w):
@@ -134,16 +179,27 @@ def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
     dequant_s = time_it(dequantize_then_cublas, copies)
     cublas_s = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies)
     packed_bytes = planar.numel()
-    result = {"type": qtype.name, "n": n, "k": k, "rows": rows, "packed_bytes": packed_bytes, "check_rel_error": error,
-              "rule": rule.__dict__, "rule_us": kernel_s * 1e6, "rule_gb_s": packed_bytes / kernel_s / 1e9,
-              "rule_copy_fraction": packed_bytes / kernel_s / COPY_BANDWIDTH,
-              "dequant_cublas_us": dequant_s * 1e6, "cublas_bf16_us": cublas_s * 1e6,
-              "cublas_bf16_tb_s": dense.nbytes / cublas_s / 1e12,
-              "method_path": "dequantize+cublas" if rows >= DEQUANTIZE_MIN_ROWS else "kernel"}
+    result = {
+        "type": qtype.name,
+        "n": n,
+        "k": k,
+        "rows": rows,
+        "packed_bytes": packed_bytes,
+        "check_rel_error": error,
+        "rule": {"kind": type(rule).__name__, **rule.__dict__},
+        "rule_us": kernel_s * 1e6,
+        "elementwise_us": elementwise_s * 1e6,
+        "rule_gb_s": packed_bytes / kernel_s / 1e9,
+        "rule_copy_fraction": packed_bytes / kernel_s / COPY_BANDWIDTH,
+        "dequant_cublas_us": dequant_s * 1e6,
+        "cublas_bf16_us": cublas_s * 1e6,
+        "cublas_bf16_tb_s": dense.nbytes / cublas_s / 1e12,
+        "method_path": "dequantize+cublas" if rows >= DEQUANTIZE_MIN_ROWS else "kernel",
+    }
     if sweep:
         expected = gguf_matmul(x, planar, qtype, n, k, planar=True, config=rule).float()
         settings, refused = [], []
-        for config in sweep_settings(qtype, rows):
+        for config in gemv_sweep_settings() if gemv else sweep_settings(qtype, rows):
             try:  # a setting may need more shared memory than an SM has: report it, time the rest
                 error = (gguf_matmul(x, planar, qtype, n, k, planar=True, config=config).float() - expected).abs().max()
             except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
@@ -153,11 +209,12 @@ def measure(qtype, n, k, rows, sweep, tiny, device, generator) -> dict:
                 refused.append({**config.__dict__, "error": f"wrong result, error {error.item():.3g}"})
                 print(f"  WRONG: {qtype.name} {rows}x{k} @ {n}x{k} at {config}: error {error.item():.3g}")
                 continue
-            seconds = time_it(lambda w, config=config: gguf_matmul(x, w, qtype, n, k, planar=True, config=config), copies)
-            settings.append({**config.__dict__, "us": seconds * 1e6})
+            seconds = time_it(
+                lambda w, config=config: gguf_matmul(x, w, qtype, n, k, planar=True, config=config), copies
+            )
+            settings.append({"kind": type(config).__name__, **config.__dict__, "us": seconds * 1e6})
         best = min(settings, key=lambda s: s["us"])
-        result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings,
-                      refused=refused)
+        result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings, refused=refused)
     return result
 
 
@@ -176,27 +233,38 @@ def main() -> None:
     rows_list = [1, 3, 17] if tiny else args.rows
     generator = torch.Generator(device).manual_seed(0)
     results = []
-    print(f"{'type':6s} {'layer':8s} {'N':>6s} {'K':>6s} {'rows':>4s} {'kernel us':>10s} {'GB/s':>7s} {'copy%':>6s} "
-          f"{'deq+cuBLAS us':>13s} {'bf16 cuBLAS us':>14s} {'best us':>8s}")
+    print(
+        f"{'type':6s} {'layer':8s} {'N':>6s} {'K':>6s} {'rows':>4s} {'kernel us':>10s} {'GB/s':>7s} {'copy%':>6s} "
+        f"{'elementwise us':>14s} {'deq+cuBLAS us':>13s} {'bf16 cuBLAS us':>14s} {'best us':>8s}"
+    )
     for type_name, (name, (n, k)), rows in itertools.product(args.types, layers.items(), rows_list):
         qtype = GGMLQuantizationType[type_name]
         result = {"layer": name, **measure(qtype, n, k, rows, args.sweep, tiny, device, generator)}
         results.append(result)
         best = f"{result['best']['us']:8.1f}" if "best" in result else "-"
-        print(f"{type_name:6s} {name:8s} {n:6d} {k:6d} {rows:4d} {result['rule_us']:10.1f} {result['rule_gb_s']:7.0f} "
-              f"{100 * result['rule_copy_fraction']:5.1f}% {result['dequant_cublas_us']:13.1f} "
-              f"{result['cublas_bf16_us']:14.1f} {best:>8s}", flush=True)
+        print(
+            f"{type_name:6s} {name:8s} {n:6d} {k:6d} {rows:4d} {result['rule_us']:10.1f} {result['rule_gb_s']:7.0f} "
+            f"{100 * result['rule_copy_fraction']:5.1f}% {result['elementwise_us']:14.1f} {result['dequant_cublas_us']:13.1f} "
+            f"{result['cublas_bf16_us']:14.1f} {best:>8s}",
+            flush=True,
+        )
         if not tiny:
             torch.cuda.empty_cache()
     if args.sweep:
         print("# fw_gguf.kernels.matmul.TUNED entries (the sweep's fastest per case):")
         name = "cpu" if tiny else torch.cuda.get_device_name(0)
         for r in results:
-            best = {key: value for key, value in r["best"].items() if key != "us"}
-            print(f"    ({name!r}, {r['type']!r}, {r['n']}, {r['k']}, {row_bucket(r['rows'])}): GGUFKernelConfig(**{best}),")
+            best = {key: value for key, value in r["best"].items() if key not in ("us", "kind")}
+            if r["best"]["kind"] == "GemvConfig":
+                print(f"    ({name!r}, {r['type']!r}, {r['n']}, {r['k']}): GemvConfig(**{best}),  # GEMV_TUNED")
+            else:
+                print(
+                    f"    ({name!r}, {r['type']!r}, {r['n']}, {r['k']}, {row_bucket(r['rows'])}): GGUFKernelConfig(**{best}),"
+                )
     if args.out:
-        write_kernel_report(args.out, results, copy_bandwidth=COPY_BANDWIDTH, tiny=tiny,
-                            dequantize_min_rows=DEQUANTIZE_MIN_ROWS)
+        write_kernel_report(
+            args.out, results, copy_bandwidth=COPY_BANDWIDTH, tiny=tiny, dequantize_min_rows=DEQUANTIZE_MIN_ROWS
+        )
 
 
 if __name__ == "__main__":

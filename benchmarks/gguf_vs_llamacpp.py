@@ -54,7 +54,10 @@ def make_files(args, config, workdir: Path) -> dict[str, Path]:
         return targets
     started = time.perf_counter()
     source = write_random_gguf(workdir / f"{args.shape}-{source_type.name}.gguf", config, source_type)
-    print(f"wrote {source.name} ({source.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - started:.0f} s", flush=True)
+    print(
+        f"wrote {source.name} ({source.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
     quantize = Path(args.llamacpp_bin) / "llama-quantize"
     files = {}
     for name in args.quants:
@@ -71,10 +74,14 @@ def make_files(args, config, workdir: Path) -> dict[str, Path]:
         elif name in Q.__members__ and Q[name] in PYTHON_QUANT_TYPES:
             requantize(source, target, Q[name])
         else:
-            raise SystemExit(f"{name}: no llama-quantize at {quantize} (--llamacpp-bin) and gguf.quants makes only "
-                             f"{', '.join(t.name for t in PYTHON_QUANT_TYPES)}")
-        print(f"quantized {target.name} ({target.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - started:.0f} s",
-              flush=True)
+            raise SystemExit(
+                f"{name}: no llama-quantize at {quantize} (--llamacpp-bin) and gguf.quants makes only "
+                f"{', '.join(t.name for t in PYTHON_QUANT_TYPES)}"
+            )
+        print(
+            f"quantized {target.name} ({target.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
         files[name] = target
     if source not in files.values() and not args.keep_files:
         source.unlink()  # the disk holds the quantized files, not the source too
@@ -83,13 +90,30 @@ def make_files(args, config, workdir: Path) -> dict[str, Path]:
 
 def run_llamacpp(binaries: Path, path: Path, batches: list[int]) -> dict:
     """llama-bench's pp512 / tg128 and, where built, llama-batched-bench's decode speed per batch."""
-    bench = [str(binaries / "llama-bench"), "-m", str(path), "-p", "512", "-n", "128", "-fa", "1", "-r", "3", "-o", "json"]
+    bench = [
+        str(binaries / "llama-bench"),
+        "-m",
+        str(path),
+        "-p",
+        "512",
+        "-n",
+        "128",
+        "-fa",
+        "1",
+        "-r",
+        "3",
+        "-o",
+        "json",
+    ]
     done = subprocess.run(bench, capture_output=True, text=True)
     if done.returncode:
         return {"command": " ".join(bench), "error": done.stderr[-2000:]}
     entries = json.loads(done.stdout)
-    result = {"command": " ".join(bench), "llama_bench": entries,
-              "model_size_bytes": entries[0].get("model_size") if entries else None}
+    result = {
+        "command": " ".join(bench),
+        "llama_bench": entries,
+        "model_size_bytes": entries[0].get("model_size") if entries else None,
+    }
     for entry in entries:
         if entry.get("n_gen", 0) == 0:
             result["prefill_tokens_per_s"] = entry["avg_ts"]
@@ -97,8 +121,27 @@ def run_llamacpp(binaries: Path, path: Path, batches: list[int]) -> dict:
             result["decode_tokens_per_s"] = entry["avg_ts"]
     batched = binaries / "llama-batched-bench"
     if batched.exists():
-        command = [str(batched), "-m", str(path), "-c", str(max(batches) * 256 + 256), "-b", "2048", "-ub", "512",
-                   "-npp", "128", "-ntg", "128", "-npl", ",".join(map(str, batches)), "-fa", "on", "--output-format", "jsonl"]
+        command = [
+            str(batched),
+            "-m",
+            str(path),
+            "-c",
+            str(max(batches) * 256 + 256),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            "128",
+            "-ntg",
+            "128",
+            "-npl",
+            ",".join(map(str, batches)),
+            "-fa",
+            "on",
+            "--output-format",
+            "jsonl",
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith("{")]
         result["batched_bench"] = {"command": " ".join(command), "rows": lines}
@@ -137,15 +180,25 @@ def table_rows(report: dict) -> list[tuple[str, str, float | None, float | None]
     for quant, entry in report["files"].items():
         lcp = entry.get("llamacpp") or {}
         if not entry["fw"]["results"]:  # fw failed on this file: llama.cpp's numbers alone
-            rows += [("decode batch 1 (tg128)", quant, lcp.get("decode_tokens_per_s"), None),
-                     ("prefill 512 (pp512)", quant, lcp.get("prefill_tokens_per_s"), None)]
+            rows += [
+                ("decode batch 1 (tg128)", quant, lcp.get("decode_tokens_per_s"), None),
+                ("prefill 512 (pp512)", quant, lcp.get("prefill_tokens_per_s"), None),
+            ]
         for result in entry["fw"]["results"]:
             if result["case"] == "prefill":
-                case, peer, ours = f"prefill {result['input_len']}", lcp.get("prefill_tokens_per_s"), result["prefill_tokens_per_s"]
+                case, peer, ours = (
+                    f"prefill {result['input_len']}",
+                    lcp.get("prefill_tokens_per_s"),
+                    result["prefill_tokens_per_s"],
+                )
             else:
                 batch = result["batch_size"]
                 case = f"decode batch {batch}, {result['input_len']}/{result['output_len']}"
-                peer = lcp.get("decode_tokens_per_s") if batch == 1 else (lcp.get("batched_decode_tokens_per_s") or {}).get(str(batch))
+                peer = (
+                    lcp.get("decode_tokens_per_s")
+                    if batch == 1
+                    else (lcp.get("batched_decode_tokens_per_s") or {}).get(str(batch))
+                )
                 ours = result["decode_tokens_per_s"]
             rows.append((case, quant, peer, ours))
     return rows
@@ -155,16 +208,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--quants", nargs="+", default=["Q4_K_M", "Q8_0"], help="llama-quantize type names")
-    parser.add_argument("--source-type", default="auto", choices=["auto", "F16", "F32", "Q8_0"],
-                        help="how the random file is written (auto: F16, Q8_0 for MoE shapes)")
-    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="gpu_suite.py cases: decode:B:IN:OUT, prefill:IN")
+    parser.add_argument(
+        "--source-type",
+        default="auto",
+        choices=["auto", "F16", "F32", "Q8_0"],
+        help="how the random file is written (auto: F16, Q8_0 for MoE shapes)",
+    )
+    parser.add_argument(
+        "--cases", nargs="+", default=DEFAULT_CASES, help="gpu_suite.py cases: decode:B:IN:OUT, prefill:IN"
+    )
     parser.add_argument("--llamacpp-bin", default=DEFAULT_BIN, help="folder with llama-bench and llama-quantize")
     parser.add_argument("--skip-llamacpp", action="store_true", help="fw only (files quantized with gguf.quants)")
     parser.add_argument("--workdir", type=Path, help="where the GGUF files go (default: a new temporary folder)")
     parser.add_argument("--keep-files", action="store_true")
-    parser.add_argument("--reuse", action="store_true", help="take the files already in --workdir (from an earlier call)")
-    parser.add_argument("--files-only", action="store_true",
-                        help="make the files in --workdir and stop (a later call with --reuse times them)")
+    parser.add_argument(
+        "--reuse", action="store_true", help="take the files already in --workdir (from an earlier call)"
+    )
+    parser.add_argument(
+        "--files-only",
+        action="store_true",
+        help="make the files in --workdir and stop (a later call with --reuse times them)",
+    )
     add_engine_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -173,7 +237,9 @@ def main() -> None:
         parser.error("nano cases are not run here: use gpu_suite.py")
     binaries = Path(args.llamacpp_bin)
     if not args.skip_llamacpp and not (binaries / "llama-bench").exists():
-        parser.error(f"no llama-bench in {binaries}: build it (../shared/tools/llamacpp build cuda) or pass --skip-llamacpp")
+        parser.error(
+            f"no llama-bench in {binaries}: build it (../shared/tools/llamacpp build cuda) or pass --skip-llamacpp"
+        )
     config = model_config(args.shape)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gguf-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -184,8 +250,13 @@ def main() -> None:
         return
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the random draws' cache: llama.cpp runs next, beside this process
-    report = {**report_header(), "shape": args.shape, "model": f"{args.shape} shape ({config['architectures'][0]}), random weights",
-              "dtype": args.dtype, "files": {}}
+    report = {
+        **report_header(),
+        "shape": args.shape,
+        "model": f"{args.shape} shape ({config['architectures'][0]}), random weights",
+        "dtype": args.dtype,
+        "files": {},
+    }
     decode_batches = sorted({n[0] for k, n in cases if k == "decode"})
     for quant, path in files.items():  # llama.cpp first: fw's engine would hold the GPU memory
         entry = report["files"][quant] = {"path": path.name, "file_bytes": path.stat().st_size}
@@ -200,7 +271,9 @@ def main() -> None:
             entry["fw"] = {"error": f"{type(error).__name__}: {error}", "results": []}
             continue
         entry["weights_over_file"] = entry["fw"]["weight_bytes"] / entry["file_bytes"]
-    report["table"] = [dict(zip(("case", "quant", "llamacpp_tokens_per_s", "fw_tokens_per_s"), row)) for row in table_rows(report)]
+    report["table"] = [
+        dict(zip(("case", "quant", "llamacpp_tokens_per_s", "fw_tokens_per_s"), row)) for row in table_rows(report)
+    ]
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, default=str))
     if args.workdir is None and not args.keep_files:
@@ -210,8 +283,10 @@ def main() -> None:
         if "error" in entry["fw"]:
             print(f"  {quant}: file {_size(entry['file_bytes'])}, fw failed: {entry['fw']['error']}")
             continue
-        print(f"  {quant}: file {_size(entry['file_bytes'])}, fw weights {_size(entry['fw']['weight_bytes'])} "
-              f"({entry['weights_over_file']:.2f}x the file)")
+        print(
+            f"  {quant}: file {_size(entry['file_bytes'])}, fw weights {_size(entry['fw']['weight_bytes'])} "
+            f"({entry['weights_over_file']:.2f}x the file)"
+        )
     print(f"{'case':<30} {'quant':<8} {'llama.cpp':>10} {'fw':>10} {'fw/llama.cpp':>13}")
     for case, quant, peer, ours in table_rows(report):
         ratio = f"{ours / peer:.2f}x" if peer and ours else "-"

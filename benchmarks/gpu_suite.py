@@ -68,8 +68,15 @@ def run_decode(llm, batch: int, input_len: int, output_len: int) -> dict:
         steps += 1
     elapsed = time.perf_counter() - started
     tokens = (batch - finished_before) * output_len - done_before
-    return {"case": "decode", "batch_size": batch, "input_len": input_len, "output_len": output_len,
-            "decode_steps": steps, "decode_s": elapsed, "decode_tokens_per_s": tokens / elapsed}
+    return {
+        "case": "decode",
+        "batch_size": batch,
+        "input_len": input_len,
+        "output_len": output_len,
+        "decode_steps": steps,
+        "decode_s": elapsed,
+        "decode_tokens_per_s": tokens / elapsed,
+    }
 
 
 def run_prefill(llm, input_len: int, repeats: int = 5) -> dict:
@@ -88,8 +95,15 @@ def run_prefill(llm, input_len: int, repeats: int = 5) -> dict:
         if i:  # the first run warms up this prompt length
             times.append(time.perf_counter() - started)
     step = statistics.median(times)
-    return {"case": "prefill", "batch_size": 1, "input_len": input_len, "output_len": 1, "prefill_s": step,
-            "prefill_tokens_per_s": input_len / step, "decode_tokens_per_s": None}
+    return {
+        "case": "prefill",
+        "batch_size": 1,
+        "input_len": input_len,
+        "output_len": 1,
+        "prefill_s": step,
+        "prefill_tokens_per_s": input_len / step,
+        "decode_tokens_per_s": None,
+    }
 
 
 def run_nano(llm, num_requests: int) -> dict:
@@ -103,10 +117,17 @@ def run_nano(llm, num_requests: int) -> dict:
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - started
     out_tokens = sum(len(r.outputs[0].token_ids) for r in outputs)
-    return {"case": "nano-vllm", "batch_size": num_requests, "input_len": "uniform 100..1024",
-            "output_len": "uniform 100..1024", "input_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
-            "output_tokens": out_tokens, "elapsed_s": elapsed, "decode_tokens_per_s": out_tokens / elapsed,
-            "output_tokens_per_s": out_tokens / elapsed}
+    return {
+        "case": "nano-vllm",
+        "batch_size": num_requests,
+        "input_len": "uniform 100..1024",
+        "output_len": "uniform 100..1024",
+        "input_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
+        "output_tokens": out_tokens,
+        "elapsed_s": elapsed,
+        "decode_tokens_per_s": out_tokens / elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+    }
 
 
 def parse_case(text: str) -> tuple[str, list[int]]:
@@ -130,8 +151,11 @@ def main() -> None:
     from framework import LLM
 
     config = model_config(args.shape)
-    longest = max([n[1] + n[2] for k, n in cases if k == "decode"] + [n[0] + 1 for k, n in cases if k == "prefill"]
-                  + [2048 for k, _ in cases if k == "nano"])
+    longest = max(
+        [n[1] + n[2] for k, n in cases if k == "decode"]
+        + [n[0] + 1 for k, n in cases if k == "prefill"]
+        + [2048 for k, _ in cases if k == "nano"]
+    )
     # a long-context case needs the shape's context raised (Llama 3.1 has the 3-8B shape with 128k)
     config["max_position_embeddings"] = max(config["max_position_embeddings"], longest + 16)
     folder = write_model_folder(config)
@@ -141,28 +165,44 @@ def main() -> None:
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)  # MoE: only the experts one token uses; tied: the LM head
-    shared = {**report_header(),
-              "model": f"{args.shape} shape ({config['architectures'][0]}), random weights", "dtype": args.dtype, "tp": tp, "num_gpus": tp,
-              "attention_backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.summary.get("cuda_graphs"),
-              "async_scheduling": llm.engine.summary.get("async_scheduling")}
+    shared = {
+        **report_header(),
+        "model": f"{args.shape} shape ({config['architectures'][0]}), random weights",
+        "dtype": args.dtype,
+        "tp": tp,
+        "num_gpus": tp,
+        "attention_backend": llm.engine.attention_backend,
+        "cuda_graphs": llm.engine.summary.get("cuda_graphs"),
+        "async_scheduling": llm.engine.summary.get("async_scheduling"),
+    }
     results = []
     for kind, numbers in cases:
         if kind == "decode":
             result = run_decode(llm, *numbers)
             if numbers[0] == 1:
                 roofline = COPY_BANDWIDTH / weight_bytes
-                result |= {"roofline_tokens_per_s": roofline, "roofline_fraction": result["decode_tokens_per_s"] / roofline}
+                result |= {
+                    "roofline_tokens_per_s": roofline,
+                    "roofline_fraction": result["decode_tokens_per_s"] / roofline,
+                }
         elif kind == "prefill":
             result = run_prefill(llm, *numbers)
         else:
             result = run_nano(llm, *numbers)
         results.append(shared | result)
         shown = result.get("decode_tokens_per_s") or result.get("prefill_tokens_per_s")
-        print(f"{args.shape} {shared['attention_backend']} {kind}:{':'.join(map(str, numbers))} -> {shown:,.1f} tok/s"
-              + (f" ({result['roofline_fraction']:.0%} of roofline)" if result.get("roofline_fraction") else ""),
-              flush=True)
-    report = {"shape": args.shape, "weight_bytes": weight_bytes, "build_s": build_s, "summary": llm.engine.summary,
-              "results": results}
+        print(
+            f"{args.shape} {shared['attention_backend']} {kind}:{':'.join(map(str, numbers))} -> {shown:,.1f} tok/s"
+            + (f" ({result['roofline_fraction']:.0%} of roofline)" if result.get("roofline_fraction") else ""),
+            flush=True,
+        )
+    report = {
+        "shape": args.shape,
+        "weight_bytes": weight_bytes,
+        "build_s": build_s,
+        "summary": llm.engine.summary,
+        "results": results,
+    }
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, default=str))
     llm.close()

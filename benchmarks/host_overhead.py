@@ -29,13 +29,31 @@ def main() -> None:
     from framework import LLM, SamplingParams
     from framework.engine.sampler import SamplerOutput
 
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 32,
-              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-              "vocab_size": 1024, "max_position_embeddings": 4096, "tie_word_embeddings": True}
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    }
     folder = write_model_folder(config)
     kwargs = {"async_scheduling": True} if args.async_scheduling else {}
-    llm = LLM(str(folder), load_format="dummy", dtype="f32", max_model_len=2100, enable_prefix_caching=False,
-              num_blocks=args.requests * 140, max_num_seqs=args.requests, **kwargs)
+    llm = LLM(
+        str(folder),
+        load_format="dummy",
+        dtype="f32",
+        max_model_len=2100,
+        enable_prefix_caching=False,
+        num_blocks=args.requests * 140,
+        max_num_seqs=args.requests,
+        **kwargs,
+    )
     core, runner = llm.engine.core, llm.engine.core.runner
     runner.run_model = lambda ids, positions, metadata: torch.zeros(metadata.num_tokens, 32)
     runner.model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], 1024)
@@ -54,10 +72,12 @@ def main() -> None:
     started = time.perf_counter()
     llm.generate(prompts, params)
     elapsed = time.perf_counter() - started
-    decode = times[len(times) // 4: -len(times) // 4]
-    print(f"{args.requests} requests x {args.output_len} tokens: median decode step {statistics.median(decode) * 1e3:.2f} ms "
-          f"on the host, generate outside step() {(elapsed - sum(times)) * 1e3 / len(times):.2f} ms per step "
-          f"({len(times)} steps, {elapsed:.2f} s)")
+    decode = times[len(times) // 4 : -len(times) // 4]
+    print(
+        f"{args.requests} requests x {args.output_len} tokens: median decode step {statistics.median(decode) * 1e3:.2f} ms "
+        f"on the host, generate outside step() {(elapsed - sum(times)) * 1e3 / len(times):.2f} ms per step "
+        f"({len(times)} steps, {elapsed:.2f} s)"
+    )
 
 
 if __name__ == "__main__":

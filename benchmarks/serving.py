@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
-WORDS = ("time year people way day man thing woman life child world school state family student group country "
-         "problem hand part place case week company system program question work government number night point "
-         "home water room mother area money story fact month lot right study book eye job word business issue side "
-         "kind head house service friend father power hour game line end member law car city community name").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue side "
+    "kind head house service friend father power hour game line end member law car city community name"
+).split()
 
 
 @dataclass(slots=True)
@@ -49,8 +51,13 @@ def make_prompts(args: argparse.Namespace, rng: random.Random) -> list[str | lis
 
 
 def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) -> tuple[str, dict]:
-    body: dict = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature, "stream": True,
-                  "stream_options": {"include_usage": True}}
+    body: dict = {
+        "model": model,
+        "max_tokens": args.output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if not args.no_ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -113,7 +120,9 @@ def summarize(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "p50": pct(50), "p90": pct(90), "p99": pct(99), "max": ordered[-1]}
 
 
-async def run_level(client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompts: list, concurrency: int) -> dict:
+async def run_level(
+    client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompts: list, concurrency: int
+) -> dict:
     semaphore = asyncio.Semaphore(concurrency)
 
     async def limited(prompt):
@@ -144,8 +153,9 @@ async def run_level(client: httpx.AsyncClient, args: argparse.Namespace, model: 
 async def main_async(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
-    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers, timeout=args.timeout,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=args.base_url.rstrip("/"), headers=headers, timeout=args.timeout, limits=limits
+    ) as client:
         model = args.model
         if model is None:
             model = (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
@@ -153,7 +163,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         levels = []
         for concurrency in args.concurrency:
             if args.warmup:
-                await run_level(client, args, model, make_prompts(args, rng)[: min(concurrency, args.warmup)], concurrency)
+                await run_level(
+                    client, args, model, make_prompts(args, rng)[: min(concurrency, args.warmup)], concurrency
+                )
             level = await run_level(client, args, model, make_prompts(args, rng), concurrency)
             levels.append(level)
             print(_row(level), file=sys.stderr, flush=True)
@@ -165,20 +177,28 @@ def _row(level: dict) -> str:
     def ms(d: dict, key: str) -> str:
         return f"{d[key] * 1000:8.1f}" if d else "       -"
 
-    return (f"concurrency {level['concurrency']:4d} | ok {level['num_ok']}/{level['num_requests']} | "
-            f"{level['output_throughput_tok_per_s']:8.1f} tok/s | {level['request_throughput_per_s']:6.2f} req/s | "
-            f"TTFT p50 {ms(level['ttft_s'], 'p50')} ms p99 {ms(level['ttft_s'], 'p99')} ms | "
-            f"ITL p50 {ms(level['itl_s'], 'p50')} ms p99 {ms(level['itl_s'], 'p99')} ms")
+    return (
+        f"concurrency {level['concurrency']:4d} | ok {level['num_ok']}/{level['num_requests']} | "
+        f"{level['output_throughput_tok_per_s']:8.1f} tok/s | {level['request_throughput_per_s']:6.2f} req/s | "
+        f"TTFT p50 {ms(level['ttft_s'], 'p50')} ms p99 {ms(level['ttft_s'], 'p99')} ms | "
+        f"ITL p50 {ms(level['itl_s'], 'p50')} ms p99 {ms(level['itl_s'], 'p99')} ms"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:2000", help="server root (without /v1)")
     parser.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
-                        help="comma-separated concurrency levels to sweep")
+    parser.add_argument(
+        "--concurrency",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 4, 16],
+        help="comma-separated concurrency levels to sweep",
+    )
     parser.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
     parser.add_argument("--input-len", type=int, default=128, help="prompt length in words or token ids")
     parser.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")

@@ -40,8 +40,10 @@ from framework.distributed.config import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-WORDS = ("river stone cloud garden lamp winter bread music paper window forest letter engine harbor candle "
-         "mountain silver orange question story market bridge season morning island").split()
+WORDS = (
+    "river stone cloud garden lamp winter bread music paper window forest letter engine harbor candle "
+    "mountain silver orange question story market bridge season morning island"
+).split()
 ALLOWED_ERRORS = {"http_429"}
 
 
@@ -52,8 +54,9 @@ class Server:
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         self.command = [sys.executable, "-m", "cli.main", "serve", "--h", f"127.0.0.1:{port}", *serve_args]
-        self.process = subprocess.Popen(self.command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
+        self.process = subprocess.Popen(
+            self.command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.lines: queue.Queue = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -127,9 +130,13 @@ class Soak:
 
     def body(self, rng: random.Random) -> tuple[str, dict]:
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, self.args.max_prompt_words)))
-        body = {"max_tokens": rng.randint(8, self.args.max_tokens), "stream": True,
-                "temperature": rng.choice([0.0, 0.7]), "ignore_eos": rng.random() < 0.5,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "max_tokens": rng.randint(8, self.args.max_tokens),
+            "stream": True,
+            "temperature": rng.choice([0.0, 0.7]),
+            "ignore_eos": rng.random() < 0.5,
+            "stream_options": {"include_usage": True},
+        }
         if rng.random() < 0.5:
             return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": f"Tell me about {text}."}]}
         return "/v1/completions", {**body, "prompt": text}
@@ -148,7 +155,7 @@ class Soak:
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):
                         continue
-                    data = line[len("data: "):]
+                    data = line[len("data: ") :]
                     if data == "[DONE]":
                         self.completed += 1
                         return
@@ -177,13 +184,19 @@ class Soak:
                 await self.one_request(http, rng)
 
     async def sample(self, http: httpx.AsyncClient, started: float) -> dict:
-        sample = {"t_s": round(time.monotonic() - started, 1), "api_rss_mb": rss_mb(self.api_pid),
-                  "engine_rss_mb": rss_mb(engine_pid(self.api_pid))}
+        sample = {
+            "t_s": round(time.monotonic() - started, 1),
+            "api_rss_mb": rss_mb(self.api_pid),
+            "engine_rss_mb": rss_mb(engine_pid(self.api_pid)),
+        }
         try:
             text = (await http.get("/metrics", timeout=10)).text
-            sample.update(kv_blocks_used=metric(text, "fw:num_kv_blocks_used"),
-                          running=metric(text, "fw:num_requests_running"), waiting=metric(text, "fw:num_requests_waiting"),
-                          engine_restarts=metric(text, "fw:engine_restarts_total"))
+            sample.update(
+                kv_blocks_used=metric(text, "fw:num_kv_blocks_used"),
+                running=metric(text, "fw:num_requests_running"),
+                waiting=metric(text, "fw:num_requests_waiting"),
+                engine_restarts=metric(text, "fw:engine_restarts_total"),
+            )
         except httpx.HTTPError as error:
             self.error(f"metrics_{type(error).__name__}", str(error))
         return sample
@@ -215,30 +228,43 @@ class Soak:
     def report(self, elapsed: float, final: dict, health: dict) -> dict:
         def growth(key: str) -> float | None:
             values = [s[key] for s in self.samples if s.get(key) is not None]
-            warm = values[len(values) // 10:]  # leave out the warm-up (allocator pools, compiled kernels)
+            warm = values[len(values) // 10 :]  # leave out the warm-up (allocator pools, compiled kernels)
             return round(warm[-1] - warm[0], 1) if len(warm) >= 2 else None
 
         unexpected = {kind: n for kind, n in self.errors.items() if kind not in ALLOWED_ERRORS}
-        results = {"elapsed_s": round(elapsed, 1), "requests_completed": self.completed,
-                   "requests_disconnected": self.disconnected, "requests_cut_off_at_end": self.cut_off,
-                   "output_tokens": self.tokens,
-                   "tokens_per_s": round(self.tokens / elapsed, 1), "errors": dict(self.errors),
-                   "error_examples": self.error_examples, "kv_blocks_used_end": final.get("kv_blocks_used"),
-                   "api_rss_growth_mb": growth("api_rss_mb"), "engine_rss_growth_mb": growth("engine_rss_mb"),
-                   "health_end": health, "samples": self.samples}
+        results = {
+            "elapsed_s": round(elapsed, 1),
+            "requests_completed": self.completed,
+            "requests_disconnected": self.disconnected,
+            "requests_cut_off_at_end": self.cut_off,
+            "output_tokens": self.tokens,
+            "tokens_per_s": round(self.tokens / elapsed, 1),
+            "errors": dict(self.errors),
+            "error_examples": self.error_examples,
+            "kv_blocks_used_end": final.get("kv_blocks_used"),
+            "api_rss_growth_mb": growth("api_rss_mb"),
+            "engine_rss_growth_mb": growth("engine_rss_mb"),
+            "health_end": health,
+            "samples": self.samples,
+        }
         results["ok"] = not unexpected and final.get("kv_blocks_used") == 0 and health.get("status") == "ok"
         return results
 
 
 def print_table(results: dict) -> None:
-    rows = [("elapsed", f"{results['elapsed_s']} s"), ("completed", results["requests_completed"]),
-            ("disconnected", results["requests_disconnected"]), ("cut off at the end", results["requests_cut_off_at_end"]),
-            ("tokens/s", results["tokens_per_s"]),
-            ("errors", ", ".join(f"{k}: {v}" for k, v in results["errors"].items()) or "none"),
-            ("KV blocks used at end", results["kv_blocks_used_end"]),
-            ("API RSS growth", f"{results['api_rss_growth_mb']} MiB"),
-            ("engine RSS growth", f"{results['engine_rss_growth_mb']} MiB"),
-            ("health at end", results["health_end"].get("status")), ("verdict", "ok" if results["ok"] else "FAILED")]
+    rows = [
+        ("elapsed", f"{results['elapsed_s']} s"),
+        ("completed", results["requests_completed"]),
+        ("disconnected", results["requests_disconnected"]),
+        ("cut off at the end", results["requests_cut_off_at_end"]),
+        ("tokens/s", results["tokens_per_s"]),
+        ("errors", ", ".join(f"{k}: {v}" for k, v in results["errors"].items()) or "none"),
+        ("KV blocks used at end", results["kv_blocks_used_end"]),
+        ("API RSS growth", f"{results['api_rss_growth_mb']} MiB"),
+        ("engine RSS growth", f"{results['engine_rss_growth_mb']} MiB"),
+        ("health at end", results["health_end"].get("status")),
+        ("verdict", "ok" if results["ok"] else "FAILED"),
+    ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}", file=sys.stderr)
@@ -284,10 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    report = {**report_header(device=args.device if args.device == "cpu" else None),
-              "server_command": shlex.join(["fw", *server.command[3:]]) if server else None,
-              "clients": args.clients, "duration_s": args.duration, "disconnect_fraction": args.disconnect_fraction,
-              "max_tokens": args.max_tokens, **results}
+    report = {
+        **report_header(device=args.device if args.device == "cpu" else None),
+        "server_command": shlex.join(["fw", *server.command[3:]]) if server else None,
+        "clients": args.clients,
+        "duration_s": args.duration,
+        "disconnect_fraction": args.disconnect_fraction,
+        "max_tokens": args.max_tokens,
+        **results,
+    }
     text = json.dumps(report, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -31,10 +31,18 @@ def run_shape(name: str, reqs: int, heads: int, kv_heads: int, context: int, pag
     kv_bytes = 2 * reqs * context * kv_heads * head * 2
     default_splits = num_kv_splits(reqs, kv_heads, 8192, torch.cuda.get_device_properties(0).multi_processor_count)
     results = []
-    for block_n, warps, stages, splits in itertools.product((16, 32, 64), (4, 8), (2, 3),
-                                                           sorted({default_splits, 1, 2, 4})):
-        args = dict(num_reqs=reqs, max_seq_len=8192, sm_scale=head ** -0.5, num_splits=splits, block_n=block_n,
-                    num_warps=warps, num_stages=stages)
+    for block_n, warps, stages, splits in itertools.product(
+        (16, 32, 64), (4, 8), (2, 3), sorted({default_splits, 1, 2, 4})
+    ):
+        args = dict(
+            num_reqs=reqs,
+            max_seq_len=8192,
+            sm_scale=head**-0.5,
+            num_splits=splits,
+            block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
+        )
         try:
             decode_attention(query, cache, seq_lens, table, **args)
             torch.cuda.synchronize()
@@ -50,8 +58,10 @@ def run_shape(name: str, reqs: int, heads: int, kv_heads: int, context: int, pag
         seconds = start.elapsed_time(stop) / 1e3 / 20
         results.append((kv_bytes / seconds / 1e9, block_n, warps, stages, splits, f"{seconds * 1e6:.0f} us"))
     results.sort(reverse=True)
-    print(f"{name}: {reqs} requests x {context} tokens, {heads}/{kv_heads} heads, {kv_bytes / 1e9:.2f} GB; "
-          f"default splits {default_splits}")
+    print(
+        f"{name}: {reqs} requests x {context} tokens, {heads}/{kv_heads} heads, {kv_bytes / 1e9:.2f} GB; "
+        f"default splits {default_splits}"
+    )
     default = [r for r in results if r[1:5] == (64, 4, 2, default_splits)]
     print(f"  default (64, 4 warps, 2 stages, {default_splits} splits): {default[0][0]:.0f} GB/s {default[0][5]}")
     for gbps, block_n, warps, stages, splits, note in results[:6]:

@@ -13,18 +13,17 @@ import typer
 from cli import options as o
 
 
+@o.with_engine_options(exclude=o.NOT_IN_BENCH)
 def bench(
-    m: o.Model = None, w: o.Weights = None, f: o.File = None, dtype: o.Dtype = "auto", device: o.Device = None,
-    max_model_len: o.MaxModelLen = None, mem: o.Mem = None, max_num_seqs: o.MaxNumSeqs = 256,
-    prefill_chunk_size: o.PrefillChunk = 8192, attention_backend: o.AttentionBackend = "auto",
-    no_cuda_graph: o.NoCudaGraph = False, async_scheduling: o.AsyncScheduling = None, no_prefix_cache: o.NoPrefixCache = False, load_format: o.LoadFormat = "auto",
+    engine: o.EngineOptions,
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="Requests to run.")] = 32,
     input_len: Annotated[int, typer.Option("--input-len", help="Mean prompt length in tokens.")] = 128,
     output_len: Annotated[int, typer.Option("--output-len", help="Mean output length in tokens.")] = 128,
-    range_ratio: Annotated[float, typer.Option("--range-ratio", help="Lengths vary uniformly by +- this fraction.")] = 0.0,
+    range_ratio: Annotated[
+        float, typer.Option("--range-ratio", help="Lengths vary uniformly by +- this fraction.")
+    ] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     output_json: Annotated[Path | None, typer.Option("--output-json", help="Write the full results here.")] = None,
-    d: o.Devices = None, tp: o.TensorParallel = None, all_reduce: o.AllReduce = "auto",
 ) -> None:
     """Run NUM_PROMPTS random requests through the engine and report tokens/s."""
     from framework import LLM, SamplingParams
@@ -32,11 +31,7 @@ def bench(
 
     try:
         started = time.perf_counter()
-        llm = LLM(**o.engine_kwargs(m=m, w=w, f=f, dtype=dtype, device=device, max_model_len=max_model_len,
-                                    mem_mb=mem, max_num_seqs=max_num_seqs, prefill_chunk_size=prefill_chunk_size,
-                                    attention_backend=attention_backend, no_cuda_graph=no_cuda_graph, async_scheduling=async_scheduling,
-                                    no_prefix_cache=no_prefix_cache, load_format=load_format, d=d,
-                                    tensor_parallel_size=tp, all_reduce=all_reduce))
+        llm = LLM(**engine.args().to_dict())
         load_s = time.perf_counter() - started
     except (FwError, ValueError) as exc:
         raise o.fail(str(exc)) from None
@@ -54,15 +49,28 @@ def bench(
     num_in = sum(len(p["prompt_token_ids"]) for p in prompts)
     num_out = sum(len(r.outputs[0].token_ids) for r in results)
     report = {
-        "summary": llm.engine.summary, "tp": llm.engine.summary.get("tensor_parallel_size", 1), "num_prompts": num_prompts, "input_tokens": num_in, "output_tokens": num_out,
-        "elapsed_s": elapsed, "load_s": load_s, "requests_per_s": num_prompts / elapsed,
-        "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "summary": llm.engine.summary,
+        "tp": llm.engine.summary.get("tensor_parallel_size", 1),
+        "num_prompts": num_prompts,
+        "input_tokens": num_in,
+        "output_tokens": num_out,
+        "elapsed_s": elapsed,
+        "load_s": load_s,
+        "requests_per_s": num_prompts / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
     }
     llm.close()
     if output_json:
         output_json.write_text(json.dumps(report, indent=2, default=str))
-    typer.echo(f"model {report['summary']['model']} on {report['summary']['device']} ({report['summary']['dtype']}, "
-               f"attention {report['summary']['attention_backend']})")
-    typer.echo(f"{'requests':>10} {'in tok':>8} {'out tok':>8} {'time s':>8} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12}")
-    typer.echo(f"{num_prompts:>10} {num_in:>8} {num_out:>8} {elapsed:>8.2f} {report['requests_per_s']:>8.2f} "
-               f"{report['output_tokens_per_s']:>10.1f} {report['total_tokens_per_s']:>12.1f}")
+    typer.echo(
+        f"model {report['summary']['model']} on {report['summary']['device']} ({report['summary']['dtype']}, "
+        f"attention {report['summary']['attention_backend']})"
+    )
+    typer.echo(
+        f"{'requests':>10} {'in tok':>8} {'out tok':>8} {'time s':>8} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12}"
+    )
+    typer.echo(
+        f"{num_prompts:>10} {num_in:>8} {num_out:>8} {elapsed:>8.2f} {report['requests_per_s']:>8.2f} "
+        f"{report['output_tokens_per_s']:>10.1f} {report['total_tokens_per_s']:>12.1f}"
+    )

@@ -23,8 +23,12 @@ def chat(
     model: Annotated[str | None, typer.Option("--model", help="Model name (default: the server's first).")] = None,
     system: Annotated[str | None, typer.Option("--system", help="A system prompt for the conversation.")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Most tokens of one reply.")] = None,
-    temperature: Annotated[float | None, typer.Option("--temperature", help="Sampling temperature (default: the model's).")] = None,
-    api_key: Annotated[str | None, typer.Option("--api-key", help="Bearer key of the server (default: FW_API_KEY).")] = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="Sampling temperature (default: the model's).")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", help="Bearer key of the server (default: FW_API_KEY).")
+    ] = None,
 ) -> None:
     """Chat with a running fw serve, streaming each reply."""
     import httpx

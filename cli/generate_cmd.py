@@ -11,12 +11,10 @@ import typer
 from cli import options as o
 
 
+@o.with_engine_options(exclude=o.NOT_IN_GENERATE)
 def generate(
+    engine: o.EngineOptions,
     prompt: Annotated[str, typer.Argument(help="The prompt (with --chat: the user message).")],
-    m: o.Model = None, w: o.Weights = None, f: o.File = None, revision: o.Revision = None,
-    dtype: o.Dtype = "auto", device: o.Device = None, max_model_len: o.MaxModelLen = None,
-    mem: o.Mem = None, attention_backend: o.AttentionBackend = "auto", no_cuda_graph: o.NoCudaGraph = False, async_scheduling: o.AsyncScheduling = None,
-    all_reduce: o.AllReduce = "auto",
     chat: Annotated[bool, typer.Option("--chat", help="Apply the model's chat template.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option("--temperature")] = 0.0,
@@ -24,31 +22,33 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k")] = 0,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print token ids and metadata as JSON.")] = False,
-    d: o.Devices = None, tp: o.TensorParallel = None, num_nodes: o.NumNodes = 1, node_rank: o.NodeRank = 0,
-    master_addr: o.MasterAddr = "127.0.0.1", master_port: o.MasterPort = None,
-    rendezvous_timeout: o.RendezvousTimeout = 300.0, distributed_timeout: o.DistributedTimeout = 600.0,
-    json_schema: Annotated[Path | None, typer.Option("--json-schema", help="A JSON Schema file: the output is JSON "
-                                                     "valid under it.")] = None,
+    json_schema: Annotated[
+        Path | None, typer.Option("--json-schema", help="A JSON Schema file: the output is JSON valid under it.")
+    ] = None,
     regex: Annotated[str | None, typer.Option("--regex", help="The output is a full match of this regex.")] = None,
-    choice: Annotated[list[str] | None, typer.Option("--choice", help="The output is one of these strings "
-                                                     "(repeat the option).")] = None,
+    choice: Annotated[
+        list[str] | None, typer.Option("--choice", help="The output is one of these strings (repeat the option).")
+    ] = None,
 ) -> None:
     """Generate a completion for PROMPT and print it."""
     from framework import LLM, SamplingParams
     from framework.errors import FwError
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                structured_outputs=_structured_outputs(json_schema, regex, choice))
-        kwargs = o.engine_kwargs(m=m, w=w, f=f, revision=revision, dtype=dtype, device=device, d=d,
-                                 max_model_len=max_model_len, mem_mb=mem, attention_backend=attention_backend,
-                                 no_cuda_graph=no_cuda_graph, async_scheduling=async_scheduling, all_reduce=all_reduce,
-                                 **o.parallel_kwargs(tp, num_nodes, node_rank, master_addr, master_port,
-                                                     rendezvous_timeout, distributed_timeout))
-        if node_rank > 0:  # the other nodes only run their tensor-parallel workers
-            from framework.distributed.launch import run_node
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            structured_outputs=_structured_outputs(json_schema, regex, choice),
+        )
+        args = engine.args()
+        kwargs = args.to_dict()
+        if args.node_rank > 0:  # the other nodes only run their tensor-parallel workers
+            from framework.engine.tp_worker import run_node
 
-            raise typer.Exit(run_node(kwargs))
+            raise typer.Exit(run_node(args))
         llm = LLM(**kwargs)
         if chat:
             result = llm.chat([{"role": "user", "content": prompt}], params)[0]
@@ -59,8 +59,16 @@ def generate(
         raise o.fail(str(exc)) from None
     output = result.outputs[0]
     if as_json:
-        typer.echo(json.dumps({"text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
-                               "prompt_token_ids": result.prompt_token_ids}))
+        typer.echo(
+            json.dumps(
+                {
+                    "text": output.text,
+                    "token_ids": output.token_ids,
+                    "finish_reason": output.finish_reason,
+                    "prompt_token_ids": result.prompt_token_ids,
+                }
+            )
+        )
     else:
         typer.echo(output.text)
 

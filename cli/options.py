@@ -1,81 +1,139 @@
-"""Options shared by commands that build an engine (``fw generate``, ``fw bench``, ``fw serve``)."""
+"""The engine options of ``fw serve`` / ``generate`` / ``bench``, generated from :class:`EngineArgs`."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import typing
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
 
-Model = Annotated[str | None, typer.Option("--m", "--model", help="Hugging Face repo id, local directory or .gguf file.")]
-Weights = Annotated[str | None, typer.Option("--w", "--weights", help="Local weight directory (overrides --m's files).")]
-File = Annotated[str | None, typer.Option("--f", "--file", help="A file or subfolder of GGUFs inside --m.")]
-Revision = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")]
-Dtype = Annotated[str, typer.Option("--dtype", help="bf16, f16, f32 or auto (CPU: f32; GPU: the checkpoint's 16-bit type).")]
-Devices = Annotated[str | None, typer.Option("--d", help="GPU ordinal(s) of this node: 0, or 0,1 for tensor parallelism over both (one worker process per device).")]
-TensorParallel = Annotated[int | None, typer.Option("--tp", "--tensor-parallel-size", help="Tensor-parallel ranks in all (a power of two; default: the --d count times --num-nodes). On CPU: that many gloo processes.")]
-NumNodes = Annotated[int, typer.Option("--num-nodes", help="Machines sharing the model (each runs --tp / --num-nodes ranks).")]
-NodeRank = Annotated[int, typer.Option("--node-rank", help="This machine's index; only node 0 serves HTTP, the others run workers.")]
-MasterAddr = Annotated[str, typer.Option("--master-addr", help="Address of node 0 for the tensor-parallel rendezvous.")]
-MasterPort = Annotated[int | None, typer.Option("--master-port", help="Rendezvous port on node 0 (default 29500 with several nodes; any free port on one).")]
-RendezvousTimeout = Annotated[float, typer.Option("--rendezvous-timeout", help="Seconds to wait for every rank to join.")]
-DistributedTimeout = Annotated[float, typer.Option("--distributed-timeout", help="Seconds a collective may take before a hung rank fails the engine.")]
-YarnFactor = Annotated[float | None, typer.Option("--yarn-scaling-factor", help="Extend the context with YaRN rope scaling by this factor.")]
-Device = Annotated[str | None, typer.Option("--device", help="cpu, cuda or cuda:N (default: cuda if available).")]
-MaxModelLen = Annotated[int | None, typer.Option("--max-model-len", help="Context length (default: the model's).")]
-KvFraction = Annotated[float, typer.Option("--kv-fraction", help="Fraction of free device memory for the KV cache.")]
-Mem = Annotated[int | None, typer.Option("--mem", help="KV-cache budget in MB (fw serve: overrides --kv-fraction).")]
-MaxNumSeqs = Annotated[int, typer.Option("--max-num-seqs", help="Most requests in one step.")]
-PrefillChunk = Annotated[int, typer.Option("--prefill-chunk-size", help="Most prompt tokens of one request per step.")]
-NoPrefixCache = Annotated[bool, typer.Option("--disable-prefix-cache", help="Do not reuse KV blocks across requests.")]
-PrefixCacheMax = Annotated[int | None, typer.Option("--prefix-cache-max-tokens", help="Cap on tokens kept in the prefix cache.")]
-NoCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run decode steps eagerly (no CUDA graphs).")]
-AsyncScheduling = Annotated[bool | None, typer.Option(
-    "--async-scheduling/--no-async-scheduling",
-    help="Prepare each step on the host while the device runs the previous one (default: on for CUDA devices).")]
-AllReduce = Annotated[str, typer.Option("--all-reduce", help="Tensor-parallel all-reduce: auto (flashinfer for bf16 models where "
-                                        "FlashInfer's fused kernel is built already, else symm_mem where every GPU is Hopper or newer, on "
-                                        "one host with peer access, else nccl), symm_mem (one-shot over NVLink peer memory for "
-                                        "decode-sized tensors; an error where it cannot run), nccl, or flashinfer (symm_mem plus "
-                                        "FlashInfer's fused all-reduce + residual add + RMS norm in decode steps; builds the kernel "
-                                        "on first use, about 7 minutes).")]
-LoadFormat = Annotated[str, typer.Option("--load-format", help="auto (detect), or a weight format by name: safetensors, gguf, dummy (random weights for a config.json).")]
-AttentionBackend = Annotated[str, typer.Option("--attention-backend", help="auto or a registered backend name (fw plugins check).")]
+#: Engine options a command leaves out (it has its own flag of that name, or no use for it).
+NOT_IN_GENERATE = frozenset({"seed"})  # --seed is the sampling seed there
+NOT_IN_BENCH = frozenset(
+    {"seed", "num_nodes", "node_rank", "master_addr", "master_port", "rendezvous_timeout", "distributed_timeout"}
+)  # --seed is the prompts' seed; bench runs on one node
+
+
+def with_engine_options(exclude: frozenset[str] = frozenset()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command one Typer option per :class:`~framework.engine.args.EngineArgs` field.
+
+    The decorated function takes its own parameters plus ``engine``: the engine options the user
+    gave, as an :class:`EngineOptions`. Flags, help text and defaults come from the fields, so
+    ``fw serve``, ``fw generate`` and ``fw bench`` spell and default every engine option alike.
+    """
+    from framework.engine.args import engine_fields
+
+    def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
+        hints = typing.get_type_hints(function, include_extras=True)
+        own = [
+            param.replace(annotation=hints[param.name], kind=inspect.Parameter.KEYWORD_ONLY)
+            for param in inspect.signature(function).parameters.values()
+            if param.name != "engine"
+        ]
+        generated = []
+        for name, (base, meta, default) in engine_fields().items():
+            if name in exclude:
+                continue
+            extra = meta.extra
+            cli_name, cli_type, cli_default = name, base, default
+            if extra["negate"]:  # enable_x=True <-> --disable-x not given
+                cli_name, cli_type, cli_default = _negated_name(meta), bool, False
+            elif name == "device_ids":
+                cli_type = str | None  # --d 0,1
+            option = typer.Option(*extra["flags"], help=meta.description, hidden=extra["hidden"])
+            generated.append(
+                inspect.Parameter(
+                    cli_name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=cli_default,
+                    annotation=Annotated[cli_type, option],
+                )
+            )
+        cli_names = {param.name for param in generated}
+
+        @functools.wraps(function)
+        def command(**values: Any) -> Any:
+            given = {name: values.pop(name) for name in list(values) if name in cli_names}
+            return function(engine=EngineOptions(given), **values)
+
+        del command.__wrapped__  # Typer reads the signature below, not the function's own
+        arguments = [param for param in own if _is_argument(param)]  # positionals, then the engine's options
+        ordered = arguments + generated + [param for param in own if not _is_argument(param)]
+        command.__signature__ = inspect.Signature(ordered)
+        command.__annotations__ = {param.name: param.annotation for param in ordered}
+        return command
+
+    return wrap
+
+
+def _is_argument(param: inspect.Parameter) -> bool:
+    return any(isinstance(m, typer.models.ArgumentInfo) for m in typing.get_args(param.annotation)[1:])
+
+
+def _negated_name(meta: Any) -> str:
+    """``--disable-cuda-graph`` -> ``disable_cuda_graph``."""
+    return meta.extra["flags"][0].lstrip("-").replace("-", "_")
+
+
+class EngineOptions:
+    """The engine options of one command line; :meth:`args` turns them into validated EngineArgs."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A value by its EngineArgs field name, as given (or ``default``)."""
+        return self.values.get(name, default)
+
+    def args(self, **overrides: Any) -> Any:
+        """Validated :class:`EngineArgs` (names checked against the plugins, before any download).
+
+        ``--d 0`` alone means ``--device cuda:0``; several ordinals (or ``--tp``) mean tensor
+        parallelism over them. Raises :class:`framework.errors.ConfigError`.
+        """
+        from framework.engine.args import EngineArgs, engine_fields
+
+        options = {}
+        for name, (_, meta, _) in engine_fields().items():
+            if meta.extra["negate"]:
+                if _negated_name(meta) in self.values:
+                    options[name] = not self.values[_negated_name(meta)]
+            elif name in self.values:
+                options[name] = self.values[name]
+        options.update(overrides)
+        ordinals = options.pop("device_ids", None)
+        if isinstance(ordinals, str):
+            ids = parse_ordinals(ordinals)
+            tp, nodes = options.get("tensor_parallel_size") or 1, options.get("num_nodes") or 1
+            if len(ids) == 1 and tp == 1 and nodes == 1:
+                options["device"] = device_from_ordinals(ordinals, options.get("device"))
+            else:
+                options["device_ids"] = ids
+        elif ordinals is not None:
+            options["device_ids"] = ordinals
+        args = EngineArgs.from_options(**options)
+        args.check_names()
+        return args
 
 
 def engine_kwargs(**values: Any) -> dict[str, Any]:
-    """Map CLI option values to :class:`framework.engine.builder.EngineBuilder` keyword arguments."""
-    names = {"m": "model", "w": "weights", "f": "file", "no_prefix_cache": None, "no_cuda_graph": None, "d": None}
-    kwargs = {names.get(key, key): value for key, value in values.items() if names.get(key, key)}
-    if "no_prefix_cache" in values:
-        kwargs["enable_prefix_caching"] = not values["no_prefix_cache"]
-    if values.get("d") is not None:
-        ordinals = parse_ordinals(values["d"])
-        if len(ordinals) == 1 and (values.get("tensor_parallel_size") or 1) == 1 and (values.get("num_nodes") or 1) == 1:
-            kwargs["device"] = device_from_ordinals(values["d"], kwargs.get("device"))
-        else:
-            kwargs["device_ids"] = ordinals
-    if "no_cuda_graph" in values:
-        kwargs["enable_cuda_graphs"] = not values["no_cuda_graph"]
-    if "all_reduce" in values:  # before any process starts (the engine checks again)
-        from framework.distributed.config import ParallelConfig
-        from framework.distributed.fast_all_reduce import resolve_all_reduce
-
-        # the device as EngineBuilder decides it (ParallelConfig.device), so the two checks agree
-        parallel = ParallelConfig(kwargs.get("tensor_parallel_size"), kwargs.get("num_nodes", 1),
-                                  kwargs.get("node_rank", 0), kwargs.get("device_ids"))
-        resolve_all_reduce(values["all_reduce"], parallel.device(kwargs.get("device")))
-    return kwargs
-
-
-def parallel_kwargs(tp: int | None, num_nodes: int, node_rank: int, master_addr: str, master_port: int | None,
-                    rendezvous_timeout: float, distributed_timeout: float) -> dict[str, Any]:
-    """The tensor-parallel / multi-node flags as :class:`EngineBuilder` keyword arguments (validated)."""
-    from framework.distributed.config import ParallelConfig
-
-    # validates sizes and ranks now, so a bad flag fails before any process starts
-    ParallelConfig(tp or None, num_nodes, node_rank, None, master_addr, master_port, rendezvous_timeout, distributed_timeout)
-    return dict(tensor_parallel_size=tp, num_nodes=num_nodes, node_rank=node_rank, master_addr=master_addr,
-                master_port=master_port, rendezvous_timeout=rendezvous_timeout, distributed_timeout=distributed_timeout)
+    """Option values by their CLI spelling (``m``, ``d``, ``mem``, ``no_cuda_graph`` ...) or field
+    name, as validated :class:`EngineBuilder` keyword arguments (for callers that hold flag values)."""
+    aliases = {
+        "m": "model",
+        "w": "weights",
+        "f": "file",
+        "mem": "mem_mb",
+        "tp": "tensor_parallel_size",
+        "d": "device_ids",
+        "no_prefix_cache": "disable_prefix_cache",
+        "no_cuda_graph": "disable_cuda_graph",
+    }
+    values = {aliases.get(key, key): value for key, value in values.items()}
+    return EngineOptions(values).args().to_dict()
 
 
 def parse_ordinals(ordinals: str) -> list[int]:
@@ -94,7 +152,9 @@ def device_from_ordinals(ordinals: str, device: str | None) -> str:
 
     parts = [str(p) for p in parse_ordinals(ordinals)]
     if len(parts) > 1:
-        raise ConfigError(f"--d {ordinals}: several devices mean tensor parallelism; the engine takes them as device_ids")
+        raise ConfigError(
+            f"--d {ordinals}: several devices mean tensor parallelism; the engine takes them as device_ids"
+        )
     if device and device != f"cuda:{parts[0]}":
         raise ConfigError(f"--d {ordinals} and --device {device} disagree; give one of them")
     return f"cuda:{parts[0]}"

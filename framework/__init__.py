@@ -21,14 +21,16 @@ _LAZY = {
     "SamplingParams": "framework.sampling_params:SamplingParams",
     "StructuredOutputsParams": "framework.sampling_params:StructuredOutputsParams",
     "EngineBuilder": "framework.engine.builder:EngineBuilder",
+    "EngineArgs": "framework.engine.args:EngineArgs",
 }
 
 if TYPE_CHECKING:
+    from framework.engine.args import EngineArgs
     from framework.engine.builder import EngineBuilder
     from framework.llm import LLM
     from framework.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["hookimpl", "LLM", "SamplingParams", "StructuredOutputsParams", "EngineBuilder", "__version__"]
+__all__ = ["hookimpl", "LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "EngineBuilder", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -54,8 +54,10 @@ class AttentionMetadata:
         """``block_table_cpu``, which the model runner always fills; a ValueError if it is missing
         (copying ``block_table`` back would wait for the device inside a step)."""
         if self.block_table_cpu is None:
-            raise ValueError("AttentionMetadata.block_table_cpu is required by backends that plan on the host "
-                             "(the model runner fills it; build test metadata with framework.testing helpers)")
+            raise ValueError(
+                "AttentionMetadata.block_table_cpu is required by backends that plan on the host "
+                "(the model runner fills it; build test metadata with framework.testing helpers)"
+            )
         return self.block_table_cpu
 
 
@@ -141,8 +143,13 @@ class AttentionBackend(ABC):
         """Reasons this backend cannot run these layers on ``platform``; empty if it can."""
         return []
 
-    def initialize(self, layers: list[AttentionLayerConfig], dtype: torch.dtype, block_size: int,  # noqa: B027
-                   device: torch.device) -> None:
+    def initialize(  # noqa: B027 - an optional hook
+        self,
+        layers: list[AttentionLayerConfig],
+        dtype: torch.dtype,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         """Called once after selection with the model's attention layers, before any step."""
 
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
@@ -151,8 +158,15 @@ class AttentionBackend(ABC):
         (``metadata.graph_batch_size``), so a backend can plan into its static buffers here."""
 
     @abstractmethod
-    def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        layer: AttentionLayerConfig,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """Attention for the step's tokens.
 
         ``query`` is ``[T, num_heads * head_size]``, ``key``/``value`` ``[T, num_kv_heads *

@@ -43,7 +43,10 @@ def register_weight_formats() -> list[WeightFormatSpec]:
 
 @hookimpl
 def register_kernels() -> list[KernelSpec]:
-    return [KernelSpec(op=op, name="torch", impl=impl, description="torch reference") for op, impl in REFERENCE_KERNELS.items()]
+    return [
+        KernelSpec(op=op, name="torch", impl=impl, description="torch reference")
+        for op, impl in REFERENCE_KERNELS.items()
+    ]
 
 
 @hookimpl

@@ -8,11 +8,14 @@ vLLM or candle-vllm user expects; each field is documented where it is declared.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from framework.errors import ConfigError
+
+if TYPE_CHECKING:
+    from framework.engine.args import EngineArgs
 
 DTYPES = {
     "auto": None,
@@ -29,7 +32,9 @@ DTYPES = {
 }
 
 
-def resolve_dtype(name: str | torch.dtype | None, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
+def resolve_dtype(
+    name: str | torch.dtype | None, device: torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
     """The compute dtype for ``--dtype name`` on ``device``.
 
     ``auto`` means: on CPU float32 (bf16 matmuls on CPUs without AMX are slower than fp32 and
@@ -66,8 +71,15 @@ class ModelConfig:
     source: str = ""
 
     @classmethod
-    def from_hf_config(cls, hf_config: dict[str, Any], *, dtype: torch.dtype, max_model_len: int | None = None,
-                       eos_token_ids: frozenset[int] = frozenset(), source: str = "") -> ModelConfig:
+    def from_hf_config(
+        cls,
+        hf_config: dict[str, Any],
+        *,
+        dtype: torch.dtype,
+        max_model_len: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        source: str = "",
+    ) -> ModelConfig:
         archs = hf_config.get("architectures") or []
         if not archs:
             raise ConfigError(f"model config of {source or 'the model'} has no 'architectures' entry")
@@ -143,7 +155,7 @@ class CacheConfig:
 
     ``block_size``: tokens per paged block. ``kv_fraction``: fraction of free device memory
     (after weights) given to the cache, used when ``mem_mb`` is not set. ``mem_mb``: a fixed
-    budget in MB. ``enable_prefix_caching`` and ``prefix_cache_max_tokens`` (``None`` = as many
+    budget in MB (over both fractions). ``enable_prefix_caching`` and ``prefix_cache_max_tokens`` (``None`` = as many
     as the cache holds) control reuse of full blocks across requests. ``num_blocks`` overrides
     the sizing entirely (tests).
     """
@@ -155,6 +167,9 @@ class CacheConfig:
     prefix_cache_max_tokens: int | None = None
     num_blocks: int | None = None
     cache_dtype: str = "auto"
+    #: vLLM's whole-engine budget: this fraction of the GPU's total memory, the KV cache taking
+    #: what the weights and everything else on the device leave of it (replaces ``kv_fraction``)
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -178,6 +193,20 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     prefill_chunk_size: int = 8192
 
+    @classmethod
+    def from_args(cls, args: EngineArgs, max_model_len: int | None) -> SchedulerConfig:
+        """The step limits of ``args``: ``--prefill-chunk-size 0`` computes a whole prompt in one
+        step, so a step then holds the context length (``max_model_len``; None while unknown)."""
+        chunk = args.prefill_chunk_size or max_model_len or 8192  # (8192 only until the context length is known)
+        batched = args.max_num_batched_tokens or max(chunk, args.max_num_seqs)
+        if args.prefill_chunk_size == 0 and max_model_len is not None and batched < max_model_len:
+            raise ConfigError(
+                f"--prefill-chunk-size 0 computes each prompt in one step, but --max-num-batched-tokens "
+                f"{batched} is below the context length {max_model_len}: raise it, lower "
+                "--max-model-len, or turn chunking back on"
+            )
+        return cls(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched, prefill_chunk_size=chunk)
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) <= 0:
@@ -194,3 +223,22 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0
+
+
+def with_yarn_scaling(hf_config: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The config with YaRN rope scaling by ``factor`` (``--yarn-scaling-factor``), as candle-vllm does:
+    the context grows ``factor`` times from the model's own ``max_position_embeddings``."""
+    if factor <= 1.0:
+        raise ConfigError(f"--yarn-scaling-factor must be > 1, got {factor}")
+    config = dict(hf_config)
+    original = int(config.get("max_position_embeddings") or 2048)
+    config["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": original,
+    }
+    params = config.pop("rope_parameters", None) or {}
+    if "rope_theta" in params and "rope_theta" not in config:
+        config["rope_theta"] = params["rope_theta"]
+    config["max_position_embeddings"] = int(original * factor)
+    return config

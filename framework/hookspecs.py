@@ -45,11 +45,11 @@ def register_weight_formats() -> list[Any]:
 def register_quantization_methods() -> list[Any]:
     """Return ``[QuantMethodSpec]`` for the quantization methods this plugin provides.
 
-    Called once per process. Merged into one registry keyed by method name (``gguf``, ``gptq``,
-    ``isq``, ...); the chosen method's ``QuantConfig`` gives each layer its quant method
-(``get_quant_method``: a ``LinearMethod`` for linear layers and vocabulary tables, a
-``FusedMoEMethod`` for ``FusedMoE``, the KV-cache method for attention layers) and declares
-the activation dtypes and devices it supports (see ``framework.quantization``).
+        Called once per process. Merged into one registry keyed by method name (``gguf``, ``gptq``,
+        ``isq``, ...); the chosen method's ``QuantConfig`` gives each layer its quant method
+    (``get_quant_method``: a ``LinearMethod`` for linear layers and vocabulary tables, a
+    ``FusedMoEMethod`` for ``FusedMoE``, the KV-cache method for attention layers) and declares
+    the activation dtypes and devices it supports (see ``framework.quantization``).
     """
 
 
@@ -164,13 +164,15 @@ def register_commands(app: Any) -> None:
 
 @hookspec
 def startup(engine: Any) -> Any:
-    """Called once after the engine is built, before it serves; may return an awaitable.
+    """Called once after the engine is built, before it serves; may return an awaitable (awaited).
 
-    Every implementation runs; ``engine`` is the built engine (or the API server's engine
-    client in the API process).
+    Every implementation runs; ``engine`` is the built engine (``LLM``: the in-process
+    :class:`~framework.engine.builder.Engine`) or, in the API server, its engine client once
+    the engine reports ready.
     """
 
 
 @hookspec
 def shutdown(engine: Any) -> Any:
-    """Called once when the engine stops; may return an awaitable. Every implementation runs."""
+    """Called once when the engine stops (``LLM.close()``; the API server's shutdown), after a
+    ``startup`` call; may return an awaitable (awaited). Every implementation runs."""

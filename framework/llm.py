@@ -1,9 +1,9 @@
 """The programmatic API in the shape vLLM users know: ``LLM(...).generate(...)`` and ``.chat(...)``.
 
-    from framework import LLM, SamplingParams
-    llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
-    print(out[0].outputs[0].text)
+from framework import LLM, SamplingParams
+llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct")
+out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+print(out[0].outputs[0].text)
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from framework import plugins
+from framework.engine.args import EngineArgs
 from framework.engine.builder import Engine, EngineBuilder
 from framework.engine.outputs import GRAMMAR_FAILED, LogprobEntry
 from framework.engine.request import FinishReason
@@ -47,14 +49,24 @@ class GenerationResult:
 
 
 class LLM:
-    """An in-process engine with text in and text out; keyword arguments go to :class:`EngineBuilder`."""
+    """An in-process engine with text in and text out.
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine: Engine = EngineBuilder(model, **engine_args).build()
+    ``LLM(model, **options)`` takes the :class:`~framework.engine.args.EngineArgs` fields as keyword
+    options (``LLM(args=EngineArgs(...))`` a built one), validated before anything loads.
+    """
+
+    def __init__(self, model: str | None = None, *, args: EngineArgs | None = None, **options: Any) -> None:
+        self.engine: Engine = EngineBuilder(model, args=args, **options).build()
         self._ids = itertools.count()
+        self._closed = False
+        plugins.call_lifecycle_sync("startup", engine=self.engine)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        """Tell the plugins (``shutdown``) and stop the tensor-parallel workers, if any (they also stop
+        when this process exits); idempotent."""
+        if not self._closed:
+            self._closed = True
+            plugins.call_lifecycle_sync("shutdown", engine=self.engine)
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:
@@ -76,11 +88,16 @@ class LLM:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[GenerationResult]:
+    def generate(
+        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
         """Generate for every prompt (batched together); one result per prompt, in order."""
         prompts = prompts if isinstance(prompts, list) else [prompts]
-        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params_list = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         core = self.engine.core
@@ -91,7 +108,11 @@ class LLM:
             result = GenerationResult(str(next(self._ids)), text, ids, [])
             results.append(result)
             for index in range(params.n):
-                child = params if params.n == 1 else params.replace(n=1, seed=None if params.seed is None else params.seed + index)
+                child = (
+                    params
+                    if params.n == 1
+                    else params.replace(n=1, seed=None if params.seed is None else params.seed + index)
+                )
                 request_id = f"{result.request_id}-{index}"
                 output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
                 result.outputs.append(output)
@@ -120,8 +141,11 @@ class LLM:
                 elif step.finish_reason is not None:
                     output.finish_reason, output.stop_reason = step.finish_reason, step.stop_token_id
         for output, sequence_text, _, child in sequences.values():
-            output.text = (sequence_text.text if sequence_text is not None
-                           else self.tokenizer.decode(output.token_ids, child.skip_special_tokens))
+            output.text = (
+                sequence_text.text
+                if sequence_text is not None
+                else self.tokenizer.decode(output.token_ids, child.skip_special_tokens)
+            )
         return results
 
     def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean") -> list[list[float]]:
@@ -137,12 +161,26 @@ class LLM:
             found.update((out.request_id, out.embedding) for out in core.step() if out.embedding is not None)
         return [found[request_id] for request_id in ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             add_generation_prompt: bool = True) -> list[GenerationResult]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[GenerationResult]:
         """Apply the chat template to one conversation (or a list of them) and generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                                   **(chat_template_kwargs or {}))}
-                   for conversation in conversations]
+        prompts = [
+            {
+                "prompt_token_ids": self.tokenizer.encode_chat(
+                    conversation,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    **(chat_template_kwargs or {}),
+                )
+            }
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params)

@@ -104,7 +104,6 @@ def rotary_embedding(
     )
 
 
-
 def qk_norm_rotary_embedding(
     positions: Tensor,
     query: Tensor,
@@ -125,11 +124,14 @@ def qk_norm_rotary_embedding(
     :func:`rotary_embedding` with the same other arguments: one op so that a kernel can do both
     in one launch. Returns new tensors of the inputs' dtypes and shapes.
     """
+
     def normed(x: Tensor, weight: Tensor) -> Tensor:
         return rms_norm(x.unflatten(-1, (-1, head_size)), weight, eps, offset).flatten(-2).view(x.shape)
 
-    return rotary_embedding(positions, normed(query, q_weight), normed(key, k_weight), head_size, cos_sin_cache,
-                            is_neox_style)
+    return rotary_embedding(
+        positions, normed(query, q_weight), normed(key, k_weight), head_size, cos_sin_cache, is_neox_style
+    )
+
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, num_token_dims: int, head_size: int, is_neox_style: bool) -> Tensor:
     heads = x.reshape(*x.shape[:num_token_dims], -1, head_size)
@@ -186,8 +188,9 @@ class PackedExperts(NamedTuple):
         return self.dequantize(self.data.index_select(0, ids), scales, dtype)
 
 
-def quantized_fused_moe(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
-                        topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def quantized_fused_moe(
+    hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts, topk_weights: Tensor, topk_ids: Tensor
+) -> Tensor:
     """:func:`fused_moe` over experts kept quantized: gate ``w1`` and up ``w3`` ``[E, I, H]``, down
     ``w2`` ``[E, H, I]`` as :class:`PackedExperts` (each projection may have its own type).
 
@@ -206,6 +209,7 @@ def quantized_fused_moe(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2
     num_tokens, top_k = topk_ids.shape
     num_experts = w1.data.shape[0]
     if num_tokens * top_k > num_experts:
+
         def weights(expert: int) -> tuple[Tensor, Tensor]:
             ids = torch.tensor([expert], device=hidden.device)
             gate_up = torch.cat([w1.experts(ids, hidden.dtype)[0], w3.experts(ids, hidden.dtype)[0]])
@@ -221,8 +225,13 @@ def quantized_fused_moe(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2
     return weighted.view(num_tokens, top_k, -1).sum(1).to(hidden.dtype)
 
 
-def _moe_per_expert(hidden: Tensor, weights: Callable[[int], tuple[Tensor, Tensor]], num_experts: int,
-                    topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def _moe_per_expert(
+    hidden: Tensor,
+    weights: Callable[[int], tuple[Tensor, Tensor]],
+    num_experts: int,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+) -> Tensor:
     """:func:`fused_moe`'s loop, with expert ``e``'s ``(w13 [2I, H], w2 [H, I])`` from ``weights(e)``."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
@@ -233,7 +242,7 @@ def _moe_per_expert(hidden: Tensor, weights: Callable[[int], tuple[Tensor, Tenso
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        pairs = order[start:start + count]
+        pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
         w13, w2 = weights(expert)

@@ -53,6 +53,8 @@ class SequenceText:
 
     def delta(self, finished: bool = False) -> str:
         """New text safe to send: holds back a possible stop-string prefix unless finished."""
-        end = len(self.text) if finished or self.stopped or not self.stops else max(self.sent, len(self.text) - self.hold)
-        piece, self.sent = self.text[self.sent:end], end
+        end = (
+            len(self.text) if finished or self.stopped or not self.stops else max(self.sent, len(self.text) - self.hold)
+        )
+        piece, self.sent = self.text[self.sent : end], end
         return piece

@@ -15,6 +15,8 @@ A plugin that fails to import, or implements a hook that does not exist, is repo
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import itertools
 import logging
 import os
@@ -135,13 +137,18 @@ def _register(plugin: Any, name: str, distribution: str | None) -> None:
     except (pluggy.PluginValidationError, ValueError) as exc:
         _record_error(name, distribution, "invalid hook implementation: " + " ".join(str(exc).split()))
         return
-    unknown = [impl.function.__name__ for caller in manager.get_hookcallers(plugin) or []
-               for impl in caller.get_hookimpls()
-               if impl.plugin is plugin and caller.spec is None]
+    unknown = [
+        impl.function.__name__
+        for caller in manager.get_hookcallers(plugin) or []
+        for impl in caller.get_hookimpls()
+        if impl.plugin is plugin and caller.spec is None
+    ]
     if unknown:
         manager.unregister(plugin)
         valid = ", ".join(hook_names())
-        _record_error(name, distribution, f"implements unknown hook(s) {', '.join(sorted(set(unknown)))}; valid hooks: {valid}")
+        _record_error(
+            name, distribution, f"implements unknown hook(s) {', '.join(sorted(set(unknown)))}; valid hooks: {valid}"
+        )
         return
     version = None
     if distribution:
@@ -156,7 +163,9 @@ def _register(plugin: Any, name: str, distribution: str | None) -> None:
 
 
 def _record_error(name: str, distribution: str | None, error: str) -> None:
-    message = f"plugin {name!r}" + (f" (distribution {distribution})" if distribution else "") + f" was not loaded: {error}"
+    message = (
+        f"plugin {name!r}" + (f" (distribution {distribution})" if distribution else "") + f" was not loaded: {error}"
+    )
     log.warning(message)
     _require_state().errors.append(PluginLoadError(name, distribution, message))
 
@@ -212,3 +221,22 @@ def call_first(hook_name: str, **kwargs: Any) -> Any:
 def call_all(hook_name: str, **kwargs: Any) -> list[Any]:
     """Call a hook on every plugin and return the non-``None`` results (lifecycle hooks)."""
     return getattr(load_plugins().hook, hook_name)(**kwargs)
+
+
+async def call_lifecycle(hook_name: str, **kwargs: Any) -> None:
+    """Call ``startup`` / ``shutdown`` on every plugin, awaiting the awaitables they return, in order."""
+    for result in call_all(hook_name, **kwargs):
+        if inspect.isawaitable(result):
+            await result
+
+
+def call_lifecycle_sync(hook_name: str, **kwargs: Any) -> None:
+    """:func:`call_lifecycle` from code without an event loop (``LLM``): awaitables run to completion."""
+    results = [result for result in call_all(hook_name, **kwargs) if inspect.isawaitable(result)]
+    if results:
+
+        async def wait_all() -> None:
+            for result in results:
+                await result
+
+        asyncio.run(wait_all())

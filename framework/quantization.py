@@ -38,16 +38,24 @@ def _names(dtypes: frozenset[torch.dtype]) -> str:
     return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
-def check_supported(what: str, supported_act_dtypes: frozenset[torch.dtype] | None,
-                    supported_device_types: frozenset[str] | None, dtype: torch.dtype, device_type: str) -> None:
+def check_supported(
+    what: str,
+    supported_act_dtypes: frozenset[torch.dtype] | None,
+    supported_device_types: frozenset[str] | None,
+    dtype: torch.dtype,
+    device_type: str,
+) -> None:
     """Raise :class:`ConfigError` when ``dtype`` / ``device_type`` is outside what ``what`` supports
     (``None``: anything), naming what is supported."""
     if supported_act_dtypes is not None and dtype not in supported_act_dtypes:
-        raise ConfigError(f"{what} does not support activations in {str(dtype).removeprefix('torch.')}; "
-                          f"supported: {_names(supported_act_dtypes)} (choose one with --dtype)")
+        raise ConfigError(
+            f"{what} does not support activations in {str(dtype).removeprefix('torch.')}; "
+            f"supported: {_names(supported_act_dtypes)} (choose one with --dtype)"
+        )
     if supported_device_types is not None and device_type not in supported_device_types:
-        raise ConfigError(f"{what} does not run on {device_type}; supported devices: "
-                          f"{', '.join(sorted(supported_device_types))}")
+        raise ConfigError(
+            f"{what} does not run on {device_type}; supported devices: {', '.join(sorted(supported_device_types))}"
+        )
 
 
 class QuantMethodBase:
@@ -105,6 +113,13 @@ class LinearMethod(QuantMethodBase, ABC):
         tensor in ``layer.params_dtype`` (``apply(x) == x @ dequantize().T`` up to rounding)."""
         raise NotImplementedError(f"{type(self).__name__} cannot dequantize its weights")
 
+    def activation_group(self, layer: nn.Module, x: Tensor) -> int | None:
+        """The group size ``g`` if :meth:`apply` on this ``x`` rounds the activations to int8,
+        symmetric per ``g`` consecutive input features (scale ``max |x| / 127`` of the group, as
+        llama.cpp's integer GEMVs do), else ``None`` (the default: x is multiplied as given). The
+        conformance kit then allows, per output, the error that rounding can make."""
+        return None
+
     def embedding(self, layer: nn.Module, input_ids: Tensor) -> Tensor:
         """Rows ``input_ids`` of the weight, for a ``VocabEmbedding`` using this method."""
         raise NotImplementedError(f"{type(self).__name__} cannot be used for an embedding table")
@@ -121,8 +136,14 @@ class FusedMoEMethod(QuantMethodBase, ABC):
     """
 
     @abstractmethod
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+    ) -> None:
         """Register this rank's expert parameters on ``layer`` (every expert; ``intermediate_size_per_partition``
         of each expert's intermediate features), with ``torch.empty`` as :meth:`LinearMethod.create_weights`."""
 
@@ -192,12 +213,18 @@ class QuantConfig(ABC):
     def verify(self, model_config: ModelConfig, device: torch.device) -> None:
         """Raise :class:`ConfigError` when this config cannot run ``model_config`` (its activation
         dtype) on ``device``; the default checks the ``supported_*`` class attributes."""
-        check_supported(f"quantization {self.get_name()!r}", self.supported_act_dtypes, self.supported_device_types,
-                        model_config.dtype, torch.device(device).type)
+        check_supported(
+            f"quantization {self.get_name()!r}",
+            self.supported_act_dtypes,
+            self.supported_device_types,
+            model_config.dtype,
+            torch.device(device).type,
+        )
 
 
-def quant_method_for(quant_config: QuantConfig | None, layer: nn.Module, prefix: str,
-                     expected: type[QuantMethodBase], what: str) -> Any:
+def quant_method_for(
+    quant_config: QuantConfig | None, layer: nn.Module, prefix: str, expected: type[QuantMethodBase], what: str
+) -> Any:
     """``quant_config``'s method for ``layer`` (None without a config or for an unquantized layer),
     refusing with ``TypeError`` one of the wrong kind: ``expected`` is :class:`LinearMethod` for
     linear layers and vocabulary tables, :class:`FusedMoEMethod` for ``FusedMoE``, and
@@ -206,21 +233,28 @@ def quant_method_for(quant_config: QuantConfig | None, layer: nn.Module, prefix:
     if method is None:
         return None
     wrong = not isinstance(method, expected) or (
-        expected is QuantMethodBase and isinstance(method, LinearMethod | FusedMoEMethod))
+        expected is QuantMethodBase and isinstance(method, LinearMethod | FusedMoEMethod)
+    )
     if wrong:
         wanted = "a KV-cache method" if expected is QuantMethodBase else f"a {expected.__name__}"
-        raise TypeError(f"{prefix}: {type(quant_config).__name__}.get_quant_method returned {type(method).__name__} "
-                        f"for {what}; expected {wanted} or None")
+        raise TypeError(
+            f"{prefix}: {type(quant_config).__name__}.get_quant_method returned {type(method).__name__} "
+            f"for {what}; expected {wanted} or None"
+        )
     return method
 
 
-def build_quant_config(config_cls: type[QuantConfig], checkpoint: dict[str, Any],
-                       model_config: ModelConfig, device: torch.device) -> QuantConfig:
+def build_quant_config(
+    config_cls: type[QuantConfig], checkpoint: dict[str, Any], model_config: ModelConfig, device: torch.device
+) -> QuantConfig:
     """``config_cls.from_config`` (passing ``model_config`` when its signature takes it), verified
     against ``model_config``'s dtype and ``device``."""
     takes_model = "model_config" in inspect.signature(config_cls.from_config).parameters
-    quant_config = config_cls.from_config(checkpoint, model_config=model_config) if takes_model \
+    quant_config = (
+        config_cls.from_config(checkpoint, model_config=model_config)
+        if takes_model
         else config_cls.from_config(checkpoint)
+    )
     quant_config.verify(model_config, device)
     return quant_config
 
@@ -235,5 +269,10 @@ def verify_quant_methods(model: nn.Module, dtype: torch.dtype, device: torch.dev
         if method is None or type(method) in seen:
             continue
         seen.add(type(method))
-        check_supported(f"{name or 'the model'}'s {type(method).__name__}", method.supported_act_dtypes,
-                        method.supported_device_types, dtype, device_type)
+        check_supported(
+            f"{name or 'the model'}'s {type(method).__name__}",
+            method.supported_act_dtypes,
+            method.supported_device_types,
+            dtype,
+            device_type,
+        )

@@ -90,5 +90,7 @@ class KernelRegistry(Registry[KernelSpec]):
             known = [spec.key for spec in self if spec.op == op]
             if not known:
                 raise UnknownNameError(f"unknown kernel op {op!r}; valid: {', '.join(self.ops())}")
-            raise UnknownNameError(f"no implementation of kernel op {op!r} can run on this machine: {self.unavailable(platform)}")
+            raise UnknownNameError(
+                f"no implementation of kernel op {op!r} can run on this machine: {self.unavailable(platform)}"
+            )
         return candidates[0]

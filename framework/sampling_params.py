@@ -61,8 +61,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             try:
                 schema = _json.loads(self.json)
             except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser recurses
-                raise ValueError(f"structured_outputs.json must be a JSON Schema, got text that is not JSON: "
-                                 f"{type(exc).__name__}: {str(exc)[:200]}") from None
+                raise ValueError(
+                    f"structured_outputs.json must be a JSON Schema, got text that is not JSON: "
+                    f"{type(exc).__name__}: {str(exc)[:200]}"
+                ) from None
             _check(isinstance(schema, (dict, bool)), "structured_outputs.json", self.json, "a JSON Schema object")
         for name in ("regex", "grammar", "start_after"):
             value = getattr(self, name)
@@ -70,7 +72,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.choice is not None:
             _check(len(self.choice) > 0, "structured_outputs.choice", self.choice, "a non-empty list of strings")
             for option in self.choice:
-                _check(isinstance(option, str) and option != "", "structured_outputs.choice items", option, "non-empty strings")
+                _check(
+                    isinstance(option, str) and option != "",
+                    "structured_outputs.choice items",
+                    option,
+                    "non-empty strings",
+                )
 
     @property
     def kind(self) -> str:
@@ -219,3 +226,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 def _check(ok: bool, field: str, value: object, valid: str) -> None:
     if not ok:
         raise ValueError(f"{field} must be {valid}, got {value!r}")
+
+
+#: The ``generation_config.json`` keys that are sampling defaults (the names match SamplingParams').
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
+    """The sampling defaults a model's ``generation_config.json`` declares (as vLLM applies them:
+    whatever ``do_sample`` says); values that are not numbers are left out."""
+    return {
+        key: generation_config[key]
+        for key in SAMPLING_DEFAULT_KEYS
+        if isinstance(generation_config.get(key), int | float) and not isinstance(generation_config[key], bool)
+    }

@@ -53,8 +53,13 @@ class Tokenizer:
             template = (path / "chat_template.jinja").read_text()
         elif (path / "chat_template.json").exists():
             template = _read_json(path / "chat_template.json").get("chat_template", template)
-        return cls(backend, template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")),
-                   _token_text(config.get("pad_token")))
+        return cls(
+            backend,
+            template,
+            _token_text(config.get("bos_token")),
+            _token_text(config.get("eos_token")),
+            _token_text(config.get("pad_token")),
+        )
 
     # --- ids -----------------------------------------------------------------------------
     @property
@@ -74,7 +79,9 @@ class Tokenizer:
 
     @cached_property
     def special_token_ids(self) -> frozenset[int]:
-        return frozenset(self.backend.token_to_id(t.content) for t in self.backend.get_added_tokens_decoder().values() if t.special)
+        return frozenset(
+            self.backend.token_to_id(t.content) for t in self.backend.get_added_tokens_decoder().values() if t.special
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize ``text``; special-token text in it (``<|im_end|>``) becomes that control token."""
@@ -92,8 +99,11 @@ class Tokenizer:
     def special_text_pattern(self) -> Any:
         """A compiled regex matching the text of any special token (longest first); None without any."""
         if self._special_pattern is None:
-            texts = sorted({t.content for t in self.backend.get_added_tokens_decoder().values() if t.special and t.content},
-                           key=len, reverse=True)
+            texts = sorted(
+                {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special and t.content},
+                key=len,
+                reverse=True,
+            )
             self._special_pattern = re.compile("|".join(map(re.escape, texts))) if texts else False
         return self._special_pattern or None
 
@@ -114,16 +124,29 @@ class Tokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
 
     # --- chat ----------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Render ``messages`` with the model's template; raises ConfigError if it has none."""
         if not self.chat_template:
             raise ConfigError("this model has no chat template; use the completions API with a plain prompt")
         if self._compiled is None:
             self._compiled = compile_chat_template(self.chat_template)
-        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "pad_token": self.pad_token or "",
-                     **self.template_vars, **kwargs}
-        return self._compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+        variables = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+            **self.template_vars,
+            **kwargs,
+        }
+        return self._compiled.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+        )
 
     def encode_chat(self, messages: list[dict], **kwargs: Any) -> list[int]:
         """Template then tokenize; the template writes its own special tokens (BOS included)."""
@@ -171,7 +194,9 @@ def _jinja_env():
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    def tojson(
+        value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:

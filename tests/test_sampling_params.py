@@ -144,7 +144,7 @@ def test_structured_outputs_take_exactly_one_constraint():
         ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
         ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
         ({"choice": ["a", ""]}, "structured_outputs.choice items must be non-empty strings"),
-        ({"grammar": "root ::= \"a\"", "start_after": ""}, "structured_outputs.start_after must be a non-empty string"),
+        ({"grammar": 'root ::= "a"', "start_after": ""}, "structured_outputs.start_after must be a non-empty string"),
     ],
 )
 def test_structured_outputs_errors_name_the_field(kwargs, message):
@@ -164,5 +164,7 @@ def test_structured_outputs_cross_the_process_boundary_and_key_the_cache():
     as_text = StructuredOutputsParams(json='{"required": ["a"], "type": "object"}')
     assert as_text.spec == params.structured_outputs.spec
     with pytest.raises(msgspec.ValidationError, match="exactly one"):
-        msgspec.json.decode(b'{"structured_outputs": {"regex": "a", "grammar": "root ::= \\"a\\""}}', type=SamplingParams)
+        msgspec.json.decode(
+            b'{"structured_outputs": {"regex": "a", "grammar": "root ::= \\"a\\""}}', type=SamplingParams
+        )
     assert params.clone().structured_outputs == params.structured_outputs

@@ -44,7 +44,9 @@ class ParallelConfig:
         if self.num_nodes < 1:
             raise ConfigError(f"--num-nodes must be >= 1; got {self.num_nodes}")
         if not 0 <= self.node_rank < self.num_nodes:
-            raise ConfigError(f"--node-rank must be in [0, {self.num_nodes - 1}] for --num-nodes {self.num_nodes}; got {self.node_rank}")
+            raise ConfigError(
+                f"--node-rank must be in [0, {self.num_nodes - 1}] for --num-nodes {self.num_nodes}; got {self.node_rank}"
+            )
         if self.device_ids is not None and len(set(self.device_ids)) != len(self.device_ids):
             raise ConfigError(f"--d lists a device twice: {self.device_ids}")
         from_devices = len(self.device_ids) * self.num_nodes if self.device_ids else None
@@ -54,15 +56,20 @@ class ParallelConfig:
         if size < 1 or size & (size - 1):
             raise ConfigError(f"the tensor-parallel size must be a power of two (1, 2, 4, 8, ...); got {size}")
         if from_devices is not None and from_devices != size:
-            raise ConfigError(f"--tp {size} disagrees with --d {','.join(map(str, self.device_ids))} on {self.num_nodes} "
-                              f"node(s) ({from_devices} ranks); give one of them")
+            raise ConfigError(
+                f"--tp {size} disagrees with --d {','.join(map(str, self.device_ids))} on {self.num_nodes} "
+                f"node(s) ({from_devices} ranks); give one of them"
+            )
         if size % self.num_nodes:
             raise ConfigError(f"--tp {size} ranks cannot be spread evenly over --num-nodes {self.num_nodes}")
         if self.rank is None:
             self.rank = self.first_local_rank
         if not self.first_local_rank <= self.rank < self.first_local_rank + self.ranks_per_node:
             raise ConfigError(f"rank {self.rank} does not run on node {self.node_rank}")
-        for name, value in (("--rendezvous-timeout", self.rendezvous_timeout), ("--distributed-timeout", self.distributed_timeout)):
+        for name, value in (
+            ("--rendezvous-timeout", self.rendezvous_timeout),
+            ("--distributed-timeout", self.distributed_timeout),
+        ):
             if value <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds; got {value}")
 
@@ -88,13 +95,17 @@ class ParallelConfig:
             if requested and torch.device(requested).type != "cuda":
                 raise ConfigError(f"--d {','.join(map(str, self.device_ids))} names GPUs but --device is {requested}")
             if requested and torch.device(requested).index is not None and len(self.device_ids) > 1:
-                raise ConfigError(f"--device {requested} and --d {','.join(map(str, self.device_ids))} disagree; give --d only")
+                raise ConfigError(
+                    f"--device {requested} and --d {','.join(map(str, self.device_ids))} disagree; give --d only"
+                )
             return torch.device("cuda", self.device_ids[self.local_rank])
         device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
         if not self.is_parallel:
             return device
         if device.type == "cuda":
             if device.index is not None:
-                raise ConfigError(f"--device {requested} names one GPU; with tensor parallelism list them with --d, e.g. --d 0,1")
+                raise ConfigError(
+                    f"--device {requested} names one GPU; with tensor parallelism list them with --d, e.g. --d 0,1"
+                )
             return torch.device("cuda", self.local_rank)
         return device

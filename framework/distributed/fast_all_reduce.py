@@ -63,8 +63,10 @@ def resolve_all_reduce(name: str, device: torch.device) -> str:
     if name == "auto":
         return "auto" if device.type == "cuda" else "nccl"
     if name in ("symm_mem", "flashinfer") and device.type != "cuda":
-        raise ConfigError(f"--all-reduce {name} needs CUDA GPUs with peer access; this engine runs on {device.type} "
-                          "(gloo has no peer memory): use --all-reduce nccl or auto")
+        raise ConfigError(
+            f"--all-reduce {name} needs CUDA GPUs with peer access; this engine runs on {device.type} "
+            "(gloo has no peer memory): use --all-reduce nccl or auto"
+        )
     return name
 
 
@@ -77,8 +79,10 @@ def all_reduce_for_dtype(name: str, dtype: torch.dtype) -> str:
     if name not in ("symm_mem", "auto") or dtype in SUPPORTED_DTYPES:
         return name
     if name == "symm_mem":
-        raise ConfigError(f"--all-reduce symm_mem sums bf16 and fp32 tensors; this model runs in {dtype}: "
-                          "use --dtype bf16 or --all-reduce nccl")
+        raise ConfigError(
+            f"--all-reduce symm_mem sums bf16 and fp32 tensors; this model runs in {dtype}: "
+            "use --dtype bf16 or --all-reduce nccl"
+        )
     return "nccl"
 
 
@@ -99,8 +103,9 @@ def _set_up_before() -> bool:
     return world is not None and world.group_name in SYMM_MEM_GROUPS_OF_EARLIER_ENGINES
 
 
-def peer_access_problem(device: torch.device, group: dist.ProcessGroup | None = None, *,
-                        auto: bool = False) -> str | None:
+def peer_access_problem(
+    device: torch.device, group: dist.ProcessGroup | None = None, *, auto: bool = False
+) -> str | None:
     """Why the ranks of ``group`` cannot use the symmetric-memory all-reduce, or None if they can
     (with ``auto``, also None only on GPUs of :data:`AUTO_MIN_CAPABILITY` and up).
 
@@ -118,21 +123,31 @@ def peer_access_problem(device: torch.device, group: dist.ProcessGroup | None = 
     if len(hosts) > 1:
         return f"it needs every tensor-parallel rank on one host; the group spans {', '.join(hosts)}"
     if any(set_up for _, _, set_up in everyone):
-        return ("this process already set symmetric memory up for an earlier engine, and torch keeps that set-up "
-                "for the life of the process, so a second one would never complete; start a new process to use it")
-    if len({(host, index) for host, index, _ in everyone}) < len(everyone):  # e.g. one rank per container, each seeing its GPU as cuda:0
+        return (
+            "this process already set symmetric memory up for an earlier engine, and torch keeps that set-up "
+            "for the life of the process, so a second one would never complete; start a new process to use it"
+        )
+    if len({(host, index) for host, index, _ in everyone}) < len(
+        everyone
+    ):  # e.g. one rank per container, each seeing its GPU as cuda:0
         return "two ranks report the same host and device ordinal, so their GPUs' peer access cannot be checked"
     # every rank checks every pair, so that all of them decide alike
     indices = [index for _, index, _ in everyone]
-    blocked = [f"cuda:{a} -> cuda:{b}" for a in indices for b in indices
-               if a != b and not torch.cuda.can_device_access_peer(a, b)]
+    blocked = [
+        f"cuda:{a} -> cuda:{b}"
+        for a in indices
+        for b in indices
+        if a != b and not torch.cuda.can_device_access_peer(a, b)
+    ]
     if blocked:
         return f"it needs peer (P2P) access between the GPUs; no access {', '.join(blocked)}"
     capabilities = {torch.cuda.get_device_capability(index) for index in indices}  # one host: every rank sees the same
     if auto and min(capabilities) < AUTO_MIN_CAPABILITY:
-        return (f"--all-reduce auto takes it on compute capability {'.'.join(map(str, AUTO_MIN_CAPABILITY))} and up "
-                f"(measured on Hopper); these GPUs are {', '.join('.'.join(map(str, c)) for c in sorted(capabilities))} "
-                "(--all-reduce symm_mem forces it)")
+        return (
+            f"--all-reduce auto takes it on compute capability {'.'.join(map(str, AUTO_MIN_CAPABILITY))} and up "
+            f"(measured on Hopper); these GPUs are {', '.join('.'.join(map(str, c)) for c in sorted(capabilities))} "
+            "(--all-reduce symm_mem forces it)"
+        )
     return None
 
 
@@ -146,8 +161,13 @@ class SymmMemAllReduce:
     (see :meth:`fits`).
     """
 
-    def __init__(self, device: torch.device, max_bytes: int, group: dist.ProcessGroup | None = None,
-                 host_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        max_bytes: int,
+        group: dist.ProcessGroup | None = None,
+        host_group: dist.ProcessGroup | None = None,
+    ) -> None:
         group = group or dist.group.WORLD
         self.group, self.group_name, self.device = group, group.group_name, device
         self.max_bytes = max(4, max_bytes - max_bytes % 16)  # whole 16-byte vectors: the op's widest loads
@@ -174,17 +194,24 @@ class SymmMemAllReduce:
                 failure = error
         if failure is not None:
             self.buffer = self.handle = None
-            raise ConfigError(f"--all-reduce symm_mem: torch symmetric memory could not be set up on {device} "
-                              f"({brief(failure)}); "
-                              "use --all-reduce nccl") from failure
-        log.info("symmetric-memory all-reduce on %s: %d ranks, %d KiB buffer", device, dist.get_world_size(group),
-                 self.max_bytes // 1024)
+            raise ConfigError(
+                f"--all-reduce symm_mem: torch symmetric memory could not be set up on {device} "
+                f"({brief(failure)}); "
+                "use --all-reduce nccl"
+            ) from failure
+        log.info(
+            "symmetric-memory all-reduce on %s: %d ranks, %d KiB buffer",
+            device,
+            dist.get_world_size(group),
+            self.max_bytes // 1024,
+        )
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether the one-shot op can sum ``x`` (same answer on every rank for the same shape and dtype)."""
         nbytes = x.numel() * x.element_size()
-        return (x.dtype in SUPPORTED_DTYPES and x.device == self.device and 0 < nbytes <= self.max_bytes
-                and nbytes % 4 == 0)
+        return (
+            x.dtype in SUPPORTED_DTYPES and x.device == self.device and 0 < nbytes <= self.max_bytes and nbytes % 4 == 0
+        )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (a new tensor; ``x`` itself when NCCL summed it in place)."""
@@ -192,7 +219,7 @@ class SymmMemAllReduce:
             dist.all_reduce(x, group=self.group)
             return x
         x = x.contiguous()
-        staged = self.buffer.view(x.dtype)[:x.numel()].view(x.shape)
+        staged = self.buffer.view(x.dtype)[: x.numel()].view(x.shape)
         out = torch.empty_like(x)
         if self._copy_out is not None and _alignment(x) == _alignment(staged):
             self._copy_out(staged, x, "sum", self.group_name, out)  # copies x into the buffer in the same kernel

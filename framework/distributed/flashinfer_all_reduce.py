@@ -53,8 +53,10 @@ def unavailable_reason() -> str | None:
     except Exception as error:  # not installed, or FlashInfer failing at import on this machine
         return f"FlashInfer is not available ({brief(error)})"
     if not built:
-        return ("FlashInfer's communication module is not built yet; --all-reduce flashinfer builds it once "
-                "(about 7 minutes) into FlashInfer's cache")
+        return (
+            "FlashInfer's communication module is not built yet; --all-reduce flashinfer builds it once "
+            "(about 7 minutes) into FlashInfer's cache"
+        )
     if os.environ.get("FLASHINFER_DISABLE_JIT") and not ahead_of_time:
         return "FLASHINFER_DISABLE_JIT is set and the module is a JIT build, which FlashInfer then refuses to load"
     return None
@@ -67,10 +69,18 @@ class FlashInferFusedAllReduceNorm:
     Build it on every rank at the same time (the workspace is allocated and exchanged collectively).
     """
 
-    def __init__(self, device: torch.device, max_tokens: int, hidden_size: int, dtype: torch.dtype,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        max_tokens: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         if dtype not in FUSED_DTYPES:
-            raise ConfigError(f"--all-reduce flashinfer fuses bf16, fp16 and fp32 activations; this model runs in {dtype}")
+            raise ConfigError(
+                f"--all-reduce flashinfer fuses bf16, fp16 and fp32 activations; this model runs in {dtype}"
+            )
         from flashinfer.comm import trtllm_ar
 
         self.group = group or dist.group.WORLD
@@ -80,30 +90,64 @@ class FlashInferFusedAllReduceNorm:
         note_symm_mem_set_up(self.group.group_name)
         with torch.cuda.device(device):
             self._handles, self.workspace, self.metadata = trtllm_ar.trtllm_create_ipc_workspace_for_all_reduce_fusion(
-                tp_rank=self.rank, tp_size=self.size, max_token_num=max_tokens, hidden_dim=hidden_size,
-                use_fp32_lamport=dtype == torch.float32, group=self.group, create_metadata=True,
-                use_symm_dev_mem=False)
+                tp_rank=self.rank,
+                tp_size=self.size,
+                max_token_num=max_tokens,
+                hidden_dim=hidden_size,
+                use_fp32_lamport=dtype == torch.float32,
+                group=self.group,
+                create_metadata=True,
+                use_symm_dev_mem=False,
+            )
         self._fuse = trtllm_ar.trtllm_allreduce_fusion
         self._destroy = trtllm_ar.trtllm_destroy_ipc_workspace_for_all_reduce_fusion
         self._pattern = trtllm_ar.AllReduceFusionPattern.kARResidualRMSNorm
-        log.info("FlashInfer fused all-reduce + RMS norm on %s: %d ranks, up to %d tokens of %d", device, self.size,
-                 max_tokens, hidden_size)
+        log.info(
+            "FlashInfer fused all-reduce + RMS norm on %s: %d ranks, up to %d tokens of %d",
+            device,
+            self.size,
+            max_tokens,
+            hidden_size,
+        )
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether the fused kernel takes ``x`` (the same answer on every rank for the same shape)."""
-        return (x.dtype == self.dtype and x.dim() == 2 and 0 < x.shape[0] <= self.max_tokens
-                and x.shape[1] == self.hidden_size)
+        return (
+            x.dtype == self.dtype
+            and x.dim() == 2
+            and 0 < x.shape[0] <= self.max_tokens
+            and x.shape[1] == self.hidden_size
+        )
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = x.contiguous(), residual.contiguous()
         normed, new_residual = torch.empty_like(x), torch.empty_like(x)
-        self._fuse(allreduce_in=x, world_size=self.size, world_rank=self.rank, token_num=x.shape[0],
-                   hidden_dim=self.hidden_size, workspace_ptrs=self.workspace, launch_with_pdl=False,
-                   trigger_completion_at_end=True, fp32_acc=True, pattern_code=self._pattern, use_oneshot=True,
-                   allreduce_out=None, residual_in=residual, residual_out=new_residual, norm_out=normed,
-                   quant_out=None, scale_out=None, rms_gamma=weight, rms_eps=float(eps), scale_factor=None,
-                   layout_code=None, weight_bias=float(offset) or None)
+        self._fuse(
+            allreduce_in=x,
+            world_size=self.size,
+            world_rank=self.rank,
+            token_num=x.shape[0],
+            hidden_dim=self.hidden_size,
+            workspace_ptrs=self.workspace,
+            launch_with_pdl=False,
+            trigger_completion_at_end=True,
+            fp32_acc=True,
+            pattern_code=self._pattern,
+            use_oneshot=True,
+            allreduce_out=None,
+            residual_in=residual,
+            residual_out=new_residual,
+            norm_out=normed,
+            quant_out=None,
+            scale_out=None,
+            rms_gamma=weight,
+            rms_eps=float(eps),
+            scale_factor=None,
+            layout_code=None,
+            weight_bias=float(offset) or None,
+        )
         return normed, new_residual
 
     def close(self) -> None:

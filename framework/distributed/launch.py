@@ -1,7 +1,7 @@
 """Start, watch and reap the local tensor-parallel worker processes.
 
-Each worker is ``python -m framework.distributed.worker`` with the engine's builder keyword
-arguments (its own ``tp_rank``) as JSON on stdin. A worker dies with its parent (Linux
+Each worker is ``python -m <module>`` with its own payload on stdin (the engine's worker,
+:mod:`framework.engine.tp_worker`, reads its engine options and rank there). A worker dies with its parent (Linux
 ``PR_SET_PDEATHSIG``), and leaves the group with an error when rank 0's connection closes, so
 no process outlives the engine.
 """
@@ -9,7 +9,6 @@ no process outlives the engine.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -18,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 log = logging.getLogger("fw.distributed")
 
@@ -43,15 +41,16 @@ class WorkerGroup:
         atexit.register(self.close)
 
     @classmethod
-    def spawn(cls, builder_kwargs: dict[str, Any], ranks: list[int]) -> WorkerGroup:
-        """Start one worker per rank in ``ranks``, each building the model as that rank."""
+    def spawn(cls, module: str, payloads: dict[int, bytes], *argv: str) -> WorkerGroup:
+        """Start ``python -m module --rank=R *argv`` per rank ``R`` of ``payloads``, its payload on stdin."""
         processes = {}
-        for rank in ranks:
+        for rank, payload in payloads.items():
             process = subprocess.Popen(
-                [sys.executable, "-m", "framework.distributed.worker", f"--rank={rank}",
-                 f"--master={builder_kwargs.get('master_addr')}:{builder_kwargs.get('master_port')}"],
-                stdin=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            process.stdin.write(json.dumps({**builder_kwargs, "tp_rank": rank}).encode())
+                [sys.executable, "-m", module, f"--rank={rank}", *argv],
+                stdin=subprocess.PIPE,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            process.stdin.write(payload)
             process.stdin.close()
             processes[rank] = process
         return cls(processes)
@@ -119,35 +118,3 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-def run_node(builder_kwargs: dict[str, Any]) -> int:
-    """``fw serve --node-rank N`` for N > 0: run this node's ranks as workers until rank 0 stops them.
-
-    Returns the exit code (0 when rank 0 shut the group down cleanly).
-    """
-    from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig
-
-    parallel = ParallelConfig(builder_kwargs.get("tensor_parallel_size"), builder_kwargs.get("num_nodes", 1),
-                              builder_kwargs.get("node_rank", 0), builder_kwargs.get("device_ids"),
-                              builder_kwargs.get("master_addr", "127.0.0.1"), builder_kwargs.get("master_port"))
-    kwargs = {**builder_kwargs, "master_port": parallel.master_port or DEFAULT_MASTER_PORT,
-              "tensor_parallel_size": parallel.tensor_parallel_size}
-    if "dtype" in kwargs and not isinstance(kwargs["dtype"], str):
-        kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
-    ranks = list(range(parallel.first_local_rank, parallel.first_local_rank + parallel.ranks_per_node))
-    print(f"fw: node {parallel.node_rank} of {parallel.num_nodes}: running tensor-parallel rank(s) "
-          f"{', '.join(map(str, ranks))}, joining {kwargs['master_addr'] if 'master_addr' in kwargs else '127.0.0.1'}:"
-          f"{kwargs['master_port']}", flush=True)
-    from framework.distributed.worker import run_worker
-
-    group = WorkerGroup.spawn(kwargs, ranks[1:])  # the node's first rank runs in this process
-    # The rank waits for steps inside gloo, where Python signal handlers never run: let Ctrl-C and
-    # SIGTERM end the process at once (the spawned ranks follow through PR_SET_PDEATHSIG).
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        code = run_worker({**kwargs, "tp_rank": ranks[0]})
-        return code or group.wait()
-    finally:
-        group.close()

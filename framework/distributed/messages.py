@@ -58,7 +58,7 @@ class BlockTableSync:
             if table is not None and len(table) == item.blocks_from:
                 table.extend(item.block_ids)
             else:
-                table = (table or [])[:item.blocks_from] + item.block_ids
+                table = (table or [])[: item.blocks_from] + item.block_ids
             full.append(StepInput(item.token_ids, item.start, table, item.request_id))
             tables[item.request_id] = table
         self.tables = tables

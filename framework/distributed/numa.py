@@ -26,15 +26,19 @@ def parse_cpulist(text: str) -> set[int]:
     return cpus
 
 
-def bind_to_numa_node(local_rank: int, mapping: str | None = None, sys_root: str = "/sys/devices/system/node") -> set[int] | None:
+def bind_to_numa_node(
+    local_rank: int, mapping: str | None = None, sys_root: str = "/sys/devices/system/node"
+) -> set[int] | None:
     """Pin this process to the CPUs of ``MAP_NUMA_NODE``'s entry for ``local_rank``; returns them (None: unset)."""
     mapping = mapping if mapping is not None else os.environ.get("MAP_NUMA_NODE")
     if not mapping:
         return None
     nodes = [p.strip() for p in mapping.split(",")]
     if local_rank >= len(nodes) or not nodes[local_rank].isdigit():
-        raise ConfigError(f"MAP_NUMA_NODE={mapping!r} needs a NUMA node number for local rank {local_rank} "
-                          "(one entry per device, e.g. 0,0,1,1)")
+        raise ConfigError(
+            f"MAP_NUMA_NODE={mapping!r} needs a NUMA node number for local rank {local_rank} "
+            "(one entry per device, e.g. 0,0,1,1)"
+        )
     cpulist = Path(sys_root) / f"node{nodes[local_rank]}" / "cpulist"
     if not cpulist.exists():
         raise ConfigError(f"MAP_NUMA_NODE: NUMA node {nodes[local_rank]} does not exist ({cpulist} is missing)")

@@ -29,14 +29,20 @@ def attention_heads_per_rank(total_num_heads: int, total_num_kv_heads: int, tp_s
     AttentionHeads(num_heads=2, num_kv_heads=1, num_kv_head_replicas=2)
     """
     if total_num_heads % tp_size:
-        raise ConfigError(f"the model's {total_num_heads} attention heads cannot be split over {tp_size} tensor-parallel "
-                          f"ranks; use a tensor-parallel size that divides {total_num_heads}")
+        raise ConfigError(
+            f"the model's {total_num_heads} attention heads cannot be split over {tp_size} tensor-parallel "
+            f"ranks; use a tensor-parallel size that divides {total_num_heads}"
+        )
     if tp_size >= total_num_kv_heads:
         if tp_size % total_num_kv_heads:
-            raise ConfigError(f"tensor-parallel size {tp_size} is not a multiple of the model's {total_num_kv_heads} KV heads")
+            raise ConfigError(
+                f"tensor-parallel size {tp_size} is not a multiple of the model's {total_num_kv_heads} KV heads"
+            )
         return AttentionHeads(total_num_heads // tp_size, 1, tp_size // total_num_kv_heads)
     if total_num_kv_heads % tp_size:
-        raise ConfigError(f"the model's {total_num_kv_heads} KV heads cannot be split over {tp_size} tensor-parallel ranks")
+        raise ConfigError(
+            f"the model's {total_num_kv_heads} KV heads cannot be split over {tp_size} tensor-parallel ranks"
+        )
     return AttentionHeads(total_num_heads // tp_size, total_num_kv_heads // tp_size, 1)
 
 

@@ -78,8 +78,14 @@ def is_tensor_parallel() -> bool:
     return _state.size > 1
 
 
-def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: int,
-                     timeout_s: float, check_workers: Callable[[], str | None] | None = None) -> dist.TCPStore:
+def rendezvous_store(
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    check_workers: Callable[[], str | None] | None = None,
+) -> dist.TCPStore:
     """Meet every rank at ``master_addr:master_port`` (rank 0 hosts the TCP store).
 
     Rank 0 listens on ``master_addr`` only (torch's own store would listen on every interface):
@@ -91,13 +97,22 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         listen_fd = _listen(master_addr, master_port) if rank == 0 else None
-        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=listen_fd)
+        store = dist.TCPStore(
+            master_addr,
+            master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listen_fd,
+        )
     except Exception as error:  # torch raises RuntimeError / DistNetworkError with a long text
         role = "host the rendezvous on" if rank == 0 else "reach rank 0 at"
-        raise ConfigError(f"tensor-parallel rank {rank} could not {role} {master_addr}:{master_port} within "
-                          f"{timeout_s:g} s ({brief(error)}); check --master-addr, "
-                          "--master-port and that node 0 is running (--rendezvous-timeout sets the wait)") from None
+        raise ConfigError(
+            f"tensor-parallel rank {rank} could not {role} {master_addr}:{master_port} within "
+            f"{timeout_s:g} s ({brief(error)}); check --master-addr, "
+            "--master-port and that node 0 is running (--rendezvous-timeout sets the wait)"
+        ) from None
     store.set(f"fw/joined/{rank}", "1")
     deadline = time.monotonic() + timeout_s
     keys = [f"fw/joined/{r}" for r in range(world_size)]
@@ -109,9 +124,11 @@ def rendezvous_store(master_addr: str, master_port: int, rank: int, world_size: 
         if reason is not None:
             raise ConfigError(f"{reason} before the tensor-parallel rendezvous completed (its error is printed above)")
         if time.monotonic() > deadline:
-            raise ConfigError(f"tensor-parallel rendezvous at {master_addr}:{master_port} timed out after {timeout_s:g} s: "
-                              f"rank(s) {', '.join(map(str, missing))} of {world_size} never joined (start every node "
-                              "with the same --master-addr/--master-port, --num-nodes and its own --node-rank)")
+            raise ConfigError(
+                f"tensor-parallel rendezvous at {master_addr}:{master_port} timed out after {timeout_s:g} s: "
+                f"rank(s) {', '.join(map(str, missing))} of {world_size} never joined (start every node "
+                "with the same --master-addr/--master-port, --num-nodes and its own --node-rank)"
+            )
         time.sleep(0.05)
 
 
@@ -121,9 +138,17 @@ def _listen(address: str, port: int) -> int:
     return socket.create_server((address, port), family=family, backlog=512).detach()
 
 
-def init_tensor_parallel(rank: int, world_size: int, device: torch.device, *, master_addr: str = "127.0.0.1",
-                         master_port: int = 29500, rendezvous_timeout_s: float = 300.0,
-                         timeout_s: float = 600.0, check_workers: Callable[[], str | None] | None = None) -> None:
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    rendezvous_timeout_s: float = 300.0,
+    timeout_s: float = 600.0,
+    check_workers: Callable[[], str | None] | None = None,
+) -> None:
     """Join the tensor-parallel group as ``rank`` of ``world_size``; layers built after this are sharded.
 
     NCCL on CUDA devices (this rank's device becomes current), gloo on CPU. ``timeout_s`` bounds
@@ -140,8 +165,9 @@ def init_tensor_parallel(rank: int, world_size: int, device: torch.device, *, ma
     if device.type == "cuda":
         torch.cuda.set_device(device)
     options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **options)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s), **options
+    )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _state.rank, _state.size, _state.control_group = rank, world_size, control
     log.info("tensor-parallel rank %d of %d on %s (%s)", rank, world_size, device, backend)
@@ -162,6 +188,7 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
         SYMM_MEM_GROUPS_OF_EARLIER_ENGINES.add(_state.symm_mem_group)
         _state.symm_mem_group = None
     if dist.is_initialized():
+
         def destroy() -> None:
             try:
                 dist.destroy_process_group()
@@ -176,89 +203,8 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
     _state.rank, _state.size, _state.control_group = 0, 1, None
 
 
-def enable_symm_mem_all_reduce(device: torch.device, max_bytes: int, *, required: bool = True) -> bool:
-    """Sum tensors of up to ``max_bytes`` with the symmetric-memory one-shot all-reduce from now on.
-
-    Every rank calls it together, after :func:`init_tensor_parallel` and before any CUDA graph is
-    captured. When the GPUs cannot use it (several hosts, no P2P, symmetric memory failing to set
-    up on any rank) it raises :class:`ConfigError` if ``required`` (``--all-reduce symm_mem``),
-    else returns False and NCCL stays (``auto``); every rank decides alike. True when enabled (and for a single rank, which sums nothing).
-    """
-    if _state.size == 1:
-        return True
-    from framework.distributed.fast_all_reduce import SymmMemAllReduce, peer_access_problem
-
-    problem = peer_access_problem(device, _state.control_group, auto=not required)
-    if problem is not None:
-        if required:
-            raise ConfigError(f"--all-reduce symm_mem: {problem}: use --all-reduce nccl")
-        log.info("--all-reduce auto: NCCL, since the symmetric-memory all-reduce cannot run here (%s)", problem)
-        return False
-    try:  # a set-up failure fails on every rank alike (SymmMemAllReduce agrees on it first)
-        _state.fast_all_reduce = SymmMemAllReduce(device, max_bytes, host_group=_state.control_group)
-    except ConfigError as error:
-        if required:
-            raise
-        log.warning("--all-reduce auto: NCCL, since %s", error)
-        return False
-    return True
-
-
-def enable_flashinfer_all_reduce_norm(device: torch.device, max_tokens: int, hidden_size: int,
-                                      dtype: torch.dtype) -> None:
-    """``--all-reduce flashinfer``: from now on :func:`all_reduce_add_rms_norm` runs FlashInfer's
-    fused kernel for up to ``max_tokens`` rows of ``hidden_size`` in ``dtype``.
-
-    Every rank calls it together, after :func:`init_tensor_parallel` and before any CUDA graph is
-    captured. Raises :class:`ConfigError` on every rank when any rank cannot run it (several hosts,
-    no P2P, FlashInfer's communication module missing, failing to import or to load, its workspace
-    failing before its collectives). A rank failing inside the workspace's collectives leaves the
-    others waiting there until ``--distributed-timeout``.
-    """
-    if _state.size == 1:
-        return
-    from framework.distributed.fast_all_reduce import peer_access_problem
-
-    problem = peer_access_problem(device, _state.control_group)
-    if problem is None:
-        failure = None
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (9, 0):  # FlashInfer builds its communication kernels for SM 9.x and newer
-            failure = f"its kernel needs compute capability 9.0 or newer; {device} is {capability[0]}.{capability[1]}"
-        else:
-            try:  # the import and the load (its JIT build the first time) every rank must manage
-                from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
-
-                get_trtllm_comm_module()
-            except Exception as error:  # not installed, failing at import, or the module failing to build or load
-                failure = f"FlashInfer's communication module is not available ({brief(error)}); install flashinfer-python"
-        problem = _agreed(failure)
-    if problem is not None:
-        raise ConfigError(f"--all-reduce flashinfer: {problem}: use --all-reduce symm_mem or nccl")
-    from framework.distributed.flashinfer_all_reduce import FlashInferFusedAllReduceNorm
-
-    failure = None
-    try:  # a failure before the workspace's collectives (e.g. out of memory) is every rank's, as below
-        fused = FlashInferFusedAllReduceNorm(device, max_tokens, hidden_size, dtype)
-    except ConfigError:
-        raise  # the dtype check: the same on every rank, before any collective
-    except Exception as error:
-        failure = f"its workspace failed to set up ({brief(error)})"
-    problem = _agreed(failure)
-    if problem is not None:
-        raise ConfigError(f"--all-reduce flashinfer: {problem}: use --all-reduce symm_mem or nccl")
-    _state.fused_all_reduce_norm = fused
-
-
-def _agreed(failure: str | None) -> str | None:
-    """This rank's ``failure``, or another rank's failure: every rank of the group calls it together
-    and gets None only when none failed."""
-    if not min_over_ranks(int(failure is None)) and failure is None:
-        return "another rank cannot run it (its log says why)"
-    return failure
-
-
 # --- collectives ----------------------------------------------------------------------------
+
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks; use the returned tensor (capturable in a CUDA graph).
@@ -273,9 +219,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
-                            fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def all_reduce_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused_add_rms_norm(all_reduce(x), residual, weight, eps, offset)``: the sum of every rank's
     partial ``x``, plus the residual stream, normalised; returns ``(normalised, new_residual)``.
 

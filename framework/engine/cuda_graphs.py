@@ -38,8 +38,18 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class CUDAGraphRunner:
     """Captures and replays decode steps of ``model`` on ``backend``."""
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor], *, max_num_seqs: int,
-                 max_model_len: int, block_size: int, sink_block: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        sink_block: int,
+        device: torch.device,
+    ) -> None:
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.buckets = batch_buckets(max_num_seqs)
         self.max_model_len, self.block_size, self.sink_block = max_model_len, block_size, sink_block
@@ -56,17 +66,27 @@ class CUDAGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
-    def _metadata(self, size: int, seq_lens_cpu: torch.Tensor | None = None,
-                  block_table_cpu: torch.Tensor | None = None) -> AttentionMetadata:
+    def _metadata(
+        self, size: int, seq_lens_cpu: torch.Tensor | None = None, block_table_cpu: torch.Tensor | None = None
+    ) -> AttentionMetadata:
         """The static buffers' metadata for ``size`` rows; host copies where a backend plans."""
         return AttentionMetadata(
-            num_reqs=size, num_tokens=size, cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
-            max_seq_len=self.max_model_len, cu_seqlens_q_cpu=torch.arange(size + 1, dtype=torch.int32),
+            num_reqs=size,
+            num_tokens=size,
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            cu_seqlens_q_cpu=torch.arange(size + 1, dtype=torch.int32),
             seq_lens_cpu=torch.ones(size, dtype=torch.int32) if seq_lens_cpu is None else seq_lens_cpu,
-            is_decode_only=True, graph_batch_size=size,
+            is_decode_only=True,
+            graph_batch_size=size,
             block_table_cpu=torch.full((size, 1), self.sink_block, dtype=torch.int32)
-            if block_table_cpu is None else block_table_cpu)
+            if block_table_cpu is None
+            else block_table_cpu,
+        )
 
     def _forward(self, size: int) -> torch.Tensor:
         """The model over the static buffers (the backend was prepared before, outside any capture)."""

@@ -51,8 +51,14 @@ class EngineCore:
     :meth:`step`); it changes when outputs are reported, never what they are.
     """
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, kv_cache: KVCacheManager,
-                 structured_outputs: StructuredOutputManager | None = None, async_scheduling: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        kv_cache: KVCacheManager,
+        structured_outputs: StructuredOutputManager | None = None,
+        async_scheduling: bool = False,
+    ) -> None:
         self.config = config
         self.async_scheduling = async_scheduling
         self.inflight: InflightStep | None = None
@@ -67,8 +73,9 @@ class EngineCore:
         self.num_generation_tokens = 0
 
     # --- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    pooling: str | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: str | None = None
+    ) -> None:
         """Queue a request; raises ConfigError (with the limits) if it can never be served.
 
         With ``pooling`` (``"mean"`` or ``"last"``) the request is an embedding: the prompt is
@@ -83,11 +90,13 @@ class EngineCore:
             raise
         except Exception as error:
             log.exception("request %s could not be added", request_id)
-            raise RequestFailedError(f"the engine could not add the request ({type(error).__name__}); "
-                                     "the error is in the server log") from error
+            raise RequestFailedError(
+                f"the engine could not add the request ({type(error).__name__}); the error is in the server log"
+            ) from error
 
-    def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     pooling: str | None) -> None:
+    def _add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: str | None
+    ) -> None:
         if pooling not in POOLING_TYPES:
             raise ConfigError(f"unknown pooling {pooling!r}; valid: mean, last")
         if request_id in self.requests:
@@ -101,15 +110,27 @@ class EngineCore:
             raise ConfigError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
         if len(prompt_token_ids) >= capacity:
-            raise ConfigError(f"the prompt has {len(prompt_token_ids)} tokens but the KV cache holds {capacity}; "
-                              "start the server with a larger --mem / --kv-fraction, or send a shorter prompt")
+            raise ConfigError(
+                f"the prompt has {len(prompt_token_ids)} tokens but the KV cache holds {capacity}; "
+                "start the server with a larger --mem / --kv-fraction, or send a shorter prompt"
+            )
         if pooling and len(prompt_token_ids) > model.max_model_len:
-            raise ConfigError(f"the input has {len(prompt_token_ids)} tokens; this model's context length is {model.max_model_len}")
+            raise ConfigError(
+                f"the input has {len(prompt_token_ids)} tokens; this model's context length is {model.max_model_len}"
+            )
         if not pooling and len(prompt_token_ids) >= model.max_model_len:
-            raise ConfigError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context length is "
-                              f"{model.max_model_len}, which must leave room for at least one generated token")
-        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=model.eos_token_ids,
-                          max_model_len=min(model.max_model_len, capacity), pooling=pooling)
+            raise ConfigError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context length is "
+                f"{model.max_model_len}, which must leave room for at least one generated token"
+            )
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            eos_token_ids=model.eos_token_ids,
+            max_model_len=min(model.max_model_len, capacity),
+            pooling=pooling,
+        )
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.runner.device)
         if params.structured_outputs is not None and not pooling:
@@ -139,8 +160,11 @@ class EngineCore:
             self.structured_outputs.release(request)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or self.inflight is not None
-                or (self.structured_outputs is not None and self.structured_outputs.num_compiling > 0))
+        return (
+            self.scheduler.has_work()
+            or self.inflight is not None
+            or (self.structured_outputs is not None and self.structured_outputs.num_compiling > 0)
+        )
 
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -206,7 +230,9 @@ class EngineCore:
         if out_of_memory:
             message, kind = "the device ran out of memory while running this request; retry it later", OUT_OF_MEMORY
         else:
-            message = f"the engine failed while running this request ({type(error).__name__}); the error is in the server log"
+            message = (
+                f"the engine failed while running this request ({type(error).__name__}); the error is in the server log"
+            )
             kind = STEP_FAILED
         failed = {id(request): request for request in (self.inflight.requests if self.inflight is not None else [])}
         failed.update((id(request), request) for request in self.scheduled)
@@ -217,8 +243,16 @@ class EngineCore:
             if request.status is RequestStatus.FINISHED:
                 continue
             self._retire(request, FinishReason.ABORT, cache_blocks=False)
-            outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="abort",
-                                         num_prompt_tokens=request.num_prompt_tokens, error=message, error_kind=kind))
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason="abort",
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    error=message,
+                    error_kind=kind,
+                )
+            )
         if out_of_memory and self.runner.device.type == "cuda":
             torch.cuda.empty_cache()  # give what the failed step held back to the next one
         return outputs
@@ -254,8 +288,15 @@ class EngineCore:
                 continue  # aborted, or stopped while this step was in flight: its result is dropped
             if item.embedding is not None:
                 self._retire(request, FinishReason.STOP)
-                outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="stop",
-                                             num_prompt_tokens=request.num_prompt_tokens, embedding=item.embedding))
+                outputs.append(
+                    RequestOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason="stop",
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        embedding=item.embedding,
+                    )
+                )
                 continue
             request.output_token_ids[index] = item.token_id
             self.num_generation_tokens += 1
@@ -266,12 +307,14 @@ class EngineCore:
                 request_id=request.request_id,
                 new_token_ids=[item.token_id],
                 new_logprobs=[item.logprob] if item.logprob is not None else None,
-                prompt_logprobs=request.prompt_logprobs if index == 0 and request.sampling_params.prompt_logprobs is not None else None,
+                prompt_logprobs=request.prompt_logprobs
+                if index == 0 and request.sampling_params.prompt_logprobs is not None
+                else None,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
             if reason is not None:
-                del request.output_token_ids[index + 1:]  # the placeholder of a step launched since
+                del request.output_token_ids[index + 1 :]  # the placeholder of a step launched since
                 self._retire(request, reason)
                 output.finish_reason = reason.value
                 output.stop_token_id = request.stop_token_id
@@ -294,9 +337,16 @@ class EngineCore:
         for request, message in failed:
             log.error("request %s: %s", request.request_id, message)
             self._retire(request, FinishReason.ABORT)  # in no queue and holding no blocks yet
-            outputs.append(RequestOutput(request_id=request.request_id, new_token_ids=[], finish_reason="abort",
-                                         num_prompt_tokens=request.num_prompt_tokens, error=message,
-                                         error_kind=GRAMMAR_FAILED))
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason="abort",
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    error=message,
+                    error_kind=GRAMMAR_FAILED,
+                )
+            )
         return outputs
 
     def stats(self) -> EngineStats:

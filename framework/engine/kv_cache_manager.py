@@ -46,8 +46,9 @@ class KVCacheManager:
     hold a key.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 max_cached_blocks: int | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_cached_blocks: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -82,7 +83,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         full = num_tokens // self.block_size
         if len(hashes) < full:
-            extra = (request.sampling_params.cache_salt,) if getattr(request.sampling_params, "cache_salt", None) else ()
+            extra = (
+                (request.sampling_params.cache_salt,) if getattr(request.sampling_params, "cache_salt", None) else ()
+            )
             for index in range(len(hashes), full):
                 start = index * self.block_size
                 parent = hashes[-1] if hashes else None

@@ -25,6 +25,7 @@ import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +40,10 @@ from framework.engine.sampler import Sampler, compute_logprobs
 from framework.engine.scheduler import ScheduledBatch
 from framework.engine.transfer import HostCopy, to_device
 from framework.forward_context import ForwardContext, forward_context
+
+if TYPE_CHECKING:
+    from framework.engine.cuda_graphs import CUDAGraphRunner
+    from framework.engine.structured_outputs import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -76,8 +81,10 @@ class RowPlan:
 
     def logits_rows(self, offsets: list[int]) -> list[list[int]]:
         """The hidden rows of each ``compute_logits`` call, in call order."""
-        calls = [list(range(offsets[index] + first, offsets[index] + first + count))
-                 for index, first, count in self.prompt_logprobs]
+        calls = [
+            list(range(offsets[index] + first, offsets[index] + first + count))
+            for index, first, count in self.prompt_logprobs
+        ]
         return calls + ([[offsets[index + 1] - 1 for index in self.sampling]] if self.sampling else [])
 
 
@@ -90,24 +97,39 @@ class ModelRunner:
     on the device from step n's sampled ids (``last_sampled``).
     """
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor], block_size: int,
-                 device: torch.device, sampler: Sampler) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        sampler: Sampler,
+        *,
+        graph_runner: CUDAGraphRunner | None = None,
+        broadcast: Callable[[StepMessage], object] | None = None,
+        structured_outputs: StructuredOutputManager | None = None,
+        share_sampled: bool = False,
+    ) -> None:
+        """``graph_runner``: captured decode graphs (None: eager); ``broadcast``: rank 0 of a
+        tensor-parallel group sends each step to the workers with it; ``structured_outputs``: grammar
+        masks on the logits (rank 0); ``share_sampled``: see the module docstring."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
-        self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
-        self.broadcast: Callable[[StepMessage], object] | None = None  # rank 0 of a tensor-parallel group
+        self.graph_runner = graph_runner
+        self.broadcast = broadcast
         self.block_tables = BlockTableSync()  # what the workers know of each request's block ids
-        self.structured_outputs = None  # a StructuredOutputManager: grammar masks on the logits
+        self.structured_outputs = structured_outputs
         #: the latest sampling step's rows by request id and its token ids, still on the device
         self.last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
         self.step_input_ids: torch.Tensor | None = None  # the current step's input ids, on the device
         #: tensor parallel with async scheduling: rank 0 broadcasts each step's sampled ids on the
         #: device, so the workers' placeholder inputs read them as rank 0's do
-        self.share_sampled = False
+        self.share_sampled = share_sampled
         #: rows of logits per prompt-logprob call: 256 rows of a 152k vocabulary are 156 MB in fp32
         self.max_prompt_logprob_rows = 256
 
@@ -134,9 +156,15 @@ class ModelRunner:
     @staticmethod
     def step_inputs(batch: ScheduledBatch) -> list[StepInput]:
         """What each request computes this step: its new tokens, first position and block ids."""
-        return [StepInput(request.token_ids_at(request.num_computed_tokens, request.num_computed_tokens + num_new),
-                          request.num_computed_tokens, request.block_ids, request.request_id)
-                for request, num_new in zip(batch.requests, batch.num_new_tokens)]
+        return [
+            StepInput(
+                request.token_ids_at(request.num_computed_tokens, request.num_computed_tokens + num_new),
+                request.num_computed_tokens,
+                request.block_ids,
+                request.request_id,
+            )
+            for request, num_new in zip(batch.requests, batch.num_new_tokens)
+        ]
 
     def prepare_inputs(self, inputs: list[StepInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``input_ids``, ``positions`` and the attention metadata of one step's requests.
@@ -172,16 +200,16 @@ class ModelRunner:
         host32 = torch.from_numpy(int32_inputs)
         dev64 = to_device(torch.from_numpy(np.array(input_ids + positions + slots, dtype=np.int64)), self.device)
         dev32 = to_device(host32, self.device)
-        cu_cpu, lens_cpu = host32[:num_reqs + 1], host32[num_reqs + 1:2 * num_reqs + 1]
-        table_cpu = host32[2 * num_reqs + 1:].view(num_reqs, max_blocks)
+        cu_cpu, lens_cpu = host32[: num_reqs + 1], host32[num_reqs + 1 : 2 * num_reqs + 1]
+        table_cpu = host32[2 * num_reqs + 1 :].view(num_reqs, max_blocks)
         metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=num_tokens,
-            cu_seqlens_q=dev32[:num_reqs + 1],
-            seq_lens=dev32[num_reqs + 1:2 * num_reqs + 1],
-            block_table=dev32[2 * num_reqs + 1:].view(num_reqs, max_blocks),
+            cu_seqlens_q=dev32[: num_reqs + 1],
+            seq_lens=dev32[num_reqs + 1 : 2 * num_reqs + 1],
+            block_table=dev32[2 * num_reqs + 1 :].view(num_reqs, max_blocks),
             block_table_cpu=table_cpu,
-            slot_mapping=dev64[2 * num_tokens:],
+            slot_mapping=dev64[2 * num_tokens :],
             max_query_len=max(len(item.token_ids) for item in inputs),
             max_seq_len=max(seq_lens),
             cu_seqlens_q_cpu=cu_cpu,
@@ -192,7 +220,7 @@ class ModelRunner:
         if from_device:
             ids = self._ids_from_device(ids, from_device)
         self.step_input_ids = ids
-        return ids, dev64[num_tokens:2 * num_tokens], metadata
+        return ids, dev64[num_tokens : 2 * num_tokens], metadata
 
     @staticmethod
     def _int32_inputs(cu_seqlens: list[int], seq_lens: list[int], tables: list[list[int]]) -> tuple[np.ndarray, int]:
@@ -203,8 +231,8 @@ class ModelRunner:
         max_blocks = int(lengths.max())
         head = len(cu_seqlens) + len(seq_lens)
         out = np.zeros(head + len(tables) * max_blocks, dtype=np.int32)
-        out[:len(cu_seqlens)] = cu_seqlens
-        out[len(cu_seqlens):head] = seq_lens
+        out[: len(cu_seqlens)] = cu_seqlens
+        out[len(cu_seqlens) : head] = seq_lens
         flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
         table = out[head:].reshape(len(tables), max_blocks)
         table[np.arange(max_blocks) < lengths[:, None]] = flat
@@ -217,9 +245,9 @@ class ModelRunner:
         dst = [row for row, _ in from_device]
         src = [rows_by_id[request_id] for _, request_id in from_device]
         if dst == src == list(range(ids.shape[0])):  # steady decode: the same requests in the same order
-            return sampled[:ids.shape[0]]
+            return sampled[: ids.shape[0]]
         index = to_device(torch.tensor(dst + src, dtype=torch.int64), self.device)
-        return ids.index_copy_(0, index[:len(dst)], sampled.index_select(0, index[len(dst):]))
+        return ids.index_copy_(0, index[: len(dst)], sampled.index_select(0, index[len(dst) :]))
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, inputs: list[StepInput] | None = None) -> torch.Tensor:
@@ -238,7 +266,10 @@ class ModelRunner:
         self.last_sampled = None
         if message.sampling:
             token_ids = broadcast_from_rank0(torch.empty(len(message.sampling), dtype=torch.int64, device=self.device))
-            self.last_sampled = ({inputs[index].request_id: row for row, index in enumerate(message.sampling)}, token_ids)
+            self.last_sampled = (
+                {inputs[index].request_id: row for row, index in enumerate(message.sampling)},
+                token_ids,
+            )
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The model (or the decode graph of its bucket) on prepared inputs."""
@@ -260,21 +291,26 @@ class ModelRunner:
         plan = self._plan_rows(batch)
         inputs = self.step_inputs(batch)
         if self.broadcast is not None:
-            self.broadcast(StepMessage(self.block_tables.compress(inputs), plan.logits_rows(offsets),
-                                       sampling=plan.sampling if self.share_sampled else []))
+            self.broadcast(
+                StepMessage(
+                    self.block_tables.compress(inputs),
+                    plan.logits_rows(offsets),
+                    sampling=plan.sampling if self.share_sampled else [],
+                )
+            )
         hidden = self.forward(batch, inputs)
         pooled: list[SampledToken] = []
         for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if request.pooling:
                 done = request.num_computed_tokens + num_new == request.num_tokens
-                embedding = self._pool(request, hidden[offsets[index]:offsets[index + 1]], done)
+                embedding = self._pool(request, hidden[offsets[index] : offsets[index + 1]], done)
                 if embedding is not None:
                     pooled.append(SampledToken(request, -1, embedding=embedding))
             elif request.sampling_params.prompt_logprobs is not None and request.num_computed_tokens == 0:
                 request.prompt_logprobs = [None]  # prompt token 0 has no logprob
         for index, first, count in plan.prompt_logprobs:
             start = offsets[index] + first
-            self._prompt_logprobs(batch.requests[index], hidden[start:start + count], first, count)
+            self._prompt_logprobs(batch.requests[index], hidden[start : start + count], first, count)
         self.last_sampled = None
         if not plan.sampling:
             return LaunchedStep([], None, pooled)
@@ -310,8 +346,10 @@ class ModelRunner:
         """For the sampler's penalties: per sampling row, the id of its last output token where the
         host holds a placeholder (it is this step's input, on the device), else -1; None if no row
         needs it."""
-        placeholder = [request.sampling_params.needs_penalties and request.output_token_ids[-1:] == [PLACEHOLDER]
-                       for request in sampling]
+        placeholder = [
+            request.sampling_params.needs_penalties and request.output_token_ids[-1:] == [PLACEHOLDER]
+            for request in sampling
+        ]
         if not any(placeholder):
             return None
         mask = to_device(torch.tensor(placeholder), self.device)
@@ -341,7 +379,9 @@ class ModelRunner:
                 continue
             if request.sampling_params.prompt_logprobs is not None:
                 count = self._num_prompt_logprob_rows(request, num_new)
-                plan.prompt_logprobs.extend((index, first, min(piece, count - first)) for first in range(0, count, piece))
+                plan.prompt_logprobs.extend(
+                    (index, first, min(piece, count - first)) for first in range(0, count, piece)
+                )
             if request.num_computed_tokens + num_new == request.num_tokens:
                 plan.sampling.append(index)
         return plan
@@ -373,7 +413,7 @@ class ModelRunner:
         ``num_computed_tokens + first`` (position p predicts token p + 1). Pieces arrive in order."""
         start = request.num_computed_tokens + first
         stop = start + count
-        targets = torch.tensor(request.prompt_token_ids[start + 1:stop + 1], device=hidden.device)
+        targets = torch.tensor(request.prompt_token_ids[start + 1 : stop + 1], device=hidden.device)
         logits = self.model.compute_logits(hidden).float()
         result = compute_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
         lps = result.token_logprobs.tolist()

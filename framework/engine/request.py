@@ -91,10 +91,10 @@ class Request:
         """Tokens ``start:end`` of prompt + output, without building the whole list (a decode step reads one id)."""
         prompt = self.num_prompt_tokens
         if start >= prompt:
-            return self.output_token_ids[start - prompt:end - prompt]
+            return self.output_token_ids[start - prompt : end - prompt]
         if end <= prompt:
             return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
 
     def check_stop(self, index: int) -> FinishReason | None:
         """After output token ``index`` was set: the reason to finish there, or None.

@@ -100,8 +100,9 @@ class Sampler:
     def __init__(self, *, eos_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                 pending: torch.Tensor | None = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], pending: torch.Tensor | None = None
+    ) -> SamplerOutput:
         """Sample one token per row. ``pending`` ([R] int64, on the logits' device) is for async
         scheduling: a row whose last output token is still a placeholder on the host has that
         token's id there (-1 elsewhere), so the penalties count it without reading it back."""
@@ -184,8 +185,9 @@ def apply_min_tokens(
     return logits.index_put(index, torch.full((len(row_idx),), float("-inf"), device=device))
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], pending: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], pending: torch.Tensor | None = None
+) -> torch.Tensor:
     """Repetition penalty (HF: tokens of prompt and output; positive logits divided, negative
     multiplied), then frequency and presence penalties (OpenAI: output tokens only;
     ``logit -= frequency * count + presence * (count > 0)``), on the rows that have any.

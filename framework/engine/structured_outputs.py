@@ -130,9 +130,17 @@ class StructuredOutputManager:
     it arrived fails (the compile itself cannot be interrupted and may finish for later ones).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, stop_token_ids: list[int], device: torch.device,
-                 max_cached_grammars: int = 256, compile_timeout_s: float = COMPILE_TIMEOUT_S,
-                 compile_workers: int = 2) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        device: torch.device,
+        max_cached_grammars: int = 256,
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+        compile_workers: int = 2,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -192,14 +200,20 @@ class StructuredOutputManager:
             compiled = state.compiled
             if not compiled.done() and now - state.submitted > self.compile_timeout_s:
                 params = request.sampling_params.structured_outputs
-                failed.append((request, f"structured_outputs.{params.kind}: the grammar did not compile within "
-                                        f"{self.compile_timeout_s:g} s; simplify it"))
+                failed.append(
+                    (
+                        request,
+                        f"structured_outputs.{params.kind}: the grammar did not compile within "
+                        f"{self.compile_timeout_s:g} s; simplify it",
+                    )
+                )
                 request.structured_output = None
             elif not compiled.done():
                 waiting.append(request)
             elif compiled.exception() is not None:
-                failed.append((request, compile_error_message(request.sampling_params.structured_outputs,
-                                                              compiled.exception())))
+                failed.append(
+                    (request, compile_error_message(request.sampling_params.structured_outputs, compiled.exception()))
+                )
                 request.structured_output = None
             else:
                 ready.append(request)
@@ -229,8 +243,11 @@ class StructuredOutputManager:
     def prepare_bitmask(self, rows: list[Request]) -> TokenBitmask | None:
         """The allowed-token bitmask of ``rows`` (the requests sampling this step, in order) on
         the device, or None when no row has an active grammar (then xgrammar is never imported)."""
-        active = [i for i, request in enumerate(rows) if request.structured_output is not None
-                  and request.structured_output.is_active]
+        active = [
+            i
+            for i, request in enumerate(rows)
+            if request.structured_output is not None and request.structured_output.is_active
+        ]
         if not active:
             return None
         import xgrammar
@@ -269,8 +286,12 @@ class StructuredOutputManager:
         if state.matcher is None:  # cannot happen: an active request samples with a matcher
             return False
         if not state.matcher.accept_token(token_id):
-            log.warning("request %s: token %d is outside its grammar (a min_tokens or logit_bias setting may "
-                        "have left no allowed token); finishing it", request.request_id, token_id)
+            log.warning(
+                "request %s: token %d is outside its grammar (a min_tokens or logit_bias setting may "
+                "have left no allowed token); finishing it",
+                request.request_id,
+                token_id,
+            )
             return True
         return state.matcher.is_terminated()
 
@@ -281,7 +302,7 @@ class StructuredOutputManager:
         if state.start_after in text:
             state.is_active, state.decoder, state.recent_text = True, None, ""
         else:
-            state.recent_text = text[-len(state.start_after):]
+            state.recent_text = text[-len(state.start_after) :]
 
     def _host_bitmask(self, num_rows: int) -> torch.Tensor:
         import xgrammar
@@ -304,8 +325,9 @@ class StructuredOutputManager:
         from transformers import PreTrainedTokenizerFast
 
         hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
-        info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=self.vocab_size,
-                                                       stop_token_ids=self.stop_token_ids or None)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+        )
         # the manager keeps its own LRU of compiled grammars; xgrammar's cache would be unbounded
         return xgrammar.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
 

@@ -29,19 +29,37 @@ class Attention(nn.Module):
     quantization method to come; ``None`` (a plain cache) for every format today.
     """
 
-    def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None, mla: MLAConfig | None = None,
-                 *, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        layer_index: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        mla: MLAConfig | None = None,
+        *,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         if mla is not None and (num_kv_heads != 1 or head_size != mla.latent_size):
-            raise ValueError(f"an MLA layer has one KV head of the latent size {mla.latent_size}, "
-                             f"got {num_kv_heads} heads of {head_size}")
+            raise ValueError(
+                f"an MLA layer has one KV head of the latent size {mla.latent_size}, "
+                f"got {num_kv_heads} heads of {head_size}"
+            )
         self.layer_index = layer_index
-        self.config = AttentionLayerConfig(num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla)
+        self.config = AttentionLayerConfig(
+            num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla
+        )
         self.prefix = prefix
-        self.quant_method: QuantMethodBase | None = quant_method_for(quant_config, self, prefix, QuantMethodBase,
-                                                                      "an attention layer")
+        self.quant_method: QuantMethodBase | None = quant_method_for(
+            quant_config, self, prefix, QuantMethodBase, "an attention layer"
+        )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
         context = get_forward_context()
-        return context.backend.forward(self.config, query, key, value, context.kv_caches[self.layer_index], context.metadata)
+        return context.backend.forward(
+            self.config, query, key, value, context.kv_caches[self.layer_index], context.metadata
+        )

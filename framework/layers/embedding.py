@@ -88,8 +88,10 @@ class VocabEmbedding(KeepsWeightAttrs):
         return tensor_parallel_all_reduce(embeddings)
 
     def extra_repr(self) -> str:
-        return (f"num_embeddings={self.num_embeddings_per_partition}, embedding_dim={self.embedding_dim}, "
-                f"tp={self.tp_rank}/{self.tp_size}, method={type(self.linear_method).__name__}")
+        return (
+            f"num_embeddings={self.num_embeddings_per_partition}, embedding_dim={self.embedding_dim}, "
+            f"tp={self.tp_rank}/{self.tp_size}, method={type(self.linear_method).__name__}"
+        )
 
 
 class LMHead(VocabEmbedding):
@@ -115,7 +117,9 @@ class LMHead(VocabEmbedding):
         # A plain attribute, not a submodule: the embedding owns (loads, moves, post-processes) the table.
         self.__dict__["tied_embedding"] = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_partition, dtype=self.params_dtype), requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.empty(self.num_embeddings_per_partition, dtype=self.params_dtype), requires_grad=False
+            )
             set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
@@ -129,10 +133,14 @@ class LMHead(VocabEmbedding):
         has no LinearMethod of its own (``linear_method`` is ``None``).
         """
         if (embedding.num_embeddings, embedding.embedding_dim, embedding.tp_size) != (
-            self.num_embeddings, self.embedding_dim, self.tp_size
+            self.num_embeddings,
+            self.embedding_dim,
+            self.tp_size,
         ):
-            raise ValueError(f"cannot tie LM head {self.num_embeddings}x{self.embedding_dim} (tp {self.tp_size}) to embedding "
-                             f"{embedding.num_embeddings}x{embedding.embedding_dim} (tp {embedding.tp_size})")
+            raise ValueError(
+                f"cannot tie LM head {self.num_embeddings}x{self.embedding_dim} (tp {self.tp_size}) to embedding "
+                f"{embedding.num_embeddings}x{embedding.embedding_dim} (tp {embedding.tp_size})"
+            )
         for name in [name for name in self._parameters if name != "bias"]:
             delattr(self, name)
         self.__dict__["tied_embedding"] = embedding

@@ -62,9 +62,13 @@ if TYPE_CHECKING:
 EXPERT_SHARDS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
 # the tensor's suffix (weight, qweight, scales, weight_scale, ...) names the parameter: w13_<suffix>, w2_<suffix>
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
-                         r"\.(?P<suffix>\w+)$")
-_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj|gate_proj|up_proj)(?:\.(?P<suffix>\w+))?$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+    r"\.(?P<suffix>\w+)$"
+)
+_STACKED = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj|gate_proj|up_proj)(?:\.(?P<suffix>\w+))?$"
+)
 
 
 class RoutedExperts(NamedTuple):
@@ -119,8 +123,14 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
     """Plain ``w13_weight [E, 2I, H]`` / ``w2_weight [E, H, I]`` in ``params_dtype``, run by the kernel
     registry's ``fused_moe`` op, resolved once in :meth:`create_weights` (as ``UnquantizedLinearMethod``)."""
 
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+    ) -> None:
         width = intermediate_size_per_partition
         w13 = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype), requires_grad=False)
         w2 = nn.Parameter(torch.empty(num_experts, hidden_size, width, dtype=params_dtype), requires_grad=False)
@@ -169,18 +179,31 @@ class FusedMoE(KeepsWeightAttrs):
     #: Its loaders only narrow and copy, so they take lazy checkpoint slices (model_loader).
     reads_checkpoint_slices = True
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
-                 renormalize: bool, quant_config: QuantConfig | None = None, prefix: str = "",
-                 params_dtype: torch.dtype | None = None, tp_size: int | None = None, tp_rank: int | None = None,
-                 reduce_results: bool = True) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        renormalize: bool,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+        params_dtype: torch.dtype | None = None,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"{prefix}: top_k must be in 1..num_experts ({num_experts}), got {top_k}")
         tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         if intermediate_size % tp_size:
-            raise ConfigError(f"{prefix}: the experts' intermediate size {intermediate_size} (moe_intermediate_size; "
-                              f"Mixtral: intermediate_size) cannot be split over {tp_size} tensor-parallel ranks; use a "
-                              f"tensor-parallel size that divides {intermediate_size}")
+            raise ConfigError(
+                f"{prefix}: the experts' intermediate size {intermediate_size} (moe_intermediate_size; "
+                f"Mixtral: intermediate_size) cannot be split over {tp_size} tensor-parallel ranks; use a "
+                f"tensor-parallel size that divides {intermediate_size}"
+            )
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size, self.prefix = hidden_size, intermediate_size, prefix
         self.tp_size, self.tp_rank, self.reduce_results = tp_size, tp_rank, reduce_results
@@ -209,8 +232,10 @@ class FusedMoE(KeepsWeightAttrs):
         else:
             features = self.intermediate_size_per_partition * (1 if shard_id == "w2" else 2)
             if param.size(dim) * self.intermediate_size_per_partition % features:
-                raise ValueError(f"{self.prefix}: a parameter with {param.size(dim)} entries along its feature_dim "
-                                 f"cannot hold whole entries for {self.intermediate_size_per_partition} features per shard")
+                raise ValueError(
+                    f"{self.prefix}: a parameter with {param.size(dim)} entries along its feature_dim "
+                    f"cannot hold whole entries for {self.intermediate_size_per_partition} features per shard"
+                )
             entries = lambda n: n * param.size(dim) // features  # noqa: E731  (entries of n features)
             size, width = entries(self.intermediate_size), entries(self.intermediate_size_per_partition)
             start = self.tp_rank * width
@@ -218,20 +243,28 @@ class FusedMoE(KeepsWeightAttrs):
                 copy_weight(target, self._narrow(loaded_weight, dim, size, start, width))
             elif shard_id == "w13":  # [.., 2I, H]: gate rows [0, I), up rows [I, 2I)
                 copy_weight(target.narrow(dim, 0, width), self._narrow(loaded_weight, dim, 2 * size, start, width))
-                copy_weight(target.narrow(dim, width, width), self._narrow(loaded_weight, dim, 2 * size, size + start, width))
+                copy_weight(
+                    target.narrow(dim, width, width), self._narrow(loaded_weight, dim, 2 * size, size + start, width)
+                )
             else:
-                copy_weight(target.narrow(dim, 0 if shard_id == "w1" else width, width),
-                            self._narrow(loaded_weight, dim, size, start, width))
+                copy_weight(
+                    target.narrow(dim, 0 if shard_id == "w1" else width, width),
+                    self._narrow(loaded_weight, dim, size, start, width),
+                )
         self.record_loaded(shard_id, expert_id)
 
     def check_expert_shard(self, param: Tensor, shard_id: str, expert_id: int | None) -> None:
         """Refuse an unknown ``shard_id``, a shard in the wrong projection's parameter or an expert out of range."""
         if shard_id not in ("w1", "w3", "w13", "w2"):
-            raise ValueError(f"{self.prefix}: unknown expert shard {shard_id!r}; valid: w1 (gate), w3 (up), w13, w2 (down)")
+            raise ValueError(
+                f"{self.prefix}: unknown expert shard {shard_id!r}; valid: w1 (gate), w3 (up), w13, w2 (down)"
+            )
         if (shard_id == "w2") != (getattr(param, "moe_projection", None) == "w2"):
             raise ValueError(f"{self.prefix}: expert shard {shard_id!r} does not belong in this parameter")
         if expert_id is not None and not 0 <= expert_id < self.num_experts:
-            raise ValueError(f"{self.prefix}: expert {expert_id} out of range; this layer has {self.num_experts} experts")
+            raise ValueError(
+                f"{self.prefix}: expert {expert_id} out of range; this layer has {self.num_experts} experts"
+            )
 
     def record_loaded(self, shard_id: str, expert_id: int | None) -> None:
         """Note that ``shard_id`` of ``expert_id`` (None: every expert) is loaded (for :meth:`missing_weights`);
@@ -240,8 +273,9 @@ class FusedMoE(KeepsWeightAttrs):
         for shard in ("w1", "w3") if shard_id == "w13" else (shard_id,):
             self._loaded_experts[shard].update(experts)
 
-    def _load_unsplit(self, param: Tensor, target: Tensor, loaded_weight: Tensor, shard_id: str,
-                      expert_id: int | None) -> None:
+    def _load_unsplit(
+        self, param: Tensor, target: Tensor, loaded_weight: Tensor, shard_id: str, expert_id: int | None
+    ) -> None:
         """A parameter not split by features: whole, or (``per_shard``) its gate or up entry. Gate and
         up loaded into one shared entry must agree (as for fused linear layers: the last would win)."""
         loaded_weight = materialize(loaded_weight)
@@ -252,9 +286,11 @@ class FusedMoE(KeepsWeightAttrs):
             loaded_weight = loaded_weight.reshape(target.shape)
         key = (id(param), expert_id)
         if shared and key in self._shared_loaded and not torch.equal(target, loaded_weight.to(target)):
-            raise ValueError(f"{self.prefix}: the {'up' if shard_id == 'w3' else 'gate'} projection holds a different "
-                             f"value for a parameter of shape {tuple(param.shape)} that gate and up share (it has neither "
-                             "feature_dim nor per_shard=True); a quantity kept per projection needs per_shard=True")
+            raise ValueError(
+                f"{self.prefix}: the {'up' if shard_id == 'w3' else 'gate'} projection holds a different "
+                f"value for a parameter of shape {tuple(param.shape)} that gate and up share (it has neither "
+                "feature_dim nor per_shard=True); a quantity kept per projection needs per_shard=True"
+            )
         copy_weight(target, loaded_weight)
         if shared:
             self._shared_loaded.add(key)
@@ -262,9 +298,11 @@ class FusedMoE(KeepsWeightAttrs):
     def _narrow(self, loaded_weight: Tensor, dim: int, full: int, start: int, width: int) -> Tensor:
         """``loaded_weight.narrow(dim, start, width)``, refusing a tensor whose ``dim`` is not ``full`` long."""
         if loaded_weight.dim() < 2 or loaded_weight.size(dim) != full:
-            raise ValueError(f"{self.prefix}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit: "
-                             f"expected {full} entries along dim {dim} (experts' intermediate size "
-                             f"{self.intermediate_size})")
+            raise ValueError(
+                f"{self.prefix}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit: "
+                f"expected {full} entries along dim {dim} (experts' intermediate size "
+                f"{self.intermediate_size})"
+            )
         return loaded_weight.narrow(dim % loaded_weight.dim(), start, width)
 
     def missing_weights(self) -> list[str]:
@@ -278,8 +316,14 @@ class FusedMoE(KeepsWeightAttrs):
                 missing.append(f"{names[shard]} of expert(s) {shown}")
         return missing
 
-    def forward(self, hidden: Tensor, router_logits: Tensor | None = None, *,
-                topk_weights: Tensor | None = None, topk_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        hidden: Tensor,
+        router_logits: Tensor | None = None,
+        *,
+        topk_weights: Tensor | None = None,
+        topk_ids: Tensor | None = None,
+    ) -> Tensor:
         if topk_ids is None:
             if router_logits is None:
                 raise ValueError("FusedMoE.forward needs router_logits or precomputed topk_weights and topk_ids")
@@ -290,6 +334,8 @@ class FusedMoE(KeepsWeightAttrs):
         return out
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size_per_partition}/{self.intermediate_size}, renormalize={self.renormalize}, "
-                f"tp={self.tp_rank}/{self.tp_size}, method={type(self.quant_method).__name__}")
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_size_per_partition}/{self.intermediate_size}, renormalize={self.renormalize}, "
+            f"tp={self.tp_rank}/{self.tp_size}, method={type(self.quant_method).__name__}"
+        )

@@ -18,7 +18,9 @@ class RMSNorm(nn.Module):
     (see :func:`framework.ops.rms_norm`); the weight starts at ``1 - offset`` (the identity).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, params_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, params_dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.hidden_size, self.eps, self.offset = hidden_size, eps, offset
         self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, dtype=params_dtype), requires_grad=False)
@@ -33,8 +35,9 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self._rms_norm(x, self.weight, self.eps, self.offset)
         if self.reduces_input:
-            return distributed.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.offset,
-                                                       self._fused_add_rms_norm)
+            return distributed.all_reduce_add_rms_norm(
+                x, residual, self.weight, self.eps, self.offset, self._fused_add_rms_norm
+            )
         return self._fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)
 
     def extra_repr(self) -> str:

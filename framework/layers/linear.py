@@ -116,7 +116,9 @@ def copy_weight(dst: Tensor, src: Tensor) -> None:
     decoded (if it needs decoding) straight into ``dst``'s dtype and device.
     """
     if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter (shard) of shape {tuple(dst.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter (shard) of shape {tuple(dst.shape)}"
+        )
     dst.copy_(materialize(src, like=dst))
 
 
@@ -167,8 +169,10 @@ def tensor_parallel_gather_to_rank0(x: Tensor, dim: int = -1) -> Tensor:
 
 def resolve_tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:
     """``(tp_size, tp_rank)``: the given values, or this process's tensor-parallel group's (1, 0 without one)."""
-    return (distributed.get_tp_size() if tp_size is None else tp_size,
-            distributed.get_tp_rank() if tp_rank is None else tp_rank)
+    return (
+        distributed.get_tp_size() if tp_size is None else tp_size,
+        distributed.get_tp_rank() if tp_rank is None else tp_rank,
+    )
 
 
 class LinearBase(KeepsWeightAttrs):
@@ -209,7 +213,9 @@ class LinearBase(KeepsWeightAttrs):
             self, input_size_per_partition, self.output_partition_sizes, input_size, output_size, self.params_dtype
         )
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=self.params_dtype), requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.empty(self.output_size_per_partition, dtype=self.params_dtype), requires_grad=False
+            )
             set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
         else:
             self.register_parameter("bias", None)
@@ -228,8 +234,10 @@ class LinearBase(KeepsWeightAttrs):
         return self.linear_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, bias={self.bias is not None}, "
-                f"tp={self.tp_rank}/{self.tp_size}, method={type(self.linear_method).__name__}")
+        return (
+            f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, bias={self.bias is not None}, "
+            f"tp={self.tp_rank}/{self.tp_size}, method={type(self.linear_method).__name__}"
+        )
 
 
 class ReplicatedLinear(LinearBase):
@@ -248,7 +256,18 @@ class ReplicatedLinear(LinearBase):
         tp_rank: int | None = None,
     ) -> None:
         tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
-        super().__init__(input_size, output_size, input_size, [output_size], bias, quant_config, prefix, params_dtype, tp_size, tp_rank)
+        super().__init__(
+            input_size,
+            output_size,
+            input_size,
+            [output_size],
+            bias,
+            quant_config,
+            prefix,
+            params_dtype,
+            tp_size,
+            tp_rank,
+        )
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         if is_per_shard(param):
@@ -275,7 +294,9 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         partitions = output_partition_sizes or [divide(output_size, tp_size, "output size")]
-        super().__init__(input_size, output_size, input_size, partitions, bias, quant_config, prefix, params_dtype, tp_size, tp_rank)
+        super().__init__(
+            input_size, output_size, input_size, partitions, bias, quant_config, prefix, params_dtype, tp_size, tp_rank
+        )
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         if is_per_shard(param):
@@ -289,8 +310,9 @@ class ColumnParallelLinear(LinearBase):
         assert remainder == 0, f"{num_features} features do not map to whole rows of {tuple(param.shape)}"
         return rows
 
-    def _load_fused_shard(self, param: Tensor, loaded_weight: Tensor, shard_index: int, offset: int, size: int,
-                          source_index: int) -> None:
+    def _load_fused_shard(
+        self, param: Tensor, loaded_weight: Tensor, shard_index: int, offset: int, size: int, source_index: int
+    ) -> None:
         """Copy part ``source_index`` (of ``size`` features per rank) of fused shard ``shard_index``'s
         full checkpoint tensor into this rank's parameter rows starting at feature ``offset``::
 
@@ -307,7 +329,9 @@ class ColumnParallelLinear(LinearBase):
             self._load_shared(param, loaded_weight, shard_index)
             return
         offset, size = self._param_rows(param, offset), self._param_rows(param, size)
-        copy_weight(param.data.narrow(output_dim, offset, size), loaded_weight.narrow(output_dim, source_index * size, size))
+        copy_weight(
+            param.data.narrow(output_dim, offset, size), loaded_weight.narrow(output_dim, source_index * size, size)
+        )
 
     def _load_shared(self, param: Tensor, loaded_weight: Tensor, shard_index: int) -> None:
         """Load a quantity every shard shares; refuse shards that disagree on it (a per-shard
@@ -315,9 +339,11 @@ class ColumnParallelLinear(LinearBase):
         loaded_weight = materialize(loaded_weight)
         filled = self.__dict__.setdefault("_shared_params_loaded", set())
         if id(param) in filled and not torch.equal(param.data, loaded_weight.to(param.data)):
-            raise ValueError(f"{self.prefix}: shard {shard_index} holds a different value for a parameter of shape "
-                             f"{tuple(param.shape)} that all shards share (it has neither output_dim nor "
-                             "per_shard=True); a quantity kept per shard needs per_shard=True")
+            raise ValueError(
+                f"{self.prefix}: shard {shard_index} holds a different value for a parameter of shape "
+                f"{tuple(param.shape)} that all shards share (it has neither output_dim nor "
+                "per_shard=True); a quantity kept per shard needs per_shard=True"
+            )
         copy_weight(param.data, loaded_weight)
         filled.add(id(param))
 
@@ -351,8 +377,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         self.output_sizes = list(output_sizes)
         partitions = [divide(size, tp_size, "output size") for size in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, quant_config, prefix, params_dtype, tp_size, tp_rank,
-                         output_partition_sizes=partitions)
+        super().__init__(
+            input_size,
+            sum(output_sizes),
+            bias,
+            quant_config,
+            prefix,
+            params_dtype,
+            tp_size,
+            tp_rank,
+            output_partition_sizes=partitions,
+        )
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: int | None = None) -> None:
         """``shard_id`` is the index into ``output_sizes``; ``None`` means all shards, concatenated."""
@@ -362,7 +397,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id {shard_id!r} out of range; valid: 0..{len(self.output_sizes) - 1}")
         offset = sum(self.output_partition_sizes[:shard_id])
-        self._load_fused_shard(param, loaded_weight, shard_id, offset, self.output_partition_sizes[shard_id], self.tp_rank)
+        self._load_fused_shard(
+            param, loaded_weight, shard_id, offset, self.output_partition_sizes[shard_id], self.tp_rank
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -392,10 +429,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size, self.total_num_heads, self.total_num_kv_heads = head_size, total_num_heads, total_num_kv_heads
         # this rank's heads: models read qkv_proj.num_heads / num_kv_heads for their Attention layer
         self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = attention_heads_per_rank(
-            total_num_heads, total_num_kv_heads, tp_size)
+            total_num_heads, total_num_kv_heads, tp_size
+        )
         q_size, kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
-        super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size, bias, quant_config,
-                         prefix, params_dtype, tp_size, tp_rank, output_partition_sizes=[q_size, kv_size, kv_size])
+        super().__init__(
+            hidden_size,
+            (total_num_heads + 2 * total_num_kv_heads) * head_size,
+            bias,
+            quant_config,
+            prefix,
+            params_dtype,
+            tp_size,
+            tp_rank,
+            output_partition_sizes=[q_size, kv_size, kv_size],
+        )
 
     @property
     def kv_shard_rank(self) -> int:
@@ -411,8 +458,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         """``shard_id`` is ``"q"``, ``"k"`` or ``"v"``; ``None`` means ``[q | k | v]`` concatenated."""
         q_size, kv_size, _ = self.output_partition_sizes
         kv_source = self.kv_shard_rank
-        shards = {"q": (0, 0, q_size, self.tp_rank), "k": (1, q_size, kv_size, kv_source),
-                  "v": (2, q_size + kv_size, kv_size, kv_source)}
+        shards = {
+            "q": (0, 0, q_size, self.tp_rank),
+            "k": (1, q_size, kv_size, kv_source),
+            "v": (2, q_size + kv_size, kv_size, kv_source),
+        }
         if shard_id is None:
             total_q, total_kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
             self._split_fused(param, loaded_weight, ["q", "k", "v"], [total_q, total_kv, total_kv])
@@ -446,8 +496,18 @@ class RowParallelLinear(LinearBase):
         tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
         self.reduce_results = reduce_results
         input_size_per_partition = divide(input_size, tp_size, "input size")
-        super().__init__(input_size, output_size, input_size_per_partition, [output_size], bias, quant_config,
-                         prefix, params_dtype, tp_size, tp_rank)
+        super().__init__(
+            input_size,
+            output_size,
+            input_size_per_partition,
+            [output_size],
+            bias,
+            quant_config,
+            prefix,
+            params_dtype,
+            tp_size,
+            tp_rank,
+        )
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: Any = None) -> None:
         if is_per_shard(param):

@@ -20,13 +20,29 @@ class GatedMLP(nn.Module):
     all-reduce, for a caller that sums it with another partial output first (a MoE shared expert).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: nn.Module, *, bias: bool = False,
-                 quant_config: QuantConfig | None = None, prefix: str = "", reduce_results: bool = True) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act_fn: nn.Module,
+        *,
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
-                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant_config=quant_config,
-                                           prefix=f"{prefix}.down_proj", reduce_results=reduce_results)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+            reduce_results=reduce_results,
+        )
         self.act_fn = act_fn
 
     @property
@@ -45,5 +61,11 @@ class GatedMLP(nn.Module):
 def dense_mlp(config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> GatedMLP:
     """The SwiGLU feed-forward of a dense decoder layer: ``intermediate_size`` wide, bias when
     ``mlp_bias``. The signature is a model's per-layer MLP factory's (``layer_index`` unused here)."""
-    return GatedMLP(config.hidden_size, int(config.get("intermediate_size")), SiluAndMul(),
-                    bias=bool(config.get("mlp_bias", False)), quant_config=quant_config, prefix=prefix)
+    return GatedMLP(
+        config.hidden_size,
+        int(config.get("intermediate_size")),
+        SiluAndMul(),
+        bias=bool(config.get("mlp_bias", False)),
+        quant_config=quant_config,
+        prefix=prefix,
+    )

@@ -95,11 +95,13 @@ class RotaryEmbedding(nn.Module):
         return positions
 
     def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
-        return self._kernel(self.table_positions(positions), query, key, self.head_size, self.cos_sin_cache,
-                            self.is_neox_style)
+        return self._kernel(
+            self.table_positions(positions), query, key, self.head_size, self.cos_sin_cache, self.is_neox_style
+        )
 
-    def forward_with_qk_norm(self, positions: Tensor, query: Tensor, key: Tensor, q_norm: nn.Module,
-                             k_norm: nn.Module) -> tuple[Tensor, Tensor]:
+    def forward_with_qk_norm(
+        self, positions: Tensor, query: Tensor, key: Tensor, q_norm: nn.Module, k_norm: nn.Module
+    ) -> tuple[Tensor, Tensor]:
         """:meth:`forward` of ``query`` and ``key`` with every head first normalised by ``q_norm`` /
         ``k_norm`` (:class:`~framework.layers.RMSNorm` over ``head_size``, Qwen3's and Gemma 3's
         QK norm): the ``qk_norm_rotary_embedding`` op, one kernel where a plugin provides it. Without
@@ -108,21 +110,43 @@ class RotaryEmbedding(nn.Module):
         if (q_norm.eps, q_norm.offset) != (k_norm.eps, k_norm.offset):
             raise ValueError(f"the query and key norms differ in eps or offset: {q_norm} / {k_norm}")
         if self._qk_norm_kernel is ops.qk_norm_rotary_embedding:
-            return self.forward(positions, norm_per_head(q_norm, query, self.head_size),
-                                norm_per_head(k_norm, key, self.head_size))
-        return self._qk_norm_kernel(self.table_positions(positions), query, key, self.head_size, self.cos_sin_cache,
-                                    self.is_neox_style, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
+            return self.forward(
+                positions, norm_per_head(q_norm, query, self.head_size), norm_per_head(k_norm, key, self.head_size)
+            )
+        return self._qk_norm_kernel(
+            self.table_positions(positions),
+            query,
+            key,
+            self.head_size,
+            self.cos_sin_cache,
+            self.is_neox_style,
+            q_norm.weight,
+            k_norm.weight,
+            q_norm.eps,
+            q_norm.offset,
+        )
 
     def extra_repr(self) -> str:
-        return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position_embeddings}, "
-                f"base={self.base}, is_neox_style={self.is_neox_style}")
+        return (
+            f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position_embeddings}, "
+            f"base={self.base}, is_neox_style={self.is_neox_style}"
+        )
 
 
 class LinearScalingRotaryEmbedding(RotaryEmbedding):
     """Position interpolation: frequencies divided by ``factor``; the table covers ``factor`` x positions."""
 
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool, dtype: torch.dtype, *, factor: float) -> None:
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype,
+        *,
+        factor: float,
+    ) -> None:
         self.factor = factor
         super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype)
 
@@ -143,8 +167,17 @@ class DynamicNTKScalingRotaryEmbedding(RotaryEmbedding):
     full length, and plain default RoPE for sequences within ``max_position_embeddings``.
     """
 
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool, dtype: torch.dtype, *, factor: float) -> None:
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype,
+        *,
+        factor: float,
+    ) -> None:
         self.factor = factor
         super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype)
 
@@ -160,16 +193,32 @@ class DynamicNTKScalingRotaryEmbedding(RotaryEmbedding):
 class Llama3RotaryEmbedding(RotaryEmbedding):
     """Llama 3.1: low frequencies divided by ``factor``, high ones kept, a smooth ramp between."""
 
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool, dtype: torch.dtype, *, factor: float, low_freq_factor: float,
-                 high_freq_factor: float, original_max_position_embeddings: int) -> None:
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype,
+        *,
+        factor: float,
+        low_freq_factor: float,
+        high_freq_factor: float,
+        original_max_position_embeddings: int,
+    ) -> None:
         self.factor, self.low_freq_factor, self.high_freq_factor = factor, low_freq_factor, high_freq_factor
         self.original_max_position_embeddings = original_max_position_embeddings
         super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype)
 
     def compute_inv_freq(self) -> Tensor:
         inv_freq = default_inv_freq(self.base, self.rotary_dim)
-        factor, low, high, old_len = self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings
+        factor, low, high, old_len = (
+            self.factor,
+            self.low_freq_factor,
+            self.high_freq_factor,
+            self.original_max_position_embeddings,
+        )
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)
@@ -187,10 +236,24 @@ class YaRNScalingRotaryEmbedding(RotaryEmbedding):
     """YaRN: interpolate low frequencies, extrapolate high ones (ramp between ``beta_slow`` and
     ``beta_fast`` rotations over the original context); the attention factor scales cos/sin."""
 
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool, dtype: torch.dtype, *, factor: float, original_max_position_embeddings: int,
-                 beta_fast: float = 32, beta_slow: float = 1, mscale: float | None = None,
-                 mscale_all_dim: float | None = None, attention_factor: float | None = None, truncate: bool = True) -> None:
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype,
+        *,
+        factor: float,
+        original_max_position_embeddings: int,
+        beta_fast: float = 32,
+        beta_slow: float = 1,
+        mscale: float | None = None,
+        mscale_all_dim: float | None = None,
+        attention_factor: float | None = None,
+        truncate: bool = True,
+    ) -> None:
         self.factor, self.original_max_position_embeddings = factor, original_max_position_embeddings
         self.beta_fast, self.beta_slow, self.truncate = beta_fast, beta_slow, truncate
         if attention_factor is None:
@@ -208,7 +271,11 @@ class YaRNScalingRotaryEmbedding(RotaryEmbedding):
         dim, base = self.rotary_dim, self.base
 
         def correction_dim(num_rotations: float) -> float:  # the dimension that turns num_rotations times
-            return dim * math.log(self.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+            return (
+                dim
+                * math.log(self.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+                / (2 * math.log(base))
+            )
 
         low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
         if self.truncate:
@@ -231,19 +298,34 @@ class LongRopeScaledRotaryEmbedding(RotaryEmbedding):
     context, every token of the call uses the long factors (vLLM does the same per batch).
     """
 
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float,
-                 is_neox_style: bool, dtype: torch.dtype, *, original_max_position_embeddings: int,
-                 short_factor: tuple[float, ...], long_factor: tuple[float, ...], factor: float | None = None,
-                 attention_factor: float | None = None) -> None:
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype,
+        *,
+        original_max_position_embeddings: int,
+        short_factor: tuple[float, ...],
+        long_factor: tuple[float, ...],
+        factor: float | None = None,
+        attention_factor: float | None = None,
+    ) -> None:
         self.original_max_position_embeddings = original_max_position_embeddings
         self.short_factor, self.long_factor = tuple(short_factor), tuple(long_factor)
         if not len(self.short_factor) == len(self.long_factor) == rotary_dim // 2:
-            raise ValueError(f"longrope needs rotary_dim / 2 = {rotary_dim // 2} short and long factors, "
-                             f"got {len(self.short_factor)} and {len(self.long_factor)}")
+            raise ValueError(
+                f"longrope needs rotary_dim / 2 = {rotary_dim // 2} short and long factors, "
+                f"got {len(self.short_factor)} and {len(self.long_factor)}"
+            )
         if factor is None:
             factor = max_position_embeddings / original_max_position_embeddings
         if attention_factor is None:
-            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
+            attention_factor = (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
+            )
         self.attention_scaling = float(attention_factor)
         super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style, dtype)
 
@@ -252,14 +334,21 @@ class LongRopeScaledRotaryEmbedding(RotaryEmbedding):
 
     def compute_inv_freq(self, long: bool = False) -> Tensor:
         ext_factors = torch.tensor(self.long_factor if long else self.short_factor, dtype=torch.float32)
-        return 1.0 / (ext_factors * self.base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim))
+        return 1.0 / (
+            ext_factors
+            * self.base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim)
+        )
 
     def init_buffers(self, device: torch.device | str) -> None:
         device = torch.device(device)
         with torch.device("cpu"):
             short, long = self.compute_inv_freq(), self.compute_inv_freq(long=True)
-        cache = torch.cat((self._cos_sin(short, self.original_max_position_embeddings, device),
-                           self._cos_sin(long, self.max_position_embeddings, device)))
+        cache = torch.cat(
+            (
+                self._cos_sin(short, self.original_max_position_embeddings, device),
+                self._cos_sin(long, self.max_position_embeddings, device),
+            )
+        )
         self.cos_sin_cache = cache.to(self.dtype)
 
     def table_positions(self, positions: Tensor) -> Tensor:
@@ -298,20 +387,33 @@ def get_rope(
     scaling = dict(rope_scaling or {})
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling = {} if rope_type == "default" else scaling
-    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items() if k not in _IGNORED_KEYS))
+    frozen = tuple(
+        sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items() if k not in _IGNORED_KEYS)
+    )
     device = f"{torch.empty(0).device}:{kernels.target_device()}"  # the device context and the model's device
     # a module holds the kernels chosen when it was built: by the plugin set and by FW_KERNELS
     kernel_choice = (plugins.generation(), os.environ.get("FW_KERNELS", ""))
-    return _cached_rope(head_size, rotary_dim, max_position, base, rope_type, frozen, is_neox_style, dtype, device,
-                        kernel_choice)
+    return _cached_rope(
+        head_size, rotary_dim, max_position, base, rope_type, frozen, is_neox_style, dtype, device, kernel_choice
+    )
 
 
 _IGNORED_KEYS = ("type", "rope_theta", "partial_rotary_factor")
 
 
 @functools.cache
-def _cached_rope(head_size: int, rotary_dim: int, max_position: int, base: float, rope_type: str, frozen_scaling: tuple,
-                 is_neox_style: bool, dtype: torch.dtype, device: str, kernel_choice: tuple) -> RotaryEmbedding:
+def _cached_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_type: str,
+    frozen_scaling: tuple,
+    is_neox_style: bool,
+    dtype: torch.dtype,
+    device: str,
+    kernel_choice: tuple,
+) -> RotaryEmbedding:
     scaling = dict(frozen_scaling)
     args = (head_size, rotary_dim, max_position, base, is_neox_style, dtype)
 
@@ -328,16 +430,32 @@ def _cached_rope(head_size: int, rotary_dim: int, max_position: int, base: float
     if rope_type == "dynamic":
         return DynamicNTKScalingRotaryEmbedding(*args, factor=need("factor"))
     if rope_type == "llama3":
-        return Llama3RotaryEmbedding(*args, factor=need("factor"), low_freq_factor=need("low_freq_factor"),
-                                     high_freq_factor=need("high_freq_factor"), original_max_position_embeddings=original)
+        return Llama3RotaryEmbedding(
+            *args,
+            factor=need("factor"),
+            low_freq_factor=need("low_freq_factor"),
+            high_freq_factor=need("high_freq_factor"),
+            original_max_position_embeddings=original,
+        )
     if rope_type == "yarn":
         return YaRNScalingRotaryEmbedding(
-            *args, factor=scaling.get("factor") or max_position / original, original_max_position_embeddings=original,
-            beta_fast=scaling.get("beta_fast") or 32, beta_slow=scaling.get("beta_slow") or 1,
-            mscale=scaling.get("mscale"), mscale_all_dim=scaling.get("mscale_all_dim"),
-            attention_factor=scaling.get("attention_factor"), truncate=scaling.get("truncate", True))
+            *args,
+            factor=scaling.get("factor") or max_position / original,
+            original_max_position_embeddings=original,
+            beta_fast=scaling.get("beta_fast") or 32,
+            beta_slow=scaling.get("beta_slow") or 1,
+            mscale=scaling.get("mscale"),
+            mscale_all_dim=scaling.get("mscale_all_dim"),
+            attention_factor=scaling.get("attention_factor"),
+            truncate=scaling.get("truncate", True),
+        )
     if rope_type == "longrope":
         return LongRopeScaledRotaryEmbedding(
-            *args, original_max_position_embeddings=original, short_factor=need("short_factor"),
-            long_factor=need("long_factor"), factor=scaling.get("factor"), attention_factor=scaling.get("attention_factor"))
+            *args,
+            original_max_position_embeddings=original,
+            short_factor=need("short_factor"),
+            long_factor=need("long_factor"),
+            factor=scaling.get("factor"),
+            attention_factor=scaling.get("attention_factor"),
+        )
     raise ValueError(f"unknown rope type {rope_type!r}; valid: {', '.join(ROPE_TYPES)}")

@@ -36,8 +36,10 @@ def open_model_source(path: Path, file: str | None = None, load_format: str = "a
         if format_cls.detect(path, file):
             return format_cls(path, file)
     names = ", ".join(spec.name for spec in formats)
-    raise ModelLoadError(f"{path}: no installed weight format recognises it (tried: {names}); "
-                         "expected a directory with config.json and *.safetensors, or a .gguf file with the gguf plugin")
+    raise ModelLoadError(
+        f"{path}: no installed weight format recognises it (tried: {names}); "
+        "expected a directory with config.json and *.safetensors, or a .gguf file with the gguf plugin"
+    )
 
 
 @contextlib.contextmanager
@@ -122,7 +124,9 @@ def reads_checkpoint_slices(owner: object) -> bool:
 
 def _copy_checked(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
-        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
+        )
     param.data.copy_(tensor)
 
 
@@ -138,7 +142,9 @@ def finish_loading(model: nn.Module, device: torch.device) -> None:
             init(device)
 
 
-def with_progress(weights: Iterable[tuple[str, torch.Tensor]], total: int | None, label: str) -> Iterator[tuple[str, torch.Tensor]]:
+def with_progress(
+    weights: Iterable[tuple[str, torch.Tensor]], total: int | None, label: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Wrap the weight stream in a progress bar on an interactive terminal."""
     if not sys.stderr.isatty():
         yield from weights

@@ -34,7 +34,9 @@ class SafetensorsFormat(WeightFormat):
             self.files = sorted({path / name for name in weight_map.values()})
             missing = [f.name for f in self.files if not f.exists()]
             if missing:
-                raise ModelLoadError(f"{path}: shards listed in model.safetensors.index.json are missing: {', '.join(missing)}")
+                raise ModelLoadError(
+                    f"{path}: shards listed in model.safetensors.index.json are missing: {', '.join(missing)}"
+                )
         else:
             self.files = sorted(path.glob("*.safetensors"))
 

@@ -18,8 +18,9 @@ from framework.loader.gguf_names import gguf_models, quant_name, split_shard_nam
 _META_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken"]
 
 
-def resolve_local_path(model: str | None, weights: str | None = None, file: str | None = None,
-                       revision: str | None = None) -> Path:
+def resolve_local_path(
+    model: str | None, weights: str | None = None, file: str | None = None, revision: str | None = None
+) -> Path:
     """A local path holding the model: ``weights`` (``--w``) wins, then ``model`` as a path, then the Hub."""
     if weights:
         path = Path(weights).expanduser()
@@ -86,7 +87,9 @@ def _download(repo_id: str, file: str | None, revision: str | None) -> Path:
     except GatedRepoError:
         raise ModelLoadError(f"model {repo_id!r} is gated: accept its licence on the Hub and set HF_TOKEN") from None
     except RepositoryNotFoundError:
-        raise ModelLoadError(f"model {repo_id!r} was not found on the Hugging Face Hub (or is private: set HF_TOKEN)") from None
+        raise ModelLoadError(
+            f"model {repo_id!r} was not found on the Hugging Face Hub (or is private: set HF_TOKEN)"
+        ) from None
     except RevisionNotFoundError:
         raise ModelLoadError(f"revision {revision!r} of model {repo_id!r} does not exist") from None
     except OSError as exc:
@@ -121,8 +124,11 @@ def _pick_gguf(repo_id: str, revision: str | None) -> str | None:
         lines.append(f"{shards[0]}{parts}" + (f"  [{q}]" if (q := quant_name(shards[0])) else ""))
     quants = sorted({q for shards in models if (q := quant_name(shards[0]))})
     raise ModelLoadError(
-        f"model {repo_id!r} holds {len(models)} GGUF models" + (f" (quant types {', '.join(quants)})" if quants else "")
-        + "; pick one with --f:\n  " + "\n  ".join(lines))
+        f"model {repo_id!r} holds {len(models)} GGUF models"
+        + (f" (quant types {', '.join(quants)})" if quants else "")
+        + "; pick one with --f:\n  "
+        + "\n  ".join(lines)
+    )
 
 
 def _download_gguf(repo_id: str, file: str, revision: str | None) -> Path:

@@ -127,7 +127,9 @@ class ReasoningParser:
         if not cls.start_marker:
             return False
         start = prompt.rfind(cls.start_marker)
-        return start >= 0 and cls.end_marker not in prompt[start:] and not prompt[start + len(cls.start_marker):].strip()
+        return (
+            start >= 0 and cls.end_marker not in prompt[start:] and not prompt[start + len(cls.start_marker) :].strip()
+        )
 
     def feed(self, text: str) -> tuple[str, str]:
         """Take the next generated text; return ``(reasoning, content)`` made visible."""

@@ -102,8 +102,9 @@ class MarkerToolParser(ToolParser):
         self.text, self.pos = self.text[cut:], 0
         if self.block is not None:
             self.block = (self.block[0] - cut, self.block[1])
-        self.scan_cache = {start - cut: (pos - cut, *rest) for start, (pos, *rest) in self.scan_cache.items()
-                           if start >= cut}
+        self.scan_cache = {
+            start - cut: (pos - cut, *rest) for start, (pos, *rest) in self.scan_cache.items() if start >= cut
+        }
 
     def finish(self) -> ToolParseDelta:
         out = self._advance(final=True)
@@ -119,12 +120,12 @@ class MarkerToolParser(ToolParser):
             if self.block is None:
                 found = self._find_opener()
                 if found is None:
-                    hold = 0 if final else partial_marker_suffix(text[self.pos:], self.markers)
-                    self._content(out, text[self.pos:len(text) - hold])
+                    hold = 0 if final else partial_marker_suffix(text[self.pos :], self.markers)
+                    self._content(out, text[self.pos : len(text) - hold])
                     self.pos = len(text) - hold
                     return out
                 start, marker = found
-                self._content(out, text[self.pos:start])
+                self._content(out, text[self.pos : start])
                 self.pos, self.block, self.block_base = start, (start, marker), len(self.emitted)
                 self.seen_text = True
             start, marker = self.block
@@ -178,12 +179,18 @@ class MarkerToolParser(ToolParser):
                 continue
             sent = self.emitted[index].arguments
             if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
-                out.tool_calls.append(ToolCallDelta(index, arguments=call.arguments[len(sent):]))
+                out.tool_calls.append(ToolCallDelta(index, arguments=call.arguments[len(sent) :]))
                 self.emitted[index].arguments = call.arguments
 
 
-def read_json_calls(text: str, i: int, *, args_keys: tuple[str, ...] = ("arguments", "parameters"),
-                    separator: str | None = None, cache: dict | None = None) -> tuple[list[RawCall], int | None, bool]:
+def read_json_calls(
+    text: str,
+    i: int,
+    *,
+    args_keys: tuple[str, ...] = ("arguments", "parameters"),
+    separator: str | None = None,
+    cache: dict | None = None,
+) -> tuple[list[RawCall], int | None, bool]:
     """Read a call object, an array of them, or objects joined by ``separator``, from ``text[i]``.
 
     Returns ``(calls, end, is_malformed)``: ``end`` is past the last value (or the malformed

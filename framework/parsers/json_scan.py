@@ -165,8 +165,8 @@ class CallScan:
             return "{}" if self.end is not None else ""
         opener = text[self.args_start]
         if self.args_end is None:  # still arriving: only an object or array is streamed raw
-            return text[self.args_start:] if opener in "{[" else ""
-        raw = text[self.args_start:self.args_end]
+            return text[self.args_start :] if opener in "{[" else ""
+        raw = text[self.args_start : self.args_end]
         if opener == '"':  # arguments given as a JSON-encoded string
             try:
                 return json.loads(raw, strict=False)
@@ -175,8 +175,13 @@ class CallScan:
         return "{}" if raw == "null" else raw
 
 
-def scan_call(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
-              args_keys: tuple[str, ...] = ("arguments", "parameters"), cache: dict | None = None) -> CallScan:
+def scan_call(
+    text: str,
+    i: int,
+    name_keys: tuple[str, ...] = ("name",),
+    args_keys: tuple[str, ...] = ("arguments", "parameters"),
+    cache: dict | None = None,
+) -> CallScan:
     """Read the call object starting at ``text[i]`` (``{``) as far as the text goes.
 
     An arguments object or array is delimited by :func:`container_end` (resumable with ``cache``).

@@ -27,11 +27,20 @@ def tool_calls_schema(tools: list[dict[str, Any]], name: str | None = None) -> d
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not functions:
         raise ValueError(f"no tool named {name!r} among the request's tools")
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": _parameters_schema(f)},
-              "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": _parameters_schema(f)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
     if name is not None:
         schema["maxItems"] = 1
     return schema

@@ -2,8 +2,9 @@
 
 Modules, one job each:
 
-* ``messages`` / ``engine_process`` / ``engine_client``: the engine in its own process and the
-  API process's :class:`~framework.server.engine_client.AsyncEngineClient` talking to it over ZMQ.
+* ``engine_client``: the API process's :class:`~framework.server.engine_client.AsyncEngineClient`,
+  talking over ZMQ to the engine in its own process (``framework.engine.engine_process``, with
+  the messages of ``framework.engine.messages``).
 * ``protocol``: request and response bodies (msgspec Structs mirroring OpenAI's schema).
 * ``errors``: OpenAI's error envelope; ``state``: config, admission, disconnect and SSE helpers.
 * ``generation``: request -> SamplingParams, fan-out over ``n`` and prompts, text per choice.

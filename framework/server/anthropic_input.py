@@ -21,8 +21,15 @@ from framework.server.errors import APIError, bad_request
 from framework.server.protocol import ChatCompletionRequest, ChatMessage, MCPExecuteFields
 
 #: Fields fw refuses when set.
-UNSUPPORTED_MESSAGES_FIELDS = ("container", "mcp_servers", "context_management", "output_format", "citations",
-                               "diagnostics", "inference_geo")
+UNSUPPORTED_MESSAGES_FIELDS = (
+    "container",
+    "mcp_servers",
+    "context_management",
+    "output_format",
+    "citations",
+    "diagnostics",
+    "inference_geo",
+)
 
 
 class MessagesRequest(MCPExecuteFields, kw_only=True):
@@ -58,12 +65,20 @@ def reject_unsupported_messages(body: MessagesRequest) -> None:
     if body.service_tier not in (None, "auto", "standard_only"):
         raise bad_request(f"service_tier must be 'auto' or 'standard_only'; got {body.service_tier!r}", "service_tier")
     if body.speed not in (None, "standard"):
-        raise APIError(400, f"speed {body.speed!r} is not supported by this server (only 'standard')", param="speed",
-                       code="unsupported_parameter")
+        raise APIError(
+            400,
+            f"speed {body.speed!r} is not supported by this server (only 'standard')",
+            param="speed",
+            code="unsupported_parameter",
+        )
     unknown = set(body.output_config or {}) - {"effort", "format"}
     if unknown:
-        raise APIError(400, f"output_config.{sorted(unknown)[0]} is not supported (effort, format)",
-                       param=f"output_config.{sorted(unknown)[0]}", code="unsupported_parameter")
+        raise APIError(
+            400,
+            f"output_config.{sorted(unknown)[0]} is not supported (effort, format)",
+            param=f"output_config.{sorted(unknown)[0]}",
+            code="unsupported_parameter",
+        )
 
 
 def _text(blocks: str | list[dict[str, Any]], param: str) -> str:
@@ -74,8 +89,12 @@ def _text(blocks: str | list[dict[str, Any]], param: str) -> str:
     for j, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else None
-            raise APIError(400, f"content block type {kind!r} is not supported here (only 'text')",
-                           param=f"{param}[{j}].type", code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"content block type {kind!r} is not supported here (only 'text')",
+                param=f"{param}[{j}].type",
+                code="unsupported_parameter",
+            )
         texts.append(block.get("text", ""))
     return "\n".join(texts)
 
@@ -92,8 +111,9 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
             messages.append(ChatMessage(role=role, content=content))
             continue
         if not isinstance(content, list):
-            raise bad_request(f"messages[{i}].content must be a string or a list of content blocks",
-                              f"messages[{i}].content")
+            raise bad_request(
+                f"messages[{i}].content must be a string or a list of content blocks", f"messages[{i}].content"
+            )
         texts, calls, thinking, results, ran = [], [], [], [], []
         for j, block in enumerate(content):
             kind, param = block.get("type") if isinstance(block, dict) else None, f"messages[{i}].content[{j}]"
@@ -104,17 +124,34 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
                 if not isinstance(call_id, str) or not isinstance(name, str):
                     raise bad_request(f"{param} (tool_use) needs string 'id' and 'name'", param)
                 names[call_id] = name
-                calls.append({"id": call_id, "type": "function", "function": {
-                    "name": name, "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+                calls.append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)},
+                    }
+                )
             elif kind == "mcp_tool_use" and role == "assistant":  # a call the server ran (mcp_execute)
-                call = {"id": block.get("id"), "type": "function", "function": {
-                    "name": block.get("name"), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}}
+                call = {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": block.get("name"),
+                        "arguments": json.dumps(block.get("input", {}), ensure_ascii=False),
+                    },
+                }
                 names[str(block.get("id"))] = str(block.get("name"))
                 ran.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
             elif kind == "mcp_tool_result" and role == "assistant":
                 call_id = str(block.get("tool_use_id"))
-                ran.append(ChatMessage(role="tool", content=_text(block.get("content", ""), f"{param}.content"),
-                                       tool_call_id=call_id, name=names.get(call_id)))
+                ran.append(
+                    ChatMessage(
+                        role="tool",
+                        content=_text(block.get("content", ""), f"{param}.content"),
+                        tool_call_id=call_id,
+                        name=names.get(call_id),
+                    )
+                )
             elif kind == "thinking" and role == "assistant":
                 thinking.append(block.get("thinking", ""))
             elif kind == "tool_result" and role == "user":
@@ -126,13 +163,23 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
                     result = f"Error: {result}"
                 results.append(ChatMessage(role="tool", content=result, tool_call_id=call_id, name=names.get(call_id)))
             else:
-                raise APIError(400, f"content block type {kind!r} is not supported in a {role} message (user: text, "
-                                    "tool_result; assistant: text, tool_use, thinking, mcp_tool_use, mcp_tool_result)",
-                               param=f"{param}.type", code="unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"content block type {kind!r} is not supported in a {role} message (user: text, "
+                    "tool_result; assistant: text, tool_use, thinking, mcp_tool_use, mcp_tool_result)",
+                    param=f"{param}.type",
+                    code="unsupported_parameter",
+                )
         messages += results + ran
         if role == "assistant":
-            messages.append(ChatMessage(role=role, content="".join(texts), tool_calls=calls or None,
-                                        reasoning_content="".join(thinking) or None))
+            messages.append(
+                ChatMessage(
+                    role=role,
+                    content="".join(texts),
+                    tool_calls=calls or None,
+                    reasoning_content="".join(thinking) or None,
+                )
+            )
         elif texts or not results:
             messages.append(ChatMessage(role=role, content="\n".join(texts)))
     return messages
@@ -146,8 +193,12 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "name" not in tool:
             kind = tool.get("type") if isinstance(tool, dict) else None
-            raise APIError(400, f"tools[{i}]: tool type {kind!r} is not supported (only client tools with 'name' and "
-                                "'input_schema')", param=f"tools[{i}].type", code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"tools[{i}]: tool type {kind!r} is not supported (only client tools with 'name' and 'input_schema')",
+                param=f"tools[{i}].type",
+                code="unsupported_parameter",
+            )
         function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
@@ -176,8 +227,9 @@ def thinking_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     kind = thinking.get("type")
     if kind not in ("enabled", "disabled", "adaptive", "between_tools"):
-        raise bad_request(f"thinking.type must be enabled, disabled, adaptive or between_tools; got {kind!r}",
-                          "thinking.type")
+        raise bad_request(
+            f"thinking.type must be enabled, disabled, adaptive or between_tools; got {kind!r}", "thinking.type"
+        )
     return {"enable_thinking": kind != "disabled"}
 
 
@@ -185,8 +237,9 @@ def chat_request(body: MessagesRequest, *, for_generation: bool = True) -> ChatC
     """The chat request this Messages request runs as."""
     if for_generation:
         if body.max_tokens is None:
-            raise APIError(400, "missing required parameter 'max_tokens'", param="max_tokens",
-                           code="missing_required_parameter")
+            raise APIError(
+                400, "missing required parameter 'max_tokens'", param="max_tokens", code="missing_required_parameter"
+            )
         if body.max_tokens < 1:
             raise bad_request(f"max_tokens must be >= 1, got {body.max_tokens}", "max_tokens")
     if not body.messages:
@@ -196,15 +249,31 @@ def chat_request(body: MessagesRequest, *, for_generation: bool = True) -> ChatC
     output = body.output_config or {}
     form = output.get("format")
     if form is not None and (not isinstance(form, dict) or form.get("type") != "json_schema"):
-        raise bad_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                          "output_config.format")
-    response_format = None if form is None else {"type": "json_schema", "json_schema": {
-        "name": "output", "schema": form.get("schema")}}
+        raise bad_request(
+            'output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config.format"
+        )
+    response_format = (
+        None
+        if form is None
+        else {"type": "json_schema", "json_schema": {"name": "output", "schema": form.get("schema")}}
+    )
     effort = output.get("effort")
     return ChatCompletionRequest(
-        model=body.model, messages=chat_messages(body), max_tokens=body.max_tokens, temperature=body.temperature,
-        top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences, tools=chat_tools(body.tools),
-        tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=thinking_kwargs(body.thinking),
-        user=user if isinstance(user, str) else None, stream=body.stream, response_format=response_format,
-        reasoning_effort={"max": "xhigh"}.get(effort, effort), mcp_execute=body.mcp_execute,
-        mcp_max_rounds=body.mcp_max_rounds)
+        model=body.model,
+        messages=chat_messages(body),
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=body.stop_sequences,
+        tools=chat_tools(body.tools),
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
+        chat_template_kwargs=thinking_kwargs(body.thinking),
+        user=user if isinstance(user, str) else None,
+        stream=body.stream,
+        response_format=response_format,
+        reasoning_effort={"max": "xhigh"}.get(effort, effort),
+        mcp_execute=body.mcp_execute,
+        mcp_max_rounds=body.mcp_max_rounds,
+    )

@@ -2,7 +2,9 @@
 
 Routes are grouped by resource (OpenAI API under ``/v1``, service endpoints at the root); the
 shared :class:`ServerState` is injected. The lifespan starts the engine process in the
-background, so ``/health`` answers 503 while the model loads, and stops it on shutdown.
+background, so ``/health`` answers 503 while the model loads, and stops it on shutdown. Plugins
+add routes (``register_routes``) and adjust the app config (``app_init``) when the app is built,
+and hear ``startup`` once the engine is ready and ``shutdown`` before it stops.
 Every request first passes :class:`~framework.server.origins.OriginGuard` (Host, Origin, CORS,
 JSON bodies), then the API key check (keys compared in constant time).
 """
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from litestar import Controller, Litestar, Request, Response, delete, get, post
+from litestar.config.app import AppConfig
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException
 from litestar.middleware import DefineMiddleware
@@ -24,6 +27,8 @@ from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import framework
+from framework import plugins
+from framework.engine.messages import Ready
 from framework.server.chat_prompt import chat_prompt_ids
 from framework.server.engine_client import AsyncEngineClient
 from framework.server.errors import (
@@ -35,7 +40,6 @@ from framework.server.errors import (
     internal_error_handler,
 )
 from framework.server.limits import read_body
-from framework.server.messages import Ready
 from framework.server.metrics import stats_line
 from framework.server.origins import OriginGuard, OriginPolicy
 from framework.server.protocol import (
@@ -68,6 +72,7 @@ Server = NamedDependency[ServerState]
 
 #: Paths that answer without an API key and while the model loads.
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+
 
 class OpenAIController(Controller):
     path = "/v1"
@@ -114,7 +119,9 @@ class OpenAIController(Controller):
 
     @get("/models")
     async def models(self, server: Server) -> ModelList:
-        return ModelList(data=[_model_card(server, name) for name in server.config.served_model_names or [server.model_name]])
+        return ModelList(
+            data=[_model_card(server, name) for name in server.config.served_model_names or [server.model_name]]
+        )
 
     @get("/mcp/servers")
     async def mcp_servers(self, server: Server) -> dict[str, Any]:
@@ -126,6 +133,7 @@ class OpenAIController(Controller):
         model_id = model_id.lstrip("/")
         server.check_model(model_id)
         return _model_card(server, model_id)
+
 
 class ServiceController(Controller):
     path = "/"
@@ -143,9 +151,14 @@ class ServiceController(Controller):
         if not client.is_ready:
             return Response({"status": "loading"}, status_code=503)
         if client.is_unresponsive:
-            return Response({"status": "unresponsive", **restarts,
-                             "message": f"the engine loop has sent nothing for over {client.heartbeat_timeout_s:g} s"},
-                            status_code=503)
+            return Response(
+                {
+                    "status": "unresponsive",
+                    **restarts,
+                    "message": f"the engine loop has sent nothing for over {client.heartbeat_timeout_s:g} s",
+                },
+                status_code=503,
+            )
         return Response({"status": "ok", **restarts}, status_code=200)
 
     @get("/version")
@@ -170,8 +183,11 @@ class ServiceController(Controller):
         if body.prompt is not None:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            chat = ChatCompletionRequest(messages=body.messages, chat_template_kwargs=body.chat_template_kwargs,
-                                         add_generation_prompt=body.add_generation_prompt)
+            chat = ChatCompletionRequest(
+                messages=body.messages,
+                chat_template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+            )
             tokens = chat_prompt_ids(tokenizer, chat)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len)
 
@@ -184,6 +200,7 @@ class ServiceController(Controller):
         if bad:
             raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
         return DetokenizeResponse(prompt=server.client.tokenizer.decode(body.tokens))
+
 
 def is_known_key(key: str | None, keys: list[str]) -> bool:
     """Whether ``key`` is one of ``keys``, compared in constant time (every key, every byte)."""
@@ -209,7 +226,9 @@ async def _log_stats(state: ServerState) -> None:
         except Exception:  # the engine is restarting or busy; the next interval tries again
             continue
         was_busy = previous is not None and (stats.prompt_tokens, stats.generation_tokens) != (
-            previous.prompt_tokens, previous.generation_tokens)
+            previous.prompt_tokens,
+            previous.generation_tokens,
+        )
         if was_busy or stats.num_running or stats.num_waiting:
             print(stats_line(previous, stats, interval), flush=True)
         previous = stats
@@ -218,9 +237,15 @@ async def _log_stats(state: ServerState) -> None:
 def _model_card(state: ServerState, name: str) -> ModelCard:
     return ModelCard(id=name, created=state.started, max_model_len=state.max_model_len, root=state.config.model_root)
 
-def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_engine: bool = True,
-               on_ready: Callable[[Ready], None] | None = None,
-               on_load_error: Callable[[str], None] | None = None) -> Litestar:
+
+def create_app(
+    engine_client: AsyncEngineClient,
+    config: ServerConfig,
+    *,
+    start_engine: bool = True,
+    on_ready: Callable[[Ready], None] | None = None,
+    on_load_error: Callable[[str], None] | None = None,
+) -> Litestar:
     """Build the app around ``engine_client``.
 
     With ``start_engine`` the lifespan starts the engine process (``on_ready`` / ``on_load_error``
@@ -238,26 +263,49 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
             # OpenAI clients send a bearer token, Anthropic clients an x-api-key header
             key = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key")
             if not is_known_key(key, config.api_keys):
-                raise APIError(401, "Incorrect API key provided" if key else "Missing API key: send 'Authorization: "
-                                    "Bearer <key>' (or 'x-api-key: <key>')", code="invalid_api_key")
+                raise APIError(
+                    401,
+                    "Incorrect API key provided"
+                    if key
+                    else "Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                    code="invalid_api_key",
+                )
         if state.is_draining:
             raise APIError(503, "the server is shutting down", code="server_draining")
         client = state.client
         if client.is_restarting:
-            raise APIError(503, f"the engine is restarting: {client.dead_reason}", code="engine_restarting",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"the engine is restarting: {client.dead_reason}",
+                code="engine_restarting",
+                headers={"Retry-After": "1"},
+            )
         if client.dead_reason is not None:
             raise APIError(503, f"the engine is not running: {client.dead_reason}", code="engine_dead")
         if not client.is_ready:
-            raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503, "the model is still loading; retry shortly", code="model_loading", headers={"Retry-After": "1"}
+            )
+
+    started = asyncio.Event()  # the plugins' startup hooks ran: their shutdown hooks run at the end
+
+    async def plugins_startup() -> None:
+        await plugins.call_lifecycle("startup", engine=engine_client)
+        started.set()
+
+    async def start_then_plugins() -> Ready:
+        ready = await engine_client.start()
+        await plugins_startup()
+        return ready
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         task = None
         if start_engine:
-            task = asyncio.create_task(engine_client.start())
+            task = asyncio.create_task(start_then_plugins())
             task.add_done_callback(_report)
+        else:  # the caller started the engine already
+            await plugins_startup()
         if config.mcp_servers:
             from framework.server.mcp_client import MCPManager
 
@@ -273,6 +321,8 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
                 task.cancel()
             if state.mcp is not None:
                 await state.mcp.close()
+            if started.is_set():
+                await plugins.call_lifecycle("shutdown", engine=engine_client)
             await engine_client.shutdown()
 
     def _report(task: asyncio.Task) -> None:
@@ -287,14 +337,30 @@ def create_app(engine_client: AsyncEngineClient, config: ServerConfig, *, start_
         else:
             log.error("the engine failed to start: %s", error)
 
-    policy = OriginPolicy.for_server(config.bind_host, config.is_unix_socket, config.allowed_hosts,
-                                     config.allowed_origins, config.ui_port)
-    handlers: dict[Any, Callable] = {APIError: api_error_handler, HTTPException: http_exception_handler,
-                                     Exception: internal_error_handler}
-    app = Litestar(route_handlers=[OpenAIController, ServiceController],
-                   dependencies={"server": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
-                   before_request=guard, middleware=[DefineMiddleware(OriginGuard, policy=policy)],
-                   exception_handlers=handlers, lifespan=[lifespan],
-                   request_max_body_size=config.max_request_bytes, openapi_config=None)
+    policy = OriginPolicy.for_server(
+        config.bind_host, config.is_unix_socket, config.allowed_hosts, config.allowed_origins, config.ui_port
+    )
+    handlers: dict[Any, Callable] = {
+        APIError: api_error_handler,
+        HTTPException: http_exception_handler,
+        Exception: internal_error_handler,
+    }
+    plugin_routes = [handler for routes in plugins.call_all("register_routes") for handler in routes]
+
+    def plugins_app_init(app_config: AppConfig) -> AppConfig:
+        plugins.call_all("app_init", app_config=app_config)
+        return app_config
+
+    app = Litestar(
+        route_handlers=[OpenAIController, ServiceController, *plugin_routes],
+        on_app_init=[plugins_app_init],
+        dependencies={"server": Provide(lambda: state, use_cache=True, sync_to_thread=False)},
+        before_request=guard,
+        middleware=[DefineMiddleware(OriginGuard, policy=policy)],
+        exception_handlers=handlers,
+        lifespan=[lifespan],
+        request_max_body_size=config.max_request_bytes,
+        openapi_config=None,
+    )
     app.state.server = state
     return app

@@ -34,8 +34,12 @@ TEXT_KEYS = ("content", "reasoning_content")
 CHECKED_KEYS = ("name", "tool_call_id", "tool_calls")
 
 
-def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str],
-                extras: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+def encode_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    render: Callable[[list[dict[str, Any]]], str],
+    extras: dict[str, Any] | None = None,
+) -> tuple[str, list[int]]:
     """The prompt text and its token ids; ``render`` turns messages into the template's text.
 
     ``extras`` (field name -> value) are the other client values the template sees
@@ -50,14 +54,18 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], render: Ca
     placeholder = re.compile("|".join(map(re.escape, literals)))
     if placeholder.sub(lambda m: literals[m.group()][0], shaped) != text:
         index, key = next(iter(literals.values()))[1:]
-        raise bad_request(f"messages[{index}].{key} holds special-token text "
-                          f"({tokenizer.find_special_text(messages[index][key])!r}) and the chat template changes "
-                          "that text, so it cannot be kept out of the control tokens; remove it",
-                          f"messages[{index}].{key}")
+        raise bad_request(
+            f"messages[{index}].{key} holds special-token text "
+            f"({tokenizer.find_special_text(messages[index][key])!r}) and the chat template changes "
+            "that text, so it cannot be kept out of the control tokens; remove it",
+            f"messages[{index}].{key}",
+        )
     return text, _encode_pieces(tokenizer, shaped, placeholder, literals)
 
 
-def _placeholders(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, tuple]]:
+def _placeholders(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, tuple]]:
     """Messages with every text holding special-token text replaced by a placeholder, and
     placeholder -> (the text, message index, key)."""
     shaped, literals = [], {}
@@ -70,14 +78,13 @@ def _placeholders(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple
                 core = value.strip()
                 mark = f"\ue000{nonce}.{len(literals)}\ue001"
                 start = value.index(core)
-                message[key] = value[:start] + mark + value[start + len(core):]
+                message[key] = value[:start] + mark + value[start + len(core) :]
                 literals[mark] = (core, index, key)
         shaped.append(message)
     return shaped, literals
 
 
-def _encode_pieces(tokenizer: Tokenizer, shaped: str, placeholder: re.Pattern,
-                   literals: dict[str, tuple]) -> list[int]:
+def _encode_pieces(tokenizer: Tokenizer, shaped: str, placeholder: re.Pattern, literals: dict[str, tuple]) -> list[int]:
     special = tokenizer.special_text_pattern()
     ids: list[int] = []
     pending = ""  # the text since the last control token
@@ -86,7 +93,7 @@ def _encode_pieces(tokenizer: Tokenizer, shaped: str, placeholder: re.Pattern,
         nonlocal pending
         position = 0
         for match in special.finditer(text):
-            pending += text[position:match.start()]
+            pending += text[position : match.start()]
             if pending:
                 ids.extend(tokenizer.encode_literal(pending))
             ids.append(tokenizer.token_to_id(match.group()))
@@ -95,7 +102,7 @@ def _encode_pieces(tokenizer: Tokenizer, shaped: str, placeholder: re.Pattern,
 
     position = 0
     for match in placeholder.finditer(shaped):
-        template_text(shaped[position:match.start()])
+        template_text(shaped[position : match.start()])
         pending += literals[match.group()][0]
         position = match.end()
     template_text(shaped[position:])
@@ -112,5 +119,8 @@ def _check_extras(tokenizer: Tokenizer, messages: list[dict[str, Any]], extras: 
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
         found = tokenizer.find_special_text(text)
         if found is not None:
-            raise bad_request(f"{name} holds the special-token text {found!r}; only message contents may hold it "
-                              "(they are tokenized as plain text)", name)
+            raise bad_request(
+                f"{name} holds the special-token text {found!r}; only message contents may hold it "
+                "(they are tokenized as plain text)",
+                name,
+            )

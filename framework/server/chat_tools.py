@@ -39,8 +39,10 @@ class ServedParsers:
 
 
 #: The flag that names each kind of parser, and its registry.
-_PARSER_FLAGS = {"tool": ("--enforce-parser", registries.tool_parsers),
-                 "reasoning": ("--reasoning-parser", registries.reasoning_parsers)}
+_PARSER_FLAGS = {
+    "tool": ("--enforce-parser", registries.tool_parsers),
+    "reasoning": ("--reasoning-parser", registries.reasoning_parsers),
+}
 
 
 def _checked_parser_name(kind: str, name: str | None) -> str | None:
@@ -93,13 +95,15 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+        raise bad_request('\'tools\' must be a list of {"type": "function", "function": {...}} objects', "tools")
     names = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
-            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                              "\"parameters\": {...}}}}", f"tools[{i}]")
+            raise bad_request(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}}}',
+                f"tools[{i}]",
+            )
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
@@ -107,8 +111,9 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
             raise bad_request(f"tools[{i}].function.name {name!r} appears twice", f"tools[{i}].function.name")
         names.add(name)
         if "parameters" in function and not isinstance(function["parameters"], dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
-                              f"tools[{i}].function.parameters")
+            raise bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters"
+            )
     return tools or None
 
 
@@ -137,8 +142,10 @@ def tool_setup(body: Any, extra_tools: list[dict[str, Any]] | None = None, can_p
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
-        raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                          "\"function\": {\"name\": ...}}", "tool_choice")
+        raise bad_request(
+            'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     if not tools or name not in {t["function"]["name"] for t in tools}:
         valid = ", ".join(t["function"]["name"] for t in tools or []) or "none given"
         raise bad_request(f"tool_choice names {name!r}, which is not among the tools ({valid})", "tool_choice")
@@ -226,9 +233,11 @@ def choice_parser(served: ServedParsers, setup: ToolSetup, prompt_text: str) -> 
         tools = ConstrainedCallsParser(setup.tools)
     elif setup.mode == "auto":
         if served.tool is None:
-            raise bad_request("this server has no tool parser for its model's chat template; start fw serve with "
-                              f"--enforce-parser NAME (valid: {', '.join(sorted(registries.tool_parsers().names()))})",
-                              "tools")
+            raise bad_request(
+                "this server has no tool parser for its model's chat template; start fw serve with "
+                f"--enforce-parser NAME (valid: {', '.join(sorted(registries.tool_parsers().names()))})",
+                "tools",
+            )
         tools = served.tool(setup.tools)
     if reasoning is None and tools is None:
         return None

@@ -32,18 +32,25 @@ from framework.server.structured_outputs import structured_outputs_field
 class ChatTurn:
     """One generation of a chat request: the prompt, its sampling params, a parser per choice."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup,
-                 messages: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup, messages: list[dict[str, Any]]
+    ) -> None:
         self.body, self.setup, self.state = body, setup, state
         self.messages = messages  # the conversation as the template takes it (template_messages ran once)
         client = state.client
         self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = build_sampling_params(body, max_tokens=max_tokens, prompt_lens=[len(self.prompt_ids)],
-                                       max_model_len=state.max_model_len, vocab_size=client.ready.vocab_size,
-                                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                       defaults=state.config, default_max_tokens=state.config.max_gen_tokens,
-                                       model_defaults=state.sampling_defaults)
+        params = build_sampling_params(
+            body,
+            max_tokens=max_tokens,
+            prompt_lens=[len(self.prompt_ids)],
+            max_model_len=state.max_model_len,
+            vocab_size=client.ready.vocab_size,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            defaults=state.config,
+            default_max_tokens=state.config.max_gen_tokens,
+            model_defaults=state.sampling_defaults,
+        )
         self.served = state.served_parsers()
         self.parsers = [choice_parser(self.served, setup, self.prompt_text) for _ in range(max(params.n, 1))]
         tools = next((p.tools for p in self.parsers if p is not None and p.tools is not None), None)
@@ -56,8 +63,11 @@ class ChatTurn:
         self.grammar_field = structured_outputs_field(body)
         if constraint is not None:
             if params.structured_outputs is not None:
-                raise bad_request(f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
-                                  "response_format or structured_outputs", "tool_choice")
+                raise bad_request(
+                    f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
+                    "response_format or structured_outputs",
+                    "tool_choice",
+                )
             params = params.replace(structured_outputs=constraint)
             # the constraint is built from the tools' parameter schemas: the request's, or the MCP servers'
             self.grammar_field = "tools" if body.tools is not None else "tools (from the MCP servers' tool schemas)"
@@ -81,14 +91,18 @@ class ChatTurn:
             return ResponseMessage(content=choice.text), choice.finish_reason
         first, last = parser.feed(choice.text), parser.finish()
         reasoning = (first.reasoning + last.reasoning) or None
-        calls = assemble([ToolParseDelta(first.content, first.tool_calls), ToolParseDelta(last.content, last.tool_calls)])
-        tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                      for c in calls.tool_calls] or None
+        calls = assemble(
+            [ToolParseDelta(first.content, first.tool_calls), ToolParseDelta(last.content, last.tool_calls)]
+        )
+        tool_calls = [
+            ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls.tool_calls
+        ] or None
         finish = choice.finish_reason
         if tool_calls and finish == "stop" and self.calls_finish:
             finish = "tool_calls"
-        return ResponseMessage(content=calls.content, tool_calls=tool_calls, reasoning_content=reasoning,
-                               reasoning=reasoning), finish
+        return ResponseMessage(
+            content=calls.content, tool_calls=tool_calls, reasoning_content=reasoning, reasoning=reasoning
+        ), finish
 
 
 class MCPRounds:
@@ -105,8 +119,14 @@ class MCPRounds:
     calls any more (the next calls go back to the client).
     """
 
-    def __init__(self, state: ServerState, request_id: str, turn: ChatTurn, arrival: float,
-                 first_events: AsyncIterator[ChoiceDelta] | None = None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        turn: ChatTurn,
+        arrival: float,
+        first_events: AsyncIterator[ChoiceDelta] | None = None,
+    ) -> None:
         self.state, self.request_id, self.turn, self.arrival = state, request_id, turn, arrival
         self.first_events = first_events
         self.index = 0
@@ -121,38 +141,62 @@ class MCPRounds:
         if self.index == 0 and self.first_events is not None:
             return self.first_events
         request_id = f"{self.request_id}-r{self.index}" if self.index else self.request_id
-        return run_choices(self.state.client, request_id, [self.turn.prompt_ids], self.turn.params,
-                           self.state.metrics, self.arrival)
+        return run_choices(
+            self.state.client, request_id, [self.turn.prompt_ids], self.turn.params, self.state.metrics, self.arrival
+        )
 
     def runs(self, calls: list[ToolCall]) -> bool:
         """Whether the server runs ``calls`` (the first choice's, at the end of this round) itself."""
         body = self.turn.body
-        return bool(body.mcp_execute and calls and self.index < body.mcp_max_rounds
-                    and self.tool_time_s < self.state.config.mcp_max_time_s
-                    and all(self.state.mcp.can_execute(call.name) for call in calls))
+        return bool(
+            body.mcp_execute
+            and calls
+            and self.index < body.mcp_max_rounds
+            and self.tool_time_s < self.state.config.mcp_max_time_s
+            and all(self.state.mcp.can_execute(call.name) for call in calls)
+        )
 
     async def run_calls(self, content: str, calls: list[ToolCall]) -> list[MCPCallRecord]:
         """Run MCP ``calls`` in order, add the assistant turn (``content`` and the calls) and the
         tool results to the conversation, and make the next round's turn; returns the records."""
-        self.messages.append({"role": "assistant", "content": content, "tool_calls": template_tool_calls(
-            [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls])})
+        self.messages.append(
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": template_tool_calls(
+                    [
+                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in calls
+                    ]
+                ),
+            }
+        )
         config = self.state.config
         records = []
         for number, call in enumerate(calls):
             left_s = config.mcp_max_time_s - self.tool_time_s
             if number >= config.mcp_max_calls_per_round:
-                result, is_error = (f"not run: more than {config.mcp_max_calls_per_round} tool calls in one round "
-                                    "(--mcp-max-calls-per-round)"), True
+                result, is_error = (
+                    (
+                        f"not run: more than {config.mcp_max_calls_per_round} tool calls in one round "
+                        "(--mcp-max-calls-per-round)"
+                    ),
+                    True,
+                )
             elif left_s <= 0:
-                result, is_error = (f"not run: this request spent its {config.mcp_max_time_s:g} s of MCP tool time "
-                                    "(--mcp-max-time)"), True
+                result, is_error = (
+                    (f"not run: this request spent its {config.mcp_max_time_s:g} s of MCP tool time (--mcp-max-time)"),
+                    True,
+                )
             else:
                 started = time.monotonic()
-                result, is_error = await self.state.mcp.call_tool(call.name, call.arguments, timeout_s=left_s,
-                                                                  max_result_bytes=config.mcp_max_result_bytes)
+                result, is_error = await self.state.mcp.call_tool(
+                    call.name, call.arguments, timeout_s=left_s, max_result_bytes=config.mcp_max_result_bytes
+                )
                 self.tool_time_s += time.monotonic() - started
-            records.append(MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result,
-                                         is_error=is_error))
+            records.append(
+                MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result, is_error=is_error)
+            )
             self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
         self.records += records
         self.turn = self.turn.next_round(self.messages)

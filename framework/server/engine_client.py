@@ -1,6 +1,6 @@
 """``AsyncEngineClient``: the API process's handle on the engine process.
 
-It starts ``python -m framework.server.engine_process``, sends msgspec-encoded requests over a ZMQ
+It starts ``python -m framework.engine.engine_process``, sends msgspec-encoded requests over a ZMQ
 PUSH socket, and one background task routes the batched step outputs to per-request queues.
 
 Supervision: a watcher thread notices when the engine process exits. Every waiting ``generate``
@@ -31,10 +31,7 @@ import tokenizers
 import zmq
 import zmq.asyncio
 
-from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, EngineStats, RequestOutput
-from framework.errors import ConfigError, FwError, GrammarError, RequestFailedError
-from framework.sampling_params import SamplingParams
-from framework.server.messages import (
+from framework.engine.messages import (
     AbortRequests,
     AddFailed,
     AddRequest,
@@ -48,6 +45,9 @@ from framework.server.messages import (
     StatsReply,
     StepOutputs,
 )
+from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, EngineStats, RequestOutput
+from framework.errors import ConfigError, FwError, GrammarError, RequestFailedError
+from framework.sampling_params import SamplingParams
 from framework.tokenizer import Tokenizer
 
 
@@ -66,8 +66,14 @@ RESTART_DELAYS_S = (0.0, 1.0, 4.0)
 class AsyncEngineClient:
     """Start, talk to, supervise and stop one engine process. Methods must be called on one event loop."""
 
-    def __init__(self, builder_kwargs: dict[str, Any], *, restart: bool = True, heartbeat_timeout_s: float = 60.0,
-                 chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        builder_kwargs: dict[str, Any],
+        *,
+        restart: bool = True,
+        heartbeat_timeout_s: float = 60.0,
+        chat_template: str | None = None,
+    ) -> None:
         self.builder_kwargs = builder_kwargs
         #: ``--chat-template``: replaces the model's own template
         self.chat_template = chat_template
@@ -95,9 +101,15 @@ class AsyncEngineClient:
         """Spawn the engine process and wait until it reports ready; raises EngineLoadError."""
         self.ready = await self._spawn()
         spec = self.ready.tokenizer
-        template = self.chat_template if self.chat_template is not None else spec.chat_template
-        self.tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(spec.tokenizer_json), template, spec.bos_token,
-                                   spec.eos_token, spec.pad_token, frozenset(spec.extra_eos_token_ids), spec.template_vars)
+        self.tokenizer = Tokenizer(
+            tokenizers.Tokenizer.from_str(spec.tokenizer_json),
+            self.chat_template if self.chat_template is not None else spec.chat_template,
+            spec.bos_token,
+            spec.eos_token,
+            spec.pad_token,
+            frozenset(spec.extra_eos_token_ids),
+            spec.template_vars,
+        )
         return self.ready
 
     async def _spawn(self) -> Ready:
@@ -117,13 +129,19 @@ class AsyncEngineClient:
         self._output.bind(output_addr)
         self._ready_future = loop.create_future()
         self._reader = asyncio.create_task(self._read_outputs(self._output, self._decoder))
-        self.process = subprocess.Popen([sys.executable, "-m", "framework.server.engine_process", input_addr, output_addr],
-                                        stdin=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "framework.engine.engine_process", input_addr, output_addr],
+            stdin=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.process.stdin.write(json.dumps(self.builder_kwargs).encode())
         self.process.stdin.close()
         process = self.process
-        threading.Thread(target=lambda: (process.wait(), loop.call_soon_threadsafe(self._on_exit, process)),
-                         name="fw-engine-watcher", daemon=True).start()
+        threading.Thread(
+            target=lambda: (process.wait(), loop.call_soon_threadsafe(self._on_exit, process)),
+            name="fw-engine-watcher",
+            daemon=True,
+        ).start()
         ready = await self._ready_future
         self.last_heard = time.monotonic()
         return ready
@@ -152,7 +170,9 @@ class AsyncEngineClient:
                 try:
                     ready = await self._spawn()
                 except Exception as error:  # noqa: BLE001 - a failed load (EngineLoadError) or a socket error
-                    self.dead_reason = f"the engine could not be restarted (attempt {attempt} of {len(RESTART_DELAYS_S)}): {error}"
+                    self.dead_reason = (
+                        f"the engine could not be restarted (attempt {attempt} of {len(RESTART_DELAYS_S)}): {error}"
+                    )
                     continue
                 self.ready, self.dead_reason = ready, None
                 self.num_restarts += 1
@@ -193,8 +213,9 @@ class AsyncEngineClient:
         return self.is_healthy and time.monotonic() - self.last_heard > self.heartbeat_timeout_s
 
     # --- requests ------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       pooling: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs until one has a finish reason (with ``pooling``: one output
         carrying the embedding).
 
@@ -211,7 +232,9 @@ class AsyncEngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, pooling=pooling))
+            self._send(
+                AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, pooling=pooling)
+            )
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -279,7 +302,9 @@ class AsyncEngineClient:
             elif isinstance(message, AddFailed):
                 queue = self._queues.get(message.request_id)
                 if queue is not None:
-                    error_type = GrammarError if message.grammar else RequestFailedError if message.internal else ConfigError
+                    error_type = (
+                        GrammarError if message.grammar else RequestFailedError if message.internal else ConfigError
+                    )
                     queue.put_nowait(error_type(message.message))
             elif isinstance(message, Ready):
                 if not self._ready_future.done():
@@ -295,8 +320,9 @@ class AsyncEngineClient:
             return
         future = self._ready_future
         if future is not None and not future.done():
-            future.set_exception(EngineLoadError(f"the engine process exited with code {process.returncode} "
-                                                 "before the model was loaded"))
+            future.set_exception(
+                EngineLoadError(f"the engine process exited with code {process.returncode} before the model was loaded")
+            )
         was_serving = future is not None and not future.cancelled() and future.exception() is None
         restarting = was_serving and self.restart and not self._closing
         reason = self.dead_reason or f"the engine process exited (code {process.returncode})"

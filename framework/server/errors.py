@@ -21,17 +21,35 @@ log = logging.getLogger("fw.server")
 
 T = TypeVar("T")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-          415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
-          500: "internal_server_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    421: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):
     """An error answered to the client with ``status`` and the OpenAI error envelope."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error")
@@ -88,8 +106,11 @@ def decode_body(body: bytes, type_: type[T]) -> T:
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     depth = json_depth(body)
     if depth > MAX_JSON_DEPTH:
-        raise APIError(400, f"the JSON body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted",
-                       code="invalid_json")
+        raise APIError(
+            400,
+            f"the JSON body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted",
+            code="invalid_json",
+        )
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as error:
@@ -99,29 +120,46 @@ def decode_body(body: bytes, type_: type[T]) -> T:
         missing = _MISSING.search(text)
         if missing:
             param = f"{path}.{missing.group(1)}" if path else missing.group(1)
-            raise APIError(400, f"missing required parameter {param!r}", param=param,
-                           code="missing_required_parameter") from None
+            raise APIError(
+                400, f"missing required parameter {param!r}", param=param, code="missing_required_parameter"
+            ) from None
         message = _AT.sub("", text)
-        raise APIError(400, f"invalid type or value for {path!r}: {message}" if path else message, param=path or None,
-                       code="invalid_type") from None
+        raise APIError(
+            400,
+            f"invalid type or value for {path!r}: {message}" if path else message,
+            param=path or None,
+            code="invalid_type",
+        ) from None
     except RecursionError:
-        raise APIError(400, f"the JSON body is nested too deeply; at most {MAX_JSON_DEPTH} levels are accepted",
-                       code="invalid_json") from None
+        raise APIError(
+            400,
+            f"the JSON body is nested too deeply; at most {MAX_JSON_DEPTH} levels are accepted",
+            code="invalid_json",
+        ) from None
     except msgspec.DecodeError as error:
         raise APIError(400, f"could not parse the JSON body of the request: {error}", code="invalid_json") from None
 
 
 #: Anthropic's error types by status (its envelope: ``{"type": "error", "error": {"type", "message"}}``).
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 #: Paths whose errors use Anthropic's envelope.
 ANTHROPIC_PATHS = ("/v1/messages",)
 
 
 def anthropic_error_body(error: APIError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, "invalid_request_error"),
-                                       "message": error.message}}
+    return {
+        "type": "error",
+        "error": {"type": _ANTHROPIC_TYPES.get(error.status, "invalid_request_error"), "message": error.message},
+    }
 
 
 def _error_response(request: Request, error: APIError) -> Response:
@@ -146,8 +184,9 @@ def http_exception_handler(request: Request, error: HTTPException) -> Response:
 
 def internal_error_handler(request: Request, error: Exception) -> Response:
     log.exception("unhandled error", exc_info=error)
-    return _error_response(request, APIError(500, f"internal server error: {type(error).__name__}: {error}",
-                                             code="internal_error"))
+    return _error_response(
+        request, APIError(500, f"internal server error: {type(error).__name__}: {error}", code="internal_error")
+    )
 
 
 def error_event(error: APIError | Exception) -> dict[str, Any]:

@@ -63,10 +63,19 @@ class ChoiceState:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: list[int], max_model_len: int,
-                          vocab_size: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                          defaults: ServerConfig | None = None, default_max_tokens: int | None = None,
-                          model_defaults: dict[str, float] | None = None) -> SamplingParams:
+def build_sampling_params(
+    body: Any,
+    *,
+    max_tokens: int | None,
+    prompt_lens: list[int],
+    max_model_len: int,
+    vocab_size: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    defaults: ServerConfig | None = None,
+    default_max_tokens: int | None = None,
+    model_defaults: dict[str, float] | None = None,
+) -> SamplingParams:
     """Validate the sampling fields of a request; errors are 400s naming the field.
 
     Fields the request leaves unset take the server's defaults (``default_max_tokens``,
@@ -80,10 +89,14 @@ def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: lis
     longest = max(prompt_lens)
     if longest >= max_model_len or (max_tokens is not None and longest + max_tokens > max_model_len):
         requested = max_tokens if max_tokens is not None else 0
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                            f"{longest + requested} tokens ({longest} in the prompt, {requested} for the completion). "
-                            "Please reduce the prompt or the completion length.",
-                       param="messages" if hasattr(body, "messages") else "prompt", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{longest + requested} tokens ({longest} in the prompt, {requested} for the completion). "
+            "Please reduce the prompt or the completion length.",
+            param="messages" if hasattr(body, "messages") else "prompt",
+            code="context_length_exceeded",
+        )
     logit_bias = None
     if body.logit_bias:
         logit_bias = {}
@@ -93,32 +106,48 @@ def build_sampling_params(body: Any, *, max_tokens: int | None, prompt_lens: lis
             except ValueError:
                 raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
             if not 0 <= token_id < vocab_size:
-                raise bad_request(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
-                                  "logit_bias")
+                raise bad_request(
+                    f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})", "logit_bias"
+                )
             logit_bias[token_id] = value
     for token_id in body.stop_token_ids or []:
         if not 0 <= token_id < vocab_size:
-            raise bad_request(f"stop_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
+            raise bad_request(
+                f"stop_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})", "stop_token_ids"
+            )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    fields = {"n": body.n, "temperature": _default(body.temperature, model.get("temperature", 1.0)),
-              "top_p": _default(body.top_p, model.get("top_p", 1.0)), "top_k": _default(body.top_k, model.get("top_k", 0)),
-              "min_p": _default(body.min_p, model.get("min_p", 0.0)), "presence_penalty": _default(body.presence_penalty, defaults.presence_penalty),
-              "frequency_penalty": _default(body.frequency_penalty, defaults.frequency_penalty),
-              "repetition_penalty": _default(body.repetition_penalty, model.get("repetition_penalty", 1.0)),
-              "logit_bias": logit_bias, "seed": body.seed,
-              "max_tokens": max_tokens if max_tokens is not None else min(max_model_len - longest,
-                                                                          default_max_tokens or max_model_len),
-              "min_tokens": body.min_tokens, "stop": stop, "stop_token_ids": list(body.stop_token_ids or []),
-              "include_stop_str_in_output": body.include_stop_str_in_output, "ignore_eos": body.ignore_eos,
-              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-              "skip_special_tokens": body.skip_special_tokens,
-              "structured_outputs": structured_outputs_from_request(body)}
+    fields = {
+        "n": body.n,
+        "temperature": _default(body.temperature, model.get("temperature", 1.0)),
+        "top_p": _default(body.top_p, model.get("top_p", 1.0)),
+        "top_k": _default(body.top_k, model.get("top_k", 0)),
+        "min_p": _default(body.min_p, model.get("min_p", 0.0)),
+        "presence_penalty": _default(body.presence_penalty, defaults.presence_penalty),
+        "frequency_penalty": _default(body.frequency_penalty, defaults.frequency_penalty),
+        "repetition_penalty": _default(body.repetition_penalty, model.get("repetition_penalty", 1.0)),
+        "logit_bias": logit_bias,
+        "seed": body.seed,
+        "max_tokens": max_tokens
+        if max_tokens is not None
+        else min(max_model_len - longest, default_max_tokens or max_model_len),
+        "min_tokens": body.min_tokens,
+        "stop": stop,
+        "stop_token_ids": list(body.stop_token_ids or []),
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "skip_special_tokens": body.skip_special_tokens,
+        "structured_outputs": structured_outputs_from_request(body),
+    }
     try:
         return SamplingParams(**fields)
     except ValueError as error:
         message = str(error)
         param = message.split()[0]
-        param = {"stop": "stop", "logprobs": "top_logprobs" if hasattr(body, "messages") else "logprobs"}.get(param, param)
+        param = {"stop": "stop", "logprobs": "top_logprobs" if hasattr(body, "messages") else "logprobs"}.get(
+            param, param
+        )
         raise bad_request(message, param if param in fields or param == "top_logprobs" else None) from None
 
 
@@ -126,19 +155,14 @@ def _default(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
-#: The ``generation_config.json`` keys that are sampling defaults (the names match SamplingParams').
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
-    """The sampling defaults a model's ``generation_config.json`` declares (as vLLM applies them:
-    whatever ``do_sample`` says); values that are not numbers are left out."""
-    return {key: generation_config[key] for key in SAMPLING_DEFAULT_KEYS
-            if isinstance(generation_config.get(key), int | float) and not isinstance(generation_config[key], bool)}
-
-
-async def run_choices(client: AsyncEngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                      metrics: ServerMetrics | None = None, arrival: float | None = None) -> AsyncIterator[ChoiceDelta]:
+async def run_choices(
+    client: AsyncEngineClient,
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    metrics: ServerMetrics | None = None,
+    arrival: float | None = None,
+) -> AsyncIterator[ChoiceDelta]:
     """Yield every choice's deltas as they come; see the module docstring."""
     arrival = arrival or time.perf_counter()
     queue: asyncio.Queue = asyncio.Queue()
@@ -150,8 +174,11 @@ async def run_choices(client: AsyncEngineClient, request_id: str, prompts: list[
             child = params.replace(n=1, seed=None if params.seed is None else params.seed + i)
             child_id = f"{request_id}-{index}"
             child_ids.append(child_id)
-            tasks.append(asyncio.create_task(_pump(client, child_id, index, prompt_index, prompt_ids, child, queue,
-                                                   metrics, arrival)))
+            tasks.append(
+                asyncio.create_task(
+                    _pump(client, child_id, index, prompt_index, prompt_ids, child, queue, metrics, arrival)
+                )
+            )
     remaining = len(tasks)
     try:
         while remaining:
@@ -169,8 +196,17 @@ async def run_choices(client: AsyncEngineClient, request_id: str, prompts: list[
             metrics.e2e.observe(time.perf_counter() - arrival)
 
 
-async def _pump(client: AsyncEngineClient, child_id: str, index: int, prompt_index: int, prompt_ids: list[int],
-                params: SamplingParams, queue: asyncio.Queue, metrics: ServerMetrics | None, arrival: float) -> None:
+async def _pump(
+    client: AsyncEngineClient,
+    child_id: str,
+    index: int,
+    prompt_index: int,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    queue: asyncio.Queue,
+    metrics: ServerMetrics | None,
+    arrival: float,
+) -> None:
     text = SequenceText(client.tokenizer, params)
     last = None
     try:
@@ -183,8 +219,12 @@ async def _pump(client: AsyncEngineClient, child_id: str, index: int, prompt_ind
                     metrics.itl.observe(now - last)
             last = now
             new_ids = output.new_token_ids
-            if (not params.skip_special_tokens and output.stop_token_id is not None and new_ids
-                    and new_ids[-1] == output.stop_token_id):
+            if (
+                not params.skip_special_tokens
+                and output.stop_token_id is not None
+                and new_ids
+                and new_ids[-1] == output.stop_token_id
+            ):
                 new_ids = new_ids[:-1]  # the stop token (EOS) is not text, even when special tokens are kept
             stopped = text.add(new_ids)
             finish, stop_reason = output.finish_reason, output.stop_token_id
@@ -194,9 +234,19 @@ async def _pump(client: AsyncEngineClient, child_id: str, index: int, prompt_ind
                 stop_reason = None  # EOS is not reported as a stop reason (as in vLLM)
             if finish is not None and metrics is not None:
                 metrics.finished(finish)
-            queue.put_nowait(ChoiceDelta(index, prompt_index, text.delta(finished=finish is not None),
-                                         list(output.new_token_ids), output.new_logprobs, finish, stop_reason,
-                                         output.prompt_logprobs, output.num_cached_tokens))
+            queue.put_nowait(
+                ChoiceDelta(
+                    index,
+                    prompt_index,
+                    text.delta(finished=finish is not None),
+                    list(output.new_token_ids),
+                    output.new_logprobs,
+                    finish,
+                    stop_reason,
+                    output.prompt_logprobs,
+                    output.num_cached_tokens,
+                )
+            )
             if stopped:
                 return  # leaving generate() aborts the engine request
     except Exception as error:

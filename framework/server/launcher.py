@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 import uvicorn
 
 import framework
+from framework.engine.messages import Ready
 from framework.errors import ConfigError
 from framework.server.app import create_app
 from framework.server.engine_client import AsyncEngineClient
-from framework.server.messages import Ready
 from framework.server.state import ServerConfig, ServerState
 
 #: Loopback by default: serving the LAN is one flag away (``--h 0.0.0.0``), and then a key should guard it.
@@ -48,7 +48,7 @@ def parse_bind(address: str | None, port: int) -> BindAddress:
     address = (address or DEFAULT_HOST).strip()
     for scheme in ("unix://", "file://", "socket://"):
         if address.startswith(scheme):
-            path = address[len(scheme):]
+            path = address[len(scheme) :]
             if not path:
                 raise ConfigError(f"--h {address!r}: give a socket path, e.g. unix:///tmp/fw.sock")
             return BindAddress(None, None, path)
@@ -58,7 +58,7 @@ def parse_bind(address: str | None, port: int) -> BindAddress:
         end = address.find("]")
         if end < 0:
             raise ConfigError(f"--h {address!r}: an IPv6 address in brackets needs the closing ']'")
-        host, rest = address[1:end], address[end + 1:]
+        host, rest = address[1:end], address[end + 1 :]
         if rest:
             if not rest.startswith(":"):
                 raise ConfigError(f"--h {address!r}: expected [ipv6]:port")
@@ -83,13 +83,15 @@ def weights_line(summary: dict[str, Any]) -> str:
 
 def format_summary(ready: Ready) -> str:
     s = ready.summary
-    lines = [f"fw {framework.__version__}",
-             f"  model      {s.get('model')} ({s.get('architecture')}, {s.get('weight_format')})",
-             f"  dtype      {s.get('dtype')} on {s.get('device')}; attention backend {s.get('attention_backend')}",
-             f"  context    {ready.max_model_len} tokens",
-             f"  weights    {weights_line(s)}",
-             f"  KV cache   {s.get('kv_blocks')} blocks, {s.get('kv_tokens')} tokens, {s.get('kv_bytes', 0) / 2**20:.1f} MiB",
-             f"  plugins    {', '.join(s.get('plugins', []))}"]
+    lines = [
+        f"fw {framework.__version__}",
+        f"  model      {s.get('model')} ({s.get('architecture')}, {s.get('weight_format')})",
+        f"  dtype      {s.get('dtype')} on {s.get('device')}; attention backend {s.get('attention_backend')}",
+        f"  context    {ready.max_model_len} tokens",
+        f"  weights    {weights_line(s)}",
+        f"  KV cache   {s.get('kv_blocks')} blocks, {s.get('kv_tokens')} tokens, {s.get('kv_bytes', 0) / 2**20:.1f} MiB",
+        f"  plugins    {', '.join(s.get('plugins', []))}",
+    ]
     return "\n".join(lines)
 
 
@@ -118,8 +120,10 @@ class _Server(uvicorn.Server):
             self.announced = True
             if self.ui_url is not None:
                 print(f"fw: web UI at {self.ui_url}", flush=True)
-            print(f"fw: ready, serving {self.state.model_name!r} at {self.url} (OpenAI API under {self.url}/v1)",
-                  flush=True)
+            print(
+                f"fw: ready, serving {self.state.model_name!r} at {self.url} (OpenAI API under {self.url}/v1)",
+                flush=True,
+            )
 
 
 def exposure_warning(bind: BindAddress, api_keys: list[str]) -> str | None:
@@ -128,8 +132,10 @@ def exposure_warning(bind: BindAddress, api_keys: list[str]) -> str | None:
 
     if bind.uds is not None or api_keys or is_loopback(bind.host):
         return None
-    return (f"fw: warning: listening on {bind.url} without an API key: anyone who can reach this address can use "
-            "the model; set FW_API_KEY or --api-key-file (or bind 127.0.0.1)")
+    return (
+        f"fw: warning: listening on {bind.url} without an API key: anyone who can reach this address can use "
+        "the model; set FW_API_KEY or --api-key-file (or bind 127.0.0.1)"
+    )
 
 
 def unix_socket(path: str) -> socket.socket:
@@ -164,11 +170,15 @@ def bind_sockets(bind: BindAddress, ui_server: bool) -> tuple[list[socket.socket
     from framework.server.webui import ui_port_for
 
     if bind.uds is not None:
-        raise ConfigError("--ui-server serves the web UI on the API port minus one, so it needs a TCP address, "
-                          f"not the socket {bind.uds!r}")
+        raise ConfigError(
+            "--ui-server serves the web UI on the API port minus one, so it needs a TCP address, "
+            f"not the socket {bind.uds!r}"
+        )
     if not bind.port or bind.port < 2:
-        raise ConfigError(f"--ui-server serves the web UI on the API port minus one; give a port >= 2 with --p "
-                          f"(e.g. --p 2000 for the API and 1999 for the UI), got {bind.port}")
+        raise ConfigError(
+            f"--ui-server serves the web UI on the API port minus one; give a port >= 2 with --p "
+            f"(e.g. --p 2000 for the API and 1999 for the UI), got {bind.port}"
+        )
     ui_bind = BindAddress(bind.host, ui_port_for(bind.port), None)
     family = socket.AF_INET6 if ":" in bind.host else socket.AF_INET
     sockets = []
@@ -186,12 +196,24 @@ def bind_sockets(bind: BindAddress, ui_server: bool) -> tuple[list[socket.socket
 def config_for_bind(config: ServerConfig, bind: BindAddress, ui_bind: BindAddress | None) -> ServerConfig:
     """``config`` with where the server listens, for the Host and Origin checks: the bind host, whether
     it is a unix socket, and the web UI's port (its origin is allowed)."""
-    return dataclasses.replace(config, bind_host=bind.host, is_unix_socket=bind.uds is not None,
-                               ui_port=ui_bind.port if ui_bind is not None else None)
+    return dataclasses.replace(
+        config,
+        bind_host=bind.host,
+        is_unix_socket=bind.uds is not None,
+        ui_port=ui_bind.port if ui_bind is not None else None,
+    )
 
 
-def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAddress, *, shutdown_timeout: float = 30.0,
-               log_level: str = "warning", ui_server: bool = False, limit_concurrency: int | None = None) -> int:
+def run_server(
+    engine_kwargs: dict[str, Any],
+    config: ServerConfig,
+    bind: BindAddress,
+    *,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "warning",
+    ui_server: bool = False,
+    limit_concurrency: int | None = None,
+) -> int:
     """Serve until stopped; returns the process exit code (1 if the model failed to load).
 
     With ``ui_server`` the web UI is served too, on the API port minus one (see :mod:`framework.server.webui`).
@@ -199,8 +221,12 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
     """
     sockets, ui_bind = bind_sockets(bind, ui_server)
     config = config_for_bind(config, bind, ui_bind)
-    client = AsyncEngineClient(engine_kwargs, restart=config.engine_restart,
-                               heartbeat_timeout_s=config.engine_heartbeat_timeout_s, chat_template=config.chat_template)
+    client = AsyncEngineClient(
+        engine_kwargs,
+        restart=config.engine_restart,
+        heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
+        chat_template=config.chat_template,
+    )
     failure: list[str] = []
     server: _Server | None = None
 
@@ -220,10 +246,17 @@ def run_server(engine_kwargs: dict[str, Any], config: ServerConfig, bind: BindAd
         from framework.server.webui import WebUIApp
 
         asgi_app = WebUIApp(app, ui_bind.port)
-    uv_config = uvicorn.Config(asgi_app, host=bind.host or DEFAULT_HOST, port=bind.port or 0,
-                               log_level=log_level, access_log=False, lifespan="on",
-                               timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30,
-                               limit_concurrency=limit_concurrency)
+    uv_config = uvicorn.Config(
+        asgi_app,
+        host=bind.host or DEFAULT_HOST,
+        port=bind.port or 0,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=shutdown_timeout,
+        timeout_keep_alive=30,
+        limit_concurrency=limit_concurrency,
+    )
     ui_url = None
     if ui_bind is not None:  # a wildcard address is not one to browse to
         browsable = ui_bind._replace(host="localhost") if ui_bind.host in ("0.0.0.0", "::") else ui_bind

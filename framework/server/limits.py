@@ -32,8 +32,11 @@ async def read_body(request: Request, timeout_s: float | None) -> bytes:
     try:
         return await asyncio.wait_for(request.body(), timeout_s)
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (--request-body-timeout)",
-                       code="request_timeout") from None
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s (--request-body-timeout)",
+            code="request_timeout",
+        ) from None
 
 
 def check_range(value: int | None, name: str, low: int, high: int) -> None:
@@ -54,10 +57,14 @@ def check_sampling_limits(body: Any, max_n: int) -> None:
         raise bad_request(f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are accepted", "stop")
     for text in stop:
         if len(text) > MAX_STOP_CHARS:
-            raise bad_request(f"a stop string has {len(text)} characters; at most {MAX_STOP_CHARS} are accepted", "stop")
+            raise bad_request(
+                f"a stop string has {len(text)} characters; at most {MAX_STOP_CHARS} are accepted", "stop"
+            )
     if body.stop_token_ids is not None and len(body.stop_token_ids) > MAX_STOP_STRINGS:
-        raise bad_request(f"'stop_token_ids' holds {len(body.stop_token_ids)} ids; at most {MAX_STOP_STRINGS} are "
-                          "accepted", "stop_token_ids")
+        raise bad_request(
+            f"'stop_token_ids' holds {len(body.stop_token_ids)} ids; at most {MAX_STOP_STRINGS} are accepted",
+            "stop_token_ids",
+        )
 
 
 def check_count(count: int, name: str, cap: int, flag: str) -> None:

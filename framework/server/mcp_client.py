@@ -48,8 +48,10 @@ def load_mcp_config(path: str | None, command: str | None = None, args: str | No
         except ValueError as error:
             raise ConfigError(f"--mcp-config {path!r} is not valid JSON: {error}") from None
         if not isinstance(data, dict) or not isinstance(data.get("mcpServers"), dict):
-            raise ConfigError(f"--mcp-config {path!r} must hold {{\"mcpServers\": {{name: {{\"command\": ..., "
-                              "\"args\": [...]}} or {\"url\": ...}}}}")
+            raise ConfigError(
+                f'--mcp-config {path!r} must hold {{"mcpServers": {{name: {{"command": ..., '
+                '"args": [...]}} or {"url": ...}}}}'
+            )
         servers.update(data["mcpServers"])
     if command is not None:
         servers["mcp"] = {"command": command, "args": shlex.split(args or "")}
@@ -59,14 +61,14 @@ def load_mcp_config(path: str | None, command: str | None = None, args: str | No
         if not name or SEPARATOR in name or not name.replace("-", "_").replace("_", "a").isalnum():
             raise ConfigError(f"MCP server name {name!r}: use letters, digits, '-' or single '_'")
         if not isinstance(entry, dict) or ("command" in entry) == ("url" in entry):
-            raise ConfigError(f"MCP server {name!r} needs exactly one of \"command\" (stdio) or \"url\" (streamable HTTP)")
+            raise ConfigError(f'MCP server {name!r} needs exactly one of "command" (stdio) or "url" (streamable HTTP)')
         if "command" in entry and not isinstance(entry.get("args", []), list):
-            raise ConfigError(f"MCP server {name!r}: \"args\" must be a list of strings")
+            raise ConfigError(f'MCP server {name!r}: "args" must be a list of strings')
         if not isinstance(entry.get("execute", False), bool):
-            raise ConfigError(f"MCP server {name!r}: \"execute\" must be true or false")
+            raise ConfigError(f'MCP server {name!r}: "execute" must be true or false')
         allowed = entry.get("allowed_tools")
         if allowed is not None and not (isinstance(allowed, list) and all(isinstance(t, str) for t in allowed)):
-            raise ConfigError(f"MCP server {name!r}: \"allowed_tools\" must be a list of the server's tool names")
+            raise ConfigError(f'MCP server {name!r}: "allowed_tools" must be a list of the server\'s tool names')
     return servers or None
 
 
@@ -129,8 +131,12 @@ class MCPManager:
                     from mcp import StdioServerParameters
                     from mcp.client.stdio import stdio_client
 
-                    params = StdioServerParameters(command=entry["command"], args=[str(a) for a in entry.get("args", [])],
-                                                   env=entry.get("env"), cwd=entry.get("cwd"))
+                    params = StdioServerParameters(
+                        command=entry["command"],
+                        args=[str(a) for a in entry.get("args", [])],
+                        env=entry.get("env"),
+                        cwd=entry.get("cwd"),
+                    )
                     read, write = await stack.enter_async_context(stdio_client(params))
                 else:
                     read, write = await stack.enter_async_context(_http_client(entry["url"], entry.get("headers")))
@@ -162,11 +168,18 @@ class MCPManager:
         and shared by every request: callers must not modify it."""
         if self._openai_tools is None:
             listed = {(server.name, tool.name): tool for server in self.servers.values() for tool in server.tools}
-            self._openai_tools = [{"type": "function", "function": {
-                "name": name, "description": tool.description or "",
-                "parameters": tool.input_schema or {"type": "object", "properties": {}}}}
+            self._openai_tools = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": tool.description or "",
+                        "parameters": tool.input_schema or {"type": "object", "properties": {}},
+                    },
+                }
                 for name, (server, tool_name) in self._tools.items()
-                for tool in [listed[(server.name, tool_name)]]]
+                for tool in [listed[(server.name, tool_name)]]
+            ]
         return self._openai_tools
 
     def has_tool(self, name: str) -> bool:
@@ -185,8 +198,9 @@ class MCPManager:
         allowed = server.entry.get("allowed_tools")
         return (self.execute_all or server.entry.get("execute", False)) and (allowed is None or tool_name in allowed)
 
-    async def call_tool(self, name: str, arguments: str, timeout_s: float = CALL_TIMEOUT_S,
-                        max_result_bytes: int | None = None) -> tuple[str, bool]:
+    async def call_tool(
+        self, name: str, arguments: str, timeout_s: float = CALL_TIMEOUT_S, max_result_bytes: int | None = None
+    ) -> tuple[str, bool]:
         """Run tool ``name`` with the JSON ``arguments`` for at most ``timeout_s``; returns ``(result
         text, is_error)`` (cut to ``max_result_bytes`` of UTF-8, see :func:`truncate_result`), never raises."""
         server, tool_name = self._tools[name]
@@ -217,10 +231,17 @@ class MCPManager:
         for s in self.servers.values():
             tools = [f"{s.name}{SEPARATOR}{t.name}" for t in s.tools]
             executable = [name for name in tools if self.can_execute(name)]
-            result.append({"name": s.name, "transport": s.transport, "status": "error" if s.error else "ok",
-                           "error": s.error, "tools": tools,
-                           "execute": self.execute_all or bool(s.entry.get("execute", False)),
-                           "executable_tools": executable})
+            result.append(
+                {
+                    "name": s.name,
+                    "transport": s.transport,
+                    "status": "error" if s.error else "ok",
+                    "error": s.error,
+                    "tools": tools,
+                    "execute": self.execute_all or bool(s.entry.get("execute", False)),
+                    "executable_tools": executable,
+                }
+            )
         return result
 
 
@@ -240,7 +261,10 @@ def _http_client(url: str, headers: dict[str, str] | None) -> Any:
 
     @contextlib.asynccontextmanager
     async def connect():
-        async with create_mcp_http_client(headers=headers) as http, streamable_http_client(url, http_client=http) as streams:
+        async with (
+            create_mcp_http_client(headers=headers) as http,
+            streamable_http_client(url, http_client=http) as streams,
+        ):
             yield streams
 
     return connect()

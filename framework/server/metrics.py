@@ -18,10 +18,49 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from framework.engine.outputs import EngineStats
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                0.75, 1.0, 2.5)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
@@ -36,8 +75,9 @@ class _EngineCollector:
     def collect(self):
         labels = ["model_name"]
         value = [self.model_name]
-        restarts = CounterMetricFamily("fw:engine_restarts", "Times the engine process was restarted after it died.",
-                                       labels=labels)
+        restarts = CounterMetricFamily(
+            "fw:engine_restarts", "Times the engine process was restarted after it died.", labels=labels
+        )
         restarts.add_metric(value, self.num_restarts)
         yield restarts
         stats = self.stats
@@ -58,20 +98,28 @@ class _EngineCollector:
         yield gauge("fw:num_requests_waiting", "Requests queued in the engine.", stats.num_waiting)
         yield gauge("fw:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", stats.kv_cache_usage)
         yield gauge("fw:num_kv_blocks", "KV-cache blocks in total.", stats.num_blocks)
-        yield gauge("fw:num_kv_blocks_used", "KV-cache blocks referenced by requests.",
-                    stats.num_blocks - stats.num_free_blocks)
-        yield counter("fw:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
+        yield gauge(
+            "fw:num_kv_blocks_used", "KV-cache blocks referenced by requests.", stats.num_blocks - stats.num_free_blocks
+        )
+        yield counter(
+            "fw:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
+        )
         yield counter("fw:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
         yield counter("fw:num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions)
         yield counter("fw:prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens)
         yield counter("fw:generation_tokens", "Tokens generated.", stats.generation_tokens)
-        yield counter("fw:num_failed_steps", "Engine steps that raised (their requests failed, the engine went on).",
-                      stats.num_failed_steps)
+        yield counter(
+            "fw:num_failed_steps",
+            "Engine steps that raised (their requests failed, the engine went on).",
+            stats.num_failed_steps,
+        )
 
 
 #: vLLM's older names of two metrics, exported too under ``vllm_names``.
-VLLM_LEGACY_NAMES = {"fw:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
-                     "fw:inter_token_latency_seconds": "vllm:time_per_output_token_seconds"}
+VLLM_LEGACY_NAMES = {
+    "fw:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
+    "fw:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
+}
 
 
 class _VLLMNames:
@@ -86,8 +134,9 @@ class _VLLMNames:
                 if name is None or not name.startswith("vllm:"):
                     continue
                 renamed = Metric(name, family.documentation, family.type, family.unit)
-                renamed.samples = [sample._replace(name=name + sample.name[len(family.name):])
-                                   for sample in family.samples]
+                renamed.samples = [
+                    sample._replace(name=name + sample.name[len(family.name) :]) for sample in family.samples
+                ]
                 yield renamed
 
 
@@ -104,15 +153,24 @@ class ServerMetrics:
         self.registry.register(self.engine)
         self.model_name = model_name
         kw = {"labelnames": ["model_name"], "registry": self.registry}
-        self.ttft = Histogram("fw:time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS,
-                              **kw).labels(model_name)
-        self.itl = Histogram("fw:inter_token_latency_seconds", "Time between two outputs of one sequence.",
-                             buckets=_ITL_BUCKETS, **kw).labels(model_name)
-        self.e2e = Histogram("fw:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             buckets=_E2E_BUCKETS, **kw).labels(model_name)
-        self._finished = Counter("fw:request_success", "Finished requests by finish reason.",
-                                 labelnames=["model_name", "finished_reason"], registry=self.registry)
-        self.rejected = Counter("fw:request_rejected", "Requests refused by the queue cap (429).", **kw).labels(model_name)
+        self.ttft = Histogram(
+            "fw:time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS, **kw
+        ).labels(model_name)
+        self.itl = Histogram(
+            "fw:inter_token_latency_seconds", "Time between two outputs of one sequence.", buckets=_ITL_BUCKETS, **kw
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "fw:e2e_request_latency_seconds", "Request latency, arrival to last token.", buckets=_E2E_BUCKETS, **kw
+        ).labels(model_name)
+        self._finished = Counter(
+            "fw:request_success",
+            "Finished requests by finish reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter("fw:request_rejected", "Requests refused by the queue cap (429).", **kw).labels(
+            model_name
+        )
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
@@ -131,6 +189,8 @@ def stats_line(previous: EngineStats | None, current: EngineStats, interval_s: f
     queries = current.prefix_cache_queries - (previous.prefix_cache_queries if previous else 0)
     hits = current.prefix_cache_hits - (previous.prefix_cache_hits if previous else 0)
     hit_rate = f"{100 * hits / queries:.1f}%" if queries else "-"
-    return (f"fw: stats: prompt {prompt / interval_s:.1f} tok/s, generation {generated / interval_s:.1f} tok/s, "
-            f"running {current.num_running}, waiting {current.num_waiting}, "
-            f"KV cache {100 * current.kv_cache_usage:.1f}%, prefix cache hits {hit_rate}")
+    return (
+        f"fw: stats: prompt {prompt / interval_s:.1f} tok/s, generation {generated / interval_s:.1f} tok/s, "
+        f"running {current.num_running}, waiting {current.num_waiting}, "
+        f"KV cache {100 * current.kv_cache_usage:.1f}%, prefix cache hits {hit_rate}"
+    )

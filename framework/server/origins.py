@@ -33,9 +33,11 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 ANY = "*"
 #: Request headers an allowed origin may send (``*`` would not cover ``Authorization``).
-CORS_ALLOW_HEADERS = "authorization, content-type, openai-organization, openai-project, x-stainless-lang, " \
-                     "x-stainless-package-version, x-stainless-os, x-stainless-arch, x-stainless-runtime, " \
-                     "x-stainless-runtime-version, x-stainless-retry-count, x-stainless-timeout"
+CORS_ALLOW_HEADERS = (
+    "authorization, content-type, openai-organization, openai-project, x-stainless-lang, "
+    "x-stainless-package-version, x-stainless-os, x-stainless-arch, x-stainless-runtime, "
+    "x-stainless-runtime-version, x-stainless-retry-count, x-stainless-timeout"
+)
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_MAX_AGE_S = 600
 JSON_MEDIA_TYPE = "application/json"
@@ -45,7 +47,7 @@ def host_name(host_header: str) -> str:
     """The name part of a ``Host`` header, lower-case, without the port or IPv6 brackets."""
     host = host_header.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host[1:]
+        return host[1 : host.find("]")] if "]" in host else host[1:]
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
@@ -84,8 +86,10 @@ def check_origins(origins: Iterable[str]) -> list[str]:
         value = normalize_origin(origin)
         scheme, sep, rest = value.partition("://")
         if value != ANY and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
-            raise ConfigError(f"--allowed-origins {origin!r}: give an origin like http://localhost:5173 or "
-                              "https://app.example.com (scheme, host and optional port; no path), or *")
+            raise ConfigError(
+                f"--allowed-origins {origin!r}: give an origin like http://localhost:5173 or "
+                "https://app.example.com (scheme, host and optional port; no path), or *"
+            )
         result.append(value)
     return result
 
@@ -104,8 +108,14 @@ class OriginPolicy:
     ui_port: int | None = None
 
     @classmethod
-    def for_server(cls, bind_host: str | None, is_unix_socket: bool, allowed_hosts: Iterable[str] = (),
-                   allowed_origins: Iterable[str] = (), ui_port: int | None = None) -> OriginPolicy:
+    def for_server(
+        cls,
+        bind_host: str | None,
+        is_unix_socket: bool,
+        allowed_hosts: Iterable[str] = (),
+        allowed_origins: Iterable[str] = (),
+        ui_port: int | None = None,
+    ) -> OriginPolicy:
         """The policy of a server bound to ``bind_host`` (a unix socket is reached by no browser: any Host)."""
         hosts = {host_name(h) for h in allowed_hosts}  # a Host is compared without its port: so is an allowed one
         if is_unix_socket:
@@ -115,8 +125,13 @@ class OriginPolicy:
         return cls(frozenset(hosts), frozenset(normalize_origin(o) for o in allowed_origins), ui_port)
 
     def is_host_allowed(self, name: str) -> bool:
-        return (ANY in self.allowed_hosts or name in self.allowed_hosts or name in LOOPBACK_NAMES
-                or name.endswith(".localhost") or is_ip_literal(name))
+        return (
+            ANY in self.allowed_hosts
+            or name in self.allowed_hosts
+            or name in LOOPBACK_NAMES
+            or name.endswith(".localhost")
+            or is_ip_literal(name)
+        )
 
     def is_cors_origin(self, origin: str) -> bool:
         return ANY in self.allowed_origins or origin in self.allowed_origins
@@ -149,17 +164,28 @@ class OriginGuard:
             cors_origin = self.check(scope, headers, host)
             check_media_type(scope, headers)
         except APIError as error:  # an allowed origin gets CORS headers on its errors too, to read them
-            await _send(send, error.status, [(b"content-type", b"application/json")]
-                        + (_cors_headers(cors_origin) if cors_origin else []), msgspec.json.encode(error.body()))
+            await _send(
+                send,
+                error.status,
+                [(b"content-type", b"application/json")] + (_cors_headers(cors_origin) if cors_origin else []),
+                msgspec.json.encode(error.body()),
+            )
             return
         if cors_origin is None:
             await self.app(scope, receive, send)
             return
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
-            await _send(send, 204, _cors_headers(cors_origin) + [
-                (b"access-control-allow-methods", CORS_METHODS.encode()),
-                (b"access-control-allow-headers", CORS_ALLOW_HEADERS.encode()),
-                (b"access-control-max-age", str(CORS_MAX_AGE_S).encode())], b"")
+            await _send(
+                send,
+                204,
+                _cors_headers(cors_origin)
+                + [
+                    (b"access-control-allow-methods", CORS_METHODS.encode()),
+                    (b"access-control-allow-headers", CORS_ALLOW_HEADERS.encode()),
+                    (b"access-control-max-age", str(CORS_MAX_AGE_S).encode()),
+                ],
+                b"",
+            )
             return
 
         async def send_with_cors(message: dict) -> None:
@@ -174,20 +200,34 @@ class OriginGuard:
         origin to answer (None: not a CORS request)."""
         policy = self.policy
         if host and not policy.is_host_allowed(host_name(host)):
-            raise APIError(421, f"this server does not answer to the Host {host_name(host)!r} (it accepts loopback "
-                                "names, IP addresses and the bind address); start fw serve with --allowed-hosts "
-                                f"{host_name(host)} to allow it", param="Host", code="invalid_host")
+            raise APIError(
+                421,
+                f"this server does not answer to the Host {host_name(host)!r} (it accepts loopback "
+                "names, IP addresses and the bind address); start fw serve with --allowed-hosts "
+                f"{host_name(host)} to allow it",
+                param="Host",
+                code="invalid_host",
+            )
         origin = normalize_origin(headers["origin"]) if "origin" in headers else None
         cors_origin = None
         if origin is not None and not policy.is_own_origin(origin, scope.get("scheme", "http"), host):
             if not policy.is_cors_origin(origin):
-                raise APIError(403, f"cross-origin requests from {origin!r} are refused; start fw serve with "
-                                    f"--allowed-origins {origin} to allow that site", param="Origin",
-                               code="cross_origin_refused")
+                raise APIError(
+                    403,
+                    f"cross-origin requests from {origin!r} are refused; start fw serve with "
+                    f"--allowed-origins {origin} to allow that site",
+                    param="Origin",
+                    code="cross_origin_refused",
+                )
             cors_origin = origin
         elif origin is None and headers.get("sec-fetch-site") == "cross-site":
-            raise APIError(403, "cross-site requests are refused (Sec-Fetch-Site: cross-site without an allowed "
-                                "Origin); see --allowed-origins", param="Sec-Fetch-Site", code="cross_origin_refused")
+            raise APIError(
+                403,
+                "cross-site requests are refused (Sec-Fetch-Site: cross-site without an allowed "
+                "Origin); see --allowed-origins",
+                param="Sec-Fetch-Site",
+                code="cross_origin_refused",
+            )
         return cors_origin
 
 
@@ -198,8 +238,12 @@ def check_media_type(scope: dict, headers: dict[str, str]) -> None:
     media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != JSON_MEDIA_TYPE:
         shown = repr(headers["content-type"]) if "content-type" in headers else "none"
-        raise APIError(415, f"request bodies must be JSON: send 'Content-Type: application/json' (got {shown})",
-                       param="Content-Type", code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"request bodies must be JSON: send 'Content-Type: application/json' (got {shown})",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
 
 
 def _headers(scope: dict) -> dict[str, str]:
@@ -207,13 +251,19 @@ def _headers(scope: dict) -> dict[str, str]:
 
 
 def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
-    return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
-            (b"access-control-expose-headers", b"retry-after")]
+    return [
+        (b"access-control-allow-origin", origin.encode("latin-1")),
+        (b"vary", b"Origin"),
+        (b"access-control-expose-headers", b"retry-after"),
+    ]
 
 
 async def _send(send: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": headers + [(b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": headers + [(b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
-
-

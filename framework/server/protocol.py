@@ -124,20 +124,51 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 #: Sampling fields fw rejects when set to anything but their default (None, or what is listed).
-UNSUPPORTED_SAMPLING_FIELDS = ("service_tier", "use_beam_search", "length_penalty", "prompt_logprobs", "priority",
-                               "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "logits_processors",
-                               "spaces_between_special_tokens", "return_tokens_as_token_ids",
-                               "guided_decoding_backend", "guided_whitespace_pattern")
+UNSUPPORTED_SAMPLING_FIELDS = (
+    "service_tier",
+    "use_beam_search",
+    "length_penalty",
+    "prompt_logprobs",
+    "priority",
+    "truncate_prompt_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "logits_processors",
+    "spaces_between_special_tokens",
+    "return_tokens_as_token_ids",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
 #: Values of a refused field that ask for what fw does anyway (so they are accepted).
 DEFAULT_VALUES: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,), "priority": (0,), "length_penalty": (1.0, 1), "continue_final_message": (False,),
-    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,), "echo": (False,),
-    "bad_words": ([],), "logits_processors": ([],), "add_special_tokens": (False,), "documents": ([],),
-    "service_tier": ("auto", "default")}
+    "use_beam_search": (False,),
+    "priority": (0,),
+    "length_penalty": (1.0, 1),
+    "continue_final_message": (False,),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    "echo": (False,),
+    "bad_words": ([],),
+    "logits_processors": ([],),
+    "add_special_tokens": (False,),
+    "documents": ([],),
+    "service_tier": ("auto", "default"),
+}
 #: Fields that fw rejects when set (not None / not their default).
-UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
-                           "continue_final_message", "add_special_tokens", "documents",
-                           "chat_template", "echo", *UNSUPPORTED_SAMPLING_FIELDS)
+UNSUPPORTED_CHAT_FIELDS = (
+    "functions",
+    "function_call",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+    "chat_template",
+    "echo",
+    *UNSUPPORTED_SAMPLING_FIELDS,
+)
 UNSUPPORTED_COMPLETION_FIELDS = ("suffix", *UNSUPPORTED_SAMPLING_FIELDS)
 
 

@@ -17,12 +17,28 @@ from framework.server.errors import APIError, bad_request
 from framework.server.protocol import ChatCompletionRequest, ChatMessage, MCPExecuteFields
 
 #: Responses fields fw refuses when set (not None, and not a value in :data:`RESPONSES_DEFAULTS`).
-UNSUPPORTED_RESPONSES_FIELDS = ("conversation", "prompt", "top_logprobs", "max_tool_calls", "context_management",
-                                "background_options", "moderation", "image", "access_programs", "include",
-                                "truncation", "service_tier", "prompt_cache_retention", "prompt_cache_options")
+UNSUPPORTED_RESPONSES_FIELDS = (
+    "conversation",
+    "prompt",
+    "top_logprobs",
+    "max_tool_calls",
+    "context_management",
+    "background_options",
+    "moderation",
+    "image",
+    "access_programs",
+    "include",
+    "truncation",
+    "service_tier",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+)
 #: Values of refused fields that ask for what fw does anyway.
-RESPONSES_DEFAULTS: dict[str, tuple[Any, ...]] = {"include": ([],), "truncation": ("disabled",),
-                                                  "service_tier": ("auto", "default")}
+RESPONSES_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "include": ([],),
+    "truncation": ("disabled",),
+    "service_tier": ("auto", "default"),
+}
 #: Message content parts that are text.
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
@@ -73,9 +89,13 @@ class ResponsesRequest(MCPExecuteFields, kw_only=True):
 def reject_unsupported_responses(body: ResponsesRequest) -> None:
     refuse_fields(body, UNSUPPORTED_RESPONSES_FIELDS, RESPONSES_DEFAULTS)
     if body.background and body.stream:
-        raise APIError(400, "'background' with 'stream' is not supported by this server yet: create the response in "
-                            "the background and poll GET /v1/responses/{id}", param="background",
-                       code="unsupported_parameter")
+        raise APIError(
+            400,
+            "'background' with 'stream' is not supported by this server yet: create the response in "
+            "the background and poll GET /v1/responses/{id}",
+            param="background",
+            code="unsupported_parameter",
+        )
     if body.background and not body.store:
         raise bad_request("'background' needs 'store': true (the response is fetched by id)", "background")
 
@@ -90,8 +110,12 @@ def _text_of(content: Any, param: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS:
-            raise APIError(400, f"content part type {kind!r} is not supported (only {', '.join(TEXT_PARTS)})",
-                           param=f"{param}[{j}].type", code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"content part type {kind!r} is not supported (only {', '.join(TEXT_PARTS)})",
+                param=f"{param}[{j}].type",
+                code="unsupported_parameter",
+            )
         texts.append(part.get("refusal") if kind == "refusal" else part.get("text", ""))
     return "\n".join(texts)
 
@@ -110,8 +134,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"input[{i}].role must be one of user, system, developer, assistant; got {role!r}",
-                                  f"input[{i}].role")
+                raise bad_request(
+                    f"input[{i}].role must be one of user, system, developer, assistant; got {role!r}",
+                    f"input[{i}].role",
+                )
             message = ChatMessage(role=role, content=_text_of(item.get("content", ""), f"input[{i}].content"))
             if role == "assistant" and reasoning is not None:
                 message.reasoning_content, reasoning = reasoning, None
@@ -121,7 +147,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
             if not isinstance(call_id, str) or not isinstance(name, str):
                 raise bad_request(f"input[{i}] (a function_call) needs string 'call_id' and 'name'", f"input[{i}]")
             names[call_id] = name
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": item.get("arguments", "{}")}}
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": item.get("arguments", "{}")},
+            }
             last = messages[-1] if messages else None
             if last is None or last.role != "assistant":  # calls after an assistant text join that turn
                 last = ChatMessage(role="assistant", content="", reasoning_content=reasoning)
@@ -131,14 +161,20 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
-                raise bad_request(f"input[{i}] (a function_call_output) needs a string 'call_id'", f"input[{i}].call_id")
+                raise bad_request(
+                    f"input[{i}] (a function_call_output) needs a string 'call_id'", f"input[{i}].call_id"
+                )
             output = _text_of(item.get("output", ""), f"input[{i}].output")
             messages.append(ChatMessage(role="tool", content=output, tool_call_id=call_id, name=names.get(call_id)))
         elif kind == "mcp_call":  # a call the server ran (mcp_execute): the call and its result
             call_id, name = item.get("id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
                 raise bad_request(f"input[{i}] (an mcp_call) needs string 'id' and 'name'", f"input[{i}]")
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": item.get("arguments", "{}")}}
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": item.get("arguments", "{}")},
+            }
             messages.append(ChatMessage(role="assistant", content="", tool_calls=[call], reasoning_content=reasoning))
             reasoning = None
             output = item.get("output") if item.get("error") is None else item.get("error")
@@ -147,9 +183,13 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
             parts = item.get("content") or item.get("summary") or []
             reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
         else:
-            raise APIError(400, f"input item type {kind!r} is not supported (message, function_call, "
-                                "function_call_output, reasoning, mcp_call)", param=f"input[{i}].type",
-                           code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"input item type {kind!r} is not supported (message, function_call, "
+                "function_call_output, reasoning, mcp_call)",
+                param=f"input[{i}].type",
+                code="unsupported_parameter",
+            )
     return messages
 
 
@@ -161,8 +201,13 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
-            raise APIError(400, f"tools[{i}].type {kind!r} is not supported (only 'function'; MCP tools are the "
-                                "server's, fw serve --mcp-config)", param=f"tools[{i}].type", code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"tools[{i}].type {kind!r} is not supported (only 'function'; MCP tools are the "
+                "server's, fw serve --mcp-config)",
+                param=f"tools[{i}].type",
+                code="unsupported_parameter",
+            )
         function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
         result.append({"type": "function", "function": function})
     return result
@@ -173,8 +218,9 @@ def chat_tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
-                      "tool_choice")
+    raise bad_request(
+        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}", "tool_choice"
+    )
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -183,8 +229,10 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if form is None or form.get("type") == "text":
         return None
     if form.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {key: form[key] for key in ("name", "schema", "strict")
-                                                       if key in form}}
+        return {
+            "type": "json_schema",
+            "json_schema": {key: form[key] for key in ("name", "schema", "strict") if key in form},
+        }
     return form  # json_object, or an unknown type the chat pipeline refuses by name
 
 
@@ -196,9 +244,22 @@ def chat_request(body: ResponsesRequest, history: list[ChatMessage]) -> ChatComp
         raise bad_request("'input' must hold at least one message (or give previous_response_id)", "input")
     reasoning = body.reasoning or {}
     return ChatCompletionRequest(
-        model=body.model, messages=messages, max_tokens=body.max_output_tokens, temperature=body.temperature,
-        top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-        seed=body.seed, user=body.user, tools=chat_tools(body.tools), tool_choice=chat_tool_choice(body.tool_choice),
-        parallel_tool_calls=body.parallel_tool_calls, response_format=response_format(body.text),
-        reasoning_effort=reasoning.get("effort"), stream=body.stream, mcp_execute=body.mcp_execute,
-        mcp_max_rounds=body.mcp_max_rounds)
+        model=body.model,
+        messages=messages,
+        max_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        user=body.user,
+        tools=chat_tools(body.tools),
+        tool_choice=chat_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=response_format(body.text),
+        reasoning_effort=reasoning.get("effort"),
+        stream=body.stream,
+        mcp_execute=body.mcp_execute,
+        mcp_max_rounds=body.mcp_max_rounds,
+    )

@@ -41,11 +41,21 @@ async def stream_events(run: ResponseRun, chunks: AsyncIterator[Any]) -> AsyncIt
             item["arguments"] = text
             events.append(event("response.function_call_arguments.done", **where, name=item["name"], arguments=text))
         else:
-            part = ({"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-                    if item["type"] == "message" else {"type": "reasoning_text", "text": text})
+            part = (
+                {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                if item["type"] == "message"
+                else {"type": "reasoning_text", "text": text}
+            )
             kind = "output_text" if item["type"] == "message" else "reasoning_text"
-            events.append(event(f"response.{kind}.done", **where, content_index=0, text=text,
-                                **({"logprobs": []} if kind == "output_text" else {})))
+            events.append(
+                event(
+                    f"response.{kind}.done",
+                    **where,
+                    content_index=0,
+                    text=text,
+                    **({"logprobs": []} if kind == "output_text" else {}),
+                )
+            )
             events.append(event("response.content_part.done", **where, content_index=0, part=part))
             item["content"] = [part]
         item["status"] = "completed"
@@ -61,10 +71,14 @@ async def stream_events(run: ResponseRun, chunks: AsyncIterator[Any]) -> AsyncIt
         index = len(output)
         events.append(event("response.output_item.added", output_index=index, item=dict(item)))
         if item["type"] != "function_call":
-            part = ({"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                    if item["type"] == "message" else {"type": "reasoning_text", "text": ""})
-            events.append(event("response.content_part.added", item_id=item["id"], output_index=index,
-                                content_index=0, part=part))
+            part = (
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                if item["type"] == "message"
+                else {"type": "reasoning_text", "text": ""}
+            )
+            events.append(
+                event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part)
+            )
         return events
 
     yield event("response.created", response=run.response("in_progress"))
@@ -80,13 +94,23 @@ async def stream_events(run: ResponseRun, chunks: AsyncIterator[Any]) -> AsyncIt
                     if not piece:
                         continue
                     if open_item is None or open_item["type"] != kind:
-                        item = reasoning_item("", "in_progress") if kind == "reasoning" else message_item("", "in_progress")
+                        item = (
+                            reasoning_item("", "in_progress")
+                            if kind == "reasoning"
+                            else message_item("", "in_progress")
+                        )
                         for e in open_(item):
                             yield e
                     text += piece
                     extra = {"logprobs": []} if kind == "message" else {}
-                    yield event("response.output_text.delta" if kind == "message" else "response.reasoning_text.delta",
-                                item_id=open_item["id"], output_index=len(output), content_index=0, delta=piece, **extra)
+                    yield event(
+                        "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta",
+                        item_id=open_item["id"],
+                        output_index=len(output),
+                        content_index=0,
+                        delta=piece,
+                        **extra,
+                    )
                 for record in delta.mcp_calls or []:  # calls the server ran between two rounds
                     for e in close():
                         yield e
@@ -101,17 +125,24 @@ async def stream_events(run: ResponseRun, chunks: AsyncIterator[Any]) -> AsyncIt
                     piece = call.function.arguments if call.function is not None else None
                     if piece:
                         text += piece
-                        yield event("response.function_call_arguments.delta", item_id=open_item["id"],
-                                    output_index=len(output), delta=piece)
+                        yield event(
+                            "response.function_call_arguments.delta",
+                            item_id=open_item["id"],
+                            output_index=len(output),
+                            delta=piece,
+                        )
         for e in close():
             yield e
     except Exception as error:
         api_error = engine_error(error)
-        failed = run.response("failed", output, error={"code": api_error.code or "server_error",
-                                                       "message": api_error.message})
+        failed = run.response(
+            "failed", output, error={"code": api_error.code or "server_error", "message": api_error.message}
+        )
         yield event("response.failed", response=failed)
         return
     completed = run.response("completed", output, usage, finish_reason)
     run.store(completed)
-    yield event("response.completed" if completed["status"] == "completed" else "response.incomplete",
-                response=msgspec.to_builtins(completed))
+    yield event(
+        "response.completed" if completed["status"] == "completed" else "response.incomplete",
+        response=msgspec.to_builtins(completed),
+    )

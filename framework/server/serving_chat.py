@@ -53,7 +53,9 @@ class ChatCall:
     release: Admission
 
 
-def start_chat(state: ServerState, body: ChatCompletionRequest, arrival: float, id_prefix: str = "chatcmpl") -> ChatCall:
+def start_chat(
+    state: ServerState, body: ChatCompletionRequest, arrival: float, id_prefix: str = "chatcmpl"
+) -> ChatCall:
     """Validate ``body`` (400s name the field), admit it (429 at capacity) and build its first turn."""
     state.check_model(body.model)
     reject_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
@@ -61,19 +63,29 @@ def start_chat(state: ServerState, body: ChatCompletionRequest, arrival: float, 
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     mcp = state.mcp
-    setup = tool_setup(body, mcp.openai_tools() if mcp is not None else None,
-                       can_parse_calls=mcp is None or state.served_parsers().tool is not None)
+    setup = tool_setup(
+        body,
+        mcp.openai_tools() if mcp is not None else None,
+        can_parse_calls=mcp is None or state.served_parsers().tool is not None,
+    )
     if body.mcp_execute:
         if mcp is None:
             raise bad_request("'mcp_execute' needs MCP servers (fw serve --mcp-config / --mcp-command)", "mcp_execute")
         if not mcp.is_execution_enabled():
-            raise APIError(400, "'mcp_execute' is not enabled on this server: the operator has not allowed clients to "
-                                "have its MCP tools run (fw serve --mcp-execute, or \"execute\": true for a server in "
-                                "--mcp-config)", param="mcp_execute", code="mcp_execute_disabled")
+            raise APIError(
+                400,
+                "'mcp_execute' is not enabled on this server: the operator has not allowed clients to "
+                'have its MCP tools run (fw serve --mcp-execute, or "execute": true for a server in '
+                "--mcp-config)",
+                param="mcp_execute",
+                code="mcp_execute_disabled",
+            )
         if body.n != 1:
             raise bad_request("'mcp_execute' works with requests of n = 1", "mcp_execute")
     if not 0 <= body.mcp_max_rounds <= MAX_MCP_ROUNDS:
-        raise bad_request(f"'mcp_max_rounds' must be in [0, {MAX_MCP_ROUNDS}], got {body.mcp_max_rounds}", "mcp_max_rounds")
+        raise bad_request(
+            f"'mcp_max_rounds' must be in [0, {MAX_MCP_ROUNDS}], got {body.mcp_max_rounds}", "mcp_max_rounds"
+        )
     release = state.admit(max(body.n, 1))
     try:
         turn = ChatTurn(state, body, setup, template_messages(body.messages))
@@ -99,8 +111,9 @@ async def chat_completion(call: ChatCall, request: Request | None = None) -> Cha
         call.release()
 
 
-async def chat_chunk_stream(call: ChatCall, include_usage: bool = False) -> tuple[AsyncGenerator[ChatCompletionChunk],
-                                                                                  AsyncGenerator[ChoiceDelta]]:
+async def chat_chunk_stream(
+    call: ChatCall, include_usage: bool = False
+) -> tuple[AsyncGenerator[ChatCompletionChunk], AsyncGenerator[ChoiceDelta]]:
     """The reply's chunks, and the engine events under them (close both when done: :func:`stream_response`).
 
     An engine refusal of the request's grammar is raised here, as an HTTP error, not mid-stream."""
@@ -113,8 +126,12 @@ async def chat_chunk_stream(call: ChatCall, include_usage: bool = False) -> tupl
 
 def stream_response(body: AsyncIterator[bytes], call: ChatCall, *generators: AsyncGenerator) -> Stream:
     """An SSE response of ``body``; afterwards ``generators`` (outermost first) close and the admission is released."""
-    return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                  background=release_after(call.release, body, *generators))
+    return Stream(
+        body,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+        background=release_after(call.release, body, *generators),
+    )
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response | Stream:
@@ -156,15 +173,27 @@ async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival
     for i, (c, (message, finish)) in enumerate(zip(choices, results)):
         if rounds.records and i == 0:
             message.mcp_calls = rounds.records
-        response_choices.append(ChatChoice(index=i, message=message, finish_reason=finish, stop_reason=c.stop_reason,
-                                           logprobs=chat_logprobs(tokenizer, c.logprobs if wants_logprobs else None,
-                                                                  c.token_ids)))
+        response_choices.append(
+            ChatChoice(
+                index=i,
+                message=message,
+                finish_reason=finish,
+                stop_reason=c.stop_reason,
+                logprobs=chat_logprobs(tokenizer, c.logprobs if wants_logprobs else None, c.token_ids),
+            )
+        )
     prompt_tokens = rounds.prompt_tokens
     return ChatCompletionResponse(
-        id=request_id, model=state.model_name, choices=response_choices,
-        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
-                    prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None))
+        id=request_id,
+        model=state.model_name,
+        choices=response_choices,
+        usage=Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None,
+        ),
+    )
 
 
 def _delta_message(parsed: ParsedDelta, sent_calls: set[int]) -> DeltaMessage | None:
@@ -172,17 +201,32 @@ def _delta_message(parsed: ParsedDelta, sent_calls: set[int]) -> DeltaMessage | 
     for piece in parsed.tool_calls:
         first = piece.index not in sent_calls
         sent_calls.add(piece.index)
-        calls.append(DeltaToolCall(index=piece.index, id=piece.id if first else None, type="function" if first else None,
-                                   function=DeltaFunctionCall(name=piece.name if first else None,
-                                                              arguments=piece.arguments)))
+        calls.append(
+            DeltaToolCall(
+                index=piece.index,
+                id=piece.id if first else None,
+                type="function" if first else None,
+                function=DeltaFunctionCall(name=piece.name if first else None, arguments=piece.arguments),
+            )
+        )
     if not (parsed.content or parsed.reasoning or calls):
         return None
-    return DeltaMessage(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
-                        reasoning=parsed.reasoning or None, tool_calls=calls or None)
+    return DeltaMessage(
+        content=parsed.content or None,
+        reasoning_content=parsed.reasoning or None,
+        reasoning=parsed.reasoning or None,
+        tool_calls=calls or None,
+    )
 
 
-async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: float, include_usage: bool,
-                  first_events: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChatCompletionChunk]:
+async def _chunks(
+    state: ServerState,
+    request_id: str,
+    turn: ChatTurn,
+    arrival: float,
+    include_usage: bool,
+    first_events: AsyncIterator[ChoiceDelta],
+) -> AsyncIterator[ChatCompletionChunk]:
     """The SSE chunks of a streamed chat request.
 
     ``first_events`` are the first round's (already started). With ``mcp_execute``, tool calls
@@ -219,8 +263,11 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
                     parsed = parser.feed(delta.text)
                     if finish_reason is not None:
                         tail = parser.finish()
-                        parsed = ParsedDelta(parsed.reasoning + tail.reasoning, parsed.content + tail.content,
-                                             parsed.tool_calls + tail.tool_calls)
+                        parsed = ParsedDelta(
+                            parsed.reasoning + tail.reasoning,
+                            parsed.content + tail.content,
+                            parsed.tool_calls + tail.tool_calls,
+                        )
                         if parser.has_tool_calls and finish_reason == "stop" and turn.calls_finish:
                             finish_reason = "tool_calls"
                 if executing:
@@ -238,9 +285,17 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
                     calls = []
                 message = _delta_message(parsed, sent_calls[delta.index])
                 if message is not None or finish_reason is not None or delta.logprobs is not None:
-                    yield chunk([ChatStreamChoice(index=delta.index, delta=message or DeltaMessage(content=""),
-                                                  logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
-                                                  finish_reason=finish_reason, stop_reason=delta.stop_reason)])
+                    yield chunk(
+                        [
+                            ChatStreamChoice(
+                                index=delta.index,
+                                delta=message or DeltaMessage(content=""),
+                                logprobs=chat_logprobs(tokenizer, delta.logprobs, delta.token_ids),
+                                finish_reason=finish_reason,
+                                stop_reason=delta.stop_reason,
+                            )
+                        ]
+                    )
         num_cached += round_cached  # summed over rounds, as prompt_tokens is
         if not calls:
             break
@@ -248,6 +303,12 @@ async def _chunks(state: ServerState, request_id: str, turn: ChatTurn, arrival: 
         yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(mcp_calls=records))])
     prompt_tokens = rounds.prompt_tokens
     if include_usage:
-        yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens,
-                              prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None))
+        yield chunk(
+            [],
+            Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+                prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None,
+            ),
+        )

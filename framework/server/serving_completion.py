@@ -26,16 +26,22 @@ from framework.server.structured_outputs import first_event_or_error, grammar_er
 from framework.tokenizer import Tokenizer
 
 
-def prompt_token_lists(tokenizer: Tokenizer, prompt: object, vocab_size: int, max_items: int,
-                       flag: str = "--max-prompts") -> tuple[list[list[int]], list[str]]:
+def prompt_token_lists(
+    tokenizer: Tokenizer, prompt: object, vocab_size: int, max_items: int, flag: str = "--max-prompts"
+) -> tuple[list[list[int]], list[str]]:
     """Every prompt as token ids, plus its text (for ``echo``): at most ``max_items`` of them,
     token ids given by the client checked against ``vocab_size`` before anything decodes them.
 
     Text is tokenized with special-token parsing on: a raw prompt is the client's own text, so
     ``<|im_end|>`` written in it is that control token (as in vLLM and llama.cpp).
     """
+
     def is_ids(value: object) -> bool:
-        return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        return (
+            isinstance(value, list)
+            and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        )
 
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -44,8 +50,13 @@ def prompt_token_lists(tokenizer: Tokenizer, prompt: object, vocab_size: int, ma
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
         items = prompt
     else:
-        raise APIError(400, "'prompt' must be a non-empty string, a list of strings, a list of token ids, or a list of "
-                            "lists of token ids", param="prompt", code="invalid_type")
+        raise APIError(
+            400,
+            "'prompt' must be a non-empty string, a list of strings, a list of token ids, or a list of "
+            "lists of token ids",
+            param="prompt",
+            code="invalid_type",
+        )
     check_count(len(items), "prompt", max_items, flag)
     ids, texts = [], []
     for item in items:
@@ -91,19 +102,28 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
     reject_unsupported(body, UNSUPPORTED_COMPLETION_FIELDS)
     check_sampling_limits(body, state.config.max_n)
     client = state.client
-    num_prompts = len(body.prompt) if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else 1
+    num_prompts = (
+        len(body.prompt) if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else 1
+    )
     check_count(num_prompts, "prompt", state.config.max_prompts, "--max-prompts")
     release = state.admit(body.n * num_prompts)
     try:
-        prompts, texts = prompt_token_lists(client.tokenizer, body.prompt, client.ready.vocab_size,
-                                            state.config.max_prompts)
+        prompts, texts = prompt_token_lists(
+            client.tokenizer, body.prompt, client.ready.vocab_size, state.config.max_prompts
+        )
         release.add_tokens(sum(len(p) for p in prompts) * body.n)
-        params = build_sampling_params(body, max_tokens=body.max_tokens,
-                                       prompt_lens=[len(p) for p in prompts], max_model_len=state.max_model_len,
-                                       vocab_size=client.ready.vocab_size, logprobs=body.logprobs,
-                                       prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-                                       defaults=state.config, model_defaults=state.sampling_defaults,
-                                       default_max_tokens=state.config.max_gen_tokens or 16)  # OpenAI's default: 16
+        params = build_sampling_params(
+            body,
+            max_tokens=body.max_tokens,
+            prompt_lens=[len(p) for p in prompts],
+            max_model_len=state.max_model_len,
+            vocab_size=client.ready.vocab_size,
+            logprobs=body.logprobs,
+            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+            defaults=state.config,
+            model_defaults=state.sampling_defaults,
+            default_max_tokens=state.config.max_gen_tokens or 16,
+        )  # OpenAI's default: 16
     except BaseException:
         release()
         raise
@@ -116,8 +136,12 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
     if body.stream:
         chunks = job.chunks(events)
         body = sse_stream(chunks, finalize=release)
-        return Stream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                      background=release_after(release, body, chunks, events))
+        return Stream(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=release_after(release, body, chunks, events),
+        )
     try:
         return Response(await until_disconnect(request, job.response(events), to_api_error))
     finally:
@@ -125,17 +149,34 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
 
 
 class _Completion:
-    def __init__(self, state: ServerState, request_id: str, body: CompletionRequest, prompts: list[list[int]],
-                 texts: list[str], n: int) -> None:
-        self.state, self.request_id, self.body, self.prompts, self.texts, self.n = state, request_id, body, prompts, texts, n
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        body: CompletionRequest,
+        prompts: list[list[int]],
+        texts: list[str],
+        n: int,
+    ) -> None:
+        self.state, self.request_id, self.body, self.prompts, self.texts, self.n = (
+            state,
+            request_id,
+            body,
+            prompts,
+            texts,
+            n,
+        )
         self.tokenizer = state.client.tokenizer
         self.created = int(time.time())
 
     def _usage(self, completion_tokens: int, num_cached: int) -> Usage:
         prompt_tokens = sum(len(p) for p in self.prompts) * self.n
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None)
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None,
+        )
 
     def _echo_logprobs(self, builder: _LogprobBuilder, prompt_index: int, prompt_logprobs) -> None:
         if self.body.echo and prompt_logprobs is not None:
@@ -156,10 +197,22 @@ class _Completion:
                 builder = _LogprobBuilder(self.tokenizer)
                 self._echo_logprobs(builder, prompt_index, choice.prompt_logprobs)
                 logprobs = builder.add(choice.token_ids, choice.logprobs)
-            result.append(CompletionChoice(index=index, text=prefix + choice.text, logprobs=logprobs,
-                                           finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
-        return CompletionResponse(id=self.request_id, model=self.state.model_name, created=self.created, choices=result,
-                                  usage=self._usage(sum(len(c.token_ids) for c in choices), num_cached))
+            result.append(
+                CompletionChoice(
+                    index=index,
+                    text=prefix + choice.text,
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=self.request_id,
+            model=self.state.model_name,
+            created=self.created,
+            choices=result,
+            usage=self._usage(sum(len(c.token_ids) for c in choices), num_cached),
+        )
 
     async def chunks(self, events: AsyncIterator[ChoiceDelta]) -> AsyncIterator[CompletionResponse]:
         started: set[int] = set()
@@ -171,7 +224,9 @@ class _Completion:
             text = delta.text
             logprobs = None
             if self.body.logprobs is not None:
-                builder = _LogprobBuilder(self.tokenizer, builders[delta.index].offset if delta.index in builders else 0)
+                builder = _LogprobBuilder(
+                    self.tokenizer, builders[delta.index].offset if delta.index in builders else 0
+                )
                 if delta.index not in started:
                     self._echo_logprobs(builder, delta.prompt_index, delta.prompt_logprobs)
                 logprobs = builder.add(delta.token_ids, delta.logprobs or [])
@@ -182,10 +237,25 @@ class _Completion:
                     text = self.texts[delta.prompt_index] + text
             if not text and delta.finish_reason is None and logprobs is None:
                 continue
-            yield CompletionResponse(id=self.request_id, model=self.state.model_name, created=self.created,
-                                     choices=[CompletionChoice(index=delta.index, text=text, logprobs=logprobs,
-                                                               finish_reason=delta.finish_reason,
-                                                               stop_reason=delta.stop_reason)])
+            yield CompletionResponse(
+                id=self.request_id,
+                model=self.state.model_name,
+                created=self.created,
+                choices=[
+                    CompletionChoice(
+                        index=delta.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                    )
+                ],
+            )
         if self.body.stream_options is not None and self.body.stream_options.include_usage:
-            yield CompletionResponse(id=self.request_id, model=self.state.model_name, created=self.created, choices=[],
-                                     usage=self._usage(completion_tokens, num_cached))
+            yield CompletionResponse(
+                id=self.request_id,
+                model=self.state.model_name,
+                created=self.created,
+                choices=[],
+                usage=self._usage(completion_tokens, num_cached),
+            )

@@ -32,27 +32,39 @@ async def create_embedding(state: ServerState, request: Request) -> EmbeddingRes
     reject_unsupported(body, UNSUPPORTED_EMBEDDING_FIELDS)
     client = state.client
     try:
-        inputs, _ = prompt_token_lists(client.tokenizer, body.input, client.ready.vocab_size,
-                                       state.config.max_embedding_inputs, "--max-embedding-inputs")
+        inputs, _ = prompt_token_lists(
+            client.tokenizer,
+            body.input,
+            client.ready.vocab_size,
+            state.config.max_embedding_inputs,
+            "--max-embedding-inputs",
+        )
     except APIError as error:
         message = error.message.replace("'prompt'", "'input'").replace("prompt token ids", "input token ids")
         raise APIError(400, message, param="input", code=error.code) from None
     for ids in inputs:
         if len(ids) > state.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens; an input has "
-                                f"{len(ids)} tokens.", param="input", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {state.max_model_len} tokens; an input has {len(ids)} tokens.",
+                param="input",
+                code="context_length_exceeded",
+            )
     release = state.admit(len(inputs))
     release.add_tokens(sum(len(ids) for ids in inputs))
     request_id = new_id("embd")
     try:
-        vectors = await until_disconnect(request, asyncio.gather(
-            *(_embed(state, f"{request_id}-{i}", ids, body.pooling) for i, ids in enumerate(inputs))))
+        vectors = await until_disconnect(
+            request,
+            asyncio.gather(*(_embed(state, f"{request_id}-{i}", ids, body.pooling) for i, ids in enumerate(inputs))),
+        )
     finally:
         release()
     data = [EmbeddingData(index=i, embedding=_encode(vector, body.encoding_format)) for i, vector in enumerate(vectors)]
     num_tokens = sum(len(ids) for ids in inputs)
-    return EmbeddingResponse(data=data, model=state.model_name,
-                             usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+    return EmbeddingResponse(
+        data=data, model=state.model_name, usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+    )
 
 
 async def _embed(state: ServerState, request_id: str, ids: list[int], pooling: str) -> list[float]:

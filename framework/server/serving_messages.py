@@ -49,34 +49,62 @@ def mcp_blocks(record: MCPCallRecord) -> list[dict[str, Any]]:
     """A call the server ran (``mcp_execute``), as the MCP connector's ``mcp_tool_use`` and
     ``mcp_tool_result`` blocks (the server name is the tool name's ``<server>__`` prefix)."""
     server = record.name.split(SEPARATOR, 1)[0] if SEPARATOR in record.name else ""
-    return [{"type": "mcp_tool_use", "id": record.id, "name": record.name, "server_name": server,
-             "input": tool_input(record.arguments)},
-            {"type": "mcp_tool_result", "tool_use_id": record.id, "is_error": record.is_error,
-             "content": [{"type": "text", "text": record.result}]}]
+    return [
+        {
+            "type": "mcp_tool_use",
+            "id": record.id,
+            "name": record.name,
+            "server_name": server,
+            "input": tool_input(record.arguments),
+        },
+        {
+            "type": "mcp_tool_result",
+            "tool_use_id": record.id,
+            "is_error": record.is_error,
+            "content": [{"type": "text", "text": record.result}],
+        },
+    ]
 
 
 def content_blocks(message: ResponseMessage) -> list[dict[str, Any]]:
-    blocks = [{"type": "thinking", "thinking": message.reasoning_content, "signature": ""}] \
-        if message.reasoning_content else []
+    blocks = (
+        [{"type": "thinking", "thinking": message.reasoning_content, "signature": ""}]
+        if message.reasoning_content
+        else []
+    )
     blocks += [block for record in message.mcp_calls or [] for block in mcp_blocks(record)]
     if message.content:
         blocks.append({"type": "text", "text": message.content})
-    blocks += [{"type": "tool_use", "id": c.id, "name": c.function.name, "input": tool_input(c.function.arguments)}
-               for c in message.tool_calls or []]
+    blocks += [
+        {"type": "tool_use", "id": c.id, "name": c.function.name, "input": tool_input(c.function.arguments)}
+        for c in message.tool_calls or []
+    ]
     return blocks
 
 
 def usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, int]:
     """Anthropic's usage: ``input_tokens`` excludes the prompt tokens read from the prefix cache."""
-    return {"input_tokens": input_tokens - cached, "output_tokens": output_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": input_tokens - cached,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
-def _message(call: ChatCall, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
-             tokens: dict[str, int]) -> dict[str, Any]:
-    return {"id": call.request_id.replace("-", "_"), "type": "message", "role": "assistant",
-            "model": call.state.model_name, "content": content, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": tokens}
+def _message(
+    call: ChatCall, content: list[dict[str, Any]], reason: str | None, sequence: str | None, tokens: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": call.request_id.replace("-", "_"),
+        "type": "message",
+        "role": "assistant",
+        "model": call.state.model_name,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": tokens,
+    }
 
 
 async def create_message(state: ServerState, request: Request) -> Response:
@@ -94,8 +122,15 @@ async def create_message(state: ServerState, request: Request) -> Response:
     reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason)
     tokens = completion.usage
     cached = (tokens.prompt_tokens_details or {}).get("cached_tokens", 0)
-    return Response(_message(call, content_blocks(choice.message), reason, sequence,
-                             usage(tokens.prompt_tokens, tokens.completion_tokens, cached)))
+    return Response(
+        _message(
+            call,
+            content_blocks(choice.message),
+            reason,
+            sequence,
+            usage(tokens.prompt_tokens, tokens.completion_tokens, cached),
+        )
+    )
 
 
 async def count_tokens(state: ServerState, request: Request) -> dict[str, int]:
@@ -143,25 +178,36 @@ async def stream_events(call: ChatCall, chunks: AsyncIterator[Any]) -> AsyncIter
                     if kind != "thinking":
                         for event in start({"type": "thinking", "thinking": "", "signature": ""}):
                             yield event
-                    yield {"type": "content_block_delta", "index": index,
-                           "delta": {"type": "thinking_delta", "thinking": delta.reasoning_content}}
+                    yield {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "thinking_delta", "thinking": delta.reasoning_content},
+                    }
                 if delta.content:
                     if kind != "text":
                         for event in start({"type": "text", "text": ""}):
                             yield event
-                    yield {"type": "content_block_delta", "index": index,
-                           "delta": {"type": "text_delta", "text": delta.content}}
+                    yield {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "text_delta", "text": delta.content},
+                    }
                 for record in delta.mcp_calls or []:  # calls the server ran between two rounds
                     for block in mcp_blocks(record):
                         for event in start(block):
                             yield event
                 for piece in delta.tool_calls or []:
                     if piece.id is not None:
-                        for event in start({"type": "tool_use", "id": piece.id, "name": piece.function.name, "input": {}}):
+                        for event in start(
+                            {"type": "tool_use", "id": piece.id, "name": piece.function.name, "input": {}}
+                        ):
                             yield event
                     if piece.function is not None and piece.function.arguments:
-                        yield {"type": "content_block_delta", "index": index,
-                               "delta": {"type": "input_json_delta", "partial_json": piece.function.arguments}}
+                        yield {
+                            "type": "content_block_delta",
+                            "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": piece.function.arguments},
+                        }
     except Exception as error:
         yield anthropic_error_body(engine_error(error))
         return

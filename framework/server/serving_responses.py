@@ -36,33 +36,58 @@ from framework.server.state import ServerState, engine_error, typed_sse_stream
 class ResponseRun:
     """One response being made: the request, its id, and the response object at each stage."""
 
-    def __init__(self, state: ServerState, body: ResponsesRequest, chat: ChatCompletionRequest, conversation_start: int):
+    def __init__(
+        self, state: ServerState, body: ResponsesRequest, chat: ChatCompletionRequest, conversation_start: int
+    ):
         self.state, self.body, self.chat = state, body, chat
         self.id = new_item_id("resp")
         self.created_at = int(time.time())
         self.conversation = chat.messages[conversation_start:]  # without the instructions
 
-    def response(self, status: str, output: list[dict[str, Any]] | None = None, usage: Usage | None = None,
-                 finish_reason: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]] | None = None,
+        usage: Usage | None = None,
+        finish_reason: str | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         body = self.body
         incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
         if incomplete is not None and status == "completed":
             status = "incomplete"
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "model": self.state.model_name, "output": output or [], "usage": response_usage(usage),
-                "error": error, "incomplete_details": incomplete, "instructions": body.instructions,
-                "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
-                "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
-                "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
-                "previous_response_id": body.previous_response_id, "metadata": body.metadata or {},
-                "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning,
-                "store": body.store, "background": body.background, "truncation": "disabled"}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": self.state.model_name,
+            "output": output or [],
+            "usage": response_usage(usage),
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "tools": body.tools or [],
+            "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "max_output_tokens": body.max_output_tokens,
+            "previous_response_id": body.previous_response_id,
+            "metadata": body.metadata or {},
+            "text": body.text or {"format": {"type": "text"}},
+            "reasoning": body.reasoning,
+            "store": body.store,
+            "background": body.background,
+            "truncation": "disabled",
+        }
 
     def store(self, response: dict[str, Any], task: asyncio.Task | None = None) -> None:
         if self.body.store:
             messages = [*self.conversation, *output_messages(response["output"])]
-            self.state.responses.put(self.id, StoredResponse(response, messages, task,
-                                                             input_items=input_items(self.body.input)))
+            self.state.responses.put(
+                self.id, StoredResponse(response, messages, task, input_items=input_items(self.body.input))
+            )
 
     async def whole(self, call: ChatCall, request: Request | None) -> dict[str, Any]:
         completion = await chat_completion(call, request)
@@ -81,13 +106,21 @@ async def create_response(state: ServerState, request: Request) -> Response:
     if body.previous_response_id is not None:
         previous = state.responses.get(body.previous_response_id)
         if previous is None:
-            raise APIError(404, f"Previous response with id {body.previous_response_id!r} not found (responses are "
-                                f"kept {state.config.stored_response_ttl_s:g} s, at most "
-                                f"{state.config.max_stored_responses}, and only with 'store': true)",
-                           param="previous_response_id", code="previous_response_not_found")
+            raise APIError(
+                404,
+                f"Previous response with id {body.previous_response_id!r} not found (responses are "
+                f"kept {state.config.stored_response_ttl_s:g} s, at most "
+                f"{state.config.max_stored_responses}, and only with 'store': true)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         if previous.task is not None and not previous.task.done():
-            raise APIError(400, f"Previous response {body.previous_response_id!r} is still in progress",
-                           param="previous_response_id", code="previous_response_in_progress")
+            raise APIError(
+                400,
+                f"Previous response {body.previous_response_id!r} is still in progress",
+                param="previous_response_id",
+                code="previous_response_in_progress",
+            )
         history = list(previous.messages)
     chat = chat_request(body, history)
     run = ResponseRun(state, body, chat, 1 if body.instructions else 0)
@@ -114,15 +147,21 @@ async def _background(run: ResponseRun, call: ChatCall) -> None:
         raise
     except Exception as error:
         api_error = engine_error(error)
-        run.store(run.response("failed", error={"code": api_error.code or "server_error", "message": api_error.message}))
+        run.store(
+            run.response("failed", error={"code": api_error.code or "server_error", "message": api_error.message})
+        )
 
 
 def _stored(state: ServerState, response_id: str) -> StoredResponse:
     entry = state.responses.get(response_id)
     if entry is None:
-        raise APIError(404, f"No response with id {response_id!r} (responses are kept "
-                            f"{state.config.stored_response_ttl_s:g} s, and only with 'store': true)",
-                       param="response_id", code="response_not_found")
+        raise APIError(
+            404,
+            f"No response with id {response_id!r} (responses are kept "
+            f"{state.config.stored_response_ttl_s:g} s, and only with 'store': true)",
+            param="response_id",
+            code="response_not_found",
+        )
     return entry
 
 
@@ -150,8 +189,13 @@ async def cancel_response(state: ServerState, response_id: str) -> dict[str, Any
 def list_input_items(state: ServerState, response_id: str) -> dict[str, Any]:
     """``GET /v1/responses/{id}/input_items``: the request's input items, newest first (as OpenAI lists them)."""
     items = list(reversed(_stored(state, response_id).input_items or []))
-    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None, "has_more": False}
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": False,
+    }
 
 
 def _error_event(error: APIError) -> dict[str, Any]:

@@ -107,8 +107,9 @@ class ServerState:
             from framework.server.chat_tools import resolve_parsers
 
             try:
-                self._parsers = resolve_parsers(self.config.tool_parser, self.config.reasoning_parser,
-                                                self.client.tokenizer.chat_template)
+                self._parsers = resolve_parsers(
+                    self.config.tool_parser, self.config.reasoning_parser, self.client.tokenizer.chat_template
+                )
             except ConfigError as error:
                 raise APIError(500, str(error), code="parser_error") from None
         return self._parsers
@@ -132,8 +133,12 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         names = self.config.served_model_names or [self.model_name]
         if model is not None and model not in names:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
+                param="model",
+                code="model_not_found",
+            )
 
     def admit(self, num_seqs: int) -> Admission:
         """Admit a request of ``num_seqs`` sequences, or answer 429 with Retry-After.
@@ -153,8 +158,12 @@ class ServerState:
             self.num_admitted += num_seqs
             return Admission(self, num_seqs)
         self.metrics.rejected.inc()
-        raise APIError(429, f"the server is at capacity ({reason}); retry later", code="too_many_requests",
-                       headers={"Retry-After": str(config.retry_after_s)})
+        raise APIError(
+            429,
+            f"the server is at capacity ({reason}); retry later",
+            code="too_many_requests",
+            headers={"Retry-After": str(config.retry_after_s)},
+        )
 
 
 class Admission:
@@ -183,6 +192,7 @@ def release_after(release: Callable[[], None], *generators: AsyncGenerator) -> B
     ``generators`` (outermost first) runs their ``finally`` blocks now, which aborts the engine
     requests, instead of whenever they are garbage-collected. Also runs when the stream never started.
     """
+
     async def run() -> None:
         try:
             for generator in generators:
@@ -212,8 +222,9 @@ def engine_error(error: Exception) -> APIError:
     return APIError(500, f"{type(error).__name__}: {error}", code="internal_error")
 
 
-async def until_disconnect(request: Request, work: Awaitable[T],
-                           to_api_error: Callable[[Exception], APIError] | None = None) -> T:
+async def until_disconnect(
+    request: Request, work: Awaitable[T], to_api_error: Callable[[Exception], APIError] | None = None
+) -> T:
     """Await ``work``; if the client disconnects first, cancel it (which aborts its engine requests).
 
     Its errors become API errors through ``to_api_error`` (default :func:`engine_error`)."""
@@ -258,8 +269,9 @@ async def sse_stream(events: AsyncIterator[Any], finalize: Callable[[], None] | 
     yield b"data: [DONE]\n\n"
 
 
-async def typed_sse_stream(events: AsyncIterator[dict[str, Any]],
-                           error_event: Callable[[APIError], dict[str, Any]]) -> AsyncIterator[bytes]:
+async def typed_sse_stream(
+    events: AsyncIterator[dict[str, Any]], error_event: Callable[[APIError], dict[str, Any]]
+) -> AsyncIterator[bytes]:
     """SSE framing of typed events (the Responses and Messages APIs): ``event: <type>`` then
     ``data: {json}``, no ``[DONE]``; an exception the events did not handle is sent as ``error_event``."""
     try:

@@ -75,8 +75,9 @@ def _constraints(body: Any) -> list[tuple[str, StructuredOutputsParams]]:
             found.append((name, _build(name, {key: value})))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
-        raise bad_request(f"give at most one of response_format, structured_outputs and the guided_* fields; got {names}",
-                          found[1][0])
+        raise bad_request(
+            f"give at most one of response_format, structured_outputs and the guided_* fields; got {names}", found[1][0]
+        )
     return found
 
 
@@ -84,6 +85,7 @@ def grammar_errors(field: str | None) -> Callable[[Exception], APIError]:
     """:func:`~framework.server.state.engine_error`, except that the engine's error about a grammar
     (a :class:`~framework.errors.GrammarError`: invalid, or failed to compile) is a 400 naming
     ``field``, the request field the grammar came from, in place of its ``structured_outputs.<kind>``."""
+
     def to_api_error(error: Exception) -> APIError:
         if field is not None and isinstance(error, GrammarError):
             return bad_request(f"{field}: {str(error).split(': ', 1)[-1]}", field)
@@ -95,23 +97,31 @@ def grammar_errors(field: str | None) -> Callable[[Exception], APIError]:
 def _from_response_format(value: Any) -> StructuredOutputsParams | None:
     if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMAT_TYPES:
         kind = value.get("type") if isinstance(value, dict) else value
-        raise bad_request(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}; got {kind!r}",
-                          "response_format.type")
+        raise bad_request(
+            f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}; got {kind!r}",
+            "response_format.type",
+        )
     if value["type"] == "text":
         return None
     if value["type"] == "json_object":
         return StructuredOutputsParams(json_object=True)
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise bad_request("response_format.json_schema must be an object with 'name' and 'schema' when type is "
-                          "'json_schema'", "response_format.json_schema")
+        raise bad_request(
+            "response_format.json_schema must be an object with 'name' and 'schema' when type is 'json_schema'",
+            "response_format.json_schema",
+        )
     schema = spec.get("schema")
     if schema is None:
-        raise bad_request("response_format.json_schema.schema is required: the JSON Schema the output must follow",
-                          "response_format.json_schema.schema")
+        raise bad_request(
+            "response_format.json_schema.schema is required: the JSON Schema the output must follow",
+            "response_format.json_schema.schema",
+        )
     if not isinstance(schema, dict):
-        raise bad_request(f"response_format.json_schema.schema must be a JSON Schema object, got {type(schema).__name__}",
-                          "response_format.json_schema.schema")
+        raise bad_request(
+            f"response_format.json_schema.schema must be a JSON Schema object, got {type(schema).__name__}",
+            "response_format.json_schema.schema",
+        )
     return _build("response_format.json_schema.schema", {"json": schema})
 
 
@@ -121,14 +131,18 @@ def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
     valid = set(StructuredOutputsParams.__struct_fields__)
     unknown = sorted(set(value) - valid)
     if unknown:
-        raise bad_request(f"structured_outputs has unknown keys {unknown}; valid: {', '.join(sorted(valid))}",
-                          f"structured_outputs.{unknown[0]}")
+        raise bad_request(
+            f"structured_outputs has unknown keys {unknown}; valid: {', '.join(sorted(valid))}",
+            f"structured_outputs.{unknown[0]}",
+        )
     return _build("structured_outputs", value)
 
 
 def _build(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
     schema = fields.get("json")
-    if isinstance(schema, str) and json_depth(schema.encode()) > MAX_JSON_DEPTH:  # the body's own limit, for a schema given as text
+    if (
+        isinstance(schema, str) and json_depth(schema.encode()) > MAX_JSON_DEPTH
+    ):  # the body's own limit, for a schema given as text
         raise bad_request(f"{param}: the JSON schema is nested more than {MAX_JSON_DEPTH} levels deep", param)
     try:
         params = msgspec.convert(fields, StructuredOutputsParams)
@@ -142,8 +156,9 @@ def _build(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
     return params
 
 
-async def first_event_or_error(events: AsyncIterator[Any], on_error: Callable[[], None],
-                               to_api_error: Callable[[Exception], APIError]) -> AsyncIterator[Any]:
+async def first_event_or_error(
+    events: AsyncIterator[Any], on_error: Callable[[], None], to_api_error: Callable[[Exception], APIError]
+) -> AsyncIterator[Any]:
     """Wait for the stream's first event, so that an engine refusal (an invalid grammar) is an HTTP
     error instead of an SSE error event after a 200; returns the whole stream, first event included.
 

@@ -15,7 +15,9 @@ FIXTURE = Path(__file__).parent.parent / "fixtures" / "hello_plugin"
 
 
 def _fw(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_help_and_plugins_list_do_not_import_torch():
@@ -66,8 +68,22 @@ def hello_site(tmp_path_factory) -> Path:
     """The fixture plugin pip-installed into its own directory, as a user would install it."""
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(FIXTURE)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(FIXTURE),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return target
 

@@ -22,7 +22,10 @@ def test_every_hook_is_documented_with_its_signature():
 
 
 def test_every_hook_is_named_in_a_test():
-    sources = "\n".join(p.read_text() for p in [*ROOT.glob("tests/**/*.py"), *ROOT.glob("plugins/*/*/tests/*.py")]
-                        if p.name != Path(__file__).name)
+    sources = "\n".join(
+        p.read_text()
+        for p in [*ROOT.glob("tests/**/*.py"), *ROOT.glob("plugins/*/*/tests/*.py")]
+        if p.name != Path(__file__).name
+    )
     untested = [name for name in plugins.hook_names() if not re.search(rf"\b{name}\b", sources)]
     assert not untested, f"hooks no test exercises: {untested}"

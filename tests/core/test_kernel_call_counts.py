@@ -21,9 +21,18 @@ from framework.specs import KernelSpec
 from framework.testing import check_kernels_used, count_kernel_calls
 
 FAKE_OPS = ("rms_norm", "fused_add_rms_norm")
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-              "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,7 +62,9 @@ def tiny_llama(tmp_path_factory):
 
 def generate_a_few_tokens(folder, **engine_args) -> list[int]:
     llm = LLM(str(folder), load_format="dummy", num_blocks=16, **engine_args)
-    result = llm.generate({"prompt_token_ids": [3, 17, 9, 40]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    result = llm.generate(
+        {"prompt_token_ids": [3, 17, 9, 40]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    )
     return result[0].outputs[0].token_ids
 
 
@@ -65,8 +76,16 @@ def test_counts_name_the_implementation_each_op_and_the_attention_backend_ran(fa
     # per step: the first layer's input norm has no residual (rms_norm); the other three norms add it
     assert calls["rms_norm/fake"] == 3 and calls["fused_add_rms_norm/fake"] == 12
     assert "rms_norm/torch" not in calls and "fused_add_rms_norm/torch" not in calls
-    check_kernels_used(calls, {"rms_norm": "fake", "fused_add_rms_norm": "fake", "silu_and_mul": "torch",
-                               "rotary_embedding": "torch", "attention": "torch"})
+    check_kernels_used(
+        calls,
+        {
+            "rms_norm": "fake",
+            "fused_add_rms_norm": "fake",
+            "silu_and_mul": "torch",
+            "rotary_embedding": "torch",
+            "attention": "torch",
+        },
+    )
 
 
 def test_a_fallback_to_the_reference_fails_the_check(fake_kernels, tiny_llama, monkeypatch):
@@ -116,8 +135,14 @@ def test_a_cpu_model_on_a_cuda_machine_runs_the_cpu_kernels_and_backend(tiny_lla
     from framework import kernels, platform
 
     real = platform.detect_platform()
-    cuda = platform.Platform("cuda", num_devices=1, device_name="fake", compute_capability=(9, 0),
-                             packages=real.packages | {"triton"}, probed=True)
+    cuda = platform.Platform(
+        "cuda",
+        num_devices=1,
+        device_name="fake",
+        compute_capability=(9, 0),
+        packages=real.packages | {"triton"},
+        probed=True,
+    )
     monkeypatch.setattr(platform, "detect_platform", lambda probe_device=True: cuda)
     kernels._resolve.cache_clear()
     try:
@@ -134,7 +159,15 @@ def test_a_cpu_model_on_a_cuda_machine_runs_the_cpu_kernels_and_backend(tiny_lla
         monkeypatch.undo()
         kernels._resolve.cache_clear()
         assert ids == generate_a_few_tokens(tiny_llama, device="cpu")  # as on a machine without CUDA
-        check_kernels_used(calls, {"rms_norm": "torch", "fused_add_rms_norm": "torch", "silu_and_mul": "torch",
-                                   "rotary_embedding": "torch", "attention": "torch"})
+        check_kernels_used(
+            calls,
+            {
+                "rms_norm": "torch",
+                "fused_add_rms_norm": "torch",
+                "silu_and_mul": "torch",
+                "rotary_embedding": "torch",
+                "attention": "torch",
+            },
+        )
     finally:
         kernels._resolve.cache_clear()

@@ -60,9 +60,19 @@ def test_all_entry_points_load_and_broken_plugin_is_reported_by_name(three_plugi
     assert error.name == "broken"
     assert "'broken'" in error.error and "fwtest_does_not_exist" in error.error and "ModuleNotFoundError" in error.error
     assert registries.kernels().names() == sorted(
-        ["rms_norm/alpha", "rms_norm/beta", "rms_norm/torch", "fused_add_rms_norm/torch", "silu_and_mul/torch",
-         "gelu_tanh_and_mul/torch", "rotary_embedding/torch", "qk_norm_rotary_embedding/torch", "fused_moe/torch",
-         "quantized_fused_moe/torch", "linear/torch"]
+        [
+            "rms_norm/alpha",
+            "rms_norm/beta",
+            "rms_norm/torch",
+            "fused_add_rms_norm/torch",
+            "silu_and_mul/torch",
+            "gelu_tanh_and_mul/torch",
+            "rotary_embedding/torch",
+            "qk_norm_rotary_embedding/torch",
+            "fused_moe/torch",
+            "quantized_fused_moe/torch",
+            "linear/torch",
+        ]
     )
 
 
@@ -149,9 +159,22 @@ def test_register_hook_must_return_specs_of_its_kind(register_fw_plugin):
 
 
 def test_plugin_overrides_firstresult_default(register_fw_plugin):
-    candidates = [AttentionBackendSpec(name="fast", impl="x:y", priority=9), AttentionBackendSpec(name="torch", impl="x:y")]
-    assert plugins.call_first("select_attention_backend", candidates=candidates, requested=None, model_config=None, platform=None) == "fast"
-    assert plugins.call_first("select_attention_backend", candidates=candidates, requested="torch", model_config=None, platform=None) == "torch"
+    candidates = [
+        AttentionBackendSpec(name="fast", impl="x:y", priority=9),
+        AttentionBackendSpec(name="torch", impl="x:y"),
+    ]
+    assert (
+        plugins.call_first(
+            "select_attention_backend", candidates=candidates, requested=None, model_config=None, platform=None
+        )
+        == "fast"
+    )
+    assert (
+        plugins.call_first(
+            "select_attention_backend", candidates=candidates, requested="torch", model_config=None, platform=None
+        )
+        == "torch"
+    )
 
     class AlwaysTorch:
         @hookimpl
@@ -159,7 +182,12 @@ def test_plugin_overrides_firstresult_default(register_fw_plugin):
             return candidates[-1].name
 
     register_fw_plugin(AlwaysTorch(), "always_torch")
-    assert plugins.call_first("select_attention_backend", candidates=candidates, requested=None, model_config=None, platform=None) == "torch"
+    assert (
+        plugins.call_first(
+            "select_attention_backend", candidates=candidates, requested=None, model_config=None, platform=None
+        )
+        == "torch"
+    )
 
 
 def test_quantization_default_resolution_and_override(register_fw_plugin):
@@ -179,7 +207,10 @@ def test_quantization_default_resolution_and_override(register_fw_plugin):
 
 
 def test_default_parsers_default_is_none():
-    assert plugins.call_first("default_parsers", model_config=None, chat_template=None) == {"tool": None, "reasoning": None}
+    assert plugins.call_first("default_parsers", model_config=None, chat_template=None) == {
+        "tool": None,
+        "reasoning": None,
+    }
 
 
 def test_lifecycle_hooks_run_in_every_plugin(register_fw_plugin):
@@ -201,7 +232,9 @@ def test_lifecycle_hooks_run_in_every_plugin(register_fw_plugin):
     register_fw_plugin(Lifecycle("b"), "life_b")
     plugins.call_all("startup", engine="E")
     plugins.call_all("shutdown", engine="E")
-    assert sorted(seen) == sorted([("startup", "a", "E"), ("startup", "b", "E"), ("shutdown", "a", "E"), ("shutdown", "b", "E")])
+    assert sorted(seen) == sorted(
+        [("startup", "a", "E"), ("startup", "b", "E"), ("shutdown", "a", "E"), ("shutdown", "b", "E")]
+    )
 
 
 def test_route_and_app_init_hooks_collect_from_plugins(register_fw_plugin):
@@ -222,14 +255,20 @@ def test_route_and_app_init_hooks_collect_from_plugins(register_fw_plugin):
 
 
 def test_registries_cover_every_register_hook():
-    register_hooks = {name for name in plugins.hook_names() if name.startswith("register_") and name not in ("register_routes", "register_commands")}
+    register_hooks = {
+        name
+        for name in plugins.hook_names()
+        if name.startswith("register_") and name not in ("register_routes", "register_commands")
+    }
     assert register_hooks == set(registries.REGISTRY_HOOKS)
 
 
 def test_spec_reports_reasons_it_cannot_run():
     from framework.platform import Platform
 
-    spec = AttentionBackendSpec(name="fi", impl="x:y", devices=("cuda",), requires=("surely_not_installed_pkg",), min_compute_capability=(9, 0))
+    spec = AttentionBackendSpec(
+        name="fi", impl="x:y", devices=("cuda",), requires=("surely_not_installed_pkg",), min_compute_capability=(9, 0)
+    )
     assert spec.unavailable_reasons(Platform("cuda", compute_capability=(8, 0))) == [
         "package 'surely_not_installed_pkg' is not installed",
         "needs compute capability >= 9.0, device has 8.0",

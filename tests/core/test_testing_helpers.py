@@ -8,8 +8,16 @@ from safetensors.torch import load_file
 
 from framework.testing import write_randomised_model
 
-TINY = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, attention_bias=True)
+TINY = transformers.LlamaConfig(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attention_bias=True,
+)
 
 
 def test_randomised_model_is_written_once_with_its_random_norms_and_biases(tmp_path, monkeypatch):
@@ -30,3 +38,29 @@ def test_randomised_model_is_written_once_with_its_random_norms_and_biases(tmp_p
     for name, tensor in reference.state_dict().items():
         if name in stored:
             assert torch.equal(stored[name], tensor), name
+
+
+def test_the_testing_package_re_exports_every_public_helper_of_its_modules():
+    """``from framework.testing import X`` keeps working for every helper, whichever module holds it
+    (the quant kits, which import torch, through a lazy attribute: their three entry points)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import framework.testing as testing
+
+    missing = []
+    for info in pkgutil.iter_modules(testing.__path__):
+        if info.name == "quant":
+            assert all(getattr(testing, name) is not None for name in ("QuantScheme", "check_linear_method"))
+            continue
+        module = importlib.import_module(f"framework.testing.{info.name}")
+        for name, value in vars(module).items():
+            defined_here = getattr(value, "__module__", module.__name__) == module.__name__ or not (
+                inspect.isfunction(value) or inspect.isclass(value) or inspect.ismodule(value)
+            )
+            if name.startswith("_") or inspect.ismodule(value) or not defined_here or name == "annotations":
+                continue
+            if name not in testing.__all__ or getattr(testing, name) is not value:
+                missing.append(f"{info.name}.{name}")
+    assert not missing, missing

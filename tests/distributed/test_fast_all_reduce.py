@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from cli.main import build_app
 from framework import LLM, EngineBuilder, SamplingParams
-from framework.distributed import fast_all_reduce
+from framework.distributed import all_reduce_policy, fast_all_reduce
 from framework.distributed.fast_all_reduce import (
     MAX_BUFFER_BYTES,
     all_reduce_for_dtype,
@@ -31,7 +31,9 @@ def test_resolve_all_reduce_validates_the_name_and_the_device():
     assert resolve_all_reduce("auto", cpu) == "nccl"  # gloo
     assert resolve_all_reduce("auto", cuda) == "auto"  # decided once the group exists
     assert resolve_all_reduce("symm_mem", cuda) == "symm_mem"
-    with pytest.raises(ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'custom'"):
+    with pytest.raises(
+        ConfigError, match=r"--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'custom'"
+    ):
         resolve_all_reduce("custom", cuda)
     with pytest.raises(ConfigError, match=r"symm_mem needs CUDA GPUs with peer access; this engine runs on cpu"):
         resolve_all_reduce("symm_mem", cpu)
@@ -43,11 +45,18 @@ def test_resolve_all_reduce_validates_the_name_and_the_device():
 def test_fp16_models_keep_nccl_under_auto_and_refuse_symm_mem():
     assert all_reduce_for_dtype("auto", torch.float16) == "nccl"
     assert all_reduce_for_dtype("nccl", torch.float16) == "nccl"
-    with pytest.raises(ConfigError, match=r"symm_mem sums bf16 and fp32 tensors; this model runs in torch.float16: "
-                                          r"use --dtype bf16 or --all-reduce nccl"):
+    with pytest.raises(
+        ConfigError,
+        match=r"symm_mem sums bf16 and fp32 tensors; this model runs in torch.float16: "
+        r"use --dtype bf16 or --all-reduce nccl",
+    ):
         all_reduce_for_dtype("symm_mem", torch.float16)
     for dtype in (torch.bfloat16, torch.float32):
-        assert [all_reduce_for_dtype(name, dtype) for name in ("auto", "symm_mem", "nccl")] == ["auto", "symm_mem", "nccl"]
+        assert [all_reduce_for_dtype(name, dtype) for name in ("auto", "symm_mem", "nccl")] == [
+            "auto",
+            "symm_mem",
+            "nccl",
+        ]
 
 
 def test_buffer_holds_the_largest_decode_all_reduce_up_to_a_cap():
@@ -69,40 +78,51 @@ def test_cli_all_reduce_flag_errors_name_the_valid_values(command):
     result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--all-reduce", "fast"])
     assert result.exit_code == 2, result.output
     assert "--all-reduce must be one of nccl, symm_mem, auto, flashinfer; got 'fast'" in result.output
-    result = CliRunner().invoke(app, [*command, "--m", "./no-such-model", "--device", "cpu", "--tp", "2",
-                                      "--all-reduce", "symm_mem"])
+    result = CliRunner().invoke(
+        app, [*command, "--m", "./no-such-model", "--device", "cpu", "--tp", "2", "--all-reduce", "symm_mem"]
+    )
     assert result.exit_code == 2, result.output
     assert "symm_mem needs CUDA GPUs" in result.output
 
 
-@pytest.mark.parametrize(("flags", "device"), [({}, "cuda"), ({"device": "cpu"}, "cpu"),
-                                               ({"device": "cpu", "tensor_parallel_size": 2}, "cpu"),
-                                               ({"tensor_parallel_size": 2, "num_nodes": 2, "node_rank": 1}, "cuda:0")])
+@pytest.mark.parametrize(
+    ("flags", "device"),
+    [
+        ({}, "cuda"),
+        ({"device": "cpu"}, "cpu"),
+        ({"device": "cpu", "tensor_parallel_size": 2}, "cpu"),
+        ({"tensor_parallel_size": 2, "num_nodes": 2, "node_rank": 1}, "cuda:0"),
+    ],
+)
 def test_cli_all_reduce_check_sees_the_device_the_engine_builder_uses(flags, device, monkeypatch):
     """The CLI's early ``--all-reduce`` check and :class:`EngineBuilder` validate on one device, the
     one these flags name on a (faked) CUDA machine: node 1's first rank is its local GPU 0."""
     from cli.options import engine_kwargs
-    from framework.engine import builder
 
-    seen: dict[str, torch.device] = {}
+    seen: dict[str, list[torch.device]] = {"cli": [], "builder": []}
+    where = "cli"
 
-    def recording(where):
-        def resolve(name, device):
-            seen[where] = device
-            return resolve_all_reduce(name, device)
-        return resolve
+    def resolve(name, device):
+        seen[where].append(device)
+        return resolve_all_reduce(name, device)
 
-    monkeypatch.setattr(fast_all_reduce, "resolve_all_reduce", recording("cli"))
-    monkeypatch.setattr(builder, "resolve_all_reduce", recording("builder"))
+    monkeypatch.setattr(fast_all_reduce, "resolve_all_reduce", resolve)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # the builder makes a rank's GPU current
     from framework import platform
 
-    monkeypatch.setattr(platform, "detect_platform", lambda probe_device=True: platform.Platform(
-        "cuda", num_devices=2, device_name="fake", compute_capability=(9, 0), probed=True))
+    monkeypatch.setattr(
+        platform,
+        "detect_platform",
+        lambda probe_device=True: platform.Platform(
+            "cuda", num_devices=2, device_name="fake", compute_capability=(9, 0), probed=True
+        ),
+    )
     kwargs = engine_kwargs(m="./no-such-model", all_reduce="auto", **flags)
+    where = "builder"
     EngineBuilder(**kwargs)
-    assert seen["cli"] == seen["builder"] == torch.device(device), seen
+    assert seen["cli"] and seen["builder"], seen
+    assert set(seen["cli"]) == set(seen["builder"]) == {torch.device(device)}, seen
 
 
 def test_cli_refuses_gpu_ordinals_with_a_cpu_device_before_starting_anything():
@@ -112,9 +132,19 @@ def test_cli_refuses_gpu_ordinals_with_a_cpu_device_before_starting_anything():
 
 
 def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_path):
-    reference = write_tiny_model(tmp_path, transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1))
+    reference = write_tiny_model(
+        tmp_path,
+        transformers.LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            initializer_range=0.1,
+        ),
+    )
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = [5, 9, 33, 2]
     with LLM(str(tmp_path), device="cpu", tensor_parallel_size=2, num_blocks=8, all_reduce="auto") as llm:
@@ -123,17 +153,28 @@ def test_tp2_on_cpu_with_all_reduce_auto_runs_gloo_and_matches_transformers(tmp_
     assert ids == reference_greedy(reference, prompt, params.max_tokens)
 
 
-@pytest.mark.parametrize(("hosts", "indices", "peer", "capability", "set_up", "problem"), [
-    (["a", "a"], [0, 1], True, (9, 0), [False, False], None),
-    (["a", "b"], [0, 1], True, (9, 0), [False, False], "the group spans a, b"),
-    (["a", "a"], [0, 1], False, (9, 0), [False, False], "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
-    (["a", "a"], [0, 0], True, (9, 0), [False, False], "two ranks report the same host and device ordinal"),
-    (["a", "a"], [0, 1], True, (8, 0), [False, False], "auto takes it on compute capability 9.0 and up .* these GPUs are 8.0"),
-    # a second engine in rank 0's process (its workers are new): its rendezvous would hang
-    (["a", "a"], [0, 1], True, (9, 0), [True, False], "already set symmetric memory up for an earlier engine"),
-])
-def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts, indices, peer, capability, set_up,
-                                                              problem):
+@pytest.mark.parametrize(
+    ("hosts", "indices", "peer", "capability", "set_up", "problem"),
+    [
+        (["a", "a"], [0, 1], True, (9, 0), [False, False], None),
+        (["a", "b"], [0, 1], True, (9, 0), [False, False], "the group spans a, b"),
+        (["a", "a"], [0, 1], False, (9, 0), [False, False], "no access cuda:0 -> cuda:1, cuda:1 -> cuda:0"),
+        (["a", "a"], [0, 0], True, (9, 0), [False, False], "two ranks report the same host and device ordinal"),
+        (
+            ["a", "a"],
+            [0, 1],
+            True,
+            (8, 0),
+            [False, False],
+            "auto takes it on compute capability 9.0 and up .* these GPUs are 8.0",
+        ),
+        # a second engine in rank 0's process (its workers are new): its rendezvous would hang
+        (["a", "a"], [0, 1], True, (9, 0), [True, False], "already set symmetric memory up for an earlier engine"),
+    ],
+)
+def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(
+    monkeypatch, hosts, indices, peer, capability, set_up, problem
+):
     """``--all-reduce auto``: symm_mem on one host with peer access; otherwise NCCL stays (no error),
     while ``--all-reduce symm_mem`` there is a start-up error naming the reason."""
     from framework.distributed import state
@@ -152,18 +193,18 @@ def test_auto_takes_symm_mem_only_where_every_rank_can_use_it(monkeypatch, hosts
     device = torch.device("cuda", 0)
     if problem is None:
         assert fast_all_reduce.peer_access_problem(device) is None
-        assert state.enable_symm_mem_all_reduce(device, 4096, required=False) is True
+        assert all_reduce_policy.enable_symm_mem_all_reduce(device, 4096, required=False) is True
         assert built and state._state.fast_all_reduce == "symm"
         return
     assert re.search(problem, fast_all_reduce.peer_access_problem(device, auto=True))
-    assert state.enable_symm_mem_all_reduce(device, 4096, required=False) is False
+    assert all_reduce_policy.enable_symm_mem_all_reduce(device, 4096, required=False) is False
     assert not built and state._state.fast_all_reduce is None  # NCCL stays
     if capability < fast_all_reduce.AUTO_MIN_CAPABILITY:  # --all-reduce symm_mem forces it there
         assert fast_all_reduce.peer_access_problem(device) is None
-        assert state.enable_symm_mem_all_reduce(device, 4096, required=True) is True and built
+        assert all_reduce_policy.enable_symm_mem_all_reduce(device, 4096, required=True) is True and built
         return
     with pytest.raises(ConfigError, match=f"--all-reduce symm_mem: .*{problem}.*: use --all-reduce nccl"):
-        state.enable_symm_mem_all_reduce(device, 4096, required=True)
+        all_reduce_policy.enable_symm_mem_all_reduce(device, 4096, required=True)
 
 
 @pytest.mark.parametrize("failing", ["this rank", "another rank", "rendezvous"])
@@ -197,18 +238,21 @@ def test_a_symmetric_memory_set_up_failure_is_a_clear_error_and_auto_keeps_nccl(
     monkeypatch.setattr(symm_mem, "empty", empty)
     monkeypatch.setattr(symm_mem, "rendezvous", rendezvous)
     monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_out", object(), raising=False)
-    reason = {"this rank": "multicast/VMM", "another rank": "another rank could not allocate",
-              "rendezvous": "rendezvous failed"}[failing]
+    reason = {
+        "this rank": "multicast/VMM",
+        "another rank": "another rank could not allocate",
+        "rendezvous": "rendezvous failed",
+    }[failing]
     with pytest.raises(ConfigError, match=f"could not be set up on cuda:0 .*{reason}.*use --all-reduce nccl"):
         fast_all_reduce.SymmMemAllReduce(torch.device("cuda", 0), 4096, Group())
     monkeypatch.setattr(state._state, "size", 2)
     monkeypatch.setattr(state._state, "fast_all_reduce", None)
     monkeypatch.setattr(state._state, "control_group", Group())
     monkeypatch.setattr(fast_all_reduce.dist, "group", types.SimpleNamespace(WORLD=Group()))  # the data group
-    assert state.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=False) is False
+    assert all_reduce_policy.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=False) is False
     assert state._state.fast_all_reduce is None
     with pytest.raises(ConfigError, match=reason):
-        state.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=True)
+        all_reduce_policy.enable_symm_mem_all_reduce(torch.device("cuda", 0), 4096, required=True)
 
 
 def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_nccl(monkeypatch):
@@ -227,13 +271,18 @@ def test_small_tensors_are_staged_in_the_symmetric_buffer_and_the_rest_go_to_ncc
         calls.append(("one_shot", tuple(staged.shape), staged.dtype, staged.data_ptr() == fast.buffer.data_ptr()))
 
     fast._copy_out, fast._out = one_shot_copy_out, None
-    monkeypatch.setattr(fast_all_reduce.dist, "all_reduce", lambda x, group=None: calls.append(("nccl", tuple(x.shape))))
+    monkeypatch.setattr(
+        fast_all_reduce.dist, "all_reduce", lambda x, group=None: calls.append(("nccl", tuple(x.shape)))
+    )
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     assert torch.equal(fast.all_reduce(x), x * 2) and calls.pop() == ("one_shot", (2, 3), torch.float32, True)
     bf16 = torch.ones(4, 8, dtype=torch.bfloat16)  # exactly the 64 bytes of the buffer
     assert torch.equal(fast.all_reduce(bf16), bf16 * 2) and calls.pop()[:3] == ("one_shot", (4, 8), torch.bfloat16)
     for too_big_or_odd in (torch.ones(17), torch.ones(3, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float16)):
-        assert fast.all_reduce(too_big_or_odd) is too_big_or_odd and calls.pop() == ("nccl", tuple(too_big_or_odd.shape))
+        assert fast.all_reduce(too_big_or_odd) is too_big_or_odd and calls.pop() == (
+            "nccl",
+            tuple(too_big_or_odd.shape),
+        )
 
 
 def test_all_reduce_add_rms_norm_takes_the_fused_kernel_for_what_fits_and_else_sums_then_normalises(monkeypatch):
@@ -279,8 +328,9 @@ def test_an_engine_that_set_symmetric_memory_up_leaves_its_group_name_to_the_gua
     from types import SimpleNamespace
 
     world = SimpleNamespace(group_name="7")  # a later engine's default group, named as the first's
-    monkeypatch.setattr(fast_all_reduce, "dist", SimpleNamespace(is_initialized=lambda: True,
-                                                                 group=SimpleNamespace(WORLD=world)))
+    monkeypatch.setattr(
+        fast_all_reduce, "dist", SimpleNamespace(is_initialized=lambda: True, group=SimpleNamespace(WORLD=world))
+    )
     assert fast_all_reduce._set_up_before()
     world.group_name = "8"
     assert not fast_all_reduce._set_up_before()
@@ -290,23 +340,18 @@ def test_an_engine_that_set_symmetric_memory_up_leaves_its_group_name_to_the_gua
 def test_flashinfer_fuses_only_where_the_models_norms_take_the_all_reduce(monkeypatch, defers):
     """``--all-reduce flashinfer`` sets the fused kernel up after the model is built, and only when
     some norm takes the all-reduce; otherwise the plain all-reduce stays and the summary says so."""
-    from types import SimpleNamespace
 
-    from framework import distributed
-    from framework.engine.builder import EngineBuilder
+    from framework.distributed.all_reduce_policy import AllReducePolicy
+    from framework.engine.builder import norms_take_all_reduce
     from framework.layers import RMSNorm
 
     norm = RMSNorm(8)
     norm.reduces_input = defers
     enabled = []
-    monkeypatch.setattr(distributed, "enable_flashinfer_all_reduce_norm", lambda *args: enabled.append(args))
-    builder = SimpleNamespace(all_reduce="flashinfer", parallel=SimpleNamespace(is_parallel=True),
-                              torch_model=torch.nn.Sequential(norm), _plain_all_reduce="symm_mem", device="cuda:0",
-                              _fused_norm_required=True,
-                              scheduler=SimpleNamespace(max_num_seqs=16),
-                              config=SimpleNamespace(architecture="X", hidden_size=8, dtype=torch.bfloat16))
-    EngineBuilder.enable_fused_all_reduce_norm(builder)
-    assert builder.all_reduce == ("flashinfer" if defers else "symm_mem")
+    monkeypatch.setattr(all_reduce_policy, "enable_flashinfer_all_reduce_norm", lambda *args: enabled.append(args))
+    policy = AllReducePolicy("flashinfer", "cuda:0", plain="symm_mem", fused_norm_required=True)
+    policy.enable_fused_norm(norms_take_all_reduce(torch.nn.Sequential(norm)), "X", 16, 8, torch.bfloat16)
+    assert policy.name == ("flashinfer" if defers else "symm_mem")
     assert enabled == ([("cuda:0", 16, 8, torch.bfloat16)] if defers else [])
 
 
@@ -317,8 +362,8 @@ def test_auto_takes_the_fused_all_reduce_only_where_flashinfers_module_is_built(
     import sys
     from types import ModuleType, SimpleNamespace
 
+    from framework.distributed.all_reduce_policy import auto_flashinfer_or_not
     from framework.distributed.flashinfer_all_reduce import unavailable_reason
-    from framework.engine.builder import EngineBuilder
 
     comm = ModuleType("flashinfer.jit.comm")
     comm.gen_trtllm_comm_module = lambda: SimpleNamespace(is_compiled=built, is_aot=False)  # a JIT build, or none
@@ -326,66 +371,58 @@ def test_auto_takes_the_fused_all_reduce_only_where_flashinfers_module_is_built(
     monkeypatch.delenv("FLASHINFER_DISABLE_JIT", raising=False)
     reason = unavailable_reason()
     assert reason is None if built else "not built yet; --all-reduce flashinfer builds it once" in reason
-    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == ("flashinfer" if built else "auto")
+    assert auto_flashinfer_or_not() == ("flashinfer" if built else "auto")
     monkeypatch.setenv("FLASHINFER_DISABLE_JIT", "1")  # FlashInfer then loads ahead-of-time modules only
-    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == "auto"
+    assert auto_flashinfer_or_not() == "auto"
     comm.gen_trtllm_comm_module = lambda: SimpleNamespace(is_compiled=built, is_aot=built)
-    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == ("flashinfer" if built else "auto")
+    assert auto_flashinfer_or_not() == ("flashinfer" if built else "auto")
     monkeypatch.setitem(sys.modules, "flashinfer.jit.comm", None)  # FlashInfer not installed: the import fails
     assert unavailable_reason().startswith("FlashInfer is not available (ModuleNotFoundError")
-    assert EngineBuilder.auto_flashinfer_or_not(SimpleNamespace()) == "auto"
+    assert auto_flashinfer_or_not() == "auto"
 
 
 @pytest.mark.parametrize("required", [True, False])
 def test_a_fused_all_reduce_that_cannot_be_set_up_fails_when_asked_for_and_falls_back_under_auto(monkeypatch, required):
-    from types import SimpleNamespace
 
-    from framework import distributed
-    from framework.engine.builder import EngineBuilder
-    from framework.layers import RMSNorm
-
-    norm = RMSNorm(8)
-    norm.reduces_input = True
+    from framework.distributed.all_reduce_policy import AllReducePolicy
 
     def refuse(*args):
         raise ConfigError("--all-reduce flashinfer: several hosts: use --all-reduce symm_mem or nccl")
 
-    monkeypatch.setattr(distributed, "enable_flashinfer_all_reduce_norm", refuse)
-    builder = SimpleNamespace(all_reduce="flashinfer", parallel=SimpleNamespace(is_parallel=True),
-                              torch_model=torch.nn.Sequential(norm), _plain_all_reduce="nccl", device="cuda:0",
-                              _fused_norm_required=required, scheduler=SimpleNamespace(max_num_seqs=16),
-                              config=SimpleNamespace(architecture="X", hidden_size=8, dtype=torch.bfloat16))
+    monkeypatch.setattr(all_reduce_policy, "enable_flashinfer_all_reduce_norm", refuse)
+    policy = AllReducePolicy("flashinfer", "cuda:0", plain="nccl", fused_norm_required=required)
     if required:
         with pytest.raises(ConfigError, match="several hosts"):
-            EngineBuilder.enable_fused_all_reduce_norm(builder)
+            policy.enable_fused_norm(True, "X", 16, 8, torch.bfloat16)
     else:
-        EngineBuilder.enable_fused_all_reduce_norm(builder)
-        assert builder.all_reduce == "nccl"
+        policy.enable_fused_norm(True, "X", 16, 8, torch.bfloat16)
+        assert policy.name == "nccl"
 
 
-@pytest.mark.parametrize("asked, dtype, num_nodes, fused, required, plain", [
-    ("auto", torch.bfloat16, 1, "flashinfer", False, "symm_mem"),  # built on every rank: taken, and may fall back
-    ("auto", torch.float32, 1, "symm_mem", False, "symm_mem"),  # only bf16 was measured: FlashInfer is not asked
-    ("auto", torch.bfloat16, 2, "symm_mem", False, "symm_mem"),  # several hosts: not asked either
-    ("flashinfer", torch.float32, 1, "flashinfer", True, "symm_mem"),  # by name: any fused dtype; it must set up
-    ("flashinfer", torch.float16, 1, "flashinfer", True, "nccl"),  # the one-shot op does not sum fp16: NCCL does
-])
-def test_setting_the_all_reduce_up_asks_flashinfer_only_for_bf16_on_one_host(monkeypatch, asked, dtype, num_nodes,
-                                                                              fused, required, plain):
-    from types import SimpleNamespace
+@pytest.mark.parametrize(
+    "asked, dtype, num_nodes, fused, required, plain",
+    [
+        ("auto", torch.bfloat16, 1, "flashinfer", False, "symm_mem"),  # built on every rank: taken, and may fall back
+        ("auto", torch.float32, 1, "symm_mem", False, "symm_mem"),  # only bf16 was measured: FlashInfer is not asked
+        ("auto", torch.bfloat16, 2, "symm_mem", False, "symm_mem"),  # several hosts: not asked either
+        ("flashinfer", torch.float32, 1, "flashinfer", True, "symm_mem"),  # by name: any fused dtype; it must set up
+        ("flashinfer", torch.float16, 1, "flashinfer", True, "nccl"),  # the one-shot op does not sum fp16: NCCL does
+    ],
+)
+def test_setting_the_all_reduce_up_asks_flashinfer_only_for_bf16_on_one_host(
+    monkeypatch, asked, dtype, num_nodes, fused, required, plain
+):
 
-    from framework import distributed
-    from framework.engine.builder import EngineBuilder
+    from framework.distributed import all_reduce_policy
 
     asked_flashinfer = []
-    monkeypatch.setattr(distributed, "enable_symm_mem_all_reduce", lambda *args, required: True)
-    builder = SimpleNamespace(all_reduce=asked, device=torch.device("cuda", 0),
-                              parallel=SimpleNamespace(num_nodes=num_nodes), scheduler=SimpleNamespace(max_num_seqs=16),
-                              auto_flashinfer_or_not=lambda: asked_flashinfer.append(1) or "flashinfer")
-    EngineBuilder.set_up_all_reduce(builder, SimpleNamespace(dtype=dtype, hidden_size=64))
-    assert builder.all_reduce == fused and builder._fused_norm_required is required
+    monkeypatch.setattr(all_reduce_policy, "enable_symm_mem_all_reduce", lambda *args, required: True)
+    monkeypatch.setattr(all_reduce_policy, "auto_flashinfer_or_not", lambda: asked_flashinfer.append(1) or "flashinfer")
+    policy = all_reduce_policy.AllReducePolicy(asked, torch.device("cuda", 0), num_nodes)
+    policy.set_up(dtype, 64, 16)
+    assert policy.name == fused and policy.fused_norm_required is required
     assert asked_flashinfer == ([1] if asked == "auto" and fused == "flashinfer" else [])
-    assert builder._plain_all_reduce == plain  # what sums the rest (and everything, after a fallback)
+    assert policy.plain == plain  # what sums the rest (and everything, after a fallback)
 
 
 @pytest.mark.parametrize("failing", ["load", "workspace"])
@@ -395,7 +432,7 @@ def test_flashinfer_set_up_failures_become_a_config_error_on_every_rank(monkeypa
     import sys
     from types import ModuleType
 
-    from framework.distributed import fast_all_reduce, flashinfer_all_reduce, state
+    from framework.distributed import all_reduce_policy, fast_all_reduce, flashinfer_all_reduce, state
 
     trtllm_ar = ModuleType("flashinfer.comm.trtllm_ar")
 
@@ -414,8 +451,10 @@ def test_flashinfer_set_up_failures_become_a_config_error_on_every_rank(monkeypa
     agreed = []
     monkeypatch.setattr(state, "min_over_ranks", lambda value: agreed.append(value) or value)
     monkeypatch.setattr(state._state, "size", 2)
-    message = {"load": r"communication module is not available \(RuntimeError: JIT compilation is disabled",
-               "workspace": r"its workspace failed to set up \(RuntimeError: CUDA out of memory\)"}[failing]
+    message = {
+        "load": r"communication module is not available \(RuntimeError: JIT compilation is disabled",
+        "workspace": r"its workspace failed to set up \(RuntimeError: CUDA out of memory\)",
+    }[failing]
     with pytest.raises(ConfigError, match=message):
-        state.enable_flashinfer_all_reduce_norm(torch.device("cuda", 0), 16, 64, torch.bfloat16)
+        all_reduce_policy.enable_flashinfer_all_reduce_norm(torch.device("cuda", 0), 16, 64, torch.bfloat16)
     assert agreed[-1] == 0 and state._state.fused_all_reduce_norm is None

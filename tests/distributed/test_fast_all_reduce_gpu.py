@@ -86,8 +86,12 @@ def _worker(rank: int, port: int) -> None:
                 graph.replay()
                 torch.cuda.synchronize()
                 for x, out in zip(fresh, outputs, strict=True):
-                    torch.testing.assert_close(out, _nccl_sum(x), **TOLERANCE[dtype],
-                                               msg=_context(f"graph replay {round_} {tuple(x.shape)} {dtype}"))
+                    torch.testing.assert_close(
+                        out,
+                        _nccl_sum(x),
+                        **TOLERANCE[dtype],
+                        msg=_context(f"graph replay {round_} {tuple(x.shape)} {dtype}"),
+                    )
             del graph
         torch.cuda.synchronize()
     finally:

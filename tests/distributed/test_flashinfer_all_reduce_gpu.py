@@ -99,13 +99,31 @@ def test_fused_all_reduce_norm_equals_the_unfused_path_eagerly_and_in_a_cuda_gra
 def test_tp2_fp32_with_the_flashinfer_all_reduce_gives_the_greedy_ids_of_transformers(tmp_path):
     """Every layer's norms take the all-reduce (Llama's decoder defers it under TP) and decode
     steps run FlashInfer's fused kernel inside the CUDA graphs."""
-    reference = write_tiny_model(tmp_path, transformers.LlamaConfig(
-        vocab_size=250, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1))
+    reference = write_tiny_model(
+        tmp_path,
+        transformers.LlamaConfig(
+            vocab_size=250,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            initializer_range=0.1,
+        ),
+    )
     prompts = [[5, 9, 33, 2, 71], list(range(40, 77)), [3, 150, 77]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ids, _, summary = generate_in_new_process(tmp_path, prompts, params, num_blocks=64, max_num_seqs=8,
-                                              device_ids=[0, 1], dtype="f32", all_reduce="flashinfer")
+    ids, _, summary = generate_in_new_process(
+        tmp_path,
+        prompts,
+        params,
+        num_blocks=64,
+        max_num_seqs=8,
+        device_ids=[0, 1],
+        dtype="f32",
+        all_reduce="flashinfer",
+    )
     assert summary["all_reduce"] == "flashinfer" and "decode graphs" in summary["cuda_graphs"]
     assert ids == [reference_greedy(reference, p, params.max_tokens) for p in prompts]
 
@@ -118,12 +136,26 @@ def test_auto_takes_the_fused_all_reduce_for_bf16_where_its_module_is_built(tmp_
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"auto would not take it here: {reason}")
-    write_tiny_model(tmp_path, transformers.LlamaConfig(
-        vocab_size=250, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1))
+    write_tiny_model(
+        tmp_path,
+        transformers.LlamaConfig(
+            vocab_size=250,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            initializer_range=0.1,
+        ),
+    )
     prompts = [[5, 9, 33, 2, 71], [3, 150, 77]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    runs = {name: generate_in_new_process(tmp_path, prompts, params, num_blocks=64, max_num_seqs=8, device_ids=[0, 1],
-                                          dtype="bf16", all_reduce=name) for name in ("auto", "flashinfer")}
+    runs = {
+        name: generate_in_new_process(
+            tmp_path, prompts, params, num_blocks=64, max_num_seqs=8, device_ids=[0, 1], dtype="bf16", all_reduce=name
+        )
+        for name in ("auto", "flashinfer")
+    }
     assert runs["auto"][2]["all_reduce"] == "flashinfer"
     assert runs["auto"][0] == runs["flashinfer"][0]

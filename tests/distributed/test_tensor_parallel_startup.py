@@ -20,8 +20,18 @@ from framework.testing import write_tiny_model
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama-tp")
-    write_tiny_model(path, transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
+    write_tiny_model(
+        path,
+        transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        ),
+    )
     return path
 
 
@@ -29,8 +39,15 @@ def test_rendezvous_with_a_missing_rank_times_out_naming_the_address_and_the_ran
     port = free_port()
     started = time.monotonic()
     with pytest.raises(ConfigError) as error:
-        EngineBuilder(str(tiny_llama), device="cpu", tensor_parallel_size=2, num_nodes=2, node_rank=0,
-                      master_port=port, rendezvous_timeout=1.5).build()
+        EngineBuilder(
+            str(tiny_llama),
+            device="cpu",
+            tensor_parallel_size=2,
+            num_nodes=2,
+            node_rank=0,
+            master_port=port,
+            rendezvous_timeout=1.5,
+        ).build()
     message = str(error.value)
     assert f"127.0.0.1:{port} timed out after 1.5 s" in message and "rank(s) 1 of 2 never joined" in message
     assert time.monotonic() - started < 30
@@ -58,14 +75,19 @@ def test_architecture_without_tensor_parallel_support_is_refused_at_start_up(tin
         LLM(str(tmp_path / "m"), device="cpu", tensor_parallel_size=2)
 
 
-@pytest.mark.skipif(not os.path.exists("/sys/devices/system/node/node0/cpulist"), reason="no NUMA sysfs on this machine")
+@pytest.mark.skipif(
+    not os.path.exists("/sys/devices/system/node/node0/cpulist"), reason="no NUMA sysfs on this machine"
+)
 def test_a_worker_that_fails_at_start_up_fails_the_build_at_once_with_its_reason(tiny_llama, monkeypatch):
     monkeypatch.setenv("MAP_NUMA_NODE", "0,97")  # rank 0 on node 0; rank 1's node does not exist
     allowed = os.sched_getaffinity(0)
     started = time.monotonic()
     try:
-        with pytest.raises(ConfigError, match=r"worker rank 1 \(pid \d+\) exited with code 1 before the tensor-parallel "
-                                              r"rendezvous completed"):
+        with pytest.raises(
+            ConfigError,
+            match=r"worker rank 1 \(pid \d+\) exited with code 1 before the tensor-parallel "
+            r"rendezvous completed",
+        ):
             LLM(str(tiny_llama), device="cpu", tensor_parallel_size=2, rendezvous_timeout=120)
     finally:
         os.sched_setaffinity(0, allowed)

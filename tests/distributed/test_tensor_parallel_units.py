@@ -31,9 +31,9 @@ def test_qkv_layer_reports_this_ranks_heads_and_loads_the_replicated_kv_head():
             layer.weight_loader(layer.weight, weight, shard)
         q, k, v = layer.weight.split([16, 8, 8])
         kv_head = rank // 2  # ranks 0-1 share KV head 0, ranks 2-3 KV head 1
-        assert torch.equal(q, full["q"][rank * 16:(rank + 1) * 16])
-        assert torch.equal(k, full["k"][kv_head * 8:(kv_head + 1) * 8])
-        assert torch.equal(v, full["v"][kv_head * 8:(kv_head + 1) * 8])
+        assert torch.equal(q, full["q"][rank * 16 : (rank + 1) * 16])
+        assert torch.equal(k, full["k"][kv_head * 8 : (kv_head + 1) * 8])
+        assert torch.equal(v, full["v"][kv_head * 8 : (kv_head + 1) * 8])
 
 
 def test_vocab_padded_to_a_multiple_of_the_ranks_with_zero_rows():
@@ -141,7 +141,9 @@ def test_a_model_with_its_own_load_weights_gets_whole_tensors_under_tensor_paral
 
     model = OwnLoader()
     model.reads_checkpoint_slices = True
-    with pytest.raises(TypeError, match="must be Tensor, not CheckpointSlice"):  # it said it would narrow and materialize the slices itself
+    with pytest.raises(
+        TypeError, match="must be Tensor, not CheckpointSlice"
+    ):  # it said it would narrow and materialize the slices itself
         load_weights(model, SafetensorsFormat(tmp_path).iter_weights())
     assert isinstance(model.received[0], CheckpointSlice)
 
@@ -154,12 +156,12 @@ def test_step_messages_carry_only_new_block_ids_and_workers_rebuild_the_tables()
     sender, receiver = BlockTableSync(), BlockTableSync()
     tables = {"a": [4, 9], "b": [7]}
     steps = [
-        ["a", "b"],       # first sight: whole tables
-        ["a", "b"],       # decode, no new block: nothing
-        ["a"],            # b waits (not scheduled): forgotten on both sides
-        ["a", "b"],       # b again: sent whole
-        ["a", "b"],       # a grew by one block; b preempted and given new blocks
-        ["a", "b"],       # b preempted again, given the same ids in a new list: sent whole (safe)
+        ["a", "b"],  # first sight: whole tables
+        ["a", "b"],  # decode, no new block: nothing
+        ["a"],  # b waits (not scheduled): forgotten on both sides
+        ["a", "b"],  # b again: sent whole
+        ["a", "b"],  # a grew by one block; b preempted and given new blocks
+        ["a", "b"],  # b preempted again, given the same ids in a new list: sent whole (safe)
     ]
     sent_sizes = []
     for number, ids in enumerate(steps):

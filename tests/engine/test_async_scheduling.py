@@ -22,9 +22,18 @@ from framework.testing import (
     tiny_model_fixture,
 )
 
-TINY = transformers.LlamaConfig(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                initializer_range=0.1, eos_token_id=1, bos_token_id=0)
+TINY = transformers.LlamaConfig(
+    vocab_size=160,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    eos_token_id=1,
+    bos_token_id=0,
+)
 
 tiny = tiny_model_fixture({"llama": lambda: TINY})
 
@@ -42,8 +51,11 @@ def test_greedy_ids_match_when_preempted_and_resumed(tiny):
 
 
 def summary(results) -> list[tuple]:
-    return [(out.token_ids, out.logprobs, out.finish_reason, out.stop_reason)
-            for result in results for out in result.outputs]
+    return [
+        (out.token_ids, out.logprobs, out.finish_reason, out.stop_reason)
+        for result in results
+        for out in result.outputs
+    ]
 
 
 def test_mixed_requests_give_the_same_outputs_as_sync_scheduling(tiny):
@@ -56,8 +68,15 @@ def test_mixed_requests_give_the_same_outputs_as_sync_scheduling(tiny):
         SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_token], logprobs=2),
         SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, max_tokens=30, ignore_eos=True, logprobs=1),
         SamplingParams(temperature=1.0, seed=5, max_tokens=17, min_tokens=12, stop_token_ids=[3, 4, 5, 6]),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2, n=2,
-                       frequency_penalty=0.7, repetition_penalty=1.3),
+        SamplingParams(
+            temperature=0,
+            max_tokens=20,
+            ignore_eos=True,
+            prompt_logprobs=2,
+            n=2,
+            frequency_penalty=0.7,
+            repetition_penalty=1.3,
+        ),
     ]
     expected = summary(sync.generate(prompts, params))
     overlapped = LLM(str(path), num_blocks=64, async_scheduling=True)
@@ -89,14 +108,20 @@ def test_steady_decode_overlaps_and_only_grammars_stop_it(tiny):
     assert summary(overlapped) == summary(sync)
     steps.clear()
     # penalties count the previous token on the device: they overlap too, with the same tokens
-    penalised = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=0.9),
-                 SamplingParams(temperature=0.8, seed=2, max_tokens=16, ignore_eos=True, presence_penalty=1.5),
-                 SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)]
+    penalised = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=0.9),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=16, ignore_eos=True, presence_penalty=1.5),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8),
+    ]
     overlapped = llm.generate(prompts, penalised)
     assert steps.num_overlapped == 15
-    assert summary(overlapped) == summary(LLM(str(path), num_blocks=64, async_scheduling=False).generate(prompts, penalised))
+    assert summary(overlapped) == summary(
+        LLM(str(path), num_blocks=64, async_scheduling=False).generate(prompts, penalised)
+    )
     steps.clear()
-    constrained = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(t[2-5]){3}"))
+    constrained = SamplingParams(
+        temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(t[2-5]){3}")
+    )
     llm.generate(prompts, constrained)
     assert steps.num_overlapped == 0  # the grammar needs the previous token on the host
 
@@ -123,8 +148,9 @@ def test_abort_while_a_step_is_in_flight_drops_its_token_and_frees_the_blocks(ti
 def test_a_stop_token_ends_the_output_without_a_placeholder(tiny):
     path, _ = tiny
     sync = LLM(str(path), num_blocks=64, async_scheduling=False)
-    greedy = sync.generate({"prompt_token_ids": PARITY_PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=12,
-                                                                                 ignore_eos=True))[0].outputs[0]
+    greedy = sync.generate(
+        {"prompt_token_ids": PARITY_PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )[0].outputs[0]
     stop = greedy.token_ids[6]
     llm = LLM(str(path), num_blocks=64, async_scheduling=True)
     core = llm.engine.core
@@ -134,6 +160,6 @@ def test_a_stop_token_ends_the_output_without_a_placeholder(tiny):
     outputs = core.run_until_done()
     # a step was launched after the one that sampled the stop token, and its token was dropped
     assert steps.num_overlapped == len(outputs) and steps.num_launched == len(outputs) + 1
-    assert [out.new_token_ids[0] for out in outputs] == greedy.token_ids[:greedy.token_ids.index(stop) + 1]
-    assert outputs[-1].finish_reason == "stop" and request.output_token_ids == greedy.token_ids[:len(outputs)]
+    assert [out.new_token_ids[0] for out in outputs] == greedy.token_ids[: greedy.token_ids.index(stop) + 1]
+    assert outputs[-1].finish_reason == "stop" and request.output_token_ids == greedy.token_ids[: len(outputs)]
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks

@@ -11,9 +11,18 @@ from framework import LLM, SamplingParams
 from framework.errors import ConfigError
 from framework.testing import capture_logits, write_tiny_model
 
-TINY = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                                initializer_range=0.1, eos_token_id=1, bos_token_id=0)
+TINY = transformers.LlamaConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    eos_token_id=1,
+    bos_token_id=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +34,37 @@ def tiny_path(tmp_path_factory):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_random_requests_with_aborts_free_every_block(tiny_path, async_scheduling):
-    llm = LLM(tiny_path, num_blocks=16, max_num_seqs=32, prefill_chunk_size=24, max_num_batched_tokens=64,
-              async_scheduling=async_scheduling)
+    llm = LLM(
+        tiny_path,
+        num_blocks=16,
+        max_num_seqs=32,
+        prefill_chunk_size=24,
+        max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+    )
     core, rng = llm.engine.core, random.Random(0)
     in_flight_at_abort = []
     shared_prefix = [rng.randrange(2, 96) for _ in range(40)]
     added, aborted, finished = 0, 0, 0
     for _ in range(100_000):
         while added < 1000 and len(core.requests) < 40:
-            prompt = (shared_prefix[: rng.randrange(0, 40)] if rng.random() < 0.5 else []) + [rng.randrange(2, 96) for _ in range(rng.randrange(1, 30))]
-            params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=rng.choice([0.0, 0.8]),
-                                    seed=rng.choice([None, 7]), ignore_eos=rng.random() < 0.5)
+            prompt = (shared_prefix[: rng.randrange(0, 40)] if rng.random() < 0.5 else []) + [
+                rng.randrange(2, 96) for _ in range(rng.randrange(1, 30))
+            ]
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 40),
+                temperature=rng.choice([0.0, 0.8]),
+                seed=rng.choice([None, 7]),
+                ignore_eos=rng.random() < 0.5,
+            )
             core.add_request(f"r{added}", prompt, params)
             added += 1
         finished += sum(out.finish_reason is not None for out in core.step())
         if core.requests and rng.random() < 0.3:
             victim = rng.choice(sorted(core.requests))
-            in_flight_at_abort.append(core.inflight is not None and victim in
-                                      {request.request_id for request in core.inflight.requests})
+            in_flight_at_abort.append(
+                core.inflight is not None and victim in {request.request_id for request in core.inflight.requests}
+            )
             aborted += core.abort(victim)
         if added == 1000 and not core.has_unfinished():
             break
@@ -109,8 +131,12 @@ def test_same_seed_gives_same_text_in_different_batches(tiny_path):
     prompt = {"prompt_token_ids": [5, 6, 7, 8]}
     alone = llm.generate(prompt, seeded)[0].outputs[0]
     others = [{"prompt_token_ids": [9, 10 + i]} for i in range(4)]
-    crowd = llm.generate([*others[:2], prompt, *others[2:]], [SamplingParams(temperature=1.0, max_tokens=16)] * 2 + [seeded]
-                         + [SamplingParams(temperature=0.7, seed=i, max_tokens=16) for i in range(2)])
+    crowd = llm.generate(
+        [*others[:2], prompt, *others[2:]],
+        [SamplingParams(temperature=1.0, max_tokens=16)] * 2
+        + [seeded]
+        + [SamplingParams(temperature=0.7, seed=i, max_tokens=16) for i in range(2)],
+    )
     assert crowd[2].outputs[0].token_ids == alone.token_ids
     assert crowd[2].outputs[0].text == alone.text
     other_seed = llm.generate(prompt, seeded.replace(seed=99))[0].outputs[0]
@@ -123,7 +149,9 @@ def test_stops_on_eos_stop_token_and_max_tokens(tiny_path):
     free_run = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
     stop_id = free_run.token_ids[5]
     first = free_run.token_ids.index(stop_id)
-    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id], ignore_eos=True))[0].outputs[0]
+    stopped = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id], ignore_eos=True)
+    )[0].outputs[0]
     assert stopped.token_ids == free_run.token_ids[: first + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
     short = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
@@ -147,7 +175,9 @@ def test_stop_strings_cut_the_text(tiny_path):
 
 def test_generation_stops_at_max_model_len(tiny_path):
     llm = LLM(tiny_path, num_blocks=64, max_model_len=20)
-    out = llm.generate({"prompt_token_ids": list(range(2, 17))}, SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0]
+    out = llm.generate({"prompt_token_ids": list(range(2, 17))}, SamplingParams(max_tokens=None, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
     with pytest.raises(ConfigError, match="20"):
         llm.generate({"prompt_token_ids": list(range(2, 22))}, SamplingParams())
@@ -158,7 +188,9 @@ def test_logprobs_and_prompt_logprobs_are_consistent(tiny_path):
 
     llm = LLM(tiny_path, num_blocks=64)
     prompt = [3, 9, 27, 81, 50]
-    result = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1))[0]
+    result = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1)
+    )[0]
     out = result.outputs[0]
     assert len(out.logprobs) == 3
     for token, (logprob, top) in zip(out.token_ids, out.logprobs):
@@ -217,13 +249,17 @@ def test_an_embedding_request_leaves_its_full_blocks_in_the_prefix_cache(tiny_pa
     assert llm.engine.core.stats().prefix_cache_hits == 0 and len(again[0]) == TINY.hidden_size
     reused = llm.generate({"prompt_token_ids": prompt + [60]}, params)[0]
     assert reused.num_cached_tokens == 48
-    uncached = LLM(tiny_path, num_blocks=32, enable_prefix_caching=False).generate({"prompt_token_ids": prompt + [60]}, params)[0]
+    uncached = LLM(tiny_path, num_blocks=32, enable_prefix_caching=False).generate(
+        {"prompt_token_ids": prompt + [60]}, params
+    )[0]
     assert reused.outputs[0].token_ids == uncached.outputs[0].token_ids
 
 
 def test_a_request_never_outgrows_the_kv_cache(tiny_path):
     llm = LLM(tiny_path, num_blocks=4)  # 64 tokens in all, less than the 256-token context
-    out = llm.generate({"prompt_token_ids": list(range(2, 52))}, SamplingParams(max_tokens=100, ignore_eos=True))[0].outputs[0]
+    out = llm.generate({"prompt_token_ids": list(range(2, 52))}, SamplingParams(max_tokens=100, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert len(out.token_ids) == 14 and out.finish_reason == "length"
     with pytest.raises(ConfigError, match="KV cache holds 64"):
         llm.generate({"prompt_token_ids": list(range(2, 70))})

@@ -46,8 +46,16 @@ class FakeHub:
         return str(self.snapshot)
 
 
-BARTOWSKI = ["README.md", ".gitattributes", "Model-Q4_K_M.gguf", "Model-Q8_0.gguf", "Model-IQ4_XS.gguf",
-             "Model-f16/Model-f16-00001-of-00002.gguf", "Model-f16/Model-f16-00002-of-00002.gguf", "mmproj-Model-f16.gguf"]
+BARTOWSKI = [
+    "README.md",
+    ".gitattributes",
+    "Model-Q4_K_M.gguf",
+    "Model-Q8_0.gguf",
+    "Model-IQ4_XS.gguf",
+    "Model-f16/Model-f16-00001-of-00002.gguf",
+    "Model-f16/Model-f16-00002-of-00002.gguf",
+    "mmproj-Model-f16.gguf",
+]
 
 
 def test_repo_of_several_gguf_models_lists_them_with_their_quant_types(monkeypatch, tmp_path):
@@ -55,10 +63,15 @@ def test_repo_of_several_gguf_models_lists_them_with_their_quant_types(monkeypat
     with pytest.raises(ModelLoadError) as info:
         resolve_local_path("someone/Model-GGUF")
     message = str(info.value)
-    assert message.startswith("model 'someone/Model-GGUF' holds 4 GGUF models (quant types F16, IQ4_XS, Q4_K_M, Q8_0); "
-                              "pick one with --f:")
-    assert message.splitlines()[1:] == ["  Model-IQ4_XS.gguf  [IQ4_XS]", "  Model-Q4_K_M.gguf  [Q4_K_M]",
-                                        "  Model-Q8_0.gguf  [Q8_0]", "  Model-f16/Model-f16-00001-of-00002.gguf (2 shards)  [F16]"]
+    assert message.startswith(
+        "model 'someone/Model-GGUF' holds 4 GGUF models (quant types F16, IQ4_XS, Q4_K_M, Q8_0); pick one with --f:"
+    )
+    assert message.splitlines()[1:] == [
+        "  Model-IQ4_XS.gguf  [IQ4_XS]",
+        "  Model-Q4_K_M.gguf  [Q4_K_M]",
+        "  Model-Q8_0.gguf  [Q8_0]",
+        "  Model-f16/Model-f16-00001-of-00002.gguf (2 shards)  [F16]",
+    ]
     assert hub.downloaded == []  # nothing fetched before the user chooses
 
 
@@ -84,7 +97,9 @@ def test_first_shard_named_with_f_downloads_every_shard(monkeypatch, tmp_path):
 
 def test_split_with_a_shard_missing_on_the_hub_names_it(monkeypatch, tmp_path):
     FakeHub(monkeypatch, tmp_path, ["Model-Q8_0-00001-of-00003.gguf", "Model-Q8_0-00003-of-00003.gguf"])
-    with pytest.raises(ModelLoadError, match=r"no shard 'Model-Q8_0-00002-of-00003.gguf' of its 3-file split on the Hub"):
+    with pytest.raises(
+        ModelLoadError, match=r"no shard 'Model-Q8_0-00002-of-00003.gguf' of its 3-file split on the Hub"
+    ):
         resolve_local_path("someone/Model-GGUF")
 
 
@@ -94,8 +109,13 @@ def test_repo_with_safetensors_keeps_the_snapshot_download(monkeypatch, tmp_path
     assert hub.downloaded == ["snapshot ['*.json', '*.jinja', 'tokenizer*', '*.model', '*.tiktoken', '*.safetensors']"]
 
 
-@pytest.mark.parametrize("failure", [OfflineModeIsEnabled("offline mode is enabled"),
-                                     httpx.ConnectError("[Errno -3] Temporary failure in name resolution")])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OfflineModeIsEnabled("offline mode is enabled"),
+        httpx.ConnectError("[Errno -3] Temporary failure in name resolution"),
+    ],
+)
 def test_unlisted_hub_falls_back_to_the_cache(monkeypatch, tmp_path, failure):
     # httpx's transport errors are not OSErrors: an unreachable Hub must still leave it to the cache
     hub = FakeHub(monkeypatch, tmp_path, [])
@@ -108,10 +128,19 @@ def test_unlisted_hub_falls_back_to_the_cache(monkeypatch, tmp_path, failure):
     assert len(hub.downloaded) == 1 and hub.downloaded[0].startswith("snapshot")
 
 
-@pytest.mark.parametrize(("name", "quant"), [
-    ("Meta-Llama-3-8B-Instruct-Q4_K_M.gguf", "Q4_K_M"), ("SmolLM2-135M-Instruct.Q4_1.gguf", "Q4_1"),
-    ("qwen3-30b-a3b-ud-q4_k_xl-00001-of-00002.gguf", "Q4_K_XL"), ("gemma-3-270m-it-IQ4_NL.gguf", "IQ4_NL"),
-    ("model-bf16.gguf", "BF16"), ("model_f16.gguf", "F16"), ("model.gguf", None), ("Qwen3-8B.gguf", None)])
+@pytest.mark.parametrize(
+    ("name", "quant"),
+    [
+        ("Meta-Llama-3-8B-Instruct-Q4_K_M.gguf", "Q4_K_M"),
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "Q4_1"),
+        ("qwen3-30b-a3b-ud-q4_k_xl-00001-of-00002.gguf", "Q4_K_XL"),
+        ("gemma-3-270m-it-IQ4_NL.gguf", "IQ4_NL"),
+        ("model-bf16.gguf", "BF16"),
+        ("model_f16.gguf", "F16"),
+        ("model.gguf", None),
+        ("Qwen3-8B.gguf", None),
+    ],
+)
 def test_quant_name_is_read_from_the_file_name(name, quant):
     assert quant_name(name) == quant
 

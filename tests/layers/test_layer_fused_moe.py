@@ -35,8 +35,10 @@ def test_reference_op_is_the_weighted_sum_of_each_tokens_experts():
     w13 = torch.cat([gate, up], dim=1)
     out = ops.fused_moe(hidden, w13, down, topk_weights, topk_ids)
     for t in range(3):
-        expected = sum(w * down[e] @ (F.silu(gate[e] @ hidden[t]) * (up[e] @ hidden[t]))
-                       for w, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist()))
+        expected = sum(
+            w * down[e] @ (F.silu(gate[e] @ hidden[t]) * (up[e] @ hidden[t]))
+            for w, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist())
+        )
         torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -72,7 +74,10 @@ def test_layer_reports_the_expert_shards_not_loaded():
     layer = FusedMoE(4, 2, 16, 8, renormalize=True)
     layer.weight_loader(layer.w13_weight, gate, "w1")
     layer.weight_loader(layer.w13_weight, up[1], "w3", 1)
-    assert layer.missing_weights() == ["up (w13_weight) of expert(s) 0, 2, 3", "down (w2_weight) of expert(s) 0, 1, 2, 3"]
+    assert layer.missing_weights() == [
+        "up (w13_weight) of expert(s) 0, 2, 3",
+        "down (w2_weight) of expert(s) 0, 1, 2, 3",
+    ]
 
 
 def test_loader_refuses_wrong_shapes_shards_and_experts():
@@ -98,9 +103,13 @@ def test_non_expert_names_are_left_alone():
 def test_map_expert_weight_name_routes_experts_and_passes_other_names_through():
     """The ``map_weight_name`` that MoE models (fw_llama's, fw_deepseek's) share."""
     assert map_expert_weight_name("model.layers.3.mlp.experts.5.up_proj.weight") == (
-        "model.layers.3.mlp.experts.w13_weight", ("w3", 5))
+        "model.layers.3.mlp.experts.w13_weight",
+        ("w3", 5),
+    )
     assert map_expert_weight_name("model.layers.0.mlp.experts.down_proj.weight") == (
-        "model.layers.0.mlp.experts.w2_weight", ("w2", None))
+        "model.layers.0.mlp.experts.w2_weight",
+        ("w2", None),
+    )
     shared = "model.layers.0.mlp.shared_experts.gate_proj.weight"
     assert map_expert_weight_name(shared) == (shared, None)
 
@@ -113,7 +122,9 @@ def test_forward_takes_router_logits_or_a_precomputed_routing():
     hidden = torch.randn(5, 16, generator=torch.Generator().manual_seed(2))
     logits = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
     routed = select_experts(logits, 2, renormalize=False)
-    torch.testing.assert_close(layer(hidden, logits), layer(hidden, topk_weights=routed.topk_weights, topk_ids=routed.topk_ids))
+    torch.testing.assert_close(
+        layer(hidden, logits), layer(hidden, topk_weights=routed.topk_weights, topk_ids=routed.topk_ids)
+    )
     # a different routing (sigmoid scores, as DeepSeek-V3) gives a different answer through the same experts
     sigmoid_weights, sigmoid_ids = torch.sigmoid(logits).topk(2, dim=-1)
     assert not torch.allclose(layer(hidden, logits), layer(hidden, topk_weights=sigmoid_weights, topk_ids=sigmoid_ids))

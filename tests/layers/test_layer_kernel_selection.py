@@ -22,9 +22,11 @@ def install_fake_kernels(monkeypatch, register_fw_plugin) -> list[str]:
     calls: list[str] = []
     module = types.ModuleType("fw_fake_kernels")
     for op in OPS:
+
         def kernel(*args, _op=op, **kwargs):
             calls.append(_op)
             return getattr(ops, _op)(*args, **kwargs)
+
         setattr(module, op, kernel)
     monkeypatch.setitem(sys.modules, "fw_fake_kernels", module)
 
@@ -100,10 +102,12 @@ def test_a_linear_method_subclass_with_its_own_create_weights_still_multiplies()
     from framework.layers.linear import UnquantizedLinearMethod
 
     class OwnWeights(UnquantizedLinearMethod):
-        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
-                           params_dtype):
-            weight = torch.nn.Parameter(torch.randn(sum(output_partition_sizes), input_size_per_partition),
-                                        requires_grad=False)
+        def create_weights(
+            self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype
+        ):
+            weight = torch.nn.Parameter(
+                torch.randn(sum(output_partition_sizes), input_size_per_partition), requires_grad=False
+            )
             layer.register_parameter("weight", weight)
 
     layer = torch.nn.Module()

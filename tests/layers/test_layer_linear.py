@@ -158,14 +158,20 @@ def test_meta_construction_to_empty_keeps_loaders_and_loads():
     load(layer, "bias", torch.ones(48) * 0.5, 0)
     load(layer, "bias", torch.ones(48) * -0.5, 1)
     x = torch.randn(2, HIDDEN)
-    torch.testing.assert_close(layer(x), F.linear(x, torch.cat([gate, up]), torch.cat([torch.full((48,), 0.5), torch.full((48,), -0.5)])))
+    torch.testing.assert_close(
+        layer(x), F.linear(x, torch.cat([gate, up]), torch.cat([torch.full((48,), 0.5), torch.full((48,), -0.5)]))
+    )
 
 
 class PairPackedMethod(LinearMethod):
     """A toy 'quantized' format: two output rows packed per parameter row ([out/2, 2*in])."""
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype):
-        packed = nn.Parameter(torch.empty(sum(output_partition_sizes) // 2, 2 * input_size_per_partition), requires_grad=False)
+    def create_weights(
+        self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype
+    ):
+        packed = nn.Parameter(
+            torch.empty(sum(output_partition_sizes) // 2, 2 * input_size_per_partition), requires_grad=False
+        )
         set_weight_attrs(packed, {"output_dim": 0, "input_dim": None, "weight_loader": layer.weight_loader})
         layer.register_parameter("packed", packed)
 
@@ -193,8 +199,16 @@ def test_quant_config_method_reuses_the_layer_loaders_on_packed_rows():
     config = PairPackedConfig.from_config({})
     ckpt = qkv_checkpoint()
     for rank in range(2):
-        layer = QKVParallelLinear(HIDDEN, HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, quant_config=config,
-                                  prefix="layers.0.qkv_proj", tp_size=2, tp_rank=rank)
+        layer = QKVParallelLinear(
+            HIDDEN,
+            HEAD_SIZE,
+            NUM_HEADS,
+            NUM_KV_HEADS,
+            quant_config=config,
+            prefix="layers.0.qkv_proj",
+            tp_size=2,
+            tp_rank=rank,
+        )
         assert isinstance(layer.linear_method, PairPackedMethod) and not hasattr(layer, "weight")
         for shard_id in "qkv":
             load(layer, "packed", ckpt[shard_id][0].reshape(-1, 2 * HIDDEN), shard_id)

@@ -90,7 +90,9 @@ def test_rotary_neox_matches_hf_apply_rotary_pos_emb(dtype, tol):
     positions = torch.randint(0, 200, (9,))
     q = torch.randn(9, num_heads, head_size).to(dtype)
     k = torch.randn(9, num_kv_heads, head_size).to(dtype)
-    out_q, out_k = ops.rotary_embedding(positions, q.flatten(1), k.flatten(1), head_size, _cos_sin_cache(inv_freq, 200), True)
+    out_q, out_k = ops.rotary_embedding(
+        positions, q.flatten(1), k.flatten(1), head_size, _cos_sin_cache(inv_freq, 200), True
+    )
     ref_q, ref_k = _hf_rotate(positions, q, k, head_size, inv_freq, dtype)
     assert out_q.shape == (9, num_heads * head_size) and out_q.dtype == dtype
     torch.testing.assert_close(out_q.view_as(q), ref_q, rtol=tol, atol=tol)
@@ -103,8 +105,12 @@ def test_partial_rotary_rotates_only_the_first_rotary_dim_features():
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
     positions = torch.randint(0, 50, (6,))
     q, k = torch.randn(6, 3, head_size), torch.randn(6, 1, head_size)
-    out_q, out_k = ops.rotary_embedding(positions, q.flatten(1), k.flatten(1), head_size, _cos_sin_cache(inv_freq, 50), True)
-    ref_q_rot, ref_k_rot = _hf_rotate(positions, q[..., :rotary_dim], k[..., :rotary_dim], head_size, inv_freq, torch.float32)
+    out_q, out_k = ops.rotary_embedding(
+        positions, q.flatten(1), k.flatten(1), head_size, _cos_sin_cache(inv_freq, 50), True
+    )
+    ref_q_rot, ref_k_rot = _hf_rotate(
+        positions, q[..., :rotary_dim], k[..., :rotary_dim], head_size, inv_freq, torch.float32
+    )
     torch.testing.assert_close(out_q.view_as(q), torch.cat([ref_q_rot, q[..., rotary_dim:]], -1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out_k.view_as(k), torch.cat([ref_k_rot, k[..., rotary_dim:]], -1), rtol=1e-6, atol=1e-6)
     assert torch.equal(out_q.view_as(q)[..., rotary_dim:], q[..., rotary_dim:])

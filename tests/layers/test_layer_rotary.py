@@ -15,25 +15,54 @@ HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, MAX_POSITION, BASE = 64, 4, 2, 256, 10000.0
 
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    "yarn_deepseek": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 32,
-                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-    "yarn_attention_factor": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                              "attention_factor": 0.8, "beta_fast": 16, "truncate": False},
-    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64,
-                 "short_factor": [1.0 + 0.05 * i for i in range(HEAD_SIZE // 2)],
-                 "long_factor": [1.5 + 0.3 * i for i in range(HEAD_SIZE // 2)]},
+    "yarn_deepseek": {
+        "type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "yarn_attention_factor": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "attention_factor": 0.8,
+        "beta_fast": 16,
+        "truncate": False,
+    },
+    "longrope": {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.05 * i for i in range(HEAD_SIZE // 2)],
+        "long_factor": [1.5 + 0.3 * i for i in range(HEAD_SIZE // 2)],
+    },
 }
 
 
 def hf_config(rope_parameters: dict, rotary_dim: int = HEAD_SIZE) -> LlamaConfig:
-    params = dict(rope_parameters, rope_theta=BASE, rope_type=rope_parameters.get("rope_type", rope_parameters.get("type")))
+    params = dict(
+        rope_parameters, rope_theta=BASE, rope_type=rope_parameters.get("rope_type", rope_parameters.get("type"))
+    )
     if rotary_dim != HEAD_SIZE:
         params["partial_rotary_factor"] = rotary_dim / HEAD_SIZE
-    return LlamaConfig(hidden_size=HEAD_SIZE * NUM_HEADS, num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
-                       head_dim=HEAD_SIZE, max_position_embeddings=MAX_POSITION, rope_parameters=params)
+    return LlamaConfig(
+        hidden_size=HEAD_SIZE * NUM_HEADS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_SIZE,
+        max_position_embeddings=MAX_POSITION,
+        rope_parameters=params,
+    )
 
 
 def fw_rope(rope_scaling: dict | None, rotary_dim: int = HEAD_SIZE) -> RotaryEmbedding:
@@ -75,8 +104,9 @@ def test_longrope_short_and_long_inv_freq_match_transformers():
 @pytest.mark.parametrize("rotary_dim", [HEAD_SIZE, 48])
 def test_dynamic_ntk_equals_transformers_at_the_full_scaled_length(rotary_dim):
     rope = fw_rope({"type": "dynamic", "factor": 2.0}, rotary_dim)
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["dynamic"](hf_config({"type": "dynamic", "factor": 2.0}, rotary_dim),
-                                                                seq_len=MAX_POSITION * 2)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["dynamic"](
+        hf_config({"type": "dynamic", "factor": 2.0}, rotary_dim), seq_len=MAX_POSITION * 2
+    )
     torch.testing.assert_close(rope.compute_inv_freq(), inv_freq, rtol=0, atol=0)
     assert rope.attention_scaling == attention_factor == 1.0
     assert rope.cos_sin_cache.shape == (MAX_POSITION * 2, rotary_dim)

@@ -27,9 +27,12 @@ from framework.testing import check_linear_method, check_moe_method
 class Int8Method(LinearMethod):
     """int8 ``qweight`` with one float32 scale per checkpoint tensor: ``weight_scale`` keeps one per fused shard."""
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype):
-        qweight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=torch.int8),
-                               requires_grad=False)
+    def create_weights(
+        self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype
+    ):
+        qweight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=torch.int8), requires_grad=False
+        )
         set_weight_attrs(qweight, {"input_dim": 1, "output_dim": 0, "weight_loader": layer.weight_loader})
         scale = nn.Parameter(torch.empty(len(output_partition_sizes), dtype=torch.float32), requires_grad=False)
         set_weight_attrs(scale, {"per_shard": True, "weight_loader": layer.weight_loader})
@@ -58,7 +61,9 @@ class Int8MoEMethod(FusedMoEMethod):
         }
         for name, (tensor, attrs) in params.items():
             param = nn.Parameter(tensor, requires_grad=False)
-            set_weight_attrs(param, {"weight_loader": layer.weight_loader, "moe_projection": name[:name.index("_")], **attrs})
+            set_weight_attrs(
+                param, {"weight_loader": layer.weight_loader, "moe_projection": name[: name.index("_")], **attrs}
+            )
             layer.register_parameter(name, param)
 
     def dequantize(self, layer):
@@ -135,8 +140,9 @@ def test_shards_that_disagree_on_a_shared_per_tensor_value_are_refused():
     a silent overwrite by the last shard."""
     from framework.layers import MergedColumnParallelLinear
 
-    layer = MergedColumnParallelLinear(32, [16, 16], quant_config=Int8Config(), prefix="mlp.gate_up_proj", tp_size=1,
-                                       tp_rank=0)
+    layer = MergedColumnParallelLinear(
+        32, [16, 16], quant_config=Int8Config(), prefix="mlp.gate_up_proj", tp_size=1, tp_rank=0
+    )
     layer.weight_scale = nn.Parameter(torch.empty(()), requires_grad=False)  # one value for both shards
     set_weight_attrs(layer.weight_scale, {"weight_loader": layer.weight_loader})
     layer.weight_loader(layer.weight_scale, torch.tensor(0.5), 0)
@@ -193,6 +199,50 @@ def test_the_kit_fails_a_method_that_drops_a_shard_scale():
         check_linear_method(Scheme(), dtypes=(torch.float32,), num_rows=(1,), tp_sizes=(1,))
 
 
+def _rounded_to_int8(x, group, levels=127):
+    """An independent form of int8 rounding per ``group`` features (scale max|x|/127, half away from 0);
+    fewer ``levels``: a coarser rounding."""
+    g = x.float().reshape(*x.shape[:-1], -1, group)
+    step = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / levels
+    return ((g / step).abs().add(0.5).floor() * (g / step).sign() * step).reshape(x.shape)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_the_kit_allows_declared_activation_rounding_and_only_that(declared):
+    """A method multiplying int8-rounded activations (as llama.cpp-style integer GEMVs do) passes in
+    float32 when it declares the rounding, fails when it does not; rounding coarser than it declares
+    fails too."""
+
+    class RoundsX(Int8Method):
+        def __init__(self, levels, declares):
+            self.levels, self.declares = levels, declares
+
+        def apply(self, layer, x, bias=None):
+            return super().apply(layer, _rounded_to_int8(x, 32, self.levels).to(x.dtype), bias)
+
+        def activation_group(self, layer, x):
+            return 32 if self.declares else None
+
+    def run(levels, declares):
+        class Config(Int8Config):
+            def get_quant_method(self, layer, prefix):
+                return RoundsX(levels, declares) if isinstance(layer, LinearBase) else None
+
+        class Scheme(Int8Scheme):
+            def quant_config(self, tensors):
+                return Config()
+
+        return check_linear_method(Scheme(), dtypes=(torch.float32,), num_rows=(1, 7), tp_sizes=(1,))
+
+    if declared:
+        assert "qkv_proj tp=1 rank=0 float32" in run(127, True)
+        with pytest.raises(AssertionError, match="beyond the declared activation rounding"):
+            run(7, True)  # 4-bit steps, 18x coarser than the int8 it declares
+    else:
+        with pytest.raises(AssertionError, match=r"max error .* \(allowed 0.0001 in torch.float32\)"):
+            run(127, False)
+
+
 def test_quant_config_is_asked_for_attention_layers_and_returns_none_by_default():
     config = Int8Config()
     attention = Attention(0, 4, 2, 16, 0.25, quant_config=config, prefix="model.layers.0.self_attn.attn")
@@ -221,9 +271,18 @@ def test_a_method_for_the_wrong_layer_kind_is_refused():
 def _model_config(dtype):
     from framework.config import ModelConfig
 
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-          "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+    }
     return ModelConfig.from_hf_config(hf, dtype=dtype)
 
 

@@ -23,8 +23,10 @@ import pytest
 from framework.distributed.config import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}assistant{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
 
 
 def serve_argv() -> list[str]:
@@ -76,8 +78,9 @@ class ServerProcess:
 
 def start_server(args: list[str], base_url: str) -> ServerProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(serve_argv() + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = subprocess.Popen(
+        serve_argv() + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     server = ServerProcess(process, base_url)
     threading.Thread(target=server._pump, daemon=True).start()
     return server
@@ -102,8 +105,15 @@ def write_tiny_llama(path: Path, chat_template: str) -> Path:
 
     from framework.testing import write_tiny_model
 
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     write_tiny_model(path, config, chat_template=chat_template)
     return path
 

@@ -19,10 +19,12 @@ import uvicorn
 from framework.engine.outputs import RequestOutput
 from framework.tokenizer import Tokenizer
 
-TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
-            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-            "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -69,15 +71,24 @@ class ScriptedEngineClient:
         try:
             if pooling is not None:
                 await asyncio.sleep(0)
-                yield RequestOutput(request_id=request_id, new_token_ids=[], finish_reason="stop",
-                                    num_prompt_tokens=len(prompt_token_ids), embedding=[1.0, 0.0])
+                yield RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    finish_reason="stop",
+                    num_prompt_tokens=len(prompt_token_ids),
+                    embedding=[1.0, 0.0],
+                )
                 return
             for start in range(0, len(ids), 3):
                 await asyncio.sleep(0)
                 last = start + 3 >= len(ids)
-                yield RequestOutput(request_id=request_id, new_token_ids=ids[start:start + 3],
-                                    finish_reason="stop" if last else None, num_prompt_tokens=len(prompt_token_ids),
-                                    num_cached_tokens=self.cached_tokens(len(prompt_token_ids)))
+                yield RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=ids[start : start + 3],
+                    finish_reason="stop" if last else None,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=self.cached_tokens(len(prompt_token_ids)),
+                )
         finally:
             self.active.discard(request_id)
 
@@ -93,8 +104,9 @@ class ThreadedServer:
     ``lifespan="off"`` for an app without startup/shutdown handlers."""
 
     def __init__(self, app, port: int, lifespan: str = "on") -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    lifespan=lifespan))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan)
+        )
         self.base_url = f"http://127.0.0.1:{port}"
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

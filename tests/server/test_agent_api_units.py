@@ -8,7 +8,7 @@ import pytest
 from cli.serve_cmd import read_chat_template
 from framework.engine.outputs import EngineStats
 from framework.errors import ConfigError
-from framework.server.generation import sampling_defaults
+from framework.sampling_params import sampling_defaults
 from framework.server.metrics import stats_line
 from framework.server.responses_store import ResponseStore, StoredResponse
 
@@ -48,18 +48,36 @@ def test_store_forgets_a_response_ttl_seconds_after_it_was_written():
 
 def test_stats_line_reports_throughput_over_the_interval():
     def stats(prompt, generated, queries, hits):
-        return EngineStats(num_running=2, num_waiting=1, num_free_blocks=75, num_blocks=100, kv_cache_usage=0.25,
-                           prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=0,
-                           prompt_tokens=prompt, generation_tokens=generated)
+        return EngineStats(
+            num_running=2,
+            num_waiting=1,
+            num_free_blocks=75,
+            num_blocks=100,
+            kv_cache_usage=0.25,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=0,
+            prompt_tokens=prompt,
+            generation_tokens=generated,
+        )
 
     line = stats_line(stats(100, 40, 100, 0), stats(300, 90, 200, 50), 10.0)
-    assert line == ("fw: stats: prompt 20.0 tok/s, generation 5.0 tok/s, running 2, waiting 1, KV cache 25.0%, "
-                    "prefix cache hits 50.0%")
+    assert line == (
+        "fw: stats: prompt 20.0 tok/s, generation 5.0 tok/s, running 2, waiting 1, KV cache 25.0%, "
+        "prefix cache hits 50.0%"
+    )
 
 
 def test_sampling_defaults_take_the_numeric_sampling_keys_only():
-    config = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "eos_token_id": [1, 2],
-              "min_p": "0.1", "repetition_penalty": True}
+    config = {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "do_sample": True,
+        "eos_token_id": [1, 2],
+        "min_p": "0.1",
+        "repetition_penalty": True,
+    }
     assert sampling_defaults(config) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 

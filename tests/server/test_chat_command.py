@@ -22,8 +22,11 @@ def test_chat_streams_replies_and_keeps_the_conversation(free_tcp_port):
     engine = ScriptedEngineClient(reply)
     config = ServerConfig(served_model_names=["scripted"], reasoning_parser="qwen3")
     with ThreadedServer(create_app(engine, config, start_engine=False), free_tcp_port()) as server:
-        result = CliRunner().invoke(build_app(), ["chat", "--url", server.base_url, "--system", "Be brief."],
-                                    input="hi\nagain\n/clear\nonce more\n/exit\n")
+        result = CliRunner().invoke(
+            build_app(),
+            ["chat", "--url", server.base_url, "--system", "Be brief."],
+            input="hi\nagain\n/clear\nonce more\n/exit\n",
+        )
     assert result.exit_code == 0, result.output
     assert "fw chat with scripted" in result.output
     assert result.output.count("turns: 1") == 2 and "turns: 2" in result.output  # /clear started over

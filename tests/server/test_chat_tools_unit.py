@@ -15,8 +15,13 @@ from framework.server.chat_tools import check_parser_names, resolve_parsers, too
 from framework.server.errors import APIError
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
     {"type": "function", "function": {"name": "get_time"}},
 ]
 
@@ -27,10 +32,15 @@ def request(**fields):
 
 def test_required_schema_accepts_calls_of_the_tools_and_rejects_the_rest():
     schema = tool_calls_schema(TOOLS)
-    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}],
-                        schema)
-    for bad in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "nope", "parameters": {}}],
-                {"name": "get_time", "parameters": {}}):
+    jsonschema.validate(
+        [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}], schema
+    )
+    for bad in (
+        [],
+        [{"name": "get_weather", "parameters": {}}],
+        [{"name": "nope", "parameters": {}}],
+        {"name": "get_time", "parameters": {}},
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
 
@@ -38,18 +48,24 @@ def test_required_schema_accepts_calls_of_the_tools_and_rejects_the_rest():
 def test_named_schema_allows_exactly_that_one_call():
     schema = tool_calls_schema(TOOLS, "get_weather")
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}}], schema)
-    for bad in ([{"name": "get_time", "parameters": {}}],
-                [{"name": "get_weather", "parameters": {"city": "a"}}, {"name": "get_weather", "parameters": {"city": "b"}}]):
+    for bad in (
+        [{"name": "get_time", "parameters": {}}],
+        [{"name": "get_weather", "parameters": {"city": "a"}}, {"name": "get_weather", "parameters": {"city": "b"}}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
 
 
 def test_a_constrained_reply_parses_into_tool_calls_whatever_the_models_format():
-    reply = json.dumps([{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}])
+    reply = json.dumps(
+        [{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]
+    )
     jsonschema.validate(json.loads(reply), tool_calls_schema(TOOLS))
     result = ConstrainedCallsParser(TOOLS).parse(reply)
-    assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [("get_weather", {"city": "Oslo"}),
-                                                                             ("get_time", {})]
+    assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
 
 
 def test_tool_choice_modes():
@@ -68,13 +84,19 @@ def test_tool_choice_modes():
     assert forced.mode == "required" and forced.tools == TOOLS
 
 
-@pytest.mark.parametrize("fields,param", [
-    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
-    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ],
+)
 def test_bad_tools_are_400s_naming_the_field(fields, param):
     with pytest.raises(APIError) as error:
         tool_setup(request(**fields))
@@ -118,12 +140,29 @@ def test_serve_flags_reach_the_server_config(monkeypatch, tmp_path):
     runner = CliRunner()
     config_file = tmp_path / "mcp.json"
     config_file.write_text(json.dumps({"mcpServers": {"web": {"url": "http://127.0.0.1:1/mcp"}}}))
-    result = runner.invoke(app, ["serve", "--enforce-parser", "llama3", "--reasoning-parser", "deepseek_r1",
-                                 "--mcp-config", str(config_file), "--mcp-command", "python", "--mcp-args", "s.py -v"])
+    result = runner.invoke(
+        app,
+        [
+            "serve",
+            "--enforce-parser",
+            "llama3",
+            "--reasoning-parser",
+            "deepseek_r1",
+            "--mcp-config",
+            str(config_file),
+            "--mcp-command",
+            "python",
+            "--mcp-args",
+            "s.py -v",
+        ],
+    )
     assert result.exit_code == 0, result.output
     config = calls[0][1]
     assert (config.tool_parser, config.reasoning_parser) == ("llama3", "deepseek_r1")
-    assert config.mcp_servers == {"web": {"url": "http://127.0.0.1:1/mcp"}, "mcp": {"command": "python", "args": ["s.py", "-v"]}}
+    assert config.mcp_servers == {
+        "web": {"url": "http://127.0.0.1:1/mcp"},
+        "mcp": {"command": "python", "args": ["s.py", "-v"]},
+    }
     bad = runner.invoke(app, ["serve", "--enforce-parser", "nope"])
     assert bad.exit_code != 0 and "valid:" in bad.output
 
@@ -136,8 +175,10 @@ def test_reasoning_then_a_tool_call_split_the_same_streamed_and_not():
     served = resolve_parsers("qwen", "qwen3", None)
     assert isinstance(served, ServedParsers)
     setup = ToolSetup(tools=TOOLS, mode="auto")
-    text = ('<think>\nThe user wants weather; <tool_call> is how I call.\n</think>\n\nChecking.\n'
-            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    text = (
+        "<think>\nThe user wants weather; <tool_call> is how I call.\n</think>\n\nChecking.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
 
     def run(pieces):
         parser = choice_parser(served, setup, prompt_text="<|im_start|>assistant\n")
@@ -146,16 +187,23 @@ def test_reasoning_then_a_tool_call_split_the_same_streamed_and_not():
         for d in deltas:
             for c in d.tool_calls:
                 calls.setdefault(c.index, [c.name, ""])[1] += c.arguments
-        return ("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas),
-                [tuple(v) for v in calls.values()])
+        return (
+            "".join(d.reasoning for d in deltas),
+            "".join(d.content for d in deltas),
+            [tuple(v) for v in calls.values()],
+        )
 
-    expected = ("The user wants weather; <tool_call> is how I call.", "Checking.", [("get_weather", '{"city": "Oslo"}')])
+    expected = (
+        "The user wants weather; <tool_call> is how I call.",
+        "Checking.",
+        [("get_weather", '{"city": "Oslo"}')],
+    )
     assert run([text]) == expected
     for seed in range(6):
         rng, pieces, i = random.Random(seed), [], 0
         while i < len(text):
             size = rng.randint(1, 7)
-            pieces.append(text[i:i + size])
+            pieces.append(text[i : i + size])
             i += size
         assert run(pieces) == expected
 

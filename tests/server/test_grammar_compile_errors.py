@@ -19,7 +19,7 @@ import pytest
 from framework.testing import metric_value
 
 TRIGGER = "compile-fails"
-SITECUSTOMIZE = f'''
+SITECUSTOMIZE = f"""
 import framework.engine.structured_outputs as so
 
 _compile = so.StructuredOutputManager._compile
@@ -32,7 +32,7 @@ def _failing_compile(self, grammar):
     return _compile(self, grammar)
 
 so.StructuredOutputManager._compile = _failing_compile
-'''
+"""
 MESSAGES = [{"role": "user", "content": "t5 t9 t12"}]
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"enum": [TRIGGER]}}}
 
@@ -56,21 +56,28 @@ def _check(error: openai.BadRequestError, param: str) -> None:
     assert error.status_code == 400
     body = error.body
     assert body["param"] == param and body["type"] == "invalid_request_error" and body["code"] == "invalid_value", body
-    assert re.fullmatch(rf"{re.escape(param)}: the grammar failed to compile: injected: too many states", body["message"])
+    assert re.fullmatch(
+        rf"{re.escape(param)}: the grammar failed to compile: injected: too many states", body["message"]
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_schema_that_fails_to_compile_is_a_400_naming_response_format(client, stream):
     with pytest.raises(openai.BadRequestError) as excinfo:
-        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, response_format=BAD_SCHEMA,
-                                       stream=stream)
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4, response_format=BAD_SCHEMA, stream=stream
+        )
     _check(excinfo.value, "response_format.json_schema.schema")
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("field,value,param", [("guided_regex", TRIGGER, "guided_regex"),
-                                               ("structured_outputs", {"grammar": f'root ::= "{TRIGGER}"'},
-                                                "structured_outputs.grammar")])
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("guided_regex", TRIGGER, "guided_regex"),
+        ("structured_outputs", {"grammar": f'root ::= "{TRIGGER}"'}, "structured_outputs.grammar"),
+    ],
+)
 def test_completion_grammar_that_fails_to_compile_is_a_400_naming_the_field(client, stream, field, value, param):
     with pytest.raises(openai.BadRequestError) as excinfo:
         client.completions.create(model="tiny", prompt="t5 t9", max_tokens=4, stream=stream, extra_body={field: value})
@@ -87,8 +94,9 @@ def test_the_server_keeps_serving_and_the_failed_requests_hold_nothing(client, s
     for _ in range(3):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, response_format=BAD_SCHEMA)
-    constrained = client.completions.create(model="tiny", prompt="t5 t9", max_tokens=4, temperature=0,
-                                            extra_body={"guided_choice": ["t7", "t8"]})
+    constrained = client.completions.create(
+        model="tiny", prompt="t5 t9", max_tokens=4, temperature=0, extra_body={"guided_choice": ["t7", "t8"]}
+    )
     # the grammar ended the reply (the tiny vocabulary decodes the choice's tokens with spaces between)
     assert constrained.choices[0].text.startswith(("t7", "t8")) and constrained.choices[0].finish_reason == "stop"
     free = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)

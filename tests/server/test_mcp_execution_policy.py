@@ -45,8 +45,9 @@ def server(tmp_path_factory, free_tcp_port):
     config_file = tmp_path_factory.mktemp("mcp") / "mcp.json"
     config_file.write_text(json.dumps({"mcpServers": {"calc": {"command": sys.executable, "args": [FIXTURE]}}}))
     engine = ScriptedEngineClient(reply)
-    config = ServerConfig(served_model_names=["scripted"], tool_parser="qwen",
-                          mcp_servers=load_mcp_config(str(config_file)))
+    config = ServerConfig(
+        served_model_names=["scripted"], tool_parser="qwen", mcp_servers=load_mcp_config(str(config_file))
+    )
     app = create_app(engine, config, start_engine=False)
     with ThreadedServer(app, free_tcp_port()) as running:
         running.engine, running.state = engine, app.state.server
@@ -96,7 +97,9 @@ def test_mcp_execute_without_the_operators_consent_is_refused_and_no_tool_runs(s
     assert listed["executable_tools"] == []
     # the tools are still offered: the model's call goes back to the client
     plain = _chat(server).json()["choices"][0]
-    assert plain["finish_reason"] == "tool_calls" and plain["message"]["tool_calls"][0]["function"]["name"] == "calc__add"
+    assert (
+        plain["finish_reason"] == "tool_calls" and plain["message"]["tool_calls"][0]["function"]["name"] == "calc__add"
+    )
     assert calls == []
 
 
@@ -144,7 +147,8 @@ def test_calls_after_the_time_budget_is_spent_are_not_run(server, calls, monkeyp
     first, *rest = message["mcp_calls"]
     assert first["is_error"] and first["result"] == "calling calc__add took longer than 1e-06 s and was stopped"
     assert [(r["is_error"], r["result"]) for r in rest] == [
-        (True, "not run: this request spent its 1e-06 s of MCP tool time (--mcp-max-time)")] * 2
+        (True, "not run: this request spent its 1e-06 s of MCP tool time (--mcp-max-time)")
+    ] * 2
     assert calls == ["calc__add"]
 
 

@@ -18,8 +18,13 @@ from framework.server.state import ServerConfig
 from .scripted_engine import ScriptedEngineClient, ThreadedServer
 
 KEY = "sk-test-key"
-TOOLS = [{"name": "get_weather", "description": "Weather of a city",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -47,8 +52,12 @@ def client(server):
 
 
 def ask(client, **kwargs):
-    return client.messages.create(model="scripted", max_tokens=kwargs.pop("max_tokens", 200),
-                                  messages=kwargs.pop("messages", [{"role": "user", "content": "hi"}]), **kwargs)
+    return client.messages.create(
+        model="scripted",
+        max_tokens=kwargs.pop("max_tokens", 200),
+        messages=kwargs.pop("messages", [{"role": "user", "content": "hi"}]),
+        **kwargs,
+    )
 
 
 def test_plain_message_has_thinking_and_text_blocks(client, server):
@@ -73,9 +82,15 @@ def test_tool_use_round_trip(client, server):
     assert first.stop_reason == "tool_use"
     [use] = [b for b in first.content if b.type == "tool_use"]
     assert (use.name, use.input) == ("get_weather", {"city": "Paris"})
-    second = ask(client, tools=TOOLS, messages=[question, {"role": "assistant", "content": first.content},
-                                                {"role": "user", "content": [
-                                                    {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}])
+    second = ask(
+        client,
+        tools=TOOLS,
+        messages=[
+            question,
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
+        ],
+    )
     assert second.content[-1].text == "It is sunny in Paris. STOP here"
     prompt = server.engine.prompts[-1]
     assert '"name": "get_weather"' in prompt and prompt.endswith("<|tool|>sunny<|assistant|>")
@@ -85,8 +100,9 @@ def test_tool_use_round_trip(client, server):
 
 def test_stream_events_build_the_same_message(client):
     whole = ask(client, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS)
-    with client.messages.stream(model="scripted", max_tokens=200, tools=TOOLS,
-                                messages=[{"role": "user", "content": "Weather in Paris?"}]) as stream:
+    with client.messages.stream(
+        model="scripted", max_tokens=200, tools=TOOLS, messages=[{"role": "user", "content": "Weather in Paris?"}]
+    ) as stream:
         events = list(stream)
         final = stream.get_final_message()
     kinds = [e.type for e in events]
@@ -108,11 +124,16 @@ def test_errors_use_the_anthropic_envelope_and_x_api_key_is_checked(server, clie
     with pytest.raises(anthropic.AuthenticationError) as error:
         ask(wrong)
     assert error.value.body["error"]["type"] == "authentication_error"
-    response = httpx.post(server.base_url + "/v1/messages", headers={"x-api-key": KEY},
-                          json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
+    response = httpx.post(
+        server.base_url + "/v1/messages",
+        headers={"x-api-key": KEY},
+        json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert response.status_code == 400
-    assert response.json() == {"type": "error", "error": {"type": "invalid_request_error",
-                                                          "message": "missing required parameter 'max_tokens'"}}
+    assert response.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "missing required parameter 'max_tokens'"},
+    }
     with pytest.raises(anthropic.BadRequestError) as error:
         ask(client, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
     assert "'image'" in error.value.body["error"]["message"]

@@ -21,15 +21,30 @@ MESSAGES = [{"role": "user", "content": "t5 t9 t12 t40"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, serve_on_free_port):
-    with serve_on_free_port(["--m", str(tiny_model_dir), "--device", "cpu",
-                             "--api-key", API_KEYS[0], "--api-key", API_KEYS[1], "--served-model-name", "tiny",
-                             "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-num-seqs", "64",
-                             # async scheduling (the GPU default) under every API test here; the
-                             # other server modules run the CPU default (sync)
-                             "--async-scheduling",
-                             # the last test kills the engine: it must stay dead here (restarts:
-                             # test_engine_supervision.py)
-                             "--no-engine-restart"]) as proc:
+    with serve_on_free_port(
+        [
+            "--m",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--api-key",
+            API_KEYS[0],
+            "--api-key",
+            API_KEYS[1],
+            "--served-model-name",
+            "tiny",
+            "--max-request-bytes",
+            str(MAX_REQUEST_BYTES),
+            "--max-num-seqs",
+            "64",
+            # async scheduling (the GPU default) under every API test here; the
+            # other server modules run the CPU default (sync)
+            "--async-scheduling",
+            # the last test kills the engine: it must stay dead here (restarts:
+            # test_engine_supervision.py)
+            "--no-engine-restart",
+        ]
+    ) as proc:
         yield proc
 
 
@@ -86,21 +101,29 @@ def test_health_version_and_models(http, server):
 
 # --- chat and completions through the openai client ----------------------------------------
 def test_chat_completion_usage_matches_the_tokenizer(client, tokenizer):
-    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=7, temperature=0,
-                                              logprobs=True, extra_body={"ignore_eos": True})
+    response = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=7, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "length"
     assert response.usage.prompt_tokens == len(tokenizer.encode_chat(MESSAGES))
     assert response.usage.completion_tokens == 7 == len(choice.logprobs.content)
     assert response.usage.total_tokens == response.usage.prompt_tokens + 7
-    assert choice.message.content == "".join(lp.token if i == 0 else " " + lp.token
-                                             for i, lp in enumerate(choice.logprobs.content))
+    assert choice.message.content == "".join(
+        lp.token if i == 0 else " " + lp.token for i, lp in enumerate(choice.logprobs.content)
+    )
 
 
 def test_streamed_chat_equals_the_non_streamed_chat(client):
     full = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
-    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -122,8 +145,15 @@ def test_greedy_completion_equals_llm_generate(client, reference_llm):
 
 
 def test_completion_prompt_forms_echo_and_logprobs(client, tokenizer):
-    response = client.completions.create(model="tiny", prompt=["t5 t9", "t7 t8 t9"], max_tokens=4, temperature=0,
-                                         echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model="tiny",
+        prompt=["t5 t9", "t7 t8 t9"],
+        max_tokens=4,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in response.choices] == [0, 1]
     for choice, prompt in zip(response.choices, ["t5 t9", "t7 t8 t9"], strict=True):
         assert choice.text.startswith(prompt)
@@ -133,8 +163,9 @@ def test_completion_prompt_forms_echo_and_logprobs(client, tokenizer):
         assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
         assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs[num_prompt:])
     assert response.usage.prompt_tokens == 5 and response.usage.completion_tokens == 8
-    single = client.completions.create(model="tiny", prompt="t5 t9", max_tokens=4, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    single = client.completions.create(
+        model="tiny", prompt="t5 t9", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert response.choices[0].text == "t5 t9" + single.choices[0].text
 
 
@@ -147,13 +178,22 @@ def test_streamed_completion_equals_the_non_streamed_one(client):
 
 
 def test_n_2_returns_two_choices_seeded_apart(client):
-    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=1.0, n=2,
-                                              seed=11, extra_body={"ignore_eos": True})
+    response = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=10, temperature=1.0, n=2, seed=11, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in response.choices) == [0, 1]
     assert response.usage.completion_tokens == 20
     assert response.choices[0].message.content != response.choices[1].message.content
-    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=1.0, n=2,
-                                            seed=11, stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=1.0,
+        n=2,
+        seed=11,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     texts = {0: "", 1: ""}
     for chunk in stream:
         for c in chunk.choices:
@@ -163,8 +203,13 @@ def test_n_2_returns_two_choices_seeded_apart(client):
 
 def test_same_seed_reproduces_and_another_seed_differs(client):
     def sample(seed):
-        return client.completions.create(model="tiny", prompt="t5 t6", max_tokens=16, temperature=1.0, seed=seed,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model="tiny", prompt="t5 t6", max_tokens=16, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(1234)
     assert sample(1234) == first
@@ -188,18 +233,35 @@ def test_stop_string_cuts_the_text_before_it(client):
 
 
 def test_logit_bias_and_penalties_are_applied(client):
-    biased = client.completions.create(model="tiny", prompt="t5 t6", max_tokens=5, temperature=0,
-                                       logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    biased = client.completions.create(
+        model="tiny",
+        prompt="t5 t6",
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"77": 100},
+        extra_body={"ignore_eos": True},
+    )
     assert biased.choices[0].text.split() == ["t77"] * 5
-    penalized = client.completions.create(model="tiny", prompt="t5 t6", max_tokens=5, temperature=0,
-                                          logit_bias={"77": 3}, frequency_penalty=2.0, extra_body={"ignore_eos": True})
+    penalized = client.completions.create(
+        model="tiny",
+        prompt="t5 t6",
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"77": 3},
+        frequency_penalty=2.0,
+        extra_body={"ignore_eos": True},
+    )
     assert penalized.choices[0].text.split() != ["t77"] * 5
 
 
 def test_chat_template_kwargs_and_max_completion_tokens(client, tokenizer):
-    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=3, temperature=0,
-                                              extra_body={"ignore_eos": True,
-                                                          "chat_template_kwargs": {"add_generation_prompt": False}})
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"add_generation_prompt": False}},
+    )
     assert response.usage.prompt_tokens == len(tokenizer.encode_chat(MESSAGES, add_generation_prompt=False))
     assert response.usage.completion_tokens == 3
 
@@ -224,42 +286,74 @@ def _error(response, status, code, param=...):
 
 
 def test_malformed_json_is_400(http):
-    _error(http.post("/v1/chat/completions", content=b'{"messages": [', headers={"Content-Type": "application/json"}),
-           400, "invalid_json")
+    _error(
+        http.post("/v1/chat/completions", content=b'{"messages": [', headers={"Content-Type": "application/json"}),
+        400,
+        "invalid_json",
+    )
 
 
 def test_wrong_types_are_400_naming_the_field(http):
-    _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": "many"}), 400, "invalid_type",
-           "max_tokens")
+    _error(
+        http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": "many"}),
+        400,
+        "invalid_type",
+        "max_tokens",
+    )
     _error(http.post("/v1/chat/completions", json={"messages": "hi"}), 400, "invalid_type", "messages")
     _error(http.post("/v1/chat/completions", json={"model": "tiny"}), 400, "missing_required_parameter", "messages")
     _error(http.post("/v1/completions", json={"prompt": [1.5]}), 400, "invalid_type", "prompt")
-    _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": -1}), 400, "invalid_value",
-           "temperature")
+    _error(
+        http.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": -1}),
+        400,
+        "invalid_value",
+        "temperature",
+    )
 
 
 def test_unsupported_fields_are_rejected_and_unknown_ones_ignored(http):
-    _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "functions": [{"name": "f"}]}), 400,
-           "unsupported_parameter", "functions")
-    _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "modalities": ["audio"]}),
-           400, "unsupported_parameter", "modalities")
-    _error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": {"type": "yaml"}}),
-           400, "invalid_value", "response_format.type")
+    _error(
+        http.post("/v1/chat/completions", json={"messages": MESSAGES, "functions": [{"name": "f"}]}),
+        400,
+        "unsupported_parameter",
+        "functions",
+    )
+    _error(
+        http.post("/v1/chat/completions", json={"messages": MESSAGES, "modalities": ["audio"]}),
+        400,
+        "unsupported_parameter",
+        "modalities",
+    )
+    _error(
+        http.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": {"type": "yaml"}}),
+        400,
+        "invalid_value",
+        "response_format.type",
+    )
     ok = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "metadata": {"a": "b"}})
     assert ok.status_code == 200
 
 
 def test_unknown_model_is_404(http):
-    _error(http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": MESSAGES}), 404, "model_not_found",
-           "model")
+    _error(
+        http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": MESSAGES}),
+        404,
+        "model_not_found",
+        "model",
+    )
 
 
 def test_prompt_over_the_context_length_is_400_with_the_numbers(http):
     prompt = " ".join(["t7"] * 250)
-    error = _error(http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 10}), 400,
-                   "context_length_exceeded")
+    error = _error(
+        http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 10}),
+        400,
+        "context_length_exceeded",
+    )
     assert "256" in error["message"] and "250" in error["message"] and "10" in error["message"]
-    error = _error(http.post("/v1/completions", json={"prompt": " ".join(["t7"] * 300)}), 400, "context_length_exceeded")
+    error = _error(
+        http.post("/v1/completions", json={"prompt": " ".join(["t7"] * 300)}), 400, "context_length_exceeded"
+    )
     assert "300" in error["message"]
 
 
@@ -273,17 +367,28 @@ def test_bad_or_missing_api_key_is_401(server):
 def test_a_foreign_pages_requests_are_refused_by_a_real_server(http, server):
     """What a page on another site (or a DNS-rebinding name) can send to fw serve, with the right key even."""
     body = b'{"model": "tiny", "prompt": "t5", "max_tokens": 1}'
-    simple = http.post("/v1/completions", content=body, headers={"Content-Type": "text/plain",
-                                                                  "Origin": "https://evil.example"})
+    simple = http.post(
+        "/v1/completions", content=body, headers={"Content-Type": "text/plain", "Origin": "https://evil.example"}
+    )
     _error(simple, 403, "cross_origin_refused")
-    _error(http.post("/v1/completions", content=body, headers={"Content-Type": "text/plain"}), 415,
-           "unsupported_media_type")
+    _error(
+        http.post("/v1/completions", content=body, headers={"Content-Type": "text/plain"}),
+        415,
+        "unsupported_media_type",
+    )
     port = server.base_url.rsplit(":", 1)[1]
-    _error(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json",
-                                                                "Host": f"rebind.evil.example:{port}"}),
-           421, "invalid_host")
-    same_origin = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json",
-                                                                       "Origin": server.base_url})
+    _error(
+        http.post(
+            "/v1/completions",
+            content=body,
+            headers={"Content-Type": "application/json", "Host": f"rebind.evil.example:{port}"},
+        ),
+        421,
+        "invalid_host",
+    )
+    same_origin = http.post(
+        "/v1/completions", content=body, headers={"Content-Type": "application/json", "Origin": server.base_url}
+    )
     assert same_origin.status_code == 200 and same_origin.json()["usage"]["completion_tokens"] == 1
 
 
@@ -323,12 +428,18 @@ def test_embeddings_equal_the_engines_pooled_hidden_states(client, reference_llm
 
 # --- concurrency, disconnects, metrics -------------------------------------------------------
 def test_64_concurrent_streaming_clients_complete(client, aclient_factory):
-    expected = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
-                                              extra_body={"ignore_eos": True}).choices[0].message.content
+    expected = (
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .message.content
+    )
 
     async def one(aclient):
-        stream = await aclient.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
-                                                       stream=True, extra_body={"ignore_eos": True})
+        stream = await aclient.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         text, reason = "", None
         async for chunk in stream:
             if chunk.choices:
@@ -373,8 +484,11 @@ def test_disconnected_clients_leave_no_running_requests_or_used_blocks(server, h
     deadline = time.monotonic() + 15
     while True:
         text = http.get("/metrics").text
-        values = [metric(text, "fw:num_requests_running"), metric(text, "fw:num_requests_waiting"),
-                  metric(text, "fw:num_kv_blocks_used")]
+        values = [
+            metric(text, "fw:num_requests_running"),
+            metric(text, "fw:num_requests_waiting"),
+            metric(text, "fw:num_kv_blocks_used"),
+        ]
         if values == [0, 0, 0] or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -52,15 +52,19 @@ def test_opaque_and_look_alike_origins_are_foreign(http, origin):
 
 def test_a_foreign_pages_text_plain_post_is_refused(http):
     # What a page on another site can send without a preflight: a "simple" cross-origin POST.
-    response = http.post("/tokenize", content=b'{"prompt": "hello"}',
-                         headers={"Content-Type": "text/plain", "Origin": "https://evil.example",
-                                  "Sec-Fetch-Site": "cross-site"})
+    response = http.post(
+        "/tokenize",
+        content=b'{"prompt": "hello"}',
+        headers={"Content-Type": "text/plain", "Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"},
+    )
     error = _error(response, 403, "cross_origin_refused")
     assert "https://evil.example" in error["message"] and "--allowed-origins" in error["message"]
 
 
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x", "application/jsonx"])
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonx"],
+)
 def test_post_bodies_must_be_application_json(http, content_type):
     headers = {"Content-Type": content_type} if content_type else {}
     response = http.post("/tokenize", content=b'{"prompt": "hello"}', headers=headers)
@@ -69,8 +73,9 @@ def test_post_bodies_must_be_application_json(http, content_type):
 
 
 def test_json_with_a_charset_is_accepted(http):
-    response = http.post("/tokenize", content=b'{"prompt": "hello"}',
-                         headers={"Content-Type": "application/json; charset=utf-8"})
+    response = http.post(
+        "/tokenize", content=b'{"prompt": "hello"}', headers={"Content-Type": "application/json; charset=utf-8"}
+    )
     assert response.status_code == 200 and response.json()["tokens"] == http.expected_tokens
 
 
@@ -82,8 +87,9 @@ def test_dns_rebinding_host_is_refused(http, host):
     _error(http.get("/v1/models", headers={"Host": host}), 421, "invalid_host")
 
 
-@pytest.mark.parametrize("host", ["localhost:2000", "127.0.0.1:2000", "[::1]:2000", "192.168.1.5:2000",
-                                  "LOCALHOST", "app.localhost:2000"])
+@pytest.mark.parametrize(
+    "host", ["localhost:2000", "127.0.0.1:2000", "[::1]:2000", "192.168.1.5:2000", "LOCALHOST", "app.localhost:2000"]
+)
 def test_loopback_names_and_ip_addresses_are_accepted_hosts(http, host):
     assert http.get("/v1/models", headers={"Host": host}).json()["data"][0]["id"] == "m"
 
@@ -126,15 +132,24 @@ def test_the_web_ui_origin_is_allowed_and_still_needs_the_key():
         _error(client.post("/tokenize", json=BODY, headers=ui), 401, "invalid_api_key")
         allowed = client.post("/tokenize", json=BODY, headers={**ui, "Authorization": "Bearer secret"})
         assert allowed.status_code == 200 and allowed.json()["count"] > 0
-        _error(client.post("/tokenize", json=BODY, headers={"Origin": "http://127.0.0.1:1998",
-                                                            "Authorization": "Bearer secret"}),
-               403, "cross_origin_refused")
+        _error(
+            client.post(
+                "/tokenize", json=BODY, headers={"Origin": "http://127.0.0.1:1998", "Authorization": "Bearer secret"}
+            ),
+            403,
+            "cross_origin_refused",
+        )
 
 
 def test_no_cors_by_default_preflight_is_refused(http):
-    response = http.options("/v1/chat/completions", headers={
-        "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+    response = http.options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": "http://localhost:5173",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     _error(response, 403, "cross_origin_refused")
     assert "access-control-allow-origin" not in response.headers
 
@@ -143,15 +158,22 @@ def test_allowed_origin_gets_a_preflight_and_cors_headers():
     client, engine = _client(allowed_origins=["http://localhost:5173"], api_keys=["k"])
     origin = {"Origin": "http://localhost:5173"}
     with client:
-        preflight = client.options("/tokenize", headers={**origin, "Access-Control-Request-Method": "POST",
-                                                         "Access-Control-Request-Headers": "authorization, content-type"})
+        preflight = client.options(
+            "/tokenize",
+            headers={
+                **origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
         assert preflight.status_code == 204, preflight.text
         assert preflight.headers["access-control-allow-origin"] == "http://localhost:5173"
         assert "POST" in preflight.headers["access-control-allow-methods"]
         allowed_headers = {h.strip() for h in preflight.headers["access-control-allow-headers"].split(",")}
         assert {"authorization", "content-type"} <= allowed_headers
-        response = client.post("/tokenize", json=BODY, headers={**origin, "Authorization": "Bearer k",
-                                                                "Sec-Fetch-Site": "cross-site"})
+        response = client.post(
+            "/tokenize", json=BODY, headers={**origin, "Authorization": "Bearer k", "Sec-Fetch-Site": "cross-site"}
+        )
         assert response.status_code == 200
         assert response.json()["tokens"] == engine.tokenizer.encode("hello", add_special_tokens=True)
         assert response.headers["access-control-allow-origin"] == "http://localhost:5173"
@@ -159,8 +181,9 @@ def test_allowed_origin_gets_a_preflight_and_cors_headers():
         not_json = client.post("/tokenize", content=b"{}", headers={**origin, "Content-Type": "text/plain"})
         _error(not_json, 415, "unsupported_media_type")  # readable by the allowed page: it has CORS headers
         assert not_json.headers["access-control-allow-origin"] == "http://localhost:5173"
-        refused = client.post("/tokenize", json=BODY, headers={"Origin": "http://localhost:5174",
-                                                               "Authorization": "Bearer k"})
+        refused = client.post(
+            "/tokenize", json=BODY, headers={"Origin": "http://localhost:5174", "Authorization": "Bearer k"}
+        )
         _error(refused, 403, "cross_origin_refused")
 
 

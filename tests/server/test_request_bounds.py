@@ -64,9 +64,20 @@ def test_max_n_is_the_servers_choice():
         assert len(client.post(CHAT, json={"messages": MESSAGES, "n": 2}).json()["choices"]) == 2
 
 
-@pytest.mark.parametrize("field, value", [
-    ("seed", 2**70), ("seed", -(2**63) - 1), ("top_k", 2**40), ("top_k", -2), ("max_tokens", 2**70),
-    ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 2**64), ("logprobs", 2**70)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seed", 2**70),
+        ("seed", -(2**63) - 1),
+        ("top_k", 2**40),
+        ("top_k", -2),
+        ("max_tokens", 2**70),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("min_tokens", 2**64),
+        ("logprobs", 2**70),
+    ],
+)
 def test_integer_fields_out_of_range_are_400(http, field, value):
     body = {"prompt": "x", field: value}
     response = http.post("/v1/completions", json=body)
@@ -93,7 +104,9 @@ def test_prompt_token_ids_outside_the_vocabulary_are_400(http, prompt):
 def test_prompts_and_embedding_inputs_are_capped():
     client, engine = _client(max_prompts=3, max_embedding_inputs=2)
     with client:
-        assert "--max-prompts" in _refused(client.post("/v1/completions", json={"prompt": ["a"] * 4}), "prompt")["message"]
+        assert (
+            "--max-prompts" in _refused(client.post("/v1/completions", json={"prompt": ["a"] * 4}), "prompt")["message"]
+        )
         assert len(client.post("/v1/completions", json={"prompt": ["a"] * 3}).json()["choices"]) == 3
         error = _refused(client.post("/v1/embeddings", json={"input": ["a", "b", "c"]}), "input")
         assert "--max-embedding-inputs" in error["message"]
@@ -111,7 +124,12 @@ def test_stop_strings_are_capped_in_number_and_length(http):
 
 @pytest.mark.parametrize("depth", [65, 5000, 200_000])
 def test_deeply_nested_json_is_400_naming_the_problem(http, depth):
-    body = '{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": ' + "[" * depth + "]" * depth + "}}"
+    body = (
+        '{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": '
+        + "[" * depth
+        + "]" * depth
+        + "}}"
+    )
     response = http.post(CHAT, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
     assert "nested" in response.json()["error"]["message"]
@@ -134,7 +152,7 @@ def test_json_depth_counts_nesting_and_skips_strings_with_escapes():
     def build(level: int):
         choice = rng.random()
         if level > 6 or choice < 0.3:
-            return "".join(rng.choice(['[', ']', '{', '}', '\\', '"', 'a']) for _ in range(rng.randint(0, 6)))
+            return "".join(rng.choice(["[", "]", "{", "}", "\\", '"', "a"]) for _ in range(rng.randint(0, 6)))
         if choice < 0.65:
             return [build(level + 1) for _ in range(rng.randint(0, 3))]
         return {build(7): build(level + 1) for _ in range(rng.randint(0, 3))}
@@ -147,25 +165,54 @@ def test_json_depth_counts_nesting_and_skips_strings_with_escapes():
 
 def test_nesting_within_the_limit_and_brackets_in_strings_pass(http):
     content = "[" * 100 + "{"  # brackets inside a string are text, not nesting
-    body = '{"messages": [{"role": "user", "content": "' + content + '"}], "chat_template_kwargs": {"a": ' + "[" * 60 + "]" * 60 + "}}"
+    body = (
+        '{"messages": [{"role": "user", "content": "'
+        + content
+        + '"}], "chat_template_kwargs": {"a": '
+        + "[" * 60
+        + "]" * 60
+        + "}}"
+    )
     response = http.post(CHAT, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 200, response.text
     assert content in http.engine.prompts[-1]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("continue_final_message", True), ("prompt_logprobs", 1), ("use_beam_search", True),
-    ("priority", 5), ("length_penalty", 0.5), ("truncate_prompt_tokens", 10), ("allowed_token_ids", [1]),
-    ("bad_words", ["x"]), ("return_tokens_as_token_ids", True), ("guided_decoding_backend", "outlines"),
-    ("add_special_tokens", True), ("echo", True), ("chat_template", "{{ messages }}"), ("documents", [{"a": "b"}])])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("continue_final_message", True),
+        ("prompt_logprobs", 1),
+        ("use_beam_search", True),
+        ("priority", 5),
+        ("length_penalty", 0.5),
+        ("truncate_prompt_tokens", 10),
+        ("allowed_token_ids", [1]),
+        ("bad_words", ["x"]),
+        ("return_tokens_as_token_ids", True),
+        ("guided_decoding_backend", "outlines"),
+        ("add_special_tokens", True),
+        ("echo", True),
+        ("chat_template", "{{ messages }}"),
+        ("documents", [{"a": "b"}]),
+    ],
+)
 def test_chat_fields_fw_does_not_implement_are_refused(http, field, value):
     error = _refused(http.post(CHAT, json={"messages": MESSAGES, field: value}), field)
     assert error["code"] == "unsupported_parameter"
     assert http.engine.prompts == []
 
 
-@pytest.mark.parametrize("field, value", [("use_beam_search", False), ("priority", 0), ("continue_final_message", False),
-                                          ("length_penalty", 1), ("echo", False)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("use_beam_search", False),
+        ("priority", 0),
+        ("continue_final_message", False),
+        ("length_penalty", 1),
+        ("echo", False),
+    ],
+)
 def test_refused_fields_at_their_default_are_accepted(http, field, value):
     assert http.post(CHAT, json={"messages": MESSAGES, field: value}).status_code == 200
 
@@ -181,11 +228,18 @@ def test_structured_outputs_larger_than_the_limit_are_400(http):
     big = "a" * (MAX_GRAMMAR_CHARS + 1)
     _refused(http.post("/v1/completions", json={"prompt": "x", "guided_regex": big}), "guided_regex")
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
-    response = http.post(CHAT, json={"messages": MESSAGES, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    response = http.post(
+        CHAT,
+        json={
+            "messages": MESSAGES,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        },
+    )
     _refused(response, "response_format.json_schema.schema")
-    _refused(http.post(CHAT, json={"messages": MESSAGES, "structured_outputs": {"grammar": big}}),
-             "structured_outputs.grammar")
+    _refused(
+        http.post(CHAT, json={"messages": MESSAGES, "structured_outputs": {"grammar": big}}),
+        "structured_outputs.grammar",
+    )
     assert http.engine.prompts == []
 
 
@@ -206,8 +260,10 @@ def test_a_slow_body_is_408_and_the_server_keeps_answering(free_tcp_port):
     port = free_tcp_port()
     with ThreadedServer(app, port) as server, socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
         start = time.perf_counter()
-        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"messages\": ")  # and never the rest
+        slow.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"messages": '
+        )  # and never the rest
         assert httpx.get(server.base_url + "/health").status_code == 200
         reply = b""
         while b"request_timeout" not in reply and time.perf_counter() - start < 5:

@@ -20,8 +20,14 @@ from framework.server.state import ServerConfig
 
 from .scripted_engine import ScriptedEngineClient, ThreadedServer
 
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -73,18 +79,22 @@ def test_plain_response_has_reasoning_and_message_items(client, server):
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "A greeting."
     assert message.type == "message" and message.content[0].type == "output_text"
     assert response.usage.input_tokens == server.engine.prompt_lengths[-1]
-    assert response.usage.output_tokens == len(server.engine.tokenizer.encode(
-        "<think>A greeting.</think>Hello there!", add_special_tokens=False))
+    assert response.usage.output_tokens == len(
+        server.engine.tokenizer.encode("<think>A greeting.</think>Hello there!", add_special_tokens=False)
+    )
 
 
 def test_function_call_and_follow_up_through_previous_response_id(client, server):
-    first = client.responses.create(model="scripted", input="Weather in Paris?", tools=TOOLS,
-                                    instructions="Use tools.")
+    first = client.responses.create(model="scripted", input="Weather in Paris?", tools=TOOLS, instructions="Use tools.")
     calls = [item for item in first.output if item.type == "function_call"]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
     assert first.output_text == "Let me check."
-    second = client.responses.create(model="scripted", previous_response_id=first.id, tools=TOOLS, input=[
-        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    second = client.responses.create(
+        model="scripted",
+        previous_response_id=first.id,
+        tools=TOOLS,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
+    )
     assert second.output_text == "It is sunny in Paris."
     assert second.previous_response_id == first.id
     prompt = server.engine.prompts[-1]
@@ -94,11 +104,16 @@ def test_function_call_and_follow_up_through_previous_response_id(client, server
 
 
 def test_input_items_become_the_conversation(client, server):
-    client.responses.create(model="scripted", input=[
-        {"role": "developer", "content": "Answer in French."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
-        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-        {"type": "function_call_output", "call_id": "c1", "output": "rainy"}], tools=TOOLS)
+    client.responses.create(
+        model="scripted",
+        input=[
+            {"role": "developer", "content": "Answer in French."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "rainy"},
+        ],
+        tools=TOOLS,
+    )
     prompt = server.engine.prompts[-1]
     assert "<|developer|>Answer in French.<|user|>Weather?<|assistant|>" in prompt
     assert prompt.endswith("<|tool|>rainy<|assistant|>")
@@ -126,15 +141,18 @@ def test_stream_sends_the_typed_events_of_the_whole_response(client):
 
 
 def test_input_items_of_a_stored_response_are_listed(client):
-    items = [{"role": "user", "content": "Weather?"},
-             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
-             {"type": "function_call_output", "call_id": "c1", "output": "rainy"}]
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "rainy"},
+    ]
     response = client.responses.create(model="scripted", input=items, tools=TOOLS)
     listed = client.responses.input_items.list(response.id).data
     assert [i.type for i in listed] == ["function_call_output", "function_call", "message"]  # newest first
     assert listed[0].output == "rainy" and listed[1].call_id == "c1"
-    assert [i.type for i in client.responses.input_items.list(client.responses.create(
-        model="scripted", input="hi").id).data] == ["message"]
+    assert [
+        i.type for i in client.responses.input_items.list(client.responses.create(model="scripted", input="hi").id).data
+    ] == ["message"]
 
 
 def test_get_and_delete_by_id_and_store_false(client):
@@ -176,14 +194,21 @@ def test_background_response_completes_and_cancel_stops_it(client, server):
     assert server.state.num_admitted == 0
 
 
-@pytest.mark.parametrize("field, value, param", [
-    ("tools", [{"type": "web_search"}], "tools[0].type"),
-    ("include", ["file_search_call.results"], "include"),
-    ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}],
-     "input[0].content[0].type"),
-    ("input", [{"type": "item_reference", "id": "x"}], "input[0].type"),
-    ("truncation", "auto", "truncation"),
-    ("conversation", "conv_1", "conversation")])
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("tools", [{"type": "web_search"}], "tools[0].type"),
+        ("include", ["file_search_call.results"], "include"),
+        (
+            "input",
+            [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}],
+            "input[0].content[0].type",
+        ),
+        ("input", [{"type": "item_reference", "id": "x"}], "input[0].type"),
+        ("truncation", "auto", "truncation"),
+        ("conversation", "conv_1", "conversation"),
+    ],
+)
 def test_fields_fw_cannot_honour_are_400s_naming_them(server, field, value, param):
     body = {"model": "scripted", "input": "hi", field: value}
     response = httpx.post(server.base_url + "/v1/responses", json=body)

@@ -19,9 +19,27 @@ BODY = {"model": "tiny", "prompt": "t5 t9 t12", "max_tokens": 48, "ignore_eos": 
 @pytest.fixture(scope="module")
 def unix_server(tiny_model_dir, launch_fw_server, tmp_path_factory):
     sock = tmp_path_factory.mktemp("sock") / "fw.sock"
-    proc = launch_fw_server(["--m", str(tiny_model_dir), "--device", "cpu", "--h", f"unix://{sock}",
-                             "--served-model-name", "tiny", "--max-num-seqs", "2", "--max-queued-requests", "2",
-                             "--shutdown-timeout", "60", "--max-gen-tokens", "5"], f"unix://{sock}")
+    proc = launch_fw_server(
+        [
+            "--m",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--h",
+            f"unix://{sock}",
+            "--served-model-name",
+            "tiny",
+            "--max-num-seqs",
+            "2",
+            "--max-queued-requests",
+            "2",
+            "--shutdown-timeout",
+            "60",
+            "--max-gen-tokens",
+            "5",
+        ],
+        f"unix://{sock}",
+    )
     proc.socket_path = str(sock)
     try:
         proc.wait_ready()
@@ -31,12 +49,15 @@ def unix_server(tiny_model_dir, launch_fw_server, tmp_path_factory):
 
 
 def _client(server) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=server.socket_path), base_url="http://fw",
-                             timeout=120)
+    return httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds=server.socket_path), base_url="http://fw", timeout=120
+    )
 
 
 def test_unix_socket_bind_serves_requests(unix_server):
-    assert any(f"unix://{unix_server.socket_path}" in line for line in unix_server.lines if line.startswith("fw: ready"))
+    assert any(
+        f"unix://{unix_server.socket_path}" in line for line in unix_server.lines if line.startswith("fw: ready")
+    )
 
     async def main():
         async with _client(unix_server) as c:
@@ -54,8 +75,9 @@ def test_unix_socket_is_created_with_mode_0600(unix_server):
 def test_max_gen_tokens_is_the_default_max_tokens(unix_server):
     async def main():
         async with _client(unix_server) as c:
-            chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "t5"}],
-                                                              "ignore_eos": True})
+            chat = await c.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "t5"}], "ignore_eos": True}
+            )
             completion = await c.post("/v1/completions", json={"prompt": "t5", "ignore_eos": True})
             return chat.json(), completion.json()
 
@@ -79,9 +101,15 @@ def test_queue_cap_answers_429_while_admitted_requests_complete(unix_server):
 
 def test_disconnects_abort_queued_and_running_requests(unix_server):
     def values(text):
-        return [float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE).group(1))
-                for name in ("fw:num_requests_running", "fw:num_requests_waiting", "fw:num_kv_blocks_used",
-                             "fw:generation_tokens_total")]
+        return [
+            float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE).group(1))
+            for name in (
+                "fw:num_requests_running",
+                "fw:num_requests_waiting",
+                "fw:num_kv_blocks_used",
+                "fw:generation_tokens_total",
+            )
+        ]
 
     async def main():
         async with _client(unix_server) as c:
@@ -163,8 +191,24 @@ def _serve_runner(monkeypatch):
 
 def test_serve_options_reach_the_engine_and_the_server(monkeypatch):
     runner, app, calls = _serve_runner(monkeypatch)
-    result = runner.invoke(app, ["serve", "--h", "[::1]:9000", "--disable-prefix-cache", "--disable-cuda-graph",
-                                 "--api-key", "a", "--api-key", "b", "--max-gen-tokens", "7", "--num-blocks", "64"])
+    result = runner.invoke(
+        app,
+        [
+            "serve",
+            "--h",
+            "[::1]:9000",
+            "--disable-prefix-cache",
+            "--disable-cuda-graph",
+            "--api-key",
+            "a",
+            "--api-key",
+            "b",
+            "--max-gen-tokens",
+            "7",
+            "--num-blocks",
+            "64",
+        ],
+    )
     assert result.exit_code == 0, result.output
     (engine_kwargs, config, bind), kwargs = calls[0]
     assert engine_kwargs["model"] is None  # no --m: the embedded default model
@@ -184,16 +228,37 @@ def test_serve_request_limits_reach_the_server_and_are_checked(monkeypatch):
     assert (config.max_n, config.max_prompts, config.max_embedding_inputs) == (128, 128, 256)
     assert (config.max_queued_requests, config.max_queued_tokens) == (1024, 1 << 20)  # finite by default
     assert config.request_body_timeout_s == 30.0 and kwargs["limit_concurrency"] == 1024
-    result = runner.invoke(app, ["serve", "--max-n", "4", "--max-prompts", "2", "--max-embedding-inputs", "3",
-                                 "--request-body-timeout", "5", "--limit-concurrency", "10",
-                                 "--max-queued-requests", "0", "--max-queued-tokens", "100"])
+    result = runner.invoke(
+        app,
+        [
+            "serve",
+            "--max-n",
+            "4",
+            "--max-prompts",
+            "2",
+            "--max-embedding-inputs",
+            "3",
+            "--request-body-timeout",
+            "5",
+            "--limit-concurrency",
+            "10",
+            "--max-queued-requests",
+            "0",
+            "--max-queued-tokens",
+            "100",
+        ],
+    )
     assert result.exit_code == 0, result.output
     (_, config, _), kwargs = calls[-1]
     assert (config.max_n, config.max_prompts, config.max_embedding_inputs) == (4, 2, 3)
     assert (config.max_queued_requests, config.max_queued_tokens) == (0, 100)
     assert config.request_body_timeout_s == 5.0 and kwargs["limit_concurrency"] == 10
-    for flag, value in (("--max-n", "0"), ("--limit-concurrency", "0"), ("--request-body-timeout", "0"),
-                        ("--max-queued-tokens", "0")):
+    for flag, value in (
+        ("--max-n", "0"),
+        ("--limit-concurrency", "0"),
+        ("--request-body-timeout", "0"),
+        ("--max-queued-tokens", "0"),
+    ):
         bad = runner.invoke(app, ["serve", flag, value])
         assert bad.exit_code != 0 and flag in bad.output, (flag, bad.output)
 
@@ -203,17 +268,20 @@ def test_serve_module_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize(("address", "expected"), [
-    (None, ("127.0.0.1", 2000, None)),
-    ("0.0.0.0", ("0.0.0.0", 2000, None)),
-    ("127.0.0.1", ("127.0.0.1", 2000, None)),
-    ("127.0.0.1:8000", ("127.0.0.1", 8000, None)),
-    ("[::1]:8000", ("::1", 8000, None)),
-    ("::1", ("::1", 2000, None)),
-    ("tcp://localhost:9000", ("localhost", 9000, None)),
-    ("unix:///tmp/fw.sock", (None, None, "/tmp/fw.sock")),
-    ("socket:///tmp/a.sock", (None, None, "/tmp/a.sock")),
-])
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        (None, ("127.0.0.1", 2000, None)),
+        ("0.0.0.0", ("0.0.0.0", 2000, None)),
+        ("127.0.0.1", ("127.0.0.1", 2000, None)),
+        ("127.0.0.1:8000", ("127.0.0.1", 8000, None)),
+        ("[::1]:8000", ("::1", 8000, None)),
+        ("::1", ("::1", 2000, None)),
+        ("tcp://localhost:9000", ("localhost", 9000, None)),
+        ("unix:///tmp/fw.sock", (None, None, "/tmp/fw.sock")),
+        ("socket:///tmp/a.sock", (None, None, "/tmp/a.sock")),
+    ],
+)
 def test_bind_address_forms(address, expected):
     from framework.server.launcher import parse_bind
 

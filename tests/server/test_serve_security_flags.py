@@ -69,11 +69,14 @@ def test_keys_come_from_flags_the_environment_and_a_file(serve, tmp_path):
     assert config.api_keys == ["flag", "env", "from-file"]
 
 
-@pytest.mark.parametrize(("args", "env", "message"), [
-    (["--api-key", ""], None, "--api-key is empty"),
-    (["--api-key", "  "], None, "--api-key is empty"),
-    ([], {"FW_API_KEY": ""}, "FW_API_KEY is set but empty"),
-])
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--api-key", ""], None, "--api-key is empty"),
+        (["--api-key", "  "], None, "--api-key is empty"),
+        ([], {"FW_API_KEY": ""}, "FW_API_KEY is set but empty"),
+    ],
+)
 def test_an_empty_key_is_refused_at_start_up(serve, args, env, message):
     result, config, _ = serve(args, env)
     assert result.exit_code != 0 and config is None
@@ -88,8 +91,16 @@ def test_an_empty_key_file_is_refused(serve, tmp_path):
 
 
 def test_origin_and_host_flags_reach_the_server_config(serve):
-    result, config, _ = serve(["--allowed-origins", "http://localhost:5173,https://App.example.com",
-                               "--allowed-origins", "http://127.0.0.1:8080", "--allowed-hosts", "gpu.lan"])
+    result, config, _ = serve(
+        [
+            "--allowed-origins",
+            "http://localhost:5173,https://App.example.com",
+            "--allowed-origins",
+            "http://127.0.0.1:8080",
+            "--allowed-hosts",
+            "gpu.lan",
+        ]
+    )
     assert result.exit_code == 0, result.output
     assert config.allowed_origins == ["http://localhost:5173", "https://app.example.com", "http://127.0.0.1:8080"]
     assert config.allowed_hosts == ["gpu.lan"]
@@ -100,11 +111,16 @@ def test_origin_and_host_flags_reach_the_server_config(serve):
 def test_mcp_execution_flags_reach_the_server_config(serve):
     result, config, _ = serve([])
     assert config.mcp_execute is False
-    result, config, _ = serve(["--mcp-execute", "--mcp-max-calls-per-round", "2", "--mcp-max-result-bytes", "100",
-                               "--mcp-max-time", "5"])
+    result, config, _ = serve(
+        ["--mcp-execute", "--mcp-max-calls-per-round", "2", "--mcp-max-result-bytes", "100", "--mcp-max-time", "5"]
+    )
     assert result.exit_code == 0, result.output
-    assert (config.mcp_execute, config.mcp_max_calls_per_round, config.mcp_max_result_bytes,
-            config.mcp_max_time_s) == (True, 2, 100, 5.0)
+    assert (config.mcp_execute, config.mcp_max_calls_per_round, config.mcp_max_result_bytes, config.mcp_max_time_s) == (
+        True,
+        2,
+        100,
+        5.0,
+    )
     bad, config, _ = serve(["--mcp-max-time", "0"])
     assert bad.exit_code != 0 and "--mcp-max-time must be > 0" in bad.output
 

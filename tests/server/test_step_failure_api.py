@@ -31,7 +31,9 @@ class FailingOnceClient(ScriptedEngineClient):
 
 
 OOM = RequestFailedError("the device ran out of memory while running this request; retry it later", out_of_memory=True)
-INTERNAL = RequestFailedError("the engine failed while running this request (RuntimeError); the error is in the server log")
+INTERNAL = RequestFailedError(
+    "the engine failed while running this request (RuntimeError); the error is in the server log"
+)
 CHAT = {"messages": [{"role": "user", "content": "capital of France?"}], "max_tokens": 64}
 
 
@@ -40,7 +42,9 @@ def _http(error: RequestFailedError) -> TestClient:
     return TestClient(app, base_url="http://127.0.0.1:2000")  # a loopback Host, as the Host check wants
 
 
-@pytest.mark.parametrize(("error", "status", "code"), [(OOM, 503, "out_of_memory"), (INTERNAL, 500, "engine_step_failed")])
+@pytest.mark.parametrize(
+    ("error", "status", "code"), [(OOM, 503, "out_of_memory"), (INTERNAL, 500, "engine_step_failed")]
+)
 def test_a_failed_step_answers_its_status_in_the_error_envelope_and_the_next_request_succeeds(error, status, code):
     with _http(error) as http:
         response = http.post("/v1/chat/completions", json=CHAT)
@@ -55,7 +59,7 @@ def test_a_failed_step_answers_its_status_in_the_error_envelope_and_the_next_req
 def test_a_failed_step_on_a_stream_sends_an_error_event_then_done():
     with _http(OOM) as http:
         response = http.post("/v1/completions", json={"prompt": "capital of France?", "max_tokens": 64, "stream": True})
-        events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "out_of_memory"
         assert json.loads(events[0])["choices"][0]["text"] == "Par"  # what came before the failure was sent

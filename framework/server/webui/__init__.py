@@ -27,9 +27,11 @@ API_PATHS = ("/v1/", "/health", "/version", "/metrics", "/tokenize", "/detokeniz
 
 #: The page runs only its own scripts and talks only to its own origin: even if a model's reply
 #: slipped past the sanitizer, an inline handler such as ``onerror=`` would not run.
-CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
-                           "img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; "
-                           "frame-ancestors 'none'")
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; "
+    "frame-ancestors 'none'"
+)
 
 
 def ui_port_for(api_port: int) -> int:
@@ -45,8 +47,9 @@ def create_static_app(static_dir: Path = STATIC_DIR) -> Litestar:
     """A Litestar app serving the bundle (``/`` is ``index.html``) with the UI's security headers."""
     if not (static_dir / "index.html").is_file():
         raise FileNotFoundError(f"the web UI bundle is missing: no index.html in {static_dir} (run `make ui`)")
-    router = create_static_files_router(path="/", directories=[static_dir], html_mode=True, name="webui",
-                                        include_in_schema=False)
+    router = create_static_files_router(
+        path="/", directories=[static_dir], html_mode=True, name="webui", include_in_schema=False
+    )
     return Litestar(route_handlers=[router], openapi_config=None, before_send=[_security_headers])
 
 
@@ -75,8 +78,11 @@ class WebUIApp:
         self.static_app = create_static_app(static_dir)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket") and _local_port(scope) == self.ui_port \
-                and not is_api_path(scope["path"]):
+        if (
+            scope["type"] in ("http", "websocket")
+            and _local_port(scope) == self.ui_port
+            and not is_api_path(scope["path"])
+        ):
             await self.static_app(scope, receive, send)
         else:
             await self.api_app(scope, receive, send)
@@ -89,7 +95,9 @@ def _local_port(scope: dict) -> int | None:
 
 def source_files(ui_dir: Path) -> Iterator[Path]:
     """The files the bundle is built from: everything under ``ui/`` except ``node_modules``, sorted."""
-    paths = [p for p in ui_dir.rglob("*") if p.is_file() and p.relative_to(ui_dir).parts[0] not in ("node_modules", "dist")]
+    paths = [
+        p for p in ui_dir.rglob("*") if p.is_file() and p.relative_to(ui_dir).parts[0] not in ("node_modules", "dist")
+    ]
     yield from sorted(paths, key=lambda p: p.relative_to(ui_dir).as_posix())
 
 

@@ -69,8 +69,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                 reasons.append(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
         return reasons
 
-    def initialize(self, layers: list[AttentionLayerConfig], dtype: torch.dtype, block_size: int,
-                   device: torch.device) -> None:
+    def initialize(
+        self, layers: list[AttentionLayerConfig], dtype: torch.dtype, block_size: int, device: torch.device
+    ) -> None:
         self.layers = list(dict.fromkeys(layers))  # distinct configurations, in order
         self.dtype, self.block_size, self.device = dtype, block_size, device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -87,18 +88,39 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.plan_copied.synchronize()
         self.planned = {}
         for layer in self.layers:
-            common = dict(window_left=-1 if layer.sliding_window is None else layer.sliding_window - 1,
-                          logits_soft_cap=layer.logits_soft_cap, sm_scale=layer.scale,
-                          q_data_type=self.dtype, kv_data_type=self.dtype)
+            common = dict(
+                window_left=-1 if layer.sliding_window is None else layer.sliding_window - 1,
+                logits_soft_cap=layer.logits_soft_cap,
+                sm_scale=layer.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
             if metadata.is_decode_only:
                 wrapper = self._decode_wrapper(layer, metadata.graph_batch_size, metadata.max_seq_len)
-                wrapper.plan(paged.indptr, paged.indices, paged.last_page_len, layer.num_heads, layer.num_kv_heads,
-                             layer.head_size, self.block_size, **common)
+                wrapper.plan(
+                    paged.indptr,
+                    paged.indices,
+                    paged.last_page_len,
+                    layer.num_heads,
+                    layer.num_kv_heads,
+                    layer.head_size,
+                    self.block_size,
+                    **common,
+                )
             else:
                 wrapper = self._prefill_wrapper(layer)
-                wrapper.plan(metadata.cu_seqlens_q_cpu.to(torch.int32), paged.indptr, paged.indices,
-                             paged.last_page_len, layer.num_heads, layer.num_kv_heads, layer.head_size,
-                             self.block_size, causal=True, **common)
+                wrapper.plan(
+                    metadata.cu_seqlens_q_cpu.to(torch.int32),
+                    paged.indptr,
+                    paged.indices,
+                    paged.last_page_len,
+                    layer.num_heads,
+                    layer.num_kv_heads,
+                    layer.head_size,
+                    self.block_size,
+                    causal=True,
+                    **common,
+                )
             self.planned[layer] = wrapper
         if self.device.type == "cuda":
             self.plan_copied = torch.cuda.Event()
@@ -118,30 +140,44 @@ class FlashInferAttentionBackend(AttentionBackend):
         if graph_batch_size is None:
             if layer not in self.decode_wrappers:
                 self.decode_wrappers[layer] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_tensor_cores=tensor_cores)
+                    self.workspace, "NHD", use_tensor_cores=tensor_cores
+                )
             return self.decode_wrappers[layer]
         key = (graph_batch_size, layer)
         if key not in self.graph_wrappers:
             max_pages = graph_batch_size * -(-max_seq_len // self.block_size)
             buffers = dict(device=self.device, dtype=torch.int32)
             self.graph_wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=tensor_cores,
                 paged_kv_indptr_buffer=torch.zeros(graph_batch_size + 1, **buffers),
                 paged_kv_indices_buffer=torch.zeros(max_pages, **buffers),
-                paged_kv_last_page_len_buffer=torch.zeros(graph_batch_size, **buffers))
+                paged_kv_last_page_len_buffer=torch.zeros(graph_batch_size, **buffers),
+            )
         return self.graph_wrappers[key]
 
     # -- the per-layer call (device side, graph-safe) ----------------------------------------------
 
-    def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        layer: AttentionLayerConfig,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = query.shape[0]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         slots = metadata.slot_mapping
         key_cache.view(-1, layer.num_kv_heads, layer.head_size).index_copy_(
-            0, slots, key.view(num_tokens, layer.num_kv_heads, layer.head_size))
+            0, slots, key.view(num_tokens, layer.num_kv_heads, layer.head_size)
+        )
         value_cache.view(-1, layer.num_kv_heads, layer.head_size).index_copy_(
-            0, slots, value.view(num_tokens, layer.num_kv_heads, layer.head_size))
+            0, slots, value.view(num_tokens, layer.num_kv_heads, layer.head_size)
+        )
         wrapper = self.planned.get(layer)
         if wrapper is None:
             raise RuntimeError(f"FlashInfer backend: no plan for layer {layer}; prepare() must run before forward()")

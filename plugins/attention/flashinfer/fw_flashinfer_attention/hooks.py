@@ -11,7 +11,7 @@ def register_attention_backends():
             name="flashinfer",
             impl="fw_flashinfer_attention.backend:FlashInferAttentionBackend",
             description="FlashInfer batch prefill (cached prefix) and decode wrappers, planned once per step, "
-                        "decode run inside CUDA graphs; GQA, sliding window, soft-cap",
+            "decode run inside CUDA graphs; GQA, sliding window, soft-cap",
             priority=40,
             devices=("cuda",),
             requires=("flashinfer",),

@@ -47,8 +47,14 @@ def test_validate_names_unsupported_head_size_gqa_and_kv_dtype():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_requesting_flashinfer_on_cpu_is_a_clear_error(tmp_path):
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=1, num_key_value_heads=1)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
     write_tiny_model(tmp_path, config)
     with pytest.raises(ConfigError, match="attention backend 'flashinfer' cannot run: needs device cuda"):
         LLM(str(tmp_path), device="cpu", attention_backend="flashinfer")
@@ -71,7 +77,9 @@ GPU_CASES = [case for case in ATTENTION_CASES if case[5] in (64, 128, 256)] + [
 
 @pytest.mark.gpu
 def test_matches_dense_attention_on_cuda_bf16():
-    check_attention_backend(FlashInferAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=GPU_CASES)
+    check_attention_backend(
+        FlashInferAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=GPU_CASES
+    )
 
 
 def _greedy(path, prompts, **engine_args):
@@ -87,17 +95,36 @@ def test_greedy_tokens_match_the_triton_backend(tmp_path, family):
     # bf16 on both backends: a wide initialisation makes the logits peaked, so greedy choices are
     # not near-ties that any change of summation order flips
     if family == "llama":
-        config = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
-                                          num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                                          max_position_embeddings=1024, initializer_range=0.4)
+        config = transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=512,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=1024,
+            initializer_range=0.4,
+        )
     else:  # sliding window on alternate layers and attention soft-capping
-        config = transformers.Gemma2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                                           max_position_embeddings=1024, sliding_window=48,
-                                           attn_logit_softcapping=50.0, initializer_range=0.4)
+        config = transformers.Gemma2Config(
+            vocab_size=256,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=128,
+            max_position_embeddings=1024,
+            sliding_window=48,
+            attn_logit_softcapping=50.0,
+            initializer_range=0.4,
+        )
     write_tiny_model(tmp_path, config)
-    prompts = [[int(t) for t in torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n))]
-               for n in (5, 37, 100, 300)]
+    prompts = [
+        [int(t) for t in torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n))]
+        for n in (5, 37, 100, 300)
+    ]
     flashinfer, fi_ids = _greedy(tmp_path, prompts, attention_backend="flashinfer")
     assert flashinfer.engine.attention_backend == "flashinfer"
     assert "decode graphs" in flashinfer.engine.summary["cuda_graphs"]

@@ -27,8 +27,9 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> 
     return flat[0, :seq_len], flat[1, :seq_len]
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: AttentionLayerConfig,
-           query_start: int) -> torch.Tensor:
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: AttentionLayerConfig, query_start: int
+) -> torch.Tensor:
     """Causal attention of queries at absolute positions ``query_start..`` over keys ``0..``.
 
     ``query`` ``[q, H, D]``, ``key`` ``[k, H_kv, D]``, ``value`` ``[k, H_kv, D_v]`` (``D_v`` may differ
@@ -71,8 +72,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        layer: AttentionLayerConfig,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         if layer.mla is not None:
             return self._forward_mla(layer, query, key, kv_cache, metadata)
         num_tokens = query.shape[0]
@@ -92,8 +100,13 @@ class TorchAttentionBackend(AttentionBackend):
         return output.view(num_tokens, layer.num_heads * layer.head_size)
 
     @staticmethod
-    def _forward_mla(layer: AttentionLayerConfig, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
-                     metadata: AttentionMetadata) -> torch.Tensor:
+    def _forward_mla(
+        layer: AttentionLayerConfig,
+        query: torch.Tensor,
+        latent: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """MLA: store the step's latents, then per request attend over its cached latents (one KV head)."""
         num_tokens, rank = query.shape[0], layer.mla.kv_lora_rank
         query = query.view(num_tokens, layer.num_heads, layer.head_size)
@@ -104,7 +117,8 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = kv_cache.shape[1]
         for r in range(metadata.num_reqs):
             start, end, seq_len = starts[r], starts[r + 1], seq_lens[r]
-            cached = gather_latent(kv_cache, metadata.block_table[r, :-(-seq_len // block_size)], seq_len)[:, None]
-            output[start:end] = attend(query[start:end], cached, cached[..., :rank], layer,
-                                       seq_len - (end - start)).to(query.dtype)
+            cached = gather_latent(kv_cache, metadata.block_table[r, : -(-seq_len // block_size)], seq_len)[:, None]
+            output[start:end] = attend(query[start:end], cached, cached[..., :rank], layer, seq_len - (end - start)).to(
+                query.dtype
+            )
         return output.view(num_tokens, layer.num_heads * rank)

@@ -49,20 +49,44 @@ class TritonAttentionBackend(AttentionBackend):
                 reasons.append(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
         return reasons
 
-    def forward(self, layer: AttentionLayerConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        layer: AttentionLayerConfig,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = query.shape[0]
         query = query.view(num_tokens, layer.num_heads, layer.head_size)
         key = key.view(num_tokens, layer.num_kv_heads, layer.head_size)
         value = value.view(num_tokens, layer.num_kv_heads, layer.head_size)
         common = dict(sm_scale=layer.scale, sliding_window=layer.sliding_window, soft_cap=layer.logits_soft_cap)
         if metadata.is_decode_only or metadata.max_query_len == 1:
-            output = decode_attention(query, kv_cache, metadata.seq_lens, metadata.block_table,
-                                      num_reqs=metadata.num_reqs, max_seq_len=metadata.max_seq_len,
-                                      num_sms=self.num_sms, key=key, value=value, slot_mapping=metadata.slot_mapping,
-                                      **common)
+            output = decode_attention(
+                query,
+                kv_cache,
+                metadata.seq_lens,
+                metadata.block_table,
+                num_reqs=metadata.num_reqs,
+                max_seq_len=metadata.max_seq_len,
+                num_sms=self.num_sms,
+                key=key,
+                value=value,
+                slot_mapping=metadata.slot_mapping,
+                **common,
+            )
         else:
             store_kv(key, value, kv_cache, metadata.slot_mapping)
-            output = prefill_attention(query, kv_cache, metadata.cu_seqlens_q, metadata.seq_lens, metadata.block_table,
-                                       num_reqs=metadata.num_reqs, max_query_len=metadata.max_query_len, **common)
+            output = prefill_attention(
+                query,
+                kv_cache,
+                metadata.cu_seqlens_q,
+                metadata.seq_lens,
+                metadata.block_table,
+                num_reqs=metadata.num_reqs,
+                max_query_len=metadata.max_query_len,
+                **common,
+            )
         return output.view(num_tokens, layer.num_heads * layer.head_size)

@@ -46,15 +46,44 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, block_table_ptr,
-    new_k_ptr, new_v_ptr, slot_mapping_ptr,
-    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
-    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, stride_table,
-    stride_new_k_token, stride_new_k_head, stride_new_v_token, stride_new_v_head,
-    sm_scale, soft_cap, sliding_window, head_size, num_heads,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, STORE_NEW_KV: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, FP32: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    slot_mapping_ptr,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_table,
+    stride_new_k_token,
+    stride_new_k_head,
+    stride_new_v_token,
+    stride_new_v_head,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+    head_size,
+    num_heads,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    STORE_NEW_KV: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    FP32: tl.constexpr,
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,8 +103,11 @@ def _decode_attention_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_size
     io_mask = row_mask[:, None] & dim_mask[None, :]
-    q = tl.load(q_ptr + request.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=io_mask, other=0.0)
+    q = tl.load(
+        q_ptr + request.to(tl.int64) * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
     if FP32:
         q = q.to(tl.float32)
     else:
@@ -84,10 +116,16 @@ def _decode_attention_kernel(
     last = seq_len - 1  # the query's own position: the new token's K/V when STORE_NEW_KV
     if STORE_NEW_KV:
         # in the cache dtype, as store_kv writes it: the tile sees exactly what the cache would hold
-        new_k = tl.load(new_k_ptr + request.to(tl.int64) * stride_new_k_token + kv_head * stride_new_k_head + dims,
-                        mask=dim_mask, other=0.0).to(cache_ptr.dtype.element_ty)
-        new_v = tl.load(new_v_ptr + request.to(tl.int64) * stride_new_v_token + kv_head * stride_new_v_head + dims,
-                        mask=dim_mask, other=0.0).to(cache_ptr.dtype.element_ty)
+        new_k = tl.load(
+            new_k_ptr + request.to(tl.int64) * stride_new_k_token + kv_head * stride_new_k_head + dims,
+            mask=dim_mask,
+            other=0.0,
+        ).to(cache_ptr.dtype.element_ty)
+        new_v = tl.load(
+            new_v_ptr + request.to(tl.int64) * stride_new_v_token + kv_head * stride_new_v_head + dims,
+            mask=dim_mask,
+            other=0.0,
+        ).to(cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -97,8 +135,21 @@ def _decode_attention_kernel(
         kv_pos = tile + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < end
         load_mask = kv_mask & (kv_pos != last) if STORE_NEW_KV else kv_mask  # the new row is not in the cache yet
-        k, v = load_kv_tile(cache_ptr, table_row, kv_pos, load_mask, kv_head, dims, dim_mask, stride_cache_block,
-                            stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE, FP32)
+        k, v = load_kv_tile(
+            cache_ptr,
+            table_row,
+            kv_pos,
+            load_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+            stride_cache_kv,
+            PAGE,
+            FP32,
+        )
         if STORE_NEW_KV:
             is_new = (kv_pos == last)[:, None]
             k = tl.where(is_new, new_k[None, :].to(k.dtype), k)
@@ -118,8 +169,11 @@ def _decode_attention_kernel(
 
     if not IS_SPLIT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + request.to(tl.int64) * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(
+            out_ptr + request.to(tl.int64) * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
     else:
         # partials: acc [R, H, S, BLOCK_D], (m, l) [R, H, S, 2]
         part = (request.to(tl.int64) * num_heads + head) * num_splits + split
@@ -129,8 +183,18 @@ def _decode_attention_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_out_token, stride_out_head, head_size,
-                          num_heads, num_splits, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_reduce_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    stride_out_token,
+    stride_out_head,
+    head_size,
+    num_heads,
+    num_splits,
+    SPLITS_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     request = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
@@ -143,8 +207,11 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_out_token, 
     dims = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + request.to(tl.int64) * stride_out_token + head * stride_out_head + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < head_size)
+    tl.store(
+        out_ptr + request.to(tl.int64) * stride_out_token + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < head_size,
+    )
 
 
 @functools.cache
@@ -163,8 +230,14 @@ def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: i
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-def _check_new_kv(key: torch.Tensor | None, value: torch.Tensor | None, slot_mapping: torch.Tensor | None,
-                  num_reqs: int, num_kv_heads: int, head_size: int) -> bool:
+def _check_new_kv(
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+    num_reqs: int,
+    num_kv_heads: int,
+    head_size: int,
+) -> bool:
     """Whether the fused store is asked for; its arguments come all three or not at all (shapes only: no sync)."""
     given = [x is not None for x in (key, value, slot_mapping)]
     if not any(given):
@@ -173,19 +246,36 @@ def _check_new_kv(key: torch.Tensor | None, value: torch.Tensor | None, slot_map
         raise ValueError("decode_attention stores the new K/V only with all of key, value and slot_mapping")
     for name, rows in (("key", key), ("value", value)):
         if rows.shape[0] < num_reqs or tuple(rows.shape[1:]) != (num_kv_heads, head_size) or rows.stride(-1) != 1:
-            raise ValueError(f"{name} must be [>= {num_reqs} requests, {num_kv_heads}, {head_size}] with a contiguous "
-                             f"last dim (one new token per request), got {tuple(rows.shape)} strides {rows.stride()}")
+            raise ValueError(
+                f"{name} must be [>= {num_reqs} requests, {num_kv_heads}, {head_size}] with a contiguous "
+                f"last dim (one new token per request), got {tuple(rows.shape)} strides {rows.stride()}"
+            )
     if slot_mapping.shape[0] < num_reqs:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {num_reqs} requests")
     return True
 
 
-def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                     *, num_reqs: int, max_seq_len: int, sm_scale: float, sliding_window: int | None = None,
-                     soft_cap: float | None = None, num_splits: int | None = None, num_sms: int | None = None,
-                     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     out: torch.Tensor | None = None, key: torch.Tensor | None = None,
-                     value: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_reqs: int,
+    max_seq_len: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_splits: int | None = None,
+    num_sms: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    out: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one query token per request (``query`` ``[R, H, D]``) over the paged cache.
 
     ``num_splits`` defaults to :func:`num_kv_splits`; ``block_n``/``num_warps``/``num_stages`` tune
@@ -223,19 +313,56 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torc
         key = value = slot_mapping = seq_lens  # unused
         new_kv_strides = (0, 0, 0, 0)
     _decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
-        query, kv_cache, out, part_acc, part_ml, seq_lens, block_table, key, value, slot_mapping,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        query,
+        kv_cache,
+        out,
+        part_acc,
+        part_ml,
+        seq_lens,
+        block_table,
+        key,
+        value,
+        slot_mapping,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
         *new_kv_strides,
-        sm_scale, soft_cap or 1.0, sliding_window or 0, head_size, num_heads,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        PAGE=kv_cache.shape[2], IS_SPLIT=num_splits > 1, STORE_NEW_KV=store_new_kv,
-        USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap), FP32=INTERPRET or query.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        sm_scale,
+        soft_cap or 1.0,
+        sliding_window or 0,
+        head_size,
+        num_heads,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        PAGE=kv_cache.shape[2],
+        IS_SPLIT=num_splits > 1,
+        STORE_NEW_KV=store_new_kv,
+        USE_WINDOW=bool(sliding_window),
+        USE_SOFT_CAP=bool(soft_cap),
+        FP32=INTERPRET or query.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), head_size, num_heads,
-            num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            head_size,
+            num_heads,
+            num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=4,
         )
     return out

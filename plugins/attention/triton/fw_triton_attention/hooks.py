@@ -11,7 +11,7 @@ def register_attention_backends():
             name="triton",
             impl="fw_triton_attention.backend:TritonAttentionBackend",
             description="paged attention in Triton: prefill over cached prefixes, split-KV decode; GQA, "
-                        "sliding window, soft-cap",
+            "sliding window, soft-cap",
             priority=50,
             devices=("cuda",),
             requires=("triton",),

@@ -19,11 +19,26 @@ from fw_triton_attention.tile_math import INTERPRET
 
 
 @triton.jit
-def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, num_tokens,
-                     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-                     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
-                     num_elements, head_size,
-                     PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    num_tokens,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    num_elements,
+    head_size,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
     elements = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -34,8 +49,9 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, num_tokens
     dst += (head * stride_cache_head + dim)[None, :]
     key = tl.load(key_ptr + tokens[:, None] * stride_key_token + (head * stride_key_head + dim)[None, :], mask=mask)
     tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
-    value = tl.load(value_ptr + tokens[:, None] * stride_value_token + (head * stride_value_head + dim)[None, :],
-                    mask=mask)
+    value = tl.load(
+        value_ptr + tokens[:, None] * stride_value_token + (head * stride_value_head + dim)[None, :], mask=mask
+    )
     tl.store(dst + stride_cache_kv, value.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -51,9 +67,23 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     block_t = min(max(1, (16384 if INTERPRET else 4096) // block_e), triton.next_power_of_2(num_tokens))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_elements, block_e))
     _store_kv_kernel[grid](
-        key, value, kv_cache, slot_mapping, num_tokens,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        num_elements, head_size,
-        PAGE=kv_cache.shape[2], BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        num_tokens,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        num_elements,
+        head_size,
+        PAGE=kv_cache.shape[2],
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        num_warps=4,
     )

@@ -31,13 +31,34 @@ from fw_triton_attention.tile_math import INTERPRET, load_kv_tile, online_softma
 
 @triton.jit
 def _prefill_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
-    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
-    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, stride_table,
-    sm_scale, soft_cap, sliding_window, head_size,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, FP32: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_table,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+    head_size,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    FP32: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     q_block = tl.program_id(0)
@@ -58,8 +79,9 @@ def _prefill_attention_kernel(
     dim_mask = dims < head_size
     token = (q_start + q_tok).to(tl.int64)
     io_mask = row_mask[:, None] & dim_mask[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=io_mask, other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :], mask=io_mask, other=0.0
+    )
     if FP32:
         q = q.to(tl.float32)
     else:
@@ -79,16 +101,32 @@ def _prefill_attention_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         kv_pos = start + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < kv_end
-        k, v = load_kv_tile(cache_ptr, table_row, kv_pos, kv_mask, kv_head, dims, dim_mask, stride_cache_block,
-                            stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE, FP32)
+        k, v = load_kv_tile(
+            cache_ptr,
+            table_row,
+            kv_pos,
+            kv_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+            stride_cache_kv,
+            PAGE,
+            FP32,
+        )
         allowed = (kv_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
         if USE_WINDOW:
             allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(
+        out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
 def _tiles(head_size: int, group_p2: int, max_query_len: int) -> tuple[int, int, int, int]:
@@ -104,10 +142,20 @@ def _tiles(head_size: int, group_p2: int, max_query_len: int) -> tuple[int, int,
     return block_q, block_n, num_warps, 3 if head_size <= 128 else 2
 
 
-def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                      block_table: torch.Tensor, *, num_reqs: int, max_query_len: int, sm_scale: float,
-                      sliding_window: int | None = None, soft_cap: float | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+def prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_reqs: int,
+    max_query_len: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of ``query`` ``[T, H, D]`` (requests' new tokens, contiguous per request) over the cache.
 
     ``max_query_len`` (a host int) sizes the grid, so nothing syncs with the device.
@@ -122,13 +170,35 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q:
     block_q, block_n, num_warps, num_stages = _tiles(head_size, group_p2, max_query_len)
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_reqs)
     _prefill_attention_kernel[grid](
-        query, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
-        sm_scale, soft_cap or 1.0, sliding_window or 0, head_size,
-        GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_size)), PAGE=kv_cache.shape[2],
-        USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap), FP32=INTERPRET or query.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        query,
+        kv_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        sm_scale,
+        soft_cap or 1.0,
+        sliding_window or 0,
+        head_size,
+        GROUP=group,
+        GROUP_P2=group_p2,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+        PAGE=kv_cache.shape[2],
+        USE_WINDOW=bool(sliding_window),
+        USE_SOFT_CAP=bool(soft_cap),
+        FP32=INTERPRET or query.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

@@ -18,8 +18,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def paged_kv_offsets(block_table_row_ptr, kv_pos, kv_mask, kv_head, stride_cache_block, stride_cache_offset,
-                     stride_cache_head, PAGE: tl.constexpr):
+def paged_kv_offsets(
+    block_table_row_ptr,
+    kv_pos,
+    kv_mask,
+    kv_head,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    PAGE: tl.constexpr,
+):
     """Element offsets (int64) of the K rows of positions ``kv_pos`` of one sequence, one KV head.
 
     ::
@@ -33,15 +41,29 @@ def paged_kv_offsets(block_table_row_ptr, kv_pos, kv_mask, kv_head, stride_cache
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, table_row, kv_pos, kv_mask, kv_head, dims, dim_mask, stride_cache_block,
-                 stride_cache_offset, stride_cache_head, stride_cache_kv, PAGE: tl.constexpr, FP32: tl.constexpr):
+def load_kv_tile(
+    cache_ptr,
+    table_row,
+    kv_pos,
+    kv_mask,
+    kv_head,
+    dims,
+    dim_mask,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_cache_kv,
+    PAGE: tl.constexpr,
+    FP32: tl.constexpr,
+):
     """Keys and values ``[BLOCK_N, BLOCK_D]`` of positions ``kv_pos`` (masked rows read as 0).
 
     With ``FP32`` the tiles are cast to float32 (fp32 inputs, and the interpreter, which computes
     bf16 wrongly); otherwise they stay in the cache dtype for tensor-core dots.
     """
-    offsets = paged_kv_offsets(table_row, kv_pos, kv_mask, kv_head, stride_cache_block, stride_cache_offset,
-                               stride_cache_head, PAGE)
+    offsets = paged_kv_offsets(
+        table_row, kv_pos, kv_mask, kv_head, stride_cache_block, stride_cache_offset, stride_cache_head, PAGE
+    )
     tile_mask = kv_mask[:, None] & dim_mask[None, :]
     k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
     v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
@@ -58,8 +80,9 @@ def soft_cap_scores(scores, soft_cap):
 
 
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap,
-                        USE_SOFT_CAP: tl.constexpr, FP32: tl.constexpr):
+def online_softmax_step(
+    acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP: tl.constexpr, FP32: tl.constexpr
+):
     """Fold one KV tile into the running ``(acc [M, D], max m_i [M], sum l_i [M])`` of flash attention.
 
     ``q`` ``[M, D]``, ``k``/``v`` ``[N, D]``, ``allowed`` ``[M, N]`` (causal, window and bounds masks).

@@ -9,29 +9,69 @@ from framework.testing import HopperCompile, compile_for_hopper, require_triton
 
 require_triton()
 
-POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
-            "seq_lens_ptr": "*i32", "block_table_ptr": "*i32", "new_k_ptr": "*bf16", "new_v_ptr": "*bf16",
-            "slot_mapping_ptr": "*i64"}
+POINTERS = {
+    "q_ptr": "*bf16",
+    "cache_ptr": "*bf16",
+    "out_ptr": "*bf16",
+    "part_acc_ptr": "*fp32",
+    "part_ml_ptr": "*fp32",
+    "seq_lens_ptr": "*i32",
+    "block_table_ptr": "*i32",
+    "new_k_ptr": "*bf16",
+    "new_v_ptr": "*bf16",
+    "slot_mapping_ptr": "*i64",
+}
 
 
 def test_decode_kernel_compiles_for_hopper_and_the_fused_store_stays():
     forms = [(4, False, False), (8, True, False), (8, True, True)]  # (GROUP, IS_SPLIT, USE_WINDOW)
-    cases = [HopperCompile("fw_triton_attention.decode:_decode_attention_kernel", POINTERS,
-                           dict(GROUP=group, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, PAGE=16, IS_SPLIT=split,
-                                STORE_NEW_KV=store, USE_WINDOW=window, USE_SOFT_CAP=False, FP32=False),
-                           float_args=("sm_scale", "soft_cap"), options=dict(num_warps=4, num_stages=2))
-             for store in (True, False) for group, split, window in forms]
+    cases = [
+        HopperCompile(
+            "fw_triton_attention.decode:_decode_attention_kernel",
+            POINTERS,
+            dict(
+                GROUP=group,
+                BLOCK_H=16,
+                BLOCK_N=64,
+                BLOCK_D=128,
+                PAGE=16,
+                IS_SPLIT=split,
+                STORE_NEW_KV=store,
+                USE_WINDOW=window,
+                USE_SOFT_CAP=False,
+                FP32=False,
+            ),
+            float_args=("sm_scale", "soft_cap"),
+            options=dict(num_warps=4, num_stages=2),
+        )
+        for store in (True, False)
+        for group, split, window in forms
+    ]
     ptx = compile_for_hopper(cases)
     assert all(".target sm_90" in text for text in ptx)
-    fused, plain = ptx[:len(forms)], ptx[len(forms):]
+    fused, plain = ptx[: len(forms)], ptx[len(forms) :]
     for with_store, without in zip(fused, plain, strict=True):  # the K and V stores were not compiled away
         assert with_store.count("st.global") > without.count("st.global") > 0
 
 
 def test_more_shared_memory_than_an_sm_has_fails_the_check():
-    too_big = HopperCompile("fw_triton_attention.decode:_decode_attention_kernel", POINTERS,
-                            dict(GROUP=8, BLOCK_H=16, BLOCK_N=256, BLOCK_D=256, PAGE=16, IS_SPLIT=True,
-                                 STORE_NEW_KV=True, USE_WINDOW=False, USE_SOFT_CAP=False, FP32=False),
-                            float_args=("sm_scale", "soft_cap"), options=dict(num_warps=4, num_stages=4))
+    too_big = HopperCompile(
+        "fw_triton_attention.decode:_decode_attention_kernel",
+        POINTERS,
+        dict(
+            GROUP=8,
+            BLOCK_H=16,
+            BLOCK_N=256,
+            BLOCK_D=256,
+            PAGE=16,
+            IS_SPLIT=True,
+            STORE_NEW_KV=True,
+            USE_WINDOW=False,
+            USE_SOFT_CAP=False,
+            FP32=False,
+        ),
+        float_args=("sm_scale", "soft_cap"),
+        options=dict(num_warps=4, num_stages=4),
+    )
     with pytest.raises(ValueError, match=r"bytes of shared memory; an H100/H200 SM has 232448"):
         compile_for_hopper([too_big])

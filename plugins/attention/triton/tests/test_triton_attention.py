@@ -48,15 +48,21 @@ CPU_NUM_SMS = 64
 @interpreted
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
 def test_interpreted_kernels_match_dense_attention_fp32(case):
-    check_attention_backend(TritonAttentionBackend(num_sms=CPU_NUM_SMS), device="cpu", dtype=torch.float32,
-                            atol=1e-4, cases=[case])
+    check_attention_backend(
+        TritonAttentionBackend(num_sms=CPU_NUM_SMS), device="cpu", dtype=torch.float32, atol=1e-4, cases=[case]
+    )
 
 
 @interpreted
 def test_interpreted_kernels_read_and_write_bf16():
     # loads are cast to fp32 under the interpreter (it computes bf16 wrongly); I/O stays bf16
-    check_attention_backend(TritonAttentionBackend(num_sms=CPU_NUM_SMS), device="cpu", dtype=torch.bfloat16,
-                            atol=2e-2, cases=[CPU_CASES[1], CPU_CASES[10]])
+    check_attention_backend(
+        TritonAttentionBackend(num_sms=CPU_NUM_SMS),
+        device="cpu",
+        dtype=torch.bfloat16,
+        atol=2e-2,
+        cases=[CPU_CASES[1], CPU_CASES[10]],
+    )
 
 
 def test_cpu_decode_cases_split_their_contexts():
@@ -76,7 +82,7 @@ def _shuffled_table(seq_lens, page, generator):
     table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
     start = 0
     for r, n in enumerate(blocks):
-        table[r, :n] = order[start:start + n]
+        table[r, :n] = order[start : start + n]
         start += n
     return table, num_blocks
 
@@ -90,15 +96,28 @@ def _paged_decode_case(seq_lens, num_heads, num_kv_heads, head_size, page, devic
     expected = []
     for r, s in enumerate(seq_lens):
         k, v = (cache[i, table[r].long()].flatten(0, 1)[:s] for i in (0, 1))
-        expected.append(dense_attention(query[r:r + 1], k, v, head_size**-0.5)[0])
+        expected.append(dense_attention(query[r : r + 1], k, v, head_size**-0.5)[0])
     to = dict(device=device)
-    return (query.to(**to), cache.to(**to), torch.tensor(seq_lens, dtype=torch.int32, **to), table.to(**to),
-            torch.stack(expected))
+    return (
+        query.to(**to),
+        cache.to(**to),
+        torch.tensor(seq_lens, dtype=torch.int32, **to),
+        table.to(**to),
+        torch.stack(expected),
+    )
 
 
 def _decode_error(query, cache, seq_lens, table, expected, **kwargs):
-    out = decode_attention(query, cache, seq_lens, table, num_reqs=len(seq_lens), max_seq_len=int(seq_lens.max()),
-                           sm_scale=query.shape[-1] ** -0.5, **kwargs)
+    out = decode_attention(
+        query,
+        cache,
+        seq_lens,
+        table,
+        num_reqs=len(seq_lens),
+        max_seq_len=int(seq_lens.max()),
+        sm_scale=query.shape[-1] ** -0.5,
+        **kwargs,
+    )
     return (out.double().cpu() - expected).abs().max().item()
 
 
@@ -121,25 +140,36 @@ def _fused_store_case(seq_lens, num_heads, num_kv_heads, head_size, page, device
     is_padding = [s == 0 for s in seq_lens]
     seq_lens = [max(s, 1) for s in seq_lens]
     table, num_blocks = _shuffled_table(seq_lens, page, generator)
-    slots = [-1 if pad else int(table[r, (s - 1) // page]) * page + (s - 1) % page
-             for r, (s, pad) in enumerate(zip(seq_lens, is_padding, strict=True))]
+    slots = [
+        -1 if pad else int(table[r, (s - 1) // page]) * page + (s - 1) % page
+        for r, (s, pad) in enumerate(zip(seq_lens, is_padding, strict=True))
+    ]
     cache = torch.randn(2, num_blocks, page, num_kv_heads, head_size, generator=generator).to(dtype)
     query = torch.randn(len(seq_lens), num_heads, head_size, generator=generator).to(dtype)
     qkv = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, head_size, generator=generator).to(dtype)
     to = dict(device=device)
     qkv = qkv.to(**to)
-    key, value = qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
-    return (query.to(**to), cache.to(**to), torch.tensor(seq_lens, dtype=torch.int32, **to), table.to(**to), key, value,
-            torch.tensor(slots, dtype=torch.int64, **to))
+    key, value = qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]
+    return (
+        query.to(**to),
+        cache.to(**to),
+        torch.tensor(seq_lens, dtype=torch.int32, **to),
+        table.to(**to),
+        key,
+        value,
+        torch.tensor(slots, dtype=torch.int64, **to),
+    )
 
 
-def _check_fused_store_matches_store_kv(seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, atol,
-                                        **kwargs):
+def _check_fused_store_matches_store_kv(
+    seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, atol, **kwargs
+):
     """``decode_attention`` with the new K/V against ``store_kv`` + ``decode_attention`` without: the
     same output for every real request (padding rows' outputs are discarded by the engine) and a
     bit-identical cache, every slot."""
     query, cache, lens, table, key, value, slots = _fused_store_case(
-        seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype)
+        seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype
+    )
     common = dict(num_reqs=len(seq_lens), max_seq_len=int(lens.max()), sm_scale=head_size**-0.5, **kwargs)
     unfused_cache = cache.clone()
     store_kv(key, value, unfused_cache, slots)
@@ -169,8 +199,18 @@ FUSED_STORE_CASES = [
 def test_decode_with_new_kv_matches_store_kv_then_decode(case, num_splits):
     # exact: the fused kernel folds in the very values store_kv would have written (fp32 under the interpreter)
     _, seq_lens, heads, kv_heads, head_size, window = case
-    _check_fused_store_matches_store_kv(seq_lens, heads, kv_heads, head_size, 16, "cpu", torch.float32, 0.0,
-                                        num_splits=num_splits, sliding_window=window)
+    _check_fused_store_matches_store_kv(
+        seq_lens,
+        heads,
+        kv_heads,
+        head_size,
+        16,
+        "cpu",
+        torch.float32,
+        0.0,
+        num_splits=num_splits,
+        sliding_window=window,
+    )
 
 
 @interpreted
@@ -178,8 +218,9 @@ def test_decode_with_new_kv_matches_store_kv_then_decode(case, num_splits):
 def test_padding_rows_sharing_the_graphs_sink_slot_leave_every_other_slot_alone(num_splits):
     """As the CUDA-graph runner pads a batch: every padding row has length 1, the sink block as its
     table and the same (positive) sink slot. They race only on that slot, which nothing reads."""
-    query, cache, lens, table, key, value, slots = _fused_store_case([30, 0, 45, 0, 0], 8, 2, 32, 16, "cpu",
-                                                                     torch.float32)
+    query, cache, lens, table, key, value, slots = _fused_store_case(
+        [30, 0, 45, 0, 0], 8, 2, 32, 16, "cpu", torch.float32
+    )
     padding = torch.tensor([False, True, False, True, True])
     used = {int(block) for row, n in ((0, 2), (2, 3)) for block in table[row, :n]}
     sink = min(set(range(cache.shape[1])) - used)  # the case leaves two blocks unused
@@ -218,10 +259,19 @@ def _steps_metadata(starts, ends, table, page):
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     lens = torch.tensor(ends, dtype=torch.int32)
     slots = [int(table[r, p // page]) * page + p % page for r in range(len(starts)) for p in range(starts[r], ends[r])]
-    return AttentionMetadata(num_reqs=len(starts), num_tokens=int(cu[-1]), cu_seqlens_q=cu, seq_lens=lens,
-                             block_table=table, slot_mapping=torch.tensor(slots), max_query_len=max(q_lens),
-                             max_seq_len=max(ends), cu_seqlens_q_cpu=cu, seq_lens_cpu=lens,
-                             is_decode_only=max(q_lens) == 1)
+    return AttentionMetadata(
+        num_reqs=len(starts),
+        num_tokens=int(cu[-1]),
+        cu_seqlens_q=cu,
+        seq_lens=lens,
+        block_table=table,
+        slot_mapping=torch.tensor(slots),
+        max_query_len=max(q_lens),
+        max_seq_len=max(ends),
+        cu_seqlens_q_cpu=cu,
+        seq_lens_cpu=lens,
+        is_decode_only=max(q_lens) == 1,
+    )
 
 
 @interpreted
@@ -235,23 +285,26 @@ def test_backend_decode_steps_store_the_kv_that_later_steps_read():
     generator = torch.Generator().manual_seed(3)
     total = [n + steps for n in prompt_lens]
     table = torch.randperm(8, generator=generator).to(torch.int32).view(2, 4)
-    keys, values, queries = ([torch.randn(n, h, head_size, generator=generator) for n in total]
-                             for h in (kv_heads, kv_heads, heads))
+    keys, values, queries = (
+        [torch.randn(n, h, head_size, generator=generator) for n in total] for h in (kv_heads, kv_heads, heads)
+    )
     cache = torch.randn(2, 8, page, kv_heads, head_size, generator=generator)
     expected_cache = cache.clone()
     for step in range(steps + 1):
         starts = [0, 0] if step == 0 else [n + step - 1 for n in prompt_lens]
         ends = prompt_lens if step == 0 else [n + step for n in prompt_lens]
         metadata = _steps_metadata(starts, ends, table, page)
-        query, key, value = (torch.cat([x[s:e] for x, s, e in zip(xs, starts, ends, strict=True)])
-                             for xs in (queries, keys, values))
-        out = backend.forward(layer, query.flatten(1), key.flatten(1), value.flatten(1), cache,
-                              metadata).view(-1, heads, head_size)
+        query, key, value = (
+            torch.cat([x[s:e] for x, s, e in zip(xs, starts, ends, strict=True)]) for xs in (queries, keys, values)
+        )
+        out = backend.forward(layer, query.flatten(1), key.flatten(1), value.flatten(1), cache, metadata).view(
+            -1, heads, head_size
+        )
         store_kv(key, value, expected_cache, metadata.slot_mapping)
         if step:
             assert metadata.is_decode_only
             for r, end in enumerate(ends):
-                expected = dense_attention(queries[r][end - 1:end], keys[r][:end], values[r][:end], layer.scale)
+                expected = dense_attention(queries[r][end - 1 : end], keys[r][:end], values[r][:end], layer.scale)
                 assert (out[r] - expected[0]).abs().max().item() < 1e-4, (step, r)
     assert torch.equal(cache, expected_cache)
 
@@ -297,8 +350,9 @@ LONG_DECODE = ("decode_32k_gqa4", [1] * 8, [32767, 20000, 32767, 8191, 32767, 10
 
 @pytest.mark.gpu
 def test_compiled_kernels_match_dense_attention_on_cuda_bf16():
-    check_attention_backend(TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2,
-                            cases=ATTENTION_CASES + CPU_CASES)
+    check_attention_backend(
+        TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=ATTENTION_CASES + CPU_CASES
+    )
 
 
 @pytest.mark.gpu
@@ -309,8 +363,9 @@ def test_compiled_kernels_match_dense_attention_on_cuda(dtype, atol):
 
 @pytest.mark.gpu
 def test_long_context_split_kv_decode_matches_dense_attention_on_cuda():
-    check_attention_backend(TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2,
-                            cases=[LONG_DECODE])
+    check_attention_backend(
+        TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=[LONG_DECODE]
+    )
 
 
 @pytest.mark.gpu
@@ -334,8 +389,18 @@ GPU_FUSED_STORE_CASES = [
 @pytest.mark.parametrize("case", GPU_FUSED_STORE_CASES, ids=[c[0] for c in GPU_FUSED_STORE_CASES])
 def test_compiled_decode_with_new_kv_matches_store_kv_then_decode_bf16(case, num_splits):
     _, seq_lens, heads, kv_heads, head_size, window = case
-    _check_fused_store_matches_store_kv(seq_lens, heads, kv_heads, head_size, 16, "cuda", torch.bfloat16, 1e-2,
-                                        num_splits=num_splits, sliding_window=window)
+    _check_fused_store_matches_store_kv(
+        seq_lens,
+        heads,
+        kv_heads,
+        head_size,
+        16,
+        "cuda",
+        torch.bfloat16,
+        1e-2,
+        num_splits=num_splits,
+        sliding_window=window,
+    )
 
 
 @pytest.mark.gpu
@@ -350,10 +415,18 @@ def test_forward_does_not_sync_with_the_host():
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         num_tokens = int(cu[-1])
         metadata = AttentionMetadata(
-            num_reqs=3, num_tokens=num_tokens, cu_seqlens_q=cu.cuda(), seq_lens=lens.cuda(),
+            num_reqs=3,
+            num_tokens=num_tokens,
+            cu_seqlens_q=cu.cuda(),
+            seq_lens=lens.cuda(),
             block_table=torch.arange(3 * 10, dtype=torch.int32, device="cuda").view(3, 10),
-            slot_mapping=torch.arange(num_tokens, device="cuda") + 16 * 30, max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens), cu_seqlens_q_cpu=cu, seq_lens_cpu=lens, is_decode_only=max(query_lens) == 1)
+            slot_mapping=torch.arange(num_tokens, device="cuda") + 16 * 30,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            cu_seqlens_q_cpu=cu,
+            seq_lens_cpu=lens,
+            is_decode_only=max(query_lens) == 1,
+        )
         q = torch.randn(num_tokens, 8 * 128, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(num_tokens, 2 * 128, device="cuda", dtype=torch.bfloat16)
         backend.forward(layer, q, kv, kv, cache, metadata)  # compile outside the check
@@ -373,13 +446,21 @@ class InterpretedTritonPlugin:
 
     @hookimpl
     def register_attention_backends(self):
-        return [AttentionBackendSpec(name="triton-interpreted", impl="fw_triton_attention.backend:TritonAttentionBackend",
-                                     devices=("cpu",), kv_cache_layouts=("standard",), kv_cache_dtypes=("auto",))]
+        return [
+            AttentionBackendSpec(
+                name="triton-interpreted",
+                impl="fw_triton_attention.backend:TritonAttentionBackend",
+                devices=("cpu",),
+                kv_cache_layouts=("standard",),
+                kv_cache_dtypes=("auto",),
+            )
+        ]
 
 
 @interpreted
-def test_engine_on_the_interpreted_backend_generates_transformers_greedy_tokens(register_fw_plugin, tmp_path,
-                                                                                 monkeypatch):
+def test_engine_on_the_interpreted_backend_generates_transformers_greedy_tokens(
+    register_fw_plugin, tmp_path, monkeypatch
+):
     import transformers
     from fw_triton_attention import backend
 
@@ -390,16 +471,25 @@ def test_engine_on_the_interpreted_backend_generates_transformers_greedy_tokens(
         def wrapper(*args, **kwargs):
             calls[name if kwargs.get("key") is None else "decode storing"] += 1
             return function(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(backend, "store_kv", counted("store_kv", store_kv))
     monkeypatch.setattr(backend, "decode_attention", counted("decode", decode_attention))
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      initializer_range=0.1)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+    )
     reference = write_tiny_model(tmp_path, config)
     # 16 steps: the 13- and 29-token prompts' decode tokens cross into a new page (16 tokens each)
-    check_greedy_parity(tmp_path, reference, PARITY_PROMPTS, steps=16, device="cpu",
-                        attention_backend="triton-interpreted")
+    check_greedy_parity(
+        tmp_path, reference, PARITY_PROMPTS, steps=16, device="cpu", attention_backend="triton-interpreted"
+    )
     # per layer: prefill chunks store with store_kv, decode-only steps in the decode kernel
     assert calls["decode storing"] >= 2 * 14 and calls["decode"] == 0 and calls["store_kv"] > 0, calls

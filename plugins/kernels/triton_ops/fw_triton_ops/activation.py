@@ -51,8 +51,9 @@ def _act_and_mul(x: Tensor, is_gelu_tanh: bool) -> Tensor:
     block_d = min(BLOCK_D, triton.next_power_of_2(d))
     # rows on the first axis: it allows 2**31 - 1 programs, the second only 65535
     grid = (rows.shape[0], triton.cdiv(d, block_d))
-    _act_and_mul_kernel[grid](rows, out, rows.stride(0), d, IS_GELU_TANH=is_gelu_tanh, BLOCK_D=block_d,
-                              num_warps=4 if block_d >= 512 else 2)
+    _act_and_mul_kernel[grid](
+        rows, out, rows.stride(0), d, IS_GELU_TANH=is_gelu_tanh, BLOCK_D=block_d, num_warps=4 if block_d >= 512 else 2
+    )
     return out
 
 

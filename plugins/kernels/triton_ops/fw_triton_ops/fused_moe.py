@@ -41,10 +41,25 @@ def _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, top_k, HIDDEN, INTER,
-                         stride_xm, stride_we, stride_wn,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         CAST_FP32: tl.constexpr, PRECISION: tl.constexpr):
+def _gate_up_silu_kernel(
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    top_k,
+    HIDDEN,
+    INTER,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
@@ -69,14 +84,30 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr
     g = acc_gate.to(out_dtype).to(tl.float32)
     u = acc_up.to(out_dtype).to(tl.float32)
     act = (g * _sigmoid(g)).to(out_dtype).to(tl.float32) * u
-    tl.store(act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype), mask=valid[:, None] & col_mask[None, :])
+    tl.store(
+        act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype), mask=valid[:, None] & col_mask[None, :]
+    )
 
 
 @triton.jit
-def _down_weighted_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, HIDDEN, INTER,
-                          stride_we, stride_wn,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          CAST_FP32: tl.constexpr, PRECISION: tl.constexpr):
+def _down_weighted_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    HIDDEN,
+    INTER,
+    stride_we,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
@@ -88,14 +119,18 @@ def _down_weighted_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, 
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < INTER
         a = tl.load(act_ptr + pairs[:, None] * INTER + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        w = tl.load(
+            w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0
+        )
         if CAST_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     out_dtype = out_ptr.dtype.element_ty
     routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     out = acc.to(out_dtype).to(tl.float32) * routing[:, None]
-    tl.store(out_ptr + pairs[:, None] * HIDDEN + cols[None, :], out.to(out_dtype), mask=valid[:, None] & col_mask[None, :])
+    tl.store(
+        out_ptr + pairs[:, None] * HIDDEN + cols[None, :], out.to(out_dtype), mask=valid[:, None] & col_mask[None, :]
+    )
 
 
 #: Up to this many pairs (batch 4 at top-8) one program sorts them (one launch instead of ~15 torch ops).
@@ -103,13 +138,23 @@ MAX_PAIRS_ONE_PROGRAM = 32
 
 
 @triton.jit
-def _align_one_program_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
-                              BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                              BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
+def _align_one_program_kernel(
+    ids_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """:func:`align_pairs_to_blocks` for few pairs in one program (a counting sort)::
 
-        rank[p] = how many earlier pairs chose the same expert as p
-        slot[p] = padded_start[expert of p] + rank[p];   every other slot holds num_pairs (padding)
+    rank[p] = how many earlier pairs chose the same expert as p
+    slot[p] = padded_start[expert of p] + rank[p];   every other slot holds num_pairs (padding)
     """
     p = tl.arange(0, BLOCK_P)
     p_mask = p < num_pairs
@@ -151,9 +196,19 @@ def align_pairs_to_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> t
         sorted_pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
         block_expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
         _align_one_program_kernel[(1,)](
-            flat, sorted_pair_ids, block_expert_ids, num_pairs, num_experts, num_blocks, BLOCK_M=block_m,
-            BLOCK_P=triton.next_power_of_2(num_pairs), BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_S=triton.next_power_of_2(num_blocks * block_m), BLOCK_B=triton.next_power_of_2(num_blocks), num_warps=8)
+            flat,
+            sorted_pair_ids,
+            block_expert_ids,
+            num_pairs,
+            num_experts,
+            num_blocks,
+            BLOCK_M=block_m,
+            BLOCK_P=triton.next_power_of_2(num_pairs),
+            BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_S=triton.next_power_of_2(num_blocks * block_m),
+            BLOCK_B=triton.next_power_of_2(num_blocks),
+            num_warps=8,
+        )
         return sorted_pair_ids, block_expert_ids
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -161,7 +216,12 @@ def align_pairs_to_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> t
     group_start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(flat, stable=True)
     sorted_experts = flat[order]
-    slots = padded_end[sorted_experts] - padded[sorted_experts] + torch.arange(num_pairs, device=device) - group_start[sorted_experts]
+    slots = (
+        padded_end[sorted_experts]
+        - padded[sorted_experts]
+        + torch.arange(num_pairs, device=device)
+        - group_start[sorted_experts]
+    )
     sorted_pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
     sorted_pair_ids[slots] = order.to(torch.int32)
     block_starts = torch.arange(num_blocks, device=device) * block_m
@@ -184,15 +244,41 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
     num_blocks = block_expert_ids.numel()
-    meta = {**config, "CAST_FP32": os.environ.get("TRITON_INTERPRET") == "1",
-            "PRECISION": "ieee" if hidden.dtype == torch.float32 else "tf32"}
+    meta = {
+        **config,
+        "CAST_FP32": os.environ.get("TRITON_INTERPRET") == "1",
+        "PRECISION": "ieee" if hidden.dtype == torch.float32 else "tf32",
+    }
     act = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(intermediate_size, block_n))](
-        hidden, w13, act, sorted_pair_ids, block_expert_ids, num_pairs, top_k, hidden_size, intermediate_size,
-        hidden.stride(0), w13.stride(0), w13.stride(1), **meta)
+        hidden,
+        w13,
+        act,
+        sorted_pair_ids,
+        block_expert_ids,
+        num_pairs,
+        top_k,
+        hidden_size,
+        intermediate_size,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        **meta,
+    )
     per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float()
     _down_weighted_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        act, w2, per_pair, weights, sorted_pair_ids, block_expert_ids, num_pairs, hidden_size, intermediate_size,
-        w2.stride(0), w2.stride(1), **meta)
+        act,
+        w2,
+        per_pair,
+        weights,
+        sorted_pair_ids,
+        block_expert_ids,
+        num_pairs,
+        hidden_size,
+        intermediate_size,
+        w2.stride(0),
+        w2.stride(1),
+        **meta,
+    )
     return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

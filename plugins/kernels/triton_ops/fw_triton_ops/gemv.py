@@ -62,9 +62,24 @@ _GPU_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
-                 HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,
+    HAS_BIAS: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; program (block of N, split of K)::
 
         w  [N, K]   columns k_lo..k_hi of split pid_k      out (SPLIT_K == 1): rounded, bias added
@@ -86,18 +101,27 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
         for k0 in range(k_lo, k_hi, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < k_hi),
-                        other=0.0).to(tl.float32)
+            w = tl.load(
+                w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                mask=(cols[:, None] < N) & (ks[None, :] < k_hi),
+                other=0.0,
+            ).to(tl.float32)
             tiles += w * x[None, :]
         acc = tl.sum(tiles, axis=1)[None, :]
     else:
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < k_hi),
-                        other=0.0)
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < k_hi),
-                        other=0.0)
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                mask=(rows[:, None] < M) & (ks[None, :] < k_hi),
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                mask=(cols[:, None] < N) & (ks[None, :] < k_hi),
+                other=0.0,
+            )
             acc += tl.dot(x, tl.trans(w))
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offsets = rows[:, None] * stride_om + cols[None, :]
@@ -110,8 +134,18 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, N, stride_ps, stride_pm, stride_om,
-                       HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    partial_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    stride_ps,
+    stride_pm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """``out[m, n] = sum_s partial[s, m, n] (+ bias[n])``, splits added in order; program (row, block of N)."""
     row, pid = tl.program_id(0), tl.program_id(1)
     cols = pid * BLOCK + tl.arange(0, BLOCK)
@@ -167,18 +201,62 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> 
     bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     if config.split_k == 1:
-        _gemv_kernel[grid](x, weight, bias_arg, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), 0,
-                           HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                           SPLIT_K=1, num_warps=config.num_warps, num_stages=config.num_stages)
+        _gemv_kernel[grid](
+            x,
+            weight,
+            bias_arg,
+            out,
+            rows,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            0,
+            HAS_BIAS=bias is not None,
+            M_PAD=m_pad,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            SPLIT_K=1,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
         return out
     partial = torch.empty(config.split_k, rows, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[grid](x, weight, bias_arg, partial, rows, n, k, x.stride(0), weight.stride(0), partial.stride(1),
-                       partial.stride(0), HAS_BIAS=False, M_PAD=m_pad, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                       SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        bias_arg,
+        partial,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        partial.stride(1),
+        partial.stride(0),
+        HAS_BIAS=False,
+        M_PAD=m_pad,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_K=config.split_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     block = min(1024, triton.next_power_of_2(n))
-    _sum_splits_kernel[(rows, triton.cdiv(n, block))](partial, bias_arg, out, n, partial.stride(0), partial.stride(1),
-                                                      out.stride(0), HAS_BIAS=bias is not None,
-                                                      SPLIT_K=config.split_k, BLOCK=block, num_warps=4)
+    _sum_splits_kernel[(rows, triton.cdiv(n, block))](
+        partial,
+        bias_arg,
+        out,
+        n,
+        partial.stride(0),
+        partial.stride(1),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        SPLIT_K=config.split_k,
+        BLOCK=block,
+        num_warps=4,
+    )
     return out
 
 
@@ -210,14 +288,31 @@ def takes(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     else:
         return False
     k = x.shape[-1] if x.dim() else 0
-    return (x.dtype in dtypes and weight.dtype == x.dtype and weight.device == x.device and weight.dim() == 2
-            and weight.shape[1] == k > 0 and weight.shape[0] > 0 and weight.stride(1) == 1
-            and weight.shape[0] * weight.stride(0) < 2**31  # the kernel's offsets are 32-bit
-            and x.numel() == k  # one row
-            and (bias is None or (bias.dtype == x.dtype and bias.device == x.device and bias.dim() == 1
-                                  and bias.shape[0] == weight.shape[0] and bias.stride(0) == 1))
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad))))
+    return (
+        x.dtype in dtypes
+        and weight.dtype == x.dtype
+        and weight.device == x.device
+        and weight.dim() == 2
+        and weight.shape[1] == k > 0
+        and weight.shape[0] > 0
+        and weight.stride(1) == 1
+        and weight.shape[0] * weight.stride(0) < 2**31  # the kernel's offsets are 32-bit
+        and x.numel() == k  # one row
+        and (
+            bias is None
+            or (
+                bias.dtype == x.dtype
+                and bias.device == x.device
+                and bias.dim() == 1
+                and bias.shape[0] == weight.shape[0]
+                and bias.stride(0) == 1
+            )
+        )
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        )
+    )
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

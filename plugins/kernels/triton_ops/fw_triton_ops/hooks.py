@@ -10,12 +10,15 @@ TRITON_KERNELS = {
     "silu_and_mul": ("fw_triton_ops.activation:silu_and_mul", "SwiGLU in one kernel"),
     "gelu_tanh_and_mul": ("fw_triton_ops.activation:gelu_tanh_and_mul", "GeGLU (tanh) in one kernel"),
     "rotary_embedding": ("fw_triton_ops.rotary:rotary_embedding", "query and key in one kernel; neox/GPT-J, partial"),
-    "qk_norm_rotary_embedding": ("fw_triton_ops.rotary:qk_norm_rotary_embedding",
-                                 "per-head RMS norm of query and key, then rotary, in one kernel"),
+    "qk_norm_rotary_embedding": (
+        "fw_triton_ops.rotary:qk_norm_rotary_embedding",
+        "per-head RMS norm of query and key, then rotary, in one kernel",
+    ),
     "fused_moe": ("fw_triton_ops.fused_moe:fused_moe", "MoE experts as two grouped GEMMs (SiLU-and-mul fused)"),
-    "linear": ("fw_triton_ops.gemv:linear",
-               "split-K GEMV for one row (bf16/fp16, Hopper+, at the shapes measured faster than cuBLAS); "
-               "F.linear otherwise"),
+    "linear": (
+        "fw_triton_ops.gemv:linear",
+        "split-K GEMV for one row (bf16/fp16, Hopper+, at the shapes measured faster than cuBLAS); F.linear otherwise",
+    ),
 }
 
 #: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
@@ -26,8 +29,15 @@ OPT_IN_KERNELS: dict[str, tuple[str, str]] = {}
 @hookimpl
 def register_kernels():
     return [
-        KernelSpec(op=op, name="triton", impl=impl, description=description, priority=priority,
-                   devices=("cuda",), requires=("triton",))
+        KernelSpec(
+            op=op,
+            name="triton",
+            impl=impl,
+            description=description,
+            priority=priority,
+            devices=("cuda",),
+            requires=("triton",),
+        )
         for kernels, priority in ((TRITON_KERNELS, 10), (OPT_IN_KERNELS, -10))
         for op, (impl, description) in kernels.items()
     ]

@@ -27,8 +27,9 @@ def _normalise(x, w, eps, offset, N, OUT_DTYPE: tl.constexpr, HAS_OFFSET: tl.con
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, N, eps, offset,
-                     HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, x_row_stride, N, eps, offset, HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -40,8 +41,20 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, N, eps, offset,
 
 
 @triton.jit
-def _fused_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, x_row_stride, r_row_stride, N, eps, offset,
-                               HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fused_add_rms_norm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    r_out_ptr,
+    x_row_stride,
+    r_row_stride,
+    N,
+    eps,
+    offset,
+    HAS_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -64,8 +77,10 @@ def _rows(x: Tensor) -> Tensor:
 
 def _launch_config(hidden_size: int) -> tuple[int, int]:
     if hidden_size > MAX_HIDDEN_SIZE:
-        raise ValueError(f"triton rms_norm supports hidden sizes up to {MAX_HIDDEN_SIZE}, got {hidden_size}; "
-                         f"use the torch kernel (FW_KERNELS=rms_norm=torch,fused_add_rms_norm=torch)")
+        raise ValueError(
+            f"triton rms_norm supports hidden sizes up to {MAX_HIDDEN_SIZE}, got {hidden_size}; "
+            f"use the torch kernel (FW_KERNELS=rms_norm=torch,fused_add_rms_norm=torch)"
+        )
     block_n = triton.next_power_of_2(hidden_size)
     return block_n, min(max(block_n // 256, 1), 8)
 
@@ -77,13 +92,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tens
     if rows.numel() == 0:
         return out
     block_n, num_warps = _launch_config(hidden_size)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), hidden_size, eps, offset,
-                                       HAS_OFFSET=offset != 0.0, BLOCK_N=block_n, num_warps=num_warps)
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows,
+        weight,
+        out,
+        rows.stride(0),
+        hidden_size,
+        eps,
+        offset,
+        HAS_OFFSET=offset != 0.0,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return out
 
 
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                       offset: float = 0.0) -> tuple[Tensor, Tensor]:
+def fused_add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 0.0
+) -> tuple[Tensor, Tensor]:
     """:func:`framework.ops.fused_add_rms_norm` in one kernel: ``(rms_norm(x + residual), x + residual)``.
 
     Both results are new tensors of ``x``'s shape and dtype; the inputs are left untouched.
@@ -96,6 +122,18 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
         return out, residual_out
     block_n, num_warps = _launch_config(hidden_size)
     _fused_add_rms_norm_kernel[(x_rows.shape[0],)](
-        x_rows, r_rows, weight, out, residual_out, x_rows.stride(0), r_rows.stride(0), hidden_size, eps, offset,
-        HAS_OFFSET=offset != 0.0, BLOCK_N=block_n, num_warps=num_warps)
+        x_rows,
+        r_rows,
+        weight,
+        out,
+        residual_out,
+        x_rows.stride(0),
+        r_rows.stride(0),
+        hidden_size,
+        eps,
+        offset,
+        HAS_OFFSET=offset != 0.0,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return out, residual_out

@@ -27,8 +27,21 @@ BLOCK_FEATURES = 1024
 
 
 @triton.jit
-def _norm_heads(x1, x2, rest, w_ptr, first, second, j, eps, offset, OUT_DTYPE: tl.constexpr,
-                HEAD_SIZE: tl.constexpr, HAS_REST: tl.constexpr, HAS_OFFSET: tl.constexpr):
+def _norm_heads(
+    x1,
+    x2,
+    rest,
+    w_ptr,
+    first,
+    second,
+    j,
+    eps,
+    offset,
+    OUT_DTYPE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HAS_REST: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+):
     """RMS norm of each head (rows of ``x1``/``x2``/``rest``: its features, float32, zeros where
     masked) with the weight at ``w_ptr``; returns the parts in float32, rounded as the reference."""
     squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
@@ -53,10 +66,27 @@ def _norm_heads(x1, x2, rest, w_ptr, first, second, j, eps, offset, OUT_DTYPE: t
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, src_offset, dst_offset, head0, num_heads, cos, sin, w_ptr, eps, offset,
-                  HEAD_SIZE: tl.constexpr, ROTARY_DIM: tl.constexpr, IS_NEOX: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                  HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr):
+def _rotate_heads(
+    src_ptr,
+    dst_ptr,
+    src_offset,
+    dst_offset,
+    head0,
+    num_heads,
+    cos,
+    sin,
+    w_ptr,
+    eps,
+    offset,
+    HEAD_SIZE: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+):
     heads = head0 + tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (i < ROTARY_DIM // 2)[None, :]
@@ -76,8 +106,9 @@ def _rotate_heads(src_ptr, dst_ptr, src_offset, dst_offset, head0, num_heads, co
     else:
         rest = tl.zeros([BLOCK_H, BLOCK_PASS], dtype=tl.float32)
     if HAS_NORM:
-        x1, x2, rest = _norm_heads(x1, x2, rest, w_ptr, first, second, j, eps, offset, out_dtype, HEAD_SIZE,
-                                   ROTARY_DIM < HEAD_SIZE, HAS_OFFSET)
+        x1, x2, rest = _norm_heads(
+            x1, x2, rest, w_ptr, first, second, j, eps, offset, out_dtype, HEAD_SIZE, ROTARY_DIM < HEAD_SIZE, HAS_OFFSET
+        )
     tl.store(dst + first[None, :], (x1 * cos - x2 * sin).to(out_dtype), mask=mask)
     tl.store(dst + second[None, :], (x2 * cos + x1 * sin).to(out_dtype), mask=mask)
     if ROTARY_DIM < HEAD_SIZE:
@@ -85,11 +116,32 @@ def _rotate_heads(src_ptr, dst_ptr, src_offset, dst_offset, head0, num_heads, co
 
 
 @triton.jit
-def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cache_ptr, q_w_ptr, k_w_ptr, eps, offset,
-                   q_row_stride, k_row_stride, cache_row_stride, num_q_heads, num_k_heads, num_q_blocks,
-                   HEAD_SIZE: tl.constexpr, ROTARY_DIM: tl.constexpr, IS_NEOX: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                   HAS_NORM: tl.constexpr, HAS_OFFSET: tl.constexpr):
+def _rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cache_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    eps,
+    offset,
+    q_row_stride,
+    k_row_stride,
+    cache_row_stride,
+    num_q_heads,
+    num_k_heads,
+    num_q_blocks,
+    HEAD_SIZE: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -98,13 +150,49 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cache_ptr,
     cos = tl.load(row + i, mask=i < ROTARY_DIM // 2, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(row + ROTARY_DIM // 2 + i, mask=i < ROTARY_DIM // 2, other=0.0).to(tl.float32)[None, :]
     if block < num_q_blocks:
-        _rotate_heads(q_ptr, q_out_ptr, token * q_row_stride, token * num_q_heads * HEAD_SIZE, block * BLOCK_H,
-                      num_q_heads, cos, sin, q_w_ptr, eps, offset, HEAD_SIZE, ROTARY_DIM, IS_NEOX, BLOCK_H,
-                      BLOCK_HALF, BLOCK_PASS, HAS_NORM, HAS_OFFSET)
+        _rotate_heads(
+            q_ptr,
+            q_out_ptr,
+            token * q_row_stride,
+            token * num_q_heads * HEAD_SIZE,
+            block * BLOCK_H,
+            num_q_heads,
+            cos,
+            sin,
+            q_w_ptr,
+            eps,
+            offset,
+            HEAD_SIZE,
+            ROTARY_DIM,
+            IS_NEOX,
+            BLOCK_H,
+            BLOCK_HALF,
+            BLOCK_PASS,
+            HAS_NORM,
+            HAS_OFFSET,
+        )
     else:
-        _rotate_heads(k_ptr, k_out_ptr, token * k_row_stride, token * num_k_heads * HEAD_SIZE,
-                      (block - num_q_blocks) * BLOCK_H, num_k_heads, cos, sin, k_w_ptr, eps, offset, HEAD_SIZE,
-                      ROTARY_DIM, IS_NEOX, BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_NORM, HAS_OFFSET)
+        _rotate_heads(
+            k_ptr,
+            k_out_ptr,
+            token * k_row_stride,
+            token * num_k_heads * HEAD_SIZE,
+            (block - num_q_blocks) * BLOCK_H,
+            num_k_heads,
+            cos,
+            sin,
+            k_w_ptr,
+            eps,
+            offset,
+            HEAD_SIZE,
+            ROTARY_DIM,
+            IS_NEOX,
+            BLOCK_H,
+            BLOCK_HALF,
+            BLOCK_PASS,
+            HAS_NORM,
+            HAS_OFFSET,
+        )
 
 
 def _token_rows(x: Tensor, num_tokens: int) -> Tensor:
@@ -141,8 +229,15 @@ def qk_norm_rotary_embedding(
     return _launch(positions, query, key, head_size, cos_sin_cache, is_neox_style, (q_weight, k_weight, eps, offset))
 
 
-def _launch(positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox_style: bool,
-            norm: tuple[Tensor, Tensor, float, float] | None = None) -> tuple[Tensor, Tensor]:
+def _launch(
+    positions: Tensor,
+    query: Tensor,
+    key: Tensor,
+    head_size: int,
+    cos_sin_cache: Tensor,
+    is_neox_style: bool,
+    norm: tuple[Tensor, Tensor, float, float] | None = None,
+) -> tuple[Tensor, Tensor]:
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     num_tokens = positions.numel()
@@ -158,9 +253,30 @@ def _launch(positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_s
     grid = (num_tokens, num_q_blocks + triton.cdiv(num_k_heads, block_h))
     q_weight, k_weight, eps, offset = norm if norm is not None else (cache, cache, 0.0, 0.0)  # unread without a norm
     _rotary_kernel[grid](
-        positions.reshape(-1), q_rows, k_rows, q_out, k_out, cache, q_weight.contiguous(), k_weight.contiguous(),
-        float(eps), float(offset), q_rows.stride(0), k_rows.stride(0), cache.stride(0), num_q_heads, num_k_heads,
-        num_q_blocks, HEAD_SIZE=head_size, ROTARY_DIM=rotary_dim, IS_NEOX=is_neox_style, BLOCK_H=block_h,
-        BLOCK_HALF=block_half, BLOCK_PASS=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
-        HAS_NORM=norm is not None, HAS_OFFSET=norm is not None and offset != 0.0, num_warps=4)
+        positions.reshape(-1),
+        q_rows,
+        k_rows,
+        q_out,
+        k_out,
+        cache,
+        q_weight.contiguous(),
+        k_weight.contiguous(),
+        float(eps),
+        float(offset),
+        q_rows.stride(0),
+        k_rows.stride(0),
+        cache.stride(0),
+        num_q_heads,
+        num_k_heads,
+        num_q_blocks,
+        HEAD_SIZE=head_size,
+        ROTARY_DIM=rotary_dim,
+        IS_NEOX=is_neox_style,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        BLOCK_PASS=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
+        HAS_NORM=norm is not None,
+        HAS_OFFSET=norm is not None and offset != 0.0,
+        num_warps=4,
+    )
     return q_out, k_out

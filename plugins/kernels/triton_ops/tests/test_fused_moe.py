@@ -15,8 +15,18 @@ require_triton()
 from fw_triton_ops.fused_moe import align_pairs_to_blocks, fused_moe  # noqa: E402
 
 
-def moe_inputs(num_tokens, num_experts, top_k, hidden_size, intermediate_size, *, seed=0, device="cpu",
-               dtype=torch.float32, renormalize=True):
+def moe_inputs(
+    num_tokens,
+    num_experts,
+    top_k,
+    hidden_size,
+    intermediate_size,
+    *,
+    seed=0,
+    device="cpu",
+    dtype=torch.float32,
+    renormalize=True,
+):
     """Random activations, expert weights scaled like trained ones, and a softmax top-k routing."""
     generator = torch.Generator().manual_seed(seed)
     rand = lambda *shape, scale=1.0: (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)  # noqa: E731
@@ -50,8 +60,12 @@ def test_fused_moe_when_every_token_picks_the_same_experts():
     hidden, w13, w2, _, _ = moe_inputs(40, 8, 2, 64, 32, seed=3)
     topk_ids = torch.tensor([[5, 2]] * 40, dtype=torch.int32)
     topk_weights = torch.rand(40, 2, generator=torch.Generator().manual_seed(4))  # not normalised: any weights
-    torch.testing.assert_close(fused_moe(hidden, w13, w2, topk_weights, topk_ids),
-                               ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fused_moe(hidden, w13, w2, topk_weights, topk_ids),
+        ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @interpreted
@@ -64,7 +78,9 @@ def test_interpreted_fused_moe_reads_and_writes_bf16():
 
 def _distinct_ids(num_tokens, top_k, num_experts, seed=6):
     generator = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)]).to(torch.int32)
+    return torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)]).to(
+        torch.int32
+    )
 
 
 @interpreted
@@ -78,7 +94,7 @@ def test_alignment_puts_every_pair_once_in_blocks_of_one_expert(num_pairs_shape)
     assert sorted(real.tolist()) == list(range(num_pairs))
     flat = topk_ids.reshape(-1)
     for block, expert in enumerate(block_expert_ids.tolist()):
-        rows = sorted_pair_ids[block * block_m:(block + 1) * block_m]
+        rows = sorted_pair_ids[block * block_m : (block + 1) * block_m]
         rows = rows[rows < num_pairs]
         if expert < 0:
             assert rows.numel() == 0
@@ -114,8 +130,11 @@ QWEN3_30B_A3B = (128, 8, 2048, 768)
 def _errors_against_fp32(inputs):
     """Max error of the Triton kernel and of the torch reference (both bf16) against float32 math."""
     exact = ops.fused_moe(*(x.float() if x.is_floating_point() else x for x in inputs))
-    return ((fused_moe(*inputs).float() - exact).abs().max().item(), (ops.fused_moe(*inputs).float() - exact).abs().max().item(),
-            exact.abs().max().item())
+    return (
+        (fused_moe(*inputs).float() - exact).abs().max().item(),
+        (ops.fused_moe(*inputs).float() - exact).abs().max().item(),
+        exact.abs().max().item(),
+    )
 
 
 @pytest.mark.gpu
@@ -137,4 +156,5 @@ def test_compiled_fused_moe_fp32_matches_reference_on_cuda():
 def test_compiled_fused_moe_does_not_sync_and_replays_in_a_cuda_graph(num_tokens):
     inputs = moe_inputs(num_tokens, *QWEN3_30B_A3B, device="cuda", dtype=torch.bfloat16)
     check_no_sync_and_cuda_graph_replay(
-        fused_moe, inputs, lambda: moe_inputs(num_tokens, *QWEN3_30B_A3B, seed=9, device="cuda", dtype=torch.bfloat16))
+        fused_moe, inputs, lambda: moe_inputs(num_tokens, *QWEN3_30B_A3B, seed=9, device="cuda", dtype=torch.bfloat16)
+    )

@@ -41,9 +41,11 @@ def _randn(*shape, seed=0, device="cpu", dtype=torch.float32, scale=1.0):
 
 def _inputs(rows, n, k, device="cpu", dtype=torch.float32, seed=0):
     """``x [rows, k]``, ``weight [n, k]`` scaled as a layer's (outputs of order 1), ``bias [n]``."""
-    return (_randn(rows, k, seed=seed, device=device, dtype=dtype), _randn(n, k, seed=seed + 1, device=device, dtype=dtype,
-                                                                           scale=k ** -0.5),
-            _randn(n, seed=seed + 2, device=device, dtype=dtype))
+    return (
+        _randn(rows, k, seed=seed, device=device, dtype=dtype),
+        _randn(n, k, seed=seed + 1, device=device, dtype=dtype, scale=k**-0.5),
+        _randn(n, seed=seed + 2, device=device, dtype=dtype),
+    )
 
 
 @pytest.fixture
@@ -207,8 +209,16 @@ def test_linear_layers_resolve_the_op_once_through_the_registry(monkeypatch, gem
         assert len(gemv_calls) == 1
 
 
-TINY_LLAMA = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+TINY_LLAMA = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 
 
 @interpreted
@@ -237,8 +247,11 @@ def _errors_against_fp32(out, x, weight, bias):
     """(error of ``out``, error of the same-dtype ``F.linear``, largest magnitude), against float32 math."""
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     torch_out = F.linear(x, weight, bias).float()
-    return ((out.float() - expected).abs().max().item(), (torch_out - expected).abs().max().item(),
-            expected.abs().max().item())
+    return (
+        (out.float() - expected).abs().max().item(),
+        (torch_out - expected).abs().max().item(),
+        expected.abs().max().item(),
+    )
 
 
 @pytest.mark.gpu
@@ -299,8 +312,9 @@ def test_compiled_linear_does_not_sync_and_replays_in_a_cuda_graph(gemv_calls):
 
 
 @pytest.mark.gpu
-def test_tiny_llama_bf16_with_the_triton_linear_in_cuda_graphs_is_as_close_to_transformers_as_cublas(tmp_path, monkeypatch,
-                                                                                                     gemv_calls):
+def test_tiny_llama_bf16_with_the_triton_linear_in_cuda_graphs_is_as_close_to_transformers_as_cublas(
+    tmp_path, monkeypatch, gemv_calls
+):
     """The engine in bf16 with CUDA graphs (one request at a time: its one-row decode steps replay
     the GEMV), once with ``FW_KERNELS=linear=triton`` and once with cuBLAS: every logit each
     computes, compared with transformers' float32 logits of the same ids, is as close with the GEMV

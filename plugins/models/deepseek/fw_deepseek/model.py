@@ -82,26 +82,52 @@ class DeepseekV2Attention(nn.Module):
         if self.q_lora_rank:
             self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, prefix=f"{prefix}.q_a_proj", **linear)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, config.num_heads * qk_head_dim, bias=False,
-                                                 prefix=f"{prefix}.q_b_proj", **linear)
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora_rank, config.num_heads * qk_head_dim, bias=False, prefix=f"{prefix}.q_b_proj", **linear
+            )
         else:
-            self.q_proj = ColumnParallelLinear(hidden, config.num_heads * qk_head_dim, bias=False,
-                                               prefix=f"{prefix}.q_proj", **linear)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias,
-                                                   prefix=f"{prefix}.kv_a_proj_with_mqa", **linear)
+            self.q_proj = ColumnParallelLinear(
+                hidden, config.num_heads * qk_head_dim, bias=False, prefix=f"{prefix}.q_proj", **linear
+            )
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden, self.kv_lora_rank + self.rope_dim, bias=bias, prefix=f"{prefix}.kv_a_proj_with_mqa", **linear
+        )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, config.num_heads * (self.nope_dim + self.v_dim), bias=False,
-                                              prefix=f"{prefix}.kv_b_proj", **linear)
-        self.o_proj = RowParallelLinear(config.num_heads * self.v_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj", **linear)
-        self.rotary_emb = get_rope(self.rope_dim, self.rope_dim, config.max_model_len, config.rope_theta,
-                                   config.rope_scaling, is_neox_style=False)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank,
+            config.num_heads * (self.nope_dim + self.v_dim),
+            bias=False,
+            prefix=f"{prefix}.kv_b_proj",
+            **linear,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * self.v_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj", **linear
+        )
+        self.rotary_emb = get_rope(
+            self.rope_dim,
+            self.rope_dim,
+            config.max_model_len,
+            config.rope_theta,
+            config.rope_scaling,
+            is_neox_style=False,
+        )
         mla = MLAConfig(self.kv_lora_rank, self.rope_dim)
-        self.attn = Attention(layer_index, self.num_heads, 1, mla.latent_size, softmax_scale(config, qk_head_dim), mla=mla,
-                              quant_config=quant_config, prefix=f"{prefix}.attn")
+        self.attn = Attention(
+            layer_index,
+            self.num_heads,
+            1,
+            mla.latent_size,
+            softmax_scale(config, qk_head_dim),
+            mla=mla,
+            quant_config=quant_config,
+            prefix=f"{prefix}.attn",
+        )
         if not isinstance(self.kv_b_proj.linear_method, UnquantizedLinearMethod):
-            raise ConfigError(f"{prefix}.kv_b_proj: multi-head latent attention absorbs kv_b_proj's plain weight; a "
-                              f"quantized kv_b_proj ({type(self.kv_b_proj.linear_method).__name__}) is unsupported: use "
-                              "a checkpoint (or quantization method) that keeps kv_b_proj unquantized")
+            raise ConfigError(
+                f"{prefix}.kv_b_proj: multi-head latent attention absorbs kv_b_proj's plain weight; a "
+                f"quantized kv_b_proj ({type(self.kv_b_proj.linear_method).__name__}) is unsupported: use "
+                "a checkpoint (or quantization method) that keeps kv_b_proj unquantized"
+            )
 
     def kv_b_weight(self) -> torch.Tensor:
         """``kv_b_proj``'s weight viewed as ``[H, N + V, L]`` (= ``[W_UK ; W_UV]`` per head; this rank's heads)."""
@@ -158,8 +184,9 @@ class DeepseekV2DecoderLayer(nn.Module):
 class DeepseekV2Model(DecoderStack):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
-                                           prefix=f"{prefix}.embed_tokens")
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
+        )
         self.layers = nn.ModuleList(
             DeepseekV2DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}") for i in range(config.num_layers)
         )

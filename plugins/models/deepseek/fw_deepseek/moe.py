@@ -28,9 +28,16 @@ from framework.quantization import QuantConfig
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
-def deepseek_v2_routing(router_logits: torch.Tensor, top_k: int, *, topk_method: str = "greedy",
-                        n_group: int | None = None, topk_group: int | None = None, norm_topk_prob: bool = False,
-                        routed_scaling_factor: float = 1.0) -> RoutedExperts:
+def deepseek_v2_routing(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    topk_method: str = "greedy",
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+) -> RoutedExperts:
     """DeepSeek-V2 routing: ``router_logits`` ``[T, E]`` -> ``(topk_weights [T, k] float32, topk_ids [T, k] int32)``.
 
     ``norm_topk_prob`` renormalises the chosen scores to sum 1 before ``routed_scaling_factor``
@@ -72,28 +79,57 @@ class DeepseekV2MoE(nn.Module):
         self.top_k = int(config.get("num_experts_per_tok"))
         self.topk_method = config.get("topk_method") or "greedy"
         self.n_group, self.topk_group = config.get("n_group"), config.get("topk_group")
-        if self.topk_method == "group_limited_greedy" and (not self.n_group or not self.topk_group
-                                                          or self.num_experts % self.n_group):
-            raise ValueError(f"topk_method 'group_limited_greedy' needs n_group dividing {self.num_experts} experts "
-                             f"and topk_group; got n_group={self.n_group}, topk_group={self.topk_group}")
+        if self.topk_method == "group_limited_greedy" and (
+            not self.n_group or not self.topk_group or self.num_experts % self.n_group
+        ):
+            raise ValueError(
+                f"topk_method 'group_limited_greedy' needs n_group dividing {self.num_experts} experts "
+                f"and topk_group; got n_group={self.n_group}, topk_group={self.topk_group}"
+            )
         if (config.get("scoring_func") or "softmax") != "softmax":
-            raise ValueError(f"DeepSeek-V2 MoE with scoring_func {config.get('scoring_func')!r} is unsupported; valid: softmax")
+            raise ValueError(
+                f"DeepSeek-V2 MoE with scoring_func {config.get('scoring_func')!r} is unsupported; valid: softmax"
+            )
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"unknown topk_method {self.topk_method!r}; valid: {', '.join(TOPK_METHODS)}")
         self.norm_topk_prob = bool(config.get("norm_topk_prob", False))
         self.routed_scaling_factor = float(config.get("routed_scaling_factor") or 1.0)
         self.gate = ReplicatedLinear(hidden, self.num_experts, prefix=f"{prefix}.gate", params_dtype=torch.float32)
-        self.experts = FusedMoE(self.num_experts, self.top_k, hidden, size, renormalize=self.norm_topk_prob,
-                                quant_config=quant_config, prefix=f"{prefix}.experts", reduce_results=False)
+        self.experts = FusedMoE(
+            self.num_experts,
+            self.top_k,
+            hidden,
+            size,
+            renormalize=self.norm_topk_prob,
+            quant_config=quant_config,
+            prefix=f"{prefix}.experts",
+            reduce_results=False,
+        )
         num_shared = int(config.get("n_shared_experts") or 0)
-        self.shared_experts = (GatedMLP(hidden, size * num_shared, SiluAndMul(), quant_config=quant_config,
-                                        prefix=f"{prefix}.shared_experts", reduce_results=False) if num_shared else None)
+        self.shared_experts = (
+            GatedMLP(
+                hidden,
+                size * num_shared,
+                SiluAndMul(),
+                quant_config=quant_config,
+                prefix=f"{prefix}.shared_experts",
+                reduce_results=False,
+            )
+            if num_shared
+            else None
+        )
 
     def route(self, hidden: torch.Tensor) -> RoutedExperts:
         """Each token's ``(topk_weights, topk_ids)``; router logits in float32 as transformers."""
-        return deepseek_v2_routing(self.gate(hidden.float()), self.top_k, topk_method=self.topk_method,
-                                   n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
-                                   routed_scaling_factor=self.routed_scaling_factor)
+        return deepseek_v2_routing(
+            self.gate(hidden.float()),
+            self.top_k,
+            topk_method=self.topk_method,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(hidden)

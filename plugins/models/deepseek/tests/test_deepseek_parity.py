@@ -25,20 +25,51 @@ from framework.testing import (
     tiny_model_fixture,
 )
 
-SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-             num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-             n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-             max_position_embeddings=512, initializer_range=0.1)
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
 LATENT = SMALL["kv_lora_rank"] + SMALL["qk_rope_head_dim"]
 
 CONFIGS = {
     "v2_lite_grouped_routing": lambda: transformers.DeepseekV2Config(
-        **SMALL, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        routed_scaling_factor=1.5),
+        **SMALL,
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+    ),
     "v2_q_lora_yarn": lambda: transformers.DeepseekV2Config(
-        **SMALL, q_lora_rank=24, topk_method="greedy", routed_scaling_factor=1.0,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.6}),
+        **SMALL,
+        q_lora_rank=24,
+        topk_method="greedy",
+        routed_scaling_factor=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.8,
+            "mscale_all_dim": 0.6,
+        },
+    ),
 }
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -74,8 +105,14 @@ class StandardOnlyBackend:
 
     @hookimpl
     def register_attention_backends(self):
-        return [AttentionBackendSpec(name="standard_only", impl="fw_torch_attention.backend:TorchAttentionBackend",
-                                     priority=100, kv_cache_layouts=("standard",))]
+        return [
+            AttentionBackendSpec(
+                name="standard_only",
+                impl="fw_torch_attention.backend:TorchAttentionBackend",
+                priority=100,
+                kv_cache_layouts=("standard",),
+            )
+        ]
 
 
 def test_backend_without_mla_layout_is_skipped_with_a_reason(tiny, register_fw_plugin, caplog):
@@ -106,8 +143,9 @@ def test_routing_group_limit_and_renormalisation():
     from fw_deepseek.moe import deepseek_v2_routing
 
     logits = torch.tensor([[0.0, 5.0, 1.0, 0.0, 4.0, 4.5, 0.0, 0.0]])  # groups of 2: best per group 5, 1, 4.5, 0
-    weights, ids = deepseek_v2_routing(logits, 2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                                       routed_scaling_factor=2.0)
+    weights, ids = deepseek_v2_routing(
+        logits, 2, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0
+    )
     assert sorted(ids[0].tolist()) == [1, 5]  # expert 4 (score 4.0) is in group 2 too, but 5 beats it
     probs = logits.softmax(-1)[0]
     assert torch.allclose(weights[0].sort().values, (2.0 * probs[[5, 1]]).sort().values)
@@ -129,8 +167,15 @@ def test_greedy_tokens_match_transformers_on_cuda(tiny):
         results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], GREEDY)
     for prompt, result in zip(PARITY_PROMPTS, results, strict=True):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
-    check_kernels_used(calls, {**dict.fromkeys(["fused_moe", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-                                                "silu_and_mul"], "triton"), "attention": "torch"})
+    check_kernels_used(
+        calls,
+        {
+            **dict.fromkeys(
+                ["fused_moe", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"], "triton"
+            ),
+            "attention": "torch",
+        },
+    )
 
 
 def test_quantized_kv_b_proj_is_refused_at_start_up():
@@ -152,5 +197,7 @@ def test_quantized_kv_b_proj_is_refused_at_start_up():
     hf_config = CONFIGS["v2_lite_grouped_routing"]().to_dict()
     config = ModelConfig.from_hf_config({**hf_config, "architectures": ["DeepseekV2ForCausalLM"]}, dtype=torch.float32)
     DeepseekV2Attention(config, 0, None, "model.layers.0.self_attn")  # unquantized: fine
-    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.kv_b_proj: .*quantized kv_b_proj \(OtherMethod\)"):
+    with pytest.raises(
+        ConfigError, match=r"model\.layers\.0\.self_attn\.kv_b_proj: .*quantized kv_b_proj \(OtherMethod\)"
+    ):
         DeepseekV2Attention(config, 0, KvBOnly(), "model.layers.0.self_attn")

@@ -17,18 +17,49 @@ from framework.distributed import state
 from framework.loader.model_loader import load_weights
 from framework.testing import reference_greedy, write_randomised_model
 
-SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-             num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-             n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
-             max_position_embeddings=512, initializer_range=0.1)
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
 CONFIGS = {  # test_deepseek_parity's two shapes (two shared experts here)
     "v2_lite_grouped_routing": lambda: transformers.DeepseekV2Config(
-        **SMALL, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        routed_scaling_factor=1.5),
+        **SMALL,
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+    ),
     "v2_q_lora_yarn": lambda: transformers.DeepseekV2Config(
-        **SMALL, q_lora_rank=24, topk_method="greedy", routed_scaling_factor=1.0,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.6}),
+        **SMALL,
+        q_lora_rank=24,
+        topk_method="greedy",
+        routed_scaling_factor=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.8,
+            "mscale_all_dim": 0.6,
+        },
+    ),
 }
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -39,8 +70,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(("case", "tp"), [(case, 2) for case in sorted(CONFIGS)] + [("v2_q_lora_yarn", 4)])
 def test_tensor_parallel_greedy_ids_match_transformers(case, tp, tmp_path):
     reference = write_randomised_model(tmp_path, CONFIGS[case]())
-    with LLM(str(tmp_path), device="cpu", num_blocks=16, prefill_chunk_size=8, max_num_batched_tokens=16,
-             tensor_parallel_size=tp) as llm:
+    with LLM(
+        str(tmp_path),
+        device="cpu",
+        num_blocks=16,
+        prefill_chunk_size=8,
+        max_num_batched_tokens=16,
+        tensor_parallel_size=tp,
+    ) as llm:
         assert llm.engine.summary["tensor_parallel_size"] == tp
         attention = llm.engine.core.runner.model.model.layers[0].self_attn
         assert attention.num_heads == SMALL["num_attention_heads"] // tp  # rank 0 computes its share of the heads
@@ -71,8 +108,9 @@ def test_moe_block_sums_its_ranks_partial_outputs_with_one_all_reduce(monkeypatc
     hidden = torch.randn(7, SMALL["hidden_size"])
     with torch.no_grad():
         expected = reference(hidden.unsqueeze(0))[0]
-    config = ModelConfig.from_hf_config({**hf_config.to_dict(), "architectures": ["DeepseekV2ForCausalLM"]},
-                                        dtype=torch.float32)
+    config = ModelConfig.from_hf_config(
+        {**hf_config.to_dict(), "architectures": ["DeepseekV2ForCausalLM"]}, dtype=torch.float32
+    )
     reductions = []
     monkeypatch.setattr(distributed, "all_reduce", lambda x: reductions.append(x.shape) or x)  # the sum is taken below
     partials = []

@@ -14,6 +14,8 @@ ARCHITECTURES = {
 @hookimpl
 def register_model_architectures():
     return [
-        ModelSpec(name=name, impl="fw_gemma.model:GemmaForCausalLM", description=description, supports_tensor_parallel=True)
+        ModelSpec(
+            name=name, impl="fw_gemma.model:GemmaForCausalLM", description=description, supports_tensor_parallel=True
+        )
         for name, description in ARCHITECTURES.items()
     ]

@@ -81,28 +81,51 @@ def rope_parameters(config: ModelConfig, generation: int, layer_type: str) -> tu
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, generation: int, layer_index: int, layer_type: str,
-                 quant_config: QuantConfig | None, prefix: str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        generation: int,
+        layer_index: int,
+        layer_type: str,
+        quant_config: QuantConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
         hidden, head_size = config.hidden_size, config.head_size
         self.head_size = head_size
         bias = bool(config.get("attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(hidden, head_size, config.num_heads, config.num_kv_heads, bias=bias,
-                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.qkv_proj = QKVParallelLinear(
+            hidden,
+            head_size,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
         # this tensor-parallel rank's heads (all of them on one device)
         num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
-        self.o_proj = RowParallelLinear(config.num_heads * head_size, hidden, bias=bias, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(
+            config.num_heads * head_size, hidden, bias=bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
+        )
         base, scaling = rope_parameters(config, generation, layer_type)
         self.rotary_emb = get_rope(head_size, head_size, config.max_model_len, base, scaling)
         scalar = config.get("query_pre_attn_scalar") if generation >= 2 else None
         # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never applies it (QK norm replaced it).
         soft_cap = config.get("attn_logit_softcapping") if generation == 2 else None
         window = config.get("sliding_window") if layer_type == SLIDING else None
-        self.attn = Attention(layer_index, num_heads, num_kv_heads, head_size, float(scalar or head_size) ** -0.5,
-                              sliding_window=window, logits_soft_cap=soft_cap, quant_config=quant_config,
-                              prefix=f"{prefix}.attn")
+        self.attn = Attention(
+            layer_index,
+            num_heads,
+            num_kv_heads,
+            head_size,
+            float(scalar or head_size) ** -0.5,
+            sliding_window=window,
+            logits_soft_cap=soft_cap,
+            quant_config=quant_config,
+            prefix=f"{prefix}.attn",
+        )
         if generation >= 3:
             eps = float(config.get("rms_norm_eps", 1e-6))
             self.q_norm = RMSNorm(head_size, eps, offset=1.0)
@@ -138,11 +161,20 @@ class GemmaDecoderLayer(nn.Module):
     The residual stream travels beside the hidden state so each add fuses into the next norm.
     """
 
-    def __init__(self, config: ModelConfig, generation: int, layer_index: int, layer_type: str,
-                 quant_config: QuantConfig | None, prefix: str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        generation: int,
+        layer_index: int,
+        layer_type: str,
+        quant_config: QuantConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
         eps, hidden = float(config.get("rms_norm_eps", 1e-6)), config.hidden_size
-        self.self_attn = GemmaAttention(config, generation, layer_index, layer_type, quant_config, f"{prefix}.self_attn")
+        self.self_attn = GemmaAttention(
+            config, generation, layer_index, layer_type, quant_config, f"{prefix}.self_attn"
+        )
         self.mlp = GemmaMLP(config, generation, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(hidden, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset=1.0)  # Gemma 1: the pre-MLP norm
@@ -165,9 +197,12 @@ class GemmaModel(DecoderStack):
     def __init__(self, config: ModelConfig, generation: int, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
         if config.get("use_bidirectional_attention"):
-            raise ValueError("fw_gemma serves causal Gemma models; use_bidirectional_attention (EmbeddingGemma) is not supported")
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
-                                           prefix=f"{prefix}.embed_tokens")
+            raise ValueError(
+                "fw_gemma serves causal Gemma models; use_bidirectional_attention (EmbeddingGemma) is not supported"
+            )
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
+        )
         # transformers rounds sqrt(hidden_size) to the model dtype first (bf16: sqrt(3072) = 55.43 -> 55.5).
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, device="cpu").to(torch.get_default_dtype()))
         types = layer_types(config, generation)

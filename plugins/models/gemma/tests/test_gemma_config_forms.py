@@ -17,14 +17,33 @@ from framework.config import ModelConfig
 
 # the shape of google/gemma-3-1b-it's config.json, shrunk
 GEMMA3_HUB = {
-    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 160, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 13, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
-    "max_position_embeddings": 1024, "query_pre_attn_scalar": 16, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
-    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512, "sliding_window_pattern": 6,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 160,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 13,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "query_pre_attn_scalar": 16,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
 }
 GEMMA2_OLD = {
-    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 160, "hidden_size": 64,
-    "num_hidden_layers": 5, "num_attention_heads": 4, "head_dim": 16, "rope_theta": 10_000.0, "sliding_window": 4096,
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "vocab_size": 160,
+    "hidden_size": 64,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "rope_theta": 10_000.0,
+    "sliding_window": 4096,
 }
 
 
@@ -60,7 +79,9 @@ def test_gemma3_explicit_layer_types_win_over_the_pattern():
 def test_gemma2_without_layer_types_alternates_like_transformers():
     hf = transformers.Gemma2Config.from_dict({k: v for k, v in GEMMA2_OLD.items() if k != "architectures"})
     config = model_config(GEMMA2_OLD)
-    assert layer_types(config, 2) == hf.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    assert (
+        layer_types(config, 2) == hf.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    )
     assert summary(*rope_parameters(config, 2, "sliding_attention")) == (10_000.0, "default", None)
     new = model_config({**hf.to_dict(), "architectures": ["Gemma2ForCausalLM"]})
     assert layer_types(new, 2) == hf.layer_types

@@ -15,9 +15,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 def test_gemma3_tp2_greedy_ids_match_transformers(tmp_path):
     config = transformers.Gemma3TextConfig(
-        vocab_size=161, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256, initializer_range=0.1, num_hidden_layers=2, sliding_window=6,
-        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)
+        vocab_size=161,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        num_hidden_layers=2,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+    )
     reference = write_tiny_model(tmp_path, config)
     with torch.no_grad():  # transformers starts (1 + w) norms at w = 0; random ones make them count
         generator = torch.Generator().manual_seed(2)

@@ -12,7 +12,10 @@ ARCHITECTURES = {
     "YiForCausalLM": ("Yi (Llama architecture under its own name)", True),
     "Qwen3ForCausalLM": ("Qwen3 dense (RMSNorm per head on q and k)", True),
     "Phi3ForCausalLM": ("Phi-3 / Phi-3.5 / Phi-4 (fused qkv and gate_up, LongRoPE, partial rotary)", True),
-    "StableLmForCausalLM": ("StableLM 2 / StableLM 3B (LayerNorm, partial rotary, parallel residual, QK LayerNorm)", True),
+    "StableLmForCausalLM": (
+        "StableLM 2 / StableLM 3B (LayerNorm, partial rotary, parallel residual, QK LayerNorm)",
+        True,
+    ),
     "GlmForCausalLM": ("GLM-4 9B chat (partial interleaved rotary, fused gate_up)", True),
     "Glm4ForCausalLM": ("GLM-4 0414 (GLM plus post-attention and post-MLP norms)", True),
 }
@@ -29,10 +32,16 @@ MOE_ARCHITECTURES = {
 @hookimpl
 def register_model_architectures():
     return [
-        ModelSpec(name=name, impl="fw_llama.model:LlamaForCausalLM", description=description,
-                  supports_tensor_parallel=tensor_parallel)
+        ModelSpec(
+            name=name,
+            impl="fw_llama.model:LlamaForCausalLM",
+            description=description,
+            supports_tensor_parallel=tensor_parallel,
+        )
         for name, (description, tensor_parallel) in ARCHITECTURES.items()
     ] + [
-        ModelSpec(name=name, impl="fw_llama.moe:LlamaMoeForCausalLM", description=description, supports_tensor_parallel=True)
+        ModelSpec(
+            name=name, impl="fw_llama.moe:LlamaMoeForCausalLM", description=description, supports_tensor_parallel=True
+        )
         for name, description in MOE_ARCHITECTURES.items()
     ]

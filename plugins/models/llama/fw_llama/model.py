@@ -81,11 +81,19 @@ class LlamaVariant:
         if act != "silu":
             raise ValueError(f"fw_llama supports hidden_act 'silu'; {arch} config has {act!r}")
         return cls(
-            qkv_bias=attention_bias or arch in QKV_BIAS_ARCHITECTURES or (is_stablelm and bool(config.get("use_qkv_bias"))),
+            qkv_bias=attention_bias
+            or arch in QKV_BIAS_ARCHITECTURES
+            or (is_stablelm and bool(config.get("use_qkv_bias"))),
             o_proj_bias=attention_bias and not is_glm,
-            qk_norm="rms" if arch in QK_RMS_NORM_ARCHITECTURES else "layer_per_head" if is_stablelm and config.get("qk_layernorm") else None,
+            qk_norm="rms"
+            if arch in QK_RMS_NORM_ARCHITECTURES
+            else "layer_per_head"
+            if is_stablelm and config.get("qk_layernorm")
+            else None,
             norm="layer" if is_stablelm else "rms",
-            eps=float(config.get("layer_norm_eps") or 1e-5) if is_stablelm else float(config.get("rms_norm_eps") or 1e-6),
+            eps=float(config.get("layer_norm_eps") or 1e-5)
+            if is_stablelm
+            else float(config.get("rms_norm_eps") or 1e-6),
             branch_norms=arch == "Glm4ForCausalLM",
             parallel_residual=is_stablelm and bool(config.get("use_parallel_residual")),
             is_neox_style=not is_glm,
@@ -149,8 +157,9 @@ class PerHeadLayerNorm(KeepsWeightAttrs):
     its attention shard) and skips the others' weights.
     """
 
-    def __init__(self, num_heads: int, head_size: int, eps: float, first_head: int = 0,
-                 total_num_heads: int | None = None) -> None:
+    def __init__(
+        self, num_heads: int, head_size: int, eps: float, first_head: int = 0, total_num_heads: int | None = None
+    ) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.eps = num_heads, head_size, eps
         self.first_head, self.total_num_heads = first_head, total_num_heads or num_heads
@@ -161,8 +170,10 @@ class PerHeadLayerNorm(KeepsWeightAttrs):
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, head: int) -> None:
         """Copy head ``head``'s checkpoint weight ``[head_size]`` into its row (nothing for another rank's head)."""
         if not 0 <= head < self.total_num_heads or tuple(loaded_weight.shape) != (self.head_size,):
-            raise ValueError(f"per-head norm weight {head} of shape {tuple(loaded_weight.shape)} does not fit: expected "
-                             f"heads 0..{self.total_num_heads - 1} of shape ({self.head_size},)")
+            raise ValueError(
+                f"per-head norm weight {head} of shape {tuple(loaded_weight.shape)} does not fit: expected "
+                f"heads 0..{self.total_num_heads - 1} of shape ({self.head_size},)"
+            )
         row = head - self.first_head
         if 0 <= row < self.num_heads:
             copy_weight(param.data[row], loaded_weight)
@@ -187,33 +198,66 @@ _PER_HEAD_NORM = re.compile(r"^(?P<norm>.*_layernorm)\.norms\.(?P<head>\d+)\.wei
 class LlamaAttention(nn.Module):
     """Fused QKV projection -> optional QK norm -> rotary (full or partial) -> paged attention -> o_proj."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str,
-                 variant: LlamaVariant | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        quant_config: QuantConfig | None,
+        prefix: str,
+        variant: LlamaVariant | None = None,
+    ) -> None:
         super().__init__()
         variant = variant or LlamaVariant.from_config(config)
         hidden, head_size = config.hidden_size, config.head_size
         self.head_size = head_size
-        self.qkv_proj = QKVParallelLinear(hidden, head_size, config.num_heads, config.num_kv_heads, bias=variant.qkv_bias,
-                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.qkv_proj = QKVParallelLinear(
+            hidden,
+            head_size,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=variant.qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
         # this tensor-parallel rank's heads (all of them on one device)
         num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
-        self.o_proj = RowParallelLinear(config.num_heads * head_size, hidden, bias=variant.o_proj_bias,
-                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        self.rotary_emb = get_rope(head_size, rotary_dim(config), config.max_model_len, config.rope_theta,
-                                   rope_scaling(config), is_neox_style=variant.is_neox_style)
-        self.attn = Attention(layer_index, num_heads, num_kv_heads, head_size, head_size**-0.5,
-                              sliding_window=layer_sliding_window(config, layer_index), quant_config=quant_config,
-                              prefix=f"{prefix}.attn")
+        self.o_proj = RowParallelLinear(
+            config.num_heads * head_size,
+            hidden,
+            bias=variant.o_proj_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = get_rope(
+            head_size,
+            rotary_dim(config),
+            config.max_model_len,
+            config.rope_theta,
+            rope_scaling(config),
+            is_neox_style=variant.is_neox_style,
+        )
+        self.attn = Attention(
+            layer_index,
+            num_heads,
+            num_kv_heads,
+            head_size,
+            head_size**-0.5,
+            sliding_window=layer_sliding_window(config, layer_index),
+            quant_config=quant_config,
+            prefix=f"{prefix}.attn",
+        )
         self.q_norm = self.k_norm = None
         if variant.qk_norm == "rms":  # Qwen3: checkpoint names q_norm / k_norm
             self.q_norm, self.k_norm = RMSNorm(head_size, variant.eps), RMSNorm(head_size, variant.eps)
         elif variant.qk_norm == "layer_per_head":  # StableLM: q_layernorm / k_layernorm, this rank's heads
             qkv = self.qkv_proj
-            self.q_layernorm = PerHeadLayerNorm(num_heads, head_size, variant.eps, qkv.tp_rank * num_heads,
-                                                config.num_heads)
-            self.k_layernorm = PerHeadLayerNorm(num_kv_heads, head_size, variant.eps, qkv.first_kv_head,
-                                                config.num_kv_heads)
+            self.q_layernorm = PerHeadLayerNorm(
+                num_heads, head_size, variant.eps, qkv.tp_rank * num_heads, config.num_heads
+            )
+            self.k_layernorm = PerHeadLayerNorm(
+                num_kv_heads, head_size, variant.eps, qkv.first_kv_head, config.num_kv_heads
+            )
             self.q_norm, self.k_norm = self.q_layernorm, self.k_layernorm
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -237,8 +281,14 @@ class LlamaDecoderLayer(nn.Module):
     output; StableLM's parallel residual feeds one normalised input to both branches.
     ``make_mlp`` swaps the feed-forward (MoE models)."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str,
-                 make_mlp: MLPFactory = dense_mlp) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        quant_config: QuantConfig | None,
+        prefix: str,
+        make_mlp: MLPFactory = dense_mlp,
+    ) -> None:
         super().__init__()
         variant = LlamaVariant.from_config(config)
         hidden = config.hidden_size
@@ -257,8 +307,12 @@ class LlamaDecoderLayer(nn.Module):
     def can_defer_all_reduce(self) -> bool:
         """Whether both branches can leave their tensor-parallel all-reduce to the norm after them:
         a sequential residual, no branch norms, RMSNorms, and an MLP with ``reduce_results``."""
-        return (not self.parallel_residual and not self.branch_norms and isinstance(self.input_layernorm, RMSNorm)
-                and hasattr(self.mlp, "reduce_results"))
+        return (
+            not self.parallel_residual
+            and not self.branch_norms
+            and isinstance(self.input_layernorm, RMSNorm)
+            and hasattr(self.mlp, "reduce_results")
+        )
 
     def defer_all_reduce(self) -> None:
         """The attention and the MLP return partial sums; the next norms (this layer's
@@ -284,13 +338,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
-                 make_mlp: MLPFactory = dense_mlp) -> None:
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str, make_mlp: MLPFactory = dense_mlp
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
-                                           prefix=f"{prefix}.embed_tokens")
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}", make_mlp) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}", make_mlp)
+            for i in range(config.num_layers)
         )
         self.norm = LlamaVariant.from_config(config).make_norm(config.hidden_size)
         if get_tp_size() > 1 and all(layer.can_defer_all_reduce for layer in self.layers):

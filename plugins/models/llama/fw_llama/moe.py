@@ -62,15 +62,29 @@ class SparseMoeBlock(nn.Module):
         is_mixtral = config.get("model_type") == "mixtral"
         width = int(config.get("intermediate_size") if is_mixtral else config.get("moe_intermediate_size"))
         self.gate = ReplicatedLinear(hidden, experts, quant_config=quant_config, prefix=f"{prefix}.gate")
-        self.experts = FusedMoE(experts, int(config.get("num_experts_per_tok")), hidden, width,
-                                renormalize=is_mixtral or bool(config.get("norm_topk_prob", False)),
-                                quant_config=quant_config, prefix=f"{prefix}.experts", reduce_results=False)
+        self.experts = FusedMoE(
+            experts,
+            int(config.get("num_experts_per_tok")),
+            hidden,
+            width,
+            renormalize=is_mixtral or bool(config.get("norm_topk_prob", False)),
+            quant_config=quant_config,
+            prefix=f"{prefix}.experts",
+            reduce_results=False,
+        )
         shared = int(config.get("shared_expert_intermediate_size") or 0)
         if shared:
-            self.shared_expert = GatedMLP(hidden, shared, SiluAndMul(), quant_config=quant_config,
-                                          prefix=f"{prefix}.shared_expert", reduce_results=False)
-            self.shared_expert_gate = ReplicatedLinear(hidden, 1, quant_config=quant_config,
-                                                       prefix=f"{prefix}.shared_expert_gate")
+            self.shared_expert = GatedMLP(
+                hidden,
+                shared,
+                SiluAndMul(),
+                quant_config=quant_config,
+                prefix=f"{prefix}.shared_expert",
+                reduce_results=False,
+            )
+            self.shared_expert_gate = ReplicatedLinear(
+                hidden, 1, quant_config=quant_config, prefix=f"{prefix}.shared_expert_gate"
+            )
         else:
             self.shared_expert = self.shared_expert_gate = None
         self.reduce_results = True  # False: return this rank's partial sum (the next norm all-reduces it)

@@ -26,8 +26,17 @@ from framework.testing import (
     write_randomised_model,
 )
 
-SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, pad_token_id=0)
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    pad_token_id=0,
+)
 # Phi-3 LongRoPE: rotary_dim 8 (partial 0.5 of head 16) -> 4 factors each
 SHORT, LONG = [1.0, 1.3, 2.1, 3.7], [1.5, 2.9, 6.0, 11.0]
 
@@ -35,16 +44,25 @@ CONFIGS = {
     # head_dim 32 != hidden / heads = 16, as in the real Qwen3 models
     "qwen3_qk_norm": lambda: transformers.Qwen3Config(**SMALL, head_dim=32),
     "phi3_longrope_partial_sliding": lambda: transformers.Phi3Config(
-        **SMALL, partial_rotary_factor=0.5, sliding_window=12, original_max_position_embeddings=64,
-        rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG}),
+        **SMALL,
+        partial_rotary_factor=0.5,
+        sliding_window=12,
+        original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG},
+    ),
     "stablelm_parallel_qk_layernorm": lambda: transformers.StableLmConfig(
-        **SMALL, partial_rotary_factor=0.25, use_qkv_bias=True, use_parallel_residual=True, qk_layernorm=True),
+        **SMALL, partial_rotary_factor=0.25, use_qkv_bias=True, use_parallel_residual=True, qk_layernorm=True
+    ),
     "stablelm_sequential": lambda: transformers.StableLmConfig(**SMALL, partial_rotary_factor=0.25),
     "glm_interleaved_partial_rope": lambda: transformers.GlmConfig(**SMALL, head_dim=16, partial_rotary_factor=0.5),
     "glm4_four_norms": lambda: transformers.Glm4Config(**SMALL, head_dim=16, partial_rotary_factor=0.5),
 }
 
-PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53)), [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))]]
+PROMPTS = [
+    [5, 9, 33, 2, 71],
+    list(range(40, 53)),
+    [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))],
+]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,8 +86,12 @@ def test_greedy_tokens_match_transformers_with_chunked_prefill(tiny):
 def phi3_long_context(one_thread, tmp_path_factory):
     """A Phi-3 whose prompts pass original_max_position_embeddings (16): the long factors apply."""
     path = tmp_path_factory.mktemp("phi3_long")
-    config = transformers.Phi3Config(**SMALL, partial_rotary_factor=0.5, original_max_position_embeddings=16,
-                                     rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG})
+    config = transformers.Phi3Config(
+        **SMALL,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=16,
+        rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG},
+    )
     return path, write_randomised_model(path, config)
 
 
@@ -90,14 +112,19 @@ def test_phi3_legacy_su_config_with_top_level_original_context(phi3_long_context
     path, reference = phi3_long_context
     config = json.loads((path / "config.json").read_text())
     params = config.pop("rope_parameters")
-    config["rope_scaling"] = {"type": "su", "short_factor": params["short_factor"], "long_factor": params["long_factor"]}
+    config["rope_scaling"] = {
+        "type": "su",
+        "short_factor": params["short_factor"],
+        "long_factor": params["long_factor"],
+    }
     config["rope_theta"] = params["rope_theta"]
     config["partial_rotary_factor"] = params["partial_rotary_factor"]
     for name in path.iterdir():
         (tmp_path / name.name).write_bytes(name.read_bytes())
     (tmp_path / "config.json").write_text(json.dumps(config))
-    check_logits_parity(tmp_path, reference, [PROMPTS[2]], prefill_chunk_size=64, max_num_batched_tokens=64,
-                        max_model_len=128)
+    check_logits_parity(
+        tmp_path, reference, [PROMPTS[2]], prefill_chunk_size=64, max_num_batched_tokens=64, max_model_len=128
+    )
 
 
 def test_qwen3_qk_norm_is_loaded_and_applied(tmp_path):
@@ -142,13 +169,15 @@ def test_cli_generate_runs_a_glm4_directory(tmp_path):
     from framework.testing import reference_greedy
 
     reference = write_randomised_model(tmp_path, CONFIGS["glm4_four_norms"]())
-    result = CliRunner().invoke(build_app(), ["generate", "t5 t9 t33 t2 t71", "--m", str(tmp_path), "--max-tokens", "8", "--json"])
+    result = CliRunner().invoke(
+        build_app(), ["generate", "t5 t9 t33 t2 t71", "--m", str(tmp_path), "--max-tokens", "8", "--json"]
+    )
     assert result.exit_code == 0, result.output
     output = json.loads(result.output)
     assert output["prompt_token_ids"] == [5, 9, 33, 2, 71]
     expected = reference_greedy(reference, [5, 9, 33, 2, 71], steps=8)
     eos = 1  # "</s>" ends the generation when greedy picks it
-    assert output["token_ids"] == (expected[:expected.index(eos) + 1] if eos in expected else expected)
+    assert output["token_ids"] == (expected[: expected.index(eos) + 1] if eos in expected else expected)
 
 
 @pytest.mark.gpu
@@ -159,8 +188,11 @@ def test_gpu_fast_path_greedy_tokens_match_transformers(tiny):
     with count_kernel_calls() as calls:
         check_greedy_parity(path, reference, PROMPTS, device="cuda", dtype="f32")
     # Qwen3 normalises and rotates query and key in one op; the others rotate alone
-    ops = ["attention", "qk_norm_rotary_embedding" if reference.config.model_type == "qwen3" else "rotary_embedding",
-           "silu_and_mul"]
+    ops = [
+        "attention",
+        "qk_norm_rotary_embedding" if reference.config.model_type == "qwen3" else "rotary_embedding",
+        "silu_and_mul",
+    ]
     if reference.config.model_type != "stablelm":
         ops += ["rms_norm", "fused_add_rms_norm"]
     check_kernels_used(calls, dict.fromkeys(ops, "triton"))

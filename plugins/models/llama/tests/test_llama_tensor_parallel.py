@@ -10,8 +10,16 @@ import transformers
 from framework import LLM, SamplingParams
 from framework.testing import reference_greedy, write_tiny_model
 
-SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59)), [3, 150, 77]]
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 # a small prefill chunk makes the 19-token prompt span steps that mix prefill and decode; 4 blocks
@@ -21,7 +29,10 @@ ENGINE = dict(device="cpu", num_blocks=4, prefill_chunk_size=8, max_num_batched_
 CASES = {
     "llama_gqa_tp2": (lambda: transformers.LlamaConfig(**SMALL), 2),
     "qwen2_bias_tp2": (lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=False), 2),
-    "llama_tied_kv_replicated_tp4": (lambda: transformers.LlamaConfig(**{**SMALL, "vocab_size": 162}, tie_word_embeddings=True), 4),
+    "llama_tied_kv_replicated_tp4": (
+        lambda: transformers.LlamaConfig(**{**SMALL, "vocab_size": 162}, tie_word_embeddings=True),
+        4,
+    ),
 }
 
 
@@ -37,8 +48,11 @@ def run(path, **engine_args) -> tuple[list[list[int]], list]:
         model = llm.engine.core.runner.model.model
         # under TP every branch leaves its all-reduce to the next norm (all_reduce_add_rms_norm)
         assert model.norm.reduces_input == (tp > 1)
-        assert all(layer.self_attn.o_proj.reduce_results == layer.mlp.reduce_results == (tp == 1)
-                   and layer.post_attention_layernorm.reduces_input == (tp > 1) for layer in model.layers)
+        assert all(
+            layer.self_attn.o_proj.reduce_results == layer.mlp.reduce_results == (tp == 1)
+            and layer.post_attention_layernorm.reduces_input == (tp > 1)
+            for layer in model.layers
+        )
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
         assert llm.engine.core.stats().num_preemptions > 0
         scored = llm.generate({"prompt_token_ids": PROMPTS[1]}, SCORED)[0]
@@ -58,7 +72,6 @@ def test_tensor_parallel_greedy_ids_match_one_device_and_transformers(case, tmp_
     for (value, top), (one_value, one_top) in zip(logprobs, one_logprobs, strict=True):
         assert value == pytest.approx(one_value, abs=1e-4)
         assert [i for i, _ in top] == [i for i, _ in one_top]
-
 
 
 def test_tensor_parallel_with_async_scheduling_matches_transformers(tmp_path):

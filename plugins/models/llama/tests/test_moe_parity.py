@@ -23,20 +23,31 @@ from framework.testing import (
     write_tiny_model,
 )
 
-SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
 QWEN_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96)
 
 CONFIGS = {
-    "mixtral": lambda: transformers.MixtralConfig(**SMALL, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SMALL, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2
+    ),
     # layer 1 dense (mlp_only_layers), the others sparse; top-k weights not renormalised
     "qwen2_moe_shared_expert": lambda: transformers.Qwen2MoeConfig(
-        **SMALL, **QWEN_MOE, shared_expert_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[1]),
+        **SMALL, **QWEN_MOE, shared_expert_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[1]
+    ),
     # every second layer sparse (decoder_sparse_step=2); renormalised top-k; QK norm; head_dim != hidden/heads
     "qwen3_moe_qk_norm": lambda: transformers.Qwen3MoeConfig(
-        **SMALL, **QWEN_MOE, head_dim=32, norm_topk_prob=True, decoder_sparse_step=2),
+        **SMALL, **QWEN_MOE, head_dim=32, norm_topk_prob=True, decoder_sparse_step=2
+    ),
 }
-
 
 
 tiny = tiny_model_fixture(CONFIGS)
@@ -74,7 +85,9 @@ def test_missing_expert_tensor_fails_naming_the_layer_and_expert(tiny, tmp_path)
 
     path, _ = tiny
     weights = load_file(str(path / "model.safetensors"))
-    dropped = next(name for name in sorted(weights) if name.endswith((".experts.3.up_proj.weight", ".experts.3.w3.weight")))
+    dropped = next(
+        name for name in sorted(weights) if name.endswith((".experts.3.up_proj.weight", ".experts.3.w3.weight"))
+    )
     del weights[dropped]
     for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / file).write_text((path / file).read_text())
@@ -89,7 +102,9 @@ def test_dummy_weights_load_through_transformers_stacked_names(tiny, tmp_path):
     path, _ = tiny
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     llm = LLM(str(tmp_path), load_format="dummy", num_blocks=16)
-    out = llm.generate({"prompt_token_ids": PARITY_PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    out = llm.generate(
+        {"prompt_token_ids": PARITY_PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
     assert len(out[0].outputs[0].token_ids) == 4
 
 
@@ -102,7 +117,19 @@ def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
     with count_kernel_calls() as calls:
         llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
         assert "decode graphs" in llm.engine.summary["cuda_graphs"]
-        check_greedy_parity(tmp_path, reference, [*PARITY_PROMPTS, list(range(2, 66))], device="cuda", dtype="f32",
-                            prefill_chunk_size=64, max_num_batched_tokens=128)
-    check_kernels_used(calls, dict.fromkeys(["fused_moe", "rms_norm", "fused_add_rms_norm", "qk_norm_rotary_embedding",
-                                             "silu_and_mul", "attention"], "triton"))
+        check_greedy_parity(
+            tmp_path,
+            reference,
+            [*PARITY_PROMPTS, list(range(2, 66))],
+            device="cuda",
+            dtype="f32",
+            prefill_chunk_size=64,
+            max_num_batched_tokens=128,
+        )
+    check_kernels_used(
+        calls,
+        dict.fromkeys(
+            ["fused_moe", "rms_norm", "fused_add_rms_norm", "qk_norm_rotary_embedding", "silu_and_mul", "attention"],
+            "triton",
+        ),
+    )

@@ -22,8 +22,16 @@ from framework.loader.checkpoint_slice import CheckpointSlice
 from framework.loader.dummy_format import DummyFormat
 from framework.testing import reference_greedy, write_randomised_model, write_tiny_model
 
-SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
 QWEN_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59)), [3, 150, 77]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -31,26 +39,48 @@ ENGINE = dict(device="cpu", num_blocks=16, prefill_chunk_size=8, max_num_batched
 
 CASES = {
     # every second layer sparse, the other dense (a sharded GatedMLP); renormalised top-k; QK norm
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, **QWEN_MOE, head_dim=32, norm_topk_prob=True,
-                                                     decoder_sparse_step=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SMALL, **QWEN_MOE, head_dim=32, norm_topk_prob=True, decoder_sparse_step=2
+    ),
     # routed experts + sigmoid-gated shared expert (one all-reduce for both), q/k/v bias
-    "qwen2_moe_shared_expert": lambda: transformers.Qwen2MoeConfig(**SMALL, **QWEN_MOE, shared_expert_intermediate_size=40,
-                                                                   norm_topk_prob=False),
+    "qwen2_moe_shared_expert": lambda: transformers.Qwen2MoeConfig(
+        **SMALL, **QWEN_MOE, shared_expert_intermediate_size=40, norm_topk_prob=False
+    ),
     # block_sparse_moe.experts.{e}.w1/w3/w2, expert width from intermediate_size
-    "mixtral": lambda: transformers.MixtralConfig(**SMALL, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SMALL, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2
+    ),
     "qwen3_dense_qk_norm": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=96, head_dim=32),
     # dense Llama variants the same sharding serves: Phi-3's fused qkv / gate_up checkpoint tensors
     # with LongRoPE (short factors), partial rotary and a sliding window; GLM's interleaved partial rotary; GLM-4's extra norms
     "phi3_fused_longrope": lambda: transformers.Phi3Config(
-        **SMALL, pad_token_id=0, intermediate_size=96, partial_rotary_factor=0.5, sliding_window=12, original_max_position_embeddings=64,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.5, 2.9, 6.0, 11.0]}),
-    "glm_interleaved_partial_rope": lambda: transformers.GlmConfig(**SMALL, pad_token_id=0, intermediate_size=96, head_dim=16,
-                                                                   partial_rotary_factor=0.5),
-    "glm4_four_norms": lambda: transformers.Glm4Config(**SMALL, pad_token_id=0, intermediate_size=96, head_dim=16, partial_rotary_factor=0.5),
+        **SMALL,
+        pad_token_id=0,
+        intermediate_size=96,
+        partial_rotary_factor=0.5,
+        sliding_window=12,
+        original_max_position_embeddings=64,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.3, 2.1, 3.7],
+            "long_factor": [1.5, 2.9, 6.0, 11.0],
+        },
+    ),
+    "glm_interleaved_partial_rope": lambda: transformers.GlmConfig(
+        **SMALL, pad_token_id=0, intermediate_size=96, head_dim=16, partial_rotary_factor=0.5
+    ),
+    "glm4_four_norms": lambda: transformers.Glm4Config(
+        **SMALL, pad_token_id=0, intermediate_size=96, head_dim=16, partial_rotary_factor=0.5
+    ),
     # StableLM's per-head QK LayerNorms (randomised weights): each rank keeps its heads' norms
     "stablelm_per_head_qk_layernorm": lambda: transformers.StableLmConfig(
-        **SMALL, intermediate_size=96, partial_rotary_factor=0.25, use_qkv_bias=True, use_parallel_residual=True,
-        qk_layernorm=True),
+        **SMALL,
+        intermediate_size=96,
+        partial_rotary_factor=0.25,
+        use_qkv_bias=True,
+        use_parallel_residual=True,
+        qk_layernorm=True,
+    ),
 }
 
 
@@ -86,7 +116,9 @@ def test_tp4_stablelm_replicated_kv_heads_keep_their_own_per_head_norms(tmp_path
 
 
 def test_expert_width_that_does_not_split_is_refused_at_start_up(tmp_path):
-    write_tiny_model(tmp_path, transformers.Qwen3MoeConfig(**SMALL, **{**QWEN_MOE, "moe_intermediate_size": 31}, head_dim=32))
+    write_tiny_model(
+        tmp_path, transformers.Qwen3MoeConfig(**SMALL, **{**QWEN_MOE, "moe_intermediate_size": 31}, head_dim=32)
+    )
     with pytest.raises(ConfigError, match="intermediate size 31 .* cannot be split over 2 tensor-parallel ranks"):
         LLM(str(tmp_path), device="cpu", num_blocks=16, tensor_parallel_size=2)
 
@@ -107,13 +139,24 @@ def layouts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
 
     ``w1``/``w3`` ``[E, I, H]``, ``w2`` ``[E, H, I]``.
     """
-    per_expert = [(p, t[e], s, e) for e in range(w1.shape[0]) for p, t, s in (("w13", w1, "w1"), ("w13", w3, "w3"), ("w2", w2, "w2"))]
+    per_expert = [
+        (p, t[e], s, e)
+        for e in range(w1.shape[0])
+        for p, t, s in (("w13", w1, "w1"), ("w13", w3, "w3"), ("w2", w2, "w2"))
+    ]
     return {
         "per_expert": per_expert,
         "per_expert_lazy": [(p, CheckpointSlice(LazyFull(t), tuple(t.shape)), s, e) for p, t, s, e in per_expert],
         "stacked_gate_up": [("w13", torch.cat([w1, w3], dim=1), "w13", None), ("w2", w2, "w2", None)],
-        "stacked_gate_up_lazy": [("w13", CheckpointSlice(LazyFull(torch.cat([w1, w3], 1)), (w1.shape[0], 2 * w1.shape[1], w1.shape[2])),
-                                  "w13", None), ("w2", CheckpointSlice(LazyFull(w2), tuple(w2.shape)), "w2", None)],
+        "stacked_gate_up_lazy": [
+            (
+                "w13",
+                CheckpointSlice(LazyFull(torch.cat([w1, w3], 1)), (w1.shape[0], 2 * w1.shape[1], w1.shape[2])),
+                "w13",
+                None,
+            ),
+            ("w2", CheckpointSlice(LazyFull(w2), tuple(w2.shape)), "w2", None),
+        ],
         "gguf_stacked_per_projection": [("w13", w1, "w1", None), ("w13", w3, "w3", None), ("w2", w2, "w2", None)],
     }
 
@@ -125,8 +168,10 @@ def load(layer: FusedMoE, entries) -> None:
     assert layer.missing_weights() == []
 
 
-@pytest.mark.parametrize("layout", ["per_expert", "per_expert_lazy", "stacked_gate_up", "stacked_gate_up_lazy",
-                                    "gguf_stacked_per_projection"])
+@pytest.mark.parametrize(
+    "layout",
+    ["per_expert", "per_expert_lazy", "stacked_gate_up", "stacked_gate_up_lazy", "gguf_stacked_per_projection"],
+)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sharded_fused_moe_partial_outputs_sum_to_the_unsharded_layer(layout, tp):
     experts, top_k, hidden, inter = 6, 2, 16, 24
@@ -141,8 +186,14 @@ def test_sharded_fused_moe_partial_outputs_sum_to_the_unsharded_layer(layout, tp
 
     partials = []
     for rank in range(tp):
-        shard = FusedMoE(experts, top_k, hidden, inter, renormalize=True, tp_size=tp, tp_rank=rank, reduce_results=False)
-        assert shard.w13_weight.shape == (experts, 2 * inter // tp, hidden) and shard.w2_weight.shape == (experts, hidden, inter // tp)
+        shard = FusedMoE(
+            experts, top_k, hidden, inter, renormalize=True, tp_size=tp, tp_rank=rank, reduce_results=False
+        )
+        assert shard.w13_weight.shape == (experts, 2 * inter // tp, hidden) and shard.w2_weight.shape == (
+            experts,
+            hidden,
+            inter // tp,
+        )
         load(shard, layouts(w1, w3, w2)[layout])
         rows = slice(rank * inter // tp, (rank + 1) * inter // tp)
         assert torch.equal(shard.w13_weight, torch.cat([w1[:, rows], w3[:, rows]], dim=1))

@@ -21,7 +21,9 @@ class HermesToolParser(MarkerToolParser):
             return BlockScan([], None)
         if text[i] not in "{[":
             return BlockScan([], i)
-        calls, end, is_malformed = read_json_calls(text, i, args_keys=("arguments", "parameters"), cache=self.scan_cache)
+        calls, end, is_malformed = read_json_calls(
+            text, i, args_keys=("arguments", "parameters"), cache=self.scan_cache
+        )
         if end is None or is_malformed:
             return BlockScan(calls, end)
         j = skip_ws(text, end)

@@ -10,15 +10,23 @@ from framework.specs import ParserSpec
 TOOL_PARSERS = {
     "qwen": ("hermes:HermesToolParser", "Qwen 2.5 / Qwen 3 / Hermes: JSON inside <tool_call>...</tool_call>"),
     "hermes": ("hermes:HermesToolParser", "alias of qwen"),
-    "qwen_coder": ("qwen_coder:QwenCoderToolParser",
-                   "Qwen3-Coder: <tool_call><function=name><parameter=k>v</parameter></function></tool_call>"),
+    "qwen_coder": (
+        "qwen_coder:QwenCoderToolParser",
+        "Qwen3-Coder: <tool_call><function=name><parameter=k>v</parameter></function></tool_call>",
+    ),
     "json": ("json_calls:JsonToolParser", "a reply that is a bare JSON call object or an array of them"),
     "mistral": ("mistral:MistralToolParser", "Mistral: [TOOL_CALLS] then a JSON array, or name[ARGS]{...}"),
-    "llama3": ("llama3:Llama3ToolParser", "Llama 3.1+: JSON {name, parameters}, or after <|python_tag|>; ';' between calls"),
+    "llama3": (
+        "llama3:Llama3ToolParser",
+        "Llama 3.1+: JSON {name, parameters}, or after <|python_tag|>; ';' between calls",
+    ),
 }
 
 REASONING_PARSERS = {
-    "qwen3": ("think:Qwen3ReasoningParser", "<think>...</think> when the reply (or the prompt) opens it, else all content"),
+    "qwen3": (
+        "think:Qwen3ReasoningParser",
+        "<think>...</think> when the reply (or the prompt) opens it, else all content",
+    ),
     "deepseek_r1": ("think:DeepSeekR1ReasoningParser", "reasoning until </think> (the template opens <think>)"),
 }
 
@@ -33,14 +41,18 @@ TOOL_TEMPLATE_SIGNS = (
 
 @hookimpl
 def register_tool_parsers() -> list[ParserSpec]:
-    return [ParserSpec(name=name, impl=f"fw_standard_parsers.{impl}", description=description, kind="tool")
-            for name, (impl, description) in TOOL_PARSERS.items()]
+    return [
+        ParserSpec(name=name, impl=f"fw_standard_parsers.{impl}", description=description, kind="tool")
+        for name, (impl, description) in TOOL_PARSERS.items()
+    ]
 
 
 @hookimpl
 def register_reasoning_parsers() -> list[ParserSpec]:
-    return [ParserSpec(name=name, impl=f"fw_standard_parsers.{impl}", description=description, kind="reasoning")
-            for name, (impl, description) in REASONING_PARSERS.items()]
+    return [
+        ParserSpec(name=name, impl=f"fw_standard_parsers.{impl}", description=description, kind="reasoning")
+        for name, (impl, description) in REASONING_PARSERS.items()
+    ]
 
 
 @hookimpl

@@ -24,5 +24,7 @@ class Llama3ToolParser(MarkerToolParser):
             return BlockScan([], None)
         if text[i] != "{":
             return BlockScan([], i)
-        calls, end, _ = read_json_calls(text, i, args_keys=("parameters", "arguments"), separator=";", cache=self.scan_cache)
+        calls, end, _ = read_json_calls(
+            text, i, args_keys=("parameters", "arguments"), separator=";", cache=self.scan_cache
+        )
         return BlockScan(calls, end)

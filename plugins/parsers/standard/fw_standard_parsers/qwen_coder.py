@@ -87,8 +87,8 @@ class QwenCoderToolParser(MarkerToolParser):
             value_end = text.find(PARAMETER_END, key_end + 1)
             if value_end < 0:
                 return None
-            key = text[j + len(PARAMETER):key_end].strip()
-            value = self._typed(call.name, key, _strip_one_newline(text[key_end + 1:value_end]))
+            key = text[j + len(PARAMETER) : key_end].strip()
+            value = self._typed(call.name, key, _strip_one_newline(text[key_end + 1 : value_end]))
             parts.append(json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False))
             call.arguments = "{" + ", ".join(parts)
             j = value_end + len(PARAMETER_END)
@@ -106,7 +106,9 @@ class QwenCoderToolParser(MarkerToolParser):
                     return int(value.strip())
                 if kind == "number":
                     number = float(value.strip())
-                    return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+                    return (
+                        int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+                    )
                 if kind == "boolean" and value.strip().lower() in ("true", "false"):
                     return value.strip().lower() == "true"
                 if kind in ("object", "array"):

@@ -28,7 +28,7 @@ class Qwen3ReasoningParser(ReasoningParser):
 
     def feed(self, text: str) -> tuple[str, str]:
         # only the undecided tail is kept: appending to the whole reply would copy it every token
-        self.text = self.text[self.pos:] + text
+        self.text = self.text[self.pos :] + text
         self.pos = 0
         return self._advance(final=False)
 
@@ -40,7 +40,7 @@ class Qwen3ReasoningParser(ReasoningParser):
         text = self.text
         while True:
             if self.state == "start":
-                rest = text[self.pos:]
+                rest = text[self.pos :]
                 stripped = rest.lstrip()
                 if stripped.startswith(THINK):
                     self.pos = len(text) - len(stripped) + len(THINK)
@@ -53,14 +53,14 @@ class Qwen3ReasoningParser(ReasoningParser):
             if self.state == "reasoning":
                 end = text.find(END_THINK, self.pos)
                 if end >= 0:
-                    reasoning += self._reasoning(text[self.pos:end])
+                    reasoning += self._reasoning(text[self.pos : end])
                     self.pos, self.state, self.strip_content = end + len(END_THINK), "content", True
                     continue
-                hold = 0 if final else partial_marker_suffix(text[self.pos:], (END_THINK,))
-                reasoning += self._reasoning(text[self.pos:len(text) - hold])
+                hold = 0 if final else partial_marker_suffix(text[self.pos :], (END_THINK,))
+                reasoning += self._reasoning(text[self.pos : len(text) - hold])
                 self.pos = len(text) - hold
                 return reasoning, content
-            piece = text[self.pos:]
+            piece = text[self.pos :]
             self.pos = len(text)
             if self.strip_content:
                 piece = piece.lstrip()

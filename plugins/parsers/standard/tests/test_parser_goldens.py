@@ -12,40 +12,100 @@ from framework.parsers.base import assemble
 from framework.parsers.tool_choice import ConstrainedCallsParser
 from framework.testing import random_chunks
 
-TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                     "metric": {"type": "boolean"}, "tags": {"type": "array"}}}}}
-         for name in ("get_weather", "get_time")]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "tags": {"type": "array"},
+                },
+            },
+        },
+    }
+    for name in ("get_weather", "get_time")
+]
 
 # (parser, reply text, expected content, expected [(name, arguments)])
 GOLDENS = [
-    ("qwen", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
-     "Let me check.", [("get_weather", '{"city": "Paris", "days": 3}')]),
-    ("qwen", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
-     None, [("get_weather", '{"city": "Köln"}'), ("get_time", "{}")]),
-    ("qwen", '<tool_call>{"arguments": "{\\"city\\": \\"Rome\\"}", "name": "get_weather"}</tool_call> done',
-     "done", [("get_weather", '{"city": "Rome"}')]),
-    ("qwen", "Plain answer with no tools, a < sign and <tool_ in it.", "Plain answer with no tools, a < sign and <tool_ in it.", []),
-    ("qwen_coder", "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
-                   "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
-                   "<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n</function>\n</tool_call>",
-     "Sure.", [("get_weather", '{"city": "New York", "days": 3, "metric": true, "tags": ["a", "b"]}')]),
-    ("qwen_coder", "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
-                   "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
-     None, [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')]),
-    ("json", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
-     None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    (
+        "qwen",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+        "Let me check.",
+        [("get_weather", '{"city": "Paris", "days": 3}')],
+    ),
+    (
+        "qwen",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        None,
+        [("get_weather", '{"city": "Köln"}'), ("get_time", "{}")],
+    ),
+    (
+        "qwen",
+        '<tool_call>{"arguments": "{\\"city\\": \\"Rome\\"}", "name": "get_weather"}</tool_call> done',
+        "done",
+        [("get_weather", '{"city": "Rome"}')],
+    ),
+    (
+        "qwen",
+        "Plain answer with no tools, a < sign and <tool_ in it.",
+        "Plain answer with no tools, a < sign and <tool_ in it.",
+        [],
+    ),
+    (
+        "qwen_coder",
+        "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+        '<parameter=tags>\n["a", "b"]\n</parameter>\n</function>\n</tool_call>',
+        "Sure.",
+        [("get_weather", '{"city": "New York", "days": 3, "metric": true, "tags": ["a", "b"]}')],
+    ),
+    (
+        "qwen_coder",
+        "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+        "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+        None,
+        [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')],
+    ),
+    (
+        "json",
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
+        None,
+        [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")],
+    ),
     ("json", '  {"name": "get_time", "arguments": {"tz": "UTC"}}', None, [("get_time", '{"tz": "UTC"}')]),
     ("json", 'The answer is {"name": "get_time"}', 'The answer is {"name": "get_time"}', []),
-    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}[TOOL_CALLS]get_time[ARGS]{}',
-     "Checking.", [("get_weather", '{"city": "Lyon"}'), ("get_time", "{}")]),
-    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice"}}, {"name": "get_time", "arguments": {}}]',
-     None, [("get_weather", '{"city": "Nice"}'), ("get_time", "{}")]),
+    (
+        "mistral",
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}[TOOL_CALLS]get_time[ARGS]{}',
+        "Checking.",
+        [("get_weather", '{"city": "Lyon"}'), ("get_time", "{}")],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice"}}, {"name": "get_time", "arguments": {}}]',
+        None,
+        [("get_weather", '{"city": "Nice"}'), ("get_time", "{}")],
+    ),
     ("mistral", '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"tz": "CET"}', None, [("get_time", '{"tz": "CET"}')]),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Bonn"}}; {"name": "get_time", "parameters": {}}',
-     None, [("get_weather", '{"city": "Bonn"}'), ("get_time", "{}")]),
-    ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"tz": "PST"}}', None, [("get_time", '{"tz": "PST"}')]),
+    (
+        "llama3",
+        '{"name": "get_weather", "parameters": {"city": "Bonn"}}; {"name": "get_time", "parameters": {}}',
+        None,
+        [("get_weather", '{"city": "Bonn"}'), ("get_time", "{}")],
+    ),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "get_time", "parameters": {"tz": "PST"}}',
+        None,
+        [("get_time", '{"tz": "PST"}')],
+    ),
     ("llama3", "It is sunny; no call needed.", "It is sunny; no call needed.", []),
 ]
 
@@ -155,7 +215,9 @@ def byte_level_tokenizer():
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     backend.train_from_iterator([g[1] for g in GOLDENS] * 3, trainer)
     return Tokenizer(backend)
 
@@ -168,9 +230,34 @@ def test_the_conformance_helper_accepts_every_golden():
         assert summary(result) == (content, calls)
 
 
-FRAGMENTS = ["<tool_call>", "</tool_call>", "<function=get_weather>", "<parameter=city>", "</parameter>", "</function>",
-             "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", '{"name": "get_weather", "arguments": ', '{"city": "Oslo"}',
-             "{", "}", "[", "]", '"', "\\", ",", ";", " ", "\n", "get_time", "text", "<", "<tool", "[TOOL"]
+FRAGMENTS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<function=get_weather>",
+    "<parameter=city>",
+    "</parameter>",
+    "</function>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "<|python_tag|>",
+    '{"name": "get_weather", "arguments": ',
+    '{"city": "Oslo"}',
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    "\\",
+    ",",
+    ";",
+    " ",
+    "\n",
+    "get_time",
+    "text",
+    "<",
+    "<tool",
+    "[TOOL",
+]
 
 
 @pytest.mark.parametrize("name", ["qwen", "hermes", "qwen_coder", "json", "mistral", "llama3"])

@@ -47,14 +47,17 @@ def test_a_prompt_that_opens_think_starts_the_reply_in_reasoning():
     assert not cls.prompt_opens_reasoning("<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("template,expected", [
-    ("{% for m in messages %}<tool_call>{% endfor %}<think>", {"tool": "qwen", "reasoning": "qwen3"}),
-    ("<｜Assistant｜><think>\n", {"tool": None, "reasoning": "deepseek_r1"}),
-    ("[TOOL_CALLS]", {"tool": "mistral", "reasoning": None}),
-    ("<|python_tag|>", {"tool": "llama3", "reasoning": None}),
-    ("<function=x><tool_call>", {"tool": "qwen_coder", "reasoning": None}),
-    ("{{ messages }}", {"tool": None, "reasoning": None}),
-])
+@pytest.mark.parametrize(
+    "template,expected",
+    [
+        ("{% for m in messages %}<tool_call>{% endfor %}<think>", {"tool": "qwen", "reasoning": "qwen3"}),
+        ("<｜Assistant｜><think>\n", {"tool": None, "reasoning": "deepseek_r1"}),
+        ("[TOOL_CALLS]", {"tool": "mistral", "reasoning": None}),
+        ("<|python_tag|>", {"tool": "llama3", "reasoning": None}),
+        ("<function=x><tool_call>", {"tool": "qwen_coder", "reasoning": None}),
+        ("{{ messages }}", {"tool": None, "reasoning": None}),
+    ],
+)
 def test_default_parsers_are_picked_from_the_chat_template(template, expected):
     assert plugins.call_first("default_parsers", model_config=None, chat_template=template) == expected
 

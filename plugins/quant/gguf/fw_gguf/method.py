@@ -8,7 +8,8 @@ keeps its own packed buffer and type::
 
 On CUDA the shards stay packed and ``apply`` runs the Triton kernels of :mod:`fw_gguf.kernels`
 for bf16/fp16 activations: one launch per shard into its column slice of one output; fewer than
-:data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (the GEMV for one row,
+:data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (a GEMV for one row — for
+Q8_0 / Q4_K / Q6_K the integer one, which rounds x to int8 per 32 values as llama.cpp does —
 tensor-core tiles for more), more dequantize the shards into one matrix and use cuBLAS. After
 loading, a matrix layer's shards are regrouped into the kernels' planar layout (same bytes, same
 size, ``fw_gguf.kernels.decode``; ``layer.gguf_planar`` says which); the token embedding keeps the
@@ -168,7 +169,10 @@ class GGUFLinearMethod(LinearMethod):
         keep_packed = os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")
         device = layer.gguf_weight_0.device.type
         if device == "cuda" and not all(qtype in _FLOAT_TYPES for qtype in layer.gguf_types):
+            from .kernels.gemv import reserve_counters  # before any CUDA-graph capture uses them
+
             self._to_kernel_layout(layer)
+            reserve_counters(layer.gguf_weight_0.device)  # the first group's matrix is always at 0
             return
         # CPU (unless kept packed), and float tensors on CUDA: the file's F32/F16/BF16 values in
         # the model dtype, no larger than the file, for cuBLAS instead of a conversion per call
@@ -215,6 +219,20 @@ class GGUFLinearMethod(LinearMethod):
         if layer.gguf_dense is None and uses_kernels(layer, x):
             return linear_packed(layer, x, bias)
         return F.linear(x, self.dequantized(layer, x.dtype), bias)
+
+    def activation_group(self, layer: nn.Module, x: torch.Tensor) -> int | None:
+        """32 where ``apply`` runs the integer GEMV (one row through the kernels on a Q8_0 / Q4_K /
+        Q6_K group: :mod:`fw_gguf.kernels.gemv` rounds x to int8 per 32 values), else ``None``."""
+        if layer.gguf_dense is not None or not uses_kernels(layer, x) or x.numel() != x.shape[-1]:
+            return None
+        from .kernels.gemv import gemv_supported
+
+        k = layer.gguf_in_features
+        for index, _, group_rows in _group_slices(layer):
+            qtype = layer.gguf_types[index]
+            if layer.gguf_planar[index] and gemv_supported(qtype, k, group_rows * k // gguf.GGML_QUANT_SIZES[qtype][0]):
+                return 32
+        return None
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the table: only the looked-up packed rows are dequantized."""

@@ -19,6 +19,7 @@ require_triton()
 
 from fw_gguf.dequant import dequantize  # noqa: E402
 from fw_gguf.kernels import matmul as matmul_module  # noqa: E402
+from fw_gguf.kernels.gemv import GEMV_TYPES, GemvConfig, gemv_config, gemv_supported, quantize_x_reference  # noqa: E402
 from fw_gguf.kernels.layout import FIELDS, GROUPS, KERNEL_TYPES, from_planar, to_planar  # noqa: E402
 from fw_gguf.kernels.matmul import (  # noqa: E402
     GGUFKernelConfig,
@@ -81,11 +82,21 @@ def test_dequantize_kernel_is_bit_exact_with_the_torch_reference(qtype, planar, 
     assert (out[:, :2] == 7).all() and (out[:, 2 + k:] == 7).all()
 
 
+def _uses_gemv(qtype, planar, rows, n, k, config) -> bool:
+    total_blocks = n * k // _block_size(qtype)
+    return isinstance(config, GemvConfig) or (rows == 1 and planar and config is None
+                                              and gemv_supported(qtype, k, total_blocks))
+
+
 def _check_matmul(qtype, planar, rows, n, k, seed, random_packed, config=None):
+    """Against dequantize-then-matmul in fp64; the integer GEMV's against the same of x rounded as
+    it rounds x (:func:`quantize_x_reference`, an independent torch form)."""
     packed = _weights(qtype, n, k, seed, random_packed)
     weight = dequantize(packed, qtype, (n, k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
-    expected = x.double() @ weight.double().T
+    x_used = quantize_x_reference(x) if _uses_gemv(qtype, planar, rows, n, k, config) else x
+    assert not torch.equal(x_used, x) or x_used is x
+    expected = x_used.double() @ weight.double().T
     got = gguf_matmul(x, _layout(packed, qtype, planar), qtype, n, k, planar=planar, config=config)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -129,6 +140,55 @@ def test_gemv_with_x_shared_across_rows_matches_dequantize_then_matmul(qtype, pl
     for split_k in (1, 4):
         config = GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=nb, split_k=split_k, shared_x=True)
         _check_matmul(qtype, planar, 1, 21, k, int(qtype) + split_k, random_packed, config)
+
+
+@interpreted
+@pytest.mark.parametrize("qtype", sorted(GEMV_TYPES, key=int), ids=lambda q: q.name)
+def test_integer_gemv_in_every_launch_shape(qtype, random_packed):
+    """Partial row tiles, superblocks per step that do not divide K (a partial last step) and K
+    splits with an empty split; Q8_0 with a block count that is not a whole step."""
+    k = 5 * 256 if qtype != Q.Q8_0 else 18 * 32
+    for block_n, nb, split_k in ((16, 1, 1), (32, 2, 3), (16, 4, 1), (64, 4, 8)):
+        _check_matmul(qtype, True, 1, 37, k, block_n + nb + split_k, random_packed,
+                      GemvConfig(block_n=block_n, blocks_per_step=nb, split_k=split_k))
+
+
+@interpreted
+def test_one_row_runs_the_integer_gemv_by_default_and_the_exact_one_on_request(random_packed):
+    """x rounded to int8 per 32 values differs from x by ~0.5 %: the default one-row path (integer)
+    matches the rounded reference, not x's, and a GGUFKernelConfig still selects the exact GEMV;
+    the GGUF file layout (not planar) and unaligned Q8_0 planes (odd block count) use the exact one."""
+    n, k = 24, 512
+    packed = _weights(Q.Q4_K, n, k, 3, random_packed)
+    weight = dequantize(packed, Q.Q4_K, (n, k)).double()
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
+    exact, rounded = x.double() @ weight.T, quantize_x_reference(x).double() @ weight.T
+    scale = exact.abs().max()
+    assert (exact - rounded).abs().max() > 1e-4 * scale  # the two references are told apart
+    default = gguf_matmul(x, to_planar(packed, Q.Q4_K), Q.Q4_K, n, k, planar=True).double()
+    assert (default - rounded).abs().max() < 1e-5 * scale
+    elementwise = GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=1)
+    for got in (gguf_matmul(x, to_planar(packed, Q.Q4_K), Q.Q4_K, n, k, planar=True, config=elementwise),
+                gguf_matmul(x, packed.reshape(-1), Q.Q4_K, n, k)):
+        assert (got.double() - exact).abs().max() < 1e-5 * scale
+    assert not gemv_supported(Q.Q8_0, 96, 37 * 3) and gemv_supported(Q.Q8_0, 96, 36 * 3)
+
+
+def test_integer_gemv_refuses_what_it_cannot_multiply():
+    with pytest.raises(ValueError, match="integer GEMV multiplies one row"):
+        gguf_matmul(torch.zeros(2, 256), torch.zeros(288, dtype=torch.uint8), Q.Q4_K, 2, 256, planar=True,
+                    config=GemvConfig())
+    with pytest.raises(ValueError, match="GGUF-layout Q4_K"):
+        gguf_matmul(torch.zeros(1, 256), torch.zeros(288, dtype=torch.uint8), Q.Q4_K, 2, 256, config=GemvConfig())
+    with pytest.raises(ValueError, match="planar Q4_K, Q6_K, Q8_0 matrix; got 1 rows of a planar Q5_K"):
+        gguf_matmul(torch.zeros(1, 256), torch.zeros(176, dtype=torch.uint8), Q.Q5_K, 1, 256, planar=True,
+                    config=GemvConfig())
+
+
+def test_integer_gemv_rule_splits_k_for_small_n():
+    assert gemv_config(Q.Q4_K, 4096, 4096, 132) == GemvConfig(block_n=64, blocks_per_step=4, split_k=4)
+    assert gemv_config(Q.Q4_K, 128256, 4096, 132).split_k == 1
+    assert gemv_config(Q.Q6_K, 4096, 14336, 132).split_k == 2  # 256 programs: 2 x 132 at two splits
 
 
 def test_shared_x_is_refused_outside_the_gemv():
@@ -201,6 +261,15 @@ def test_kernels_compile_for_hopper():
                       dict(SPLIT_K=4, BLOCK=1024), options=dict(num_warps=4)),
     ]
     ptx = compile_for_hopper(cases)
+    gemv = compile_for_hopper([
+        HopperCompile("fw_gguf.kernels.gemv:_gemv_kernel", {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*bf16",
+                                                            "partial_ptr": "*fp32", "counter_ptr": "*i32"},
+                      dict(QTYPE=int(qtype), BLOCK_N=32, NB=nb, SPLIT=split, EMULATE=False),
+                      options=dict(num_warps=4, num_stages=2), divisible_by_16=ALIGNED_WEIGHT)
+        for qtype, nb, split in ((Q.Q4_K, 2, False), (Q.Q6_K, 1, True), (Q.Q8_0, 4, True))])
+    for text, split in zip(gemv, (False, True, True)):  # integer dot products, 16-byte weight loads
+        assert "dp4a" in text and "ld.global.v4.b32" in text, text[:2000]
+        assert ("atom.global.gpu.acq_rel.add" in text) == split  # the last split to arrive adds them
     assert all(".target sm_90" in text for text in ptx)
     assert all("mma" in text for text in ptx[2:4]) and "mma" not in ptx[0]
     assert "fma" not in ptx[4]  # dequantization rounds the product and the offset separately

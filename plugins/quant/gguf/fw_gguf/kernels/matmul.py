@@ -1,9 +1,12 @@
 """GGUF weights multiplied and dequantized where they lie packed: Triton kernels over :func:`decode`.
 
-* :func:`gguf_matmul`: ``out[M, N] = x[M, K] @ W[N, K]^T`` with ``W`` packed. One kernel, two forms
-  by the constexpr ``BLOCK_M``:
+* :func:`gguf_matmul`: ``out[M, N] = x[M, K] @ W[N, K]^T`` with ``W`` packed. One row of a planar
+  Q8_0 / Q4_K / Q6_K matrix (the decode step of most files) goes to the integer GEMV of
+  :mod:`fw_gguf.kernels.gemv` (x rounded to int8 per 32 values, as llama.cpp does); everything
+  else to one kernel, two forms by the constexpr ``BLOCK_M``:
 
-  - ``BLOCK_M == 1`` (one row, the decode step): each program streams ``BLOCK_N`` weight rows over
+  - ``BLOCK_M == 1`` (one row of the other types, or asked for with a ``GGUFKernelConfig``: exact
+    in x): each program streams ``BLOCK_N`` weight rows over
     its split of K once, multiplies elementwise in fp32 and reduces at the end. x is read by the
     threads of every weight row (the tile's layout, from L1/L2: no layout conversion), or, with
     ``SHARED_X`` (:attr:`GGUFKernelConfig.shared_x`, off by default), once per program and handed
@@ -39,6 +42,7 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fw_gguf.kernels.decode import GROUPS, decode
+from fw_gguf.kernels.gemv import GEMV_TYPES, GemvConfig, gemv_setting, gemv_supported, gguf_gemv
 
 #: Streaming multiprocessors assumed where the device cannot be asked (the interpreter): an H200's.
 DEFAULT_NUM_SMS = 132
@@ -218,7 +222,7 @@ def _check(weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) ->
 
 def gguf_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
                 planar: bool = False, out: torch.Tensor | None = None,
-                config: GGUFKernelConfig | None = None) -> torch.Tensor:
+                config: GGUFKernelConfig | GemvConfig | None = None) -> torch.Tensor:
     """``x @ W^T`` for a 2-D ``x`` ``[rows, k]`` (unit column stride) and ``W`` ``[n, k]`` packed as
     ``qtype`` (contiguous uint8, GGUF or planar layout). Writes into ``out`` (``[rows, n]`` of x's
     dtype, unit column stride: a column slice of a fused layer's output works) or a new tensor,
@@ -228,6 +232,13 @@ def gguf_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationTy
     rows = x.shape[0]
     if out is None:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if isinstance(config, GemvConfig) or (rows == 1 and planar and config is None
+                                           and gemv_supported(qtype, k, total_blocks)):
+        if rows != 1 or not planar or not gemv_supported(qtype, k, total_blocks):
+            raise ValueError(f"the integer GEMV multiplies one row of x by a planar {', '.join(sorted(t.name for t in GEMV_TYPES))} "
+                             f"matrix; got {rows} rows of a {'planar' if planar else 'GGUF-layout'} {qtype.name} [{n}, {k}]")
+        return gguf_gemv(x, weight, qtype, n, k, total_blocks, out,
+                         config or gemv_setting(qtype, n, k, _device_name(x.device), _num_sms(x.device)))
     config = config or kernel_config(qtype, n, k, rows, x.device)
     if config.block_m == 1 and rows > 1:  # the elementwise form reads one row of x
         raise ValueError(f"GGUFKernelConfig(block_m=1) multiplies one row of x; got {rows} rows (use block_m >= 16)")
@@ -242,10 +253,15 @@ def gguf_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationTy
     partial = torch.empty(config.split_k, rows, n, dtype=torch.float32, device=x.device)
     _matmul_kernel[grid](x, weight, partial, rows, n, k, total_blocks, x.stride(0), partial.stride(1),
                          partial.stride(0), **meta)
+    return _sum_splits(partial, out)
+
+
+def _sum_splits(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = partial.sum(0)`` (``partial`` ``[splits, rows, n]`` fp32, contiguous), splits added in order."""
+    splits, rows, n = partial.shape
     block = min(1024, triton.next_power_of_2(n))
     _sum_splits_kernel[(rows, triton.cdiv(n, block))](partial, out, n, partial.stride(0), partial.stride(1),
-                                                      out.stride(0), SPLIT_K=config.split_k, BLOCK=block,
-                                                      num_warps=4)
+                                                      out.stride(0), SPLIT_K=splits, BLOCK=block, num_warps=4)
     return out
 
 

@@ -1,8 +1,8 @@
 """The engine process: load the model, then step while work exists, else block on the input socket.
 
 Started by :class:`~framework.server.engine_client.AsyncEngineClient` as
-``python -m framework.server.engine_process <input addr> <output addr>`` with the builder's
-keyword arguments as JSON on stdin. It never touches HTTP or text.
+``python -m framework.engine.engine_process <input addr> <output addr>`` with the engine's
+:class:`~framework.engine.args.EngineArgs` as JSON on stdin. It never touches HTTP or text.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import traceback
 import msgspec
 import zmq
 
-from framework.server.generation import sampling_defaults
-from framework.server.messages import (
+from framework.engine.args import EngineArgs
+from framework.engine.messages import (
     AbortRequests,
     AddFailed,
     AddRequest,
@@ -34,6 +34,7 @@ from framework.server.messages import (
     StepOutputs,
     TokenizerSpec,
 )
+from framework.sampling_params import sampling_defaults
 
 log = logging.getLogger("fw.engine")
 
@@ -46,10 +47,15 @@ _WORKER_FAILURE_GRACE_S = 10.0
 
 
 def _tokenizer_spec(tokenizer) -> TokenizerSpec:
-    return TokenizerSpec(tokenizer_json=tokenizer.backend.to_str(), chat_template=tokenizer.chat_template,
-                         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
-                         extra_eos_token_ids=sorted(tokenizer.extra_eos_token_ids),
-                         template_vars=dict(tokenizer.template_vars))
+    return TokenizerSpec(
+        tokenizer_json=tokenizer.backend.to_str(),
+        chat_template=tokenizer.chat_template,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.pad_token,
+        extra_eos_token_ids=sorted(tokenizer.extra_eos_token_ids),
+        template_vars=dict(tokenizer.template_vars),
+    )
 
 
 def _leave_a_core_to_the_api_process(device: str | None) -> None:
@@ -96,13 +102,16 @@ class EngineLoop:
                     raise SystemExit(0) from None
                 self.output.poll(100, zmq.POLLOUT)
 
-    def load(self, builder_kwargs: dict) -> bool:
+    def load(self, args: EngineArgs | dict) -> bool:
+        """Build the engine of ``args`` (or of the equivalent keyword options) and report Ready or LoadFailed."""
         from framework.engine.builder import EngineBuilder
         from framework.errors import FwError
 
-        _leave_a_core_to_the_api_process(builder_kwargs.get("device"))
         try:
-            engine = EngineBuilder(**builder_kwargs).build()
+            if isinstance(args, dict):
+                args = EngineArgs.from_options(**args)
+            _leave_a_core_to_the_api_process(args.device)
+            engine = EngineBuilder(args=args).build()
         except FwError as error:
             self.send(LoadFailed(message=str(error)))
             return False
@@ -114,9 +123,16 @@ class EngineLoop:
         if engine.workers is not None:
             engine.workers.start_watchdog(self._on_worker_failure)
         config = engine.model_config
-        self.send(Ready(summary=engine.summary, max_model_len=config.max_model_len, vocab_size=config.vocab_size,
-                        eos_token_ids=sorted(config.eos_token_ids), tokenizer=_tokenizer_spec(engine.tokenizer),
-                        sampling_defaults=sampling_defaults(engine.generation_config)))
+        self.send(
+            Ready(
+                summary=engine.summary,
+                max_model_len=config.max_model_len,
+                vocab_size=config.vocab_size,
+                eos_token_ids=sorted(config.eos_token_ids),
+                tokenizer=_tokenizer_spec(engine.tokenizer),
+                sampling_defaults=sampling_defaults(engine.generation_config),
+            )
+        )
         return True
 
     def _on_worker_failure(self, reason: str) -> None:
@@ -168,9 +184,14 @@ class EngineLoop:
             try:  # add_request raises only FwErrors (RequestFailedError for its own failures)
                 self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.pooling)
             except FwError as error:
-                self.send(AddFailed(request_id=message.request_id, message=str(error),
-                                    grammar=isinstance(error, GrammarError),
-                                    internal=isinstance(error, RequestFailedError)))
+                self.send(
+                    AddFailed(
+                        request_id=message.request_id,
+                        message=str(error),
+                        grammar=isinstance(error, GrammarError),
+                        internal=isinstance(error, RequestFailedError),
+                    )
+                )
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 self.core.abort(request_id)
@@ -188,13 +209,13 @@ class EngineLoop:
 
 def main(argv: list[str]) -> int:
     input_addr, output_addr = argv[1], argv[2]
-    builder_kwargs = json.loads(sys.stdin.read())
+    args = sys.stdin.buffer.read()  # the EngineArgs, as JSON
     # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("FW_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     loop = EngineLoop(input_addr, output_addr)
     try:
-        if not loop.load(builder_kwargs):
+        if not loop.load(json.loads(args)):
             return 1
         try:
             loop.run()
