@@ -32,11 +32,12 @@ def build_app() -> typer.Typer:
 
 def _builtin_commands() -> dict:
     """Engine commands; their modules import torch only when run."""
-    from cli import bench_cmd, generate_cmd, serve_cmd
+    from cli import bench_cmd, chat_cmd, generate_cmd, serve_cmd
 
     return {
         "serve": {"function": serve_cmd.serve, "kwargs": {"help": "Serve a model with an OpenAI-compatible API."}},
         "generate": {"function": generate_cmd.generate, "kwargs": {"help": "Generate text for one prompt."}},
+        "chat": {"function": chat_cmd.chat, "kwargs": {"help": "Chat with a running fw serve (streaming REPL)."}},
         "bench": {"function": bench_cmd.bench, "kwargs": {"help": "Offline throughput benchmark with random prompts."}},
     }
 

@@ -120,6 +120,37 @@ def serve(
             help="Reasoning parser (qwen3, deepseek_r1, none); default: picked from the chat template.",
         ),
     ] = None,
+    vllm_metrics: Annotated[
+        bool,
+        typer.Option(
+            "--vllm-metrics",
+            help="Also export every /metrics series under its vLLM name (vllm:...), for dashboards made for vLLM.",
+        ),
+    ] = False,
+    log_stats_interval: Annotated[
+        float,
+        typer.Option(
+            "--log-stats-interval",
+            help="Seconds between two stats lines (throughput, running, waiting, KV-cache use) in the log while the engine works; 0 turns them off.",
+        ),
+    ] = 10.0,
+    max_stored_responses: Annotated[
+        int,
+        typer.Option(
+            "--max-stored-responses",
+            help="Responses API: most responses kept in memory for previous_response_id and GET (the oldest go first).",
+        ),
+    ] = 1000,
+    stored_response_ttl: Annotated[
+        float, typer.Option("--stored-response-ttl", help="Responses API: seconds a stored response is kept.")
+    ] = 3600.0,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            "--chat-template",
+            help="A Jinja chat template (a file, or the template text itself) that replaces the model's.",
+        ),
+    ] = None,
     mcp_config: Annotated[
         str | None,
         typer.Option(
@@ -210,10 +241,18 @@ def serve(
                 raise ConfigError(f"{name} must be >= {low}, got {value}")
         if not request_body_timeout > 0:
             raise ConfigError(f"--request-body-timeout must be > 0 seconds, got {request_body_timeout}")
+        if log_stats_interval < 0:
+            raise ConfigError(f"--log-stats-interval must be >= 0 seconds, got {log_stats_interval}")
+        if max_stored_responses < 0 or not stored_response_ttl > 0:
+            raise ConfigError(
+                "--max-stored-responses must be >= 0 and --stored-response-ttl > 0 seconds; got "
+                f"{max_stored_responses} and {stored_response_ttl}"
+            )
         from framework.server.chat_tools import check_parser_names
         from framework.server.mcp_client import load_mcp_config
 
         check_parser_names(enforce_parser, reasoning_parser)
+        template = read_chat_template(chat_template)
         mcp_servers = load_mcp_config(mcp_config, mcp_command, mcp_args)
         if model_arg is not None and engine.get("model") not in (None, model_arg):
             raise ConfigError(f"MODEL {model_arg!r} and --m {engine.get('model')!r} disagree; give one of them")
@@ -241,6 +280,11 @@ def serve(
             frequency_penalty=frequency_penalty,
             tool_parser=enforce_parser,
             reasoning_parser=reasoning_parser,
+            chat_template=template,
+            vllm_metrics=vllm_metrics,
+            log_stats_interval_s=log_stats_interval,
+            max_stored_responses=max_stored_responses,
+            stored_response_ttl_s=stored_response_ttl,
             mcp_servers=mcp_servers,
             mcp_execute=mcp_execute,
             mcp_max_calls_per_round=mcp_max_calls_per_round,
@@ -305,6 +349,26 @@ def api_keys(flags: list[str] | None, key_file: str | None) -> list[str]:
             raise ConfigError(f"--api-key-file {key_file!r} holds no keys")
         keys += from_file
     return keys
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it is no file; it must parse as Jinja."""
+    if value is None:
+        return None
+    from framework.errors import ConfigError
+    from framework.tokenizer import compile_chat_template
+
+    text = value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as handle:
+            text = handle.read()
+    elif "{" not in value:
+        raise ConfigError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
+    try:
+        compile_chat_template(text)
+    except Exception as error:  # jinja2.TemplateSyntaxError, with its line
+        raise ConfigError(f"--chat-template: the template does not parse: {error}") from None
+    return text
 
 
 def _split(values: list[str] | None) -> list[str]:

@@ -229,3 +229,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 def _check(ok: bool, field: str, value: object, valid: str) -> None:
     if not ok:
         raise ValueError(f"{field} must be {valid}, got {value!r}")
+
+
+#: The ``generation_config.json`` keys that are sampling defaults (the names match SamplingParams').
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
+    """The sampling defaults a model's ``generation_config.json`` declares (as vLLM applies them:
+    whatever ``do_sample`` says); values that are not numbers are left out."""
+    return {
+        key: generation_config[key]
+        for key in SAMPLING_DEFAULT_KEYS
+        if isinstance(generation_config.get(key), int | float) and not isinstance(generation_config[key], bool)
+    }

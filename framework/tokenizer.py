@@ -136,7 +136,7 @@ class Tokenizer:
         if not self.chat_template:
             raise ConfigError("this model has no chat template; use the completions API with a plain prompt")
         if self._compiled is None:
-            self._compiled = _jinja_env().from_string(self.chat_template)
+            self._compiled = compile_chat_template(self.chat_template)
         variables = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
@@ -179,6 +179,11 @@ def _token_text(token: Any) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return token
+
+
+def compile_chat_template(text: str) -> Any:
+    """``text`` as a template of the sandboxed chat-template environment; jinja2 errors for bad syntax."""
+    return _jinja_env().from_string(text)
 
 
 def _jinja_env():

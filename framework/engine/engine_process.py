@@ -34,6 +34,7 @@ from framework.engine.messages import (
     StepOutputs,
     TokenizerSpec,
 )
+from framework.sampling_params import sampling_defaults
 
 log = logging.getLogger("fw.engine")
 
@@ -129,6 +130,7 @@ class EngineLoop:
                 vocab_size=config.vocab_size,
                 eos_token_ids=sorted(config.eos_token_ids),
                 tokenizer=_tokenizer_spec(engine.tokenizer),
+                sampling_defaults=sampling_defaults(engine.generation_config),
             )
         )
         return True

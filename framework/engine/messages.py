@@ -60,6 +60,8 @@ class Ready(msgspec.Struct, tag="ready", kw_only=True):
     vocab_size: int
     eos_token_ids: list[int]
     tokenizer: TokenizerSpec
+    #: the model's sampling defaults (``generation_config.json``), for requests that leave them unset
+    sampling_defaults: dict[str, float] = {}
 
 
 class LoadFailed(msgspec.Struct, tag="load_failed", kw_only=True):

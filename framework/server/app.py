@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from litestar import Controller, Litestar, Request, Response, get, post
+from litestar import Controller, Litestar, Request, Response, delete, get, post
 from litestar.config.app import AppConfig
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException
@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import framework
 from framework import plugins
 from framework.engine.messages import Ready
+from framework.server.chat_prompt import chat_prompt_ids
 from framework.server.engine_client import AsyncEngineClient
 from framework.server.errors import (
     APIError,
@@ -39,6 +40,7 @@ from framework.server.errors import (
     internal_error_handler,
 )
 from framework.server.limits import read_body
+from framework.server.metrics import stats_line
 from framework.server.origins import OriginGuard, OriginPolicy
 from framework.server.protocol import (
     ChatCompletionRequest,
@@ -50,9 +52,17 @@ from framework.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from framework.server.serving_chat import chat_prompt_ids, create_chat_completion
+from framework.server.serving_chat import create_chat_completion
 from framework.server.serving_completion import create_completion
 from framework.server.serving_embedding import create_embedding
+from framework.server.serving_messages import count_tokens, create_message
+from framework.server.serving_responses import (
+    cancel_response,
+    create_response,
+    delete_response,
+    get_response,
+    list_input_items,
+)
 from framework.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("fw.server")
@@ -74,6 +84,34 @@ class OpenAIController(Controller):
     @post("/completions", status_code=200)
     async def completions(self, server: Server, request: Request) -> Response:
         return await create_completion(server, request)
+
+    @post("/responses", status_code=200)
+    async def responses(self, server: Server, request: Request) -> Response:
+        return await create_response(server, request)
+
+    @get("/responses/{response_id:str}")
+    async def response(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
+        return get_response(server, response_id)
+
+    @get("/responses/{response_id:str}/input_items")
+    async def response_input_items(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
+        return list_input_items(server, response_id)
+
+    @delete("/responses/{response_id:str}", status_code=200)
+    async def delete_response(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
+        return delete_response(server, response_id)
+
+    @post("/responses/{response_id:str}/cancel", status_code=200)
+    async def cancel_response(self, server: Server, response_id: FromPath[str]) -> dict[str, Any]:
+        return await cancel_response(server, response_id)
+
+    @post("/messages", status_code=200)
+    async def messages(self, server: Server, request: Request) -> Response:
+        return await create_message(server, request)
+
+    @post("/messages/count_tokens", status_code=200)
+    async def count_message_tokens(self, server: Server, request: Request) -> dict[str, int]:
+        return await count_tokens(server, request)
 
     @post("/embeddings", status_code=200)
     async def embeddings(self, server: Server, request: Request) -> EmbeddingResponse:
@@ -190,6 +228,27 @@ def is_known_key(key: str | None, keys: list[str]) -> bool:
     return found
 
 
+async def _log_stats(state: ServerState) -> None:
+    """Every ``--log-stats-interval`` seconds, while the engine has work or just had some, log :func:`stats_line`."""
+    interval = state.config.log_stats_interval_s
+    previous = None
+    while True:
+        await asyncio.sleep(interval)
+        if not state.client.is_healthy:
+            continue
+        try:
+            stats = await state.client.stats(timeout_s=interval)
+        except Exception:  # the engine is restarting or busy; the next interval tries again
+            continue
+        was_busy = previous is not None and (stats.prompt_tokens, stats.generation_tokens) != (
+            previous.prompt_tokens,
+            previous.generation_tokens,
+        )
+        if was_busy or stats.num_running or stats.num_waiting:
+            print(stats_line(previous, stats, interval), flush=True)
+        previous = stats
+
+
 def _model_card(state: ServerState, name: str) -> ModelCard:
     try:
         tool_calling = state.served_parsers().info()
@@ -226,11 +285,14 @@ def create_app(
             return
         if config.api_keys:
             header = request.headers.get("authorization", "")
-            key = header[7:].strip() if header[:7].lower() == "bearer " else None
+            # OpenAI clients send a bearer token, Anthropic clients an x-api-key header
+            key = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key")
             if not is_known_key(key, config.api_keys):
                 raise APIError(
                     401,
-                    "Incorrect API key provided" if key else "Missing API key: send 'Authorization: Bearer <key>'",
+                    "Incorrect API key provided"
+                    if key
+                    else "Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                     code="invalid_api_key",
                 )
         if state.is_draining:
@@ -274,9 +336,12 @@ def create_app(
 
             state.mcp = MCPManager(config.mcp_servers, execute_all=config.mcp_execute)
             await state.mcp.start()
+        stats_task = asyncio.create_task(_log_stats(state)) if config.log_stats_interval_s > 0 else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             if task is not None and not task.done():
                 task.cancel()
             if state.mcp is not None:

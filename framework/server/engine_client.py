@@ -67,9 +67,16 @@ class AsyncEngineClient:
     """Start, talk to, supervise and stop one engine process. Methods must be called on one event loop."""
 
     def __init__(
-        self, builder_kwargs: dict[str, Any], *, restart: bool = True, heartbeat_timeout_s: float = 60.0
+        self,
+        builder_kwargs: dict[str, Any],
+        *,
+        restart: bool = True,
+        heartbeat_timeout_s: float = 60.0,
+        chat_template: str | None = None,
     ) -> None:
         self.builder_kwargs = builder_kwargs
+        #: ``--chat-template``: replaces the model's own template
+        self.chat_template = chat_template
         self.restart = restart
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.ready: Ready | None = None
@@ -96,7 +103,7 @@ class AsyncEngineClient:
         spec = self.ready.tokenizer
         self.tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_str(spec.tokenizer_json),
-            spec.chat_template,
+            self.chat_template if self.chat_template is not None else spec.chat_template,
             spec.bos_token,
             spec.eos_token,
             spec.pad_token,

@@ -140,8 +140,37 @@ def decode_body(body: bytes, type_: type[T]) -> T:
         raise APIError(400, f"could not parse the JSON body of the request: {error}", code="invalid_json") from None
 
 
-def api_error_handler(_: Request, error: APIError) -> Response:
-    return Response(error.body(), status_code=error.status, headers=error.headers)
+#: Anthropic's error types by status (its envelope: ``{"type": "error", "error": {"type", "message"}}``).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+#: Paths whose errors use Anthropic's envelope.
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "error": {"type": _ANTHROPIC_TYPES.get(error.status, "invalid_request_error"), "message": error.message},
+    }
+
+
+def _error_response(request: Request, error: APIError) -> Response:
+    """``error`` in the envelope of the API the request spoke (Anthropic's under /v1/messages, else OpenAI's)."""
+    is_anthropic = request.url.path.startswith(ANTHROPIC_PATHS)
+    body = anthropic_error_body(error) if is_anthropic else error.body()
+    return Response(body, status_code=error.status, headers=error.headers or None)
+
+
+def api_error_handler(request: Request, error: APIError) -> Response:
+    return _error_response(request, error)
 
 
 def http_exception_handler(request: Request, error: HTTPException) -> Response:
@@ -159,7 +188,7 @@ def http_exception_handler(request: Request, error: HTTPException) -> Response:
         allowed = routes.get(path) or sorted(m for m in headers.get("allow", "").split(", ") if m)
         message = f"method {request.method} is not allowed on {path}; allowed: {', '.join(allowed)}"
         headers["allow"] = ", ".join(allowed)
-    return Response(APIError(status, message, code=code).body(), status_code=status, headers=headers or None)
+    return _error_response(request, APIError(status, message, code=code, headers=headers or None))
 
 
 def _routes(request: Request) -> dict[str, list[str]]:
@@ -172,10 +201,11 @@ def _routes(request: Request) -> dict[str, list[str]]:
     return dict(sorted(routes.items()))
 
 
-def internal_error_handler(_: Request, error: Exception) -> Response:
+def internal_error_handler(request: Request, error: Exception) -> Response:
     log.exception("unhandled error", exc_info=error)
-    body = APIError(500, f"internal server error: {type(error).__name__}: {error}", code="internal_error").body()
-    return Response(body, status_code=500)
+    return _error_response(
+        request, APIError(500, f"internal server error: {type(error).__name__}: {error}", code="internal_error")
+    )
 
 
 def error_event(error: APIError | Exception) -> dict[str, Any]:

@@ -74,14 +74,18 @@ def build_sampling_params(
     prompt_logprobs: int | None = None,
     defaults: ServerConfig | None = None,
     default_max_tokens: int | None = None,
+    model_defaults: dict[str, float] | None = None,
 ) -> SamplingParams:
     """Validate the sampling fields of a request; errors are 400s naming the field.
 
     Fields the request leaves unset take the server's defaults (``default_max_tokens``,
-    ``--presence-penalty``, ``--frequency-penalty``); a default ``max_tokens`` never exceeds the
-    room left in the context.
+    ``--presence-penalty``, ``--frequency-penalty``), and ``temperature``, ``top_p``, ``top_k``,
+    ``min_p`` and ``repetition_penalty`` the model's (``model_defaults``, from its
+    ``generation_config.json``: :func:`sampling_defaults`); a default ``max_tokens`` never exceeds
+    the room left in the context.
     """
     defaults = defaults or ServerConfig()
+    model = model_defaults or {}
     longest = max(prompt_lens)
     if longest >= max_model_len or (max_tokens is not None and longest + max_tokens > max_model_len):
         requested = max_tokens if max_tokens is not None else 0
@@ -114,13 +118,13 @@ def build_sampling_params(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     fields = {
         "n": body.n,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
-        "top_k": body.top_k or 0,
-        "min_p": body.min_p or 0.0,
+        "temperature": _default(body.temperature, model.get("temperature", 1.0)),
+        "top_p": _default(body.top_p, model.get("top_p", 1.0)),
+        "top_k": _default(body.top_k, model.get("top_k", 0)),
+        "min_p": _default(body.min_p, model.get("min_p", 0.0)),
         "presence_penalty": _default(body.presence_penalty, defaults.presence_penalty),
         "frequency_penalty": _default(body.frequency_penalty, defaults.frequency_penalty),
-        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        "repetition_penalty": _default(body.repetition_penalty, model.get("repetition_penalty", 1.0)),
         "logit_bias": logit_bias,
         "seed": body.seed,
         "max_tokens": max_tokens

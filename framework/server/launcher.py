@@ -231,7 +231,10 @@ def run_server(
     sockets, ui_bind = bind_sockets(bind, ui_server)
     config = config_for_bind(config, bind, ui_bind)
     client = AsyncEngineClient(
-        engine_kwargs, restart=config.engine_restart, heartbeat_timeout_s=config.engine_heartbeat_timeout_s
+        engine_kwargs,
+        restart=config.engine_restart,
+        heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
+        chat_template=config.chat_template,
     )
     failure: list[str] = []
     server: _Server | None = None

@@ -4,12 +4,17 @@ Engine counters (running / waiting requests, KV-cache usage, prefix-cache querie
 prompt / generation tokens, preemptions) are read from the engine process at scrape time, the
 engine restarts from the API process's supervisor;
 latency histograms (TTFT, inter-token, end-to-end) are observed in the API process.
+
+fw's names follow vLLM's with the ``fw:`` prefix; with ``vllm_names`` (``fw serve --vllm-metrics``)
+every metric is exported a second time under its ``vllm:`` name (plus the names of vLLM's older
+dashboards, ``vllm:gpu_cache_usage_perc`` and ``vllm:time_per_output_token_seconds``), so
+Grafana dashboards made for vLLM work unchanged. :func:`stats_line` is the periodic log line.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from framework.engine.outputs import EngineStats
 
@@ -110,11 +115,40 @@ class _EngineCollector:
         )
 
 
+#: vLLM's older names of two metrics, exported too under ``vllm_names``.
+VLLM_LEGACY_NAMES = {
+    "fw:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
+    "fw:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
+}
+
+
+class _VLLMNames:
+    """Every metric of ``source`` again, under its ``vllm:`` name (and its legacy name, if any)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self):
+        for family in self.source.collect():
+            for name in (family.name.replace("fw:", "vllm:", 1), VLLM_LEGACY_NAMES.get(family.name)):
+                if name is None or not name.startswith("vllm:"):
+                    continue
+                renamed = Metric(name, family.documentation, family.type, family.unit)
+                renamed.samples = [
+                    sample._replace(name=name + sample.name[len(family.name) :]) for sample in family.samples
+                ]
+                yield renamed
+
+
 class ServerMetrics:
     """The app's registry plus the histograms handlers observe."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry()
+        self.vllm_registry: CollectorRegistry | None = None
+        if vllm_names:
+            self.vllm_registry = CollectorRegistry(auto_describe=False)
+            self.vllm_registry.register(_VLLMNames(self.registry))
         self.engine = _EngineCollector(model_name)
         self.registry.register(self.engine)
         self.model_name = model_name
@@ -143,4 +177,20 @@ class ServerMetrics:
 
     def render(self, stats: EngineStats | None, num_restarts: int = 0) -> bytes:
         self.engine.stats, self.engine.num_restarts = stats, num_restarts
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.vllm_registry) if self.vllm_registry is not None else text
+
+
+def stats_line(previous: EngineStats | None, current: EngineStats, interval_s: float) -> str:
+    """The periodic log line: token throughput since ``previous`` (over ``interval_s``), the
+    running and waiting requests, and the KV-cache and prefix-cache use."""
+    prompt = current.prompt_tokens - (previous.prompt_tokens if previous else 0)
+    generated = current.generation_tokens - (previous.generation_tokens if previous else 0)
+    queries = current.prefix_cache_queries - (previous.prefix_cache_queries if previous else 0)
+    hits = current.prefix_cache_hits - (previous.prefix_cache_hits if previous else 0)
+    hit_rate = f"{100 * hits / queries:.1f}%" if queries else "-"
+    return (
+        f"fw: stats: prompt {prompt / interval_s:.1f} tok/s, generation {generated / interval_s:.1f} tok/s, "
+        f"running {current.num_running}, waiting {current.num_waiting}, "
+        f"KV cache {100 * current.kv_cache_usage:.1f}%, prefix cache hits {hit_rate}"
+    )

@@ -78,6 +78,14 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     reasoning: str | None = None
 
 
+class MCPExecuteFields(msgspec.Struct, kw_only=True):
+    """fw extensions of every chat-like request: let the server run the MCP tools the model calls,
+    for at most ``mcp_max_rounds`` rounds."""
+
+    mcp_execute: bool = False
+    mcp_max_rounds: int = 4
+
+
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -86,7 +94,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: Any = None
-    reasoning_effort: Any = None
+    #: reaches the chat template as the variable ``reasoning_effort``
+    reasoning_effort: str | None = None
     add_special_tokens: Any = None
     documents: Any = None
     chat_template: Any = None
@@ -101,7 +110,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    # fw extensions: let the server run the MCP tools the model calls, for at most this many rounds
+    # fw extensions (the fields of MCPExecuteFields; a Struct has one base with fields)
     mcp_execute: bool = False
     mcp_max_rounds: int = 4
 
@@ -154,7 +163,6 @@ UNSUPPORTED_CHAT_FIELDS = (
     "prediction",
     "web_search_options",
     "continue_final_message",
-    "reasoning_effort",
     "add_special_tokens",
     "documents",
     "chat_template",

@@ -1,190 +1,62 @@
-"""``POST /v1/chat/completions``: messages -> chat template -> tokens -> choices, streamed or not."""
+"""``POST /v1/chat/completions``: messages -> chat template -> tokens -> choices, streamed or not.
+
+The pipeline is shared: :func:`start_chat` validates and admits any
+:class:`~framework.server.protocol.ChatCompletionRequest` (the Responses and Messages APIs
+translate theirs into one), then :func:`chat_completion` gives the whole reply and
+:func:`chat_chunk_stream` the chunks, tools, reasoning, structured outputs and MCP rounds included.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 
 from litestar import Request, Response
 from litestar.response import Stream
 
-from framework.engine.outputs import LogprobEntry
-from framework.errors import ConfigError
 from framework.parsers.base import ToolCall, ToolCallDelta, ToolParseDelta, assemble
-from framework.server.chat_tokens import encode_chat
-from framework.server.chat_tools import (
-    ParsedDelta,
-    ToolSetup,
-    after_reasoning,
-    choice_parser,
-    structured_outputs_for,
-    template_tool_calls,
-    tool_setup,
-)
+from framework.server.chat_prompt import chat_logprobs, reject_unsupported, template_messages
+from framework.server.chat_tools import ParsedDelta, tool_setup
+from framework.server.chat_turn import ChatTurn, MCPRounds
 from framework.server.errors import APIError, bad_request, decode_body
-from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
+from framework.server.generation import ChoiceDelta, ChoiceState, run_choices
 from framework.server.limits import check_sampling_limits, read_body
 from framework.server.protocol import (
-    DEFAULT_VALUES,
     UNSUPPORTED_CHAT_FIELDS,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
-    ChatMessage,
     ChatStreamChoice,
-    ChatTokenLogprob,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
-    FunctionCall,
-    MCPCallRecord,
-    ResponseMessage,
-    ToolCallOut,
-    TopLogprob,
     Usage,
 )
-from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
-from framework.server.structured_outputs import first_event_or_error, grammar_errors, structured_outputs_field
-from framework.server.template_tools import with_generic_tools
-from framework.tokenizer import Tokenizer
+from framework.server.state import Admission, ServerState, new_id, release_after, sse_stream, until_disconnect
+from framework.server.structured_outputs import first_event_or_error, grammar_errors
 
 #: The most tool-call rounds ``mcp_execute`` may run for one request (``mcp_max_rounds``).
 MAX_MCP_ROUNDS = 16
 
 
-def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
-    """A field fw does not support yet is a 400 naming it, never silently ignored (unless it is
-    set to the value that asks for what fw does anyway, :data:`DEFAULT_VALUES`)."""
-    for name in names:
-        value = getattr(body, name)
-        if value is not None and not any(
-            type(value) is type(ok) and value == ok for ok in DEFAULT_VALUES.get(name, ())
-        ):
-            raise APIError(
-                400, f"{name!r} is not supported by this server yet", param=name, code="unsupported_parameter"
-            )
-    options = getattr(body, "stream_options", None)
-    if options is not None and options.continuous_usage_stats:
-        raise APIError(
-            400,
-            "'stream_options.continuous_usage_stats' is not supported by this server yet; "
-            "'include_usage' sends the usage at the end",
-            param="stream_options.continuous_usage_stats",
-            code="unsupported_parameter",
-        )
-    if getattr(body, "best_of", None) not in (None, 1, getattr(body, "n", 1)):
-        raise APIError(
-            400, "'best_of' is not supported by this server yet", param="best_of", code="unsupported_parameter"
-        )
+@dataclass(slots=True)
+class ChatCall:
+    """One admitted chat request: its first turn and its admission (released once it is answered)."""
+
+    state: ServerState
+    request_id: str
+    turn: ChatTurn
+    arrival: float
+    release: Admission
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them; content parts are joined text."""
-    if not messages:
-        raise bad_request("'messages' must hold at least one message", "messages")
-    result = []
-    for i, message in enumerate(messages):
-        if message.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad_request(
-                f"messages[{i}].role must be one of system, developer, user, assistant, tool; got {message.role!r}",
-                f"messages[{i}].role",
-            )
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(
-                        400,
-                        f"content part type {part.get('type')!r} is not supported (only 'text')",
-                        param=f"messages[{i}].content[{j}].type",
-                        code="unsupported_parameter",
-                    )
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        item: dict[str, Any] = {"role": message.role, "content": content or ""}
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if getattr(message, key) is not None:
-                item[key] = getattr(message, key)
-        if message.tool_calls is not None:
-            item["tool_calls"] = template_tool_calls(message.tool_calls)
-        if message.reasoning is not None and message.reasoning_content is None:
-            item["reasoning_content"] = message.reasoning
-        result.append(item)
-    return result
-
-
-def chat_prompt_text(
-    tokenizer: Tokenizer,
-    body: ChatCompletionRequest,
-    tools: list[dict[str, Any]] | None = None,
-    messages: list[dict[str, Any]] | None = None,
-) -> str:
-    """The rendered prompt: the messages (and ``tools``) through the model's chat template."""
-    messages = template_messages(body.messages) if messages is None else messages
-    kwargs = dict(body.chat_template_kwargs or {})
-    add_generation_prompt = kwargs.pop("add_generation_prompt", body.add_generation_prompt)
-    kwargs.pop("tools", None)
-    try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
-        )
-    except ConfigError as error:
-        raise bad_request(str(error), "messages") from None
-    except Exception as error:  # jinja2 errors from the model's own template
-        raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
-
-
-def chat_prompt(
-    tokenizer: Tokenizer,
-    body: ChatCompletionRequest,
-    tools: list[dict[str, Any]] | None = None,
-    messages: list[dict[str, Any]] | None = None,
-) -> tuple[str, list[int]]:
-    """The rendered prompt and its token ids, the client's text kept out of the control tokens
-    (:func:`framework.server.chat_tokens.encode_chat`)."""
-    messages = template_messages(body.messages) if messages is None else messages
-    return encode_chat(
-        tokenizer,
-        messages,
-        lambda shaped: chat_prompt_text(tokenizer, body, tools, shaped),
-        {"tools": tools, "chat_template_kwargs": body.chat_template_kwargs},
-    )
-
-
-def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    return chat_prompt(tokenizer, body)[1]
-
-
-def chat_logprobs(
-    tokenizer: Tokenizer, entries: list[LogprobEntry] | None, token_ids: list[int]
-) -> ChatLogprobs | None:
-    if entries is None:
-        return None
-    content = []
-    for token_id, (logprob, top) in zip(token_ids, entries, strict=False):
-        token = tokenizer.decode([token_id], skip_special_tokens=False)
-        alternatives = [
-            TopLogprob(
-                token=(text := tokenizer.decode([tid], skip_special_tokens=False)),
-                logprob=lp,
-                bytes=list(text.encode()),
-            )
-            for tid, lp in top
-        ]
-        content.append(
-            ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=alternatives)
-        )
-    return ChatLogprobs(content=content)
-
-
-async def create_chat_completion(state: ServerState, request: Request) -> Response | Stream:
-    arrival = time.perf_counter()
-    body = decode_body(await read_body(request, state.config.request_body_timeout_s), ChatCompletionRequest)
+def start_chat(
+    state: ServerState, body: ChatCompletionRequest, arrival: float, id_prefix: str = "chatcmpl"
+) -> ChatCall:
+    """Validate ``body`` (400s name the field), admit it (429 at capacity) and build its first turn."""
     state.check_model(body.model)
     reject_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
     check_sampling_limits(body, state.config.max_n)
@@ -221,206 +93,56 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     except BaseException:
         release()
         raise
-    request_id = new_id("chatcmpl")
+    return ChatCall(state, new_id(id_prefix), turn, arrival, release)
+
+
+async def chat_completion(call: ChatCall, request: Request | None = None) -> ChatCompletionResponse:
+    """The whole reply; with ``request``, a client that disconnects cancels it. Releases the admission."""
+    work = _response(call.state, call.request_id, call.turn, call.arrival)
+    to_api_error = grammar_errors(call.turn.grammar_field)
+    try:
+        if request is not None:
+            return await until_disconnect(request, work, to_api_error)
+        try:
+            return await work
+        except Exception as error:
+            raise to_api_error(error) from None
+    finally:
+        call.release()
+
+
+async def chat_chunk_stream(
+    call: ChatCall, include_usage: bool = False
+) -> tuple[AsyncGenerator[ChatCompletionChunk], AsyncGenerator[ChoiceDelta]]:
+    """The reply's chunks, and the engine events under them (close both when done: :func:`stream_response`).
+
+    An engine refusal of the request's grammar is raised here, as an HTTP error, not mid-stream."""
+    state, turn = call.state, call.turn
+    events = run_choices(state.client, call.request_id, [turn.prompt_ids], turn.params, state.metrics, call.arrival)
+    if turn.params.structured_outputs is not None:
+        events = await first_event_or_error(events, call.release, grammar_errors(turn.grammar_field))
+    return _chunks(state, call.request_id, turn, call.arrival, include_usage, events), events
+
+
+def stream_response(body: AsyncIterator[bytes], call: ChatCall, *generators: AsyncGenerator) -> Stream:
+    """An SSE response of ``body``; afterwards ``generators`` (outermost first) close and the admission is released."""
+    return Stream(
+        body,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+        background=release_after(call.release, body, *generators),
+    )
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response | Stream:
+    arrival = time.perf_counter()
+    body = decode_body(await read_body(request, state.config.request_body_timeout_s), ChatCompletionRequest)
+    call = start_chat(state, body, arrival)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = run_choices(state.client, request_id, [turn.prompt_ids], turn.params, state.metrics, arrival)
-        if turn.params.structured_outputs is not None:  # an invalid grammar is a 400, not an SSE error
-            events = await first_event_or_error(events, release, grammar_errors(turn.grammar_field))
-        chunks = _chunks(state, request_id, turn, arrival, include_usage, events)
-        body = sse_stream(chunks, finalize=release)
-        return Stream(
-            body,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-            background=release_after(release, body, chunks, events),
-        )
-    try:
-        return Response(
-            await until_disconnect(
-                request, _response(state, request_id, turn, arrival), grammar_errors(turn.grammar_field)
-            )
-        )
-    finally:
-        release()
-
-
-class ChatTurn:
-    """One generation of a chat request: the prompt, its sampling params, a parser per choice."""
-
-    def __init__(
-        self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup, messages: list[dict[str, Any]]
-    ) -> None:
-        self.body, self.setup, self.state = body, setup, state
-        self.messages = messages  # the conversation as the template takes it (template_messages ran once)
-        client = state.client
-        self.served = state.served_parsers()
-        # what the template drops of tools, calls and results, written in the generic format
-        shown = with_generic_tools(messages, setup.tools, self.served.template_tools)
-        self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, shown)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = build_sampling_params(
-            body,
-            max_tokens=max_tokens,
-            prompt_lens=[len(self.prompt_ids)],
-            max_model_len=state.max_model_len,
-            vocab_size=client.ready.vocab_size,
-            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            defaults=state.config,
-            default_max_tokens=state.config.max_gen_tokens,
-        )
-        self.parsers = [choice_parser(self.served, setup, self.prompt_text) for _ in range(max(params.n, 1))]
-        tools = next((p.tools for p in self.parsers if p is not None and p.tools is not None), None)
-        if tools is not None and tools.needs_special_tokens:
-            params = params.replace(skip_special_tokens=False)
-        reasoning = next((p.reasoning for p in self.parsers if p is not None and p.reasoning is not None), None)
-        start_after = reasoning.end_marker if reasoning is not None and reasoning.starts_in_reasoning else None
-        constraint = structured_outputs_for(setup, self.served)
-        #: the request field the grammar came from, named in its errors
-        self.grammar_field = structured_outputs_field(body)
-        if constraint is not None and setup.mode == "auto" and params.structured_outputs is not None:
-            constraint = None  # the client's response_format shapes the reply; calls are still parsed
-        if constraint is not None:
-            if params.structured_outputs is not None:
-                raise bad_request(
-                    f"tool_choice {setup.mode!r} constrains the reply itself; it cannot be combined with "
-                    "response_format or structured_outputs",
-                    "tool_choice",
-                )
-            params = params.replace(structured_outputs=constraint)
-            # the constraint is built from the tools' parameter schemas: the request's, or the MCP servers'
-            self.grammar_field = "tools" if body.tools is not None else "tools (from the MCP servers' tool schemas)"
-        self.params = after_reasoning(params, start_after)
-
-    def next_round(self, messages: list[dict[str, Any]]) -> ChatTurn:
-        """The turn after the server ran MCP calls: after a forced call (required / named) the model
-        answers freely, the tools still in view."""
-        setup = self.setup if self.setup.mode == "auto" else ToolSetup(tools=self.setup.tools, mode="none")
-        return ChatTurn(self.state, self.body, setup, messages)
-
-    @property
-    def calls_finish(self) -> bool:
-        """Whether a reply with calls finishes with ``tool_calls`` (OpenAI: ``stop`` for a named tool_choice)."""
-        return self.setup.mode in ("auto", "required")
-
-    def message(self, index: int, choice: ChoiceState) -> tuple[ResponseMessage, str | None]:
-        """The finished choice as a message, and its finish reason (``tool_calls`` when it called tools)."""
-        parser = self.parsers[index]
-        if parser is None:
-            return ResponseMessage(content=choice.text), choice.finish_reason
-        first, last = parser.feed(choice.text), parser.finish()
-        reasoning = (first.reasoning + last.reasoning) or None
-        calls = assemble(
-            [ToolParseDelta(first.content, first.tool_calls), ToolParseDelta(last.content, last.tool_calls)]
-        )
-        tool_calls = [
-            ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls.tool_calls
-        ] or None
-        finish = choice.finish_reason
-        if tool_calls and finish == "stop" and self.calls_finish:
-            finish = "tool_calls"
-        return ResponseMessage(
-            content=calls.content, tool_calls=tool_calls, reasoning_content=reasoning, reasoning=reasoning
-        ), finish
-
-
-class MCPRounds:
-    """The rounds of one chat request, for the whole and the streamed response alike.
-
-    Each round generates ``turn`` (:meth:`events`; the first round's events may have started
-    already). With ``mcp_execute``, when a round's first choice ends with calls that are all MCP
-    tools and rounds are left (:meth:`runs`), the server runs them (:meth:`run_calls`): the
-    assistant turn and the tool results join the conversation and the next round answers it.
-
-    Caps (``--mcp-max-*``): a round runs at most ``mcp_max_calls_per_round`` calls (the others get
-    an error result), each result is cut to ``mcp_max_result_bytes``, and once the request has
-    spent ``mcp_max_time_s`` in calls, the remaining calls get an error result and no round runs
-    calls any more (the next calls go back to the client).
-    """
-
-    def __init__(
-        self,
-        state: ServerState,
-        request_id: str,
-        turn: ChatTurn,
-        arrival: float,
-        first_events: AsyncIterator[ChoiceDelta] | None = None,
-    ) -> None:
-        self.state, self.request_id, self.turn, self.arrival = state, request_id, turn, arrival
-        self.first_events = first_events
-        self.index = 0
-        self.prompt_tokens = 0
-        self.records: list[MCPCallRecord] = []  # every call the server ran, in order
-        self.messages = list(turn.messages) if turn.body.mcp_execute else []
-        self.tool_time_s = 0.0  # spent in MCP calls so far (--mcp-max-time bounds it)
-
-    def events(self) -> AsyncIterator[ChoiceDelta]:
-        """This round's deltas, every choice merged."""
-        self.prompt_tokens += len(self.turn.prompt_ids)
-        if self.index == 0 and self.first_events is not None:
-            return self.first_events
-        request_id = f"{self.request_id}-r{self.index}" if self.index else self.request_id
-        return run_choices(
-            self.state.client, request_id, [self.turn.prompt_ids], self.turn.params, self.state.metrics, self.arrival
-        )
-
-    def runs(self, calls: list[ToolCall]) -> bool:
-        """Whether the server runs ``calls`` (the first choice's, at the end of this round) itself."""
-        body = self.turn.body
-        return bool(
-            body.mcp_execute
-            and calls
-            and self.index < body.mcp_max_rounds
-            and self.tool_time_s < self.state.config.mcp_max_time_s
-            and all(self.state.mcp.can_execute(call.name) for call in calls)
-        )
-
-    async def run_calls(self, content: str, calls: list[ToolCall]) -> list[MCPCallRecord]:
-        """Run MCP ``calls`` in order, add the assistant turn (``content`` and the calls) and the
-        tool results to the conversation, and make the next round's turn; returns the records."""
-        self.messages.append(
-            {
-                "role": "assistant",
-                "content": content,
-                "tool_calls": template_tool_calls(
-                    [
-                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                        for c in calls
-                    ]
-                ),
-            }
-        )
-        config = self.state.config
-        records = []
-        for number, call in enumerate(calls):
-            left_s = config.mcp_max_time_s - self.tool_time_s
-            if number >= config.mcp_max_calls_per_round:
-                result, is_error = (
-                    (
-                        f"not run: more than {config.mcp_max_calls_per_round} tool calls in one round "
-                        "(--mcp-max-calls-per-round)"
-                    ),
-                    True,
-                )
-            elif left_s <= 0:
-                result, is_error = (
-                    (f"not run: this request spent its {config.mcp_max_time_s:g} s of MCP tool time (--mcp-max-time)"),
-                    True,
-                )
-            else:
-                started = time.monotonic()
-                result, is_error = await self.state.mcp.call_tool(
-                    call.name, call.arguments, timeout_s=left_s, max_result_bytes=config.mcp_max_result_bytes
-                )
-                self.tool_time_s += time.monotonic() - started
-            records.append(
-                MCPCallRecord(id=call.id, name=call.name, arguments=call.arguments, result=result, is_error=is_error)
-            )
-            self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
-        self.records += records
-        self.turn = self.turn.next_round(self.messages)
-        self.index += 1
-        return records
+        chunks, events = await chat_chunk_stream(call, include_usage)
+        return stream_response(sse_stream(chunks, finalize=call.release), call, chunks, events)
+    return Response(await chat_completion(call, request))
 
 
 async def _response(state: ServerState, request_id: str, turn: ChatTurn, arrival: float) -> ChatCompletionResponse:

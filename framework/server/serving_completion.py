@@ -10,6 +10,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from framework.engine.outputs import LogprobEntry
+from framework.server.chat_prompt import reject_unsupported
 from framework.server.errors import APIError, bad_request, decode_body
 from framework.server.generation import ChoiceDelta, ChoiceState, build_sampling_params, run_choices
 from framework.server.limits import check_count, check_sampling_limits, check_token_ids, read_body
@@ -21,7 +22,6 @@ from framework.server.protocol import (
     CompletionResponse,
     Usage,
 )
-from framework.server.serving_chat import reject_unsupported
 from framework.server.state import ServerState, new_id, release_after, sse_stream, until_disconnect
 from framework.server.structured_outputs import first_event_or_error, grammar_errors, structured_outputs_field
 from framework.tokenizer import Tokenizer
@@ -125,6 +125,7 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
             defaults=state.config,
+            model_defaults=state.sampling_defaults,
             default_max_tokens=state.config.max_gen_tokens or 16,
         )  # OpenAI's default: 16
     except BaseException:

@@ -12,6 +12,7 @@ import base64
 import numpy as np
 from litestar import Request
 
+from framework.server.chat_prompt import reject_unsupported
 from framework.server.errors import APIError, decode_body
 from framework.server.limits import read_body
 from framework.server.protocol import (
@@ -21,7 +22,6 @@ from framework.server.protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from framework.server.serving_chat import reject_unsupported
 from framework.server.serving_completion import prompt_token_lists
 from framework.server.state import ServerState, engine_error, new_id, until_disconnect
 

@@ -50,6 +50,15 @@ class ServerConfig:
     #: ``--enforce-parser`` / ``--reasoning-parser`` (None: picked from the chat template; "none": off).
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    #: ``--chat-template``: Jinja text that replaces the model's chat template (None: the model's).
+    chat_template: str | None = None
+    #: ``--vllm-metrics``: /metrics exports every metric under its vLLM name too.
+    vllm_metrics: bool = False
+    #: ``--log-stats-interval``: seconds between two stats lines in the log while the engine works (0: none).
+    log_stats_interval_s: float = 10.0
+    #: The Responses API's store of responses (``previous_response_id``, GET): most kept, seconds kept.
+    max_stored_responses: int = 1000
+    stored_response_ttl_s: float = 3600.0
     #: MCP servers in the ``mcpServers`` format (``--mcp-config`` / ``--mcp-command``); None: no MCP.
     mcp_servers: dict[str, Any] | None = None
     #: ``--mcp-execute``: clients may ask the server to run MCP tools (``mcp_execute``) on every
@@ -80,12 +89,16 @@ class ServerState:
     def __init__(self, client: AsyncEngineClient, config: ServerConfig) -> None:
         self.client = client
         self.config = config
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, vllm_names=config.vllm_metrics)
         self.num_admitted = 0
         self.num_admitted_tokens = 0
         self.is_draining = False
         self.started = int(time.time())
         self.mcp: Any = None  # framework.server.mcp_client.MCPManager once started
+        from framework.server.responses_store import ResponseStore
+
+        #: the Responses API's stored responses (previous_response_id, GET / DELETE, background)
+        self.responses = ResponseStore(config.max_stored_responses, config.stored_response_ttl_s)
         self._parsers: Any = None
 
     def served_parsers(self) -> Any:
@@ -113,6 +126,11 @@ class ServerState:
         if names:
             return names[0]
         return self.config.model_root or "fw"
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's sampling defaults (``generation_config.json``) for requests that leave them unset."""
+        return getattr(self.client.ready, "sampling_defaults", None) or {}
 
     @property
     def max_model_len(self) -> int:
@@ -255,3 +273,16 @@ async def sse_stream(events: AsyncIterator[Any], finalize: Callable[[], None] | 
         if finalize is not None:
             finalize()
     yield b"data: [DONE]\n\n"
+
+
+async def typed_sse_stream(
+    events: AsyncIterator[dict[str, Any]], error_event: Callable[[APIError], dict[str, Any]]
+) -> AsyncIterator[bytes]:
+    """SSE framing of typed events (the Responses and Messages APIs): ``event: <type>`` then
+    ``data: {json}``, no ``[DONE]``; an exception the events did not handle is sent as ``error_event``."""
+    try:
+        async for event in events:
+            yield f"event: {event['type']}\n".encode() + sse(event)
+    except Exception as error:
+        event = error_event(engine_error(error))
+        yield f"event: {event['type']}\n".encode() + sse(event)

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from litestar.testing import TestClient
 
+from framework.server.anthropic_input import MessagesRequest
 from framework.server.app import create_app
 from framework.server.protocol import (
     ChatCompletionRequest,
@@ -25,6 +26,7 @@ from framework.server.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from framework.server.responses_input import ResponsesRequest
 from framework.server.state import ServerConfig
 
 from .scripted_engine import ScriptedEngineClient
@@ -51,6 +53,37 @@ json_values = st.recursive(
     max_leaves=12,
 )
 token_ids = st.lists(st.one_of(st.integers(0, 260), st.sampled_from(BIG_INTS)), min_size=0, max_size=6)
+#: Anthropic content blocks and Responses input items (some of each valid kind, some not).
+blocks = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(
+            ["text", "tool_use", "tool_result", "thinking", "mcp_tool_use", "mcp_tool_result", "image"]
+        )
+    },
+    optional={
+        "text": texts,
+        "id": texts,
+        "name": texts,
+        "input": json_values,
+        "tool_use_id": texts,
+        "content": st.one_of(texts, json_values),
+        "thinking": texts,
+        "is_error": st.booleans(),
+    },
+)
+items = st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "mcp_call", "x"])},
+    optional={
+        "role": st.sampled_from(["user", "assistant", "developer", "tool"]),
+        "content": st.one_of(texts, json_values),
+        "call_id": texts,
+        "name": texts,
+        "arguments": st.one_of(texts, json_values),
+        "id": texts,
+        "output": st.one_of(texts, json_values),
+        "error": json_values,
+    },
+)
 messages = st.lists(
     st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "bot"])},
@@ -58,6 +91,7 @@ messages = st.lists(
             "content": st.one_of(
                 texts,
                 st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2),
+                st.lists(blocks, max_size=3),
                 json_values,
             ),
             "name": texts,
@@ -72,7 +106,9 @@ messages = st.lists(
 TYPED = {
     "messages": messages,
     "prompt": st.one_of(texts, token_ids, st.lists(texts, max_size=3), st.lists(token_ids, max_size=3)),
-    "input": st.one_of(texts, token_ids, st.lists(texts, max_size=3)),
+    "input": st.one_of(texts, token_ids, st.lists(texts, max_size=3), st.lists(items, max_size=4)),
+    # a background response goes on after its answer: the checks below look for idle engines
+    "background": st.just(False),
     "max_tokens": st.one_of(st.integers(-2, 40), st.sampled_from(BIG_INTS)),
     "n": st.sampled_from(BIG_INTS),
     "stop": st.one_of(texts, st.lists(texts, max_size=20)),
@@ -136,6 +172,9 @@ ENDPOINTS = {
     "/v1/chat/completions": bodies(ChatCompletionRequest),
     "/v1/completions": bodies(CompletionRequest),
     "/v1/embeddings": bodies(EmbeddingRequest),
+    "/v1/responses": bodies(ResponsesRequest),
+    "/v1/messages": bodies(MessagesRequest),
+    "/v1/messages/count_tokens": bodies(MessagesRequest),
     "/tokenize": bodies(TokenizeRequest),
     "/detokenize": bodies(DetokenizeRequest),
 }
@@ -196,14 +235,17 @@ def _short(body: bytes) -> bytes:
     """Keep fuzzed generations on the real model short: a valid ``max_tokens`` becomes 2."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return body
     if isinstance(value, dict):
         if isinstance(value.get("max_tokens"), int) and value["max_tokens"] > 2:
             value["max_tokens"] = 2
         value.pop("max_completion_tokens", None)
         value.setdefault("max_tokens", 2)
-        return raw_body(value)
+        try:
+            return raw_body(value)
+        except RecursionError:  # nested too deep to re-encode: sent as it is (the server refuses it)
+            return body
     return body
 
 

@@ -290,3 +290,45 @@ def test_the_openai_tool_list_is_built_once_per_listing():
             await manager.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_api_runs_mcp_tools_and_returns_mcp_call_items(server, stream):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    kwargs = dict(model="scripted", input="What is 2 + 40?", extra_body={"mcp_execute": True})
+    if stream:
+        events = list(client.responses.create(stream=True, **kwargs))
+        response = events[-1].response
+        assert [e.item.type for e in events if e.type == "response.output_item.added"] == [
+            "message",
+            "mcp_call",
+            "message",
+        ]
+    else:
+        response = client.responses.create(**kwargs)
+    [ran] = [item for item in response.output if item.type == "mcp_call"]
+    assert (ran.name, ran.server_label, json.loads(ran.arguments), ran.output) == (
+        "calc__add",
+        "calc",
+        {"a": 2, "b": 40},
+        "42",
+    )
+    assert "The sum is 42." in response.output_text
+    # a follow-up sees the call the server ran and its result
+    client.responses.create(model="scripted", input="thanks", previous_response_id=response.id)
+    assert "<|tool|>42" in server.engine.prompts[-1]
+
+
+def test_messages_api_runs_mcp_tools_and_returns_mcp_blocks(server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    message = client.messages.create(
+        model="scripted", max_tokens=200, messages=MESSAGES, extra_body={"mcp_execute": True}
+    )
+    kinds = [block.type for block in message.content]
+    assert kinds == ["mcp_tool_use", "mcp_tool_result", "text"], kinds
+    use, result, text = message.content
+    assert (use.name, use.server_name, use.input) == ("calc__add", "calc", {"a": 2, "b": 40})
+    assert result.content[0]["text"] == "42" and text.text.endswith("The sum is 42.")  # a beta block: a dict here
+    assert message.stop_reason == "end_turn"

@@ -182,7 +182,6 @@ def test_nesting_within_the_limit_and_brackets_in_strings_pass(http):
     "field, value",
     [
         ("continue_final_message", True),
-        ("reasoning_effort", "low"),
         ("prompt_logprobs", 1),
         ("use_beam_search", True),
         ("priority", 5),
