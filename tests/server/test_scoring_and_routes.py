@@ -74,10 +74,11 @@ def test_max_tokens_0_with_echo_returns_the_prompts_logprobs_as_transformers_com
 
 
 def test_unknown_path_is_a_404_naming_it_and_listing_the_routes(base):
-    response = httpx.post(f"{base}/v1/responses", json={"model": MODEL, "input": "hi"})
+    response = httpx.post(f"{base}/v1/assistants", json={"model": MODEL, "name": "hi"})
     assert response.status_code == 404
     message = response.json()["error"]["message"]
-    assert "POST /v1/responses" in message and "POST /v1/chat/completions" in message and "GET /v1/models" in message
+    assert "POST /v1/assistants" in message and "POST /v1/chat/completions" in message and "GET /v1/models" in message
+    assert "POST /v1/responses" in message and "POST /v1/messages" in message  # the routes are listed
 
 
 def test_a_wrong_method_is_a_405_naming_the_allowed_ones(base):
