@@ -52,7 +52,7 @@ def test_plugins_list_json_describes_in_tree_plugins():
     attention = by_name["torch_attention"]
     assert attention["distribution"] == "fw-torch-attention" and attention["version"] == "0.1.0"
     assert attention["hooks"] == ["register_attention_backends"]
-    assert attention["registers"] == {"attention backend": ["torch"]}
+    assert attention["registers"] == {"attention backend": ["torch_sdpa", "torch"]}
     assert "rms_norm/torch" in by_name["core"]["registers"]["kernel"]
 
 

@@ -144,7 +144,7 @@ def test_duplicate_names_are_rejected_naming_both_plugins(register_fw_plugin):
 def test_unknown_name_lists_valid_names():
     with pytest.raises(UnknownNameError) as info:
         registries.attention_backends().get("tritonn")
-    assert "'tritonn'" in str(info.value) and "valid: flashinfer, torch, triton" in str(info.value)
+    assert "'tritonn'" in str(info.value) and "valid: flashinfer, torch, torch_sdpa, triton" in str(info.value)
 
 
 def test_register_hook_must_return_specs_of_its_kind(register_fw_plugin):
