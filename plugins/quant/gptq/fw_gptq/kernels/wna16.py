@@ -123,6 +123,5 @@ def wna16_matmul(x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None
         HAS_G_IDX=weight.g_idx is not None, SCALE_PER_SLICE=scale_per_slice, SPLIT_K=split_k,
         num_warps=num_warps, num_stages=num_stages, **cfg)
     if split_k > 1:
-        torch.sum(partial, dim=0, out=partial[0])
-        target.copy_(partial[0])
+        target.copy_(partial.sum(0))
     return target
