@@ -1,0 +1,75 @@
+"""Tiny random transformers models rewritten as GPTQ / AWQ / compressed-tensors / Marlin checkpoints
+by the independent writers of :mod:`reference_formats`; the transformers model gets the dequantized
+weights, so it is the reference the engine must match token for token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from schemes import FormatScheme
+
+LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def round_to_nearest(w: torch.Tensor, bits: int, group_size: int, symmetric: bool):
+    """RTN integers of ``w [N, K]``: ``(q [K, N], scales [G, N], zeros [G, N] or None)``."""
+    n, k = w.shape
+    group = k if group_size == -1 else group_size
+    grouped = w.float().reshape(n, k // group, group)
+    if symmetric:
+        scales = (grouped.abs().amax(-1) / (2 ** (bits - 1) - 1)).clamp_min(1e-6).half().float()
+        zeros = None
+        q = torch.round(grouped / scales[..., None]) + 2 ** (bits - 1)
+    else:
+        low, high = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
+        scales = ((high - low) / (2**bits - 1)).clamp_min(1e-6).half().float()
+        zeros = torch.round(-low / scales).clamp(1, 2**bits - 1)
+        q = torch.round(grouped / scales[..., None]) + zeros[..., None]
+    q = q.clamp(0, 2**bits - 1).reshape(n, k).t().long()
+    return q, scales.t().contiguous(), None if zeros is None else zeros.t().long().contiguous()
+
+
+def quantize_checkpoint(path: Path, reference, scheme: FormatScheme) -> None:
+    """Rewrite the safetensors model at ``path`` in ``scheme``'s format (in place) and load the
+    values it stands for into ``reference`` (the transformers model written there)."""
+    tensors = load_file(str(path / "model.safetensors"))
+    out, state = {}, reference.state_dict()
+    for name, value in tensors.items():
+        stem, _, leaf = name.rpartition(".")
+        if leaf != "weight" or stem.rpartition(".")[2] not in LINEAR_LEAVES:
+            out[name] = value
+            continue
+        q, scales, zeros = round_to_nearest(value, scheme.bits, scheme.group_size, scheme.symmetric)
+        k = value.shape[1]
+        g_idx = torch.arange(k) // (k if scheme.group_size == -1 else scheme.group_size)
+        if scheme.act_order:  # the integers stay; the groups are assigned in a permuted order
+            perm = torch.randperm(k, generator=torch.Generator().manual_seed(k))
+            g_idx = torch.empty_like(g_idx).index_copy_(0, perm, g_idx.clone())
+        z = torch.full_like(scales, 2 ** (scheme.bits - 1)) if zeros is None else zeros.float()
+        if scheme.fmt == "gptq":
+            from reference_formats import write_gptq
+
+            written = write_gptq(q, scales, zeros, g_idx, scheme.bits, v2=scheme.v2)
+        elif scheme.fmt == "awq":
+            from reference_formats import write_awq
+
+            written = write_awq(q, scales, zeros)
+        elif scheme.fmt == "marlin":
+            from reference_formats import write_marlin
+
+            written = write_marlin(q, scales)
+        else:
+            from reference_formats import write_compressed
+
+            written = write_compressed(q, scales, zeros, scheme.bits, dtype=torch.float16)
+            if scheme.act_order:
+                written["weight_g_idx"] = g_idx.to(torch.int32)
+        out.update({f"{stem}.{key}": t for key, t in written.items()})
+        state[name].copy_(((q.float() - z[g_idx]) * scales[g_idx]).t())
+    save_file(out, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = scheme.config()
+    (path / "config.json").write_text(json.dumps(config))
