@@ -9,27 +9,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from fw_gptq.quantize.rtn import round_to_nearest
 from schemes import FormatScheme
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def round_to_nearest(w: torch.Tensor, bits: int, group_size: int, symmetric: bool):
-    """RTN integers of ``w [N, K]``: ``(q [K, N], scales [G, N], zeros [G, N] or None)``."""
-    n, k = w.shape
-    group = k if group_size == -1 else group_size
-    grouped = w.float().reshape(n, k // group, group)
-    if symmetric:
-        scales = (grouped.abs().amax(-1) / (2 ** (bits - 1) - 1)).clamp_min(1e-6).half().float()
-        zeros = None
-        q = torch.round(grouped / scales[..., None]) + 2 ** (bits - 1)
-    else:
-        low, high = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
-        scales = ((high - low) / (2**bits - 1)).clamp_min(1e-6).half().float()
-        zeros = torch.round(-low / scales).clamp(1, 2**bits - 1)
-        q = torch.round(grouped / scales[..., None]) + zeros[..., None]
-    q = q.clamp(0, 2**bits - 1).reshape(n, k).t().long()
-    return q, scales.t().contiguous(), None if zeros is None else zeros.t().long().contiguous()
 
 
 def quantize_checkpoint(path: Path, reference, scheme: FormatScheme) -> None:
@@ -42,7 +25,9 @@ def quantize_checkpoint(path: Path, reference, scheme: FormatScheme) -> None:
         if leaf != "weight" or stem.rpartition(".")[2] not in LINEAR_LEAVES:
             out[name] = value
             continue
-        q, scales, zeros = round_to_nearest(value, scheme.bits, scheme.group_size, scheme.symmetric)
+        rounded = round_to_nearest(value, scheme.bits, scheme.group_size, scheme.symmetric)  # the integers only
+        q, scales = rounded.q.long(), rounded.scales
+        zeros = None if rounded.zeros is None else rounded.zeros.long()
         k = value.shape[1]
         g_idx = torch.arange(k) // (k if scheme.group_size == -1 else scheme.group_size)
         if scheme.act_order:  # the integers stay; the groups are assigned in a permuted order
