@@ -74,6 +74,8 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
                 axis = spec.out_axis if projection == "w13" else spec.in_axis
                 per_shard = spec.per_shard and projection == "w13"
                 shape = (num_experts, *spec.shape, 2) if per_shard else (num_experts, *spec.shape)
+                if len(spec.shape) == 1 and axis is not None:  # down's g_idx: FusedMoE splits only 2-D tensors,
+                    axis, shape = None, (num_experts, k_full)  # so every rank keeps all and takes its part in _decode
                 param = nn.Parameter(torch.empty(shape, dtype=spec.dtype), requires_grad=False)
                 feature_dim = None if axis is None or per_shard else axis - len(spec.shape)
                 attrs = {"weight_loader": layer.weight_loader, "moe_projection": projection, "feature_dim": feature_dim}
@@ -93,6 +95,9 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
             value = getattr(layer, f"{projection}_{name}").data[expert]
             tensors[name] = value[..., 0] if value.dim() == 2 and name == "weight_shape" else value
         k = layer.hidden_size if projection == "w13" else layer.intermediate_size_per_partition
+        for name in ("g_idx", "weight_g_idx"):
+            if name in tensors and tensors[name].shape[0] != k:  # down's: this rank's input features
+                tensors[name] = tensors[name].narrow(0, layer.tp_rank * k, k)
         return decode_checkpoint(self.scheme, tensors, k, f"{layer.prefix} expert {expert} {projection}")
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

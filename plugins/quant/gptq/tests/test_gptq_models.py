@@ -60,3 +60,18 @@ def test_a_checkpoint_that_needs_packing_is_kept_packed_on_request(tmp_path, mon
         assert layer.wna16_qweight.dtype == torch.int32 and layer.wna16_dense is None
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert [r.outputs[0].token_ids for r in results] == [reference_greedy(reference, p, 10) for p in PROMPTS]
+
+
+MOE = dict(vocab_size=160, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=8,
+           num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize(("scheme", "tp"), [(FormatScheme("gptq", 4, 32, symmetric=False, act_order=True), 2),
+                                            (FormatScheme("awq", 4, 64, symmetric=False), 1)], ids=repr)
+def test_quantized_moe_experts_load_per_expert_and_match_transformers(scheme, tp, tmp_path, monkeypatch):
+    monkeypatch.setenv("FW_GPTQ_KEEP_PACKED", "1")  # experts stay packed, run by quantized_fused_moe, as on the GPU
+    reference = write_tiny_model(tmp_path, transformers.Qwen3MoeConfig(**MOE))
+    quantize_checkpoint(tmp_path, reference, scheme)
+    expected = [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert greedy(tmp_path, tensor_parallel_size=tp) == expected

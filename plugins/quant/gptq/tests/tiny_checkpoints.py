@@ -53,8 +53,21 @@ def quantize_checkpoint(path: Path, reference, scheme: FormatScheme) -> None:
             if scheme.act_order:
                 written["weight_g_idx"] = g_idx.to(torch.int32)
         out.update({f"{stem}.{key}": t for key, t in written.items()})
-        state[name].copy_(((q.float() - z[g_idx]) * scales[g_idx]).t())
+        reference_weight(state, name).copy_(((q.float() - z[g_idx]) * scales[g_idx]).t())
     save_file(out, str(path / "model.safetensors"))
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = scheme.config()
     (path / "config.json").write_text(json.dumps(config))
+
+
+def reference_weight(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The transformers tensor (or part) holding checkpoint weight ``name``: itself, or one expert's
+    rows of the fused ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]``."""
+    if name in state:
+        return state[name]
+    base, expert, projection, _ = name.rsplit(".", 3)
+    if projection == "down_proj":
+        return state[f"{base}.down_proj"][int(expert)]
+    fused = state[f"{base}.gate_up_proj"][int(expert)]
+    half = fused.shape[0] // 2
+    return fused[:half] if projection == "gate_proj" else fused[half:]
