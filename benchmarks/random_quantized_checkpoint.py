@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 from common import SHAPES, model_config
-from safetensors.torch import save_file
-
-from framework.testing import make_tiny_tokenizer
 from fw_gptq.config import ROUTER_LEAVES, WNA16Scheme
 from fw_gptq.params import checkpoint_params
 from fw_gptq.quantize.writer import quantization_config
+from safetensors.torch import save_file
+
+from framework.testing import make_tiny_tokenizer
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FORMATS = {"gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed"}

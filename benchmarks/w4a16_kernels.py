@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import time
 
 import torch
 
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from common import graph_time, write_kernel_report  # noqa: E402
+from common import copies_timer, write_kernel_report  # noqa: E402
 from fw_gptq.kernels.layout import dequantize_kernel_weight, to_kernel_layout  # noqa: E402
 from fw_gptq.kernels.wna16 import choose_config, wna16_matmul  # noqa: E402
 from fw_gptq.packing import IntWeight  # noqa: E402
@@ -65,19 +64,6 @@ def sweep_settings(rows: int) -> list[dict]:
             if not (not use_dot and bn * bk * bm > 32768) and not (use_dot and bm * bn > 128 * 128)]
 
 
-def timer(tiny: bool):
-    def cuda_time(fn, copies):
-        calls = itertools.cycle(copies)
-        return graph_time(lambda: fn(next(calls)), repeats=max(20, len(copies)))
-
-    def cpu_time(fn, copies):
-        start = time.perf_counter()
-        fn(copies[0])
-        return time.perf_counter() - start
-
-    return cpu_time if tiny else cuda_time
-
-
 def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) -> dict:
     device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
     bits, group, zeros, act_order = VARIANTS[variant]
@@ -92,7 +78,7 @@ def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) ->
     copies = [weight] + [weight._replace(qweight=weight.qweight.clone())
                          for _ in range(0 if tiny else -(-COLD_BYTES // packed_bytes) - 1)]
     dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
-    time_it = timer(tiny)
+    time_it = copies_timer(tiny)
     rule = choose_config(rows, n, k, group)
     kernel_s = time_it(lambda w: wna16_matmul(x, w), copies)
     cublas_s = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies)

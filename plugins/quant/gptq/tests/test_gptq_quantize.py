@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
-from typer.testing import CliRunner
-
-from framework import LLM, SamplingParams
-from framework.testing import reference_greedy, write_tiny_model
 from fw_gptq.packing import unpack_awq, unpack_compressed, unpack_gptq
 from fw_gptq.quantize.cli import default_calibration_text
 from fw_gptq.quantize.gptq import gptq_quantize
 from fw_gptq.quantize.rtn import round_to_nearest
 from fw_gptq.quantize.run import QuantizeJob, run_quantize
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from framework import LLM, SamplingParams
+from framework.testing import reference_greedy, write_tiny_model
 
 CONFIG = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)

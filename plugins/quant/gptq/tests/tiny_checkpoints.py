@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from fw_gptq.quantize.rtn import round_to_nearest
+from safetensors.torch import load_file, save_file
 from schemes import FormatScheme
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
