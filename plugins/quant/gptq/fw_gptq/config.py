@@ -133,7 +133,7 @@ class GPTQConfig(WNA16Config):
     @classmethod
     def from_config(cls, config: dict[str, Any], model_config: Any = None) -> GPTQConfig:
         bits, group_size = check_bits_and_group("gptq", config.get("bits"), config.get("group_size", -1))
-        checkpoint_format = str(config.get("checkpoint_format", "gptq")).lower()
+        checkpoint_format = str(config.get("checkpoint_format", config.get("format", "gptq"))).lower()  # GPTQModel: either
         if config.get("is_marlin_format"):
             checkpoint_format = "marlin"
         if checkpoint_format not in ("gptq", "gptq_v2", "marlin"):
