@@ -200,6 +200,6 @@ class CompressedTensorsConfig(WNA16Config):
         bits, group_size = check_bits_and_group("compressed-tensors", weights.get("num_bits"), group_size)
         actorder = weights.get("actorder")
         scheme = WNA16Scheme("compressed", bits, group_size, bool(weights.get("symmetric", True)),
-                             desc_act=actorder in ("group", "weight"))
+                             desc_act=actorder == "group")  # "weight" order is baked into the weights: no g_idx
         return cls(scheme, config.get("ignore"))
 
