@@ -48,7 +48,7 @@ def checkpoint_params(scheme: WNA16Scheme, k: int, n: int, k_full: int, where: s
     all_groups = keeps_all_groups(scheme, k, k_full)
     groups = scheme.groups(k_full if all_groups else k)
     group_axis = None if all_groups or scheme.group_size == -1 else 0
-    check_sizes(scheme, k, n, where)
+    check_sizes(scheme, k, n, where, k_full)
     if scheme.format == "gptq":
         return [ParamSpec("qweight", (k // pf, n), i32, 0, 1), ParamSpec("qzeros", (groups, n // pf), i32, group_axis, 1),
                 ParamSpec("scales", (groups, n), torch.float32, group_axis, 1), ParamSpec("g_idx", (k,), i32, 0, None)]
@@ -69,11 +69,14 @@ def checkpoint_params(scheme: WNA16Scheme, k: int, n: int, k_full: int, where: s
     return specs
 
 
-def check_sizes(scheme: WNA16Scheme, k: int, n: int, where: str) -> None:
-    """Refuse a ``[n, k]`` weight (this rank's) the format cannot store in whole words and groups."""
+def check_sizes(scheme: WNA16Scheme, k: int, n: int, where: str, k_full: int | None = None) -> None:
+    """Refuse a ``[n, k]`` weight (this rank's) the format cannot store in whole words and groups. A
+    last group shorter than the others is fine (576 inputs in groups of 128) unless the inputs are
+    split over ranks (each rank must hold whole groups)."""
     pf = scheme.pack_factor
     problems = []
-    if scheme.group_size != -1 and k % scheme.group_size and not scheme.desc_act:
+    split = k_full is not None and k != k_full
+    if scheme.group_size != -1 and k % scheme.group_size and split and not scheme.desc_act:
         problems.append(f"{k} input features are not a whole number of groups of {scheme.group_size}")
     if scheme.format in ("gptq", "compressed") and k % pf:
         problems.append(f"{k} input features do not fill whole int32 words of {pf} values")

@@ -31,8 +31,8 @@ def gptq_quantize(w: Tensor, hessian: Tensor, bits: int, group_size: int, symmet
     h += damp * torch.mean(torch.diag(h)) * torch.eye(k)
     h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros_like(w)
-    scales = torch.zeros(k // group, n)
-    zeros = torch.zeros(k // group, n)
+    scales = torch.zeros(-(-k // group), n)  # the last group may be shorter
+    zeros = torch.zeros(-(-k // group), n)
     for start in range(0, k, BLOCK):
         end = min(start + BLOCK, k)
         block, errors, h_block = w[:, start:end].clone(), torch.zeros(n, end - start), h_inv[start:end, start:end]

@@ -29,8 +29,9 @@ def round_to_nearest(w: Tensor, bits: int, group_size: int, symmetric: bool) -> 
     """RTN of ``w [N, K]`` with groups of ``group_size`` input features (-1: one per output feature)."""
     n, k = w.shape
     group = k if group_size == -1 else group_size
-    grouped = w.float().reshape(n, k // group, group)
+    padded = -(-k // group) * group  # a short last group: zero padding changes neither absmax nor min/max (both hold 0)
+    grouped = torch.nn.functional.pad(w.float(), (0, padded - k)).reshape(n, padded // group, group)
     scale, zero = group_params(grouped, bits, symmetric)
-    q = quantize_values(grouped, scale[..., None], zero[..., None], bits).reshape(n, k)
+    q = quantize_values(grouped, scale[..., None], zero[..., None], bits).reshape(n, padded)[:, :k]
     zeros = None if symmetric else zero.t().to(torch.uint8).contiguous()
     return IntWeight(q.t().to(torch.uint8).contiguous(), scale.t().contiguous(), zeros, None, bits, group)
