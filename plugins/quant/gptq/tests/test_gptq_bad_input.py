@@ -5,8 +5,6 @@ scales do not have, when the layer is loaded."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers
