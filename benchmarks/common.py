@@ -28,55 +28,188 @@ from framework.distributed.fast_all_reduce import ALL_REDUCE_CHOICES
 #: Model shapes (Hugging Face ``config.json`` fields) for random-weight engines. A shape without
 #: ``architectures`` is a Llama (see :func:`model_config`).
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
-    "qwen3-0.6b-like-llama": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=1024, max_position_embeddings=4096),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "qwen3-0.6b-like-llama": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=8192,
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+    ),
     # Qwen3-30B-A3B: 48 layers of 128 experts (top-8, width 768), QK norm
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
-                          rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     # DeepSeek-V2-Lite: MLA (kv_lora_rank 512, rope 64: 576 cached numbers per token and layer), 26 MoE layers
     # of 64 experts (top-6, width 1408) + 2 shared, 1 dense layer; YaRN x40
-    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
-                             intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
-                             num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
-                             routed_scaling_factor=1.0, norm_topk_prob=False, num_hidden_layers=27, num_attention_heads=16,
-                             num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-                             qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400, max_position_embeddings=163840,
-                             rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                                               "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
-                                                               "mscale_all_dim": 0.707}, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=102400,
+        max_position_embeddings=163840,
+        rope_theta=10000.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     # Llama-3-70B: 80 layers, 64 query / 8 KV heads, FFN 28672 (141 GB in bf16: TP=4 and up)
-    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama3-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
     # Qwen3-235B-A22B: 94 layers of 128 experts (top-8, width 1536), 64 query / 4 KV heads (470 GB in bf16: TP=8)
-    "qwen3-235b-a22b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=4096,
-                            intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
-                            norm_topk_prob=True, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
-                            head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
-                            rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen3-235b-a22b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     # Qwen3-32B: 64 layers, 64 query / 8 KV heads of 128, FFN 25600, QK norm (65.5 GB in bf16)
-    "qwen3-32b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=5120, intermediate_size=25600,
-                      num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False),
-    "tiny-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=256, intermediate_size=512,
-                     moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
-                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
-                     max_position_embeddings=4096, tie_word_embeddings=False),
-    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
-                         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
-                         rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3-32b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "tiny-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-0.5b": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
 }
 COPY_BANDWIDTH = 4.28e12  # bytes/s read+written, measured on the H200 (GPU.md)
 
@@ -98,7 +231,9 @@ def git_commit() -> str:
     if os.environ.get("FW_COMMIT"):
         return os.environ["FW_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except Exception:
         return "unknown"
 
@@ -201,9 +336,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (GPUs 0..N-1 unless --d)")
     parser.add_argument("--d", default=None, help="GPU ordinals, e.g. 0,1 (tensor parallelism over them)")
-    parser.add_argument("--all-reduce", default="auto", choices=list(ALL_REDUCE_CHOICES),
-                        help="tensor-parallel all-reduce (fw --all-reduce; auto: flashinfer for bf16 where its module is built, "
-                             "else symm_mem on Hopper GPUs of one host with peer access)")
+    parser.add_argument(
+        "--all-reduce",
+        default="auto",
+        choices=list(ALL_REDUCE_CHOICES),
+        help="tensor-parallel all-reduce (fw --all-reduce; auto: flashinfer for bf16 where its module is built, "
+        "else symm_mem on Hopper GPUs of one host with peer access)",
+    )
 
 
 def device_ids(args: argparse.Namespace) -> list[int] | None:
@@ -223,9 +362,14 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     """``LLM`` arguments from the flags of :func:`add_engine_arguments`, on random weights with the
     prefix cache off (every prompt is computed); ``overrides`` (sizes, limits) are added last."""
     kwargs: dict[str, Any] = {
-        "load_format": "dummy", "dtype": args.dtype, "attention_backend": args.attention_backend,
-        "enable_cuda_graphs": not args.disable_cuda_graph, "enable_prefix_caching": False,
-        "async_scheduling": False if args.no_async_scheduling else None, "all_reduce": args.all_reduce}
+        "load_format": "dummy",
+        "dtype": args.dtype,
+        "attention_backend": args.attention_backend,
+        "enable_cuda_graphs": not args.disable_cuda_graph,
+        "enable_prefix_caching": False,
+        "async_scheduling": False if args.no_async_scheduling else None,
+        "all_reduce": args.all_reduce,
+    }
     ids = device_ids(args)
     if ids:
         kwargs |= {"device_ids": ids, "tensor_parallel_size": len(ids)}
@@ -240,8 +384,13 @@ def report_header(device: str | None = None) -> dict[str, str]:
     command and the torch version."""
     import time
 
-    return {"date": time.strftime("%Y-%m-%d"), "device": device or device_name(), "commit": git_commit(),
-            "command": command_line(), "torch": torch.__version__}
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device or device_name(),
+        "commit": git_commit(),
+        "command": command_line(),
+        "torch": torch.__version__,
+    }
 
 
 def write_kernel_report(path: str, results: list, **extra: Any) -> None:
@@ -258,8 +407,9 @@ def nano_requests(num_requests: int, vocab: int) -> tuple[list[dict[str, list[in
     """nano-vllm's bench.py requests: prompts of ids below ``vocab`` and output lengths, both
     uniform in 100..1024, from ``random.Random(0)`` (the prompts first, then the lengths)."""
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]}
-               for _ in range(num_requests)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]} for _ in range(num_requests)
+    ]
     return prompts, [rng.randint(100, 1024) for _ in range(num_requests)]
 
 

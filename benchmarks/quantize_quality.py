@@ -29,16 +29,38 @@ from framework import LLM, SamplingParams
 from framework.testing import capture_logits
 
 PROMPTS = [
-    "The history of the printing press", "How do vaccines train the immune system?", "Write a short poem about autumn.",
-    "Explain what a hash table is.", "The best way to learn a new language is", "In 1969, astronauts landed on",
-    "A recipe for pancakes needs", "Photosynthesis is the process by which", "Give three tips for better sleep.",
-    "The main causes of the French Revolution were", "def quicksort(arr):", "What is the difference between a virus and",
-    "The city of Tokyo is known for", "Describe the water cycle.", "Once upon a time, a dragon", "Why do cats purr?",
-    "The theory of relativity says that", "List the planets of the solar system.", "A good password should",
-    "The stock market is", "How does a bicycle stay upright?", "The Amazon rainforest", "Translate 'good morning' into",
-    "An email to my manager asking for", "The capital of Australia is", "Machine learning models learn by",
-    "The ocean is salty because", "My favourite book is", "To change a flat tyre, first", "Electric cars are",
-    "The human heart has four", "Summarize the plot of Romeo and Juliet.",
+    "The history of the printing press",
+    "How do vaccines train the immune system?",
+    "Write a short poem about autumn.",
+    "Explain what a hash table is.",
+    "The best way to learn a new language is",
+    "In 1969, astronauts landed on",
+    "A recipe for pancakes needs",
+    "Photosynthesis is the process by which",
+    "Give three tips for better sleep.",
+    "The main causes of the French Revolution were",
+    "def quicksort(arr):",
+    "What is the difference between a virus and",
+    "The city of Tokyo is known for",
+    "Describe the water cycle.",
+    "Once upon a time, a dragon",
+    "Why do cats purr?",
+    "The theory of relativity says that",
+    "List the planets of the solar system.",
+    "A good password should",
+    "The stock market is",
+    "How does a bicycle stay upright?",
+    "The Amazon rainforest",
+    "Translate 'good morning' into",
+    "An email to my manager asking for",
+    "The capital of Australia is",
+    "Machine learning models learn by",
+    "The ocean is salty because",
+    "My favourite book is",
+    "To change a flat tyre, first",
+    "Electric cars are",
+    "The human heart has four",
+    "Summarize the plot of Romeo and Juliet.",
 ]
 STEPS = 32
 
@@ -69,8 +91,9 @@ def prompt_ids(path: Path) -> list[list[int]]:
 
 def greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     with LLM(str(path), device="cpu", dtype="float32", num_blocks=256) as llm:
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+        results = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+        )
     return [r.outputs[0].token_ids for r in results]
 
 
@@ -98,11 +121,26 @@ def main() -> None:
     reference = greedy(source, prompts)
     reference_logits = continuation_logits(source, prompts, reference)
     results = []
-    print(f"{'method':6s} {'bits':>4s} {'group':>5s} {'top1 %':>7s} {'mean KL':>9s} {'greedy %':>8s} {'quantize s':>10s}")
+    print(
+        f"{'method':6s} {'bits':>4s} {'group':>5s} {'top1 %':>7s} {'mean KL':>9s} {'greedy %':>8s} {'quantize s':>10s}"
+    )
     for method in args.methods:
         started = time.perf_counter()
-        run_quantize(QuantizeJob(source, work / method, method, args.bits, args.group_size, None, False,
-                                 default_calibration_text(), args.num_samples, 256), echo=lambda _: None)
+        run_quantize(
+            QuantizeJob(
+                source,
+                work / method,
+                method,
+                args.bits,
+                args.group_size,
+                None,
+                False,
+                default_calibration_text(),
+                args.num_samples,
+                256,
+            ),
+            echo=lambda _: None,
+        )
         seconds = time.perf_counter() - started
         logits = continuation_logits(work / method, prompts, reference)
         kl, top1 = [], []
@@ -112,14 +150,27 @@ def main() -> None:
             top1.append((got.argmax(-1) == torch.tensor(tokens)).float())
         own = greedy(work / method, prompts)
         agree = sum(a == b for o, r in zip(own, reference) for a, b in zip(o, r)) / (len(prompts) * STEPS)
-        result = {"method": method, "bits": args.bits, "group_size": args.group_size, "num_prompts": len(prompts),
-                  "steps": STEPS, "teacher_forced_top1": float(torch.cat(top1).mean()),
-                  "mean_kl": float(torch.cat(kl).mean()), "free_running_agreement": agree, "quantize_s": seconds}
+        result = {
+            "method": method,
+            "bits": args.bits,
+            "group_size": args.group_size,
+            "num_prompts": len(prompts),
+            "steps": STEPS,
+            "teacher_forced_top1": float(torch.cat(top1).mean()),
+            "mean_kl": float(torch.cat(kl).mean()),
+            "free_running_agreement": agree,
+            "quantize_s": seconds,
+        }
         results.append(result)
-        print(f"{method:6s} {args.bits:4d} {args.group_size:5d} {100 * result['teacher_forced_top1']:7.1f} "
-              f"{result['mean_kl']:9.4f} {100 * agree:8.1f} {seconds:10.1f}", flush=True)
+        print(
+            f"{method:6s} {args.bits:4d} {args.group_size:5d} {100 * result['teacher_forced_top1']:7.1f} "
+            f"{result['mean_kl']:9.4f} {100 * agree:8.1f} {seconds:10.1f}",
+            flush=True,
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({**report_header(), "source": str(args.src), "results": results}, indent=2))
+        Path(args.out).write_text(
+            json.dumps({**report_header(), "source": str(args.src), "results": results}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -51,14 +51,17 @@ def expand_experts(name: str, shape: torch.Size) -> dict[str, tuple[int, int]]:
     return {f"{base}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}
 
 
-def random_packed(scheme: WNA16Scheme, n: int, k: int, device: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def random_packed(
+    scheme: WNA16Scheme, n: int, k: int, device: str, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
     tensors = {}
     for spec in checkpoint_params(scheme, k, n, k, "random checkpoint"):
         if spec.unused:
             continue
         if spec.name in ("scales", "weight_scale", "s"):
             value = (1e-3 * (1 + torch.rand(spec.shape, device=device, generator=generator))).to(
-                torch.bfloat16 if scheme.format == "compressed" else torch.float16)
+                torch.bfloat16 if scheme.format == "compressed" else torch.float16
+            )
         elif spec.name in ("g_idx", "weight_g_idx"):
             groups = torch.arange(k, device=device) // scheme.group_size
             value = groups[torch.randperm(k, device=device, generator=generator)] if scheme.desc_act else groups
@@ -70,7 +73,9 @@ def random_packed(scheme: WNA16Scheme, n: int, k: int, device: str, generator: t
             word = sum(stored << (scheme.bits * j) for j in range(scheme.pack_factor))
             value = torch.full(spec.shape, word - 2**32 if word >= 2**31 else word, dtype=torch.int32, device=device)
         else:
-            value = torch.randint(-2**31, 2**31 - 1, spec.shape, dtype=torch.int32, device=device, generator=generator)
+            value = torch.randint(
+                -(2**31), 2**31 - 1, spec.shape, dtype=torch.int32, device=device, generator=generator
+            )
         tensors[spec.name] = value.cpu()
     return tensors
 
@@ -87,7 +92,9 @@ def main() -> None:
     symmetric = args.method != "awq"
     scheme = WNA16Scheme(FORMATS[args.method], args.bits, args.group_size, symmetric, args.desc_act)
     config = model_config(args.shape)
-    config["quantization_config"] = quantization_config(args.method, args.bits, args.group_size, symmetric, args.desc_act)
+    config["quantization_config"] = quantization_config(
+        args.method, args.bits, args.group_size, symmetric, args.desc_act
+    )
     if args.method == "compressed-tensors" and args.desc_act:
         config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     config["torch_dtype"] = "bfloat16"
@@ -108,8 +115,12 @@ def main() -> None:
         linears = {}
         if ".experts." in name and len(shape) == 3:
             linears = expand_experts(name, shape)
-        elif name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR_LEAVES and ".layers." in name \
-                and name.rsplit(".", 2)[-2] not in ROUTER_LEAVES:
+        elif (
+            name.endswith(".weight")
+            and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
+            and ".layers." in name
+            and name.rsplit(".", 2)[-2] not in ROUTER_LEAVES
+        ):
             linears = {name: tuple(shape)}
         if linears:
             for linear, (n, k) in linears.items():
@@ -119,7 +130,9 @@ def main() -> None:
         elif "norm" in name:
             shard[name] = torch.ones(shape, dtype=torch.bfloat16)
         else:
-            shard[name] = torch.empty(shape, device=device).normal_(0, 0.02, generator=generator).to(torch.bfloat16).cpu()
+            shard[name] = (
+                torch.empty(shape, device=device).normal_(0, 0.02, generator=generator).to(torch.bfloat16).cpu()
+            )
             shard_bytes += shard[name].nbytes
         if shard_bytes > 2 * 2**30:
             flush()
@@ -129,9 +142,11 @@ def main() -> None:
     (args.dir / "config.json").write_text(json.dumps(config, indent=2))
     make_tiny_tokenizer(int(config["vocab_size"])).save(str(args.dir / "tokenizer.json"))
     (args.dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    print(f"wrote {args.dir}: {args.shape}, {args.method} {args.bits}-bit group {args.group_size}"
-          f"{' act-order' if args.desc_act else ''}, {len(files)} shards\n"
-          f"run: fw bench --m {args.dir} --num-prompts 1 --input-len 128 --output-len 256")
+    print(
+        f"wrote {args.dir}: {args.shape}, {args.method} {args.bits}-bit group {args.group_size}"
+        f"{' act-order' if args.desc_act else ''}, {len(files)} shards\n"
+        f"run: fw bench --m {args.dir} --num-prompts 1 --input-len 128 --output-len 256"
+    )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,19 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-RESULT_KEYS = {"device", "model", "dtype", "batch_size", "input_len", "output_len", "decode_tokens_per_s", "commit",
-               "command", "tp", "num_gpus"}
+RESULT_KEYS = {
+    "device",
+    "model",
+    "dtype",
+    "batch_size",
+    "input_len",
+    "output_len",
+    "decode_tokens_per_s",
+    "commit",
+    "command",
+    "tp",
+    "num_gpus",
+}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,26 +45,60 @@ def benchmarks(monkeypatch):
 
 def test_decode_writes_one_result_per_case_with_the_documented_keys(benchmarks, tmp_path):
     out = tmp_path / "decode.json"
-    benchmarks("decode.py", "--shape", "tiny", "--batch", "1", "2", "--context", "16", "--steps", "3", "--dtype", "f32",
-               "--out", str(out))
+    benchmarks(
+        "decode.py",
+        "--shape",
+        "tiny",
+        "--batch",
+        "1",
+        "2",
+        "--context",
+        "16",
+        "--steps",
+        "3",
+        "--dtype",
+        "f32",
+        "--out",
+        str(out),
+    )
     report = json.loads(out.read_text())
-    assert report["command"] == "python benchmarks/decode.py --shape tiny --batch 1 2 --context 16 --steps 3 --dtype f32"
+    assert (
+        report["command"] == "python benchmarks/decode.py --shape tiny --batch 1 2 --context 16 --steps 3 --dtype f32"
+    )
     assert (report["commit"], report["tp"], report["devices"], report["dtype"]) == ("abc1234", 1, [0], "f32")
     assert [(r["batch_size"], r["input_len"], r["output_len"]) for r in report["results"]] == [(1, 16, 3), (2, 16, 3)]
     for result in report["results"]:
         assert RESULT_KEYS <= set(result) and result["decode_tokens_per_s"] > 0
-        assert (result["device"], result["model"], result["tp"], result["num_gpus"]) == ("cpu", "tiny shape, random weights", 1, 1)
+        assert (result["device"], result["model"], result["tp"], result["num_gpus"]) == (
+            "cpu",
+            "tiny shape, random weights",
+            1,
+            1,
+        )
 
 
 def test_gpu_suite_runs_decode_and_prefill_cases_with_the_documented_keys(benchmarks, tmp_path):
     out = tmp_path / "suite.json"
-    benchmarks("gpu_suite.py", "--shape", "tiny-moe", "--cases", "decode:2:12:4", "prefill:16", "--dtype", "f32",
-               "--out", str(out))
+    benchmarks(
+        "gpu_suite.py",
+        "--shape",
+        "tiny-moe",
+        "--cases",
+        "decode:2:12:4",
+        "prefill:16",
+        "--dtype",
+        "f32",
+        "--out",
+        str(out),
+    )
     results = json.loads(out.read_text())["results"]
     assert [r["case"] for r in results] == ["decode", "prefill"]
     for result in results:
         assert RESULT_KEYS <= set(result)
-        assert result["command"] == "python benchmarks/gpu_suite.py --shape tiny-moe --cases decode:2:12:4 prefill:16 --dtype f32"
+        assert (
+            result["command"]
+            == "python benchmarks/gpu_suite.py --shape tiny-moe --cases decode:2:12:4 prefill:16 --dtype f32"
+        )
     assert (results[0]["batch_size"], results[0]["input_len"], results[0]["output_len"]) == (2, 12, 4)
     assert results[0]["decode_tokens_per_s"] > 0 and results[1]["prefill_tokens_per_s"] > 0
 
@@ -63,10 +108,14 @@ def test_recorded_command_is_the_arguments_given_less_the_output_path(monkeypatc
     from common import command_line
 
     script = str(BENCHMARKS / "gemv_bandwidth.py")
-    assert command_line([script, "--out", "/tmp/x.json", "--tp", "1", "2", "--out=/tmp/y.json", "--shape", "tiny"]) == \
-        "python benchmarks/gemv_bandwidth.py --tp 1 2 --shape tiny"
-    assert command_line([script, "--d", "0,1", "--disable-cuda-graph", "--note", "two words"]) == \
-        "python benchmarks/gemv_bandwidth.py --d 0,1 --disable-cuda-graph --note 'two words'"
+    assert (
+        command_line([script, "--out", "/tmp/x.json", "--tp", "1", "2", "--out=/tmp/y.json", "--shape", "tiny"])
+        == "python benchmarks/gemv_bandwidth.py --tp 1 2 --shape tiny"
+    )
+    assert (
+        command_line([script, "--d", "0,1", "--disable-cuda-graph", "--note", "two words"])
+        == "python benchmarks/gemv_bandwidth.py --d 0,1 --disable-cuda-graph --note 'two words'"
+    )
     monkeypatch.setattr(sys, "argv", [script, "--rows", "8"])
     assert command_line() == "python benchmarks/gemv_bandwidth.py --rows 8"
 
@@ -77,11 +126,21 @@ def test_engine_flags_become_the_llm_arguments(monkeypatch):
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    args = parser.parse_args(["--d", "2,3", "--all-reduce", "symm_mem", "--no-async-scheduling", "--disable-cuda-graph"])
+    args = parser.parse_args(
+        ["--d", "2,3", "--all-reduce", "symm_mem", "--no-async-scheduling", "--disable-cuda-graph"]
+    )
     assert engine_kwargs(args, max_num_seqs=8) == {
-        "load_format": "dummy", "enable_prefix_caching": False, "async_scheduling": False, "dtype": "bf16",
-        "attention_backend": "auto", "enable_cuda_graphs": False, "all_reduce": "symm_mem", "device_ids": [2, 3],
-        "tensor_parallel_size": 2, "max_num_seqs": 8}
+        "load_format": "dummy",
+        "enable_prefix_caching": False,
+        "async_scheduling": False,
+        "dtype": "bf16",
+        "attention_backend": "auto",
+        "enable_cuda_graphs": False,
+        "all_reduce": "symm_mem",
+        "device_ids": [2, 3],
+        "tensor_parallel_size": 2,
+        "max_num_seqs": 8,
+    }
     assert engine_kwargs(parser.parse_args(["--tp", "2"]))["device_ids"] == [0, 1]
     assert "device_ids" not in engine_kwargs(parser.parse_args([]))
 
@@ -93,12 +152,24 @@ def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchm
     assert "fw_triton_ops.gemv matches F.linear" in capsys.readouterr().out
     from gemv_bandwidth import layer_shapes
 
-    one, two = dict((name, (n, k)) for name, n, k, _ in layer_shapes("llama3-8b", 1)), \
-        dict((name, (n, k)) for name, n, k, _ in layer_shapes("llama3-8b", 2))
-    assert one == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-                   "lm_head": (128256, 4096)}
-    assert two == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
-                   "lm_head": (64128, 4096)}
+    one, two = (
+        dict((name, (n, k)) for name, n, k, _ in layer_shapes("llama3-8b", 1)),
+        dict((name, (n, k)) for name, n, k, _ in layer_shapes("llama3-8b", 2)),
+    )
+    assert one == {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+        "lm_head": (128256, 4096),
+    }
+    assert two == {
+        "qkv": (3072, 4096),
+        "o": (4096, 2048),
+        "gate_up": (14336, 4096),
+        "down": (4096, 7168),
+        "lm_head": (64128, 4096),
+    }
 
 
 def test_gguf_kernels_checks_and_times_every_case_and_writes_the_report(benchmarks, tmp_path, capsys):
@@ -151,7 +222,11 @@ def test_kernel_reports_carry_date_device_commit_command_and_versions(monkeypatc
     report = json.loads((tmp_path / "r.json").read_text())
     assert {"date", "device", "torch", "triton"} <= set(report)
     assert (report["commit"], report["command"], report["rows"], report["results"]) == (
-        "abc1234", "python benchmarks/gemv_bandwidth.py --rows 1", 2, [{"n": 1}])
+        "abc1234",
+        "python benchmarks/gemv_bandwidth.py --rows 1",
+        2,
+        [{"n": 1}],
+    )
 
 
 def test_w4a16_kernels_checks_and_times_every_case(benchmarks, tmp_path, monkeypatch):
@@ -163,7 +238,8 @@ def test_w4a16_kernels_checks_and_times_every_case(benchmarks, tmp_path, monkeyp
     report = json.loads(out.read_text())
     assert report["command"] == "python benchmarks/w4a16_kernels.py --tiny --variants gptq4 awq4 gptq4-act"
     assert [(r["variant"], r["layer"], r["rows"]) for r in report["results"]] == [
-        (v, layer, rows) for v in ("gptq4", "awq4", "gptq4-act") for layer in ("qkv", "down") for rows in (1, 3, 17)]
+        (v, layer, rows) for v in ("gptq4", "awq4", "gptq4-act") for layer in ("qkv", "down") for rows in (1, 3, 17)
+    ]
     assert all(r["check_rel_error"] < 1e-4 and r["kernel_us"] > 0 for r in report["results"])
 
 
@@ -177,8 +253,25 @@ def test_random_quantized_checkpoint_runs_in_fw_bench(benchmarks, tmp_path, shap
     benchmarks("random_quantized_checkpoint.py", "--shape", shape, "--method", method, "--dir", str(tmp_path / "m"))
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == method
-    result = CliRunner().invoke(build_app(), ["bench", "--m", str(tmp_path / "m"), "--num-prompts", "1", "--input-len",
-                                              "8", "--output-len", "2", "--device", "cpu", "--dtype", "bf16",
-                                              "--output-json", str(tmp_path / "bench.json")])
+    result = CliRunner().invoke(
+        build_app(),
+        [
+            "bench",
+            "--m",
+            str(tmp_path / "m"),
+            "--num-prompts",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "2",
+            "--device",
+            "cpu",
+            "--dtype",
+            "bf16",
+            "--output-json",
+            str(tmp_path / "bench.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "bench.json").read_text())["output_tokens"] == 2
