@@ -289,6 +289,25 @@ def graph_time(fn, repeats: int = 20, rounds: int = 5) -> float:
     return best
 
 
+def copies_timer(on_cpu: bool):
+    """``time(fn, copies) -> seconds per call of fn(copy)`` for the kernel benchmarks: on the GPU
+    :func:`graph_time` cycling through ``copies`` (weight copies that overflow the L2, so every call
+    reads HBM); on the CPU (``on_cpu``: the scripts checking themselves) one timed call."""
+    import itertools
+    import time
+
+    def cuda_time(fn, copies):
+        calls = itertools.cycle(copies)
+        return graph_time(lambda: fn(next(calls)), repeats=max(20, len(copies)))
+
+    def cpu_time(fn, copies):
+        start = time.perf_counter()
+        fn(copies[0])
+        return time.perf_counter() - start
+
+    return cpu_time if on_cpu else cuda_time
+
+
 def bytes_read_per_token(model, config: dict[str, Any]) -> int:
     """Weight bytes a batch-1 decode step reads: every parameter but the embedding table (rows are
     gathered), and of each MoE layer's stacked experts only the ``top_k`` a token uses. A model

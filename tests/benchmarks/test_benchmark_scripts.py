@@ -241,3 +241,51 @@ def test_cpu_side_by_side_fits_the_chat_prompt_and_takes_medians(monkeypatch, tm
     ]
     assert side.median_row(runs) == {"engine": "fw", "runs": 3, "rss_mb": 300, "ttft_s": 0.5, "decode": {"1": 25.0}}
     assert side.run_llamacpp(tmp_path, tmp_path / "model.gguf", 8, 16, 1) is None  # not built: skipped
+
+
+def test_w4a16_kernels_checks_and_times_every_case(benchmarks, tmp_path, monkeypatch):
+    """``w4a16_kernels.py --tiny``: the fw_gptq W4A16 core checked against dequantize-then-matmul (interpreted
+    here), then timed beside bf16 cuBLAS, one result per case."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "w4a16.json"
+    benchmarks("w4a16_kernels.py", "--tiny", "--variants", "gptq4", "awq4", "gptq4-act", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["command"] == "python benchmarks/w4a16_kernels.py --tiny --variants gptq4 awq4 gptq4-act"
+    assert [(r["variant"], r["layer"], r["rows"]) for r in report["results"]] == [
+        (v, layer, rows) for v in ("gptq4", "awq4", "gptq4-act") for layer in ("qkv", "down") for rows in (1, 3, 17)
+    ]
+    assert all(r["check_rel_error"] < 1e-4 and r["kernel_us"] > 0 for r in report["results"])
+
+
+@pytest.mark.parametrize(("shape", "method"), [("tiny", "gptq"), ("tiny-moe", "awq")])
+def test_random_quantized_checkpoint_runs_in_fw_bench(benchmarks, tmp_path, shape, method):
+    """``random_quantized_checkpoint.py`` writes a GPTQ / AWQ folder of a shape (MoE experts per expert) that ``fw bench`` runs."""
+    from typer.testing import CliRunner
+
+    from cli.main import build_app
+
+    benchmarks("random_quantized_checkpoint.py", "--shape", shape, "--method", method, "--dir", str(tmp_path / "m"))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == method
+    result = CliRunner().invoke(
+        build_app(),
+        [
+            "bench",
+            "--m",
+            str(tmp_path / "m"),
+            "--num-prompts",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "2",
+            "--device",
+            "cpu",
+            "--dtype",
+            "bf16",
+            "--output-json",
+            str(tmp_path / "bench.json"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "bench.json").read_text())["output_tokens"] == 2

@@ -1,0 +1,178 @@
+"""The W4A16 / W8A16 Triton core (``fw_gptq.kernels.wna16``) against bf16 cuBLAS, Llama-3-8B shapes.
+
+    python benchmarks/w4a16_kernels.py                      # table; JSON to $OUT/w4a16_kernels.json if $OUT is set
+    python benchmarks/w4a16_kernels.py --sweep --layers down --rows 1 16 --out sweep.json
+    python benchmarks/w4a16_kernels.py --tiny               # the script itself on a CPU (TRITON_INTERPRET=1)
+
+For each variant (4-bit group 128 symmetric: GPTQ; with zero points: AWQ; act-order; 8-bit), layer
+(fused qkv, o, fused gate_up, down, LM head) and row count (1..512) it checks the kernel against
+``x @ W^T`` on the dequantized weight, then times, replayed from a CUDA graph over copies of the
+weight that fill several times the L2 (every call reads HBM, as a decode step does): the kernel at
+its heuristic setting (``choose_config``), and bf16 cuBLAS on the dense matrix. ``--sweep`` also
+times a grid of block sizes / split-K / warps and reports the fastest (to fit ``choose_config`` to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from common import copies_timer, write_kernel_report  # noqa: E402
+from fw_gptq.kernels.layout import dequantize_kernel_weight, to_kernel_layout  # noqa: E402
+from fw_gptq.kernels.wna16 import choose_config, wna16_matmul  # noqa: E402
+from fw_gptq.packing import IntWeight  # noqa: E402
+
+LAYERS = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "head": (128256, 4096),
+}
+TINY_LAYERS = {"qkv": (96, 256), "down": (64, 512)}
+#: name -> (bits, group size, zero points, act-order)
+VARIANTS = {
+    "gptq4": (4, 128, False, False),
+    "awq4": (4, 128, True, False),
+    "gptq4-act": (4, 128, False, True),
+    "gptq8": (8, 128, False, False),
+}
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+COLD_BYTES = 512 * 2**20  # weight copies each timing cycles through: several times the H200's L2
+
+
+def random_weight(n: int, k: int, bits: int, group: int, zeros: bool, act_order: bool, device: str, dtype) -> IntWeight:
+    generator = torch.Generator(device).manual_seed(n + k)
+    q = torch.randint(0, 2**bits, (k, n), device=device, generator=generator, dtype=torch.int32).to(torch.uint8)
+    scales = 1e-3 + 1e-3 * torch.rand(k // group, n, device=device, generator=generator)
+    zero = (
+        torch.randint(0, 2**bits, (k // group, n), device=device, generator=generator, dtype=torch.int32).to(
+            torch.uint8
+        )
+        if zeros
+        else None
+    )
+    g_idx = None
+    if act_order:
+        perm = torch.randperm(k, device=device, generator=generator)
+        g_idx = torch.empty(k, dtype=torch.int64, device=device)
+        g_idx[perm] = torch.arange(k, device=device) // group
+    return IntWeight(q, scales, zero, g_idx, bits, group)
+
+
+def sweep_settings(rows: int) -> list[dict]:
+    use_dot = rows > 4
+    block_ms = [max(16, 1 << (rows - 1).bit_length())] if use_dot else [1 << (rows - 1).bit_length()]
+    if use_dot and block_ms[0] > 16:
+        block_ms = sorted({16, min(64, block_ms[0]), min(128, block_ms[0])})
+    return [
+        {
+            "BLOCK_M": bm,
+            "BLOCK_N": bn,
+            "BLOCK_K": bk,
+            "SPLIT_K": sk,
+            "USE_DOT": use_dot,
+            "num_warps": w,
+            "num_stages": s,
+        }
+        for bm, bn, bk, sk, w, s in itertools.product(
+            block_ms, (32, 64, 128, 256), (32, 64, 128), (1, 2, 4, 8), (4, 8), (2, 3, 4)
+        )
+        if not (not use_dot and bn * bk * bm > 32768) and not (use_dot and bm * bn > 128 * 128)
+    ]
+
+
+def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) -> dict:
+    device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
+    bits, group, zeros, act_order = VARIANTS[variant]
+    weight = to_kernel_layout(random_weight(n, k, bits, group, zeros, act_order, device, dtype), dtype)
+    dense = dequantize_kernel_weight(weight, dtype)
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    expected = x.double() @ dense.double().t()
+    error = ((wna16_matmul(x, weight).double() - expected).abs().max() / expected.abs().max()).item()
+    if error > (1e-4 if tiny else 2e-2):
+        raise AssertionError(f"{variant} {rows}x{k} @ [{n}, {k}]: relative error {error:.3g}")
+    packed_bytes = sum(t.nbytes for t in (weight.qweight, weight.scales, weight.zeros, weight.g_idx) if t is not None)
+    copies = [weight] + [
+        weight._replace(qweight=weight.qweight.clone())
+        for _ in range(0 if tiny else -(-COLD_BYTES // packed_bytes) - 1)
+    ]
+    dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
+    time_it = copies_timer(tiny)
+    rule = choose_config(rows, n, k, group)
+    kernel_s = time_it(lambda w: wna16_matmul(x, w), copies)
+    cublas_s = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies)
+    result = {
+        "variant": variant,
+        "n": n,
+        "k": k,
+        "rows": rows,
+        "packed_bytes": packed_bytes,
+        "check_rel_error": error,
+        "rule": rule,
+        "kernel_us": kernel_s * 1e6,
+        "kernel_gb_s": packed_bytes / kernel_s / 1e9,
+        "cublas_bf16_us": cublas_s * 1e6,
+        "speedup_vs_bf16": cublas_s / kernel_s,
+    }
+    if sweep:
+        settings, refused = [], []
+        for config in sweep_settings(rows):
+            try:  # a setting may need more shared memory than an SM has: report it, time the rest
+                got = wna16_matmul(x, weight, config=config).double()
+            except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
+                refused.append({**config, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
+            if (got - expected).abs().max() > 0.05 * expected.abs().max():
+                refused.append({**config, "error": "wrong result"})
+                continue
+            seconds = time_it(lambda w, config=config: wna16_matmul(x, w, config=config), copies)
+            settings.append({**config, "us": seconds * 1e6})
+        best = min(settings, key=lambda s: s["us"])
+        result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings, refused=refused)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of settings per case")
+    parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU under the interpreter")
+    parser.add_argument(
+        "--out", default=os.path.join(os.environ["OUT"], "w4a16_kernels.json") if os.environ.get("OUT") else None
+    )
+    args = parser.parse_args()
+    tiny = args.tiny or not torch.cuda.is_available()
+    layers = TINY_LAYERS if tiny else {name: LAYERS[name] for name in args.layers}
+    rows_list = [1, 3, 17] if tiny else args.rows
+    results = []
+    print(
+        f"{'variant':10s} {'layer':8s} {'N':>6s} {'K':>6s} {'rows':>4s} {'kernel us':>10s} {'GB/s':>7s} "
+        f"{'bf16 cuBLAS us':>14s} {'x bf16':>7s} {'best us':>8s}"
+    )
+    for variant, (name, (n, k)), rows in itertools.product(args.variants, layers.items(), rows_list):
+        result = {"layer": name, **measure(variant, n, k, rows, args.sweep, tiny)}
+        results.append(result)
+        best = f"{result['best']['us']:8.1f}" if "best" in result else "-"
+        print(
+            f"{variant:10s} {name:8s} {n:6d} {k:6d} {rows:4d} {result['kernel_us']:10.1f} {result['kernel_gb_s']:7.0f} "
+            f"{result['cublas_bf16_us']:14.1f} {result['speedup_vs_bf16']:7.2f} {best:>8s}",
+            flush=True,
+        )
+        if not tiny:
+            torch.cuda.empty_cache()
+    if args.out:
+        write_kernel_report(args.out, results, tiny=tiny)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
