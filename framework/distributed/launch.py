@@ -48,7 +48,8 @@ class WorkerGroup:
             process = subprocess.Popen(
                 [sys.executable, "-m", module, f"--rank={rank}", *argv],
                 stdin=subprocess.PIPE,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # the worker compares its parent with this pid once it has asked to die with it
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "FW_WORKER_PARENT_PID": str(os.getpid())},
             )
             process.stdin.write(payload)
             process.stdin.close()

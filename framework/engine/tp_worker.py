@@ -23,13 +23,18 @@ from framework.engine.worker_spec import WorkerSpec, spawn_workers
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent exits (no orphaned workers)."""
+    """Ask Linux to SIGKILL this process when its parent exits (no orphaned workers); exit at once
+    if the parent that spawned it (``FW_WORKER_PARENT_PID``) is already gone, since one that died
+    before the request was made (an engine killed while its worker starts) never sends the signal."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):  # not Linux: rank 0's closed connection still stops the worker
-        pass
+        return
+    parent = os.environ.get("FW_WORKER_PARENT_PID")
+    if parent and os.getppid() != int(parent):
+        os._exit(1)
 
 
 def serve_steps(runner) -> None:
