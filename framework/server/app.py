@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -229,24 +230,26 @@ def is_known_key(key: str | None, keys: list[str]) -> bool:
 
 
 async def _log_stats(state: ServerState) -> None:
-    """Every ``--log-stats-interval`` seconds, while the engine has work or just had some, log :func:`stats_line`."""
+    """Every ``--log-stats-interval`` seconds, while the engine has work or did some since the last
+    line, log :func:`stats_line` (throughput over the time since the previous sample).
+
+    A sample the engine is too busy to answer is skipped, not lost: the next one counts the tokens
+    since the last sample that did answer, starting from zero at start-up."""
     interval = state.config.log_stats_interval_s
-    previous = None
+    previous, previous_at = None, time.monotonic()
     while True:
         await asyncio.sleep(interval)
         if not state.client.is_healthy:
             continue
         try:
-            stats = await state.client.stats(timeout_s=interval)
+            stats = await state.client.stats(timeout_s=max(interval, 5.0))
         except Exception:  # the engine is restarting or busy; the next interval tries again
             continue
-        was_busy = previous is not None and (stats.prompt_tokens, stats.generation_tokens) != (
-            previous.prompt_tokens,
-            previous.generation_tokens,
-        )
-        if was_busy or stats.num_running or stats.num_waiting:
-            print(stats_line(previous, stats, interval), flush=True)
-        previous = stats
+        now = time.monotonic()
+        before = (previous.prompt_tokens, previous.generation_tokens) if previous is not None else (0, 0)
+        if (stats.prompt_tokens, stats.generation_tokens) != before or stats.num_running or stats.num_waiting:
+            print(stats_line(previous, stats, now - previous_at), flush=True)
+        previous, previous_at = stats, now
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
