@@ -23,6 +23,7 @@ from torch import nn
 
 from framework.attention_backend import AttentionBackend, AttentionMetadata
 from framework.forward_context import ForwardContext, forward_context
+from framework.kv_cache import KVCache
 
 log = logging.getLogger("fw.engine")
 
@@ -42,7 +43,7 @@ class CUDAGraphRunner:
         self,
         model: nn.Module,
         backend: AttentionBackend,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[KVCache],
         *,
         max_num_seqs: int,
         max_model_len: int,

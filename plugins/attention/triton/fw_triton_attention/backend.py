@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig, AttentionMetadata
+from framework.kv_cache import KVCache
 from fw_triton_attention.decode import decode_attention
 from fw_triton_attention.kv_store import store_kv
 from fw_triton_attention.prefill import prefill_attention
@@ -55,7 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = query.shape[0]
@@ -66,7 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.is_decode_only or metadata.max_query_len == 1:
             output = decode_attention(
                 query,
-                kv_cache,
+                kv_cache.data,
                 metadata.seq_lens,
                 metadata.block_table,
                 num_reqs=metadata.num_reqs,
@@ -78,10 +79,10 @@ class TritonAttentionBackend(AttentionBackend):
                 **common,
             )
         else:
-            store_kv(key, value, kv_cache, metadata.slot_mapping)
+            store_kv(key, value, kv_cache.data, metadata.slot_mapping)
             output = prefill_attention(
                 query,
-                kv_cache,
+                kv_cache.data,
                 metadata.cu_seqlens_q,
                 metadata.seq_lens,
                 metadata.block_table,
