@@ -92,7 +92,7 @@ def quantize_rows(
     if row_format == "fp8":
         return units.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8), scale_code
     half = code_range(row_format)
-    codes = torch.round(units + half).clamp(0, 2 * half).to(torch.int32)
+    codes = torch.floor(units + (half + 0.5)).clamp(0, 2 * half).to(torch.int32)  # round half up, as the kernels
     return pack_codes(codes, FORMAT_BITS[row_format]), scale_code
 
 
