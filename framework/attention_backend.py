@@ -161,6 +161,7 @@ class AttentionBackend(ABC):
             layer.num_kv_heads,
             layer.head_size,
             block_size,
+            kv_dtype.rotate_values,
         )
 
     @classmethod
@@ -195,7 +196,7 @@ class AttentionBackend(ABC):
         """Attention for the step's tokens.
 
         ``kv_cache`` is this layer's :class:`~framework.kv_cache.KVCache` as :meth:`kv_cache_spec`
-        declared it (``kv_cache.data`` the cache tensor; ``scales`` and ``key_signs`` for quantized
+        declared it (``kv_cache.data`` the cache tensor; ``scales`` and ``rotation_signs`` for quantized
         dtypes, see :mod:`framework.kv_cache`).
 
         ``query`` is ``[T, num_heads * head_size]``, ``key``/``value`` ``[T, num_kv_heads *

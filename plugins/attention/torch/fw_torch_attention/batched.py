@@ -19,7 +19,7 @@ from framework import kv_quant
 from framework.attention_backend import AttentionLayerConfig, AttentionMetadata
 from framework.kv_cache import KVCache
 
-from .backend import TorchAttentionBackend, query_for, store_cache
+from .backend import TorchAttentionBackend, store_cache
 
 
 class BatchedTorchAttentionBackend(TorchAttentionBackend):
@@ -60,8 +60,13 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
         allowed = positions < seq_lens  # [R, L]: the query sits at position seq_len - 1
         if layer.sliding_window:
             allowed &= positions > seq_lens - 1 - layer.sliding_window
-        q = query_for(query.view(num_reqs, heads, head_size), kv_cache).view(num_reqs, heads, 1, head_size).float()
+        q = (
+            kv_quant.query_space(kv_cache, query.view(num_reqs, heads, head_size))
+            .view(num_reqs, heads, 1, head_size)
+            .float()
+        )
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=allowed[:, None, None, :], scale=layer.scale, enable_gqa=heads != kv_heads
         )
-        return out.to(query.dtype).view(num_reqs, heads * head_size)
+        out = kv_quant.output_space(kv_cache, out.to(query.dtype).view(num_reqs, heads, head_size))
+        return out.reshape(num_reqs, heads * head_size)

@@ -105,7 +105,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_query_len=metadata.max_query_len,
                 **common,
             )
-        return output.view(num_tokens, layer.num_heads * layer.head_size)
+        return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)
 
     def _forward_quantized(
         self,
@@ -117,12 +117,14 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         common: dict,
     ) -> torch.Tensor:
-        """Store the step's K/V as packed rows, then decode or prefill straight from them (the query
-        and keys rotated first for rotated-key dtypes: scores are taken in the rotated space)."""
+        """Store the step's K/V as packed rows, then decode or prefill straight from them (turbo dtypes:
+        query, keys and values rotated first, scores and outputs taken in the rotated space, the
+        output rotated back)."""
         num_tokens = query.shape[0]
-        if kv_cache.key_signs is not None:
-            query = kv_quant.rotate(query, kv_cache.key_signs).to(query.dtype)
-            key = kv_quant.rotate(key, kv_cache.key_signs).to(key.dtype)
+        spec, signs = kv_cache.spec, kv_cache.rotation_signs
+        query = kv_quant.query_space(kv_cache, query)
+        key = kv_quant.rotate(key, signs).to(key.dtype) if spec.rotate_keys else key
+        value = kv_quant.rotate(value, signs).to(value.dtype) if spec.rotate_values else value
         quant_store(key, value, kv_cache, metadata.slot_mapping)
         if metadata.is_decode_only or metadata.max_query_len == 1:
             output = decode_attention(
@@ -146,4 +148,4 @@ class TritonAttentionBackend(AttentionBackend):
                 max_query_len=metadata.max_query_len,
                 **common,
             )
-        return output.view(num_tokens, layer.num_heads * layer.head_size)
+        return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)
