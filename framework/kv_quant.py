@@ -37,8 +37,12 @@ def _hadamard(size: int, device: torch.device) -> torch.Tensor:
 
 
 def hadamard(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The normalized Sylvester-Hadamard matrix ``[size, size]`` (symmetric, its own inverse), float32."""
-    return _hadamard(size, torch.device(device))
+    """The normalized Sylvester-Hadamard matrix ``[size, size]`` (symmetric, its own inverse), float32;
+    built once per device (a backend builds it in ``initialize``, before any CUDA-graph capture)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _hadamard(size, device)
 
 
 def random_signs(num_heads: int, head_size: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:

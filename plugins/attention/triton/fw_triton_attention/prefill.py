@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from framework.kv_cache import KVCache
-from fw_triton_attention.quant_tiles import cache_geometry, load_quant_kv_tile
-from fw_triton_attention.tile_math import INTERPRET, load_kv_tile, online_softmax_step
+from fw_triton_attention.quant_tiles import cache_geometry, load_cache_tile
+from fw_triton_attention.tile_math import INTERPRET, online_softmax_step
 
 
 @triton.jit
@@ -111,47 +111,30 @@ def _prefill_attention_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         kv_pos = start + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < kv_end
-        if KEY_FORMAT == 0:
-            k, v = load_kv_tile(
-                cache_ptr,
-                table_row,
-                kv_pos,
-                kv_mask,
-                kv_head,
-                dims,
-                dim_mask,
-                stride_cache_block,
-                stride_cache_offset,
-                stride_cache_head,
-                stride_cache_kv,
-                PAGE,
-                FP32,
-            )
-        else:
-            k, v = load_quant_kv_tile(
-                cache_ptr,
-                scales_ptr,
-                table_row,
-                kv_pos,
-                kv_mask,
-                kv_head,
-                dims,
-                dim_mask,
-                stride_cache_block,
-                stride_cache_offset,
-                stride_cache_head,
-                stride_scales_block,
-                stride_scales_offset,
-                stride_scales_head,
-                PAGE,
-                KEY_FORMAT,
-                VALUE_FORMAT,
-                KEY_BYTES,
-                VALUE_BYTES,
-            )
-            if not FP32:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
+        k, v = load_cache_tile(
+            cache_ptr,
+            scales_ptr,
+            q_ptr,
+            table_row,
+            kv_pos,
+            kv_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            stride_cache_kv,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+            stride_scales_block,
+            stride_scales_offset,
+            stride_scales_head,
+            PAGE,
+            FP32,
+            KEY_FORMAT,
+            VALUE_FORMAT,
+            KEY_BYTES,
+            VALUE_BYTES,
+        )
         allowed = (kv_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
         if USE_WINDOW:
             allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - sliding_window)

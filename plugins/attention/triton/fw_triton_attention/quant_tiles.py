@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from framework.kv_cache import KVCache
-from fw_triton_attention.tile_math import INTERPRET
+from fw_triton_attention.tile_math import INTERPRET, load_kv_tile
 
 #: the constexpr code of each row format (``model``: not quantized)
 FORMAT_CODES = {"model": 0, "fp8": 8, "int4": 4, "int3": 3}
@@ -84,6 +84,78 @@ def load_quant_kv_tile(
     tile_mask = kv_mask[:, None] & dim_mask[None, :]
     k = _row_units(rows, dims, tile_mask, KEY_FORMAT, KEY_BYTES) * key_scale[:, None]
     v = _row_units(rows + KEY_BYTES, dims, tile_mask, VALUE_FORMAT, VALUE_BYTES) * value_scale[:, None]
+    return k, v
+
+
+@triton.jit
+def load_cache_tile(
+    cache_ptr,
+    scales_ptr,
+    q_ptr,
+    table_row,
+    kv_pos,
+    kv_mask,
+    kv_head,
+    dims,
+    dim_mask,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_scales_block,
+    stride_scales_offset,
+    stride_scales_head,
+    PAGE: tl.constexpr,
+    FP32: tl.constexpr,
+    KEY_FORMAT: tl.constexpr,
+    VALUE_FORMAT: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+):
+    """The K/V tile of the attention kernels from either cache: :func:`load_kv_tile` for a
+    model-dtype cache (``KEY_FORMAT == 0``), else :func:`load_quant_kv_tile` in the query's dtype
+    (float32 with ``FP32``)."""
+    if KEY_FORMAT == 0:
+        k, v = load_kv_tile(
+            cache_ptr,
+            table_row,
+            kv_pos,
+            kv_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+            stride_cache_kv,
+            PAGE,
+            FP32,
+        )
+    else:
+        k, v = load_quant_kv_tile(
+            cache_ptr,
+            scales_ptr,
+            table_row,
+            kv_pos,
+            kv_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            stride_cache_block,
+            stride_cache_offset,
+            stride_cache_head,
+            stride_scales_block,
+            stride_scales_offset,
+            stride_scales_head,
+            PAGE,
+            KEY_FORMAT,
+            VALUE_FORMAT,
+            KEY_BYTES,
+            VALUE_BYTES,
+        )
+        if not FP32:
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
     return k, v
 
 

@@ -387,6 +387,13 @@ def test_compiled_kernels_match_dense_attention_on_cuda(dtype, atol):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["fp8", "turbo8", "turbo4", "turbo3"])
+def test_compiled_kernels_read_quantized_caches_on_cuda(kv_dtype):
+    # bf16 tiles of the dequantized rows on tensor cores; the oracle quantizes with framework.kv_quant
+    check_attention_backend(TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=3e-2, kv_dtype=kv_dtype)
+
+
+@pytest.mark.gpu
 def test_long_context_split_kv_decode_matches_dense_attention_on_cuda():
     check_attention_backend(
         TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=[LONG_DECODE]
