@@ -14,6 +14,7 @@ import functools
 import gc
 import logging
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from framework import distributed, plugins, registries
+from framework import distributed, isq, plugins, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype, with_yarn_scaling
 from framework.distributed.all_reduce_policy import AllReducePolicy
@@ -176,7 +177,14 @@ class EngineBuilder:
         if self.source.name == "dummy":
             self.source.device = self.device  # each rank draws the (identical, seeded) tensors on its own device
         self.num_weight_tensors = self.source.num_weights()
-        weights = model_loader.with_progress(self.source.iter_weights(), self.source.num_weights(), "Loading weights")
+        weights = self.source.iter_weights()
+        self.isq_report = None
+        if self.args.isq is not None:
+            self.isq_report = isq.IsqReport(self.args.isq)
+            weights = isq.quantize_stream(weights, quant_config, self.device, self.isq_report)
+        label = "Loading weights" if self.args.isq is None else f"Quantizing ({self.args.isq}) and loading weights"
+        weights = model_loader.with_progress(weights, self.source.num_weights(), label)
+        started = time.perf_counter()
         try:
             loaded = model_loader.load_weights(model, weights)
             model_loader.check_all_loaded(model, loaded, config.source)
@@ -187,6 +195,8 @@ class EngineBuilder:
             if isinstance(error, ModelLoadError) and not str(error).startswith(config.source):
                 raise ModelLoadError(f"{config.source}: {error}") from None  # which model, beside which tensor
             raise
+        if self.isq_report is not None:
+            log.info("%s; load took %.2f s", self.isq_report.describe(), time.perf_counter() - started)
         self.torch_model = model.eval()
         return self.torch_model
 
@@ -202,6 +212,8 @@ class EngineBuilder:
 
     def _quant_config(self):
         assert self.source is not None and self.config is not None
+        if self.args.isq is not None:
+            return isq.build_isq_config(self.args.isq, self.source, self.config, self.device, self.config.source)
         checkpoint = self.source.quantization_config()
         declared = (checkpoint or {}).get("quant_method")
         if self.args.quantization is not None and declared is not None and declared != self.args.quantization:
