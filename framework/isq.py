@@ -11,6 +11,9 @@ an unknown name listing the valid ones. The method's ``QuantConfig`` implements 
 * ``quant_config.quantize_weight(name, tensor)``: ``None`` to keep the tensor as it is, else the
   ``[(name, tensor)]`` a pre-quantized checkpoint of this format holds instead (GGUF: packed rows
   under the same name; GPTQ: ``qweight``/``qzeros``/``scales``; FP8: ``weight`` + ``weight_scale_inv``).
+* optionally ``quant_config.save_isq_checkpoint(dst, source, weights, isq_type)``: write the
+  quantized stream as a file of the format (GGUF: ``fw quantize --isq q4k SRC out.gguf``), used by
+  :func:`export_checkpoint`.
 
 :func:`quantize_stream` wraps the checkpoint's weight stream: each tensor is moved to the device,
 quantized there the moment it is read and dropped, so the layers' ordinary weight loaders see a
@@ -145,3 +148,32 @@ def _is_candidate(tensor: Any) -> bool:
     shape = getattr(tensor, "shape", ())
     dtype = getattr(tensor, "dtype", None)
     return len(shape) == 2 and (dtype is None or dtype.is_floating_point)
+
+
+def export_checkpoint(src: str, dst: str, isq_type: str, device: str | None = None) -> tuple[Any, IsqReport]:
+    """``fw quantize --isq TYPE SRC DST``: quantize ``src`` tensor by tensor (on ``device``, default
+    CUDA where available) and let the method offering ``isq_type`` write ``dst``; returns what it
+    wrote and the report."""
+    from pathlib import Path
+
+    from framework import plugins
+    from framework.config import ModelConfig
+    from framework.loader.model_loader import open_model_source, with_progress
+
+    plugins.load_plugins()
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    source = open_model_source(Path(src))
+    model_config = ModelConfig.from_hf_config(source.hf_config(), dtype=torch.bfloat16, source=str(src))
+    quant_config = build_isq_config(isq_type, source, model_config, target, str(src))
+    save = getattr(quant_config, "save_isq_checkpoint", None)
+    if save is None:
+        raise ConfigError(
+            f"--isq {isq_type} quantizes at load only; fw quantize --isq writes files for: "
+            f"{', '.join(n for n, s in isq_methods().items() if hasattr(s.load(), 'save_isq_checkpoint'))}"
+        )
+    report = IsqReport(isq_type)
+    start = time.perf_counter()
+    weights = quantize_stream(source.iter_weights(), quant_config, target, report)
+    written = save(dst, source, with_progress(weights, source.num_weights(), f"Quantizing ({isq_type})"), isq_type)
+    report.seconds = time.perf_counter() - start
+    return written, report

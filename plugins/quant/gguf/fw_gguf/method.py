@@ -93,6 +93,14 @@ class GGUFQuantConfig(QuantConfig):
 
         return [(name, quantize(weight, GGMLQuantizationType[qtype]))]
 
+    def save_isq_checkpoint(self, dst: Any, source: Any, weights: Any, isq_type: str) -> Any:
+        """``fw quantize --isq``: write the quantized stream as a GGUF file llama.cpp loads (:mod:`fw_gguf.writer`)."""
+        from pathlib import Path
+
+        from .writer import write_gguf
+
+        return write_gguf(Path(dst), source, weights, self.tensor_types, isq_type)
+
     def shard_types(self, prefix: str) -> list[tuple[Any, str]] | None:
         """``[(shard id, GGUF type)]`` of the checkpoint tensors behind layer ``prefix``, in output order."""
         if f"{prefix}.weight" in self.tensor_types:

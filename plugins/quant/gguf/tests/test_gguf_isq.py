@@ -149,3 +149,67 @@ def test_isq_tiny_llama_matches_transformers_on_the_dequantized_weights(isq, tin
         assert [t.name for t in layer.gguf_types] == [types["model.layers.1.mlp.down_proj.weight"]]
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert [r.outputs[0].token_ids for r in results] == expected
+
+
+# --- the recipe against llama.cpp's own files, and fw quantize --isq writing GGUF ---------------
+
+def _file_recipe(path):
+    from fw_gguf.format import GGUFFormat
+
+    source = GGUFFormat(path)
+    shapes = {source._names[n]: tuple(info.shape) for n, info in source.model.tensors.items() if n in source._names}
+    config = source.hf_config()
+    return source.quantization_config()["tensor_types"], shapes, config
+
+
+@pytest.mark.parametrize(("fixture", "isq"), [("gemma3_gguf_path", "q4k"), ("smollm2_gguf_path", "q4_1")])
+def test_recipe_gives_every_tensor_the_type_llama_quantize_gave_it(fixture, isq, request):
+    """Gemma 3 270M Q4_K_M (Q4_K, Q6_K for some v/down, Q5_0 / Q8_0 fallbacks for 640-wide rows)
+    and SmolLM2 Q4_1 (its tied head Q8_0) as llama-quantize wrote them."""
+    file_types, shapes, config = _file_recipe(request.getfixturevalue(fixture))
+    ours = tensor_types(isq, shapes, config["num_hidden_layers"], config.get("tie_word_embeddings", True))
+    assert ours == file_types
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_bpe(tmp_path_factory, smollm2_gguf_path):
+    """A tiny random bf16 Llama with SmolLM2's byte-level BPE tokenizer (what a GGUF file can carry)."""
+    from fw_gguf.format import GGUFFormat
+
+    path = tmp_path_factory.mktemp("tiny-llama-bpe")
+    config = dict(CONFIG, vocab_size=49152, tie_word_embeddings=True, torch_dtype="bfloat16")
+    write_tiny_model(path, transformers.LlamaConfig(**config))
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(path / "model.safetensors"))
+    tokenizer = GGUFFormat(smollm2_gguf_path).tokenizer()
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "chat_template": tokenizer.chat_template}))
+    return path
+
+
+def test_fw_quantize_isq_writes_a_gguf_fw_loads_back_with_identical_outputs(tiny_llama_bpe, tmp_path):
+    from fw_gguf.reader import open_gguf_model
+
+    from framework.isq import export_checkpoint
+    from framework.testing import capture_logits
+
+    written, report = export_checkpoint(str(tiny_llama_bpe), str(tmp_path / "tiny-q4k.gguf"), "q4k", "cpu")
+    assert report.num_quantized == 2 * 7 + 1  # the linears and the (tied) token embedding
+    model = open_gguf_model(written)
+    assert model.metadata["general.architecture"] == "llama" and model.metadata["general.file_type"] == 15
+    assert model.metadata["tokenizer.ggml.model"] == "gpt2" and len(model.metadata["tokenizer.ggml.tokens"]) == 49152
+    assert model.tensors["blk.1.attn_v.weight"].qtype.name == "Q6_K"  # use_more_bits(1, 2): the last eighth
+    assert model.tensors["blk.0.attn_v.weight"].qtype.name == "Q4_K"
+    assert "output.weight" not in model.tensors  # tied, as llama.cpp writes it
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    outputs = {}
+    for key, source, options in (("isq", tiny_llama_bpe, {"isq": "q4k"}), ("file", written, {})):
+        with LLM(str(source), device="cpu", dtype="float32", num_blocks=16, **options) as llm:
+            records = capture_logits(llm)
+            results = llm.generate(prompts, GREEDY)
+            logits = torch.stack([records[k] for k in sorted(records, key=lambda k: (str(k[0]), k[1]))])
+            outputs[key] = ([r.outputs[0].token_ids for r in results], logits)
+    assert outputs["isq"][0] == outputs["file"][0]
+    assert torch.equal(outputs["isq"][1], outputs["file"][1])

@@ -21,4 +21,4 @@ def register_quantization_methods():
 def register_commands(app):
     from fw_gptq.quantize.cli import quantize
 
-    app.command("quantize", help="Quantize a bf16/fp16 model to GPTQ, AWQ or RTN (compressed-tensors) 4/8-bit.")(quantize)
+    app.command("quantize", help="Quantize a bf16/fp16 model to GPTQ, AWQ or RTN (compressed-tensors) 4/8-bit, or with --isq TYPE (q4k ...) to a GGUF file.")(quantize)
