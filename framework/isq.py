@@ -79,14 +79,6 @@ def refuse_quantized_source(source: WeightFormat, isq_type: str, where: str) -> 
         )
 
 
-def weight_shapes(source: WeightFormat) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor ``source`` holds (the format's own index where it has one)."""
-    shapes = getattr(source, "weight_shapes", None)
-    if shapes is not None:
-        return shapes()
-    return {name: tuple(tensor.shape) for name, tensor in source.iter_weights()}
-
-
 def build_isq_config(
     isq_type: str, source: WeightFormat, model_config: ModelConfig, device: torch.device, where: str
 ) -> QuantConfig:
@@ -94,7 +86,7 @@ def build_isq_config(
     refuse_quantized_source(source, isq_type, where)
     spec = isq_method(isq_type)
     config_cls = spec.load()
-    quant_config = config_cls.for_isq(isq_type, model_config, weight_shapes(source))
+    quant_config = config_cls.for_isq(isq_type, model_config, source.weight_shapes())
     quant_config.verify(model_config, device)
     return quant_config
 
