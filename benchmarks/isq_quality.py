@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from common import report_header
 from fw_gguf.to_safetensors import write_hf_checkpoint
-from quantize_quality import PROMPTS
+from quantize_quality import PROMPTS, top1_and_kl
 
 from framework import LLM, SamplingParams
 from framework.tokenizer import Tokenizer
@@ -92,15 +92,11 @@ def main() -> None:
             load_s = time.perf_counter() - started
             summary = llm.engine.summary
             got = next_token_logprobs(llm, sequences, starts)
-        kl, agree = [], []
-        for ref, logprobs, tokens in zip(reference, got, continuations, strict=True):
-            ref = ref.float()
-            kl.append((ref.exp() * (ref - logprobs)).sum(-1))
-            agree.append((logprobs.argmax(-1) == torch.tensor(tokens)).float())
+        agreement, kl = top1_and_kl(reference, got, continuations)
         row = {
             "isq": isq,
-            "greedy_agreement": float(torch.cat(agree).mean()),
-            "mean_kl": float(torch.cat(kl).mean()),
+            "greedy_agreement": agreement,
+            "mean_kl": kl,
             "weight_bytes": summary["weight_bytes"],
             "source_weight_bytes": source_bytes,
             "isq_summary": summary.get("isq"),
