@@ -97,7 +97,7 @@ _QUANTIZERS = {
 QUANTIZABLE_TYPES = tuple(_QUANTIZERS)
 
 #: Values quantized per call: bounds the float32 temporaries (the K-quant searches hold several
-#: copies of their input) whatever the matrix: ~0.3 GiB on the CPU, ~1 GiB on a GPU, where fewer,
+#: copies of their input) whatever the matrix: under 1 GiB on the CPU, a few GiB on a GPU, where fewer,
 #: larger calls spend less time launching the searches' thousands of small kernels.
 _CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}
 

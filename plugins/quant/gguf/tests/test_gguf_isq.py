@@ -213,3 +213,25 @@ def test_fw_quantize_isq_writes_a_gguf_fw_loads_back_with_identical_outputs(tiny
             outputs[key] = ([r.outputs[0].token_ids for r in results], logits)
     assert outputs["isq"][0] == outputs["file"][0]
     assert torch.equal(outputs["isq"][1], outputs["file"][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", SIMPLE + K_QUANTS, ids=lambda t: t.name)
+def test_quantizers_on_cuda_write_the_blocks_they_write_on_the_cpu(qtype):
+    """The searches use only correctly rounded float32 operations, so the device does not change a bit."""
+    rows = awkward_rows(1024, seed=7)
+    assert torch.equal(quantize(rows.cuda(), qtype).cpu(), quantize(rows, qtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("isq", ["q4k", "q8_0", "q6k"])
+def test_isq_on_cuda_serves_the_tokens_of_the_file_fw_quantize_writes(isq, tiny_llama_bpe, tmp_path):
+    from framework.isq import export_checkpoint
+
+    written, _ = export_checkpoint(str(tiny_llama_bpe), str(tmp_path / f"tiny-{isq}.gguf"), isq, "cuda")
+    tokens = {}
+    for key, source, options in (("isq", tiny_llama_bpe, {"isq": isq}), ("file", written, {})):
+        with LLM(str(source), device="cuda", dtype="bfloat16", num_blocks=16, **options) as llm:
+            results = llm.generate(["The capital of France is", "def fibonacci(n):"], GREEDY)
+            tokens[key] = [r.outputs[0].token_ids for r in results]
+    assert tokens["isq"] == tokens["file"]
