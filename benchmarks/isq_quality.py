@@ -14,6 +14,7 @@ distributions there, with the weight memory and the time ``--isq`` took.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -28,12 +29,13 @@ from framework import LLM, SamplingParams
 from framework.tokenizer import Tokenizer
 
 TYPES = ["q8_0", "q6k", "q5k", "q5_1", "q5_0", "q4k", "q4_1", "q4_0", "q3k", "q2k", "int8", "int4"]
-CHUNK = 4  # prompts per engine call: bounds the recorded logits (Gemma's vocabulary is 262k)
+CHUNK = 4  # prompts per engine call: bounds the recorded hidden states and logits
 
 
-def next_token_logprobs(llm: LLM, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
-    """Per sequence, ``[len - start, vocab]`` float32 log-probs predicting tokens ``start..len-1``
-    (the engine's hidden states are recorded per position; logits are made for the wanted rows only)."""
+def next_token_logprobs(llm: LLM, sequences: list[list[int]], starts: list[int], consume) -> None:
+    """``consume(i, logprobs)`` for each sequence ``i``: ``[len - start, vocab]`` float32 log-probs
+    predicting tokens ``start..len-1``. The engine's hidden states are recorded per position and
+    logits made for the wanted rows only, dropped once consumed (Gemma's vocabulary is 262k)."""
     runner, hidden_rows = llm.engine.core.runner, {}
     forward = runner.forward
 
@@ -47,20 +49,24 @@ def next_token_logprobs(llm: LLM, sequences: list[list[int]], starts: list[int])
         return hidden
 
     runner.forward = recording_forward
-    out = []
     try:
         for begin in range(0, len(sequences), CHUNK):
             part, part_starts = sequences[begin : begin + CHUNK], starts[begin : begin + CHUNK]
             hidden_rows.clear()
             results = llm.generate([{"prompt_token_ids": s} for s in part], SamplingParams(temperature=0, max_tokens=1))
-            for result, sequence, start in zip(results, part, part_starts, strict=True):
-                rows = torch.stack(
-                    [hidden_rows[(f"{result.request_id}-0", i)] for i in range(start - 1, len(sequence) - 1)]
-                )
-                out.append(runner.model.compute_logits(rows).float().log_softmax(-1))
+            for index, (result, sequence, start) in enumerate(zip(results, part, part_starts, strict=True)):
+                positions = range(start - 1, len(sequence) - 1)
+                rows = torch.stack([hidden_rows[(f"{result.request_id}-0", i)] for i in positions])
+                consume(begin + index, runner.model.compute_logits(rows).float().log_softmax(-1))
     finally:
         runner.forward = forward
-    return out
+
+
+def write_report(path: str | None, args, num_prompts: int, rows: list[dict]) -> None:
+    if path:
+        header = {**report_header(), "source": f"{args.gguf.name} dequantized to bf16"}
+        report = {**header, "num_prompts": num_prompts, "steps": args.steps, "results": rows}
+        Path(path).write_text(json.dumps(report, indent=2))
 
 
 def main() -> None:
@@ -73,7 +79,8 @@ def main() -> None:
     source = write_hf_checkpoint(args.gguf, Path(tempfile.mkdtemp()) / "source-bf16")
     tokenizer = Tokenizer.from_directory(source)
     prompts = [tokenizer.backend.encode(p).ids for p in PROMPTS]
-    engine = dict(device="cpu", dtype="float32", num_blocks=512, enable_prefix_caching=False)
+    engine = dict(device="cpu", dtype="float32", num_blocks=256, enable_prefix_caching=False)
+    reference: dict[int, torch.Tensor] = {}
     with LLM(str(source), **engine) as llm:
         results = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
@@ -82,21 +89,30 @@ def main() -> None:
         continuations = [r.outputs[0].token_ids for r in results]
         sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
         starts = [len(p) for p in prompts]
-        reference = [lp.to(torch.bfloat16) for lp in next_token_logprobs(llm, sequences, starts)]
+        next_token_logprobs(llm, sequences, starts, lambda i, lp: reference.__setitem__(i, lp.to(torch.bfloat16)))
         source_bytes = llm.engine.summary["weight_bytes"]
+    del llm
+    gc.collect()
     rows = []
     print(f"{'type':6s} {'agree %':>8s} {'mean KL':>9s} {'weights MiB':>11s} {'isq s':>7s}", flush=True)
     for isq in args.types:
+        scores: dict[int, tuple[float, float]] = {}
+
+        def score(i, logprobs, scores=scores):
+            scores[i] = top1_and_kl([reference[i]], [logprobs], [continuations[i]])
+
         started = time.perf_counter()
         with LLM(str(source), isq=isq, **engine) as llm:
             load_s = time.perf_counter() - started
             summary = llm.engine.summary
-            got = next_token_logprobs(llm, sequences, starts)
-        agreement, kl = top1_and_kl(reference, got, continuations)
+            next_token_logprobs(llm, sequences, starts, score)
+        del llm
+        gc.collect()
+        # every sequence has args.steps positions: the mean of the per-sequence means is the mean
         row = {
             "isq": isq,
-            "greedy_agreement": agreement,
-            "mean_kl": kl,
+            "greedy_agreement": sum(a for a, _ in scores.values()) / len(scores),
+            "mean_kl": sum(k for _, k in scores.values()) / len(scores),
             "weight_bytes": summary["weight_bytes"],
             "source_weight_bytes": source_bytes,
             "isq_summary": summary.get("isq"),
@@ -108,19 +124,7 @@ def main() -> None:
             f"{row['weight_bytes'] / 2**20:11.1f} {load_s:7.1f}",
             flush=True,
         )
-    if args.out:
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    **report_header(),
-                    "source": f"{args.gguf.name} dequantized to bf16",
-                    "num_prompts": len(prompts),
-                    "steps": args.steps,
-                    "results": rows,
-                },
-                indent=2,
-            )
-        )
+        write_report(args.out, args, len(prompts), rows)  # after every type: a run cut short keeps its rows
 
 
 if __name__ == "__main__":
