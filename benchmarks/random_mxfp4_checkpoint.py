@@ -13,15 +13,11 @@ in bf16; everything else is normal(0, 0.02) in bf16 (norms 1), with ``quant_meth
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 from common import SHAPES, model_config
-from random_quantized_checkpoint import hf_shapes
-from safetensors.torch import save_file
-
-from framework.testing import make_tiny_tokenizer
+from random_quantized_checkpoint import hf_shapes, random_bf16, write_checkpoint_folder
 
 #: What gpt-oss's config.json leaves in bf16.
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
@@ -49,35 +45,15 @@ def main() -> None:
     config["torch_dtype"] = "bfloat16"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device).manual_seed(0)
-    args.dir.mkdir(parents=True, exist_ok=True)
-    shard, shard_bytes, files, weight_map = {}, 0, [], {}
 
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        path = args.dir / f"model-{len(files) + 1:05d}.safetensors"
-        save_file(shard, str(path), metadata={"format": "pt"})
-        files.append(path)
-        weight_map.update(dict.fromkeys(shard, path.name))
-        shard, shard_bytes = {}, 0
+    def tensors():
+        for name, shape in hf_shapes(config).items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                yield from mxfp4_tensors(name, shape, device, generator).items()
+            else:
+                yield name, random_bf16(name, shape, device, generator)
 
-    for name, shape in hf_shapes(config).items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensors = mxfp4_tensors(name, shape, device, generator)
-        elif "norm" in name:
-            tensors = {name: torch.ones(shape, dtype=torch.bfloat16)}
-        else:
-            value = torch.empty(shape, device=device).normal_(0, 0.02, generator=generator)
-            tensors = {name: value.to(torch.bfloat16).cpu()}
-        shard.update(tensors)
-        shard_bytes += sum(t.nbytes for t in tensors.values())
-        if shard_bytes > 2 * 2**30:
-            flush()
-    if shard:
-        flush()
-    (args.dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (args.dir / "config.json").write_text(json.dumps(config, indent=2))
-    make_tiny_tokenizer(int(config["vocab_size"])).save(str(args.dir / "tokenizer.json"))
-    (args.dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    files = write_checkpoint_folder(args.dir, config, tensors())
     print(
         f"wrote {args.dir}: {args.shape} with MXFP4 experts, {len(files)} shards\n"
         f"run: fw bench --m {args.dir} --num-prompts 1 --input-len 128 --output-len 256"

@@ -22,6 +22,7 @@ dtype before SiLU-and-mul and before the routing weight, as transformers' expert
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -249,6 +250,29 @@ def align_pairs_to_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> t
     return sorted_pair_ids, block_expert_ids
 
 
+class GroupedLaunch(NamedTuple):
+    """How one MoE call's pairs are laid out for the grouped-GEMM kernels (shared with other
+    plugins' expert kernels, such as fw-fp4's MXFP4 ones)."""
+
+    sorted_pair_ids: Tensor
+    block_expert_ids: Tensor
+    num_blocks: int
+    block_n: int
+    meta: dict  # the kernels' tile and precision constexprs and launch options
+
+
+def plan_grouped_launch(hidden: Tensor, topk_ids: Tensor, num_experts: int) -> GroupedLaunch:
+    """Tiles for ``topk_ids.numel()`` pairs, the pairs sorted into blocks of one expert each."""
+    config = launch_config(topk_ids.numel())
+    sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, config["BLOCK_M"])
+    meta = {
+        **config,
+        "CAST_FP32": os.environ.get("TRITON_INTERPRET") == "1",
+        "PRECISION": "ieee" if hidden.dtype == torch.float32 else "tf32",
+    }
+    return GroupedLaunch(sorted_pair_ids, block_expert_ids, block_expert_ids.numel(), config["BLOCK_N"], meta)
+
+
 def fused_moe(
     hidden: Tensor,
     w13: Tensor,
@@ -269,15 +293,7 @@ def fused_moe(
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     num_pairs = num_tokens * top_k
-    config = launch_config(num_pairs)
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
-    num_blocks = block_expert_ids.numel()
-    meta = {
-        **config,
-        "CAST_FP32": os.environ.get("TRITON_INTERPRET") == "1",
-        "PRECISION": "ieee" if hidden.dtype == torch.float32 else "tf32",
-    }
+    sorted_pair_ids, block_expert_ids, num_blocks, block_n, meta = plan_grouped_launch(hidden, topk_ids, num_experts)
     w13_bias, w2_bias = activation.w13_bias, activation.w2_bias
     act = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(intermediate_size, block_n))](

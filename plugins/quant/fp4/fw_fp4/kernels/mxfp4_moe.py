@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from fw_triton_ops.activation import _sigmoid
-from fw_triton_ops.fused_moe import _block_rows, align_pairs_to_blocks, launch_config
+from fw_triton_ops.fused_moe import _block_rows, plan_grouped_launch
 from torch import Tensor
 
 from framework import ops
@@ -151,15 +151,7 @@ def quantized_fused_moe(
         return torch.empty_like(hidden)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     num_pairs = num_tokens * top_k
-    config = launch_config(num_pairs)
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
-    num_blocks = block_expert_ids.numel()
-    meta = {
-        **config,
-        "CAST_FP32": os.environ.get("TRITON_INTERPRET") == "1",
-        "PRECISION": "ieee" if hidden.dtype == torch.float32 else "tf32",
-    }
+    sorted_pair_ids, block_expert_ids, num_blocks, block_n, meta = plan_grouped_launch(hidden, topk_ids, num_experts)
     w13_bias, w2_bias = activation.w13_bias, activation.w2_bias
     act = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     _mxfp4_gate_up_kernel[(num_blocks, triton.cdiv(intermediate_size, block_n))](
