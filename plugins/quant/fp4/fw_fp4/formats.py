@@ -72,3 +72,23 @@ def dequantize_mxfp4(blocks: Tensor, folded_scales: Tensor, dtype: torch.dtype) 
     values = torch.stack([low, high], dim=-1).flatten(-2).float()  # [..., K/32, 32]: low nibble first
     values = values * folded_scale_values(folded_scales).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
+
+
+#: Input features per NVFP4 group (one fp8 e4m3 scale each).
+NVFP4_GROUP = 16
+
+
+def dequantize_nvfp4(packed: Tensor, scales: Tensor, row_scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """NVFP4 rows -> ``[rows, K]`` in ``dtype``: ``packed`` uint8 ``[rows, K/2]`` (low nibble first),
+    ``scales`` float8_e4m3fn ``[rows, K/16]``, ``row_scales`` float32 ``[rows]`` (the global scale of
+    each row's shard, in the multiplying convention: :func:`nvfp4_row_scale`)."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # [rows, K]
+    values = decode_e2m1(codes).float().unflatten(-1, (-1, NVFP4_GROUP))  # times 2^-14
+    factor = scales.float() * (row_scales.float() * 2.0**FP16_PLACEMENT_EXPONENT)[:, None]
+    return (values * factor.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def nvfp4_row_scale(global_scale: Tensor, convention: str) -> Tensor:
+    """The factor a format's global scale contributes: modelopt stores ``weight_scale_2`` to
+    multiply by, compressed-tensors ``weight_global_scale`` to divide by."""
+    return global_scale.float() if convention == "multiply" else 1.0 / global_scale.float()
