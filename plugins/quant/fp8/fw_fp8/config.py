@@ -19,7 +19,6 @@ keep them in 16 bits) or the modules the checkpoint lists as unconverted.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.quantization import QuantConfig, QuantMethodBase
+from framework.quantization import QuantConfig, QuantMethodBase, is_module_listed
 
 #: Block shapes ``[rows, cols]`` of block-scaled weights the kernels take.
 SUPPORTED_BLOCK_SIZES = ((128, 128),)
@@ -87,13 +86,7 @@ class Fp8QuantConfig(QuantConfig):
     def is_skipped(self, prefix: str) -> bool:
         if prefix.rpartition(".")[2] in ROUTER_LEAVES:
             return True
-        for pattern in self.skipped:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], prefix):
-                    return True
-            elif prefix == pattern or prefix.endswith(f".{pattern}") or f".{pattern}." in f".{prefix}.":
-                return True
-        return False
+        return is_module_listed(prefix, self.skipped)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethodBase | None:
         from framework.layers.fused_moe import FusedMoE
