@@ -43,6 +43,39 @@ def _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constex
 
 
 @triton.jit
+def gate_up_activation(
+    acc_gate,
+    acc_up,
+    bias_ptr,
+    expert,
+    cols,
+    col_mask,
+    INTER,
+    out_dtype,
+    swiglu_alpha,
+    swiglu_limit,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU_OAI: tl.constexpr,
+):
+    """The epilogue of a gate/up kernel: biases ``[E, 2 * INTER]`` (gate then up) added in float32,
+    the projections rounded to ``out_dtype`` as the reference rounds them, then SiLU-and-mul or
+    gpt-oss's clamped SwiGLU; returns the activations in float32 (shared with fw-fp4's MXFP4 kernel)."""
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * 2 * INTER
+        acc_gate += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias_row + INTER + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    g = acc_gate.to(out_dtype).to(tl.float32)
+    u = acc_up.to(out_dtype).to(tl.float32)
+    if SWIGLU_OAI:  # gpt-oss: clamp, then (up + 1) * gate * sigmoid(alpha * gate)
+        g = tl.minimum(g, swiglu_limit)
+        u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
+        act = (g * _sigmoid(g * swiglu_alpha)) * (u + 1.0)
+    else:
+        act = (g * _sigmoid(g)).to(out_dtype).to(tl.float32) * u
+    return act
+
+
+@triton.jit
 def _gate_up_silu_kernel(
     x_ptr,
     w_ptr,
@@ -87,19 +120,21 @@ def _gate_up_silu_kernel(
             a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+    act = gate_up_activation(
+        acc_gate,
+        acc_up,
+        bias_ptr,
+        expert,
+        cols,
+        col_mask,
+        INTER,
+        act_ptr.dtype.element_ty,
+        swiglu_alpha,
+        swiglu_limit,
+        HAS_BIAS,
+        SWIGLU_OAI,
+    )
     out_dtype = act_ptr.dtype.element_ty
-    if HAS_BIAS:  # [E, 2 * INTER]: gate then up
-        bias_row = bias_ptr + expert * 2 * INTER
-        acc_gate += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(bias_row + INTER + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    g = acc_gate.to(out_dtype).to(tl.float32)
-    u = acc_up.to(out_dtype).to(tl.float32)
-    if SWIGLU_OAI:  # gpt-oss: clamp, then (up + 1) * gate * sigmoid(alpha * gate)
-        g = tl.minimum(g, swiglu_limit)
-        u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
-        act = (g * _sigmoid(g * swiglu_alpha)) * (u + 1.0)
-    else:
-        act = (g * _sigmoid(g)).to(out_dtype).to(tl.float32) * u
     tl.store(
         act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype), mask=valid[:, None] & col_mask[None, :]
     )

@@ -22,8 +22,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from fw_triton_ops.activation import _sigmoid
-from fw_triton_ops.fused_moe import _block_rows, plan_grouped_launch
+from fw_triton_ops.fused_moe import _block_rows, gate_up_activation, plan_grouped_launch
 from torch import Tensor
 
 from framework import ops
@@ -87,18 +86,8 @@ def _mxfp4_gate_up_kernel(
                             up_s_ptr + expert * stride_se, cols, col_mask, stride_wn, stride_sn, k0, HIDDEN,
                             BLOCK_K, CAST_FP32, PRECISION)
     out_dtype = act_ptr.dtype.element_ty
-    if HAS_BIAS:  # [E, 2 * INTER]: gate then up
-        bias_row = bias_ptr + expert * 2 * INTER
-        acc_gate += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(bias_row + INTER + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    g = acc_gate.to(out_dtype).to(tl.float32)
-    u = acc_up.to(out_dtype).to(tl.float32)
-    if SWIGLU_OAI:
-        g = tl.minimum(g, swiglu_limit)
-        u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
-        act = (g * _sigmoid(g * swiglu_alpha)) * (u + 1.0)
-    else:
-        act = (g * _sigmoid(g)).to(out_dtype).to(tl.float32) * u
+    act = gate_up_activation(acc_gate, acc_up, bias_ptr, expert, cols, col_mask, INTER, out_dtype, swiglu_alpha,
+                             swiglu_limit, HAS_BIAS, SWIGLU_OAI)
     tl.store(act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype),
              mask=valid[:, None] & col_mask[None, :])
 
