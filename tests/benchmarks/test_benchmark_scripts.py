@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -240,7 +241,9 @@ def test_cpu_side_by_side_fits_the_chat_prompt_and_takes_medians(monkeypatch, tm
         for rss, t, d in [(300, 0.5, 20.0), (310, 0.9, 25.0), (290, 0.4, 30.0)]
     ]
     assert side.median_row(runs) == {"engine": "fw", "runs": 3, "rss_mb": 300, "ttft_s": 0.5, "decode": {"1": 25.0}}
-    assert side.run_llamacpp(tmp_path, tmp_path / "model.gguf", 8, 16, 1) is None  # not built: skipped
+    assert side.run_llamacpp(tmp_path, tmp_path / "model.gguf", 8, 16, 1, "passive") is None  # not built: skipped
+    assert side.child_env("passive")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert side.child_env("inherit").get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY")
 
 
 def test_w4a16_kernels_checks_and_times_every_case(benchmarks, tmp_path, monkeypatch):
