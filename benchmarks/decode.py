@@ -114,9 +114,9 @@ def main() -> None:
     folder = write_model_folder(config)
     started = time.perf_counter()
     llm = LLM(
-        str(folder),
         **engine_kwargs(
             args,
+            model=str(folder),
             max_num_seqs=max(args.batch),
             max_model_len=args.max_model_len
             or max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192,

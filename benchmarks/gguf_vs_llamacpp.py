@@ -156,7 +156,9 @@ def run_fw(args, path: Path, cases: list[tuple[str, list[int]]]) -> dict:
     longest = max([n[1] + n[2] for k, n in cases if k == "decode"] + [n[0] + 1 for k, n in cases if k == "prefill"])
     batch = max([n[0] for k, n in cases if k == "decode"] + [1])
     started = time.perf_counter()
-    llm = LLM(str(path), **engine_kwargs(args, load_format="auto", max_num_seqs=batch, max_model_len=longest + 16))
+    llm = LLM(
+        **engine_kwargs(args, model=str(path), load_format="auto", max_num_seqs=batch, max_model_len=longest + 16)
+    )
     build_s = time.perf_counter() - started
     results = []
     for kind, numbers in cases:

@@ -161,7 +161,7 @@ def main() -> None:
     folder = write_model_folder(config)
     tp = tensor_parallel_size(args)
     started = time.perf_counter()
-    llm = LLM(str(folder), **engine_kwargs(args, max_num_seqs=args.max_num_seqs, max_model_len=longest + 16))
+    llm = LLM(**engine_kwargs(args, model=str(folder), max_num_seqs=args.max_num_seqs, max_model_len=longest + 16))
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)  # MoE: only the experts one token uses; tied: the LM head

@@ -46,9 +46,9 @@ def main() -> None:
 
     folder = args.model or write_model_folder(model_config(args.shape))
     llm = LLM(
-        str(folder),
         **engine_kwargs(
             args,
+            model=str(folder),
             **({"load_format": "auto"} if args.model else {}),
             max_num_seqs=max(args.batch, 1),
             max_model_len=max(args.context, args.prefill) + args.steps + 64,
