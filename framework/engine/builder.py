@@ -61,11 +61,8 @@ class EngineBuilder:
             raise ConfigError("give EngineBuilder either args= or keyword options, not both")
         args.check_names()
         self.args = args
-        self.parallel = tensor_parallel_start.parallel_config(args, tp_rank)
-        self.device = self.parallel.device(args.device)
+        self.parallel, self.device = tensor_parallel_start.place_rank(args, tp_rank)
         self.all_reduce_policy = AllReducePolicy.resolve(args.all_reduce, self.device, self.parallel.num_nodes)
-        if self.parallel.is_parallel and self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
         self.workers: WorkerGroup | None = None
         self.cache = CacheConfig.from_args(args)
         self.scheduler = SchedulerConfig.from_args(args, args.max_model_len)  # again once the context length is known

@@ -1,5 +1,6 @@
-"""Joining a tensor-parallel group: the layout from the engine's options, the workers rank 0 starts,
-the group's rendezvous and the all-reduce set up for it.
+"""Joining a tensor-parallel group: the layout and device from the engine's options
+(:func:`place_rank`), the workers rank 0 starts, the group's rendezvous and the all-reduce set up
+for it, and leaving the group after a failed build (:func:`leave_after_failure`).
 
 With more than one rank, every rank runs, before it loads its shard: :func:`refuse_a_second_group`,
 :func:`prepare_group`, then (rank 0 only) spawns :func:`workers_to_spawn` as
@@ -37,6 +38,16 @@ def parallel_config(args: EngineArgs, tp_rank: int | None = None) -> ParallelCon
         args.distributed_timeout,
         tp_rank,
     )
+
+
+def place_rank(args: EngineArgs, tp_rank: int | None = None) -> tuple[ParallelConfig, torch.device]:
+    """This rank's layout and device (``--device``, or its GPU of ``--d`` / ``--tp``). A rank of a group
+    makes its GPU current here, before anything touches CUDA, so no context lands on another rank's GPU."""
+    parallel = parallel_config(args, tp_rank)
+    device = parallel.device(args.device)
+    if parallel.is_parallel and device.type == "cuda":
+        torch.cuda.set_device(device)
+    return parallel, device
 
 
 def refuse_a_second_group() -> None:

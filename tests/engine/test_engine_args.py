@@ -6,6 +6,7 @@ out-of-memory hints)."""
 from __future__ import annotations
 
 import json
+import typing
 
 import click
 import pytest
@@ -153,6 +154,29 @@ def test_a_bad_value_fails_before_the_model_is_opened(options, flag, monkeypatch
     if len(options) == 1:  # the message says what was given
         (value,) = options.values()
         assert repr(value) in str(error.value) or str(value) in str(error.value)
+
+
+def _bounded_fields() -> set[str]:
+    """The EngineArgs fields whose type carries a numeric bound (``ge``/``gt``/``le``/``lt``), at any depth."""
+    import msgspec
+
+    def metas(hint):
+        for arg in typing.get_args(hint):
+            if isinstance(arg, msgspec.Meta):
+                yield arg
+            else:
+                yield from metas(arg)
+
+    hints = typing.get_type_hints(EngineArgs, include_extras=True)
+    bounds = ("ge", "gt", "le", "lt")
+    return {name for name, hint in hints.items() if any(getattr(m, b) is not None for m in metas(hint) for b in bounds)}
+
+
+def test_every_bounded_option_has_a_bad_value_case():
+    """A new option with bounds gets its case in BAD_VALUES (so its refusal before loading is tested)."""
+    bounded = _bounded_fields()
+    assert {"max_num_seqs", "kv_fraction", "master_port"} <= bounded  # the walk finds nested bounds
+    assert bounded <= {name for options, _ in BAD_VALUES for name in options}
 
 
 @pytest.mark.parametrize(
