@@ -386,6 +386,18 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     return {name: value for name, value in engine_args.to_dict().items() if value != field_defaults[name]}
 
 
+def run_engine_script(main: Any) -> None:
+    """Run an engine script's ``main``: a refused engine option (:class:`~framework.errors.ConfigError`)
+    ends it with the message and exit status 2, as argparse ends a bad flag, not a traceback."""
+    from framework.errors import ConfigError
+
+    try:
+        main()
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
 def device_ids(args: argparse.Namespace) -> list[int] | None:
     """The GPUs of a tensor-parallel run (``--d``, else ``0..--tp - 1``); ``None`` for one device."""
     if args.device_ids:

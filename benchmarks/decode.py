@@ -44,6 +44,7 @@ from common import (
     model_config,
     prefill_until_decode,
     report_header,
+    run_engine_script,
     tensor_parallel_size,
     write_model_folder,
 )
@@ -166,4 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_engine_script(main)

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, add_engine_arguments, engine_kwargs, model_config, report_header
+from common import SHAPES, add_engine_arguments, engine_kwargs, model_config, report_header, run_engine_script
 from gguf import GGMLQuantizationType as Q
 from gguf_files import PYTHON_QUANT_TYPES, requantize, write_random_gguf
 from gpu_suite import parse_case, run_decode, run_prefill
@@ -304,4 +304,4 @@ def _size(num_bytes: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_engine_script(main)

@@ -42,6 +42,7 @@ from common import (
     prefill_until_decode,
     random_prompt,
     report_header,
+    run_engine_script,
     synchronize,
     tensor_parallel_size,
     write_model_folder,
@@ -209,4 +210,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_engine_script(main)

@@ -25,6 +25,7 @@ from common import (
     model_config,
     prefill_until_decode,
     random_prompt,
+    run_engine_script,
     synchronize,
     write_model_folder,
 )
@@ -103,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_engine_script(main)
