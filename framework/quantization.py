@@ -276,3 +276,18 @@ def verify_quant_methods(model: nn.Module, dtype: torch.dtype, device: torch.dev
             dtype,
             device_type,
         )
+
+
+def is_module_listed(prefix: str, patterns: list[str]) -> bool:
+    """Whether the layer ``prefix`` is named by a checkpoint's list of modules to leave unquantized
+    (``modules_to_not_convert``, compressed-tensors' ``ignore``): a pattern ``"re:<regex>"`` matches
+    from the start of ``prefix``; any other names the module itself, a suffix or a dotted part of it."""
+    import re
+
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], prefix):
+                return True
+        elif prefix == pattern or prefix.endswith(f".{pattern}") or f".{pattern}." in f".{prefix}.":
+            return True
+    return False
