@@ -95,6 +95,41 @@ def random_packed(
     return tensors
 
 
+def random_bf16(name: str, shape: torch.Size, device: str, generator: torch.Generator) -> torch.Tensor:
+    """An unquantized tensor of a random checkpoint: ones for norms, else normal(0, 0.02), bf16 on the CPU."""
+    if "norm" in name:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return torch.empty(shape, device=device).normal_(0, 0.02, generator=generator).to(torch.bfloat16).cpu()
+
+
+def write_checkpoint_folder(directory: Path, config: dict, tensors) -> list[Path]:
+    """Save ``(name, tensor)`` pairs in shards of about 2 GiB with their index, ``config`` and a
+    word-level tokenizer of its vocabulary: a folder ``fw bench --m`` loads. Returns the shards."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shard, shard_bytes, files, weight_map = {}, 0, [], {}
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        path = directory / f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        files.append(path)
+        weight_map.update(dict.fromkeys(shard, path.name))
+        shard, shard_bytes = {}, 0
+
+    for name, tensor in tensors:
+        shard[name] = tensor
+        shard_bytes += tensor.nbytes
+        if shard_bytes > 2 * 2**30:
+            flush()
+    if shard:
+        flush()
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    make_tiny_tokenizer(int(config["vocab_size"])).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return files
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -127,53 +162,31 @@ def main() -> None:
     config["torch_dtype"] = "bfloat16"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device).manual_seed(0)
-    args.dir.mkdir(parents=True, exist_ok=True)
-    shard, shard_bytes, files, weight_map = {}, 0, [], {}
 
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        path = args.dir / f"model-{len(files) + 1:05d}.safetensors"
-        save_file(shard, str(path), metadata={"format": "pt"})
-        files.append(path)
-        weight_map.update(dict.fromkeys(shard, path.name))
-        shard, shard_bytes = {}, 0
-
-    for name, shape in hf_shapes(config).items():
-        linears = {}
-        if ".experts." in name and len(shape) == 3:
-            linears = expand_experts(name, shape)
-        elif (
-            name.endswith(".weight")
-            and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
-            and ".layers." in name
-            and name.rsplit(".", 2)[-2] not in ROUTER_LEAVES
-        ):
-            linears = {name: tuple(shape)}
-        if linears:
+    def tensors():
+        for name, shape in hf_shapes(config).items():
+            linears = {}
+            if ".experts." in name and len(shape) == 3:
+                linears = expand_experts(name, shape)
+            elif (
+                name.endswith(".weight")
+                and name.rsplit(".", 2)[-2] in LINEAR_LEAVES
+                and ".layers." in name
+                and name.rsplit(".", 2)[-2] not in ROUTER_LEAVES
+            ):
+                linears = {name: tuple(shape)}
+            if not linears:
+                yield name, random_bf16(name, shape, device, generator)
             for linear, (n, k) in linears.items():
-                tensors = (
+                packed = (
                     random_fp8(n, k, args.method == "fp8-tensor", device, generator)
                     if is_fp8
                     else random_packed(scheme, n, k, device, generator)
                 )
-                for key, value in tensors.items():
-                    shard[f"{linear.removesuffix('.weight')}.{key}"] = value
-                    shard_bytes += value.nbytes
-        elif "norm" in name:
-            shard[name] = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            shard[name] = (
-                torch.empty(shape, device=device).normal_(0, 0.02, generator=generator).to(torch.bfloat16).cpu()
-            )
-            shard_bytes += shard[name].nbytes
-        if shard_bytes > 2 * 2**30:
-            flush()
-    if shard:
-        flush()
-    (args.dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (args.dir / "config.json").write_text(json.dumps(config, indent=2))
-    make_tiny_tokenizer(int(config["vocab_size"])).save(str(args.dir / "tokenizer.json"))
-    (args.dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+                for key, value in packed.items():
+                    yield f"{linear.removesuffix('.weight')}.{key}", value
+
+    files = write_checkpoint_folder(args.dir, config, tensors())
     print(
         f"wrote {args.dir}: {args.shape}, {args.method}"
         f"{'' if is_fp8 else f' {args.bits}-bit group {args.group_size}'}"

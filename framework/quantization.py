@@ -133,7 +133,13 @@ class FusedMoEMethod(QuantMethodBase, ABC):
     ``w13_qweight``; see :func:`framework.layers.fused_moe.expert_weight_target`), through the
     parameter's ``weight_loader(param, tensor, shard_id, expert_id)`` (use
     ``layer.weight_loader`` with the attributes it documents, or the method's own).
+
+    ``supports_moe_activation``: the method creates the layer's biases
+    (``framework.layers.fused_moe.create_expert_biases``) and honours ``layer.activation()``
+    (gpt-oss's biased experts and clamped SwiGLU); a FusedMoE needing them refuses other methods.
     """
+
+    supports_moe_activation: ClassVar[bool] = False
 
     @abstractmethod
     def create_weights(

@@ -339,3 +339,22 @@ def test_random_quantized_checkpoint_runs_in_fw_bench(benchmarks, tmp_path, shap
     )
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "bench.json").read_text())["output_tokens"] == 2
+
+
+def test_random_mxfp4_checkpoint_runs_in_fw_bench(benchmarks, tmp_path):
+    """``random_mxfp4_checkpoint.py`` writes a gpt-oss folder with MXFP4 experts in gpt-oss's layout that ``fw bench`` runs."""
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from cli.main import build_app
+
+    benchmarks("random_mxfp4_checkpoint.py", "--shape", "tiny-gpt-oss", "--dir", str(tmp_path / "m"))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    with safe_open(str(tmp_path / "m" / "model-00001.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj_blocks").get_shape() == [8, 128, 4, 16]
+        assert f.get_slice("model.layers.0.mlp.experts.down_proj_scales").get_shape() == [8, 128, 2]
+    args = ["bench", "--m", str(tmp_path / "m"), "--num-prompts", "1", "--input-len", "8", "--output-len", "2"]
+    args += ["--device", "cpu", "--dtype", "bf16", "--output-json", str(tmp_path / "bench.json")]
+    result = CliRunner().invoke(build_app(), args)
+    assert result.exit_code == 0, result.output

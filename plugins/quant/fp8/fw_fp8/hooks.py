@@ -26,7 +26,10 @@ def resolve_quantization_method(quantization_config, requested):
     if requested or not quantization_config or quantization_config.get("quant_method") != "compressed-tensors":
         return None
     groups = list((quantization_config.get("config_groups") or {}).values())
+    if quantization_config.get("format") == "nvfp4-pack-quantized":
+        return None  # 4-bit floats: fw-fp4's
     if quantization_config.get("format") in ("float-quantized", "naive-quantized") or any(
-            (g.get("weights") or {}).get("type") == "float" for g in groups):
+            (g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits", 8) == 8
+            for g in groups):
         return "compressed-tensors-fp8"
     return None
