@@ -168,7 +168,7 @@ def startup(engine: Any) -> Any:
     """Called once after the engine is built, before it serves; may return an awaitable (awaited).
 
     Every implementation runs; ``engine`` is the built engine (``LLM``: the in-process
-    :class:`~framework.engine.builder.Engine`) or, in the API server, its engine client once
+    :class:`~framework.engine.built_engine.Engine`) or, in the API server, its engine client once
     the engine reports ready.
     """
 

@@ -133,7 +133,13 @@ class FusedMoEMethod(QuantMethodBase, ABC):
     ``w13_qweight``; see :func:`framework.layers.fused_moe.expert_weight_target`), through the
     parameter's ``weight_loader(param, tensor, shard_id, expert_id)`` (use
     ``layer.weight_loader`` with the attributes it documents, or the method's own).
+
+    ``supports_moe_activation``: the method creates the layer's biases
+    (``framework.layers.fused_moe.create_expert_biases``) and honours ``layer.activation()``
+    (gpt-oss's biased experts and clamped SwiGLU); a FusedMoE needing them refuses other methods.
     """
+
+    supports_moe_activation: ClassVar[bool] = False
 
     @abstractmethod
     def create_weights(
@@ -289,3 +295,18 @@ def verify_quant_methods(model: nn.Module, dtype: torch.dtype, device: torch.dev
             dtype,
             device_type,
         )
+
+
+def is_module_listed(prefix: str, patterns: list[str]) -> bool:
+    """Whether the layer ``prefix`` is named by a checkpoint's list of modules to leave unquantized
+    (``modules_to_not_convert``, compressed-tensors' ``ignore``): a pattern ``"re:<regex>"`` matches
+    from the start of ``prefix``; any other names the module itself, a suffix or a dotted part of it."""
+    import re
+
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], prefix):
+                return True
+        elif prefix == pattern or prefix.endswith(f".{pattern}") or f".{pattern}." in f".{prefix}.":
+            return True
+    return False

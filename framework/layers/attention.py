@@ -27,6 +27,9 @@ class Attention(nn.Module):
 
     ``quant_method`` is what ``quant_config.get_quant_method(self, prefix)`` returns: the KV-cache
     quantization method to come; ``None`` (a plain cache) for every format today.
+
+    With ``has_sinks`` (gpt-oss) every call passes the layer's per-head sink logits, which the
+    backend adds to the softmax (see :meth:`framework.attention_backend.AttentionBackend.forward`).
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class Attention(nn.Module):
         logits_soft_cap: float | None = None,
         mla: MLAConfig | None = None,
         *,
+        has_sinks: bool = False,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -51,15 +55,23 @@ class Attention(nn.Module):
             )
         self.layer_index = layer_index
         self.config = AttentionLayerConfig(
-            num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla
+            num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla, has_sinks
         )
         self.prefix = prefix
         self.quant_method: QuantMethodBase | None = quant_method_for(
             quant_config, self, prefix, QuantMethodBase, "an attention layer"
         )
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``sinks`` (``[num_heads]``, this rank's heads) is required exactly when built with ``has_sinks``."""
+        if (sinks is not None) != self.config.has_sinks:
+            raise ValueError(
+                f"{self.prefix}: attention sinks given {sinks is not None}, built with has_sinks={self.config.has_sinks}"
+            )
         context = get_forward_context()
-        return context.backend.forward(
-            self.config, query, key, value, context.kv_caches[self.layer_index], context.metadata
-        )
+        cache = context.kv_caches[self.layer_index]
+        if sinks is None:  # backends without sinks keep the plain signature
+            return context.backend.forward(self.config, query, key, value, cache, context.metadata)
+        return context.backend.forward(self.config, query, key, value, cache, context.metadata, sinks=sinks)

@@ -28,12 +28,18 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> 
 
 
 def attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: AttentionLayerConfig, query_start: int
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: AttentionLayerConfig,
+    query_start: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries at absolute positions ``query_start..`` over keys ``0..``.
 
     ``query`` ``[q, H, D]``, ``key`` ``[k, H_kv, D]``, ``value`` ``[k, H_kv, D_v]`` (``D_v`` may differ
-    from ``D``, as in MLA); computed in float32.
+    from ``D``, as in MLA); computed in float32. ``sinks`` ``[H]``: one extra logit per head in the
+    softmax, dropped after it.
     """
     group = layer.num_heads // layer.num_kv_heads
     q = query.float().transpose(0, 1)  # [H, q, D]
@@ -48,7 +54,11 @@ def attend(
     if layer.sliding_window:
         allowed &= k_pos > q_pos - layer.sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v  # [H, q, D]
+    if sinks is not None:
+        sink_column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        out = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1] @ v
+    else:
+        out = torch.softmax(scores, dim=-1) @ v  # [H, q, D]
     return out.transpose(0, 1)
 
 
@@ -67,10 +77,12 @@ class TorchAttentionBackend(AttentionBackend):
     """Stores K/V by slot mapping, then per request: gather its cache, causal softmax attention.
 
     Reads both KV layouts: ``"standard"`` and ``"mla"`` (multi-query attention over the cached
-    latents, whose first ``kv_lora_rank`` features are also the values).
+    latents, whose first ``kv_lora_rank`` features are also the values); standard layers may have
+    attention sinks.
     """
 
     name = "torch"
+    supports_sinks = True
 
     def forward(
         self,
@@ -80,6 +92,8 @@ class TorchAttentionBackend(AttentionBackend):
         value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if layer.mla is not None:
             return self._forward_mla(layer, query, key, kv_cache, metadata)
@@ -96,7 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
             start, end, seq_len = starts[r], starts[r + 1], seq_lens[r]
             num_blocks = -(-seq_len // block_size)
             keys, values = gather_kv(kv_cache, metadata.block_table[r, :num_blocks], seq_len)
-            output[start:end] = attend(query[start:end], keys, values, layer, seq_len - (end - start)).to(query.dtype)
+            query_start = seq_len - (end - start)
+            output[start:end] = attend(query[start:end], keys, values, layer, query_start, sinks).to(query.dtype)
         return output.view(num_tokens, layer.num_heads * layer.head_size)
 
     @staticmethod

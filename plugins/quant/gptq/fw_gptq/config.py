@@ -15,7 +15,6 @@ says so (GPTQ's ``lm_head: true``).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.quantization import QuantConfig, QuantMethodBase
+from framework.quantization import QuantConfig, QuantMethodBase, is_module_listed
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
@@ -96,13 +95,7 @@ class WNA16Config(QuantConfig):
         leaf = prefix.rpartition(".")[2]
         if leaf in ROUTER_LEAVES:
             return True
-        for pattern in self.skipped:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], prefix):
-                    return True
-            elif prefix == pattern or prefix.endswith(f".{pattern}") or f".{pattern}." in f".{prefix}.":
-                return True
-        return False
+        return is_module_listed(prefix, self.skipped)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethodBase | None:
         from framework.layers.embedding import LMHead, VocabEmbedding
