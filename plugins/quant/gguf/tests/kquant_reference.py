@@ -81,19 +81,24 @@ def _absmax(x):
     return amax, mx
 
 
+def _first_fit(n, nmax, x, mx):
+    """The first pass both symmetric searches make: levels at ``-nmax / max`` and their weighted sums."""
+    iscale = f32(f32(-nmax) / mx)
+    levels, sumlx, suml2 = [0] * n, f32(0), f32(0)
+    for i in range(n):
+        levels[i] = max(-nmax, min(nmax - 1, nearest_int(f32(iscale * x[i]))))
+        w = f32(x[i] * x[i])
+        sumlx = f32(sumlx + f32(f32(w * x[i]) * levels[i]))
+        suml2 = f32(suml2 + f32(f32(w * levels[i]) * levels[i]))
+    return levels, sumlx, suml2
+
+
 def make_qx_quants(n, nmax, x):  # rmse_type = 1, no importance weights
     amax, mx = _absmax(x)
     if amax < EPS:
         return f32(0), [0] * n
-    iscale = f32(f32(-nmax) / mx)
-    L = [0] * n
-    sumlx = suml2 = f32(0)
-    for i in range(n):
-        lv = max(-nmax, min(nmax - 1, nearest_int(f32(iscale * x[i]))))
-        L[i] = lv + nmax
-        w = f32(x[i] * x[i])
-        sumlx = f32(sumlx + f32(f32(w * x[i]) * lv))
-        suml2 = f32(suml2 + f32(f32(w * lv) * lv))
+    levels, sumlx, suml2 = _first_fit(n, nmax, x, mx)
+    L = [lv + nmax for lv in levels]
     scale = f32(sumlx / suml2) if suml2 else f32(0)
     best = f32(scale * sumlx)
     for step in range(-9, 10):
@@ -118,14 +123,7 @@ def make_q3_quants(n, nmax, x):  # do_rmse = true
     amax, mx = _absmax(x)
     if amax < EPS:
         return f32(0), [0] * n
-    iscale = f32(f32(-nmax) / mx)
-    L = [0] * n
-    sumlx = suml2 = f32(0)
-    for i in range(n):
-        L[i] = max(-nmax, min(nmax - 1, nearest_int(f32(iscale * x[i]))))
-        w = f32(x[i] * x[i])
-        sumlx = f32(sumlx + f32(f32(w * x[i]) * L[i]))
-        suml2 = f32(suml2 + f32(f32(w * L[i]) * L[i]))
+    L, sumlx, suml2 = _first_fit(n, nmax, x, mx)
     for _ in range(5):
         changed = 0
         for i in range(n):
