@@ -75,7 +75,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _opt(
             "In-situ quantization: quantize a bf16/fp16 checkpoint's weight matrices at load, on the device, "
             "as they stream in. Types: q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k (GGUF; q4k is llama.cpp's "
-            "Q4_K_M recipe), int4 int8 (W4A16/W8A16, group 128), and whatever other plugins offer.",
+            "Q4_K_M recipe), int4 int8 (W4A16/W8A16, group 128), fp8 (128x128 blocks), and what other plugins offer.",
             "--isq",
         ),
     ] = None
