@@ -216,6 +216,19 @@ class QuantConfig(ABC):
         sizes); an override may leave it out of its signature.
         """
 
+    @classmethod
+    def for_isq(
+        cls, isq_type: str, model_config: ModelConfig, weight_shapes: dict[str, tuple[int, ...]]
+    ) -> QuantConfig:
+        """The config for in-situ quantization ``--isq isq_type`` (one of the spec's ``isq_types``)
+        of a 16-bit checkpoint holding ``weight_shapes`` (name -> shape); see :mod:`framework.isq`."""
+        raise NotImplementedError(f"{cls.__name__} offers no in-situ quantization")
+
+    def quantize_weight(self, name: str, weight: Tensor) -> list[tuple[str, Tensor]] | None:
+        """For a config made by :meth:`for_isq`: the checkpoint tensors of this format that replace the
+        dense matrix ``name`` (on the target device), or ``None`` to keep it dense."""
+        raise NotImplementedError(f"{type(self).__name__} offers no in-situ quantization")
+
     def verify(self, model_config: ModelConfig, device: torch.device) -> None:
         """Raise :class:`ConfigError` when this config cannot run ``model_config`` (its activation
         dtype) on ``device``; the default checks the ``supported_*`` class attributes."""

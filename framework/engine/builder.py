@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from framework import distributed, registries
+from framework import distributed, isq, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
 from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from framework.distributed.all_reduce_policy import AllReducePolicy
@@ -70,6 +70,7 @@ class EngineBuilder:
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
         self.torch_model: torch.nn.Module | None = None
+        self.isq_report: isq.IsqReport | None = None  # what --isq did, once the model is loaded
 
     # --- steps ---------------------------------------------------------------------------
     def open_source(self) -> WeightFormat:
@@ -90,10 +91,11 @@ class EngineBuilder:
         config = self.config or self.model_config()
         model_cls = registries.model_architectures(self.platform).get(config.architecture).load()
         quant_config = resolve_quant_config(
-            self.source, config, self.args.quantization, self.platform, self.device, model_cls
+            self.source, config, self.args.quantization, self.platform, self.device, model_cls, self.args.isq
         )
+        self.isq_report = None if self.args.isq is None else isq.IsqReport(self.args.isq)
         self.torch_model = model_loading.load_model(
-            model_cls, config, quant_config, self.source, self.device, self.args.seed
+            model_cls, config, quant_config, self.source, self.device, self.args.seed, self.isq_report
         )
         return self.torch_model
 

@@ -15,13 +15,15 @@ The three steps :class:`~framework.engine.builder.EngineBuilder` runs in order:
 from __future__ import annotations
 
 import gc
+import logging
+import time
 import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from framework import plugins
+from framework import isq, plugins
 from framework.config import ModelConfig, resolve_dtype, with_yarn_scaling
 from framework.engine.args import EngineArgs
 from framework.errors import ModelLoadError
@@ -30,6 +32,8 @@ from framework.loader.format import WeightFormat
 from framework.loader.source import resolve_local_path
 from framework.quantization import QuantConfig, verify_quant_methods
 from framework.tokenizer import Tokenizer
+
+log = logging.getLogger("fw.engine")
 
 
 class OpenedSource(NamedTuple):
@@ -83,17 +87,26 @@ def load_model(
     source: WeightFormat,
     device: torch.device,
     seed: int,
+    isq_report: isq.IsqReport | None = None,
 ) -> torch.nn.Module:
     """Build ``model_cls`` on ``device`` (seeded with ``seed``) and stream ``source``'s weights in; the
     model in eval mode. Every parameter must be loaded (else :class:`ModelLoadError`, naming the
-    model); on any failure the partial model's device memory is returned before the error is raised."""
+    model); on any failure the partial model's device memory is returned before the error is raised.
+    With ``isq_report`` (``--isq``) each matrix is quantized on ``device`` as it streams in
+    (:func:`framework.isq.quantize_stream`) and the report filled in."""
     torch.manual_seed(seed)
     model = model_loader.build_model(model_cls, config, quant_config, device)
     if quant_config is not None:
         verify_quant_methods(model, config.dtype, device)
     if source.name == "dummy":
         source.device = device  # each rank draws the (identical, seeded) tensors on its own device
-    weights = model_loader.with_progress(source.iter_weights(), source.num_weights(), "Loading weights")
+    weights = source.iter_weights()
+    label = "Loading weights"
+    if isq_report is not None:
+        weights = isq.quantize_stream(weights, quant_config, device, isq_report)
+        label = f"Quantizing ({isq_report.isq_type}) and loading weights"
+    weights = model_loader.with_progress(weights, source.num_weights(), label)
+    started = time.perf_counter()
     try:
         loaded = model_loader.load_weights(model, weights)
         model_loader.check_all_loaded(model, loaded, config.source)
@@ -104,6 +117,8 @@ def load_model(
         if isinstance(error, ModelLoadError) and not str(error).startswith(config.source):
             raise ModelLoadError(f"{config.source}: {error}") from None  # which model, beside which tensor
         raise
+    if isq_report is not None:
+        log.info("%s; load took %.2f s", isq_report.describe(), time.perf_counter() - started)
     return model.eval()
 
 

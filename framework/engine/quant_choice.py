@@ -1,4 +1,4 @@
-"""Which quantization method an engine runs, and its config: the checkpoint's, or ``--quantization``'s.
+"""Which quantization method an engine runs, and its config: the checkpoint's, ``--quantization``'s or ``--isq``'s.
 
 The ``resolve_quantization_method`` hook names the method from the checkpoint's
 ``quantization_config`` and the requested one (first non-``None`` answer wins; ``None`` means an
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from framework import plugins, registries
+from framework import isq, plugins, registries
 from framework.config import ModelConfig
 from framework.errors import ConfigError
 from framework.loader.format import WeightFormat
@@ -25,12 +25,18 @@ def resolve_quant_config(
     platform: Platform,
     device: torch.device,
     model_cls: type[torch.nn.Module],
+    isq_type: str | None = None,
 ) -> QuantConfig | None:
     """The quantization config to build ``model_cls`` with (``None``: unquantized), verified for
     ``config``'s dtype and ``device``, its ``packed_modules_mapping`` taken from ``model_cls``.
+    With ``isq_type`` (``--isq``): the config of the method offering it (:mod:`framework.isq`).
 
     Raises :class:`ConfigError` when ``requested`` disagrees with the checkpoint's method, or the
     method cannot run on ``platform`` (the message lists the reasons)."""
+    if isq_type is not None:
+        quant_config = isq.build_isq_config(isq_type, source, config, device, config.source)
+        quant_config.packed_modules_mapping = dict(getattr(model_cls, "packed_modules_mapping", {}))
+        return quant_config
     checkpoint = source.quantization_config()
     declared = (checkpoint or {}).get("quant_method")
     if requested is not None and declared is not None and declared != requested:

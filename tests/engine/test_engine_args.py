@@ -29,6 +29,7 @@ SAMPLES: dict[str, tuple[object, dict]] = {
     "revision": ("main", {}),
     "load_format": ("safetensors", {}),
     "quantization": ("gguf", {}),
+    "isq": ("q4k", {}),
     "dtype": ("bf16", {}),
     "max_model_len": (128, {}),
     "yarn_scaling_factor": (2.0, {}),

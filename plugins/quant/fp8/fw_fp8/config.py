@@ -135,6 +135,24 @@ class Fp8Config(Fp8QuantConfig):
         return cls(Fp8Scheme("block", check_block_size("fp8", block), scale_name="weight_scale_inv"), skipped)
 
 
+    @classmethod
+    def for_isq(cls, isq_type: str, model_config: Any, weight_shapes: dict[str, tuple[int, ...]]) -> Fp8Config:
+        """``--isq fp8``: the config of a [128, 128] block-FP8 checkpoint (what ``quantize_weight`` makes)."""
+        if isq_type != "fp8":
+            raise ConfigError(f"fw_fp8 offers --isq fp8; got {isq_type!r}")
+        return cls.from_config({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"})
+
+    def quantize_weight(self, name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """``weight`` + ``weight_scale_inv`` of a decoder linear layer (MoE experts too), else None."""
+        stem = name.removesuffix(".weight")
+        if stem == name or ".layers." not in f".{stem}" or self.is_skipped(stem):
+            return None
+        from .quantize import quantize_weight_fp8
+
+        qweight, scale_inv = quantize_weight_fp8(weight, self.scheme.block_size)
+        return [(name, qweight), (f"{stem}.weight_scale_inv", scale_inv)]
+
+
 class CompressedTensorsFp8Config(Fp8QuantConfig):
     """``quant_method: compressed-tensors`` with FP8 weights (``format: float-quantized`` or
     ``naive-quantized``): tensor, channel or block strategy; inputs static per tensor, dynamic, or 16-bit."""

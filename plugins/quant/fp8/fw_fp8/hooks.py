@@ -9,7 +9,8 @@ def register_quantization_methods():
     return [
         QuantMethodSpec(name="fp8", impl="fw_fp8.config:Fp8Config",
                         description="FP8 E4M3 weights: HF block-wise [128, 128] (Qwen3-FP8, DeepSeek) or "
-                                    "per-tensor; --quantization fp8 quantizes a 16-bit model at load"),
+                                    "per-tensor; --quantization fp8 quantizes a 16-bit model at load",
+                        isq_types=("fp8",)),
         QuantMethodSpec(name="compressed-tensors-fp8", impl="fw_fp8.config:CompressedTensorsFp8Config",
                         description="compressed-tensors float-quantized FP8 (tensor, channel, block; static or "
                                     "dynamic inputs)"),

@@ -146,6 +146,32 @@ class GPTQConfig(WNA16Config):
         return cls(scheme, skipped, lm_head=bool(config.get("lm_head", False)))
 
 
+    @classmethod
+    def for_isq(cls, isq_type: str, model_config: Any, weight_shapes: dict[str, tuple[int, ...]]) -> GPTQConfig:
+        """``--isq int4`` / ``int8``: symmetric GPTQ-layout weights, group 128, rounded to nearest
+        (the layers ``fw quantize --method rtn`` quantizes: the decoder's linear layers)."""
+        bits = ISQ_BITS.get(isq_type)
+        if bits is None:
+            raise ConfigError(f"fw_gptq offers --isq {', '.join(ISQ_BITS)}; got {isq_type!r}")
+        return cls.from_config({"bits": bits, "group_size": ISQ_GROUP_SIZE, "sym": True, "desc_act": False})
+
+    def quantize_weight(self, name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` of a decoder linear layer's ``weight``, else None."""
+        stem = name.removesuffix(".weight")
+        if stem == name or ".layers." not in f".{stem}" or self.is_skipped(stem):
+            return None
+        from .packing import pack_gptq
+        from .quantize.rtn import round_to_nearest
+
+        packed = pack_gptq(round_to_nearest(weight, self.scheme.bits, self.scheme.group_size, True))
+        return [(f"{stem}.{key}", value) for key, value in packed.items()]
+
+
+#: ``--isq`` names of the W4A16 / W8A16 core, and their group size.
+ISQ_BITS = {"int4": 4, "int8": 8}
+ISQ_GROUP_SIZE = 128
+
+
 class AWQConfig(WNA16Config):
     """``quant_method: awq``: AutoAWQ's GEMM layout, 4-bit with zero points."""
 
