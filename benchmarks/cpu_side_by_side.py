@@ -131,7 +131,9 @@ def run_transformers(path: Path, batches: list[int], new_tokens: int, chat_token
     return result
 
 
-def run_llamacpp(binaries: Path, path: Path, new_tokens: int, prompt_tokens: int, threads: int) -> dict | None:
+def run_llamacpp(
+    binaries: Path, path: Path, new_tokens: int, prompt_tokens: int, threads: int, omp_wait_policy: str
+) -> dict | None:
     bench = binaries / "llama-bench"
     if not bench.exists():
         return None
@@ -150,7 +152,7 @@ def run_llamacpp(binaries: Path, path: Path, new_tokens: int, prompt_tokens: int
         "-o",
         "json",
     ]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=child_env(omp_wait_policy))
     if done.returncode:
         return {"engine": "llama.cpp", "command": " ".join(command), "error": done.stderr[-2000:]}
     entries = json.loads(done.stdout)
@@ -196,10 +198,19 @@ def in_child(args, engine: str) -> dict:
         "--kv-mb",
         str(args.kv_mb),
     ]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=child_env(args.omp_wait_policy))
     if done.returncode:
         raise SystemExit(f"{engine} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child_env(omp_wait_policy: str) -> dict[str, str]:
+    """The engines' environment: ours, with ``OMP_WAIT_POLICY`` set alike for all three (all use
+    OpenMP: torch, fw's GGUF CPU kernels, llama.cpp's CPU build), or left as it is for ``inherit``."""
+    env = dict(os.environ)
+    if omp_wait_policy != "inherit":
+        env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
+    return env
 
 
 def median_row(runs: list[dict]) -> dict:
@@ -223,6 +234,12 @@ def main() -> None:
         "--kv-mb", type=int, default=256, help="fw's KV cache (--mem): RSS is then the weights' and the runtime's"
     )
     parser.add_argument("--llamacpp-bin", type=Path, default=Path(DEFAULT_BIN))
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=["passive", "active", "inherit"],
+        default="passive",
+        help="OMP_WAIT_POLICY of every engine's process (passive: what fw sets by default)",
+    )
     parser.add_argument("--skip", nargs="*", default=[], choices=["fw", "transformers", "llama.cpp"])
     parser.add_argument("--engine", choices=["fw", "transformers"], help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--out", type=Path)
@@ -239,7 +256,9 @@ def main() -> None:
             if engine in args.skip:
                 continue
             if engine == "llama.cpp":
-                result = run_llamacpp(args.llamacpp_bin, args.model, args.new_tokens, args.chat_tokens, args.threads)
+                result = run_llamacpp(
+                    args.llamacpp_bin, args.model, args.new_tokens, args.chat_tokens, args.threads, args.omp_wait_policy
+                )
                 if result is None or "error" in result:
                     print(
                         f"llama.cpp skipped: {result['error'] if result else 'no llama-bench in ' + str(args.llamacpp_bin)}"
@@ -259,6 +278,7 @@ def main() -> None:
         "model": args.model.name,
         "file_mb": args.model.stat().st_size / 2**20,
         "new_tokens": args.new_tokens,
+        "omp_wait_policy": args.omp_wait_policy,
         "medians": rows,
         "runs": runs,
     }

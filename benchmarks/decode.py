@@ -44,6 +44,7 @@ from common import (
     model_config,
     prefill_until_decode,
     report_header,
+    run_engine_script,
     tensor_parallel_size,
     write_model_folder,
 )
@@ -114,9 +115,9 @@ def main() -> None:
     folder = write_model_folder(config)
     started = time.perf_counter()
     llm = LLM(
-        str(folder),
         **engine_kwargs(
             args,
+            model=str(folder),
             max_num_seqs=max(args.batch),
             max_model_len=args.max_model_len
             or max(args.context) + args.steps + 16 + max(args.batch) * max(args.context) // 8192,
@@ -166,4 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_engine_script(main)

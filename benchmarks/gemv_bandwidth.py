@@ -3,8 +3,7 @@
     python benchmarks/gemv_bandwidth.py --shape llama3-8b qwen3-32b --tp 1 2 --rows 1 8 --out $OUT/gemv.json
     python benchmarks/gemv_bandwidth.py --check     # the Triton kernel against F.linear (CPU: TRITON_INTERPRET=1)
 
-A batch-1 decode step is its weight reads: the Llama-3-8B shape streams 15 GB per token, and
-cuBLAS reaches 88 % of the copy bandwidth there (docs/benchmarks.md). This measures, for every
+A batch-1 decode step is its weight reads (the Llama-3-8B shape streams 15 GB per token). This measures, for every
 linear layer of a shape as one tensor-parallel rank holds it (fused QKV, O, fused gate/up, down,
 LM head), the weight bytes per second of ``F.linear`` (cuBLAS), of the best setting of the
 triton_ops plugin's split-K GEMV (``fw_triton_ops.gemv``, the kernel registry's ``linear`` op

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import SHAPES, add_engine_arguments, engine_kwargs, model_config, report_header
+from common import SHAPES, add_engine_arguments, engine_kwargs, model_config, report_header, run_engine_script
 from gguf import GGMLQuantizationType as Q
 from gguf_files import PYTHON_QUANT_TYPES, requantize, write_random_gguf
 from gpu_suite import parse_case, run_decode, run_prefill
@@ -156,7 +156,9 @@ def run_fw(args, path: Path, cases: list[tuple[str, list[int]]]) -> dict:
     longest = max([n[1] + n[2] for k, n in cases if k == "decode"] + [n[0] + 1 for k, n in cases if k == "prefill"])
     batch = max([n[0] for k, n in cases if k == "decode"] + [1])
     started = time.perf_counter()
-    llm = LLM(str(path), **engine_kwargs(args, load_format="auto", max_num_seqs=batch, max_model_len=longest + 16))
+    llm = LLM(
+        **engine_kwargs(args, model=str(path), load_format="auto", max_num_seqs=batch, max_model_len=longest + 16)
+    )
     build_s = time.perf_counter() - started
     results = []
     for kind, numbers in cases:
@@ -302,4 +304,4 @@ def _size(num_bytes: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_engine_script(main)

@@ -42,6 +42,7 @@ from common import (
     prefill_until_decode,
     random_prompt,
     report_header,
+    run_engine_script,
     synchronize,
     tensor_parallel_size,
     write_model_folder,
@@ -161,7 +162,7 @@ def main() -> None:
     folder = write_model_folder(config)
     tp = tensor_parallel_size(args)
     started = time.perf_counter()
-    llm = LLM(str(folder), **engine_kwargs(args, max_num_seqs=args.max_num_seqs, max_model_len=longest + 16))
+    llm = LLM(**engine_kwargs(args, model=str(folder), max_num_seqs=args.max_num_seqs, max_model_len=longest + 16))
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)  # MoE: only the experts one token uses; tied: the LM head
@@ -209,4 +210,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_engine_script(main)

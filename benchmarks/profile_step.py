@@ -25,6 +25,7 @@ from common import (
     model_config,
     prefill_until_decode,
     random_prompt,
+    run_engine_script,
     synchronize,
     write_model_folder,
 )
@@ -46,9 +47,9 @@ def main() -> None:
 
     folder = args.model or write_model_folder(model_config(args.shape))
     llm = LLM(
-        str(folder),
         **engine_kwargs(
             args,
+            model=str(folder),
             **({"load_format": "auto"} if args.model else {}),
             max_num_seqs=max(args.batch, 1),
             max_model_len=max(args.context, args.prefill) + args.steps + 64,
@@ -103,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_engine_script(main)

@@ -106,6 +106,19 @@ def continuation_logits(path: Path, prompts: list[list[int]], continuations: lis
         return [torch.stack([records[(f"{i}-0", len(p) - 1 + j)] for j in range(STEPS)]) for i, p in enumerate(prompts)]
 
 
+def top1_and_kl(
+    reference: list[torch.Tensor], logits: list[torch.Tensor], tokens: list[list[int]]
+) -> tuple[float, float]:
+    """Over every position of every prompt: how often ``logits``' argmax is the reference's token,
+    and the mean KL(reference || logits) of the next-token distributions (logits or log-probs)."""
+    kl, top1 = [], []
+    for ref, got, ids in zip(reference, logits, tokens, strict=True):
+        p_log, q_log = ref.float().log_softmax(-1), got.float().log_softmax(-1)
+        kl.append((p_log.exp() * (p_log - q_log)).sum(-1))
+        top1.append((got.argmax(-1) == torch.tensor(ids)).float())
+    return float(torch.cat(top1).mean()), float(torch.cat(kl).mean())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", required=True, type=Path)
@@ -143,11 +156,7 @@ def main() -> None:
         )
         seconds = time.perf_counter() - started
         logits = continuation_logits(work / method, prompts, reference)
-        kl, top1 = [], []
-        for ref, got, tokens in zip(reference_logits, logits, reference, strict=True):
-            p_log, q_log = ref.log_softmax(-1), got.log_softmax(-1)
-            kl.append((p_log.exp() * (p_log - q_log)).sum(-1))
-            top1.append((got.argmax(-1) == torch.tensor(tokens)).float())
+        top1, kl = top1_and_kl(reference_logits, logits, reference)
         own = greedy(work / method, prompts)
         agree = sum(a == b for o, r in zip(own, reference) for a, b in zip(o, r)) / (len(prompts) * STEPS)
         result = {
@@ -156,8 +165,8 @@ def main() -> None:
             "group_size": args.group_size,
             "num_prompts": len(prompts),
             "steps": STEPS,
-            "teacher_forced_top1": float(torch.cat(top1).mean()),
-            "mean_kl": float(torch.cat(kl).mean()),
+            "teacher_forced_top1": top1,
+            "mean_kl": kl,
             "free_running_agreement": agree,
             "quantize_s": seconds,
         }

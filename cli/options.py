@@ -78,6 +78,15 @@ def _negated_name(meta: Any) -> str:
     return meta.extra["flags"][0].lstrip("-").replace("-", "_")
 
 
+def cli_option_name(field: str) -> str:
+    """The name a command's parameter for :class:`EngineArgs` ``field`` has (what :class:`EngineOptions`
+    reads): the field's own, or for an ``enable_x`` field its ``--disable-x`` flag's (``disable_x``)."""
+    from framework.engine.args import field_meta
+
+    meta = field_meta(field)
+    return _negated_name(meta) if meta.extra["negate"] else field
+
+
 class EngineOptions:
     """The engine options of one command line; :meth:`args` turns them into validated EngineArgs."""
 

@@ -98,6 +98,9 @@ class AttentionLayerConfig:
     sliding_window: int | None = None  # attend to at most this many most recent keys (incl. self)
     logits_soft_cap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
     mla: MLAConfig | None = None  # multi-head latent attention: the "mla" KV layout
+    #: per-head attention sinks (gpt-oss): ``forward`` gets ``sinks [num_heads]``, one extra logit
+    #: per head that joins the softmax's denominator and contributes no value
+    has_sinks: bool = False
 
     @property
     def kv_cache_layout(self) -> str:
@@ -127,6 +130,8 @@ class AttentionBackend(ABC):
     name: str = ""
     #: True if ``forward`` reads no host tensors and never syncs, so decode steps can be graphed.
     supports_cuda_graphs: bool = False
+    #: True if ``forward`` takes ``sinks`` (layers with ``has_sinks``); others are refused for them.
+    supports_sinks: bool = False
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -192,6 +197,8 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention for the step's tokens.
 
@@ -205,6 +212,13 @@ class AttentionBackend(ABC):
         long as the step's tokens attend to the new K/V); token ``j`` of request ``r`` (absolute
         position ``p = seq_len - query_len + j``) attends to positions ``<= p`` of its own
         sequence (and ``> p - sliding_window`` when set).
+
+        ``sinks`` (only for a layer with ``has_sinks``; a backend that cannot use them refuses such
+        layers in :meth:`validate`): ``[num_heads]`` float logits, one per head, appended to every
+        query's scores before the softmax and dropped after it, so the weights of the real keys sum
+        to ``1 - softmax weight of the sink``::
+
+            out = sum_j exp(s_j) v_j / (exp(sink_h) + sum_j exp(s_j))
 
         MLA layers (``layer.mla`` set, a backend listing ``"mla"`` in its spec's
         ``kv_cache_layouts``): ``query`` is ``[T, num_heads * (L + R)]`` (per head the absorbed

@@ -171,6 +171,20 @@ class CacheConfig:
     #: what the weights and everything else on the device leave of it (replaces ``kv_fraction``)
     gpu_memory_utilization: float | None = None
 
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> CacheConfig:
+        """The KV-cache settings of ``args`` (``--block-size``, ``--kv-fraction``, ``--mem``, ...)."""
+        return cls(
+            block_size=args.block_size,
+            kv_fraction=args.kv_fraction,
+            mem_mb=args.mem_mb,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_cache_max_tokens=args.prefix_cache_max_tokens,
+            num_blocks=args.num_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            cache_dtype=args.kv_cache_dtype,
+        )
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block size must be a power of two, got {self.block_size}")

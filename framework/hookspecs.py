@@ -46,10 +46,11 @@ def register_quantization_methods() -> list[Any]:
     """Return ``[QuantMethodSpec]`` for the quantization methods this plugin provides.
 
         Called once per process. Merged into one registry keyed by method name (``gguf``, ``gptq``,
-        ``isq``, ...); the chosen method's ``QuantConfig`` gives each layer its quant method
+        ``awq``, ...); the chosen method's ``QuantConfig`` gives each layer its quant method
     (``get_quant_method``: a ``LinearMethod`` for linear layers and vocabulary tables, a
     ``FusedMoEMethod`` for ``FusedMoE``, the KV-cache method for attention layers) and declares
-    the activation dtypes and devices it supports (see ``framework.quantization``).
+    the activation dtypes and devices it supports (see ``framework.quantization``). A spec's
+    ``isq_types`` are the ``--isq`` names it offers (see ``framework.isq``).
     """
 
 
@@ -61,7 +62,7 @@ def resolve_quantization_method(
 
     Called once when a model is loaded. ``quantization_config`` is the checkpoint's
     (``config.json`` ``quantization_config`` or the weight format's), ``requested`` the user's
-    choice (the ``quantization=`` argument of ``LLM`` / ``EngineBuilder``; no CLI flag yet) or ``None``. First non-``None`` result wins; fw's default (trylast)
+    choice (``--quantization``) or ``None``; with ``--isq`` the method offering the type is used and this hook is not asked. First non-``None`` result wins; fw's default (trylast)
     returns ``requested``, else the checkpoint's ``quant_method``, else ``None`` (unquantized).
     """
 
@@ -170,7 +171,7 @@ def startup(engine: Any) -> Any:
     """Called once after the engine is built, before it serves; may return an awaitable (awaited).
 
     Every implementation runs; ``engine`` is the built engine (``LLM``: the in-process
-    :class:`~framework.engine.builder.Engine`) or, in the API server, its engine client once
+    :class:`~framework.engine.built_engine.Engine`) or, in the API server, its engine client once
     the engine reports ready.
     """
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from framework import plugins
 from framework.engine.args import EngineArgs
-from framework.engine.builder import Engine, EngineBuilder
+from framework.engine.builder import EngineBuilder
+from framework.engine.built_engine import Engine
 from framework.engine.outputs import GRAMMAR_FAILED, LogprobEntry
 from framework.engine.request import FinishReason
 from framework.errors import ConfigError, RequestFailedError

@@ -66,6 +66,14 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_oai_and_mul(x: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's clamped SwiGLU over ``[..., 2 * d]`` (gate then up): the gate clamped to at most
+    ``limit``, the up projection to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     """GeGLU with the tanh approximation (Gemma): ``gelu_tanh(gate) * up`` over ``[..., 2 * d]``."""
     gate, up = x.chunk(2, dim=-1)
@@ -146,7 +154,42 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, num_token_dims: int, head_size:
     return torch.cat((rotated.to(x.dtype), rest), dim=-1).reshape(x.shape)
 
 
-def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+class MoEActivation(NamedTuple):
+    """What an expert applies between its projections, and its biases (keyword arguments of
+    :func:`fused_moe` and :func:`quantized_fused_moe`; the defaults are plain SwiGLU without bias).
+
+    ``swiglu_limit`` set: gpt-oss's :func:`swiglu_oai_and_mul` with ``swiglu_alpha``; ``w13_bias``
+    ``[E, 2 * I]`` (gate then up) is added to the gate/up projection and ``w2_bias`` ``[E, H]`` to
+    the down projection, before the routing weight.
+    """
+
+    w13_bias: Tensor | None = None
+    w2_bias: Tensor | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+    def act(self, gate_up: Tensor) -> Tensor:
+        if self.swiglu_limit is None:
+            return silu_and_mul(gate_up)
+        return swiglu_oai_and_mul(gate_up, self.swiglu_alpha, self.swiglu_limit)
+
+    def bias(self, which: str, experts: Tensor | int) -> Tensor | None:
+        """Expert(s) ``experts``' bias of ``"w13"`` or ``"w2"`` (None without one)."""
+        bias = self.w13_bias if which == "w13" else self.w2_bias
+        return None if bias is None else bias[experts]
+
+
+PLAIN_SWIGLU = MoEActivation()
+
+
+def fused_moe(
+    hidden: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    activation: MoEActivation = PLAIN_SWIGLU,
+) -> Tensor:
     """The routed experts of a mixture-of-experts block, summed with their routing weights.
 
     Shapes: ``hidden`` ``[T, H]``; ``w13`` ``[E, 2 * I, H]`` (each expert's gate rows, then its
@@ -156,12 +199,16 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
 
         sum_j topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ hidden[t])     with e = topk_ids[t, j]
 
+    (``activation``, a :class:`MoEActivation`, may add biases and swap the SwiGLU: gpt-oss).
+
     Each expert's matmuls and its SwiGLU run in ``hidden.dtype`` (as transformers' experts do);
     the weighted sum is accumulated in float32 and rounded once. Returns ``[T, H]`` of
     ``hidden.dtype``. This reference sorts the (token, expert) pairs by expert and loops over the
     experts that were hit; it syncs with the host once per call (fine on CPU, not CUDA-graphable).
     """
-    return _moe_per_expert(hidden, lambda expert: (w13[expert], w2[expert]), w13.shape[0], topk_weights, topk_ids)
+    return _moe_per_expert(
+        hidden, lambda expert: (w13[expert], w2[expert]), w13.shape[0], topk_weights, topk_ids, activation
+    )
 
 
 class PackedExperts(NamedTuple):
@@ -189,7 +236,13 @@ class PackedExperts(NamedTuple):
 
 
 def quantized_fused_moe(
-    hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts, topk_weights: Tensor, topk_ids: Tensor
+    hidden: Tensor,
+    w1: PackedExperts,
+    w3: PackedExperts,
+    w2: PackedExperts,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    activation: MoEActivation = PLAIN_SWIGLU,
 ) -> Tensor:
     """:func:`fused_moe` over experts kept quantized: gate ``w1`` and up ``w3`` ``[E, I, H]``, down
     ``w2`` ``[E, H, I]`` as :class:`PackedExperts` (each projection may have its own type).
@@ -215,12 +268,18 @@ def quantized_fused_moe(
             gate_up = torch.cat([w1.experts(ids, hidden.dtype)[0], w3.experts(ids, hidden.dtype)[0]])
             return gate_up, w2.experts(ids, hidden.dtype)[0]
 
-        return _moe_per_expert(hidden, weights, num_experts, topk_weights, topk_ids)
+        return _moe_per_expert(hidden, weights, num_experts, topk_weights, topk_ids, activation)
     ids = topk_ids.reshape(-1).long()  # pair p = token * top_k + j
     x = hidden.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [P, H, 1]
     gate_up = torch.cat([torch.bmm(w1.experts(ids, hidden.dtype), x), torch.bmm(w3.experts(ids, hidden.dtype), x)], 1)
-    act = silu_and_mul(gate_up.squeeze(-1)).unsqueeze(-1)  # [P, I, 1]
-    expert_out = torch.bmm(w2.experts(ids, hidden.dtype), act).squeeze(-1).float()  # [P, H]
+    gate_up = gate_up.squeeze(-1)
+    if (bias := activation.bias("w13", ids)) is not None:
+        gate_up = gate_up + bias
+    act = activation.act(gate_up).unsqueeze(-1)  # [P, I, 1]
+    expert_out = torch.bmm(w2.experts(ids, hidden.dtype), act).squeeze(-1)  # [P, H]
+    if (bias := activation.bias("w2", ids)) is not None:
+        expert_out = expert_out + bias
+    expert_out = expert_out.float()
     weighted = expert_out * topk_weights.reshape(-1, 1).float()
     return weighted.view(num_tokens, top_k, -1).sum(1).to(hidden.dtype)
 
@@ -231,6 +290,7 @@ def _moe_per_expert(
     num_experts: int,
     topk_weights: Tensor,
     topk_ids: Tensor,
+    activation: MoEActivation = PLAIN_SWIGLU,
 ) -> Tensor:
     """:func:`fused_moe`'s loop, with expert ``e``'s ``(w13 [2I, H], w2 [H, I])`` from ``weights(e)``."""
     num_tokens, top_k = topk_ids.shape
@@ -246,7 +306,8 @@ def _moe_per_expert(
         start += count
         tokens = pairs // top_k
         w13, w2 = weights(expert)
-        act = silu_and_mul(F.linear(hidden[tokens], w13))
-        expert_out = F.linear(act, w2).float() * topk_weights.reshape(-1)[pairs, None].float()
+        act = activation.act(F.linear(hidden[tokens], w13, activation.bias("w13", expert)))
+        expert_out = F.linear(act, w2, activation.bias("w2", expert)).float()
+        expert_out = expert_out * topk_weights.reshape(-1)[pairs, None].float()
         out.index_add_(0, tokens, expert_out)
     return out.to(hidden.dtype)

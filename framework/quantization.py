@@ -133,7 +133,13 @@ class FusedMoEMethod(QuantMethodBase, ABC):
     ``w13_qweight``; see :func:`framework.layers.fused_moe.expert_weight_target`), through the
     parameter's ``weight_loader(param, tensor, shard_id, expert_id)`` (use
     ``layer.weight_loader`` with the attributes it documents, or the method's own).
+
+    ``supports_moe_activation``: the method creates the layer's biases
+    (``framework.layers.fused_moe.create_expert_biases``) and honours ``layer.activation()``
+    (gpt-oss's biased experts and clamped SwiGLU); a FusedMoE needing them refuses other methods.
     """
+
+    supports_moe_activation: ClassVar[bool] = False
 
     @abstractmethod
     def create_weights(
@@ -210,6 +216,19 @@ class QuantConfig(ABC):
         sizes); an override may leave it out of its signature.
         """
 
+    @classmethod
+    def for_isq(
+        cls, isq_type: str, model_config: ModelConfig, weight_shapes: dict[str, tuple[int, ...]]
+    ) -> QuantConfig:
+        """The config for in-situ quantization ``--isq isq_type`` (one of the spec's ``isq_types``)
+        of a 16-bit checkpoint holding ``weight_shapes`` (name -> shape); see :mod:`framework.isq`."""
+        raise NotImplementedError(f"{cls.__name__} offers no in-situ quantization")
+
+    def quantize_weight(self, name: str, weight: Tensor) -> list[tuple[str, Tensor]] | None:
+        """For a config made by :meth:`for_isq`: the checkpoint tensors of this format that replace the
+        dense matrix ``name`` (on the target device), or ``None`` to keep it dense."""
+        raise NotImplementedError(f"{type(self).__name__} offers no in-situ quantization")
+
     def verify(self, model_config: ModelConfig, device: torch.device) -> None:
         """Raise :class:`ConfigError` when this config cannot run ``model_config`` (its activation
         dtype) on ``device``; the default checks the ``supported_*`` class attributes."""
@@ -276,3 +295,18 @@ def verify_quant_methods(model: nn.Module, dtype: torch.dtype, device: torch.dev
             dtype,
             device_type,
         )
+
+
+def is_module_listed(prefix: str, patterns: list[str]) -> bool:
+    """Whether the layer ``prefix`` is named by a checkpoint's list of modules to leave unquantized
+    (``modules_to_not_convert``, compressed-tensors' ``ignore``): a pattern ``"re:<regex>"`` matches
+    from the start of ``prefix``; any other names the module itself, a suffix or a dotted part of it."""
+    import re
+
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], prefix):
+                return True
+        elif prefix == pattern or prefix.endswith(f".{pattern}") or f".{pattern}." in f".{prefix}.":
+            return True
+    return False

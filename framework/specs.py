@@ -86,7 +86,14 @@ class WeightFormatSpec(Spec):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QuantMethodSpec(Spec):
-    """A quantization method: ``impl`` is its ``QuantConfig`` class (which makes LinearMethods)."""
+    """A quantization method: ``impl`` is its ``QuantConfig`` class (which makes LinearMethods).
+
+    ``isq_types`` are the ``--isq`` names (in-situ quantization of a 16-bit checkpoint at load)
+    this method offers; its ``QuantConfig`` then implements ``for_isq`` and ``quantize_weight``
+    (see :mod:`framework.isq`). Each name belongs to one method.
+    """
+
+    isq_types: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,14 +9,13 @@ most ``max_tokens`` rows (decode steps) and otherwise all-reduces (symm_mem or N
 runs the norm kernel. The one-shot Lamport protocol writes each rank's rows into every peer's
 buffer and polls for them, with no barrier round trip; the buffers are torch symmetric memory on
 the default group (no NVLink multicast). FlashInfer compiles the kernel just in time on first use
-(about 7 minutes on the 32-core GPU host) unless an ahead-of-time build or an earlier JIT build
-is on disk. (A JIT build is reused through ninja, which rebuilds it if FlashInfer's sources or the
-compiler changed since: then ``auto`` waits for that build too.)
+(minutes) unless an ahead-of-time build or an earlier JIT build is on disk. (A JIT build is reused
+through ninja, which rebuilds it if FlashInfer's sources or the compiler changed since: then
+``auto`` waits for that build too.)
 
 ``--all-reduce auto`` takes it (bf16 models, GPUs of one host) where that build is already
-on disk (:func:`unavailable_reason`): on two H200s it took Llama-3-8B's batch-1 decode from 302
-to 329-345 tokens/s and Qwen3-32B's from 97.5 to 102.2 (docs/benchmarks.md); ``auto`` never
-starts the 7-minute build, and falls back to the plain all-reduce if the set-up fails.
+on disk (:func:`unavailable_reason`; what it gives is in docs/benchmarks.md); ``auto`` never
+starts the build, and falls back to the plain all-reduce if the set-up fails.
 ``--all-reduce flashinfer`` asks for it (building it if needed) and fails where it cannot run.
 Known limits: a failure while the workspace is being built on one rank only (e.g. FlashInfer's
 JIT build) leaves the others waiting in its barrier until ``--distributed-timeout``. Models whose

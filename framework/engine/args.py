@@ -70,6 +70,15 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "-q",
         ),
     ] = None
+    isq: Annotated[
+        str | None,
+        _opt(
+            "In-situ quantization: quantize a bf16/fp16 checkpoint's weight matrices at load, on the device, "
+            "as they stream in. Types: q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k (GGUF; q4k is llama.cpp's "
+            "Q4_K_M recipe), int4 int8 (W4A16/W8A16, group 128), fp8 (128x128 blocks), and what other plugins offer.",
+            "--isq",
+        ),
+    ] = None
     dtype: Annotated[str, _opt("bf16, f16, f32 or auto (CPU: f32; GPU: the checkpoint's 16-bit type).", "--dtype")] = (
         "auto"
     )
@@ -275,6 +284,14 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _check_name("--kv-cache-dtype", self.kv_cache_dtype, registries.kv_cache_dtypes(platform))
         if self.quantization is not None:
             _check_name("--quantization", self.quantization, registries.quantization_methods(platform))
+        if self.isq is not None:
+            from framework.isq import isq_method
+
+            isq_method(self.isq, platform)
+            if self.quantization is not None:
+                raise ConfigError(
+                    f"--isq {self.isq} chooses the quantization itself; leave --quantization {self.quantization} out"
+                )
         if self.gpu_memory_utilization is not None and device.type != "cuda":
             raise ConfigError(
                 f"--gpu-memory-utilization sizes GPU memory; this engine runs on {device.type}: "

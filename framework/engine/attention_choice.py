@@ -36,7 +36,10 @@ def refusal_reasons(
     if spec.model_dtypes and dtype_name not in spec.model_dtypes:
         reasons.append(f"model dtype {dtype_name} unsupported (supports {', '.join(spec.model_dtypes)})")
     if not reasons:
-        reasons = spec.load().validate(layers, cache_dtype, platform)
+        backend_cls = spec.load()
+        if any(layer.has_sinks for layer in layers) and not backend_cls.supports_sinks:
+            reasons.append("attention sinks (gpt-oss) unsupported")
+        reasons += backend_cls.validate(layers, cache_dtype, platform)
     return reasons
 
 

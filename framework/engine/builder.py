@@ -3,84 +3,48 @@
 ``EngineBuilder(model=..., **options).build()`` does everything (the options are
 :class:`~framework.engine.args.EngineArgs` fields); plugin authors and tests can run the steps one
 by one (``open_source``, ``model_config``, ``load_model``, ``select_attention_backend``,
-``allocate_kv_cache``) and inspect or replace what each produced. The decisions live beside it:
-:mod:`~framework.engine.attention_choice`, :mod:`~framework.engine.kv_cache_sizing` and
-:mod:`~framework.distributed.all_reduce_policy`.
+``allocate_kv_cache``) and inspect or replace what each produced. Each step's work lives in its
+own module: :mod:`~framework.engine.model_loading` (source, config, weights),
+:mod:`~framework.engine.quant_choice`, :mod:`~framework.engine.tensor_parallel_start`,
+:mod:`~framework.engine.attention_choice`, :mod:`~framework.engine.kv_cache_sizing`,
+:mod:`~framework.engine.cuda_graphs` and :mod:`~framework.distributed.all_reduce_policy`.
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import logging
-import os
-import traceback
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from framework import distributed, plugins, registries
+from framework import distributed, isq, registries
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig
-from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype, with_yarn_scaling
+from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from framework.distributed.all_reduce_policy import AllReducePolicy
-from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig, free_port
 from framework.distributed.launch import WorkerGroup
 from framework.distributed.messages import StepMessage
-from framework.engine import kv_cache_sizing
+from framework.engine import kv_cache_sizing, model_loading, tensor_parallel_start
 from framework.engine.args import EngineArgs
 from framework.engine.attention_choice import choose_attention_backend
-from framework.engine.cuda_graphs import CUDAGraphRunner
+from framework.engine.built_engine import Engine
+from framework.engine.cuda_graphs import CUDAGraphRunner, capture_decode_graphs
 from framework.engine.engine import EngineCore
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import ModelRunner
 from framework.engine.oom_hints import out_of_memory_names_the_flag
+from framework.engine.quant_choice import resolve_quant_config
 from framework.engine.sampler import Sampler
 from framework.engine.structured_outputs import StructuredOutputManager
 from framework.engine.summary import engine_summary, log_summary
 from framework.engine.worker_spec import spawn_workers
-from framework.errors import ConfigError, FwError, ModelLoadError
+from framework.errors import ConfigError
 from framework.kv_cache import KVCache
 from framework.layers.attention import Attention
-from framework.layers.layernorm import RMSNorm
-from framework.loader import model_loader
 from framework.loader.format import WeightFormat
-from framework.loader.source import resolve_local_path
 from framework.platform import Platform, platform_for_device
-from framework.quantization import build_quant_config, verify_quant_methods
-from framework.tokenizer import Tokenizer
 
 log = logging.getLogger("fw.engine")
-
-
-@dataclass(slots=True)
-class Engine:
-    """A built engine: the core plus what callers need to speak text to it."""
-
-    core: EngineCore
-    tokenizer: Tokenizer
-    model_config: ModelConfig
-    generation_config: dict[str, Any]
-    attention_backend: str
-    summary: dict[str, Any]
-    workers: WorkerGroup | None = None  # this node's other tensor-parallel ranks (rank 0 only)
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and leave the group (no-op on one device); idempotent."""
-        if self.workers is not None:
-            self.workers.stopping = True
-        if distributed.is_tensor_parallel():
-            try:
-                distributed.broadcast_message(StepMessage(shutdown=True), StepMessage)
-            except Exception:  # a worker is already gone: reaping below is all that is left
-                pass
-            # every rank leaves the group together (the workers on the shutdown message), then the
-            # workers are reaped: terminating them first would leave rank 0's NCCL teardown waiting
-            self.core.runner.release_cuda_graphs()
-        distributed.destroy_tensor_parallel()
-        if self.workers is not None:
-            self.workers.close()
 
 
 class EngineBuilder:
@@ -98,134 +62,49 @@ class EngineBuilder:
             raise ConfigError("give EngineBuilder either args= or keyword options, not both")
         args.check_names()
         self.args = args
-        self.parallel = ParallelConfig(
-            args.tensor_parallel_size,
-            args.num_nodes,
-            args.node_rank,
-            args.device_ids,
-            args.master_addr,
-            args.master_port,
-            args.rendezvous_timeout,
-            args.distributed_timeout,
-            tp_rank,
-        )
-        self.device = self.parallel.device(args.device)
+        self.parallel, self.device = tensor_parallel_start.place_rank(args, tp_rank)
         self.all_reduce_policy = AllReducePolicy.resolve(args.all_reduce, self.device, self.parallel.num_nodes)
-        if self.parallel.is_parallel and self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # before anything touches CUDA: no context on another rank's GPU
         self.workers: WorkerGroup | None = None
-        self.cache = CacheConfig(
-            block_size=args.block_size,
-            kv_fraction=args.kv_fraction,
-            mem_mb=args.mem_mb,
-            enable_prefix_caching=args.enable_prefix_caching,
-            prefix_cache_max_tokens=args.prefix_cache_max_tokens,
-            num_blocks=args.num_blocks,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            cache_dtype=args.kv_cache_dtype,
-        )
+        self.cache = CacheConfig.from_args(args)
         self.scheduler = SchedulerConfig.from_args(args, args.max_model_len)  # again once the context length is known
         self.platform: Platform = platform_for_device(self.device.type)  # a CPU device on a CUDA machine: the CPU's
         self.source: WeightFormat | None = None
         self.config: ModelConfig | None = None
         self.torch_model: torch.nn.Module | None = None
+        self.isq_report: isq.IsqReport | None = None  # what --isq did, once the model is loaded
 
     # --- steps ---------------------------------------------------------------------------
     def open_source(self) -> WeightFormat:
         """Resolve ``model``/``weights``/``file`` to a local path and open its weight format."""
-        plugins.load_plugins()
-        path = resolve_local_path(self.args.model, self.args.weights, self.args.file, self.args.revision)
-        self.source_path = path
-        self.source = model_loader.open_model_source(Path(path), self.args.file, self.args.load_format)
+        self.source_path, self.source = model_loading.open_source(self.args)
         return self.source
 
     def model_config(self) -> ModelConfig:
+        """The model's config (and its tokenizer and generation config) for this device."""
         source = self.source or self.open_source()
-        hf_config = source.hf_config()
-        if self.args.yarn_scaling_factor:
-            hf_config = with_yarn_scaling(hf_config, self.args.yarn_scaling_factor)
-        generation = source.generation_config()
-        tokenizer = source.tokenizer()
-        eos = set(_as_list(generation.get("eos_token_id"))) | set(_as_list(hf_config.get("eos_token_id")))
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        eos |= tokenizer.extra_eos_token_ids
-        dtype = resolve_dtype(self.args.dtype, self.device, hf_config.get("torch_dtype") or hf_config.get("dtype"))
-        self.config = ModelConfig.from_hf_config(
-            hf_config,
-            dtype=dtype,
-            max_model_len=self.args.max_model_len,
-            eos_token_ids=frozenset(eos),
-            source=str(self.args.model or self.args.weights or self.source_path),
-        )
-        self._tokenizer, self._generation = tokenizer, generation
+        setup = model_loading.read_model_config(source, self.args, self.device, self.source_path)
+        self.config, self._tokenizer, self._generation = setup
         self.scheduler = SchedulerConfig.from_args(self.args, self.config.max_model_len)
         return self.config
 
     def load_model(self) -> torch.nn.Module:
         """Build the architecture's class and stream the weights in."""
         config = self.config or self.model_config()
-        spec = registries.model_architectures(self.platform).get(config.architecture)
-        model_cls = spec.load()
-        quant_config = self._quant_config()
-        if quant_config is not None:
-            quant_config.packed_modules_mapping = dict(getattr(model_cls, "packed_modules_mapping", {}))
-        torch.manual_seed(self.args.seed)
-        model = model_loader.build_model(model_cls, config, quant_config, self.device)
-        if quant_config is not None:
-            verify_quant_methods(model, config.dtype, self.device)
-        assert self.source is not None
-        if self.source.name == "dummy":
-            self.source.device = self.device  # each rank draws the (identical, seeded) tensors on its own device
-        self.num_weight_tensors = self.source.num_weights()
-        weights = model_loader.with_progress(self.source.iter_weights(), self.source.num_weights(), "Loading weights")
-        try:
-            loaded = model_loader.load_weights(model, weights)
-            model_loader.check_all_loaded(model, loaded, config.source)
-            model_loader.finish_loading(model, self.device)
-        except BaseException as error:
-            del model
-            self.release_model(error)
-            if isinstance(error, ModelLoadError) and not str(error).startswith(config.source):
-                raise ModelLoadError(f"{config.source}: {error}") from None  # which model, beside which tensor
-            raise
-        self.torch_model = model.eval()
+        model_cls = registries.model_architectures(self.platform).get(config.architecture).load()
+        quant_config = resolve_quant_config(
+            self.source, config, self.args.quantization, self.platform, self.device, model_cls, self.args.isq
+        )
+        self.isq_report = None if self.args.isq is None else isq.IsqReport(self.args.isq)
+        self.torch_model = model_loading.load_model(
+            model_cls, config, quant_config, self.source, self.device, self.args.seed, self.isq_report
+        )
         return self.torch_model
 
     def release_model(self, error: BaseException | None = None) -> None:
         """Drop the (partly) built model and return its device memory: after a failed step nothing
         stays half-loaded, even while the caller holds ``error`` (whose finished frames lose their locals)."""
         self.torch_model = None
-        if error is not None:
-            traceback.clear_frames(error.__traceback__)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def _quant_config(self):
-        assert self.source is not None and self.config is not None
-        checkpoint = self.source.quantization_config()
-        declared = (checkpoint or {}).get("quant_method")
-        if self.args.quantization is not None and declared is not None and declared != self.args.quantization:
-            raise ConfigError(
-                f"--quantization {self.args.quantization} disagrees with the checkpoint {self.config.source}, "
-                f"which is quantized with {declared!r}: leave --quantization out (the checkpoint's "
-                f"method is used) or give --quantization {declared}"
-            )
-        name = plugins.call_first(
-            "resolve_quantization_method",
-            model_config=self.config,
-            quantization_config=checkpoint,
-            requested=self.args.quantization,
-            platform=self.platform,
-        )
-        if name is None:
-            return None
-        spec = registries.quantization_methods(self.platform).get(name)
-        reasons = spec.unavailable_reasons(self.platform)
-        if reasons:
-            raise ConfigError(f"quantization method {name!r} cannot run here: {'; '.join(reasons)}")
-        return build_quant_config(spec.load(), checkpoint or {}, self.config, self.device)
+        model_loading.release_device_memory(self.device, error)
 
     def attention_layers(self) -> list[AttentionLayerConfig]:
         model = self.torch_model or self.load_model()
@@ -272,25 +151,18 @@ class EngineBuilder:
 
     def capture_cuda_graphs(self, backend: AttentionBackend, kv_caches: list[KVCache]) -> CUDAGraphRunner | None:
         """Capture decode graphs when on CUDA, enabled, and the backend allows it."""
-        self.graph_summary = "off"
-        if self.device.type != "cuda" or not self.args.enable_cuda_graphs:
-            return None
-        if not backend.supports_cuda_graphs:
-            self.graph_summary = f"off (attention backend {self.backend_name} cannot be graphed)"
-            return None
-        graphs = CUDAGraphRunner(
+        graphs, self.graph_summary = capture_decode_graphs(
             self.torch_model,
             backend,
+            self.backend_name,
             kv_caches,
+            enabled=self.args.enable_cuda_graphs,
             max_num_seqs=self.scheduler.max_num_seqs,
             max_model_len=self.config.max_model_len,
             block_size=self.cache.block_size,
             sink_block=self.num_blocks,
             device=self.device,
         )
-        seconds, memory = graphs.capture()
-        self.graph_summary = f"{len(graphs.buckets)} decode graphs (batch 1..{graphs.buckets[-1]}) in {seconds:.1f} s, {memory / 2**20:.0f} MiB"
-        log.info("CUDA graphs: %s", self.graph_summary)
         return graphs
 
     def start_tensor_parallel(self) -> None:
@@ -301,52 +173,19 @@ class EngineBuilder:
         parallel = self.parallel
         if not parallel.is_parallel:
             return
-        if distributed.is_tensor_parallel():
-            raise ConfigError(
-                "this process already runs a tensor-parallel engine; close it (LLM.close() or "
-                "Engine.shutdown()) before building another"
-            )
+        tensor_parallel_start.refuse_a_second_group()
         config = self.config or self.model_config()
         spec = registries.model_architectures(self.platform).get(config.architecture)
-        if not spec.supports_tensor_parallel:
-            raise ConfigError(
-                f"architecture {config.architecture} cannot be sharded for tensor parallelism yet "
-                f"(its plugin sets supports_tensor_parallel=False); run it on one device (--tp 1)"
-            )
-        if parallel.master_port is None:
-            if parallel.num_nodes > 1:
-                parallel.master_port = DEFAULT_MASTER_PORT
-            else:
-                parallel.master_port = free_port(parallel.master_addr)
-        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, torch.get_num_threads() // parallel.ranks_per_node))
-        from framework.distributed.numa import bind_to_numa_node
-
-        bind_to_numa_node(parallel.local_rank)
-        if parallel.rank == 0 and parallel.ranks_per_node > 1:
-            self.workers = spawn_workers(self.worker_args(), list(range(1, parallel.ranks_per_node)))
-        distributed.init_tensor_parallel(
-            parallel.rank,
-            parallel.tensor_parallel_size,
-            self.device,
-            master_addr=parallel.master_addr,
-            master_port=parallel.master_port,
-            rendezvous_timeout_s=parallel.rendezvous_timeout,
-            timeout_s=parallel.distributed_timeout,
-            check_workers=self.workers.failure if self.workers is not None else None,
+        tensor_parallel_start.prepare_group(parallel, self.device, config.architecture, spec.supports_tensor_parallel)
+        if ranks := tensor_parallel_start.workers_to_spawn(parallel):
+            self.workers = spawn_workers(self.worker_args(), ranks)
+        tensor_parallel_start.init_group(
+            parallel, self.device, self.workers, self.all_reduce_policy, config, self.scheduler.max_num_seqs
         )
-        with out_of_memory_names_the_flag("setting the all-reduce up"):
-            self.all_reduce_policy.set_up(config.dtype, config.hidden_size, self.scheduler.max_num_seqs)
 
     def worker_args(self) -> EngineArgs:
         """This engine's options as another rank of the group gets them (the settled port and size)."""
-        p = self.parallel
-        return self.args.replace(
-            device=None if p.device_ids is not None else self.device.type,
-            device_ids=p.device_ids,
-            tensor_parallel_size=p.tensor_parallel_size,
-            master_port=p.master_port,
-        )
+        return tensor_parallel_start.worker_args(self.args, self.parallel, self.device)
 
     @property
     def all_reduce(self) -> str:
@@ -366,12 +205,8 @@ class EngineBuilder:
             self.load_model()
         config = self.config
         if self.parallel.is_parallel:
-            self.all_reduce_policy.enable_fused_norm(
-                norms_take_all_reduce(self.torch_model),
-                config.architecture,
-                self.scheduler.max_num_seqs,
-                config.hidden_size,
-                config.dtype,
+            tensor_parallel_start.enable_fused_norm(
+                self.all_reduce_policy, self.torch_model, config, self.scheduler.max_num_seqs
             )
         backend = self.select_attention_backend()
         with out_of_memory_names_the_flag("allocating the KV cache"):
@@ -420,34 +255,18 @@ class EngineBuilder:
                 share_sampled=async_scheduling and self.parallel.is_parallel,
             )
         except BaseException as error:
-            reason = self.workers.wait_for_failure(1.0) if self.workers is not None else None
-            if self.workers is not None:
-                self.workers.close()
-            distributed.destroy_tensor_parallel()
+            worker_error = tensor_parallel_start.leave_after_failure(self.workers, error)
             self.release_model(error)
-            if reason is not None and not isinstance(error, FwError):  # the worker's own error is above in the log
-                raise ModelLoadError(f"{reason} while the model was loading (its error is printed above)") from error
+            if worker_error is not None:
+                raise worker_error from error
             raise
-        cache = self.cache
-        max_cached = (
-            None if cache.prefix_cache_max_tokens is None else cache.prefix_cache_max_tokens // cache.block_size
+        kv_manager = KVCacheManager.for_cache(self.num_blocks, self.cache)
+        engine_config = EngineConfig(
+            config, self.cache, self.scheduler, str(self.device), self.backend_name, self.args.seed
         )
-        kv_manager = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
-        engine_config = EngineConfig(config, cache, self.scheduler, str(self.device), self.backend_name, self.args.seed)
         core = EngineCore(
             engine_config, runner, kv_manager, structured_outputs=grammars, async_scheduling=async_scheduling
         )
         summary = engine_summary(self, core)
         log_summary(self, summary)
         return Engine(core, self._tokenizer, config, self._generation, self.backend_name, summary, self.workers)
-
-
-def norms_take_all_reduce(model: torch.nn.Module) -> bool:
-    """Whether some RMS norm of ``model`` sums its input over the ranks (what the fused kernel replaces)."""
-    return any(isinstance(module, RMSNorm) and module.reduces_input for module in model.modules())
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

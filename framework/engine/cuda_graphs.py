@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -144,3 +145,45 @@ class CUDAGraphRunner:
         block_table = torch.full((size, table.shape[1]), self.sink_block, dtype=torch.int32)
         block_table[:num] = table
         return self._metadata(size, seq_lens, block_table)
+
+
+class CapturedGraphs(NamedTuple):
+    """The graph runner (``None``: eager decode) and the summary line that says why or how many."""
+
+    runner: CUDAGraphRunner | None
+    summary: str
+
+
+def capture_decode_graphs(
+    model: nn.Module,
+    backend: AttentionBackend,
+    backend_name: str,
+    kv_caches: list[KVCache],
+    *,
+    enabled: bool,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    sink_block: int,
+    device: torch.device,
+) -> CapturedGraphs:
+    """Capture the decode graphs when on CUDA, ``enabled`` (``--enable-cuda-graphs``) and the backend
+    allows it; ``sink_block`` is the KV block reserved for padding rows (one past the allocated ones)."""
+    if device.type != "cuda" or not enabled:
+        return CapturedGraphs(None, "off")
+    if not backend.supports_cuda_graphs:
+        return CapturedGraphs(None, f"off (attention backend {backend_name} cannot be graphed)")
+    graphs = CUDAGraphRunner(
+        model,
+        backend,
+        kv_caches,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        sink_block=sink_block,
+        device=device,
+    )
+    seconds, memory = graphs.capture()
+    summary = f"{len(graphs.buckets)} decode graphs (batch 1..{graphs.buckets[-1]}) in {seconds:.1f} s, {memory / 2**20:.0f} MiB"
+    log.info("CUDA graphs: %s", summary)
+    return CapturedGraphs(graphs, summary)

@@ -62,8 +62,8 @@ def _leave_a_core_to_the_api_process(device: str | None) -> None:
     """On CPU, compute with one core less than torch would take (unless OMP_NUM_THREADS says otherwise).
 
     With every core busy in the engine's OpenMP pool, the API process (detokenizing, streaming)
-    preempts a pool thread, and each parallel region then waits for it: on 2 cores, steps ran up to
-    10x slower than with 1 thread.
+    preempts a pool thread, and each parallel region then waits for it (on a machine of few cores,
+    steps many times slower than with one thread fewer).
     """
     import torch
 

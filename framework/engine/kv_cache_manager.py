@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from framework.engine.request import Request
+
+if TYPE_CHECKING:
+    from framework.config import CacheConfig
 
 
 @dataclass(slots=True)
@@ -58,6 +62,14 @@ class KVCacheManager:
         self.hash_to_block: dict[int, int] = {}
         self.num_queried_tokens = 0  # prefix-cache lookups, in tokens
         self.num_hit_tokens = 0
+
+    @classmethod
+    def for_cache(cls, num_blocks: int, cache: CacheConfig) -> KVCacheManager:
+        """A manager of ``num_blocks`` blocks with ``cache``'s block size and prefix-caching settings
+        (``prefix_cache_max_tokens`` rounded down to whole blocks)."""
+        max_tokens = cache.prefix_cache_max_tokens
+        max_cached = None if max_tokens is None else max_tokens // cache.block_size
+        return cls(num_blocks, cache.block_size, cache.enable_prefix_caching, max_cached)
 
     # --- queries -------------------------------------------------------------------------
     @property

@@ -39,6 +39,8 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
         "plugins": [info.name for info in plugins.loaded_plugins()],
         "tensor_parallel_size": self.parallel.tensor_parallel_size,
     }
+    if getattr(self, "isq_report", None) is not None:
+        summary["isq"] = self.isq_report.describe()
     if self.parallel.is_parallel:
         summary["device"] = (
             f"{self.device} + {self.parallel.tensor_parallel_size - 1} more rank(s) "

@@ -88,11 +88,10 @@ def run_node(args: EngineArgs) -> int:
 
     Returns the exit code (0 when rank 0 shut the group down cleanly).
     """
-    from framework.distributed.config import DEFAULT_MASTER_PORT, ParallelConfig
+    from framework.distributed.config import DEFAULT_MASTER_PORT
+    from framework.engine.tensor_parallel_start import parallel_config
 
-    parallel = ParallelConfig(
-        args.tensor_parallel_size, args.num_nodes, args.node_rank, args.device_ids, args.master_addr, args.master_port
-    )
+    parallel = parallel_config(args)
     args = args.replace(
         master_port=parallel.master_port or DEFAULT_MASTER_PORT, tensor_parallel_size=parallel.tensor_parallel_size
     )

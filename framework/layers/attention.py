@@ -30,6 +30,9 @@ class Attention(nn.Module):
     engine option (``--kv-cache-dtype``); checkpoint ``k_scale`` / ``v_scale`` tensors (fp8
     calibrations, per tensor or per KV head) reach :meth:`set_checkpoint_scale` through the loader
     and the engine hands them to this layer's quantized cache.
+
+    With ``has_sinks`` (gpt-oss) every call passes the layer's per-head sink logits, which the
+    backend adds to the softmax (see :meth:`framework.attention_backend.AttentionBackend.forward`).
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class Attention(nn.Module):
         logits_soft_cap: float | None = None,
         mla: MLAConfig | None = None,
         *,
+        has_sinks: bool = False,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -54,7 +58,7 @@ class Attention(nn.Module):
             )
         self.layer_index = layer_index
         self.config = AttentionLayerConfig(
-            num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla
+            num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla, has_sinks
         )
         self.prefix = prefix
         self.quant_method: QuantMethodBase | None = quant_method_for(
@@ -78,8 +82,16 @@ class Attention(nn.Module):
         found = [self.checkpoint_scales.get(name) for name in ("k_scale", "v_scale")]
         return tuple(None if scale is None else scale.to(device) for scale in found)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``sinks`` (``[num_heads]``, this rank's heads) is required exactly when built with ``has_sinks``."""
+        if (sinks is not None) != self.config.has_sinks:
+            raise ValueError(
+                f"{self.prefix}: attention sinks given {sinks is not None}, built with has_sinks={self.config.has_sinks}"
+            )
         context = get_forward_context()
-        return context.backend.forward(
-            self.config, query, key, value, context.kv_caches[self.layer_index], context.metadata
-        )
+        cache = context.kv_caches[self.layer_index]
+        if sinks is None:  # backends without sinks keep the plain signature
+            return context.backend.forward(self.config, query, key, value, cache, context.metadata)
+        return context.backend.forward(self.config, query, key, value, cache, context.metadata, sinks=sinks)

@@ -53,6 +53,7 @@ from framework.layers.linear import (
     tensor_parallel_all_reduce,
 )
 from framework.loader.checkpoint_slice import materialize
+from framework.ops import MoEActivation
 from framework.quantization import FusedMoEMethod, quant_method_for
 
 if TYPE_CHECKING:
@@ -119,9 +120,26 @@ def map_expert_weight_name(name: str) -> tuple[str, tuple | None]:
     return target if target is not None else (name, None)
 
 
+def create_expert_biases(
+    layer: nn.Module, num_experts: int, hidden_size: int, width: int, params_dtype: torch.dtype
+) -> None:
+    """``w13_bias [E, 2 * width]`` (gate then up) and ``w2_bias [E, H]`` on a layer built with
+    ``bias=True`` (gpt-oss), for any quant method (biases stay in ``params_dtype``)."""
+    if not layer.has_bias:
+        return
+    w13 = nn.Parameter(torch.empty(num_experts, 2 * width, dtype=params_dtype), requires_grad=False)
+    w2 = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype), requires_grad=False)
+    set_weight_attrs(w13, {"weight_loader": layer.weight_loader, "moe_projection": "w13", "feature_dim": -1})
+    set_weight_attrs(w2, {"weight_loader": layer.weight_loader, "moe_projection": "w2", "feature_dim": None})
+    layer.register_parameter("w13_bias", w13)
+    layer.register_parameter("w2_bias", w2)
+
+
 class UnquantizedFusedMoEMethod(FusedMoEMethod):
     """Plain ``w13_weight [E, 2I, H]`` / ``w2_weight [E, H, I]`` in ``params_dtype``, run by the kernel
     registry's ``fused_moe`` op, resolved once in :meth:`create_weights` (as ``UnquantizedLinearMethod``)."""
+
+    supports_moe_activation = True
 
     def create_weights(
         self,
@@ -138,10 +156,13 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
         set_weight_attrs(w2, {"weight_loader": layer.weight_loader, "moe_projection": "w2", "feature_dim": -1})
         layer.register_parameter("w13_weight", w13)
         layer.register_parameter("w2_weight", w2)
+        create_expert_biases(layer, num_experts, hidden_size, width, params_dtype)
         self.fused_moe = get_kernel("fused_moe")
 
     def apply(self, layer: nn.Module, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-        return self.fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        if layer.is_plain_swiglu:
+            return self.fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        return self.fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation())
 
     def dequantize(self, layer: nn.Module) -> tuple[Tensor, Tensor]:
         return layer.w13_weight, layer.w2_weight
@@ -174,6 +195,11 @@ class FusedMoE(KeepsWeightAttrs):
     holds ``intermediate_size_per_partition = intermediate_size / tp_size`` features of every
     expert (a width that does not divide is refused with :class:`ConfigError`).
     ``reduce_results=False`` returns this rank's partial sum for the caller to all-reduce.
+
+    gpt-oss: ``bias=True`` adds ``w13_bias [E, 2I]`` / ``w2_bias [E, H]`` (:func:`create_expert_biases`,
+    which a quant method calls from its ``create_weights``), and ``swiglu_limit`` swaps SiLU-and-mul
+    for the clamped SwiGLU (:func:`framework.ops.swiglu_oai_and_mul`); methods pass
+    :meth:`activation` to their kernel when :attr:`is_plain_swiglu` is False.
     """
 
     #: Its loaders only narrow and copy, so they take lazy checkpoint slices (model_loader).
@@ -193,6 +219,9 @@ class FusedMoE(KeepsWeightAttrs):
         tp_size: int | None = None,
         tp_rank: int | None = None,
         reduce_results: bool = True,
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -209,8 +238,14 @@ class FusedMoE(KeepsWeightAttrs):
         self.tp_size, self.tp_rank, self.reduce_results = tp_size, tp_rank, reduce_results
         self.intermediate_size_per_partition = width = intermediate_size // tp_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.has_bias, self.swiglu_limit, self.swiglu_alpha = bias, swiglu_limit, swiglu_alpha
         method = quant_method_for(quant_config, self, prefix, FusedMoEMethod, "a FusedMoE layer")
         self.quant_method: FusedMoEMethod = method or UnquantizedFusedMoEMethod()
+        if not self.is_plain_swiglu and not self.quant_method.supports_moe_activation:
+            raise ConfigError(
+                f"{prefix}: {type(self.quant_method).__name__} cannot run experts with biases or the clamped "
+                "SwiGLU (gpt-oss); use an unquantized or MXFP4 checkpoint"
+            )
         self.quant_method.create_weights(self, num_experts, hidden_size, width, self.params_dtype)
         self._loaded_experts: dict[str, set[int]] = {"w1": set(), "w3": set(), "w2": set()}
         #: (parameter id, expert) of gate/up values loaded into a parameter they share (not per_shard)
@@ -315,6 +350,21 @@ class FusedMoE(KeepsWeightAttrs):
                 shown = ", ".join(map(str, absent[:8])) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
                 missing.append(f"{names[shard]} of expert(s) {shown}")
         return missing
+
+    @property
+    def is_plain_swiglu(self) -> bool:
+        """No biases and SiLU-and-mul: every ``fused_moe`` kernel serves it."""
+        return not self.has_bias and self.swiglu_limit is None
+
+    def activation(self) -> MoEActivation:
+        """The biases and activation for ``fused_moe``; the down bias on rank 0 only (the ranks'
+        partial sums are added up)."""
+        return MoEActivation(
+            getattr(self, "w13_bias", None),
+            getattr(self, "w2_bias", None) if self.tp_rank == 0 else None,
+            self.swiglu_limit,
+            self.swiglu_alpha,
+        )
 
     def forward(
         self,

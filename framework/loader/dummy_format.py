@@ -62,5 +62,9 @@ class DummyFormat(WeightFormat):
             else:
                 yield name, torch.empty(shape, device=self.device).normal_(0, 0.02, generator=generator)
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor ``iter_weights`` yields (for ``--isq`` recipes), without drawing any."""
+        return {name: tuple(shape) for name, shape in self._shapes.items()}
+
     def num_weights(self) -> int | None:
         return len(self._shapes)

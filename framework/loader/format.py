@@ -51,6 +51,11 @@ class WeightFormat(ABC):
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(checkpoint name, tensor)`` pairs, lazily (mmap) so memory is not doubled."""
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor ``iter_weights`` yields, for ``--isq`` recipes chosen before
+        loading. The default reads the stream once; formats with an index override it."""
+        return {name: tuple(tensor.shape) for name, tensor in self.iter_weights()}
+
     def num_weights(self) -> int | None:
         """How many tensors ``iter_weights`` yields, for the progress bar (None if unknown)."""
         return None

@@ -81,6 +81,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if not reads_checkpoint_slices(model):
             weights = ((name, materialize(tensor)) for name, tensor in weights)
         return model.load_weights(weights)
+    return load_parameters(model, weights)
+
+
+def load_parameters(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """:func:`load_weights`'s generic path (names folded, each tensor given to its parameter's
+    ``weight_loader``), also for a model's own ``load_weights`` that only renames or re-lays out
+    some tensors first."""
     packed = getattr(model, "packed_modules_mapping", {})
     ignored = getattr(model, "ignored_weight_patterns", ())
     map_name = getattr(model, "map_weight_name", None)

@@ -69,6 +69,15 @@ class SafetensorsFormat(WeightFormat):
                     else:
                         yield name, handle.get_tensor(name)
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor, from the files' headers (no tensor is read)."""
+        shapes = {}
+        for file in self.files:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+        return shapes
+
     def num_weights(self) -> int | None:
         total = 0
         for file in self.files:

@@ -117,6 +117,9 @@ class ReasoningParser:
 
     start_marker: str = ""
     end_marker: str = ""
+    #: The format's markers are special tokens (harmony's ``<|channel|>``): the server keeps
+    #: special tokens in the text while this parser runs.
+    needs_special_tokens: bool = False
 
     def __init__(self, starts_in_reasoning: bool = False) -> None:
         self.starts_in_reasoning = starts_in_reasoning

@@ -57,9 +57,9 @@ class ChatTurn:
         )
         self.parsers = [choice_parser(self.served, setup, self.prompt_text) for _ in range(max(params.n, 1))]
         tools = next((p.tools for p in self.parsers if p is not None and p.tools is not None), None)
-        if tools is not None and tools.needs_special_tokens:
-            params = params.replace(skip_special_tokens=False)
         reasoning = next((p.reasoning for p in self.parsers if p is not None and p.reasoning is not None), None)
+        if any(parser is not None and parser.needs_special_tokens for parser in (tools, reasoning)):
+            params = params.replace(skip_special_tokens=False)
         start_after = reasoning.end_marker if reasoning is not None and reasoning.starts_in_reasoning else None
         constraint = structured_outputs_for(setup)
         #: the request field the grammar came from, named in its errors

@@ -193,6 +193,16 @@ class Usage(msgspec.Struct, kw_only=True):
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
 
+    @classmethod
+    def counted(cls, prompt_tokens: int, completion_tokens: int, num_cached: int = 0) -> Usage:
+        """The usage of a reply; ``prompt_tokens_details.cached_tokens`` only when some prompt tokens were cached."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None,
+        )
+
 
 class TopLogprob(msgspec.Struct, kw_only=True):
     token: str

@@ -176,13 +176,7 @@ class _Completion:
         self.created = int(time.time())
 
     def _usage(self, completion_tokens: int, num_cached: int) -> Usage:
-        prompt_tokens = sum(len(p) for p in self.prompts) * self.n
-        return Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details={"cached_tokens": num_cached} if num_cached else None,
-        )
+        return Usage.counted(sum(len(p) for p in self.prompts) * self.n, completion_tokens, num_cached)
 
     def _scored(self, delta: ChoiceDelta) -> ChoiceDelta:
         """``delta`` without its generated text and tokens when the request only scores its prompt."""

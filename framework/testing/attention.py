@@ -15,9 +15,11 @@ ATTENTION_CASES = [
 ]
 
 
-def dense_attention(query, key, value, scale: float, sliding_window=None, soft_cap=None):
+def dense_attention(query, key, value, scale: float, sliding_window=None, soft_cap=None, sinks=None):
     """Unpaged causal attention of one sequence: query ``[q, H, D]`` at the last ``q`` positions
-    of ``key``/``value`` ``[k, H_kv, D]``. The oracle for paged backends (float64)."""
+    of ``key``/``value`` ``[k, H_kv, D]``. The oracle for paged backends (float64). ``sinks``
+    ``[H]``: per-head logits joining each softmax's denominator (gpt-oss), as
+    ``exp(sink) / (exp(sink) + sum exp(scores))`` taken from the keys' weights."""
     import torch
 
     group = query.shape[1] // key.shape[1]
@@ -33,7 +35,12 @@ def dense_attention(query, key, value, scale: float, sliding_window=None, soft_c
     if sliding_window:
         allowed &= k_pos > q_pos - sliding_window
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-    return (scores.softmax(-1) @ v).transpose(0, 1)
+    weights = scores.softmax(-1)
+    if sinks is not None:  # renormalise by hand, independently of the backends' running-max tricks
+        expo = (scores - scores.amax(-1, keepdim=True)).exp()
+        sink = (sinks.double().to(scores.device)[:, None, None] - scores.amax(-1, keepdim=True)).exp()
+        weights = expo / (expo.sum(-1, keepdim=True) + sink)
+    return (weights @ v).transpose(0, 1)
 
 
 def check_attention_backend(
@@ -46,9 +53,11 @@ def check_attention_backend(
     seed: int = 0,
     cases=None,
     kv_dtype: str = "auto",
+    with_sinks: bool = False,
 ) -> None:
     """Run ``backend`` (an AttentionBackend instance) on random paged inputs of many shapes and
     assert it matches :func:`dense_attention` within ``atol`` (relative to the output scale).
+    ``with_sinks``: every layer has attention sinks (random per-head logits, ``has_sinks=True``).
 
     With a quantized ``kv_dtype`` the oracle attends over the dequantized cache: the keys and
     values as :func:`framework.kv_quant.quantize_kv` stores them, dequantized and rotated back, so
@@ -63,7 +72,7 @@ def check_attention_backend(
     dtype = dtype or torch.float32
     generator = torch.Generator().manual_seed(seed)
     for case in cases or ATTENTION_CASES:
-        _check_attention_case(backend, case, device, dtype, block_size, atol, generator, kv_dtype)
+        _check_attention_case(backend, case, device, dtype, block_size, atol, generator, kv_dtype, with_sinks)
 
 
 def allocate_test_cache(backend, layer, kv_dtype: str, dtype, num_blocks: int, block_size: int, device):
@@ -93,14 +102,19 @@ def as_cached(kv_cache, keys, values):
     return cached_keys, cached_values
 
 
-def _check_attention_case(backend, case, device, dtype, block_size: int, atol: float, generator, kv_dtype) -> None:
+def _check_attention_case(
+    backend, case, device, dtype, block_size: int, atol: float, generator, kv_dtype: str = "auto", with_sinks: bool = False
+) -> None:
     """One case of :func:`check_attention_backend`."""
     import torch
 
     from framework.attention_backend import AttentionLayerConfig
 
     name, query_lens, context_lens, num_heads, num_kv_heads, head_size, window, cap = case
-    layer = AttentionLayerConfig(num_heads, num_kv_heads, head_size, head_size**-0.5, window, cap)
+    layer = AttentionLayerConfig(num_heads, num_kv_heads, head_size, head_size**-0.5, window, cap, has_sinks=with_sinks)
+    # sinks around the scores' scale (|q.k| * scale ~ 1), some far above, so they take real weight
+    sinks = torch.randn(num_heads, generator=generator) * 2.0 if with_sinks else None
+    extra = {} if sinks is None else {"sinks": sinks.to(device)}
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     num_blocks, tables = _shuffled_block_tables(seq_lens, block_size, generator)
     kv_cache = allocate_test_cache(backend, layer, kv_dtype, dtype, num_blocks, block_size, device)
@@ -115,7 +129,7 @@ def _check_attention_case(backend, case, device, dtype, block_size: int, atol: f
         rows, metadata = _step_metadata(spans, tables, block_size, device)
         take = lambda xs: torch.cat([xs[r][slice(*spans[r])] for r in rows]).to(device).flatten(1)  # noqa: E731
         backend.prepare(metadata)
-        out = backend.forward(layer, take(queries), take(keys), take(values), kv_cache, metadata)
+        out = backend.forward(layer, take(queries), take(keys), take(values), kv_cache, metadata, **extra)
         return out.view(-1, num_heads, head_size).double().cpu()
 
     _compare_with_dense(
@@ -125,7 +139,9 @@ def _check_attention_case(backend, case, device, dtype, block_size: int, atol: f
         context_lens,
         seq_lens,
         atol,
-        lambda r, c, s: dense_attention(queries[r][c:s], cached[r][0][:s], cached[r][1][:s], layer.scale, window, cap),
+        lambda r, c, s: dense_attention(
+            queries[r][c:s], cached[r][0][:s], cached[r][1][:s], layer.scale, window, cap, sinks
+        ),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -120,29 +121,76 @@ def test_recorded_command_is_the_arguments_given_less_the_output_path(monkeypatc
     assert command_line() == "python benchmarks/gemv_bandwidth.py --rows 8"
 
 
-def test_engine_flags_become_the_llm_arguments(monkeypatch):
+def test_every_engine_option_is_a_benchmark_flag_with_fw_serves_name_and_default(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from common import add_engine_arguments, engine_kwargs
+    from common import BENCHMARK_DEFAULTS, add_engine_arguments
+
+    from framework.engine.args import engine_fields
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    args = parser.parse_args(
-        ["--d", "2,3", "--all-reduce", "symm_mem", "--no-async-scheduling", "--disable-cuda-graph"]
-    )
-    assert engine_kwargs(args, max_num_seqs=8) == {
+    flags = {flag: action for action in parser._actions for flag in action.option_strings}
+    defaults = vars(parser.parse_args([]))
+    for name, (_, meta, default) in engine_fields().items():
+        for flag in meta.extra["flags"][0].split("/") + list(meta.extra["flags"][1:]):
+            assert flag in flags, f"{name}: {flag} is not a benchmark flag"
+        dest = flags[meta.extra["flags"][0].split("/")[0]].dest
+        expected = BENCHMARK_DEFAULTS.get(name, default)
+        assert defaults[dest] == (not expected if meta.extra["negate"] else expected), name
+
+
+def test_engine_flags_become_the_llm_arguments_fw_serve_would_build(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from common import add_engine_arguments, engine_kwargs
+
+    from framework import EngineArgs
+    from framework.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    given = ["--d", "2,3", "--all-reduce", "symm_mem", "--no-async-scheduling", "--disable-cuda-graph"]
+    given += ["--block-size", "32", "--kv-fraction", "0.5", "-q", "gguf"]
+    assert engine_kwargs(parser.parse_args(given), model="/random/weights", max_num_seqs=8) == {
+        "model": "/random/weights",
         "load_format": "dummy",
         "enable_prefix_caching": False,
         "async_scheduling": False,
         "dtype": "bf16",
-        "attention_backend": "auto",
         "enable_cuda_graphs": False,
         "all_reduce": "symm_mem",
         "device_ids": [2, 3],
-        "tensor_parallel_size": 2,
+        "block_size": 32,
+        "kv_fraction": 0.5,
+        "quantization": "gguf",
         "max_num_seqs": 8,
     }
-    assert engine_kwargs(parser.parse_args(["--tp", "2"]))["device_ids"] == [0, 1]
-    assert "device_ids" not in engine_kwargs(parser.parse_args([]))
+    assert engine_kwargs(parser.parse_args(["--tp", "2"]))["tensor_parallel_size"] == 2
+    assert engine_kwargs(parser.parse_args(["--d", "1"]))["device"] == "cuda:1"  # as fw serve --d 1
+    assert EngineArgs.from_options(**engine_kwargs(parser.parse_args(["--dtype", "auto", "--load-format", "auto"])))
+    assert engine_kwargs(parser.parse_args(["--dtype", "auto", "--load-format", "auto"])) == {
+        "enable_prefix_caching": False
+    }
+    with pytest.raises(ConfigError, match="--max-num-seqs must be >= 1, got 0"):
+        engine_kwargs(parser.parse_args(["--max-num-seqs", "0"]))
+    with pytest.raises(ConfigError, match="--max-num-seqs is set by this benchmark"):  # not silently dropped
+        engine_kwargs(parser.parse_args(["--max-num-seqs", "4"]), max_num_seqs=8)
+
+
+def test_a_scripts_own_flag_keeps_its_meaning_beside_the_engine_flags(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from common import add_engine_arguments, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", help="the script's own model path")
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--model", "/some/dir", "--max-model-len", "64"])
+    assert args.model == "/some/dir" and "--m" not in parser._option_string_actions
+    assert engine_kwargs(args) == {
+        "load_format": "dummy",
+        "dtype": "bf16",
+        "enable_prefix_caching": False,
+        "max_model_len": 64,
+    }
 
 
 def test_gemv_candidate_matches_f_linear_and_layer_shapes_follow_the_rank(benchmarks, capsys):
@@ -240,7 +288,9 @@ def test_cpu_side_by_side_fits_the_chat_prompt_and_takes_medians(monkeypatch, tm
         for rss, t, d in [(300, 0.5, 20.0), (310, 0.9, 25.0), (290, 0.4, 30.0)]
     ]
     assert side.median_row(runs) == {"engine": "fw", "runs": 3, "rss_mb": 300, "ttft_s": 0.5, "decode": {"1": 25.0}}
-    assert side.run_llamacpp(tmp_path, tmp_path / "model.gguf", 8, 16, 1) is None  # not built: skipped
+    assert side.run_llamacpp(tmp_path, tmp_path / "model.gguf", 8, 16, 1, "passive") is None  # not built: skipped
+    assert side.child_env("passive")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert side.child_env("inherit").get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY")
 
 
 def test_w4a16_kernels_checks_and_times_every_case(benchmarks, tmp_path, monkeypatch):
@@ -289,3 +339,22 @@ def test_random_quantized_checkpoint_runs_in_fw_bench(benchmarks, tmp_path, shap
     )
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "bench.json").read_text())["output_tokens"] == 2
+
+
+def test_random_mxfp4_checkpoint_runs_in_fw_bench(benchmarks, tmp_path):
+    """``random_mxfp4_checkpoint.py`` writes a gpt-oss folder with MXFP4 experts in gpt-oss's layout that ``fw bench`` runs."""
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from cli.main import build_app
+
+    benchmarks("random_mxfp4_checkpoint.py", "--shape", "tiny-gpt-oss", "--dir", str(tmp_path / "m"))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    with safe_open(str(tmp_path / "m" / "model-00001.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj_blocks").get_shape() == [8, 128, 4, 16]
+        assert f.get_slice("model.layers.0.mlp.experts.down_proj_scales").get_shape() == [8, 128, 2]
+    args = ["bench", "--m", str(tmp_path / "m"), "--num-prompts", "1", "--input-len", "8", "--output-len", "2"]
+    args += ["--device", "cpu", "--dtype", "bf16", "--output-json", str(tmp_path / "bench.json")]
+    result = CliRunner().invoke(build_app(), args)
+    assert result.exit_code == 0, result.output

@@ -342,7 +342,7 @@ def test_flashinfer_fuses_only_where_the_models_norms_take_the_all_reduce(monkey
     some norm takes the all-reduce; otherwise the plain all-reduce stays and the summary says so."""
 
     from framework.distributed.all_reduce_policy import AllReducePolicy
-    from framework.engine.builder import norms_take_all_reduce
+    from framework.engine.tensor_parallel_start import norms_take_all_reduce
     from framework.layers import RMSNorm
 
     norm = RMSNorm(8)

@@ -6,6 +6,7 @@ out-of-memory hints)."""
 from __future__ import annotations
 
 import json
+import typing
 
 import click
 import pytest
@@ -15,8 +16,7 @@ import typer
 from typer.testing import CliRunner
 
 from framework import LLM, EngineArgs, EngineBuilder, SamplingParams
-from framework.engine import builder as builder_module
-from framework.engine import kv_cache_sizing
+from framework.engine import kv_cache_sizing, model_loading
 from framework.engine.args import engine_fields, flag_of
 from framework.errors import ConfigError
 from framework.testing import reference_greedy, write_tiny_model
@@ -29,6 +29,7 @@ SAMPLES: dict[str, tuple[object, dict]] = {
     "revision": ("main", {}),
     "load_format": ("safetensors", {}),
     "quantization": ("gguf", {}),
+    "isq": ("q4k", {}),
     "dtype": ("bf16", {}),
     "max_model_len": (128, {}),
     "yarn_scaling_factor": (2.0, {}),
@@ -148,13 +149,36 @@ def test_the_defaults_are_the_same_everywhere():
 
 @pytest.mark.parametrize(("options", "flag"), BAD_VALUES, ids=[str(o) for o, _ in BAD_VALUES])
 def test_a_bad_value_fails_before_the_model_is_opened(options, flag, monkeypatch):
-    monkeypatch.setattr(builder_module, "resolve_local_path", lambda *args: pytest.fail("the model was looked up"))
+    monkeypatch.setattr(model_loading, "resolve_local_path", lambda *args: pytest.fail("the model was looked up"))
     with pytest.raises(ConfigError) as error:
         LLM("HuggingFaceTB/no-such-model", **options)
     assert flag in str(error.value)
     if len(options) == 1:  # the message says what was given
         (value,) = options.values()
         assert repr(value) in str(error.value) or str(value) in str(error.value)
+
+
+def _bounded_fields() -> set[str]:
+    """The EngineArgs fields whose type carries a numeric bound (``ge``/``gt``/``le``/``lt``), at any depth."""
+    import msgspec
+
+    def metas(hint):
+        for arg in typing.get_args(hint):
+            if isinstance(arg, msgspec.Meta):
+                yield arg
+            else:
+                yield from metas(arg)
+
+    hints = typing.get_type_hints(EngineArgs, include_extras=True)
+    bounds = ("ge", "gt", "le", "lt")
+    return {name for name, hint in hints.items() if any(getattr(m, b) is not None for m in metas(hint) for b in bounds)}
+
+
+def test_every_bounded_option_has_a_bad_value_case():
+    """A new option with bounds gets its case in BAD_VALUES (so its refusal before loading is tested)."""
+    bounded = _bounded_fields()
+    assert {"max_num_seqs", "kv_fraction", "master_port"} <= bounded  # the walk finds nested bounds
+    assert bounded <= {name for options, _ in BAD_VALUES for name in options}
 
 
 @pytest.mark.parametrize(
@@ -288,7 +312,7 @@ def test_a_quantization_the_checkpoint_does_not_declare_is_refused_before_weight
     ("step", "target", "flag"),
     [
         ("allocating the KV cache", (kv_cache_sizing, "allocate_kv_caches"), "--gpu-memory-utilization"),
-        ("loading the weights", (builder_module.model_loader, "load_weights"), "--tp"),
+        ("loading the weights", (model_loading.model_loader, "load_weights"), "--tp"),
     ],
 )
 def test_out_of_memory_at_start_up_names_the_flag_to_change(tiny_llama, monkeypatch, step, target, flag):

@@ -117,10 +117,10 @@ def test_parsers_come_from_the_flags_or_the_template():
 
 def test_unknown_parser_names_list_the_valid_ones():
     with pytest.raises(
-        ConfigError, match=r"--enforce-parser 'hermes2'.*valid: generic, hermes, json, llama3, mistral, qwen"
+        ConfigError, match=r"--enforce-parser 'hermes2'.*valid: generic, harmony, hermes, json, llama3, mistral, qwen"
     ):
         check_parser_names("hermes2", None)
-    with pytest.raises(ConfigError, match=r"--reasoning-parser 'r1'.*deepseek_r1, qwen3"):
+    with pytest.raises(ConfigError, match=r"--reasoning-parser 'r1'.*deepseek_r1, harmony, qwen3"):
         check_parser_names(None, "r1")
     # one check: the server's resolution says the same as the early check at fw serve
     for tool, reasoning in (("hermes2", None), (None, "r1")):

@@ -42,12 +42,18 @@ def gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, seq_len: int) -> tuple
 
 
 def attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: AttentionLayerConfig, query_start: int
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: AttentionLayerConfig,
+    query_start: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries at absolute positions ``query_start..`` over keys ``0..``.
 
     ``query`` ``[q, H, D]``, ``key`` ``[k, H_kv, D]``, ``value`` ``[k, H_kv, D_v]`` (``D_v`` may differ
-    from ``D``, as in MLA); computed in float32.
+    from ``D``, as in MLA); computed in float32. ``sinks`` ``[H]``: one extra logit per head in the
+    softmax, dropped after it.
     """
     group = layer.num_heads // layer.num_kv_heads
     q = query.float().transpose(0, 1)  # [H, q, D]
@@ -62,7 +68,11 @@ def attend(
     if layer.sliding_window:
         allowed &= k_pos > q_pos - layer.sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v  # [H, q, D]
+    if sinks is not None:
+        sink_column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        out = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1] @ v
+    else:
+        out = torch.softmax(scores, dim=-1) @ v  # [H, q, D]
     return out.transpose(0, 1)
 
 
@@ -82,10 +92,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     Reads both KV layouts: ``"standard"`` and ``"mla"`` (multi-query attention over the cached
     latents, whose first ``kv_lora_rank`` features are also the values), and every KV dtype of
-    :mod:`framework.kv_quant` (dequantized per request; scores and values in the rotated space for turbo).
+    :mod:`framework.kv_quant` (dequantized per request; scores and values in the rotated space for turbo);
+    standard layers may have attention sinks.
     """
 
     name = "torch"
+    supports_sinks = True
 
     def forward(
         self,
@@ -95,6 +107,8 @@ class TorchAttentionBackend(AttentionBackend):
         value: torch.Tensor | None,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if layer.mla is not None:
             return self._forward_mla(layer, query, key, kv_cache.data, metadata)
@@ -112,7 +126,8 @@ class TorchAttentionBackend(AttentionBackend):
             start, end, seq_len = starts[r], starts[r + 1], seq_lens[r]
             num_blocks = -(-seq_len // block_size)
             keys, values = gather_kv(kv_cache, metadata.block_table[r, :num_blocks], seq_len)
-            output[start:end] = attend(rotated[start:end], keys, values, layer, seq_len - (end - start)).to(query.dtype)
+            query_start = seq_len - (end - start)
+            output[start:end] = attend(rotated[start:end], keys, values, layer, query_start, sinks).to(query.dtype)
         return kv_quant.output_space(kv_cache, output).view(num_tokens, layer.num_heads * layer.head_size)
 
     @staticmethod

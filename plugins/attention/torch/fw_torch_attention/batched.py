@@ -7,7 +7,7 @@ request's keys and values from the paged cache at once, padded to the longest se
 one ``F.scaled_dot_product_attention`` over ``[requests, heads, 1, head_size]`` queries with a
 mask for each request's length (and sliding window); grouped-query heads share their KV head
 (``enable_gqa``), nothing is repeated. Steps with prefills, soft-capped logits and the MLA layout
-take the reference path. Computed in float32, as the reference.
+take the reference path, as do layers with attention sinks. Computed in float32, as the reference.
 """
 
 from __future__ import annotations
@@ -35,10 +35,13 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
         value: torch.Tensor | None,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_reqs = metadata.num_reqs
-        if layer.mla is not None or layer.logits_soft_cap or not metadata.is_decode_only or query.shape[0] != num_reqs:
-            return super().forward(layer, query, key, value, kv_cache, metadata)
+        is_plain = sinks is None and layer.mla is None and not layer.logits_soft_cap
+        if not is_plain or not metadata.is_decode_only or query.shape[0] != num_reqs:
+            return super().forward(layer, query, key, value, kv_cache, metadata, sinks=sinks)
         heads, kv_heads, head_size = layer.num_heads, layer.num_kv_heads, layer.head_size
         store_cache(
             key.view(num_reqs, kv_heads, head_size),

@@ -99,3 +99,37 @@ def test_quantized_cache_attention_matches_dense_attention_on_the_dequantized_ca
 
     backend = registries.attention_backends().get(backend_cls).load()()
     check_attention_backend(backend, atol=1e-5, kv_dtype=kv_dtype)
+
+
+def test_torch_backends_add_attention_sinks_to_the_softmax():
+    from fw_torch_attention.batched import BatchedTorchAttentionBackend
+
+    from framework.testing import ATTENTION_CASES
+
+    check_attention_backend(TorchAttentionBackend(), atol=1e-5, with_sinks=True)
+    # the batched backend's decode steps take the reference path when the layer has sinks
+    check_attention_backend(
+        BatchedTorchAttentionBackend(), atol=1e-5, cases=ATTENTION_CASES[2:4] + BATCHED_DECODE_CASES, with_sinks=True
+    )
+
+
+def test_backends_without_sinks_are_refused_for_layers_with_sinks():
+    from framework import registries
+    from framework.attention_backend import AttentionBackend, AttentionLayerConfig
+    from framework.engine.attention_choice import refusal_reasons
+    from framework.platform import Platform
+    from framework.specs import AttentionBackendSpec
+
+    class NoSinks(AttentionBackend):
+        def forward(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    spec = AttentionBackendSpec(name="no_sinks", impl=f"{__name__}:NoSinks")
+    sinks_layer = AttentionLayerConfig(8, 2, 64, 0.125, 128, has_sinks=True)
+    cpu = Platform("cpu")
+    globals()["NoSinks"] = NoSinks
+    reasons = refusal_reasons(spec, [sinks_layer], "standard", "auto", torch.float32, cpu)
+    assert reasons == ["attention sinks (gpt-oss) unsupported"]
+    assert refusal_reasons(spec, [AttentionLayerConfig(8, 2, 64, 0.125)], "standard", "auto", torch.float32, cpu) == []
+    torch_spec = registries.attention_backends().get("torch")
+    assert refusal_reasons(torch_spec, [sinks_layer], "standard", "auto", torch.float32, cpu) == []

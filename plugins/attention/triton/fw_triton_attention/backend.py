@@ -35,6 +35,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True  # no host reads or syncs in forward; grids come from host ints
+    supports_sinks = True
 
     def __init__(self, num_sms: int | None = None) -> None:
         self.num_sms = num_sms
@@ -71,12 +72,16 @@ class TritonAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = query.shape[0]
         query = query.view(num_tokens, layer.num_heads, layer.head_size)
         key = key.view(num_tokens, layer.num_kv_heads, layer.head_size)
         value = value.view(num_tokens, layer.num_kv_heads, layer.head_size)
-        common = dict(sm_scale=layer.scale, sliding_window=layer.sliding_window, soft_cap=layer.logits_soft_cap)
+        common = dict(
+            sm_scale=layer.scale, sliding_window=layer.sliding_window, soft_cap=layer.logits_soft_cap, sinks=sinks
+        )
         if kv_cache.is_quantized:
             return self._forward_quantized(layer, query, key, value, kv_cache, metadata, common)
         if metadata.is_decode_only or metadata.max_query_len == 1:

@@ -58,6 +58,7 @@ def _decode_attention_kernel(
     new_k_ptr,
     new_v_ptr,
     slot_mapping_ptr,
+    sinks_ptr,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -89,6 +90,7 @@ def _decode_attention_kernel(
     STORE_NEW_KV: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     FP32: tl.constexpr,
     KEY_FORMAT: tl.constexpr,
     VALUE_FORMAT: tl.constexpr,
@@ -139,6 +141,9 @@ def _decode_attention_kernel(
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    if USE_SINKS and not IS_SPLIT:  # split: the reduce kernel adds the sink once
+        m_i = tl.load(sinks_ptr + head, mask=row_mask, other=-1.0e30).to(tl.float32) * 1.4426950408889634
+        l_i += 1.0
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     table_row = block_table_ptr + request.to(tl.int64) * stride_table
     for tile in range(start, end, BLOCK_N):
@@ -206,6 +211,7 @@ def _decode_reduce_kernel(
     part_acc_ptr,
     part_ml_ptr,
     out_ptr,
+    sinks_ptr,
     stride_out_token,
     stride_out_head,
     head_size,
@@ -213,6 +219,7 @@ def _decode_reduce_kernel(
     num_splits,
     SPLITS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     request = tl.program_id(0)
     head = tl.program_id(1)
@@ -221,8 +228,14 @@ def _decode_reduce_kernel(
     part = (request.to(tl.int64) * num_heads + head) * num_splits + splits
     m = tl.load(part_ml_ptr + part * 2, mask=split_mask, other=-1.0e30)
     partial_sum = tl.load(part_ml_ptr + part * 2 + 1, mask=split_mask, other=0.0)
-    weight = tl.exp2(m - tl.max(m, 0))
+    top = tl.max(m, 0)
+    if USE_SINKS:  # one more term of the denominator, with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(m - top)
     total = tl.sum(weight * partial_sum, 0)
+    if USE_SINKS:
+        total += tl.exp2(sink - top)
     dims = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
@@ -294,6 +307,7 @@ def decode_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request (``query`` ``[R, H, D]``) over the paged cache.
 
@@ -307,6 +321,7 @@ def decode_attention(
     token counted, as in every decode step and CUDA-graph padding row). The cache then holds what
     ``store_kv`` followed by this function without them would leave, and the output is the same.
     Without them the cache is only read, and position ``seq_len - 1`` must be stored already.
+    ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``).
 
     ``kv_cache`` may be a quantized :class:`~framework.kv_cache.KVCache`: tiles are then read from
     its packed rows (:mod:`fw_triton_attention.quant_tiles`; the query rotated by the caller for
@@ -349,6 +364,7 @@ def decode_attention(
         key,
         value,
         slot_mapping,
+        seq_lens if sinks is None else sinks,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -372,6 +388,7 @@ def decode_attention(
         STORE_NEW_KV=store_new_kv,
         USE_WINDOW=bool(sliding_window),
         USE_SOFT_CAP=bool(soft_cap),
+        USE_SINKS=sinks is not None,
         FP32=INTERPRET or query.dtype == torch.float32,
         **cache.constexprs,
         num_warps=num_warps,
@@ -382,6 +399,7 @@ def decode_attention(
             part_acc,
             part_ml,
             out,
+            seq_lens if sinks is None else sinks,
             out.stride(0),
             out.stride(1),
             head_size,
@@ -389,6 +407,7 @@ def decode_attention(
             num_splits,
             SPLITS_P2=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            USE_SINKS=sinks is not None,
             num_warps=4,
         )
     return out

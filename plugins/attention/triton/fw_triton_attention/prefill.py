@@ -39,6 +39,7 @@ def _prefill_attention_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_table_ptr,
+    sinks_ptr,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -64,6 +65,7 @@ def _prefill_attention_kernel(
     PAGE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     FP32: tl.constexpr,
     KEY_FORMAT: tl.constexpr,
     VALUE_FORMAT: tl.constexpr,
@@ -106,6 +108,9 @@ def _prefill_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:  # the sink is a key of score `sink` and no value: start the running softmax from it
+        m_i = tl.load(sinks_ptr + head, mask=row_mask, other=-1.0e30).to(tl.float32) * 1.4426950408889634
+        l_i += 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = block_table_ptr + request.to(tl.int64) * stride_table
     for start in range(kv_start, kv_end, BLOCK_N):
@@ -174,11 +179,13 @@ def prefill_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, H, D]`` (requests' new tokens, contiguous per request) over the cache.
 
     ``max_query_len`` (a host int) sizes the grid, so nothing syncs with the device. A quantized
     :class:`~framework.kv_cache.KVCache` is read from its packed rows, as in ``decode_attention``.
+    ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``).
     """
     num_tokens, num_heads, head_size = query.shape
     cache = cache_geometry(kv_cache)
@@ -197,6 +204,7 @@ def prefill_attention(
         cu_seqlens_q,
         seq_lens,
         block_table,
+        block_table if sinks is None else sinks,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -217,6 +225,7 @@ def prefill_attention(
         PAGE=cache.page,
         USE_WINDOW=bool(sliding_window),
         USE_SOFT_CAP=bool(soft_cap),
+        USE_SINKS=sinks is not None,
         FP32=INTERPRET or query.dtype == torch.float32,
         **cache.constexprs,
         num_warps=num_warps,

@@ -21,6 +21,7 @@ POINTERS = {
     "new_v_ptr": "*bf16",
     "slot_mapping_ptr": "*i64",
     "scales_ptr": "*u8",
+    "sinks_ptr": "*bf16",
 }
 MODEL_DTYPE_CACHE = dict(KEY_FORMAT=0, VALUE_FORMAT=0, KEY_BYTES=0, VALUE_BYTES=0)
 
@@ -42,6 +43,7 @@ def test_decode_kernel_compiles_for_hopper_and_the_fused_store_stays():
                 USE_WINDOW=window,
                 USE_SOFT_CAP=False,
                 FP32=False,
+                USE_SINKS=False,
                 **MODEL_DTYPE_CACHE,
             ),
             float_args=("sm_scale", "soft_cap"),
@@ -72,6 +74,7 @@ def test_more_shared_memory_than_an_sm_has_fails_the_check():
             USE_WINDOW=False,
             USE_SOFT_CAP=False,
             FP32=False,
+            USE_SINKS=False,
             **MODEL_DTYPE_CACHE,
         ),
         float_args=("sm_scale", "soft_cap"),
@@ -101,6 +104,7 @@ def test_quantized_cache_kernels_compile_for_hopper():
                 STORE_NEW_KV=False,
                 USE_WINDOW=False,
                 USE_SOFT_CAP=False,
+                USE_SINKS=False,
                 FP32=False,
                 KEY_FORMAT=key,
                 VALUE_FORMAT=value,
@@ -125,6 +129,7 @@ def test_quantized_cache_kernels_compile_for_hopper():
                 PAGE=16,
                 USE_WINDOW=False,
                 USE_SOFT_CAP=False,
+                USE_SINKS=False,
                 FP32=False,
                 KEY_FORMAT=key,
                 VALUE_FORMAT=value,
@@ -165,3 +170,60 @@ def test_quantized_cache_kernels_compile_for_hopper():
     ptx = compile_for_hopper(decode + prefill + store)
     assert all(".target sm_90" in text for text in ptx)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx[len(decode) + len(prefill)]  # fp8 keys: the hardware conversion
+
+
+def test_kernels_with_attention_sinks_compile_for_hopper():
+    """gpt-oss's shapes (8 query heads per KV head, head 64): the sink in the unsplit decode, the
+    split decode's reduce and the prefill, where it seeds the running softmax."""
+    decode = dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=64, PAGE=16, STORE_NEW_KV=True, USE_WINDOW=True, USE_SOFT_CAP=False)
+    cases = [
+        HopperCompile(
+            "fw_triton_attention.decode:_decode_attention_kernel",
+            POINTERS,
+            dict(GROUP=8, IS_SPLIT=split, USE_SINKS=True, FP32=False, **decode, **MODEL_DTYPE_CACHE),
+            float_args=("sm_scale", "soft_cap"),
+            options=dict(num_warps=4, num_stages=2),
+        )
+        for split in (False, True)
+    ]
+    cases.append(
+        HopperCompile(
+            "fw_triton_attention.decode:_decode_reduce_kernel",
+            {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "sinks_ptr": "*bf16"},
+            dict(SPLITS_P2=8, BLOCK_D=64, USE_SINKS=True),
+            options=dict(num_warps=4),
+        )
+    )
+    prefill_pointers = {
+        "q_ptr": "*bf16",
+        "cache_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "cu_seqlens_q_ptr": "*i32",
+        "seq_lens_ptr": "*i32",
+        "block_table_ptr": "*i32",
+        "sinks_ptr": "*bf16",
+        "scales_ptr": "*u8",
+    }
+    cases.append(
+        HopperCompile(
+            "fw_triton_attention.prefill:_prefill_attention_kernel",
+            prefill_pointers,
+            dict(
+                GROUP=8,
+                GROUP_P2=8,
+                BLOCK_Q=16,
+                BLOCK_N=64,
+                BLOCK_D=64,
+                PAGE=16,
+                USE_WINDOW=True,
+                USE_SOFT_CAP=False,
+                USE_SINKS=True,
+                FP32=False,
+                **MODEL_DTYPE_CACHE,
+            ),
+            float_args=("sm_scale", "soft_cap"),
+            options=dict(num_warps=8, num_stages=3),
+        )
+    )
+    ptx = compile_for_hopper(cases)
+    assert all(".target sm_90" in text for text in ptx)

@@ -88,6 +88,22 @@ def test_interpreted_kernels_read_and_write_bf16():
     )
 
 
+#: Prefill, split and unsplit decode, and a window: where the sink enters each kernel's softmax.
+SINK_CASES = [CPU_CASES[i] for i in (1, 2, 4, 5, 7, 8)]
+
+
+@interpreted
+def test_interpreted_kernels_add_attention_sinks_fp32():
+    check_attention_backend(
+        TritonAttentionBackend(num_sms=CPU_NUM_SMS),
+        device="cpu",
+        dtype=torch.float32,
+        atol=1e-4,
+        cases=SINK_CASES,
+        with_sinks=True,
+    )
+
+
 def test_cpu_decode_cases_split_their_contexts():
     for name, query_lens, context_lens, _, num_kv_heads, _, window, _ in CPU_CASES:
         if "split" in name:
@@ -371,6 +387,13 @@ def test_registration_selects_triton_on_cuda_and_never_on_cpu():
 
 #: 8 requests with up to 32k cached tokens, Llama-3-8B heads (32 query / 8 KV, head 128).
 LONG_DECODE = ("decode_32k_gqa4", [1] * 8, [32767, 20000, 32767, 8191, 32767, 1000, 32767, 16], 32, 8, 128, None, None)
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_add_attention_sinks_on_cuda_bf16():
+    check_attention_backend(
+        TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=CPU_CASES, with_sinks=True
+    )
 
 
 @pytest.mark.gpu

@@ -22,12 +22,14 @@ dtype before SiLU-and-mul and before the routing weight, as transformers' expert
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from framework.ops import PLAIN_SWIGLU, MoEActivation
 from fw_triton_ops.activation import _sigmoid
 
 
@@ -41,9 +43,43 @@ def _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constex
 
 
 @triton.jit
+def gate_up_activation(
+    acc_gate,
+    acc_up,
+    bias_ptr,
+    expert,
+    cols,
+    col_mask,
+    INTER,
+    out_dtype,
+    swiglu_alpha,
+    swiglu_limit,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU_OAI: tl.constexpr,
+):
+    """The epilogue of a gate/up kernel: biases ``[E, 2 * INTER]`` (gate then up) added in float32,
+    the projections rounded to ``out_dtype`` as the reference rounds them, then SiLU-and-mul or
+    gpt-oss's clamped SwiGLU; returns the activations in float32 (shared with fw-fp4's MXFP4 kernel)."""
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * 2 * INTER
+        acc_gate += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias_row + INTER + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    g = acc_gate.to(out_dtype).to(tl.float32)
+    u = acc_up.to(out_dtype).to(tl.float32)
+    if SWIGLU_OAI:  # gpt-oss: clamp, then (up + 1) * gate * sigmoid(alpha * gate)
+        g = tl.minimum(g, swiglu_limit)
+        u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
+        act = (g * _sigmoid(g * swiglu_alpha)) * (u + 1.0)
+    else:
+        act = (g * _sigmoid(g)).to(out_dtype).to(tl.float32) * u
+    return act
+
+
+@triton.jit
 def _gate_up_silu_kernel(
     x_ptr,
     w_ptr,
+    bias_ptr,
     act_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
@@ -54,11 +90,15 @@ def _gate_up_silu_kernel(
     stride_xm,
     stride_we,
     stride_wn,
+    swiglu_alpha,
+    swiglu_limit,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CAST_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU_OAI: tl.constexpr,
 ):
     expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -80,10 +120,21 @@ def _gate_up_silu_kernel(
             a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+    act = gate_up_activation(
+        acc_gate,
+        acc_up,
+        bias_ptr,
+        expert,
+        cols,
+        col_mask,
+        INTER,
+        act_ptr.dtype.element_ty,
+        swiglu_alpha,
+        swiglu_limit,
+        HAS_BIAS,
+        SWIGLU_OAI,
+    )
     out_dtype = act_ptr.dtype.element_ty
-    g = acc_gate.to(out_dtype).to(tl.float32)
-    u = acc_up.to(out_dtype).to(tl.float32)
-    act = (g * _sigmoid(g)).to(out_dtype).to(tl.float32) * u
     tl.store(
         act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype), mask=valid[:, None] & col_mask[None, :]
     )
@@ -93,6 +144,7 @@ def _gate_up_silu_kernel(
 def _down_weighted_kernel(
     act_ptr,
     w_ptr,
+    bias_ptr,
     out_ptr,
     weights_ptr,
     sorted_ids_ptr,
@@ -107,6 +159,7 @@ def _down_weighted_kernel(
     BLOCK_K: tl.constexpr,
     CAST_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -126,6 +179,8 @@ def _down_weighted_kernel(
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     out_dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:  # [E, HIDDEN]
+        acc += tl.load(bias_ptr + expert * HIDDEN + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     out = acc.to(out_dtype).to(tl.float32) * routing[:, None]
     tl.store(
@@ -230,8 +285,41 @@ def align_pairs_to_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> t
     return sorted_pair_ids, block_expert_ids
 
 
-def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    """:func:`framework.ops.fused_moe` as two grouped-GEMM launches; returns a new ``[T, H]`` tensor."""
+class GroupedLaunch(NamedTuple):
+    """How one MoE call's pairs are laid out for the grouped-GEMM kernels (shared with other
+    plugins' expert kernels, such as fw-fp4's MXFP4 ones)."""
+
+    sorted_pair_ids: Tensor
+    block_expert_ids: Tensor
+    num_blocks: int
+    block_n: int
+    meta: dict  # the kernels' tile and precision constexprs and launch options
+
+
+def plan_grouped_launch(hidden: Tensor, topk_ids: Tensor, num_experts: int) -> GroupedLaunch:
+    """Tiles for ``topk_ids.numel()`` pairs, the pairs sorted into blocks of one expert each."""
+    config = launch_config(topk_ids.numel())
+    sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, config["BLOCK_M"])
+    meta = {
+        **config,
+        "CAST_FP32": os.environ.get("TRITON_INTERPRET") == "1",
+        "PRECISION": "ieee" if hidden.dtype == torch.float32 else "tf32",
+    }
+    return GroupedLaunch(sorted_pair_ids, block_expert_ids, block_expert_ids.numel(), config["BLOCK_N"], meta)
+
+
+def fused_moe(
+    hidden: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    activation: MoEActivation = PLAIN_SWIGLU,
+) -> Tensor:
+    """:func:`framework.ops.fused_moe` as two grouped-GEMM launches; returns a new ``[T, H]`` tensor.
+
+    ``activation``'s biases are added in float32 to the accumulators, before the rounding to the
+    activation dtype that the reference does after its biased matmuls."""
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate_size = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -240,19 +328,13 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     num_pairs = num_tokens * top_k
-    config = launch_config(num_pairs)
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
-    num_blocks = block_expert_ids.numel()
-    meta = {
-        **config,
-        "CAST_FP32": os.environ.get("TRITON_INTERPRET") == "1",
-        "PRECISION": "ieee" if hidden.dtype == torch.float32 else "tf32",
-    }
+    sorted_pair_ids, block_expert_ids, num_blocks, block_n, meta = plan_grouped_launch(hidden, topk_ids, num_experts)
+    w13_bias, w2_bias = activation.w13_bias, activation.w2_bias
     act = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(intermediate_size, block_n))](
         hidden,
         w13,
+        w13 if w13_bias is None else w13_bias.contiguous(),
         act,
         sorted_pair_ids,
         block_expert_ids,
@@ -263,6 +345,10 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
         hidden.stride(0),
         w13.stride(0),
         w13.stride(1),
+        activation.swiglu_alpha,
+        activation.swiglu_limit or 0.0,
+        HAS_BIAS=w13_bias is not None,
+        SWIGLU_OAI=activation.swiglu_limit is not None,
         **meta,
     )
     per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -270,6 +356,7 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
     _down_weighted_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
         act,
         w2,
+        w2 if w2_bias is None else w2_bias.contiguous(),
         per_pair,
         weights,
         sorted_pair_ids,
@@ -279,6 +366,7 @@ def fused_moe(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, top
         intermediate_size,
         w2.stride(0),
         w2.stride(1),
+        HAS_BIAS=w2_bias is not None,
         **meta,
     )
     return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

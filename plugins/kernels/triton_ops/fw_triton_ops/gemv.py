@@ -1,12 +1,10 @@
 """Decode-sized linear layers: ``x @ weight.T + bias`` for a few rows, as a split-K Triton GEMV.
 
-A batch-1 decode step is its weight reads. On an H200 (copy bandwidth 4.28 TB/s), with each
-weight read from HBM as in a decode step, cuBLAS streams one row through Llama-3-8B's layers at
-TP=2 at 3.13 TB/s over the step, Qwen3-32B's at 3.61 TB/s; this kernel at the measured setting
-per shape (:mod:`fw_triton_ops.gemv_tuned`) takes those steps' weight time from 2.40 to 2.22 ms and
-from 8.86 to 8.40 ms (``benchmarks/gemv_bandwidth.py``:
-``docs/benchmarks/2026-11-30-h200x2-gemv-cold-27df6aa.json``). One row through ``tl.dot`` (padded
-to 16 rows) streams faster than the elementwise product at most shapes: its loads pipeline.
+A batch-1 decode step is bound by its weight reads, and cuBLAS does not stream one row at the
+copy bandwidth at every layer shape; this kernel does better at the shapes of the table in
+:mod:`fw_triton_ops.gemv_tuned` (``benchmarks/gemv_bandwidth.py`` measures both; the results are
+in docs/benchmarks.md). One row goes through ``tl.dot`` (padded to 16 rows) at most shapes, as its
+loads pipeline better than the elementwise product's.
 
 :func:`linear` is the kernel registry's ``linear`` op (:func:`framework.ops.linear`), the default
 on CUDA. It runs the GEMV only where it was measured faster, and calls ``F.linear`` itself for
@@ -26,10 +24,9 @@ Launches per call (each one a node in a captured decode graph):
 * two, ``split_k > 1``: split ``s`` of the K dimension stores its float32 partial sums into slice
   ``s`` of a fresh ``[split_k, rows, N]`` buffer (``torch.empty``: every element is written, so
   nothing is zeroed), then :func:`_sum_splits_kernel` adds the slices in a fixed order, adds the
-  bias and rounds. An earlier atomic-add version took three (a memset of the float32
-  output, the GEMV, a cast) and summed in a different order every run; this one takes two and
-  gives the same bits on every run and every tensor-parallel rank. The partial sums are
-  ``16 * split_k * rows * N`` bytes, a fraction of a percent of the weight bytes at decode shapes.
+  bias and rounds: no atomics and no memset, so the same bits on every run and every
+  tensor-parallel rank. The partial sums are ``16 * split_k * rows * N`` bytes, a fraction of a
+  percent of the weight bytes at decode shapes.
 
 Configuration: settings measured per GPU model and shape (:func:`linear_config`), a static rule
 (:func:`gemv_config`) fitted to the sweep for other shapes on such a GPU, not ``triton.autotune``.
@@ -162,15 +159,13 @@ def gemv_config(n: int, k: int, rows: int, num_sms: int = DEFAULT_NUM_SMS) -> Ge
     """The rule's setting for ``[rows, k] @ [n, k]^T`` (bf16), for shapes without a measured one
     (:mod:`fw_triton_ops.gemv_tuned`):
 
-    * one row, fitted to the H200 sweep with the weights read from HBM (40 layer shapes: Llama-3-8B,
-      Llama-3-70B, Qwen3-32B, Qwen3-0.6B at TP 1 and 2): rows padded to 16 through ``tl.dot``, 4 warps,
-      ``BLOCK_K=256``, ``BLOCK_N`` 128 from N = 8192, 64 from 5120, else 32, and K split in two
-      when the N blocks fill under half the SMs and K >= 2048. Over each model's layers this costs
-      0.6-6.6 % more than the sweep's best per shape; against cuBLAS, 1.8 % slower for Llama-3-8B
-      at TP 1, within 0.3 % for Llama-3-70B, 4-29 % faster for the others;
-    * 2-8 rows, fitted to an earlier sweep whose weights stayed in L2 (not re-measured from HBM;
-      :func:`linear` sends only one row here): no split, 4 warps, ``BLOCK_K=256``, ``BLOCK_N=128``
-      from N = 16384, else 64.
+    * one row, fitted to the H200 sweep with the weights read from HBM (the layer shapes of
+      Llama-3-8B, Llama-3-70B, Qwen3-32B, Qwen3-0.6B at TP 1 and 2): rows padded to 16 through
+      ``tl.dot``, 4 warps, ``BLOCK_K=256``, ``BLOCK_N`` 128 from N = 8192, 64 from 5120, else 32,
+      and K split in two when the N blocks fill under half the SMs and K >= 2048
+      (``benchmarks/gemv_bandwidth.py`` times the rule beside the sweep's best);
+    * 2-8 rows, fitted to a sweep whose weights stayed in L2 (:func:`linear` sends only one row
+      here): no split, 4 warps, ``BLOCK_K=256``, ``BLOCK_N=128`` from N = 16384, else 64.
     """
     if rows == 1:
         block_n = 128 if n >= 8192 else 64 if n >= 5120 else 32

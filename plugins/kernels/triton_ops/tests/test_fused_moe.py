@@ -55,6 +55,28 @@ def test_fused_moe_matches_reference_fp32(shape):
 
 
 @interpreted
+@pytest.mark.parametrize("shape", CPU_SHAPES[:2], ids=lambda s: "T{}_E{}_k{}_H{}_I{}".format(*s))
+def test_fused_moe_with_biases_and_the_clamped_swiglu_matches_reference_fp32(shape):
+    hidden, w13, w2, topk_weights, topk_ids = moe_inputs(*shape, seed=8)
+    num_experts, width, hidden_size = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+    generator = torch.Generator().manual_seed(9)
+    activation = ops.MoEActivation(
+        torch.randn(num_experts, 2 * width, generator=generator) * 3.0,
+        torch.randn(num_experts, hidden_size, generator=generator),
+        swiglu_limit=2.0,  # low enough that both clamps bite on these scales
+        swiglu_alpha=1.702,
+    )
+    hidden = hidden * 4.0
+    out = fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation)
+    expected = ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    gate_up = torch.einsum("th,eih->tei", hidden, w13) + activation.w13_bias
+    assert (gate_up[..., :width] > 2.0).any() and (gate_up[..., width:] < -2.0).any()  # the clamps are exercised
+    plain = ops.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    assert (expected - plain).abs().max() > 0.1  # biases and activation change the result
+
+
+@interpreted
 def test_fused_moe_when_every_token_picks_the_same_experts():
     # one expert group spans several blocks; the other experts get no rows at all
     hidden, w13, w2, _, _ = moe_inputs(40, 8, 2, 64, 32, seed=3)

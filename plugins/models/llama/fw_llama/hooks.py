@@ -29,19 +29,35 @@ MOE_ARCHITECTURES = {
 }
 
 
+#: gpt-oss: Llama attention with sinks, biased experts with the clamped SwiGLU (``gpt_oss.py``).
+GPT_OSS_ARCHITECTURES = {
+    "GptOssForCausalLM": "gpt-oss-20b / 120b (attention sinks, alternate sliding window, YaRN; MXFP4 experts with fw-fp4)",
+}
+
+
 @hookimpl
 def register_model_architectures():
-    return [
-        ModelSpec(
-            name=name,
-            impl="fw_llama.model:LlamaForCausalLM",
-            description=description,
-            supports_tensor_parallel=tensor_parallel,
-        )
-        for name, (description, tensor_parallel) in ARCHITECTURES.items()
-    ] + [
-        ModelSpec(
-            name=name, impl="fw_llama.moe:LlamaMoeForCausalLM", description=description, supports_tensor_parallel=True
-        )
-        for name, description in MOE_ARCHITECTURES.items()
-    ]
+    return (
+        [
+            ModelSpec(
+                name=name,
+                impl="fw_llama.model:LlamaForCausalLM",
+                description=description,
+                supports_tensor_parallel=tensor_parallel,
+            )
+            for name, (description, tensor_parallel) in ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(
+                name=name,
+                impl="fw_llama.moe:LlamaMoeForCausalLM",
+                description=description,
+                supports_tensor_parallel=True,
+            )
+            for name, description in MOE_ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(name=name, impl="fw_llama.gpt_oss:GptOssForCausalLM", description=description)
+            for name, description in GPT_OSS_ARCHITECTURES.items()
+        ]
+    )

@@ -18,6 +18,7 @@ The mixture-of-experts members (Mixtral, Qwen2-MoE, Qwen3-MoE, ``moe.py``) reuse
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from framework.layers import (
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
-from framework.layers.linear import KeepsWeightAttrs, copy_weight
+from framework.layers.linear import KeepsWeightAttrs, copy_weight, load_column_shard
 from framework.layers.mlp import dense_mlp
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
@@ -59,7 +60,8 @@ class LlamaVariant:
 
     ``qk_norm``: ``None``, ``"rms"`` (one RMSNorm over ``head_size`` shared by all heads, Qwen3)
     or ``"layer_per_head"`` (a LayerNorm per head, StableLM 2 12B). ``norm``: ``"rms"`` or
-    ``"layer"``. ``branch_norms``: normalise the attention and MLP outputs before each residual
+    ``"layer"``. ``attention_sinks``: a learned sink logit per head (``self_attn.sinks``, gpt-oss).
+    ``branch_norms``: normalise the attention and MLP outputs before each residual
     add (GLM-4). ``parallel_residual``: ``x + attn(norm(x)) + mlp(norm(x))`` (StableLM).
     """
 
@@ -71,6 +73,7 @@ class LlamaVariant:
     branch_norms: bool
     parallel_residual: bool
     is_neox_style: bool
+    attention_sinks: bool = False
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> LlamaVariant:
@@ -97,6 +100,7 @@ class LlamaVariant:
             branch_norms=arch == "Glm4ForCausalLM",
             parallel_residual=is_stablelm and bool(config.get("use_parallel_residual")),
             is_neox_style=not is_glm,
+            attention_sinks=arch == "GptOssForCausalLM",
         )
 
     def make_norm(self, size: int) -> nn.Module:
@@ -196,7 +200,8 @@ _PER_HEAD_NORM = re.compile(r"^(?P<norm>.*_layernorm)\.norms\.(?P<head>\d+)\.wei
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection -> optional QK norm -> rotary (full or partial) -> paged attention -> o_proj."""
+    """Fused QKV projection -> optional QK norm -> rotary (full or partial) -> paged attention
+    (with gpt-oss's per-head sinks) -> o_proj."""
 
     def __init__(
         self,
@@ -244,9 +249,15 @@ class LlamaAttention(nn.Module):
             head_size,
             head_size**-0.5,
             sliding_window=layer_sliding_window(config, layer_index),
+            has_sinks=variant.attention_sinks,
             quant_config=quant_config,
             prefix=f"{prefix}.attn",
         )
+        self.sinks = None
+        if variant.attention_sinks:  # this rank's heads of the checkpoint's [num_heads] sinks
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            loader = functools.partial(load_column_shard, tp_rank=self.qkv_proj.tp_rank)
+            set_weight_attrs(self.sinks, {"weight_loader": loader, "output_dim": 0})
         self.q_norm = self.k_norm = None
         if variant.qk_norm == "rms":  # Qwen3: checkpoint names q_norm / k_norm
             self.q_norm, self.k_norm = RMSNorm(head_size, variant.eps), RMSNorm(head_size, variant.eps)
@@ -268,7 +279,7 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:  # StableLM: per-head LayerNorm, before RoPE
                 q, k = norm_per_head(self.q_norm, q, self.head_size), norm_per_head(self.k_norm, k, self.head_size)
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, self.sinks))
 
 
 #: Builds a layer's feed-forward block: ``make_mlp(config, layer_index, quant_config, prefix)``.

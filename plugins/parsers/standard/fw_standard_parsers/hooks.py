@@ -20,6 +20,10 @@ TOOL_PARSERS = {
         "llama3:Llama3ToolParser",
         "Llama 3.1+: JSON {name, parameters}, or after <|python_tag|>; ';' between calls",
     ),
+    "harmony": (
+        "harmony:HarmonyToolParser",
+        "gpt-oss harmony: <|channel|>commentary to=functions.NAME<|message|>{...}<|call|>",
+    ),
 }
 
 REASONING_PARSERS = {
@@ -28,6 +32,7 @@ REASONING_PARSERS = {
         "<think>...</think> when the reply (or the prompt) opens it, else all content",
     ),
     "deepseek_r1": ("think:DeepSeekR1ReasoningParser", "reasoning until </think> (the template opens <think>)"),
+    "harmony": ("harmony:HarmonyReasoningParser", "gpt-oss harmony: the analysis channel; final -> content"),
 }
 
 #: (text in the chat template, tool parser name), most specific first.
@@ -61,6 +66,8 @@ def default_parsers(chat_template: str | None = None) -> dict[str, Any] | None:
     """Parsers for the markup a chat template writes; None (pass) when it shows none we know."""
     if not chat_template:
         return None
+    if "<|channel|>" in chat_template:  # gpt-oss: one format for both
+        return {"tool": "harmony", "reasoning": "harmony"}
     tool = next((name for sign, name in TOOL_TEMPLATE_SIGNS if sign in chat_template), None)
     reasoning = None
     if "<think>" in chat_template or "</think>" in chat_template:

@@ -250,6 +250,63 @@ struct Q6_K { static constexpr int BLOCK = 256, BYTES = 210;
 
 constexpr int MAX_ROWS = 8;  // rows of x per pass over the weights
 
+// sums[r] = x[r, :] . W[row, :] for R rows of x (k apart) and one weight row of `blocks` blocks.
+// Each block is decoded once into `values` (L1) and multiplied into per-lane fp32 accumulators
+// (lane j of every 32 values), which are added up at the end.
+#if FW_AVX512
+template <class F, int R>
+void dot_rows(const float* __restrict x, int64_t k, const uint8_t* __restrict row, int64_t blocks, float* sums) {
+  alignas(64) float values[F::BLOCK];
+  __m512 lo[R], hi[R];  // R is a constant: the accumulators stay in registers
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    F::decode(row + blk * F::BYTES, values);
+    const float* xs = x + blk * F::BLOCK;
+    for (int c = 0; c < F::BLOCK; c += 32) {
+      const __m512 v0 = _mm512_load_ps(values + c), v1 = _mm512_load_ps(values + c + 16);
+      for (int r = 0; r < R; ++r) {
+        lo[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xs + r * k + c), v0, lo[r]);
+        hi[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xs + r * k + c + 16), v1, hi[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r], hi[r]));
+}
+#else
+template <class F, int R>
+void dot_rows(const float* __restrict x, int64_t k, const uint8_t* __restrict row, int64_t blocks, float* sums) {
+  alignas(64) float values[F::BLOCK];
+  float acc[R][32] = {};
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    F::decode(row + blk * F::BYTES, values);
+    for (int r = 0; r < R; ++r) {
+      const float* xs = x + r * k + blk * F::BLOCK;
+      for (int c = 0; c < F::BLOCK; c += 32)
+        for (int j = 0; j < 32; ++j) acc[r][j] = std::fma(xs[c + j], values[c + j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = 0.f;
+    for (int j = 0; j < 32; ++j) sum += acc[r][j];
+    sums[r] = sum;
+  }
+}
+#endif
+
+template <class F>
+void dot_any_rows(int rows, const float* x, int64_t k, const uint8_t* row, int64_t blocks, float* sums) {
+  switch (rows) {
+    case 1: dot_rows<F, 1>(x, k, row, blocks, sums); break;
+    case 2: dot_rows<F, 2>(x, k, row, blocks, sums); break;
+    case 3: dot_rows<F, 3>(x, k, row, blocks, sums); break;
+    case 4: dot_rows<F, 4>(x, k, row, blocks, sums); break;
+    case 5: dot_rows<F, 5>(x, k, row, blocks, sums); break;
+    case 6: dot_rows<F, 6>(x, k, row, blocks, sums); break;
+    case 7: dot_rows<F, 7>(x, k, row, blocks, sums); break;
+    default: dot_rows<F, 8>(x, k, row, blocks, sums); break;
+  }
+}
+
 template <class F>
 void matmul(const float* __restrict x, const uint8_t* __restrict w, int64_t n_out, int64_t k, int64_t m, float* __restrict y, int64_t ldy, int threads) {
   const int64_t blocks = k / F::BLOCK, row_bytes = blocks * F::BYTES;
@@ -257,23 +314,11 @@ void matmul(const float* __restrict x, const uint8_t* __restrict w, int64_t n_ou
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16) if (threads > 1 && n_out * k >= (1 << 16))
   for (int64_t n = 0; n < n_out; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    alignas(64) float values[F::BLOCK];
     for (int64_t m0 = 0; m0 < m; m0 += MAX_ROWS) {
       const int rows = int(m - m0 < MAX_ROWS ? m - m0 : MAX_ROWS);
-      alignas(64) float acc[MAX_ROWS][32] = {};
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        F::decode(row + blk * F::BYTES, values);
-        for (int r = 0; r < rows; ++r) {
-          const float* xs = x + (m0 + r) * k + blk * F::BLOCK;
-          for (int c = 0; c < F::BLOCK; c += 32)
-            for (int j = 0; j < 32; ++j) acc[r][j] = std::fma(xs[c + j], values[c + j], acc[r][j]);
-        }
-      }
-      for (int r = 0; r < rows; ++r) {
-        float sum = 0.f;
-        for (int j = 0; j < 32; ++j) sum += acc[r][j];
-        y[(m0 + r) * ldy + n] = sum;
-      }
+      float sums[MAX_ROWS];
+      dot_any_rows<F>(rows, x + m0 * k, k, row, blocks, sums);
+      for (int r = 0; r < rows; ++r) y[(m0 + r) * ldy + n] = sums[r];
     }
   }
 }

@@ -25,5 +25,6 @@ def register_quantization_methods():
             impl="fw_gguf.method:GGUFQuantConfig",
             description="GGUF block quants F32/F16/BF16, Q4_0..Q8_0, Q2_K..Q6_K kept packed; dequantized in the matmul",
             requires=("gguf",),
+            isq_types=("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k"),
         )
     ]

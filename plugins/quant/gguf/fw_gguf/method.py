@@ -77,6 +77,30 @@ class GGUFQuantConfig(QuantConfig):
             raise ValueError("gguf quantization config needs 'tensor_types' (it comes from the GGUF file itself)")
         return cls(dict(config["tensor_types"]))
 
+    @classmethod
+    def for_isq(cls, isq_type: str, model_config: Any, weight_shapes: dict[str, tuple[int, ...]]) -> GGUFQuantConfig:
+        """``--isq q4_0 .. q6k``: the types :mod:`fw_gguf.isq`'s recipe gives each matrix."""
+        from .isq import isq_quant_config
+
+        return cls.from_config(isq_quant_config(isq_type, model_config, weight_shapes))
+
+    def quantize_weight(self, name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """The packed GGUF rows of ``name`` (on ``weight``'s device), as a GGUF file would hold them."""
+        qtype = self.tensor_types.get(name)
+        if qtype is None:
+            return None
+        from .quantize import quantize
+
+        return [(name, quantize(weight, GGMLQuantizationType[qtype]))]
+
+    def save_isq_checkpoint(self, dst: Any, source: Any, weights: Any, isq_type: str) -> Any:
+        """``fw quantize --isq``: write the quantized stream as a GGUF file llama.cpp loads (:mod:`fw_gguf.writer`)."""
+        from pathlib import Path
+
+        from .writer import write_gguf
+
+        return write_gguf(Path(dst), source, weights, self.tensor_types, isq_type)
+
     def shard_types(self, prefix: str) -> list[tuple[Any, str]] | None:
         """``[(shard id, GGUF type)]`` of the checkpoint tensors behind layer ``prefix``, in output order."""
         if f"{prefix}.weight" in self.tensor_types:

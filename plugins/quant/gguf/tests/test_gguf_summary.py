@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from framework import LLM
+from framework.engine.messages import Ready, TokenizerSpec
 from framework.server.launcher import format_summary
-from framework.server.messages import Ready, TokenizerSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

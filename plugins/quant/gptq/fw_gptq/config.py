@@ -15,7 +15,6 @@ says so (GPTQ's ``lm_head: true``).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.quantization import QuantConfig, QuantMethodBase
+from framework.quantization import QuantConfig, QuantMethodBase, is_module_listed
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
@@ -96,13 +95,7 @@ class WNA16Config(QuantConfig):
         leaf = prefix.rpartition(".")[2]
         if leaf in ROUTER_LEAVES:
             return True
-        for pattern in self.skipped:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], prefix):
-                    return True
-            elif prefix == pattern or prefix.endswith(f".{pattern}") or f".{pattern}." in f".{prefix}.":
-                return True
-        return False
+        return is_module_listed(prefix, self.skipped)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethodBase | None:
         from framework.layers.embedding import LMHead, VocabEmbedding
@@ -151,6 +144,32 @@ class GPTQConfig(WNA16Config):
                                  zero_offset=0 if checkpoint_format == "gptq_v2" else 1)
         skipped = list(config.get("modules_to_not_convert") or [])
         return cls(scheme, skipped, lm_head=bool(config.get("lm_head", False)))
+
+
+    @classmethod
+    def for_isq(cls, isq_type: str, model_config: Any, weight_shapes: dict[str, tuple[int, ...]]) -> GPTQConfig:
+        """``--isq int4`` / ``int8``: symmetric GPTQ-layout weights, group 128, rounded to nearest
+        (the layers ``fw quantize --method rtn`` quantizes: the decoder's linear layers)."""
+        bits = ISQ_BITS.get(isq_type)
+        if bits is None:
+            raise ConfigError(f"fw_gptq offers --isq {', '.join(ISQ_BITS)}; got {isq_type!r}")
+        return cls.from_config({"bits": bits, "group_size": ISQ_GROUP_SIZE, "sym": True, "desc_act": False})
+
+    def quantize_weight(self, name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` of a decoder linear layer's ``weight``, else None."""
+        stem = name.removesuffix(".weight")
+        if stem == name or ".layers." not in f".{stem}" or self.is_skipped(stem):
+            return None
+        from .packing import pack_gptq
+        from .quantize.rtn import round_to_nearest
+
+        packed = pack_gptq(round_to_nearest(weight, self.scheme.bits, self.scheme.group_size, True))
+        return [(f"{stem}.{key}", value) for key, value in packed.items()]
+
+
+#: ``--isq`` names of the W4A16 / W8A16 core, and their group size.
+ISQ_BITS = {"int4": 4, "int8": 8}
+ISQ_GROUP_SIZE = 128
 
 
 class AWQConfig(WNA16Config):

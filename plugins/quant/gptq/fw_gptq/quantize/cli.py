@@ -31,10 +31,25 @@ def quantize(
                                                                            "(default: a built-in English text).")] = None,
     num_samples: Annotated[int, typer.Option("--num-samples", help="Calibration windows.")] = 32,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration window.")] = 256,
+    isq: Annotated[str | None, typer.Option("--isq", help="Quantize with an in-situ quantization type instead and "
+                                                          "write its format (q4k ... : a GGUF file DST.gguf that "
+                                                          "llama.cpp loads); --method and its options are unused.")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="--isq: where to quantize (default: cuda if "
+                                                                "available).")] = None,
 ) -> None:
     """Quantize SRC's decoder linear layers and write a standard checkpoint to DST."""
     from cli import options as o
     from framework.errors import FwError
+
+    if isq is not None:
+        from framework.isq import export_checkpoint
+
+        try:
+            written, report = export_checkpoint(str(src), str(dst), isq, device)
+        except (FwError, ValueError, OSError) as exc:
+            raise o.fail(str(exc)) from None
+        typer.echo(f"wrote {written}: {report.describe()}")
+        return
 
     from .run import QuantizeJob, run_quantize
 

@@ -1,0 +1,109 @@
+"""The FP8 kernels (``fw_fp8.kernels``) against bf16 cuBLAS, Llama-3-8B shapes, block FP8 weights.
+
+    python benchmarks/fp8_kernels.py                        # table; JSON to $OUT/fp8_kernels.json if $OUT is set
+    python benchmarks/fp8_kernels.py --layers down --rows 1 8 64 --out fp8.json
+    python benchmarks/fp8_kernels.py --tiny                 # the script itself on a CPU (TRITON_INTERPRET=1)
+
+For each layer (fused qkv, o, fused gate_up, down, LM head) and row count it checks every path
+against ``x @ W^T`` on the dequantized weight, then times, replayed from a CUDA graph over weight
+copies that overflow the L2: the W8A16 kernel (block scales), the block-scaled W8A8 GEMM (1x128
+activation groups, sm_89+), ``torch._scaled_mm`` on a per-channel copy of the weight (sm_89+), and
+bf16 cuBLAS. The row where W8A8 first beats W8A16 is what ``fw_fp8.kernels.dispatch.W8A16_MAX_ROWS``
+should say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from common import copies_timer, write_kernel_report  # noqa: E402
+from fw_fp8.kernels.dispatch import W8A16_MAX_ROWS, has_fp8_tensor_cores  # noqa: E402
+from fw_fp8.kernels.layout import Fp8Weight, dequantize_fp8_weight  # noqa: E402
+from fw_fp8.kernels.w8a8_block import w8a8_block_matmul  # noqa: E402
+from fw_fp8.kernels.w8a16 import choose_config, w8a16_matmul  # noqa: E402
+from fw_fp8.quantize import FP8_DTYPE, FP8_MAX, quantize_weight_fp8  # noqa: E402
+
+LAYERS = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "head": (128256, 4096),
+}
+TINY_LAYERS = {"qkv": (96, 256), "down": (64, 512)}
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+COLD_BYTES = 512 * 2**20
+
+
+def measure(n: int, k: int, rows: int, tiny: bool) -> dict:
+    device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
+    generator = torch.Generator(device).manual_seed(n + k)
+    q, scale = quantize_weight_fp8(torch.randn(n, k, device=device, generator=generator) * 0.02)
+    weight = Fp8Weight(q, scale, 128, 128)
+    dense = dequantize_fp8_weight(weight, dtype)
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    expected = x.double() @ dense.double().t()
+    paths = {"w8a16": lambda w: w8a16_matmul(x, w)}
+    fp8_cores = not tiny and has_fp8_tensor_cores(x.device)
+    if fp8_cores or tiny:
+        paths["w8a8_block"] = lambda w: w8a8_block_matmul(x, w)
+    channel = None
+    if fp8_cores:  # the per-channel layout _scaled_mm takes
+        row_scale = dense.float().abs().amax(1, keepdim=True) / FP8_MAX
+        channel = Fp8Weight((dense.float() / row_scale).to(FP8_DTYPE), row_scale, 1, k)
+        from fw_fp8.kernels.scaled_mm import scaled_mm_linear
+
+        paths["scaled_mm"] = lambda w: scaled_mm_linear(x, w)
+    time_it, result = copies_timer(tiny), {"n": n, "k": k, "rows": rows, "rule": choose_config(rows, n, k, 128)}
+    weight_bytes = q.nbytes + scale.nbytes
+    for name, run in paths.items():
+        base = channel if name == "scaled_mm" else weight
+        error = ((run(base).double() - expected).abs().max() / expected.abs().max()).item()
+        if error > (1e-4 if tiny and name == "w8a16" else 6e-2):
+            raise AssertionError(f"{name} {rows}x{k} @ [{n}, {k}]: relative error {error:.3g}")
+        copies = [base] + [
+            base._replace(qweight=base.qweight.clone())
+            for _ in range(0 if tiny else -(-COLD_BYTES // weight_bytes) - 1)
+        ]
+        seconds = time_it(run, copies)
+        result[name] = {"us": seconds * 1e6, "gb_s": weight_bytes / seconds / 1e9, "check_rel_error": error}
+    dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
+    result["cublas_bf16_us"] = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies) * 1e6
+    result["dispatch"] = "w8a16" if rows <= W8A16_MAX_ROWS or not fp8_cores else "w8a8_block"
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--rows", nargs="+", type=int, default=ROWS)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    parser.add_argument(
+        "--out", default=os.path.join(os.environ["OUT"], "fp8_kernels.json") if os.environ.get("OUT") else None
+    )
+    args = parser.parse_args()
+    tiny = args.tiny or not torch.cuda.is_available()
+    layers = TINY_LAYERS if tiny else {name: LAYERS[name] for name in args.layers}
+    results = []
+    print(f"{'layer':8} {'rows':>5} {'w8a16 us':>9} {'w8a8 us':>9} {'scaled_mm':>9} {'bf16 us':>9}")
+    for (name, (n, k)), rows in itertools.product(layers.items(), [1, 3, 17] if tiny else args.rows):
+        result = {"layer": name, **measure(n, k, rows, tiny)}
+        results.append(result)
+        cells = [
+            f"{result[p]['us']:9.1f}" if p in result else f"{'-':>9}" for p in ("w8a16", "w8a8_block", "scaled_mm")
+        ]
+        print(f"{name:8} {rows:5d} {' '.join(cells)} {result['cublas_bf16_us']:9.1f}")
+    if args.out:
+        write_kernel_report(args.out, results, tiny=tiny, w8a16_max_rows=W8A16_MAX_ROWS)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

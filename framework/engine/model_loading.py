@@ -1,0 +1,138 @@
+"""From a model name to a loaded model: open the weight source, read its config, load its weights.
+
+The three steps :class:`~framework.engine.builder.EngineBuilder` runs in order:
+
+- :func:`open_source`: ``--m`` / ``--w`` / ``--f`` resolved to a local path (downloading when it
+  names a Hub repo) and opened as the weight format ``--load-format`` names (or the detected one);
+- :func:`read_model_config`: the :class:`ModelConfig` (dtype settled for the device, the context
+  length, every end-of-sequence id the checkpoint, generation config and tokenizer declare), with
+  the tokenizer and generation config that came with it;
+- :func:`load_model`: the architecture built on the device and every checkpoint tensor loaded
+  into it. On failure nothing stays half-loaded: :func:`release_device_memory` returns what the
+  partial model held before the error propagates.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from framework import isq, plugins
+from framework.config import ModelConfig, resolve_dtype, with_yarn_scaling
+from framework.engine.args import EngineArgs
+from framework.errors import ModelLoadError
+from framework.loader import model_loader
+from framework.loader.format import WeightFormat
+from framework.loader.source import resolve_local_path
+from framework.quantization import QuantConfig, verify_quant_methods
+from framework.tokenizer import Tokenizer
+
+log = logging.getLogger("fw.engine")
+
+
+class OpenedSource(NamedTuple):
+    path: str
+    source: WeightFormat
+
+
+class ModelSetup(NamedTuple):
+    """What a checkpoint declares besides its weights."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    generation_config: dict[str, Any]
+
+
+def open_source(args: EngineArgs) -> OpenedSource:
+    """Load the plugins, resolve ``args``'s model to a local path and open its weight format."""
+    plugins.load_plugins()
+    path = resolve_local_path(args.model, args.weights, args.file, args.revision)
+    return OpenedSource(path, model_loader.open_model_source(Path(path), args.file, args.load_format))
+
+
+def read_model_config(source: WeightFormat, args: EngineArgs, device: torch.device, source_path: str) -> ModelSetup:
+    """The model's config for ``device`` (``--dtype``, ``--max-model-len``, ``--yarn-scaling-factor``
+    applied), its tokenizer and generation config. ``eos_token_ids`` is the union of the ids the
+    generation config, the model config and the tokenizer name."""
+    hf_config = source.hf_config()
+    if args.yarn_scaling_factor:
+        hf_config = with_yarn_scaling(hf_config, args.yarn_scaling_factor)
+    generation = source.generation_config()
+    tokenizer = source.tokenizer()
+    eos = set(_as_list(generation.get("eos_token_id"))) | set(_as_list(hf_config.get("eos_token_id")))
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    eos |= tokenizer.extra_eos_token_ids
+    dtype = resolve_dtype(args.dtype, device, hf_config.get("torch_dtype") or hf_config.get("dtype"))
+    config = ModelConfig.from_hf_config(
+        hf_config,
+        dtype=dtype,
+        max_model_len=args.max_model_len,
+        eos_token_ids=frozenset(eos),
+        source=str(args.model or args.weights or source_path),
+    )
+    return ModelSetup(config, tokenizer, generation)
+
+
+def load_model(
+    model_cls: type[torch.nn.Module],
+    config: ModelConfig,
+    quant_config: QuantConfig | None,
+    source: WeightFormat,
+    device: torch.device,
+    seed: int,
+    isq_report: isq.IsqReport | None = None,
+) -> torch.nn.Module:
+    """Build ``model_cls`` on ``device`` (seeded with ``seed``) and stream ``source``'s weights in; the
+    model in eval mode. Every parameter must be loaded (else :class:`ModelLoadError`, naming the
+    model); on any failure the partial model's device memory is returned before the error is raised.
+    With ``isq_report`` (``--isq``) each matrix is quantized on ``device`` as it streams in
+    (:func:`framework.isq.quantize_stream`) and the report filled in."""
+    torch.manual_seed(seed)
+    model = model_loader.build_model(model_cls, config, quant_config, device)
+    if quant_config is not None:
+        verify_quant_methods(model, config.dtype, device)
+    if source.name == "dummy":
+        source.device = device  # each rank draws the (identical, seeded) tensors on its own device
+    weights = source.iter_weights()
+    label = "Loading weights"
+    if isq_report is not None:
+        weights = isq.quantize_stream(weights, quant_config, device, isq_report)
+        label = f"Quantizing ({isq_report.isq_type}) and loading weights"
+    weights = model_loader.with_progress(weights, source.num_weights(), label)
+    started = time.perf_counter()
+    try:
+        loaded = model_loader.load_weights(model, weights)
+        model_loader.check_all_loaded(model, loaded, config.source)
+        model_loader.finish_loading(model, device)
+    except BaseException as error:
+        del model
+        release_device_memory(device, error)
+        if isinstance(error, ModelLoadError) and not str(error).startswith(config.source):
+            raise ModelLoadError(f"{config.source}: {error}") from None  # which model, beside which tensor
+        raise
+    if isq_report is not None:
+        log.info("%s; load took %.2f s", isq_report.describe(), time.perf_counter() - started)
+    return model.eval()
+
+
+def release_device_memory(device: torch.device, error: BaseException | None = None) -> None:
+    """Collect dropped tensors and return cached device memory. With ``error``, its traceback's
+    finished frames lose their locals first, so a caller holding the error holds no tensors."""
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

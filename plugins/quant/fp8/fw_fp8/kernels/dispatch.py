@@ -1,0 +1,87 @@
+"""Which FP8 matmul serves a call: the thresholds in one place, the device capability read once per layer.
+
+::
+
+    rows <= W8A16_MAX_ROWS, or no FP8 tensor cores (below sm_89)  -> w8a16        (Triton, any weight layout)
+    more rows, block weights                                       -> w8a8_block   (Triton, 1x128 activation groups)
+    more rows, channel / tensor weights, bf16, N and K % 16 == 0   -> scaled_mm    (torch._scaled_mm, row-wise)
+    more rows, other channel / tensor weights                      -> w8a8_block   (one scale column)
+    CPU (no Triton interpreter)                                    -> torch        (dequantize, then F.linear)
+
+``FW_FP8_KERNEL`` forces a family: ``auto`` (the table), ``w8a16`` (every call), ``w8a8`` (the W8A8
+kernels for every row count; refused below sm_89, and on the CPU unless ``TRITON_INTERPRET=1``, where
+the interpreter runs them for tests: ``auto`` keeps W8A16 there, as below sm_89).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from framework.errors import ConfigError
+
+#: Up to this many rows the W8A16 GEMV wins (W8A8 pays to quantize the activations and its tiles idle).
+W8A16_MAX_ROWS = 8
+#: The first compute capability with FP8 tensor cores (Ada).
+FP8_TENSOR_CORE_CAPABILITY = (8, 9)
+KERNEL_CHOICES = ("auto", "w8a16", "w8a8")
+
+
+def requested_kernel() -> str:
+    """``FW_FP8_KERNEL`` (default ``auto``), refused with a ConfigError when it is not a choice."""
+    choice = os.environ.get("FW_FP8_KERNEL", "auto").strip().lower() or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ConfigError(f"FW_FP8_KERNEL={choice!r} is not a choice; valid: {', '.join(KERNEL_CHOICES)}")
+    return choice
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` multiplies FP8 on tensor cores (CUDA sm_89+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_TENSOR_CORE_CAPABILITY
+
+
+def can_run_w8a8(device: torch.device) -> bool:
+    """FP8 tensor cores, or the CPU under the Triton interpreter (which emulates them)."""
+    return has_fp8_tensor_cores(device) or (device.type == "cpu" and interpreting())
+
+
+def check_requested_kernel(device: torch.device) -> None:
+    """Refuse ``FW_FP8_KERNEL=w8a8`` where no FP8 tensor cores are, naming what runs there."""
+    if requested_kernel() == "w8a8" and not can_run_w8a8(device):
+        where = (f"this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+                 if device.type == "cuda" else f"{device.type} has no FP8 tensor cores (TRITON_INTERPRET=1 emulates them)")
+        raise ConfigError(f"FW_FP8_KERNEL=w8a8 needs FP8 tensor cores (CUDA sm_89+: Ada, Hopper, Blackwell); {where}; "
+                          "supported here: FW_FP8_KERNEL=w8a16 or auto (FP8 weights, 16-bit activations)")
+
+
+class Fp8Paths(NamedTuple):
+    """A layer's matmul for few rows (``small``) and for more (``large``)."""
+
+    small: str
+    large: str
+
+    def choose(self, rows: int) -> str:
+        return self.small if rows <= W8A16_MAX_ROWS else self.large
+
+
+def choose_paths(device: torch.device, weights: str, dtype: torch.dtype, n: int, k: int) -> Fp8Paths:
+    """The paths of a layer with ``weights`` granularity (``block`` / ``channel`` / ``tensor``), ``[n, k]``,
+    activations in ``dtype``, on ``device``."""
+    if device.type != "cuda" and not interpreting():
+        return Fp8Paths("torch", "torch")
+    choice = requested_kernel()
+    if choice == "w8a8" and can_run_w8a8(device):
+        pass
+    elif choice == "w8a16" or not has_fp8_tensor_cores(device):
+        return Fp8Paths("w8a16", "w8a16")
+    if weights != "block" and device.type == "cuda" and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
+        large = "scaled_mm"
+    else:
+        large = "w8a8_block"
+    return Fp8Paths(large if choice == "w8a8" else "w8a16", large)

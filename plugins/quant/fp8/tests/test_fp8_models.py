@@ -1,0 +1,79 @@
+"""Tiny random models quantized by the test's own writer into the exact Hugging Face block-FP8
+layout, loaded by transformers (which dequantizes FP8 on the CPU) and by fw: the same greedy
+tokens; also a MoE (Qwen3-MoE experts, per-expert block scales), tensor parallelism, the
+compressed-tensors channel / tensor layouts, and ``--quantization fp8`` on a 16-bit checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tiny_fp8_checkpoints import quantize_checkpoint
+
+from framework import LLM, SamplingParams
+from framework.testing import reference_greedy, write_tiny_model
+
+# 4 heads of 32 and 2 KV heads: q is one 128-row block, k and v 64 rows each (blocks that do not
+# start on 128-row boundaries inside the fused qkv_proj)
+CONFIG = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+MOE = dict(vocab_size=160, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+           num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=32, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1)
+PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def greedy(path, **engine_args) -> list[list[int]]:
+    with LLM(str(path), device="cpu", dtype="float32", num_blocks=16, **engine_args) as llm:
+        return [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+
+
+def transformers_greedy(path) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return [reference_greedy(model.eval(), p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_block_fp8_llama_matches_transformers_loading_the_same_files(tmp_path):
+    write_tiny_model(tmp_path, transformers.LlamaConfig(**CONFIG))
+    quantize_checkpoint(tmp_path, "block")
+    assert greedy(tmp_path) == transformers_greedy(tmp_path)
+
+
+def test_block_fp8_llama_under_tensor_parallelism_matches_transformers(tmp_path):
+    # each of 2 ranks: 128 of o_proj's and 256 of down_proj's inputs (whole blocks), 32 rows of k and v
+    write_tiny_model(tmp_path, transformers.LlamaConfig(**{**CONFIG, "hidden_size": 256, "intermediate_size": 512,
+                                                           "num_attention_heads": 8}))
+    quantize_checkpoint(tmp_path, "block")
+    assert greedy(tmp_path, tensor_parallel_size=2) == transformers_greedy(tmp_path)
+
+
+def test_block_fp8_moe_experts_match_transformers(tmp_path):
+    write_tiny_model(tmp_path, transformers.Qwen3MoeConfig(**MOE))
+    quantize_checkpoint(tmp_path, "block")
+    assert greedy(tmp_path) == transformers_greedy(tmp_path)
+
+
+@pytest.mark.parametrize(("granularity", "static_inputs"), [("channel", False), ("tensor", True)])
+def test_compressed_tensors_fp8_matches_transformers_on_the_dequantized_weights(granularity, static_inputs, tmp_path):
+    reference = write_tiny_model(tmp_path, transformers.LlamaConfig(**CONFIG))
+    dense = quantize_checkpoint(tmp_path, granularity, static_inputs)
+    state = reference.state_dict()
+    for name, value in dense.items():
+        state[name].copy_(value)
+    assert greedy(tmp_path) == [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_quantization_fp8_on_a_16_bit_checkpoint_quantizes_every_linear_layer_at_load(tmp_path):
+    from fp8_reference import dequantize_reference, quantize_reference
+
+    reference = write_tiny_model(tmp_path, transformers.LlamaConfig(**CONFIG))
+    state = reference.state_dict()
+    for name, value in state.items():  # what block quantization at load makes of each weight
+        if name.endswith("proj.weight"):
+            value.copy_(dequantize_reference(*quantize_reference(value, "block"), "block"))
+    with LLM(str(tmp_path), device="cpu", dtype="float32", num_blocks=16, quantization="fp8") as llm:
+        layer = llm.engine.core.runner.model.model.layers[0].mlp.down_proj
+        assert layer.fp8_qweight.dtype == torch.float8_e4m3fn and not hasattr(layer, "weight")
+        got = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+    assert got == [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
