@@ -26,9 +26,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from framework.kv_cache import KVCache, KVCacheSpec, model_cache_spec, quantized_cache_spec
+
+if TYPE_CHECKING:
+    from framework.specs import KVCacheDtypeSpec
 
 
 @dataclass(slots=True)
@@ -116,7 +121,8 @@ class AttentionLayerConfig:
 class AttentionBackend(ABC):
     """One attention implementation; the engine creates one instance per model.
 
-    ``kv_cache_shape`` fixes the per-layer cache layout it reads; ``validate`` returns the
+    ``kv_cache_shape`` fixes the per-layer cache layout it reads (``kv_cache_spec`` the whole
+    cache, per KV dtype); ``validate`` returns the
     reasons it cannot serve a model (empty list = it can); ``forward`` stores the step's new K/V
     by ``slot_mapping`` and attends over the paged cache.
     """
@@ -142,6 +148,26 @@ class AttentionBackend(ABC):
         if layer.mla is not None:
             return self.mla_kv_cache_shape(num_blocks, block_size, layer.mla.latent_size)
         return self.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+
+    def kv_cache_spec(
+        self, layer: AttentionLayerConfig, kv_dtype: KVCacheDtypeSpec, model_dtype: torch.dtype, block_size: int
+    ) -> KVCacheSpec:
+        """What one layer's cache holds for ``kv_dtype`` (shapes with the block dim ``-1``, storage
+        dtypes, side buffers): the engine sizes blocks by its ``bytes_per_block`` and allocates it.
+        The default: :meth:`layer_kv_cache_shape` in the model dtype for ``auto`` (and for MLA, whose
+        latent cache is never quantized), else :func:`~framework.kv_cache.quantized_cache_spec`."""
+        if kv_dtype.name == "auto" or layer.mla is not None:
+            return model_cache_spec("auto", self.layer_kv_cache_shape(layer, -1, block_size), model_dtype, block_size)
+        return quantized_cache_spec(
+            kv_dtype.name,
+            kv_dtype.key_format,
+            kv_dtype.value_format,
+            kv_dtype.rotate_keys,
+            layer.num_kv_heads,
+            layer.head_size,
+            block_size,
+            kv_dtype.rotate_values,
+        )
 
     @classmethod
     def validate(cls, layer_configs: list[AttentionLayerConfig], kv_cache_dtype: str, platform: Any) -> list[str]:
@@ -169,12 +195,16 @@ class AttentionBackend(ABC):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
         *,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention for the step's tokens.
+
+        ``kv_cache`` is this layer's :class:`~framework.kv_cache.KVCache` as :meth:`kv_cache_spec`
+        declared it (``kv_cache.data`` the cache tensor; ``scales`` and ``rotation_signs`` for quantized
+        dtypes, see :mod:`framework.kv_cache`).
 
         ``query`` is ``[T, num_heads * head_size]``, ``key``/``value`` ``[T, num_kv_heads *
         head_size]``; returns ``[T, num_heads * head_size]``. Stores ``key``/``value`` into

@@ -64,7 +64,48 @@ def register_kernels() -> list[KernelSpec]:
 
 @hookimpl
 def register_kv_cache_dtypes() -> list[KVCacheDtypeSpec]:
-    return [KVCacheDtypeSpec(name="auto", bits=16, description="the model's dtype", backends=())]
+    readers = ("torch", "torch_sdpa", "triton")
+    return [
+        KVCacheDtypeSpec(name="auto", bits=16, description="the model's dtype", backends=()),
+        KVCacheDtypeSpec(
+            name="fp8",
+            bits=8,
+            description="FP8 e4m3 keys and values, absmax scale per token and head",
+            backends=readers,
+            key_format="fp8",
+            value_format="fp8",
+        ),
+        KVCacheDtypeSpec(
+            name="turbo8",
+            bits=6,
+            description="FP8 keys + 4-bit values, both rotated (TurboQuant, candle-vllm's turbo8)",
+            backends=readers,
+            key_format="fp8",
+            value_format="int4",
+            rotate_keys=True,
+            rotate_values=True,
+        ),
+        KVCacheDtypeSpec(
+            name="turbo4",
+            bits=4,
+            description="4-bit keys + 4-bit values, both rotated (TurboQuant)",
+            backends=readers,
+            key_format="int4",
+            value_format="int4",
+            rotate_keys=True,
+            rotate_values=True,
+        ),
+        KVCacheDtypeSpec(
+            name="turbo3",
+            bits=3.5,
+            description="3-bit keys + 4-bit values, both rotated (TurboQuant)",
+            backends=readers,
+            key_format="int3",
+            value_format="int4",
+            rotate_keys=True,
+            rotate_values=True,
+        ),
+    ]
 
 
 @hookimpl(trylast=True)

@@ -182,6 +182,7 @@ class CacheConfig:
             prefix_cache_max_tokens=args.prefix_cache_max_tokens,
             num_blocks=args.num_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            cache_dtype=args.kv_cache_dtype,
         )
 
     def __post_init__(self) -> None:

@@ -71,7 +71,10 @@ def resolve_quantization_method(
 def register_kv_cache_dtypes() -> list[Any]:
     """Return ``[KVCacheDtypeSpec]`` for KV-cache storage types (``auto``, ``fp8``, ...).
 
-    Called once per process; merged into one registry keyed by name (``CacheConfig.cache_dtype``; only ``auto`` is registered and no CLI flag sets it yet).
+    Called once per process; merged into one registry keyed by name, which ``--kv-cache-dtype``
+    chooses from. A spec names the row format of keys and values (``model``, ``fp8``, ``int4``,
+    ``int3``) and whether keys are rotated (:mod:`framework.kv_cache`); attention backends list
+    the dtypes they read in their spec's ``kv_cache_dtypes``.
     """
 
 

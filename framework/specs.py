@@ -98,10 +98,17 @@ class QuantMethodSpec(Spec):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVCacheDtypeSpec(Spec):
-    """A KV-cache storage type. ``bits`` per element; ``backends`` that can read it."""
+    """A KV-cache storage type (:mod:`framework.kv_cache`): the row format of keys and of values
+    (``model``: the model dtype; ``fp8``, ``int4``, ``int3``), whether keys / values are rotated first, and
+    the ``bits`` per element on average (for listings). ``backends``: informational, the backends
+    known to read it (each backend's own ``kv_cache_dtypes`` decides)."""
 
-    bits: int = 16
+    bits: float = 16
     backends: tuple[str, ...] = ()
+    key_format: str = "model"
+    value_format: str = "model"
+    rotate_keys: bool = False
+    rotate_values: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

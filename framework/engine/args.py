@@ -134,6 +134,17 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Annotated[int, msgspec.Meta(ge=1)] | None,
         _opt("KV-cache blocks exactly (overrides every budget; for tests).", "--num-blocks"),
     ] = None
+    kv_cache_dtype: Annotated[
+        str,
+        _opt(
+            "How the KV cache stores keys and values: auto (the model dtype), fp8 (e4m3, scale per token and head), "
+            "turbo8 (rotated FP8 keys + 4-bit values), turbo4 (rotated 4-bit keys + 4-bit values) or turbo3 "
+            "(rotated 3-bit keys + 4-bit values); about 2x, 2.6x, 3.9x and 4.5x the tokens of auto. MLA models "
+            "keep their latent cache.",
+            "--kv-cache-dtype",
+            "--kvcache-dtype",
+        ),
+    ] = "auto"
     enable_prefix_caching: Annotated[
         bool, _opt("Do not reuse KV blocks across requests.", "--disable-prefix-cache", negate=True)
     ] = True
@@ -269,6 +280,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _check_name("--attention-backend", self.attention_backend, registries.attention_backends(platform))
         if self.load_format != "auto":
             _check_name("--load-format", self.load_format, registries.weight_formats(platform))
+        if self.kv_cache_dtype != "auto":
+            _check_name("--kv-cache-dtype", self.kv_cache_dtype, registries.kv_cache_dtypes(platform))
         if self.quantization is not None:
             _check_name("--quantization", self.quantization, registries.quantization_methods(platform))
         if self.isq is not None:
@@ -345,5 +358,5 @@ def _check_name(flag: str, name: str, registry: Any) -> None:
     """A name the registry lacks is an error naming the flag and the valid names (``auto`` too where it is one)."""
     if name not in registry:
         auto = "auto (the default), " if flag != "--quantization" else ""
-        valid = ", ".join(registry.names()) or "(none registered)"
+        valid = ", ".join(n for n in registry.names() if n != "auto") or "(none registered)"
         raise UnknownNameError(f"{flag}: unknown {registry.kind} {name!r}; valid: {auto}{valid}")

@@ -39,6 +39,7 @@ from framework.engine.structured_outputs import StructuredOutputManager
 from framework.engine.summary import engine_summary, log_summary
 from framework.engine.worker_spec import spawn_workers
 from framework.errors import ConfigError
+from framework.kv_cache import KVCache
 from framework.layers.attention import Attention
 from framework.loader.format import WeightFormat
 from framework.platform import Platform, platform_for_device
@@ -113,17 +114,19 @@ class EngineBuilder:
     def select_attention_backend(self) -> AttentionBackend:
         """Choose among backends that validate (:mod:`~framework.engine.attention_choice`) and set it up."""
         layers = self.attention_layers()
+        self.kv_dtype = kv_cache_sizing.effective_kv_dtype(layers, self.cache.cache_dtype, self.platform)
         self.backend_name = choose_attention_backend(
-            layers, self.config, self.cache.cache_dtype, self.args.attention_backend, self.platform
+            layers, self.config, self.kv_dtype.name, self.args.attention_backend, self.platform
         )
         backend = registries.attention_backends(self.platform).get(self.backend_name).load()()
         backend.initialize(layers, self.config.dtype, self.cache.block_size, self.device)
         return backend
 
-    def allocate_kv_cache(self, backend: AttentionBackend) -> list[torch.Tensor]:
+    def allocate_kv_cache(self, backend: AttentionBackend) -> list[KVCache]:
         """Size the KV cache to its budget (:mod:`~framework.engine.kv_cache_sizing`) and allocate it."""
         config, cache, layers = self.config, self.cache, self.attention_layers()
-        per_block = kv_cache_sizing.bytes_per_block(layers, cache.block_size, config.dtype)
+        specs = [backend.kv_cache_spec(layer, self.kv_dtype, config.dtype, cache.block_size) for layer in layers]
+        per_block = kv_cache_sizing.bytes_per_block(specs)
         num_blocks = kv_cache_sizing.num_kv_blocks(
             cache, self.device, per_block, config.max_model_len, self.scheduler.max_num_seqs
         )
@@ -134,14 +137,19 @@ class EngineBuilder:
                 num_blocks * cache.block_size,
                 config.max_model_len,
             )
-        caches = kv_cache_sizing.allocate_kv_caches(
-            backend, layers, num_blocks, cache.block_size, config.dtype, self.device
-        )
+        caches = kv_cache_sizing.allocate_kv_caches(specs, num_blocks, self.device)
+        kv_cache_sizing.load_checkpoint_scales(self.torch_model, caches)
         self.num_blocks = num_blocks
         self.kv_cache_bytes = per_block * num_blocks
         return caches
 
-    def capture_cuda_graphs(self, backend: AttentionBackend, kv_caches: list[torch.Tensor]) -> CUDAGraphRunner | None:
+    def kv_cache_dtype_summary(self) -> str:
+        """The KV dtype in use, with why it differs from the one asked for (MLA keeps its latent cache)."""
+        if self.kv_dtype.name != self.cache.cache_dtype:
+            return f"{self.kv_dtype.name} (MLA latent cache; --kv-cache-dtype {self.cache.cache_dtype} not applied)"
+        return self.kv_dtype.name
+
+    def capture_cuda_graphs(self, backend: AttentionBackend, kv_caches: list[KVCache]) -> CUDAGraphRunner | None:
         """Capture decode graphs when on CUDA, enabled, and the backend allows it."""
         graphs, self.graph_summary = capture_decode_graphs(
             self.torch_model,

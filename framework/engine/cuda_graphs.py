@@ -24,6 +24,7 @@ from torch import nn
 
 from framework.attention_backend import AttentionBackend, AttentionMetadata
 from framework.forward_context import ForwardContext, forward_context
+from framework.kv_cache import KVCache
 
 log = logging.getLogger("fw.engine")
 
@@ -43,7 +44,7 @@ class CUDAGraphRunner:
         self,
         model: nn.Module,
         backend: AttentionBackend,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[KVCache],
         *,
         max_num_seqs: int,
         max_model_len: int,
@@ -157,7 +158,7 @@ def capture_decode_graphs(
     model: nn.Module,
     backend: AttentionBackend,
     backend_name: str,
-    kv_caches: list[torch.Tensor],
+    kv_caches: list[KVCache],
     *,
     enabled: bool,
     max_num_seqs: int,

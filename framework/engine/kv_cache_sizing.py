@@ -15,10 +15,13 @@ import os
 
 import torch
 
-from framework import distributed
-from framework.attention_backend import AttentionBackend, AttentionLayerConfig
+from framework import distributed, registries
+from framework.attention_backend import AttentionLayerConfig
 from framework.config import CacheConfig
 from framework.errors import ConfigError
+from framework.kv_cache import KVCache, KVCacheSpec
+from framework.platform import Platform
+from framework.specs import KVCacheDtypeSpec
 
 log = logging.getLogger("fw.engine")
 
@@ -59,27 +62,43 @@ def num_kv_blocks(
     return distributed.min_over_ranks(max(1, min(budget // bytes_per_block, most_useful)))
 
 
-def bytes_per_block(layers: list[AttentionLayerConfig], block_size: int, dtype: torch.dtype) -> int:
-    """KV bytes one block takes over all ``layers`` (standard: K and V per KV head; mla: one latent
-    vector per token, as ``kv_elements_per_token`` says)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return sum(block_size * layer.kv_elements_per_token * element for layer in layers)
+def bytes_per_block(specs: list[KVCacheSpec]) -> int:
+    """KV bytes one block takes over all layers (each layer's spec: data plus side buffers)."""
+    return sum(spec.bytes_per_block for spec in specs)
 
 
-def allocate_kv_caches(
-    backend: AttentionBackend,
-    layers: list[AttentionLayerConfig],
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """One zeroed cache per layer in the backend's shape, with one extra block at the end: the sink
-    that CUDA-graph padding rows write into."""
-    return [
-        torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks + 1, block_size), dtype=dtype, device=device)
-        for layer in layers
-    ]
+def allocate_kv_caches(specs: list[KVCacheSpec], num_blocks: int, device: torch.device) -> list[KVCache]:
+    """One zeroed cache per layer as its spec says, with one extra block at the end: the sink that
+    CUDA-graph padding rows write into. Rotated dtypes seed their signs with the layer index."""
+    return [spec.allocate(num_blocks + 1, device, seed=index) for index, spec in enumerate(specs)]
+
+
+def effective_kv_dtype(layers: list[AttentionLayerConfig], requested: str, platform: Platform) -> KVCacheDtypeSpec:
+    """The registered KV dtype the cache uses: ``requested``, except that a model with MLA layers
+    keeps its latent cache in the model dtype (and says so)."""
+    registry = registries.kv_cache_dtypes(platform)
+    if requested != "auto" and any(layer.mla is not None for layer in layers):
+        log.info(
+            "KV cache: this model's multi-head latent attention keeps its latent cache in the model dtype "
+            "(--kv-cache-dtype %s applies to standard K/V caches)",
+            requested,
+        )
+        requested = "auto"
+    return registry.get(requested)
+
+
+def load_checkpoint_scales(model: torch.nn.Module | None, caches: list[KVCache]) -> None:
+    """Give each quantized cache its ``Attention`` layer's checkpoint ``k_scale`` / ``v_scale``
+    (per KV head, float32) where the checkpoint had them."""
+    if model is None:
+        return
+    from framework.layers.attention import Attention
+
+    for module in model.modules():
+        if isinstance(module, Attention) and module.layer_index < len(caches):
+            cache = caches[module.layer_index]
+            if cache.is_quantized:
+                cache.k_scale, cache.v_scale = module.checkpoint_kv_scales(cache.data.device)
 
 
 def available_ram() -> int:

@@ -40,6 +40,7 @@ from framework.engine.sampler import Sampler, compute_logprobs
 from framework.engine.scheduler import ScheduledBatch
 from framework.engine.transfer import HostCopy, to_device
 from framework.forward_context import ForwardContext, forward_context
+from framework.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from framework.engine.cuda_graphs import CUDAGraphRunner
@@ -101,7 +102,7 @@ class ModelRunner:
         self,
         model: nn.Module,
         backend: AttentionBackend,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[KVCache],
         block_size: int,
         device: torch.device,
         sampler: Sampler,

@@ -28,6 +28,8 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
         "kv_blocks": self.num_blocks,
         "kv_tokens": self.num_blocks * cache.block_size,
         "kv_bytes": self.kv_cache_bytes,
+        "kv_cache_dtype": builder.kv_cache_dtype_summary(),
+        "kv_bytes_per_token": self.kv_cache_bytes // max(1, self.num_blocks * cache.block_size),
         "attention_backend": self.backend_name,
         "cuda_graphs": self.graph_summary,
         "async_scheduling": core.async_scheduling,
@@ -52,11 +54,13 @@ def log_summary(builder: EngineBuilder, summary: dict[str, Any]) -> None:
     """Log the KV cache and weight sizes of the summary."""
     cache = builder.cache
     log.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",
+        "KV cache: %s, %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token",
+        summary["kv_cache_dtype"],
         builder.num_blocks,
         cache.block_size,
         builder.num_blocks * cache.block_size,
         builder.kv_cache_bytes / 2**20,
+        summary["kv_bytes_per_token"],
     )
     checkpoint = summary["checkpoint_bytes"]
     log.info(

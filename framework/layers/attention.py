@@ -25,8 +25,11 @@ class Attention(nn.Module):
     ``num_kv_heads=1`` and ``head_size = mla.latent_size``, call it with the absorbed query, the
     latent key and ``value=None`` (see :meth:`framework.attention_backend.AttentionBackend.forward`).
 
-    ``quant_method`` is what ``quant_config.get_quant_method(self, prefix)`` returns: the KV-cache
-    quantization method to come; ``None`` (a plain cache) for every format today.
+    ``quant_method`` is what ``quant_config.get_quant_method(self, prefix)`` returns: a KV-cache
+    method of a checkpoint format, ``None`` for every format today. The KV dtype itself is an
+    engine option (``--kv-cache-dtype``); checkpoint ``k_scale`` / ``v_scale`` tensors (fp8
+    calibrations, per tensor or per KV head) reach :meth:`set_checkpoint_scale` through the loader
+    and the engine hands them to this layer's quantized cache.
 
     With ``has_sinks`` (gpt-oss) every call passes the layer's per-head sink logits, which the
     backend adds to the softmax (see :meth:`framework.attention_backend.AttentionBackend.forward`).
@@ -61,6 +64,23 @@ class Attention(nn.Module):
         self.quant_method: QuantMethodBase | None = quant_method_for(
             quant_config, self, prefix, QuantMethodBase, "an attention layer"
         )
+        self.checkpoint_scales: dict[str, torch.Tensor] = {}
+
+    def set_checkpoint_scale(self, which: str, scale: torch.Tensor) -> None:
+        """Keep a checkpoint's ``k_scale`` or ``v_scale`` (one number, or one per KV head of this rank)."""
+        if which not in ("k_scale", "v_scale"):
+            raise ValueError(f"an attention layer keeps k_scale and v_scale, not {which!r}")
+        scale = scale.detach().float().flatten().cpu()
+        if scale.numel() not in (1, self.config.num_kv_heads):
+            raise ValueError(
+                f"{self.prefix}.{which} has {scale.numel()} values; expected 1 or {self.config.num_kv_heads} (per KV head)"
+            )
+        self.checkpoint_scales[which] = scale.expand(self.config.num_kv_heads).clone()
+
+    def checkpoint_kv_scales(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The checkpoint's ``(k_scale, v_scale)`` as ``[H_kv]`` float32 on ``device`` (None where absent)."""
+        found = [self.checkpoint_scales.get(name) for name in ("k_scale", "v_scale")]
+        return tuple(None if scale is None else scale.to(device) for scale in found)
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, sinks: torch.Tensor | None = None

@@ -96,6 +96,8 @@ def load_parameters(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     for name, tensor in weights:
         if any(pattern in name for pattern in ignored):
             continue
+        if name.endswith((".k_scale", ".v_scale")) and _load_kv_scale(model, name, tensor):
+            continue
         loader_args = None
         if map_name is not None:
             name, loader_args = map_name(name)
@@ -117,6 +119,30 @@ def load_parameters(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             loader(param, tensor, *loader_args)
         loaded.add(name)
     return loaded
+
+
+def _load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Hand a checkpoint ``...self_attn[.k_proj|.v_proj].k_scale`` (vLLM's and compressed-tensors'
+    names for fp8 KV-cache scales) to the ``Attention`` layer under that ``self_attn``; False if
+    there is none (the name is then an ordinary parameter)."""
+    from framework.layers.attention import Attention
+
+    owner, _, which = name.rpartition(".")
+    for projection in (".k_proj", ".v_proj"):
+        owner = owner.removesuffix(projection)
+    for _name, child in model.get_submodule(owner).named_children() if _has_module(model, owner) else []:
+        if isinstance(child, Attention):
+            child.set_checkpoint_scale(which, materialize(tensor))
+            return True
+    return False
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def reads_checkpoint_slices(owner: object) -> bool:

@@ -13,7 +13,8 @@ Fixtures:
 The helpers live in modules by kind (``fixtures``, ``model_writers``, ``attention``, ``parsers``,
 ``parity``, ``gpu``, ``metrics``, ``quant``) and are all importable from here.
 
-Conformance kits for plugin authors: attention backends (``check_attention_backend``), tool
+Conformance kits for plugin authors: attention backends (``check_attention_backend``, also on a
+quantized KV dtype against attention over the dequantized cache), tool
 parsers, model parity (``ModelParityTests``), and quantization methods against
 dequantize-then-matmul (``check_linear_method``, ``check_moe_method``, in :mod:`framework.testing.quant`).
 """
@@ -25,6 +26,8 @@ from typing import Any
 from framework.testing.attention import (
     ATTENTION_CASES,
     MLA_ATTENTION_CASES,
+    allocate_test_cache,
+    as_cached,
     check_attention_backend,
     check_mla_attention_backend,
     dense_attention,
@@ -79,6 +82,8 @@ from framework.testing.parsers import (
 __all__ = [
     "ATTENTION_CASES",
     "MLA_ATTENTION_CASES",
+    "allocate_test_cache",
+    "as_cached",
     "check_attention_backend",
     "check_mla_attention_backend",
     "dense_attention",

@@ -52,11 +52,16 @@ def check_attention_backend(
     atol: float = 1e-4,
     seed: int = 0,
     cases=None,
+    kv_dtype: str = "auto",
     with_sinks: bool = False,
 ) -> None:
     """Run ``backend`` (an AttentionBackend instance) on random paged inputs of many shapes and
     assert it matches :func:`dense_attention` within ``atol`` (relative to the output scale).
     ``with_sinks``: every layer has attention sinks (random per-head logits, ``has_sinks=True``).
+
+    With a quantized ``kv_dtype`` the oracle attends over the dequantized cache: the keys and
+    values as :func:`framework.kv_quant.quantize_kv` stores them, dequantized and rotated back, so
+    the check covers the backend's store, its reading of the packed rows and its query rotation.
 
     Each case first writes the cached context into the paged cache through the backend itself
     (a prefill of the sequences that have one), then runs the step under test. Block tables are
@@ -67,11 +72,38 @@ def check_attention_backend(
     dtype = dtype or torch.float32
     generator = torch.Generator().manual_seed(seed)
     for case in cases or ATTENTION_CASES:
-        _check_attention_case(backend, case, device, dtype, block_size, atol, generator, with_sinks)
+        _check_attention_case(backend, case, device, dtype, block_size, atol, generator, kv_dtype, with_sinks)
+
+
+def allocate_test_cache(backend, layer, kv_dtype: str, dtype, num_blocks: int, block_size: int, device):
+    """A zeroed :class:`~framework.kv_cache.KVCache` of ``num_blocks`` as ``backend`` declares it
+    for ``layer`` and the registered ``kv_dtype`` (seed 0 for rotated keys)."""
+    import torch
+
+    from framework import registries
+
+    spec = backend.kv_cache_spec(layer, registries.kv_cache_dtypes().get(kv_dtype), dtype, block_size)
+    return spec.allocate(num_blocks, torch.device(device))
+
+
+def as_cached(kv_cache, keys, values):
+    """``keys``/``values`` ``[T, H_kv, D]`` as ``kv_cache`` holds them: quantized, dequantized and
+    (turbo) rotated back, float32; unchanged for a model-dtype cache."""
+    from framework import kv_quant
+
+    if not kv_cache.is_quantized:
+        return keys, values
+    rows, scales = kv_quant.quantize_kv(kv_cache, keys, values)
+    cached_keys, cached_values = kv_quant.dequantize_kv(kv_cache, rows, scales)
+    if kv_cache.spec.rotate_keys:
+        cached_keys = kv_quant.unrotate(cached_keys, kv_cache.rotation_signs)
+    if kv_cache.spec.rotate_values:
+        cached_values = kv_quant.unrotate(cached_values, kv_cache.rotation_signs)
+    return cached_keys, cached_values
 
 
 def _check_attention_case(
-    backend, case, device, dtype, block_size: int, atol: float, generator, with_sinks: bool = False
+    backend, case, device, dtype, block_size: int, atol: float, generator, kv_dtype: str = "auto", with_sinks: bool = False
 ) -> None:
     """One case of :func:`check_attention_backend`."""
     import torch
@@ -85,11 +117,12 @@ def _check_attention_case(
     extra = {} if sinks is None else {"sinks": sinks.to(device)}
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     num_blocks, tables = _shuffled_block_tables(seq_lens, block_size, generator)
-    kv_cache = torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks, block_size), dtype=dtype, device=device)
+    kv_cache = allocate_test_cache(backend, layer, kv_dtype, dtype, num_blocks, block_size, device)
     backend.initialize([layer], dtype, block_size, torch.device(device))
     rand = lambda n, h: torch.randn(n, h, head_size, generator=generator).to(dtype)  # noqa: E731
     keys, values = [rand(s, num_kv_heads) for s in seq_lens], [rand(s, num_kv_heads) for s in seq_lens]
     queries = [rand(s, num_heads) for s in seq_lens]
+    cached = [[t.cpu() for t in as_cached(kv_cache, k.to(device), v.to(device))] for k, v in zip(keys, values)]
 
     def run(spans: dict[int, tuple[int, int]]) -> torch.Tensor:
         """One backend call computing positions ``spans[r] = (first, end)`` of sequences ``r``."""
@@ -106,7 +139,9 @@ def _check_attention_case(
         context_lens,
         seq_lens,
         atol,
-        lambda r, c, s: dense_attention(queries[r][c:s], keys[r][:s], values[r][:s], layer.scale, window, cap, sinks),
+        lambda r, c, s: dense_attention(
+            queries[r][c:s], cached[r][0][:s], cached[r][1][:s], layer.scale, window, cap, sinks
+        ),
     )
 
 
@@ -206,7 +241,7 @@ def _check_mla_case(backend, case, device, dtype, block_size: int, atol: float, 
     layer = AttentionLayerConfig(num_heads, 1, size, size**-0.5, mla=mla)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     num_blocks, tables = _shuffled_block_tables(seq_lens, block_size, generator)
-    kv_cache = torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks, block_size), dtype=dtype, device=device)
+    kv_cache = allocate_test_cache(backend, layer, "auto", dtype, num_blocks, block_size, device)
     backend.initialize([layer], dtype, block_size, torch.device(device))
     latents = [torch.randn(s, size, generator=generator).to(dtype) for s in seq_lens]
     queries = [torch.randn(s, num_heads, size, generator=generator).to(dtype) for s in seq_lens]

@@ -44,6 +44,7 @@ SAMPLES: dict[str, tuple[object, dict]] = {
     "gpu_memory_utilization": (0.8, {"device": "cuda"}),
     "mem_mb": (64, {}),
     "num_blocks": (9, {}),
+    "kv_cache_dtype": ("fp8", {}),
     "enable_prefix_caching": (False, {}),
     "prefix_cache_max_tokens": (100, {}),
     "max_num_seqs": (4, {}),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig, AttentionMetadata
+from framework.kv_cache import KVCache
 from fw_flashinfer_attention.paging import paged_kv_from_block_table
 
 #: Head sizes FlashInfer's prebuilt and JIT templates are known to handle.
@@ -166,11 +167,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = query.shape[0]
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key_cache, value_cache = kv_cache.data[0], kv_cache.data[1]
         slots = metadata.slot_mapping
         key_cache.view(-1, layer.num_kv_heads, layer.head_size).index_copy_(
             0, slots, key.view(num_tokens, layer.num_kv_heads, layer.head_size)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from framework import kv_quant
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig, AttentionMetadata
+from framework.kv_cache import KVCache
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -20,10 +22,22 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     flat[1, slot_mapping] = value.to(kv_cache.dtype)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's first ``seq_len`` keys and values, each ``[seq_len, H_kv, D]``."""
-    blocks = kv_cache[:, block_ids]  # [2, n, block_size, H, D]
-    flat = blocks.reshape(2, -1, *kv_cache.shape[3:])
+def store_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """:func:`store_kv` for a model-dtype cache, else quantize (and rotate) as the KV dtype says."""
+    if kv_cache.is_quantized:
+        kv_quant.store_quantized(kv_cache, key, value, slot_mapping)
+    else:
+        store_kv(key, value, kv_cache.data, slot_mapping)
+
+
+def gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first ``seq_len`` keys and values, each ``[seq_len, H_kv, D]`` (a quantized
+    cache's dequantized in float32, in the rotated space of a turbo dtype)."""
+    if kv_cache.is_quantized:
+        keys, values = kv_quant.gather_dequantized(kv_cache, block_ids)  # [n, block_size, H, D]
+        return keys.flatten(0, 1)[:seq_len], values.flatten(0, 1)[:seq_len]
+    blocks = kv_cache.data[:, block_ids]  # [2, n, block_size, H, D]
+    flat = blocks.reshape(2, -1, *kv_cache.data.shape[3:])
     return flat[0, :seq_len], flat[1, :seq_len]
 
 
@@ -77,8 +91,9 @@ class TorchAttentionBackend(AttentionBackend):
     """Stores K/V by slot mapping, then per request: gather its cache, causal softmax attention.
 
     Reads both KV layouts: ``"standard"`` and ``"mla"`` (multi-query attention over the cached
-    latents, whose first ``kv_lora_rank`` features are also the values); standard layers may have
-    attention sinks.
+    latents, whose first ``kv_lora_rank`` features are also the values), and every KV dtype of
+    :mod:`framework.kv_quant` (dequantized per request; scores and values in the rotated space for turbo);
+    standard layers may have attention sinks.
     """
 
     name = "torch"
@@ -90,29 +105,30 @@ class TorchAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
         *,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if layer.mla is not None:
-            return self._forward_mla(layer, query, key, kv_cache, metadata)
+            return self._forward_mla(layer, query, key, kv_cache.data, metadata)
         num_tokens = query.shape[0]
         query = query.view(num_tokens, layer.num_heads, layer.head_size)
         key = key.view(num_tokens, layer.num_kv_heads, layer.head_size)
         value = value.view(num_tokens, layer.num_kv_heads, layer.head_size)
-        store_kv(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
+        store_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
         output = torch.empty_like(query)
+        rotated = kv_quant.query_space(kv_cache, query)
         starts = metadata.cu_seqlens_q_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
-        block_size = kv_cache.shape[2]
+        block_size = kv_cache.block_size
         for r in range(metadata.num_reqs):
             start, end, seq_len = starts[r], starts[r + 1], seq_lens[r]
             num_blocks = -(-seq_len // block_size)
             keys, values = gather_kv(kv_cache, metadata.block_table[r, :num_blocks], seq_len)
             query_start = seq_len - (end - start)
-            output[start:end] = attend(query[start:end], keys, values, layer, query_start, sinks).to(query.dtype)
-        return output.view(num_tokens, layer.num_heads * layer.head_size)
+            output[start:end] = attend(rotated[start:end], keys, values, layer, query_start, sinks).to(query.dtype)
+        return kv_quant.output_space(kv_cache, output).view(num_tokens, layer.num_heads * layer.head_size)
 
     @staticmethod
     def _forward_mla(

@@ -15,9 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from framework import kv_quant
 from framework.attention_backend import AttentionLayerConfig, AttentionMetadata
+from framework.kv_cache import KVCache
 
-from .backend import TorchAttentionBackend, store_kv
+from .backend import TorchAttentionBackend, store_cache
 
 
 class BatchedTorchAttentionBackend(TorchAttentionBackend):
@@ -31,7 +33,7 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
         *,
         sinks: torch.Tensor | None = None,
@@ -41,15 +43,19 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
         if not is_plain or not metadata.is_decode_only or query.shape[0] != num_reqs:
             return super().forward(layer, query, key, value, kv_cache, metadata, sinks=sinks)
         heads, kv_heads, head_size = layer.num_heads, layer.num_kv_heads, layer.head_size
-        store_kv(
+        store_cache(
             key.view(num_reqs, kv_heads, head_size),
             value.view(num_reqs, kv_heads, head_size),
             kv_cache,
             metadata.slot_mapping[:num_reqs],
         )
-        block_size, longest = kv_cache.shape[2], metadata.max_seq_len
+        block_size, longest = kv_cache.block_size, metadata.max_seq_len
         num_blocks = -(-longest // block_size)
-        cached = kv_cache[:, metadata.block_table[:num_reqs, :num_blocks]]  # [2, R, blocks, block_size, H_kv, D]
+        block_ids = metadata.block_table[:num_reqs, :num_blocks]
+        if kv_cache.is_quantized:  # [R, blocks, block_size, H_kv, D] each
+            cached = torch.stack(kv_quant.gather_dequantized(kv_cache, block_ids))
+        else:
+            cached = kv_cache.data[:, block_ids]  # [2, R, blocks, block_size, H_kv, D]
         cached = cached.view(2, num_reqs, num_blocks * block_size, kv_heads, head_size)[:, :, :longest].transpose(2, 3)
         keys, values = cached[0].float(), cached[1].float()  # [R, H_kv, L, D]
         positions = torch.arange(longest, device=query.device)
@@ -57,8 +63,13 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
         allowed = positions < seq_lens  # [R, L]: the query sits at position seq_len - 1
         if layer.sliding_window:
             allowed &= positions > seq_lens - 1 - layer.sliding_window
-        q = query.view(num_reqs, heads, 1, head_size).float()
+        q = (
+            kv_quant.query_space(kv_cache, query.view(num_reqs, heads, head_size))
+            .view(num_reqs, heads, 1, head_size)
+            .float()
+        )
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=allowed[:, None, None, :], scale=layer.scale, enable_gqa=heads != kv_heads
         )
-        return out.to(query.dtype).view(num_reqs, heads * head_size)
+        out = kv_quant.output_space(kv_cache, out.to(query.dtype).view(num_reqs, heads, head_size))
+        return out.reshape(num_reqs, heads * head_size)

@@ -13,7 +13,7 @@ def register_attention_backends():
             description="reference paged attention in plain torch; runs anywhere, slow, exact",
             priority=0,
             kv_cache_layouts=("standard", "mla"),
-            kv_cache_dtypes=("auto",),
+            kv_cache_dtypes=("auto", "fp8", "turbo8", "turbo4", "turbo3"),
         ),
         AttentionBackendSpec(
             name="torch_sdpa",
@@ -22,6 +22,6 @@ def register_attention_backends():
             priority=10,
             devices=("cpu",),
             kv_cache_layouts=("standard",),
-            kv_cache_dtypes=("auto",),
+            kv_cache_dtypes=("auto", "fp8", "turbo8", "turbo4", "turbo3"),
         ),
     ]

@@ -92,6 +92,15 @@ def test_cpu_engines_pick_the_batched_backend():
     assert spec.devices == ("cpu",) and spec.priority > registries.attention_backends().get("torch").priority
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8", "turbo8", "turbo4", "turbo3"])
+@pytest.mark.parametrize("backend_cls", ["torch", "torch_sdpa"])
+def test_quantized_cache_attention_matches_dense_attention_on_the_dequantized_cache(backend_cls, kv_dtype):
+    from framework import registries
+
+    backend = registries.attention_backends().get(backend_cls).load()()
+    check_attention_backend(backend, atol=1e-5, kv_dtype=kv_dtype)
+
+
 def test_torch_backends_add_attention_sinks_to_the_softmax():
     from fw_torch_attention.batched import BatchedTorchAttentionBackend
 

@@ -14,10 +14,13 @@ from typing import Any
 
 import torch
 
+from framework import kv_quant
 from framework.attention_backend import AttentionBackend, AttentionLayerConfig, AttentionMetadata
+from framework.kv_cache import KVCache
 from fw_triton_attention.decode import decode_attention
 from fw_triton_attention.kv_store import store_kv
 from fw_triton_attention.prefill import prefill_attention
+from fw_triton_attention.quant_tiles import quant_store
 
 #: Head sizes are padded to a power of two in the kernels; beyond 256 the tiles no longer fit.
 MAX_HEAD_SIZE = 256
@@ -40,15 +43,26 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def validate(cls, layer_configs: list[AttentionLayerConfig], kv_cache_dtype: str, platform: Any) -> list[str]:
         reasons: list[str] = []
-        if kv_cache_dtype != "auto":
-            reasons.append(f"kv dtype {kv_cache_dtype} unsupported (only 'auto')")
         for layer in {(c.num_heads, c.num_kv_heads, c.head_size) for c in layer_configs}:
             num_heads, num_kv_heads, head_size = layer
             if head_size > MAX_HEAD_SIZE:
                 reasons.append(f"head size {head_size} > {MAX_HEAD_SIZE} unsupported")
             if num_kv_heads < 1 or num_heads % num_kv_heads:
                 reasons.append(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+            if kv_cache_dtype.startswith("turbo") and head_size & (head_size - 1):
+                reasons.append(
+                    f"kv dtype {kv_cache_dtype} rotates keys by a Walsh-Hadamard transform: head size "
+                    f"{head_size} is not a power of two"
+                )
+            elif kv_cache_dtype != "auto" and head_size % 8:
+                reasons.append(f"kv dtype {kv_cache_dtype} packs rows of 8 elements: head size {head_size}")
         return reasons
+
+    def initialize(
+        self, layers: list[AttentionLayerConfig], dtype: torch.dtype, block_size: int, device: torch.device
+    ) -> None:
+        for head_size in {layer.head_size for layer in layers if not layer.head_size & (layer.head_size - 1)}:
+            kv_quant.hadamard(head_size, device)  # built before any CUDA-graph capture
 
     def forward(
         self,
@@ -56,7 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
         *,
         sinks: torch.Tensor | None = None,
@@ -68,10 +82,12 @@ class TritonAttentionBackend(AttentionBackend):
         common = dict(
             sm_scale=layer.scale, sliding_window=layer.sliding_window, soft_cap=layer.logits_soft_cap, sinks=sinks
         )
+        if kv_cache.is_quantized:
+            return self._forward_quantized(layer, query, key, value, kv_cache, metadata, common)
         if metadata.is_decode_only or metadata.max_query_len == 1:
             output = decode_attention(
                 query,
-                kv_cache,
+                kv_cache.data,
                 metadata.seq_lens,
                 metadata.block_table,
                 num_reqs=metadata.num_reqs,
@@ -83,7 +99,50 @@ class TritonAttentionBackend(AttentionBackend):
                 **common,
             )
         else:
-            store_kv(key, value, kv_cache, metadata.slot_mapping)
+            store_kv(key, value, kv_cache.data, metadata.slot_mapping)
+            output = prefill_attention(
+                query,
+                kv_cache.data,
+                metadata.cu_seqlens_q,
+                metadata.seq_lens,
+                metadata.block_table,
+                num_reqs=metadata.num_reqs,
+                max_query_len=metadata.max_query_len,
+                **common,
+            )
+        return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)
+
+    def _forward_quantized(
+        self,
+        layer: AttentionLayerConfig,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        common: dict,
+    ) -> torch.Tensor:
+        """Store the step's K/V as packed rows, then decode or prefill straight from them (turbo dtypes:
+        query, keys and values rotated first, scores and outputs taken in the rotated space, the
+        output rotated back)."""
+        num_tokens = query.shape[0]
+        spec, signs = kv_cache.spec, kv_cache.rotation_signs
+        query = kv_quant.query_space(kv_cache, query)
+        key = kv_quant.rotate(key, signs).to(key.dtype) if spec.rotate_keys else key
+        value = kv_quant.rotate(value, signs).to(value.dtype) if spec.rotate_values else value
+        quant_store(key, value, kv_cache, metadata.slot_mapping)
+        if metadata.is_decode_only or metadata.max_query_len == 1:
+            output = decode_attention(
+                query,
+                kv_cache,
+                metadata.seq_lens,
+                metadata.block_table,
+                num_reqs=metadata.num_reqs,
+                max_seq_len=metadata.max_seq_len,
+                num_sms=self.num_sms,
+                **common,
+            )
+        else:
             output = prefill_attention(
                 query,
                 kv_cache,
@@ -94,4 +153,4 @@ class TritonAttentionBackend(AttentionBackend):
                 max_query_len=metadata.max_query_len,
                 **common,
             )
-        return output.view(num_tokens, layer.num_heads * layer.head_size)
+        return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)

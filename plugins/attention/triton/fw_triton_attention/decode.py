@@ -37,7 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fw_triton_attention.tile_math import INTERPRET, load_kv_tile, online_softmax_step
+from framework.kv_cache import KVCache
+from fw_triton_attention.quant_tiles import cache_geometry, load_cache_tile
+from fw_triton_attention.tile_math import INTERPRET, online_softmax_step
 
 #: A split streams at least this many keys (fewer would spend more on the reduce than it saves).
 MIN_SPLIT_TOKENS = 256
@@ -65,6 +67,10 @@ def _decode_attention_kernel(
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    scales_ptr,
+    stride_scales_block,
+    stride_scales_offset,
+    stride_scales_head,
     stride_table,
     stride_new_k_token,
     stride_new_k_head,
@@ -86,6 +92,10 @@ def _decode_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     FP32: tl.constexpr,
+    KEY_FORMAT: tl.constexpr,
+    VALUE_FORMAT: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,8 +122,8 @@ def _decode_attention_kernel(
     )
     if FP32:
         q = q.to(tl.float32)
-    else:
-        q = q.to(cache_ptr.dtype.element_ty)
+    elif KEY_FORMAT == 0:
+        q = q.to(cache_ptr.dtype.element_ty)  # a quantized cache's tiles are dequantized to q's dtype
 
     last = seq_len - 1  # the query's own position: the new token's K/V when STORE_NEW_KV
     if STORE_NEW_KV:
@@ -140,20 +150,29 @@ def _decode_attention_kernel(
         kv_pos = tile + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < end
         load_mask = kv_mask & (kv_pos != last) if STORE_NEW_KV else kv_mask  # the new row is not in the cache yet
-        k, v = load_kv_tile(
+        k, v = load_cache_tile(
             cache_ptr,
+            scales_ptr,
+            q_ptr,
             table_row,
             kv_pos,
             load_mask,
             kv_head,
             dims,
             dim_mask,
+            stride_cache_kv,
             stride_cache_block,
             stride_cache_offset,
             stride_cache_head,
-            stride_cache_kv,
+            stride_scales_block,
+            stride_scales_offset,
+            stride_scales_head,
             PAGE,
             FP32,
+            KEY_FORMAT,
+            VALUE_FORMAT,
+            KEY_BYTES,
+            VALUE_BYTES,
         )
         if STORE_NEW_KV:
             is_new = (kv_pos == last)[:, None]
@@ -270,7 +289,7 @@ def _check_new_kv(
 
 def decode_attention(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | KVCache,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     *,
@@ -303,10 +322,17 @@ def decode_attention(
     ``store_kv`` followed by this function without them would leave, and the output is the same.
     Without them the cache is only read, and position ``seq_len - 1`` must be stored already.
     ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``).
+
+    ``kv_cache`` may be a quantized :class:`~framework.kv_cache.KVCache`: tiles are then read from
+    its packed rows (:mod:`fw_triton_attention.quant_tiles`; the query rotated by the caller for
+    rotated-key dtypes), and the fused store is not available (store with ``quant_store`` first).
     """
     _, num_heads, head_size = query.shape
-    num_kv_heads = kv_cache.shape[3]
+    cache = cache_geometry(kv_cache)
+    num_kv_heads = cache.num_kv_heads
     store_new_kv = _check_new_kv(key, value, slot_mapping, num_reqs, num_kv_heads, head_size)
+    if store_new_kv and cache.constexprs["KEY_FORMAT"]:
+        raise ValueError("decode_attention cannot fuse the store into a quantized cache; store with quant_store first")
     group = num_heads // num_kv_heads
     out = torch.empty_like(query) if out is None else out
     if num_reqs == 0:
@@ -329,7 +355,7 @@ def decode_attention(
         new_kv_strides = (0, 0, 0, 0)
     _decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         query,
-        kv_cache,
+        cache.data,
         out,
         part_acc,
         part_ml,
@@ -343,10 +369,9 @@ def decode_attention(
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
+        *cache.strides,
+        cache.scales,
+        *cache.scale_strides,
         block_table.stride(0),
         *new_kv_strides,
         sm_scale,
@@ -358,13 +383,14 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        PAGE=kv_cache.shape[2],
+        PAGE=cache.page,
         IS_SPLIT=num_splits > 1,
         STORE_NEW_KV=store_new_kv,
         USE_WINDOW=bool(sliding_window),
         USE_SOFT_CAP=bool(soft_cap),
         USE_SINKS=sinks is not None,
         FP32=INTERPRET or query.dtype == torch.float32,
+        **cache.constexprs,
         num_warps=num_warps,
         num_stages=num_stages,
     )

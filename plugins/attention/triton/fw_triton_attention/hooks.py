@@ -17,6 +17,6 @@ def register_attention_backends():
             requires=("triton",),
             min_compute_capability=(8, 0),  # bf16 tensor-core dots
             kv_cache_layouts=("standard",),
-            kv_cache_dtypes=("auto",),
+            kv_cache_dtypes=("auto", "fp8", "turbo8", "turbo4", "turbo3"),
         )
     ]

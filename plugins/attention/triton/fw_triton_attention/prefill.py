@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fw_triton_attention.tile_math import INTERPRET, load_kv_tile, online_softmax_step
+from framework.kv_cache import KVCache
+from fw_triton_attention.quant_tiles import cache_geometry, load_cache_tile
+from fw_triton_attention.tile_math import INTERPRET, online_softmax_step
 
 
 @triton.jit
@@ -46,6 +48,10 @@ def _prefill_attention_kernel(
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    scales_ptr,
+    stride_scales_block,
+    stride_scales_offset,
+    stride_scales_head,
     stride_table,
     sm_scale,
     soft_cap,
@@ -61,6 +67,10 @@ def _prefill_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     FP32: tl.constexpr,
+    KEY_FORMAT: tl.constexpr,
+    VALUE_FORMAT: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     q_block = tl.program_id(0)
@@ -86,8 +96,8 @@ def _prefill_attention_kernel(
     )
     if FP32:
         q = q.to(tl.float32)
-    else:
-        q = q.to(cache_ptr.dtype.element_ty)
+    elif KEY_FORMAT == 0:
+        q = q.to(cache_ptr.dtype.element_ty)  # a quantized cache's tiles are dequantized to q's dtype
     q_pos = context_len + q_tok
 
     kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # one past the last query's position
@@ -106,20 +116,29 @@ def _prefill_attention_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         kv_pos = start + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < kv_end
-        k, v = load_kv_tile(
+        k, v = load_cache_tile(
             cache_ptr,
+            scales_ptr,
+            q_ptr,
             table_row,
             kv_pos,
             kv_mask,
             kv_head,
             dims,
             dim_mask,
+            stride_cache_kv,
             stride_cache_block,
             stride_cache_offset,
             stride_cache_head,
-            stride_cache_kv,
+            stride_scales_block,
+            stride_scales_offset,
+            stride_scales_head,
             PAGE,
             FP32,
+            KEY_FORMAT,
+            VALUE_FORMAT,
+            KEY_BYTES,
+            VALUE_BYTES,
         )
         allowed = (kv_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
         if USE_WINDOW:
@@ -149,7 +168,7 @@ def _tiles(head_size: int, group_p2: int, max_query_len: int) -> tuple[int, int,
 
 def prefill_attention(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | KVCache,
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
@@ -164,11 +183,13 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, H, D]`` (requests' new tokens, contiguous per request) over the cache.
 
-    ``max_query_len`` (a host int) sizes the grid, so nothing syncs with the device. ``sinks``
-    ``[H]``: per-head sink logits (see ``AttentionBackend.forward``).
+    ``max_query_len`` (a host int) sizes the grid, so nothing syncs with the device. A quantized
+    :class:`~framework.kv_cache.KVCache` is read from its packed rows, as in ``decode_attention``.
+    ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``).
     """
     num_tokens, num_heads, head_size = query.shape
-    num_kv_heads = kv_cache.shape[3]
+    cache = cache_geometry(kv_cache)
+    num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     out = torch.empty_like(query) if out is None else out
@@ -178,7 +199,7 @@ def prefill_attention(
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_reqs)
     _prefill_attention_kernel[grid](
         query,
-        kv_cache,
+        cache.data,
         out,
         cu_seqlens_q,
         seq_lens,
@@ -188,10 +209,9 @@ def prefill_attention(
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
+        *cache.strides,
+        cache.scales,
+        *cache.scale_strides,
         block_table.stride(0),
         sm_scale,
         soft_cap or 1.0,
@@ -202,11 +222,12 @@ def prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        PAGE=kv_cache.shape[2],
+        PAGE=cache.page,
         USE_WINDOW=bool(sliding_window),
         USE_SOFT_CAP=bool(soft_cap),
         USE_SINKS=sinks is not None,
         FP32=INTERPRET or query.dtype == torch.float32,
+        **cache.constexprs,
         num_warps=num_warps,
         num_stages=num_stages,
     )

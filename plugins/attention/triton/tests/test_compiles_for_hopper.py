@@ -20,8 +20,10 @@ POINTERS = {
     "new_k_ptr": "*bf16",
     "new_v_ptr": "*bf16",
     "slot_mapping_ptr": "*i64",
+    "scales_ptr": "*u8",
     "sinks_ptr": "*bf16",
 }
+MODEL_DTYPE_CACHE = dict(KEY_FORMAT=0, VALUE_FORMAT=0, KEY_BYTES=0, VALUE_BYTES=0)
 
 
 def test_decode_kernel_compiles_for_hopper_and_the_fused_store_stays():
@@ -40,8 +42,9 @@ def test_decode_kernel_compiles_for_hopper_and_the_fused_store_stays():
                 STORE_NEW_KV=store,
                 USE_WINDOW=window,
                 USE_SOFT_CAP=False,
-                USE_SINKS=False,
                 FP32=False,
+                USE_SINKS=False,
+                **MODEL_DTYPE_CACHE,
             ),
             float_args=("sm_scale", "soft_cap"),
             options=dict(num_warps=4, num_stages=2),
@@ -70,14 +73,103 @@ def test_more_shared_memory_than_an_sm_has_fails_the_check():
             STORE_NEW_KV=True,
             USE_WINDOW=False,
             USE_SOFT_CAP=False,
-            USE_SINKS=False,
             FP32=False,
+            USE_SINKS=False,
+            **MODEL_DTYPE_CACHE,
         ),
         float_args=("sm_scale", "soft_cap"),
         options=dict(num_warps=4, num_stages=4),
     )
     with pytest.raises(ValueError, match=r"bytes of shared memory; an H100/H200 SM has 232448"):
         compile_for_hopper([too_big])
+
+
+#: (key format, value format, key bytes, value bytes) of fp8, turbo8, turbo4, turbo3 rows of head size 128
+QUANTIZED_ROWS = [(8, 8, 128, 128), (8, 4, 128, 64), (4, 4, 64, 64), (3, 4, 48, 64)]
+
+
+def test_quantized_cache_kernels_compile_for_hopper():
+    quantized = {**POINTERS, "cache_ptr": "*u8"}
+    decode = [
+        HopperCompile(
+            "fw_triton_attention.decode:_decode_attention_kernel",
+            quantized,
+            dict(
+                GROUP=4,
+                BLOCK_H=16,
+                BLOCK_N=64,
+                BLOCK_D=128,
+                PAGE=16,
+                IS_SPLIT=True,
+                STORE_NEW_KV=False,
+                USE_WINDOW=False,
+                USE_SOFT_CAP=False,
+                USE_SINKS=False,
+                FP32=False,
+                KEY_FORMAT=key,
+                VALUE_FORMAT=value,
+                KEY_BYTES=key_bytes,
+                VALUE_BYTES=value_bytes,
+            ),
+            float_args=("sm_scale", "soft_cap"),
+            options=dict(num_warps=4, num_stages=2),
+        )
+        for key, value, key_bytes, value_bytes in QUANTIZED_ROWS
+    ]
+    prefill = [
+        HopperCompile(
+            "fw_triton_attention.prefill:_prefill_attention_kernel",
+            {**quantized, "cu_seqlens_q_ptr": "*i32"},
+            dict(
+                GROUP=4,
+                GROUP_P2=4,
+                BLOCK_Q=32,
+                BLOCK_N=64,
+                BLOCK_D=128,
+                PAGE=16,
+                USE_WINDOW=False,
+                USE_SOFT_CAP=False,
+                USE_SINKS=False,
+                FP32=False,
+                KEY_FORMAT=key,
+                VALUE_FORMAT=value,
+                KEY_BYTES=key_bytes,
+                VALUE_BYTES=value_bytes,
+            ),
+            float_args=("sm_scale", "soft_cap"),
+            options=dict(num_warps=8, num_stages=3),
+        )
+        for key, value, key_bytes, value_bytes in QUANTIZED_ROWS[::3]
+    ]
+    store = [
+        HopperCompile(
+            "fw_triton_attention.quant_tiles:_quant_store_kernel",
+            {
+                "key_ptr": "*bf16",
+                "value_ptr": "*bf16",
+                "cache_ptr": "*u8",
+                "scales_ptr": "*u8",
+                "slot_mapping_ptr": "*i64",
+                "k_static_ptr": "*fp32",
+                "v_static_ptr": "*fp32",
+            },
+            dict(
+                PAGE=16,
+                HEAD_SIZE=128,
+                KEY_FORMAT=key,
+                VALUE_FORMAT=value,
+                KEY_BYTES=key_bytes,
+                HAS_K_STATIC=key == 8,
+                HAS_V_STATIC=False,
+                INTERPRETED=False,
+            ),
+            options=dict(num_warps=1),
+        )
+        for key, value, key_bytes, _ in QUANTIZED_ROWS
+    ]
+    ptx = compile_for_hopper(decode + prefill + store)
+    assert all(".target sm_90" in text for text in ptx)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx[len(decode) + len(prefill)]  # fp8 keys: the hardware conversion
 
 
 def test_kernels_with_attention_sinks_compile_for_hopper():
@@ -88,7 +180,7 @@ def test_kernels_with_attention_sinks_compile_for_hopper():
         HopperCompile(
             "fw_triton_attention.decode:_decode_attention_kernel",
             POINTERS,
-            dict(GROUP=8, IS_SPLIT=split, USE_SINKS=True, FP32=False, **decode),
+            dict(GROUP=8, IS_SPLIT=split, USE_SINKS=True, FP32=False, **decode, **MODEL_DTYPE_CACHE),
             float_args=("sm_scale", "soft_cap"),
             options=dict(num_warps=4, num_stages=2),
         )
@@ -110,6 +202,7 @@ def test_kernels_with_attention_sinks_compile_for_hopper():
         "seq_lens_ptr": "*i32",
         "block_table_ptr": "*i32",
         "sinks_ptr": "*bf16",
+        "scales_ptr": "*u8",
     }
     cases.append(
         HopperCompile(
@@ -126,6 +219,7 @@ def test_kernels_with_attention_sinks_compile_for_hopper():
                 USE_SOFT_CAP=False,
                 USE_SINKS=True,
                 FP32=False,
+                **MODEL_DTYPE_CACHE,
             ),
             float_args=("sm_scale", "soft_cap"),
             options=dict(num_warps=8, num_stages=3),

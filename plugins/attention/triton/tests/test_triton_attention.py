@@ -7,6 +7,7 @@ import torch
 
 from framework import hookimpl
 from framework.attention_backend import AttentionLayerConfig
+from framework.kv_cache import KVCache
 from framework.platform import Platform
 from framework.specs import AttentionBackendSpec
 from framework.testing import (
@@ -50,6 +51,28 @@ CPU_NUM_SMS = 64
 def test_interpreted_kernels_match_dense_attention_fp32(case):
     check_attention_backend(
         TritonAttentionBackend(num_sms=CPU_NUM_SMS), device="cpu", dtype=torch.float32, atol=1e-4, cases=[case]
+    )
+
+
+#: small interpreter cases for the quantized caches: a prefill over cached prefixes, a mixed step
+#: (prefill and decode rows) and a decode step with a window; more per dtype below
+QUANTIZED_CASES = [
+    ("prefix_prefill_gqa4", [5, 9, 3], [11, 32, 20], 8, 2, 64, None, None),
+    ("mixed_soft_cap", [4, 1], [9, 21], 4, 2, 32, None, 5.0),
+    ("decode_window_gqa4", [1, 1, 1], [40, 17, 3], 8, 2, 64, 24, None),
+]
+QUANTIZED_EXTRA_CASES = {
+    "fp8": [("head_size_80", [9, 1], [5, 20], 4, 2, 80, None, None)],  # no rotation: any multiple of 8
+    "turbo3": [("decode_split", [1, 1], [300, 40], 4, 2, 32, None, None)],  # the split-KV reduce
+}
+
+
+@interpreted
+@pytest.mark.parametrize("kv_dtype", ["fp8", "turbo8", "turbo4", "turbo3"])
+def test_interpreted_kernels_read_quantized_caches_as_dense_attention_on_the_dequantized_cache(kv_dtype):
+    cases = QUANTIZED_CASES + QUANTIZED_EXTRA_CASES.get(kv_dtype, [])
+    check_attention_backend(
+        TritonAttentionBackend(num_sms=CPU_NUM_SMS), device="cpu", atol=1e-4, cases=cases, kv_dtype=kv_dtype
     )
 
 
@@ -313,7 +336,7 @@ def test_backend_decode_steps_store_the_kv_that_later_steps_read():
         query, key, value = (
             torch.cat([x[s:e] for x, s, e in zip(xs, starts, ends, strict=True)]) for xs in (queries, keys, values)
         )
-        out = backend.forward(layer, query.flatten(1), key.flatten(1), value.flatten(1), cache, metadata).view(
+        out = backend.forward(layer, query.flatten(1), key.flatten(1), value.flatten(1), KVCache(cache), metadata).view(
             -1, heads, head_size
         )
         store_kv(key, value, expected_cache, metadata.slot_mapping)
@@ -338,10 +361,12 @@ def test_store_kv_writes_slots_and_skips_negative_padding_slots():
 def test_validate_names_unsupported_head_size_gqa_and_kv_dtype():
     good = AttentionLayerConfig(32, 8, 128, 128**-0.5)
     assert TritonAttentionBackend.validate([good], "auto", None) == []
+    assert TritonAttentionBackend.validate([good], "turbo3", None) == []
     reasons = TritonAttentionBackend.validate([AttentionLayerConfig(6, 4, 512, 0.1)], "fp8", None)
-    assert any("fp8" in r for r in reasons)
     assert any("head size 512" in r for r in reasons)
     assert any("not a multiple" in r for r in reasons)
+    reasons = TritonAttentionBackend.validate([AttentionLayerConfig(4, 2, 80, 0.1)], "turbo4", None)
+    assert reasons == ["kv dtype turbo4 rotates keys by a Walsh-Hadamard transform: head size 80 is not a power of two"]
 
 
 def test_registration_selects_triton_on_cuda_and_never_on_cpu():
@@ -382,6 +407,13 @@ def test_compiled_kernels_match_dense_attention_on_cuda_bf16():
 @pytest.mark.parametrize("dtype, atol", [(torch.float16, 2e-2), (torch.float32, 1e-4)], ids=["fp16", "fp32"])
 def test_compiled_kernels_match_dense_attention_on_cuda(dtype, atol):
     check_attention_backend(TritonAttentionBackend(), device="cuda", dtype=dtype, atol=atol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["fp8", "turbo8", "turbo4", "turbo3"])
+def test_compiled_kernels_read_quantized_caches_on_cuda(kv_dtype):
+    # bf16 tiles of the dequantized rows on tensor cores; the oracle quantizes with framework.kv_quant
+    check_attention_backend(TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=3e-2, kv_dtype=kv_dtype)
 
 
 @pytest.mark.gpu
@@ -452,11 +484,11 @@ def test_forward_does_not_sync_with_the_host():
         )
         q = torch.randn(num_tokens, 8 * 128, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(num_tokens, 2 * 128, device="cuda", dtype=torch.bfloat16)
-        backend.forward(layer, q, kv, kv, cache, metadata)  # compile outside the check
+        backend.forward(layer, q, kv, kv, KVCache(cache), metadata)  # compile outside the check
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = backend.forward(layer, q, kv, kv, cache, metadata)
+            out = backend.forward(layer, q, kv, kv, KVCache(cache), metadata)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert out.isfinite().all()

@@ -93,7 +93,8 @@ def test_mla_cache_holds_the_latent_only(tiny):
     engine, layers = llm.engine, SMALL["num_hidden_layers"]
     caches = engine.core.runner.kv_caches
     num_blocks, block_size = engine.summary["kv_blocks"], 16
-    assert [tuple(c.shape) for c in caches] == [(num_blocks + 1, block_size, LATENT)] * layers
+    assert [tuple(c.data.shape) for c in caches] == [(num_blocks + 1, block_size, LATENT)] * layers
+    assert {c.kv_dtype for c in caches} == {"auto"}
     bytes_per_token = engine.summary["kv_bytes"] / engine.summary["kv_tokens"]
     assert bytes_per_token == layers * LATENT * 4  # fp32
     assert num_blocks == (1 << 20) // (block_size * layers * LATENT * 4)
