@@ -103,7 +103,15 @@ def as_cached(kv_cache, keys, values):
 
 
 def _check_attention_case(
-    backend, case, device, dtype, block_size: int, atol: float, generator, kv_dtype: str = "auto", with_sinks: bool = False
+    backend,
+    case,
+    device,
+    dtype,
+    block_size: int,
+    atol: float,
+    generator,
+    kv_dtype: str = "auto",
+    with_sinks: bool = False,
 ) -> None:
     """One case of :func:`check_attention_backend`."""
     import torch
