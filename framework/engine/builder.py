@@ -130,24 +130,12 @@ class EngineBuilder:
         num_blocks = kv_cache_sizing.num_kv_blocks(
             cache, self.device, per_block, config.max_model_len, self.scheduler.max_num_seqs
         )
-        if num_blocks * cache.block_size < config.max_model_len:
-            log.warning(
-                "KV cache holds %d tokens, less than the context length %d: long requests will be preempted "
-                "or refused; raise --mem / --kv-fraction / --gpu-memory-utilization or lower --max-model-len",
-                num_blocks * cache.block_size,
-                config.max_model_len,
-            )
+        kv_cache_sizing.warn_if_short(num_blocks, cache.block_size, config.max_model_len)
         caches = kv_cache_sizing.allocate_kv_caches(specs, num_blocks, self.device)
         kv_cache_sizing.load_checkpoint_scales(self.torch_model, caches)
         self.num_blocks = num_blocks
         self.kv_cache_bytes = per_block * num_blocks
         return caches
-
-    def kv_cache_dtype_summary(self) -> str:
-        """The KV dtype in use, with why it differs from the one asked for (MLA keeps its latent cache)."""
-        if self.kv_dtype.name != self.cache.cache_dtype:
-            return f"{self.kv_dtype.name} (MLA latent cache; --kv-cache-dtype {self.cache.cache_dtype} not applied)"
-        return self.kv_dtype.name
 
     def capture_cuda_graphs(self, backend: AttentionBackend, kv_caches: list[KVCache]) -> CUDAGraphRunner | None:
         """Capture decode graphs when on CUDA, enabled, and the backend allows it."""
@@ -173,7 +161,6 @@ class EngineBuilder:
         parallel = self.parallel
         if not parallel.is_parallel:
             return
-        tensor_parallel_start.refuse_a_second_group()
         config = self.config or self.model_config()
         spec = registries.model_architectures(self.platform).get(config.architecture)
         tensor_parallel_start.prepare_group(parallel, self.device, config.architecture, spec.supports_tensor_parallel)
@@ -260,10 +247,10 @@ class EngineBuilder:
             if worker_error is not None:
                 raise worker_error from error
             raise
-        kv_manager = KVCacheManager.for_cache(self.num_blocks, self.cache)
         engine_config = EngineConfig(
             config, self.cache, self.scheduler, str(self.device), self.backend_name, self.args.seed
         )
+        kv_manager = KVCacheManager.for_cache(self.num_blocks, self.cache)
         core = EngineCore(
             engine_config, runner, kv_manager, structured_outputs=grammars, async_scheduling=async_scheduling
         )

@@ -62,6 +62,17 @@ def num_kv_blocks(
     return distributed.min_over_ranks(max(1, min(budget // bytes_per_block, most_useful)))
 
 
+def warn_if_short(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Log that a cache of ``num_blocks`` holds less than one request of the context length."""
+    if num_blocks * block_size < max_model_len:
+        log.warning(
+            "KV cache holds %d tokens, less than the context length %d: long requests will be preempted "
+            "or refused; raise --mem / --kv-fraction / --gpu-memory-utilization or lower --max-model-len",
+            num_blocks * block_size,
+            max_model_len,
+        )
+
+
 def bytes_per_block(specs: list[KVCacheSpec]) -> int:
     """KV bytes one block takes over all layers (each layer's spec: data plus side buffers)."""
     return sum(spec.bytes_per_block for spec in specs)

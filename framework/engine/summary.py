@@ -28,7 +28,7 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
         "kv_blocks": self.num_blocks,
         "kv_tokens": self.num_blocks * cache.block_size,
         "kv_bytes": self.kv_cache_bytes,
-        "kv_cache_dtype": builder.kv_cache_dtype_summary(),
+        "kv_cache_dtype": kv_cache_dtype_summary(builder.kv_dtype.name, cache.cache_dtype),
         "kv_bytes_per_token": self.kv_cache_bytes // max(1, self.num_blocks * cache.block_size),
         "attention_backend": self.backend_name,
         "cuda_graphs": self.graph_summary,
@@ -48,6 +48,13 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
         )
         summary["all_reduce"] = self.all_reduce
     return summary
+
+
+def kv_cache_dtype_summary(used: str, asked: str) -> str:
+    """The KV dtype in use, with why it differs from the one asked for (MLA keeps its latent cache)."""
+    if used != asked:
+        return f"{used} (MLA latent cache; --kv-cache-dtype {asked} not applied)"
+    return used
 
 
 def log_summary(builder: EngineBuilder, summary: dict[str, Any]) -> None:

@@ -2,8 +2,7 @@
 (:func:`place_rank`), the workers rank 0 starts, the group's rendezvous and the all-reduce set up
 for it, and leaving the group after a failed build (:func:`leave_after_failure`).
 
-With more than one rank, every rank runs, before it loads its shard: :func:`refuse_a_second_group`,
-:func:`prepare_group`, then (rank 0 only) spawns :func:`workers_to_spawn` as
+With more than one rank, every rank runs, before it loads its shard: :func:`prepare_group`, then (rank 0 only) spawns :func:`workers_to_spawn` as
 :mod:`~framework.engine.tp_worker` processes given :func:`worker_args`, then :func:`init_group`.
 The caller holds the workers from the moment they start, so a failed rendezvous can still reap them.
 """
@@ -62,7 +61,9 @@ def refuse_a_second_group() -> None:
 def prepare_group(parallel: ParallelConfig, device: torch.device, architecture: str, can_shard: bool) -> None:
     """Ready this process for a group of more than one rank, before any worker starts: refuse an
     architecture that cannot be sharded (``can_shard`` false), settle ``parallel.master_port`` when
-    unset, share the CPU threads among the node's ranks and bind to this rank's NUMA node."""
+    unset, share the CPU threads among the node's ranks and bind to this rank's NUMA node. Refuses
+    a process that already belongs to a group (:func:`refuse_a_second_group`)."""
+    refuse_a_second_group()
     if not can_shard:
         raise ConfigError(
             f"architecture {architecture} cannot be sharded for tensor parallelism yet "
