@@ -237,8 +237,8 @@ def main() -> None:
     parser.add_argument(
         "--omp-wait-policy",
         choices=["passive", "active", "inherit"],
-        default="passive",
-        help="OMP_WAIT_POLICY of every engine's process (passive: what fw sets by default)",
+        default="inherit",
+        help="OMP_WAIT_POLICY of every engine's process (inherit: this shell's, unset = each runtime's default)",
     )
     parser.add_argument("--skip", nargs="*", default=[], choices=["fw", "transformers", "llama.cpp"])
     parser.add_argument("--engine", choices=["fw", "transformers"], help=argparse.SUPPRESS)  # child mode

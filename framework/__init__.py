@@ -7,30 +7,9 @@ not import torch).
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import TYPE_CHECKING, Any
 
 import pluggy
-
-
-def _prefer_passive_openmp() -> None:
-    """Make OpenMP threads sleep, not spin, between parallel regions, unless the user chose.
-
-    A CPU decode step runs hundreds of short parallel regions (torch's ops and the GGUF CPU
-    kernels share one libgomp pool); by default its threads spin-wait between them, taking the
-    cores that other processes (``fw serve``'s API process, anything else on a small machine)
-    need. Measured on a shared 2-core machine (SmolLM2 Q4_1, 16 tokens): 0.46 tok/s spinning,
-    5.2 with ``OMP_WAIT_POLICY=PASSIVE``. It only takes effect before torch loads libgomp, so it
-    runs when ``framework`` is imported first (the ``fw`` command always does); spawned engine
-    and worker processes inherit it. ``OMP_WAIT_POLICY=ACTIVE`` (or ``GOMP_SPINCOUNT``) restores spinning.
-    """
-    if "torch" in sys.modules or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
-
-_prefer_passive_openmp()
 
 __version__ = "0.1.0"
 
