@@ -62,6 +62,7 @@ def chat_ids(encode, tokens: int) -> list[int]:
 
 def run_fw(path: Path, batches: list[int], new_tokens: int, chat_tokens: int, kv_mb: int) -> dict:
     from framework import LLM, SamplingParams
+    from framework.errors import ConfigError
 
     llm = LLM(str(path), device="cpu", enable_cuda_graphs=False, max_num_seqs=max(batches), mem_mb=kv_mb)
     prompt = {"prompt_token_ids": llm.tokenizer.encode(PROMPT)}
@@ -80,10 +81,13 @@ def run_fw(path: Path, batches: list[int], new_tokens: int, chat_tokens: int, kv
         total = time.perf_counter() - started
         assert all(len(r.outputs[0].token_ids) == new_tokens for r in out)
         result["decode"][str(batch)] = batch * (new_tokens - 1) / (total - prefill)
-    ids = chat_ids(
-        lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True),
-        chat_tokens,
-    )
+    try:
+        ids = chat_ids(
+            lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True),
+            chat_tokens,
+        )
+    except ConfigError:  # no chat template (as transformers' branch below): the plain text
+        ids = llm.tokenizer.encode(CHAT_TEXT)[:chat_tokens]
     cache.reset_prefix_cache()
     started = time.perf_counter()
     llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, **greedy))
