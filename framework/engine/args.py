@@ -64,8 +64,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     quantization: Annotated[
         str | None,
         _opt(
-            "Quantization method of the checkpoint (gguf); default: what the checkpoint declares. A method the "
-            "checkpoint does not use is an error.",
+            "Quantization method of the checkpoint (gguf, gptq, awq, fp8, mxfp4, ...: fw plugins list); default: what "
+            "the checkpoint declares. A method the checkpoint does not use is an error; fp8 on a 16-bit checkpoint "
+            "quantizes it at load.",
             "--quantization",
             "-q",
         ),
