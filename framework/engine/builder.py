@@ -13,7 +13,6 @@ own module: :mod:`~framework.engine.model_loading` (source, config, weights),
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import torch
@@ -43,8 +42,6 @@ from framework.kv_cache import KVCache
 from framework.layers.attention import Attention
 from framework.loader.format import WeightFormat
 from framework.platform import Platform, platform_for_device
-
-log = logging.getLogger("fw.engine")
 
 
 class EngineBuilder:
