@@ -158,7 +158,11 @@ def run_llamacpp(
     ]
     done = subprocess.run(command, capture_output=True, text=True, env=child_env(omp_wait_policy))
     if done.returncode:
-        return {"engine": "llama.cpp", "command": " ".join(command), "error": done.stderr[-2000:]}
+        return {
+            "engine": "llama.cpp",
+            "command": " ".join(command),
+            "error": f"exit {done.returncode} (negative: killed by that signal): {done.stderr[-2000:]}",
+        }
     entries = json.loads(done.stdout)
     result = {
         "engine": "llama.cpp " + str(entries[0].get("build_commit", "")),
