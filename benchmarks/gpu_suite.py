@@ -3,6 +3,7 @@
     python benchmarks/gpu_suite.py --shape llama3-8b --attention-backend triton \
         --cases decode:1:4096:1024 decode:1:512:256 decode:64:128:128 prefill:512 --out $OUT/suite.json
     python benchmarks/gpu_suite.py --shape qwen2.5-0.5b --cases nano:256 --out $OUT/nano.json
+    python benchmarks/gpu_suite.py --m /tmp/llama3-8b-gptq --cases decode:1:128:256 prefill:512   # a checkpoint
 
 Cases (one engine is built per run, random weights through the model's own loaders):
 
@@ -18,7 +19,8 @@ Cases (one engine is built per run, random weights through the model's own loade
 Every result carries ``device``, ``model``, ``dtype``, ``tp``, ``num_gpus``, ``batch_size``,
 ``input_len``, ``output_len``, ``decode_tokens_per_s``, ``commit`` and ``command``. ``--tp N`` (or
 ``--d 0,1``) runs the engine tensor-parallel, as ``decode.py`` does; the roofline then uses one
-rank's weight bytes. On a CPU (``--shape tiny``) the same cases run, for checking the script.
+rank's weight bytes. ``--m FOLDER`` times a checkpoint folder (``random_quantized_checkpoint.py``
+writes random GPTQ / AWQ / FP8 ones of the shapes) instead of the shape's random bf16 weights. On a CPU (``--shape tiny``) the same cases run, for checking the script.
 """
 
 from __future__ import annotations
@@ -151,24 +153,28 @@ def main() -> None:
 
     from framework import LLM
 
-    config = model_config(args.shape)
     longest = max(
         [n[1] + n[2] for k, n in cases if k == "decode"]
         + [n[0] + 1 for k, n in cases if k == "prefill"]
         + [2048 for k, _ in cases if k == "nano"]
     )
-    # a long-context case needs the shape's context raised (Llama 3.1 has the 3-8B shape with 128k)
-    config["max_position_embeddings"] = max(config["max_position_embeddings"], longest + 16)
-    folder = write_model_folder(config)
+    if args.model:  # a checkpoint folder (random_quantized_checkpoint.py, ...) instead of the shape's random weights
+        config = json.loads((Path(args.model) / "config.json").read_text())
+        model = {}
+    else:
+        config = model_config(args.shape)
+        # a long-context case needs the shape's context raised (Llama 3.1 has the 3-8B shape with 128k)
+        config["max_position_embeddings"] = max(config["max_position_embeddings"], longest + 16)
+        model = {"model": str(write_model_folder(config))}
     tp = tensor_parallel_size(args)
     started = time.perf_counter()
-    llm = LLM(**engine_kwargs(args, model=str(folder), max_num_seqs=args.max_num_seqs, max_model_len=longest + 16))
+    llm = LLM(**engine_kwargs(args, **model, max_num_seqs=args.max_num_seqs, max_model_len=longest + 16))
     build_s = time.perf_counter() - started
     model = llm.engine.core.runner.model
     weight_bytes = bytes_read_per_token(model, config)  # MoE: only the experts one token uses; tied: the LM head
     shared = {
         **report_header(),
-        "model": f"{args.shape} shape ({config['architectures'][0]}), random weights",
+        "model": f"{args.model or args.shape + ' shape'} ({config['architectures'][0]}), random weights",
         "dtype": args.dtype,
         "tp": tp,
         "num_gpus": tp,
@@ -193,12 +199,12 @@ def main() -> None:
         results.append(shared | result)
         shown = result.get("decode_tokens_per_s") or result.get("prefill_tokens_per_s")
         print(
-            f"{args.shape} {shared['attention_backend']} {kind}:{':'.join(map(str, numbers))} -> {shown:,.1f} tok/s"
+            f"{args.model or args.shape} {shared['attention_backend']} {kind}:{':'.join(map(str, numbers))} -> {shown:,.1f} tok/s"
             + (f" ({result['roofline_fraction']:.0%} of roofline)" if result.get("roofline_fraction") else ""),
             flush=True,
         )
     report = {
-        "shape": args.shape,
+        "shape": None if args.model else args.shape,
         "weight_bytes": weight_bytes,
         "build_s": build_s,
         "summary": llm.engine.summary,

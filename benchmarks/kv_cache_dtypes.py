@@ -2,7 +2,7 @@
 
     python benchmarks/kv_cache_dtypes.py --shape llama3-8b --dtypes auto fp8 --out $OUT/kv-dtypes-a.json
     python benchmarks/kv_cache_dtypes.py --shape llama3-8b --dtypes turbo8 turbo4 turbo3 --out $OUT/kv-dtypes-b.json
-    python benchmarks/kv_cache_dtypes.py --shape tiny --dtype f32 --context 64 --requests 4 --mem 4 \\
+    python benchmarks/kv_cache_dtypes.py --shape tiny --dtype f32 --context 64 --short-context 16 --requests 4 --mem 4 \\
         --output-len 4 --steps 3 --out /tmp/kv.json                                              # CPU: the script itself
 
 For each dtype it builds one engine on random weights (``load_format="dummy"``) with the same KV
