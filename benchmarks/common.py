@@ -364,7 +364,9 @@ def bytes_read_per_token(model, config: dict[str, Any]) -> int:
         total -= embed.numel() * embed.element_size()
     for module in model.modules():
         if isinstance(module, FusedMoE):
-            experts = sum(p.numel() * p.element_size() for p in (module.w13_weight, module.w2_weight))
+            # the stacked expert tensors, whatever the quant method names them (w13_weight, gguf_w1, blocks, scales, ...)
+            stacked = [p for p in module.parameters(recurse=False) if p.dim() and p.shape[0] == module.num_experts]
+            experts = sum(p.numel() * p.element_size() for p in stacked)
             total -= experts - experts * module.top_k // module.num_experts
     return total
 

@@ -159,6 +159,8 @@ def main() -> None:
         + [2048 for k, _ in cases if k == "nano"]
     )
     if args.model:  # a checkpoint folder (random_quantized_checkpoint.py, ...) instead of the shape's random weights
+        if args.load_format == args.engine_option_defaults["load_format"]:
+            args.load_format = "auto"  # its own weights, not the benchmarks' default random ones
         config = json.loads((Path(args.model) / "config.json").read_text())
         model = {}
     else:
