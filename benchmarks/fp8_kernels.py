@@ -3,6 +3,7 @@
     python benchmarks/fp8_kernels.py                        # table; JSON to $OUT/fp8_kernels.json if $OUT is set
     python benchmarks/fp8_kernels.py --layers down --rows 1 8 64 --out fp8.json
     python benchmarks/fp8_kernels.py --tiny                 # the script itself on a CPU (TRITON_INTERPRET=1)
+    python benchmarks/fp8_kernels.py --rows 1 64 --sweep    # also a grid of W8A16 settings per case
 
 For each layer (fused qkv, o, fused gate_up, down, LM head) and row count it checks every path
 against ``x @ W^T`` on the dequantized weight, then times, replayed from a CUDA graph over weight
@@ -42,7 +43,20 @@ ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 COLD_BYTES = 512 * 2**20
 
 
-def measure(n: int, k: int, rows: int, tiny: bool) -> dict:
+def sweep_settings(rows: int, tiny: bool) -> list[dict]:
+    """The W8A16 grid ``--sweep`` times: 16-row tiles with long K steps for the GEMV rows, bigger tiles above."""
+    if tiny:
+        return [{"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}]
+    block_ms = [16] if rows <= 16 else [32, 64] if rows <= 64 else [64, 128]
+    block_ks = [256, 512, 1024] if rows <= 16 else [128, 256]
+    return [
+        {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "num_warps": w, "num_stages": st}
+        for m, n, k, s, w, st in itertools.product(block_ms, [32, 64, 128], block_ks, [1, 2, 4], [4], [3, 4])
+        if m * n <= 8192
+    ]
+
+
+def measure(n: int, k: int, rows: int, tiny: bool, sweep: bool = False) -> dict:
     device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
     generator = torch.Generator(device).manual_seed(n + k)
     q, scale = quantize_weight_fp8(torch.randn(n, k, device=device, generator=generator) * 0.02)
@@ -74,6 +88,19 @@ def measure(n: int, k: int, rows: int, tiny: bool) -> dict:
         ]
         seconds = time_it(run, copies)
         result[name] = {"us": seconds * 1e6, "gb_s": weight_bytes / seconds / 1e9, "check_rel_error": error}
+    if sweep:
+        copies = [weight] + [
+            weight._replace(qweight=weight.qweight.clone())
+            for _ in range(0 if tiny else -(-COLD_BYTES // weight_bytes) - 1)
+        ]
+        timed = []
+        for setting in sweep_settings(rows, tiny):
+            out = w8a16_matmul(x, weight, config=setting)
+            error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+            if error > (1e-4 if tiny else 6e-2):
+                raise AssertionError(f"w8a16 {setting}: relative error {error:.3g}")
+            timed.append({**setting, "us": time_it(lambda w, c=setting: w8a16_matmul(x, w, config=c), copies) * 1e6})
+        result["w8a16_sweep"] = sorted(timed, key=lambda t: t["us"])
     dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
     result["cublas_bf16_us"] = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies) * 1e6
     result["dispatch"] = "w8a16" if rows <= W8A16_MAX_ROWS or not fp8_cores else "w8a8_block"
@@ -85,6 +112,7 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--rows", nargs="+", type=int, default=ROWS)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of W8A16 settings per case")
     parser.add_argument(
         "--out", default=os.path.join(os.environ["OUT"], "fp8_kernels.json") if os.environ.get("OUT") else None
     )
@@ -92,14 +120,16 @@ def main() -> None:
     tiny = args.tiny or not torch.cuda.is_available()
     layers = TINY_LAYERS if tiny else {name: LAYERS[name] for name in args.layers}
     results = []
-    print(f"{'layer':8} {'rows':>5} {'w8a16 us':>9} {'w8a8 us':>9} {'scaled_mm':>9} {'bf16 us':>9}")
+    print(f"{'layer':8} {'rows':>5} {'w8a16 us':>9} {'w8a8 us':>9} {'scaled_mm':>9} {'bf16 us':>9} {'swept us':>9}")
     for (name, (n, k)), rows in itertools.product(layers.items(), [1, 3, 17] if tiny else args.rows):
-        result = {"layer": name, **measure(n, k, rows, tiny)}
+        result = {"layer": name, **measure(n, k, rows, tiny, args.sweep)}
         results.append(result)
         cells = [
             f"{result[p]['us']:9.1f}" if p in result else f"{'-':>9}" for p in ("w8a16", "w8a8_block", "scaled_mm")
         ]
-        print(f"{name:8} {rows:5d} {' '.join(cells)} {result['cublas_bf16_us']:9.1f}")
+        best = result.get("w8a16_sweep", [{}])[0]
+        swept = f"{best['us']:9.1f} {best}" if best else ""
+        print(f"{name:8} {rows:5d} {' '.join(cells)} {result['cublas_bf16_us']:9.1f} {swept}")
     if args.out:
         write_kernel_report(args.out, results, tiny=tiny, w8a16_max_rows=W8A16_MAX_ROWS)
         print(f"wrote {args.out}")

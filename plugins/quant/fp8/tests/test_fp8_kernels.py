@@ -38,6 +38,7 @@ CASES = [  # (n, k, granularity, per-feature scale rows, rows)
     (64, 320, "block", False, 8),
     (128, 256, "channel", False, 2),
     (96, 256, "tensor", False, 1),
+    (192, 256, "block", False, 16),
     (192, 256, "block", False, 17),
     (80, 384, "channel", False, 33),
 ]
@@ -51,8 +52,10 @@ def test_w8a16_equals_dequantize_then_matmul(case):
     w = dequantize_fp8_weight(weight, torch.float32)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(w8a16_matmul(x, weight), x @ w.t(), rtol=1e-4, atol=1e-4)
-    forced = {**choose_config(rows, n, k, 128), "SPLIT_K": 2}  # split-K partial sums
-    torch.testing.assert_close(w8a16_matmul(x, weight, config=forced), x @ w.t(), rtol=1e-4, atol=1e-4)
+    rule = choose_config(rows, n, k, 128)
+    for forced in ({**rule, "BLOCK_K": 128, "SUB_K": 128, "SPLIT_K": 2},  # split-K partial sums
+                   {**rule, "BLOCK_K": 256, "SUB_K": 128, "SPLIT_K": 1}):  # two scale columns a step
+        torch.testing.assert_close(w8a16_matmul(x, weight, config=forced), x @ w.t(), rtol=1e-4, atol=1e-4)
 
 
 def test_per_feature_block_rows_fold_back_into_blocks_only_when_exact():
@@ -89,13 +92,13 @@ def test_w8a8_block_gemm_equals_the_product_of_quantized_operands(n, k, granular
     torch.testing.assert_close(w8a8_block_matmul(x, weight), expected, rtol=1e-4, atol=1e-4)
 
 
-def _hopper_w8a16(dot: bool, block_m: int, scale_rows: int) -> HopperCompile:
+def _hopper_w8a16(block_m: int, block_n: int, block_k: int, scale_rows: int, stages: int) -> HopperCompile:
     return HopperCompile(
         "fw_fp8.kernels.w8a16:w8a16_matmul_kernel",
         {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"},
-        {"SCALE_ROWS": scale_rows, "SCALE_COLS": 128, "USE_DOT": dot, "BLOCK_M": block_m,
-         "BLOCK_N": 64 if dot or block_m == 1 else 16, "BLOCK_K": 128},
-        options={"num_warps": 4, "num_stages": 2 if dot else 3},
+        {"SCALE_ROWS": scale_rows, "SCALE_COLS": 128, "FP32": False, "BLOCK_M": block_m,
+         "BLOCK_N": block_n, "BLOCK_K": block_k, "SUB_K": 128},
+        options={"num_warps": 4, "num_stages": stages},
         divisible_by_16=("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om"))
 
 
@@ -107,6 +110,6 @@ def test_main_kernel_variants_compile_for_sm90():
         {"SCALE_ROWS": 128, "SCALE_COLS": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128},
         options={"num_warps": 4, "num_stages": 3},
         divisible_by_16=("a_ptr", "w_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_om"))
-    ptx = compile_for_hopper([_hopper_w8a16(False, 1, 128), _hopper_w8a16(True, 64, 1), w8a8])
+    ptx = compile_for_hopper([_hopper_w8a16(16, 64, 512, 128, 4), _hopper_w8a16(64, 128, 128, 1, 3), w8a8])
     assert len(ptx) == 3
     assert "mma" in ptx[2] and "e4m3" in ptx[2]  # the W8A8 tiles multiply FP8 on tensor cores

@@ -22,8 +22,10 @@ import torch
 
 from framework.errors import ConfigError
 
-#: Up to this many rows the W8A16 GEMV wins (W8A8 pays to quantize the activations and its tiles idle).
-W8A16_MAX_ROWS = 8
+#: Up to this many rows W8A16 runs: decode steps are bound by the weight bytes, which both read alike,
+#: and W8A8 pays to quantize the activations; its first tiles (no split-K) were slow at 1-64 rows on the
+#: H200 (``benchmarks/fp8_kernels.py``, docs/benchmarks.md), so the W8A16 settings take batch decode too.
+W8A16_MAX_ROWS = 64
 #: The first compute capability with FP8 tensor cores (Ada).
 FP8_TENSOR_CORE_CAPABILITY = (8, 9)
 KERNEL_CHOICES = ("auto", "w8a16", "w8a8")

@@ -3,15 +3,20 @@
 ::
 
     grid (N / BLOCK_N, M / BLOCK_M, SPLIT_K)      program: BLOCK_M rows x BLOCK_N outputs, 1/SPLIT_K of K
-    for each BLOCK_K slice of its K range (never across a scale column):
-        w [BLOCK_N, BLOCK_K] = qweight[n, k]  (FP8 bytes, upcast in registers)
-        s [BLOCK_N]          = scale[n // SCALE_ROWS, k0 // SCALE_COLS]
-        USE_DOT:  acc += tl.dot(x tile, w.T) * s          tensor cores (16-bit), many rows
-        else:     acc += (sum_k x[m, k] * w[n, k]) * s    CUDA cores, the decode GEMV
+    for each BLOCK_K step of its K range, for each SUB_K slice of it (a slice never crosses a scale column):
+        w [BLOCK_N, SUB_K] = qweight[n, k]            (FP8 bytes, upcast to x's dtype in registers: exact)
+        s [BLOCK_N]        = scale[n // SCALE_ROWS, k // SCALE_COLS]
+        acc += tl.dot(x tile, w.T) * s                tensor cores, fp32 accumulation
 
-The scales multiply each slice's partial sums (the epilogue of a slice), so the weights are never
-materialised. With ``SPLIT_K > 1`` each program writes a float32 partial sum that the launcher
-adds. No host syncs: graph-capturable. This is also the path of every batch below sm_89.
+A few rows (the decode GEMV) are padded to ``BLOCK_M = 16`` and go through ``tl.dot`` too: as for the
+bf16 GEMV of ``fw_triton_ops`` (:mod:`fw_triton_ops.gemv`), its loads pipeline better than an
+elementwise product's, and one row reads the same weight bytes either way. A step covers ``BLOCK_K``
+inputs of ``BLOCK_N`` rows (up to 512 bytes a row: ``SUB_K`` 128-input slices against block scales)
+and ``num_stages`` steps are in flight, so each program keeps enough bytes in flight to stream HBM.
+
+The scales multiply each slice's partial sums, so the weights are never materialised. With
+``SPLIT_K > 1`` each program writes a float32 partial sum that the launcher adds. No host syncs:
+graph-capturable. This is also the path of every batch below sm_89.
 """
 
 from __future__ import annotations
@@ -22,16 +27,16 @@ import triton.language as tl
 
 from .layout import Fp8Weight
 
-#: Programs to aim for (two per SM of an H100/H200); split-K fills them when N is small.
-TARGET_PROGRAMS = 264
-#: Up to this many rows the CUDA-core GEMV form; more use tensor-core tiles.
-GEMV_MAX_ROWS = 8
+#: Streaming multiprocessors assumed where the device cannot be asked (the interpreter): an H200's.
+DEFAULT_NUM_SMS = 132
+#: Up to this many rows the GEMV settings (16-row tiles, long K steps, split-K to fill the SMs).
+GEMV_MAX_ROWS = 16
 
 
 @triton.jit
 def w8a16_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_sn, k_per_split,
-                        SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, USE_DOT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, FP32: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,50 +44,66 @@ def w8a16_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, st
     scale_row = scale_ptr + (offs_n // SCALE_ROWS) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        scale = tl.load(scale_row + k0 // SCALE_COLS, mask=mask_n, other=0.0)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)
-        if USE_DOT:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)))
-        else:
-            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        acc += part * scale[None, :]
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        for sub in tl.static_range(BLOCK_K // SUB_K):
+            offs_k = k0 + sub * SUB_K + tl.arange(0, SUB_K)
+            mask_k = offs_k < k_end
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                        other=0.0)
+            scale = tl.load(scale_row + (k0 + sub * SUB_K) // SCALE_COLS, mask=mask_n, other=0.0)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            if FP32:
+                part = tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += part * scale[None, :]
     out = out_ptr + pid_k * M * stride_om + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def choose_config(rows: int, n: int, k: int, scale_cols: int) -> dict[str, int | bool]:
-    """Block sizes, split-K and the inner product for ``rows`` x ``[n, k]`` (a heuristic; the sweep in
-    ``benchmarks/fp8_kernels.py`` measures it)."""
-    use_dot = rows > GEMV_MAX_ROWS
-    block_m = triton.next_power_of_2(rows) if not use_dot else min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = 64 if use_dot or rows == 1 else (32 if rows <= 4 else 16)  # GEMV: BLOCK_M * BLOCK_N * BLOCK_K in registers
-    block_k = 128 if not use_dot or scale_cols % 128 == 0 else 64
-    while scale_cols % block_k and block_k > 16:  # a slice must not cross a scale column
-        block_k //= 2
-    programs = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
-    split_k = 1
-    while programs * split_k * 2 <= TARGET_PROGRAMS and k // (split_k * 2) >= 4 * block_k:
+def choose_config(rows: int, n: int, k: int, scale_cols: int, num_sms: int = DEFAULT_NUM_SMS) -> dict[str, int]:
+    """Tile sizes, K step, split-K, warps and stages for ``rows`` x ``[n, k]`` (a rule; the sweep of
+    ``benchmarks/fp8_kernels.py --sweep`` times it beside the best of a grid).
+
+    Up to :data:`GEMV_MAX_ROWS` rows: 16-row tiles, ``BLOCK_N`` 128 from N = 8192, 64 from 5120, else 32
+    (the bf16 GEMV's rule), 512-input steps (the bytes a bf16 GEMV step of 256 reads), K split in two or
+    four while the N blocks fill under half the SMs, 4 warps, 4 stages. More rows: 64 x 128 tiles (32 x 64
+    up to 32 rows), 128-input steps, K split up to four ways while the tiles fill under the SMs, 3 stages."""
+    sub_k = min(128, scale_cols)
+    if rows <= GEMV_MAX_ROWS:
+        block_n = 128 if n >= 8192 else 64 if n >= 5120 else 32
+        block_k = max(sub_k, min(512, triton.next_power_of_2(k)))
+        split_k = 1
+        while triton.cdiv(n, block_n) * split_k < num_sms // 2 and k // (split_k * 2) >= block_k and split_k < 4:
+            split_k *= 2
+        return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SUB_K": sub_k, "SPLIT_K": split_k,
+                "num_warps": 4, "num_stages": 4}
+    block_m, block_n = (32, 64) if rows <= 32 else (64, 128)
+    programs, split_k = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m), 1
+    while programs * split_k < num_sms and k // (split_k * 2) >= 4 * sub_k and split_k < 4:
         split_k *= 2
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": use_dot}
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": sub_k, "SUB_K": sub_k, "SPLIT_K": split_k,
+            "num_warps": 4, "num_stages": 3}
 
 
 def w8a16_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = None) -> torch.Tensor:
-    """``x [M, K] @ W.T -> [M, N]`` in ``x.dtype``."""
+    """``x [M, K] @ W.T -> [M, N]`` in ``x.dtype`` (fp32 ``x`` multiplies in full fp32: the CPU tests).
+    ``config`` (keys of :func:`choose_config`; a missing ``SUB_K`` is ``min(BLOCK_K, 128)``) overrides the
+    rule; ``BLOCK_K`` must be a multiple of ``SUB_K``, and ``SUB_K`` divide the scale columns."""
     m, k = x.shape
     n = weight.out_features
     if x.stride(-1) != 1:
         x = x.contiguous()
     scale_cols = weight.scale_cols if weight.scale.shape[1] > 1 else triton.next_power_of_2(k) * 2
-    cfg = dict(config or choose_config(m, n, k, scale_cols))
-    split_k = cfg.pop("SPLIT_K")
-    num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2 if cfg["USE_DOT"] else 3)
-    block_k = cfg["BLOCK_K"]
-    assert scale_cols % block_k == 0, (scale_cols, block_k)
+    cfg = dict(config or choose_config(m, n, k, scale_cols, _num_sms(x.device)))
+    cfg.setdefault("SUB_K", min(cfg["BLOCK_K"], 128))
+    split_k = cfg.pop("SPLIT_K", 1)
+    num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+    cfg.pop("USE_DOT", None)  # the former elementwise form's switch; every setting multiplies on tl.dot
+    block_k, sub_k = cfg["BLOCK_K"], cfg["SUB_K"]
+    assert block_k % sub_k == 0 and scale_cols % sub_k == 0, (block_k, sub_k, scale_cols)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -90,7 +111,13 @@ def w8a16_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = None)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
     w8a16_matmul_kernel[grid](x, weight.qweight, weight.scale, partial, m, n, k, x.stride(0), n, weight.scale.stride(0),
                               k_per_split, SCALE_ROWS=weight.scale_rows, SCALE_COLS=scale_cols,
-                              num_warps=num_warps, num_stages=num_stages, **cfg)
+                              FP32=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages, **cfg)
     if split_k > 1:
-        out.copy_(partial.sum(0))
+        torch.sum(partial, 0, out=out) if out.dtype == torch.float32 else out.copy_(partial.sum(0))
     return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
