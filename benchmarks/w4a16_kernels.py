@@ -67,24 +67,15 @@ def random_weight(n: int, k: int, bits: int, group: int, zeros: bool, act_order:
 
 
 def sweep_settings(rows: int) -> list[dict]:
-    use_dot = rows > 4
-    block_ms = [max(16, 1 << (rows - 1).bit_length())] if use_dot else [1 << (rows - 1).bit_length()]
-    if use_dot and block_ms[0] > 16:
-        block_ms = sorted({16, min(64, block_ms[0]), min(128, block_ms[0])})
+    """The grid ``--sweep`` times: 16-row tiles and long K steps for the GEMV rows, 32 / 64-row tiles above
+    (the fused kernel; from ``DEQUANT_MIN_ROWS`` rows the default is dequantize + cuBLAS, timed as the rule)."""
+    if rows <= 16:
+        grid = itertools.product([16], (128, 256), (256, 512, 1024), (1, 2, 4), (4, 8), (4,))
+    else:
+        grid = itertools.product([32 if rows <= 32 else 64], (128, 256), (128, 256), (1, 2, 4), (4, 8), (3,))
     return [
-        {
-            "BLOCK_M": bm,
-            "BLOCK_N": bn,
-            "BLOCK_K": bk,
-            "SPLIT_K": sk,
-            "USE_DOT": use_dot,
-            "num_warps": w,
-            "num_stages": s,
-        }
-        for bm, bn, bk, sk, w, s in itertools.product(
-            block_ms, (32, 64, 128, 256), (32, 64, 128), (1, 2, 4, 8), (4, 8), (2, 3, 4)
-        )
-        if not (not use_dot and bn * bk * bm > 32768) and not (use_dot and bm * bn > 128 * 128)
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w, "num_stages": s}
+        for bm, bn, bk, sk, w, s in grid
     ]
 
 

@@ -14,7 +14,7 @@ from framework.testing import HopperCompile, compile_for_hopper, interpreted, re
 require_triton()
 
 from fw_gptq.kernels.layout import dequantize_kernel_weight, to_kernel_layout  # noqa: E402
-from fw_gptq.kernels.wna16 import choose_config, wna16_matmul  # noqa: E402
+from fw_gptq.kernels.wna16 import DEQUANT_MIN_ROWS, choose_config, wna16_dequantize, wna16_matmul  # noqa: E402
 from fw_gptq.packing import IntWeight  # noqa: E402
 
 
@@ -49,8 +49,22 @@ def test_kernel_equals_dequantize_then_matmul(case):
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(1))
     expected = x @ w.t()
     torch.testing.assert_close(wna16_matmul(x, weight), expected, rtol=1e-4, atol=1e-4)
-    forced = {**choose_config(rows, n, k, weight.group_size), "SPLIT_K": 4}  # split-K partial sums
-    torch.testing.assert_close(wna16_matmul(x, weight, config=forced), expected, rtol=1e-4, atol=1e-4)
+    rule = choose_config(rows, n, k, weight.group_size)
+    sub_k = rule["SUB_K"]
+    for forced in ({**rule, "BLOCK_K": sub_k, "SPLIT_K": 4},  # split-K partial sums
+                   {**rule, "BLOCK_K": 2 * sub_k, "SPLIT_K": 1}):  # two slices (two groups) a step
+        torch.testing.assert_close(wna16_matmul(x, weight, config=forced), expected, rtol=1e-4, atol=1e-4)
+
+
+@interpreted
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=["asym-g32", "act-order", "8bit-act-order"])
+def test_many_rows_multiply_the_dequantized_weight_with_the_reference_values(case):
+    n, k, bits, group, symmetric, act_order, _ = case
+    weight, w = kernel_weight(n, k, bits, group, symmetric, act_order, seed=n + k)
+    permuted = dequantize_kernel_weight(weight, torch.float32, permuted=True)
+    assert torch.equal(wna16_dequantize(weight, torch.float32), permuted.t())  # bit for bit
+    x = torch.randn(DEQUANT_MIN_ROWS + 3, weight.in_features, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(wna16_matmul(x, weight), x @ w.t(), rtol=1e-4, atol=1e-4)
 
 
 @interpreted
@@ -71,25 +85,29 @@ def test_kernel_writes_into_a_column_slice_of_a_wider_output():
     assert (out[:, :32] == 7).all() and (out[:, 96:] == 7).all()
 
 
-def _hopper_case(bits, dot, block_m, has_zeros, scale_per_slice, has_g_idx=False):
+def _hopper_case(bits, block_m, block_n, block_k, has_zeros, scale_per_slice, has_g_idx=False, stages=4):
     return HopperCompile(
         "fw_gptq.kernels.wna16:wna16_matmul_kernel",
         {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16", "g_idx_ptr": "*i32",
          "out_ptr": "*bf16"},
         {"BITS": bits, "GROUP_SIZE": 128, "HAS_ZEROS": has_zeros, "HAS_G_IDX": has_g_idx,
-         "SCALE_PER_SLICE": scale_per_slice, "USE_DOT": dot, "BLOCK_M": block_m, "BLOCK_N": 64 if dot else 128,
-         "BLOCK_K": 64 if dot else 32, "SPLIT_K": 1},
-        options={"num_warps": 4, "num_stages": 2 if dot else 3},
+         "SCALE_PER_SLICE": scale_per_slice, "FP32": False, "BLOCK_M": block_m, "BLOCK_N": block_n,
+         "BLOCK_K": block_k, "SUB_K": min(block_k, 128)},
+        options={"num_warps": 4, "num_stages": stages},
         divisible_by_16=("x_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om"))
 
 
 @pytest.mark.slow
 def test_main_kernel_variants_compile_for_sm90():
     ptx = compile_for_hopper([
-        _hopper_case(4, False, 1, False, True),  # decode GEMV, symmetric GPTQ
-        _hopper_case(4, True, 64, True, True),  # tensor-core tiles, AWQ / asymmetric
-        _hopper_case(8, True, 16, False, False, has_g_idx=True),  # act-order lookups, 8-bit
+        _hopper_case(4, 16, 128, 512, False, True),  # decode GEMV, symmetric GPTQ
+        _hopper_case(4, 64, 128, 128, True, True, stages=3),  # batch tiles, AWQ / asymmetric
+        _hopper_case(8, 16, 128, 128, False, False, has_g_idx=True),  # act-order lookups, 8-bit
     ])
     assert len(ptx) == 3
-    assert "mma" in ptx[1] or "wgmma" in ptx[1]  # the tile path runs on tensor cores
-    assert "ld.global.v4" in ptx[0] or "ld.global.nc.v4" in ptx[0]  # the GEMV streams 16-byte loads
+    assert all("wgmma" in p for p in ptx)  # every form multiplies on Hopper's tensor cores
+    assert "cp.async.cg.shared.global" in ptx[0]  # the GEMV streams its words with 16-byte async copies
+    # the unpacked weights go straight into the left operand's registers, not through shared memory,
+    # and no quarter-rate integer-to-float conversion runs per weight
+    assert "st.shared.b16" not in ptx[0] and "st.shared.b16" not in ptx[1]
+    assert "cvt.rn.f32.u32" not in ptx[0] and "cvt.rn.f32.s32" not in ptx[0]
