@@ -99,7 +99,7 @@ def _hopper_w8a16(block_m: int, block_n: int, block_k: int, scale_rows: int, sta
         {"SCALE_ROWS": scale_rows, "SCALE_COLS": 128, "FP32": False, "BLOCK_M": block_m,
          "BLOCK_N": block_n, "BLOCK_K": block_k, "SUB_K": 128},
         options={"num_warps": 4, "num_stages": stages},
-        divisible_by_16=("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om"))
+        divisible_by_16=("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om", "k_per_split"))
 
 
 @pytest.mark.slow
@@ -113,3 +113,5 @@ def test_main_kernel_variants_compile_for_sm90():
     ptx = compile_for_hopper([_hopper_w8a16(16, 64, 512, 128, 4), _hopper_w8a16(64, 128, 128, 1, 3), w8a8])
     assert len(ptx) == 3
     assert "mma" in ptx[2] and "e4m3" in ptx[2]  # the W8A8 tiles multiply FP8 on tensor cores
+    for w8a16 in ptx[:2]:  # wgmma with the upcast weight as its register operand, fed by 16-byte async copies
+        assert "wgmma" in w8a16 and "cp.async.cg.shared.global" in w8a16 and "ld.global.b8" not in w8a16

@@ -94,7 +94,8 @@ def _hopper_case(bits, block_m, block_n, block_k, has_zeros, scale_per_slice, ha
          "SCALE_PER_SLICE": scale_per_slice, "FP32": False, "BLOCK_M": block_m, "BLOCK_N": block_n,
          "BLOCK_K": block_k, "SUB_K": min(block_k, 128)},
         options={"num_warps": 4, "num_stages": stages},
-        divisible_by_16=("x_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om"))
+        divisible_by_16=("x_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om",
+                        "k_per_split"))
 
 
 @pytest.mark.slow

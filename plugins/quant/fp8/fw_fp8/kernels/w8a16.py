@@ -6,7 +6,10 @@
     for each BLOCK_K step of its K range, for each SUB_K slice of it (a slice never crosses a scale column):
         w [BLOCK_N, SUB_K] = qweight[n, k]            (FP8 bytes, upcast to x's dtype in registers: exact)
         s [BLOCK_N]        = scale[n // SCALE_ROWS, k // SCALE_COLS]
-        acc += tl.dot(x tile, w.T) * s                tensor cores, fp32 accumulation
+        acc^T += tl.dot(w, x tile^T) * s              tensor cores, fp32 accumulation
+
+The weight is the left operand (the output is accumulated transposed): Hopper's wgmma takes that one
+from registers, so the upcast bytes go straight into it.
 
 A few rows (the decode GEMV) are padded to ``BLOCK_M = 16`` and go through ``tl.dot`` too: as for the
 bf16 GEMV of ``fw_triton_ops`` (:mod:`fw_triton_ops.gemv`), its loads pipeline better than an
@@ -42,38 +45,39 @@ def w8a16_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, st
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
     scale_row = scale_ptr + (offs_n // SCALE_ROWS) * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    # acc is out^T [BLOCK_N, BLOCK_M]: the upcast weight is the left operand, which Hopper's wgmma reads
+    # from registers; x's small tile is the right one
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_begin = pid_k * k_per_split  # a split covers whole BLOCK_K steps: only K bounds a step
+    for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
         for sub in tl.static_range(BLOCK_K // SUB_K):
             offs_k = k0 + sub * SUB_K + tl.arange(0, SUB_K)
-            mask_k = offs_k < k_end
+            mask_k = offs_k < K
             w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
                         other=0.0)
             scale = tl.load(scale_row + (k0 + sub * SUB_K) // SCALE_COLS, mask=mask_n, other=0.0)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                          mask=mask_m[None, :] & mask_k[:, None], other=0.0)
             if FP32:
-                part = tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+                part = tl.dot(w.to(tl.float32), x_t, input_precision="ieee")
             else:
-                part = tl.dot(x, tl.trans(w.to(x.dtype)))
-            acc += part * scale[None, :]
-    out = out_ptr + pid_k * M * stride_om + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+                part = tl.dot(w.to(x_t.dtype), x_t)
+            acc += part * scale[:, None]
+    out = out_ptr + pid_k * M * stride_om + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
 
 
 def choose_config(rows: int, n: int, k: int, scale_cols: int, num_sms: int = DEFAULT_NUM_SMS) -> dict[str, int]:
     """Tile sizes, K step, split-K, warps and stages for ``rows`` x ``[n, k]`` (a rule; the sweep of
     ``benchmarks/fp8_kernels.py --sweep`` times it beside the best of a grid).
 
-    Up to :data:`GEMV_MAX_ROWS` rows: 16-row tiles, ``BLOCK_N`` 128 from N = 8192, 64 from 5120, else 32
-    (the bf16 GEMV's rule), 512-input steps (the bytes a bf16 GEMV step of 256 reads), K split in two or
-    four while the N blocks fill under half the SMs, 4 warps, 4 stages. More rows: 64 x 128 tiles (32 x 64
+    Up to :data:`GEMV_MAX_ROWS` rows: 16-row tiles of 64 outputs, 512-input steps (the bytes a bf16 GEMV
+    step of 256 reads), K split in two or four while the N blocks fill under half the SMs, 4 warps,
+    4 stages. More rows: 64 x 128 tiles (32 x 64
     up to 32 rows), 128-input steps, K split up to four ways while the tiles fill under the SMs, 3 stages."""
     sub_k = min(128, scale_cols)
     if rows <= GEMV_MAX_ROWS:
-        block_n = 128 if n >= 8192 else 64 if n >= 5120 else 32
+        block_n = 64  # x 512 inputs x 4 stages: 192 KB of shared memory with x's tiles (an SM has 227)
         block_k = max(sub_k, min(512, triton.next_power_of_2(k)))
         split_k = 1
         while triton.cdiv(n, block_n) * split_k < num_sms // 2 and k // (split_k * 2) >= block_k and split_k < 4:

@@ -101,16 +101,15 @@ def wna16_matmul_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ou
     # acc is out^T [BLOCK_N, BLOCK_M]: the dequantized weight is the left operand, which Hopper's wgmma
     # reads from registers (no round trip through shared memory); x's small tile is the right one
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    k_begin = pid_k * k_per_split  # a split covers whole BLOCK_K steps: only K bounds a step
+    for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
         for sub in tl.static_range(BLOCK_K // SUB_K):
             ks0 = k0 + sub * SUB_K
-            w = _dequantized_slice(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ks0, k_end, offs_n, mask_n, N,
+            w = _dequantized_slice(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ks0, K, offs_n, mask_n, N,
                                    BITS, GROUP_SIZE, HAS_ZEROS, HAS_G_IDX, SCALE_PER_SLICE, SUB_K, BLOCK_N)
             offs_k = ks0 + tl.arange(0, SUB_K)
             x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                          mask=mask_m[None, :] & (offs_k < k_end)[:, None], other=0.0)
+                          mask=mask_m[None, :] & (offs_k < K)[:, None], other=0.0)
             if FP32:
                 acc += tl.dot(tl.trans(w), x_t, input_precision="ieee")
             else:
