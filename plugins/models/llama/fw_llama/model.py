@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,7 @@ from framework.layers import (
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.linear import KeepsWeightAttrs, copy_weight, load_column_shard
-from framework.layers.mlp import dense_mlp
+from framework.layers.mlp import MLPFactory, dense_mlp
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
@@ -280,10 +279,6 @@ class LlamaAttention(nn.Module):
                 q, k = norm_per_head(self.q_norm, q, self.head_size), norm_per_head(self.k_norm, k, self.head_size)
             q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, self.sinks))
-
-
-#: Builds a layer's feed-forward block: ``make_mlp(config, layer_index, quant_config, prefix)``.
-MLPFactory = Callable[[ModelConfig, int, "QuantConfig | None", str], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
