@@ -48,7 +48,7 @@ from framework.layers import (
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.fused_moe import map_expert_weight_name
-from framework.layers.mlp import dense_mlp
+from framework.layers.mlp import MLPFactory, dense_mlp
 from framework.layers.rotary import get_rope, yarn_get_mscale
 from framework.quantization import QuantConfig
 from fw_deepseek.moe import DeepseekV2MoE
@@ -109,7 +109,7 @@ class DeepseekV2Attention(nn.Module):
             config.max_model_len,
             config.rope_theta,
             config.rope_scaling,
-            is_neox_style=False,
+            is_neox_style=not config.get("rope_interleave", True),  # V2 always interleaves
         )
         mla = MLAConfig(self.kv_lora_rank, self.rope_dim)
         self.attn = Attention(
@@ -153,24 +153,40 @@ class DeepseekV2Attention(nn.Module):
 
 
 def is_moe_layer(config: ModelConfig, layer_index: int) -> bool:
-    """MoE from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer (DeepSeek's rule)."""
+    """MoE from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer (DeepSeek's rule),
+    or where ``mlp_layer_types`` says ``"sparse"`` (GLM-4.7-Flash)."""
     if not config.get("n_routed_experts"):
         return False
+    if layer_types := config.get("mlp_layer_types"):
+        return layer_types[layer_index] == "sparse"
     first_dense = int(config.get("first_k_dense_replace") or 0)
     return layer_index >= first_dense and layer_index % int(config.get("moe_layer_freq") or 1) == 0
 
 
+def deepseek_v2_mlp(config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> nn.Module:
+    """A layer's feed-forward: DeepSeek-V2 MoE on MoE layers (:func:`is_moe_layer`), else a dense SwiGLU."""
+    if is_moe_layer(config, layer_index):
+        return DeepseekV2MoE(config, quant_config, prefix)
+    return dense_mlp(config, layer_index, quant_config, prefix)
+
+
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
+    """MLA, then the feed-forward ``make_mlp`` builds (the V2 MoE, V3's grouped top-k MoE, or dense)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        quant_config: QuantConfig | None,
+        prefix: str,
+        make_mlp: MLPFactory = deepseek_v2_mlp,
+    ) -> None:
         super().__init__()
         eps = float(config.get("rms_norm_eps", 1e-6))
         if (config.get("hidden_act") or "silu") != "silu":
             raise ValueError(f"DeepSeek-V2 with hidden_act {config.get('hidden_act')!r} is unsupported; valid: silu")
         self.self_attn = DeepseekV2Attention(config, layer_index, quant_config, f"{prefix}.self_attn")
-        if is_moe_layer(config, layer_index):
-            self.mlp = DeepseekV2MoE(config, quant_config, f"{prefix}.mlp")
-        else:
-            self.mlp = dense_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
+        self.mlp = make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -182,13 +198,16 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 
 class DeepseekV2Model(DecoderStack):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str, make_mlp: MLPFactory = deepseek_v2_mlp
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(
             config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
         )
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}") for i in range(config.num_layers)
+            DeepseekV2DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}", make_mlp)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, float(config.get("rms_norm_eps", 1e-6)))
 
@@ -199,10 +218,13 @@ class DeepseekV2ForCausalLM(CausalLM):
     #: Only gate/up fold (dense MLPs, experts, shared experts); q_proj is not part of a fused qkv here.
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
+    #: The feed-forward of each layer (DeepSeek-V3 swaps in its router).
+    make_mlp: MLPFactory = staticmethod(deepseek_v2_mlp)
+
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config, quant_config, "model")
+        self.model = DeepseekV2Model(config, quant_config, "model", self.make_mlp)
         self.init_lm_head(config, quant_config, tie_by_default=False)
 
     #: Routed-expert tensors go to the stacked FusedMoE weights; the rest folds through
