@@ -22,8 +22,9 @@ their intermediate features (one all-reduce per MLP or MoE block). The attention
 and ``o_proj`` is row-parallel (one all-reduce); ``q_a_proj`` and ``kv_a_proj_with_mqa`` are
 replicated, so every rank caches the full latent (it is shared by all heads). The vocabulary is
 split as in every model.
-``kv_b_proj`` must stay unquantized: its weight is absorbed into the attention, and a quantization
-method that claims it is refused at start-up.
+``kv_b_proj``'s weight is absorbed into the attention, never multiplied as a linear layer: a
+quantized ``kv_b_proj`` (block-FP8 DeepSeek-V3/R1 checkpoints) is dequantized once after loading
+(``init_buffers``), and a quantization method that cannot dequantize is refused at start-up.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from framework.distributed.partition import attention_heads_per_rank
 from framework.errors import ConfigError
 from framework.layers import (
     ColumnParallelLinear,
+    LinearMethod,
     ReplicatedLinear,
     RMSNorm,
     RowParallelLinear,
@@ -122,16 +124,26 @@ class DeepseekV2Attention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.attn",
         )
-        if not isinstance(self.kv_b_proj.linear_method, UnquantizedLinearMethod):
+        method = self.kv_b_proj.linear_method
+        self.kv_b_is_quantized = not isinstance(method, UnquantizedLinearMethod)
+        if self.kv_b_is_quantized and type(method).dequantize is LinearMethod.dequantize:
             raise ConfigError(
-                f"{prefix}.kv_b_proj: multi-head latent attention absorbs kv_b_proj's plain weight; a "
-                f"quantized kv_b_proj ({type(self.kv_b_proj.linear_method).__name__}) is unsupported: use "
-                "a checkpoint (or quantization method) that keeps kv_b_proj unquantized"
+                f"{prefix}.kv_b_proj: multi-head latent attention absorbs kv_b_proj's weight, so a quantized "
+                f"kv_b_proj must dequantize; {type(method).__name__} cannot: use a checkpoint (or quantization "
+                "method) that keeps kv_b_proj unquantized or can dequantize it"
             )
+        if self.kv_b_is_quantized:  # filled by init_buffers, once the quant method has processed the weight
+            self.register_buffer("kv_b_dequantized", None, persistent=False)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """A quantized ``kv_b_proj``: its weight dequantized once, in the model dtype (this rank's heads)."""
+        if self.kv_b_is_quantized:
+            self.kv_b_dequantized = self.kv_b_proj.linear_method.dequantize(self.kv_b_proj).to(device)
 
     def kv_b_weight(self) -> torch.Tensor:
         """``kv_b_proj``'s weight viewed as ``[H, N + V, L]`` (= ``[W_UK ; W_UV]`` per head; this rank's heads)."""
-        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        weight = self.kv_b_dequantized if self.kv_b_is_quantized else self.kv_b_proj.weight
+        return weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]

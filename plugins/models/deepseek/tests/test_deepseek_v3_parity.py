@@ -103,3 +103,20 @@ def test_tensor_parallel_2_greedy_ids_match_transformers(tmp_path):
         assert llm.engine.core.runner.model.model.layers[0].self_attn.num_heads == SMALL["num_attention_heads"] // 2
         ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
     assert ids == [reference_greedy(reference, prompt, greedy.max_tokens) for prompt in prompts]
+
+
+@pytest.mark.gpu
+def test_greedy_tokens_match_transformers_on_cuda(tiny):
+    """On the GPU: the torch backend over the MLA cache, the registry's Triton fused_moe fed by the
+    grouped top-k router, fp32, against transformers on the CPU (a fallback to torch fails)."""
+    from framework import SamplingParams
+    from framework.testing import PARITY_PROMPTS, check_kernels_used, count_kernel_calls, reference_greedy
+
+    path, reference = tiny
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    with count_kernel_calls() as calls:
+        llm = LLM(str(path), device="cuda", dtype="float32", num_blocks=64, prefill_chunk_size=8)
+        results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], greedy)
+    for prompt, result in zip(PARITY_PROMPTS, results, strict=True):
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
+    check_kernels_used(calls, {"fused_moe": "triton", "rms_norm": "triton", "attention": "torch"})
