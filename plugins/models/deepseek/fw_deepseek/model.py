@@ -165,12 +165,9 @@ class DeepseekV2Attention(nn.Module):
 
 
 def is_moe_layer(config: ModelConfig, layer_index: int) -> bool:
-    """MoE from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer (DeepSeek's rule),
-    or where ``mlp_layer_types`` says ``"sparse"`` (GLM-4.7-Flash)."""
+    """MoE from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer (DeepSeek's rule)."""
     if not config.get("n_routed_experts"):
         return False
-    if layer_types := config.get("mlp_layer_types"):
-        return layer_types[layer_index] == "sparse"
     first_dense = int(config.get("first_k_dense_replace") or 0)
     return layer_index >= first_dense and layer_index % int(config.get("moe_layer_freq") or 1) == 0
 

@@ -6,7 +6,7 @@ used only to choose, group-limited top-k, ``routed_scaling_factor``, shared expe
 | part | DeepSeek-V3 / R1 | GLM-4.7-Flash |
 | --- | --- | --- |
 | attention | MLA with ``q_lora_rank``; rotary on interleaved pairs unless ``rope_interleave`` is false | same |
-| MoE layers | from ``first_k_dense_replace`` on | where ``mlp_layer_types`` says ``"sparse"`` |
+| MoE layers | from ``first_k_dense_replace`` on | where ``mlp_layer_types`` says ``"sparse"`` (default: all but the first) |
 | router | ``n_group`` groups, ``topk_group`` kept (8 / 4) | one group |
 
 Checkpoints append the multi-token-prediction layer(s) after the decoder
@@ -49,5 +49,18 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return load_parameters(self, drop_extra_layers(weights, self.config.num_layers))
 
 
+def glm4_moe_lite_mlp(
+    config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str
+) -> nn.Module:
+    """DeepSeek-V3's MoE where ``mlp_layer_types`` says ``"sparse"``; transformers' default when the
+    config has none: the first layer dense, the others MoE (``first_k_dense_replace`` is not read)."""
+    layer_types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (config.num_layers - 1)
+    if layer_types[layer_index] == "sparse":
+        return GroupedTopkMoE(config, quant_config, prefix)
+    return dense_mlp(config, layer_index, quant_config, prefix)
+
+
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4.7-Flash: DeepSeek-V3's layers; its config lists which layers are MoE (``mlp_layer_types``)."""
+
+    make_mlp = staticmethod(glm4_moe_lite_mlp)

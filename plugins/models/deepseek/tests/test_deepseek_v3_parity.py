@@ -120,3 +120,23 @@ def test_greedy_tokens_match_transformers_on_cuda(tiny):
     for prompt, result in zip(PARITY_PROMPTS, results, strict=True):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
     check_kernels_used(calls, {"fused_moe": "triton", "rms_norm": "triton", "attention": "torch"})
+
+
+def test_glm4_moe_lite_without_mlp_layer_types_takes_transformers_default(tmp_path):
+    """A GLM-4.7-Flash config.json without ``mlp_layer_types``: transformers makes the first layer
+    dense and the others MoE (whatever ``first_k_dense_replace`` says), and so does fw."""
+    import json
+    import shutil
+
+    from framework.testing import check_logits_parity
+
+    reference = write_grouped_moe_model(tmp_path / "written", CONFIGS["glm4_moe_lite_halves"]())
+    shutil.copytree(tmp_path / "written", tmp_path / "edited")
+    config = json.loads((tmp_path / "edited" / "config.json").read_text())
+    del config["mlp_layer_types"]
+    config["first_k_dense_replace"] = 0  # not read by transformers' Glm4MoeLite
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(config))
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "edited").mlp_layer_types == ["dense", "sparse"]
+    llm = check_logits_parity(tmp_path / "edited", reference, [list(range(40, 53))])
+    layers = llm.engine.core.runner.model.model.layers
+    assert [hasattr(layer.mlp, "experts") for layer in layers] == [False, True]
