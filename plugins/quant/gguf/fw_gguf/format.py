@@ -113,9 +113,9 @@ class GGUFFormat(WeightFormat):
         offset = norm_weight_offset(self.arch)
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
-            if hf_name is None or hf_name.endswith("v_b_proj.weight"):
+            if hf_name is None or hf_name.endswith(".v_b_proj.weight"):
                 continue  # llama.cpp-only tensors (rope_freqs, ...); attn_v_b joins attn_k_b below
-            if hf_name.endswith("k_b_proj.weight"):  # MLA: llama.cpp's split kv_b_proj, joined back
+            if hf_name.endswith(".k_b_proj.weight"):  # MLA: llama.cpp's split kv_b_proj, joined back
                 v_b = self.model.tensors[name.replace("attn_k_b", "attn_v_b")]
                 yield hf_name.replace("k_b_proj", "kv_b_proj"), kv_b_from_split(info.dequantize(), v_b.dequantize())
                 continue

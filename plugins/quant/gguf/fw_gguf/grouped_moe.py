@@ -118,7 +118,7 @@ def correction_bias_names(num_layers: int) -> dict[str, str]:
 
 def loads_as_float(hf_name: str) -> bool:
     """The matrices fw keeps unquantized for these models: the router and MLA's `kv_b_proj` (and its split halves)."""
-    return hf_name.endswith(("mlp.gate.weight", "kv_b_proj.weight", "k_b_proj.weight", "v_b_proj.weight"))
+    return hf_name.endswith((".mlp.gate.weight", ".kv_b_proj.weight", ".k_b_proj.weight", ".v_b_proj.weight"))
 
 
 def kv_b_from_split(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:

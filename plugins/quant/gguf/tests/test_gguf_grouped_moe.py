@@ -3,7 +3,8 @@ from GGUF files laid out as llama.cpp's converter writes them.
 
 A tiny random model (random score-correction biases) is written by transformers, then as a GGUF
 from the same weights: experts stacked per projection, the router's bias as `exp_probs_b.bias`,
-MLA's `kv_b_proj` split into `attn_k_b` (transposed per head) and `attn_v_b`, and for glm4moe an
+MLA's `kv_b_proj` split into `attn_k_b` (transposed per head) and `attn_v_b` (whole, as
+`attn_kv_b`, in the DeepSeek-V2 file: llama.cpp's older layout), and for glm4moe an
 MTP block counted in `block_count` (`nextn_predict_layers`). fw's logits from the GGUF equal
 transformers' (fp32); a Q8_0 file keeps its experts and shared experts packed and gives the
 greedy ids of transformers holding the file's values.
@@ -49,7 +50,8 @@ _GQA_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pro
 
 def gguf_tensors(arch: str, model, sources: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """transformers' state dict under llama.cpp's names and layouts (llama.cpp's converter, by hand);
-    ``sources`` (if given) receives ``{gguf name: HF name}`` of the tensors stored unchanged."""
+    ``sources`` (if given) receives ``{gguf name: HF name}`` of the tensors stored unchanged.
+    DeepSeek-V2 files keep ``attn_kv_b`` whole (as llama.cpp wrote them before splitting it)."""
     config, tensors = model.config, {}
     for name, tensor in model.state_dict().items():
         parts = name.split(".")
@@ -61,6 +63,8 @@ def gguf_tensors(arch: str, model, sources: dict[str, str] | None = None) -> dic
             tensors[f"{block}.attn_norm.weight"] = tensor
         elif kind == "post_attention_layernorm":
             tensors[f"{block}.{'post_attention_norm' if arch == 'glm4moe' else 'ffn_norm'}.weight"] = tensor
+        elif kind == "self_attn" and rest[0] == "kv_b_proj" and isinstance(config, transformers.DeepseekV2Config):
+            tensors[f"{block}.attn_kv_b.weight"] = tensor
         elif kind == "self_attn" and rest[0] == "kv_b_proj":  # [H*(N+V), L] -> k_b [H, L, N], v_b [H, V, L]
             heads, nope = config.num_attention_heads, config.qk_nope_head_dim
             k_b, v_b = tensor.view(heads, nope + config.v_head_dim, -1).split([nope, config.v_head_dim], dim=1)
