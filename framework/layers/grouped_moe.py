@@ -125,29 +125,34 @@ class GroupedTopkMoE(nn.Module):
     Reads the config keys ``n_routed_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
     ``n_shared_experts``, ``n_group``, ``topk_group``, ``norm_topk_prob`` and
     ``routed_scaling_factor``; ``scoring_func`` / ``topk_method``, where a checkpoint states them,
-    must be DeepSeek-V3's ``sigmoid`` / ``noaux_tc``.
+    must be DeepSeek-V3's ``sigmoid`` / ``noaux_tc``. Another router (DeepSeek-V2's softmax one)
+    comes in as ``gate``: a module the checkpoint names ``gate``, ``gate(hidden) -> RoutedExperts``.
     """
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str, gate: nn.Module | None = None
+    ) -> None:
         super().__init__()
-        for key, valid in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-            if config.get(key) not in (None, valid):
-                raise ValueError(
-                    f"{config.architecture} MoE with {key} {config.get(key)!r} is unsupported; valid: {valid}"
-                )
         hidden, width = config.hidden_size, int(config.get("moe_intermediate_size"))
         num_experts, top_k = int(config.get("n_routed_experts")), int(config.get("num_experts_per_tok"))
         renormalize = bool(config.get("norm_topk_prob", True))
-        self.gate = GroupedTopkRouter(
-            hidden,
-            num_experts,
-            top_k,
-            num_groups=int(config.get("n_group") or 1),
-            topk_groups=int(config.get("topk_group") or 1),
-            renormalize=renormalize,
-            scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
-            prefix=f"{prefix}.gate",
-        )
+        if gate is None:
+            for key, valid in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+                if config.get(key) not in (None, valid):
+                    raise ValueError(
+                        f"{config.architecture} MoE with {key} {config.get(key)!r} is unsupported; valid: {valid}"
+                    )
+            gate = GroupedTopkRouter(
+                hidden,
+                num_experts,
+                top_k,
+                num_groups=int(config.get("n_group") or 1),
+                topk_groups=int(config.get("topk_group") or 1),
+                renormalize=renormalize,
+                scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+                prefix=f"{prefix}.gate",
+            )
+        self.gate = gate
         self.experts = FusedMoE(
             num_experts,
             top_k,
