@@ -10,6 +10,7 @@ with chunked prefill, 32 greedy tokens, the same after a prefix-cache hit and af
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 from framework import LLM
@@ -140,3 +141,18 @@ def test_glm4_moe_lite_without_mlp_layer_types_takes_transformers_default(tmp_pa
     llm = check_logits_parity(tmp_path / "edited", reference, [list(range(40, 53))])
     layers = llm.engine.core.runner.model.model.layers
     assert [hasattr(layer.mlp, "experts") for layer in layers] == [False, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp2_on_two_gpus_gives_the_greedy_ids_of_transformers(tmp_path):
+    """NCCL, the registry's fused_moe kernel on each rank's expert slices, the grouped router replicated, fp32."""
+    from framework import SamplingParams
+    from framework.testing import PARITY_PROMPTS, reference_greedy
+
+    reference = write_grouped_moe_model(tmp_path, CONFIGS["deepseek_v3_grouped_yarn"]())
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(str(tmp_path), device_ids=[0, 1], dtype="float32", num_blocks=64, prefill_chunk_size=8) as llm:
+        assert llm.engine.summary["tensor_parallel_size"] == 2
+        results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], greedy)
+    assert [r.outputs[0].token_ids for r in results] == [reference_greedy(reference, p, 10) for p in PARITY_PROMPTS]
