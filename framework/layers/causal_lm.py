@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -17,6 +20,20 @@ FUSED_QKV_GATE_UP = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+
+#: ``model.layers.{i}.``: the checkpoint prefix of decoder layer ``i``.
+_LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def drop_extra_layers(weights: Iterable[tuple[str, torch.Tensor]], num_layers: int) -> Iterator[tuple[str, object]]:
+    """The checkpoint tensors without those of layers ``num_layers`` and up: DeepSeek-V3 and
+    GLM-4.5 checkpoints append their multi-token-prediction layers after the decoder's
+    (``model.layers.{num_hidden_layers}.*``), which plain decoding does not run."""
+    for name, tensor in weights:
+        match = _LAYER_PREFIX.match(name)
+        if match is None or int(match[1]) < num_layers:
+            yield name, tensor
 
 
 class DecoderStack(nn.Module):

@@ -4,6 +4,8 @@ DeepSeek dense layers share."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -11,6 +13,10 @@ from framework.config import ModelConfig
 from framework.layers.activation import SiluAndMul
 from framework.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from framework.quantization import QuantConfig
+
+#: Builds a layer's feed-forward block: ``make_mlp(config, layer_index, quant_config, prefix)``
+#: (:func:`dense_mlp`, or a MoE model's factory that picks MoE or dense per layer).
+MLPFactory = Callable[[ModelConfig, int, "QuantConfig | None", str], nn.Module]
 
 
 class GatedMLP(nn.Module):

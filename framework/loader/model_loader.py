@@ -165,11 +165,13 @@ def _copy_checked(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 def finish_loading(model: nn.Module, device: torch.device) -> None:
     """After weights: let every module's quant method (linear layers, vocabulary tables, FusedMoE)
-    repack, and modules with computed buffers fill them."""
+    repack, then modules with computed buffers fill them (``init_buffers(device)``, which may read
+    other layers' processed weights: MLA dequantizes a quantized ``kv_b_proj`` there)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    for module in model.modules():
         init = getattr(module, "init_buffers", None)
         if init is not None:
             init(device)

@@ -54,6 +54,7 @@ from framework.testing.metrics import (
 from framework.testing.model_writers import (
     make_tiny_tokenizer,
     randomise_identity_params,
+    write_grouped_moe_model,
     write_randomised_model,
     write_tiny_model,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "metric_value",
     "make_tiny_tokenizer",
     "randomise_identity_params",
+    "write_grouped_moe_model",
     "write_randomised_model",
     "write_tiny_model",
     "PARITY_PROMPTS",

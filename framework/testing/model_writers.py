@@ -69,3 +69,44 @@ def write_tiny_model(
         config["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return model
+
+
+def write_grouped_moe_model(path, hf_config, bias_std: float = 0.5):
+    """A DeepSeek-V3-style MoE checkpoint (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash) as released.
+
+    :func:`write_randomised_model`, then every router's ``e_score_correction_bias`` drawn from
+    ``N(0, bias_std)`` (transformers starts it at zero, where choosing by biased scores and
+    weighting by unbiased ones cannot be told apart), and one multi-token-prediction layer
+    appended after the decoder (``model.layers.{num_hidden_layers}.*``: the last layer's tensors
+    plus ``eh_proj``, ``enorm``, ``hnorm`` and ``shared_head.head``), which a loader must skip.
+    Returns the transformers reference (which has no MTP layer).
+    """
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    model = write_randomised_model(path, hf_config)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(bias_std * torch.randn(buffer.shape, generator=generator))
+    model.save_pretrained(path, safe_serialization=True)
+    tensors = load_file(path / "model.safetensors")
+    last, extra = hf_config.num_hidden_layers - 1, hf_config.num_hidden_layers
+    mtp = {
+        name.replace(f"model.layers.{last}.", f"model.layers.{extra}."): tensor.clone()
+        for name, tensor in tensors.items()
+        if name.startswith(f"model.layers.{last}.")
+    }
+    hidden = hf_config.hidden_size
+    mtp[f"model.layers.{extra}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{extra}.{norm}.weight"] = torch.ones(hidden)
+    mtp[f"model.layers.{extra}.shared_head.head.weight"] = torch.randn(
+        hf_config.vocab_size, hidden, generator=generator
+    )
+    save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    return model

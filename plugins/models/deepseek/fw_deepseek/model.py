@@ -22,8 +22,9 @@ their intermediate features (one all-reduce per MLP or MoE block). The attention
 and ``o_proj`` is row-parallel (one all-reduce); ``q_a_proj`` and ``kv_a_proj_with_mqa`` are
 replicated, so every rank caches the full latent (it is shared by all heads). The vocabulary is
 split as in every model.
-``kv_b_proj`` must stay unquantized: its weight is absorbed into the attention, and a quantization
-method that claims it is refused at start-up.
+``kv_b_proj``'s weight is absorbed into the attention, never multiplied as a linear layer: a
+quantized ``kv_b_proj`` (block-FP8 DeepSeek-V3/R1 checkpoints) is dequantized once after loading
+(``init_buffers``), and a quantization method that cannot dequantize is refused at start-up.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from framework.distributed.partition import attention_heads_per_rank
 from framework.errors import ConfigError
 from framework.layers import (
     ColumnParallelLinear,
+    LinearMethod,
     ReplicatedLinear,
     RMSNorm,
     RowParallelLinear,
@@ -48,7 +50,7 @@ from framework.layers import (
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.fused_moe import map_expert_weight_name
-from framework.layers.mlp import dense_mlp
+from framework.layers.mlp import MLPFactory, dense_mlp
 from framework.layers.rotary import get_rope, yarn_get_mscale
 from framework.quantization import QuantConfig
 from fw_deepseek.moe import DeepseekV2MoE
@@ -109,7 +111,7 @@ class DeepseekV2Attention(nn.Module):
             config.max_model_len,
             config.rope_theta,
             config.rope_scaling,
-            is_neox_style=False,
+            is_neox_style=not config.get("rope_interleave", True),  # V2 always interleaves
         )
         mla = MLAConfig(self.kv_lora_rank, self.rope_dim)
         self.attn = Attention(
@@ -122,16 +124,26 @@ class DeepseekV2Attention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.attn",
         )
-        if not isinstance(self.kv_b_proj.linear_method, UnquantizedLinearMethod):
+        method = self.kv_b_proj.linear_method
+        self.kv_b_is_quantized = not isinstance(method, UnquantizedLinearMethod)
+        if self.kv_b_is_quantized and type(method).dequantize is LinearMethod.dequantize:
             raise ConfigError(
-                f"{prefix}.kv_b_proj: multi-head latent attention absorbs kv_b_proj's plain weight; a "
-                f"quantized kv_b_proj ({type(self.kv_b_proj.linear_method).__name__}) is unsupported: use "
-                "a checkpoint (or quantization method) that keeps kv_b_proj unquantized"
+                f"{prefix}.kv_b_proj: multi-head latent attention absorbs kv_b_proj's weight, so a quantized "
+                f"kv_b_proj must dequantize; {type(method).__name__} cannot: use a checkpoint (or quantization "
+                "method) that keeps kv_b_proj unquantized or can dequantize it"
             )
+        if self.kv_b_is_quantized:  # filled by init_buffers, once the quant method has processed the weight
+            self.register_buffer("kv_b_dequantized", None, persistent=False)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """A quantized ``kv_b_proj``: its weight dequantized once, in the model dtype (this rank's heads)."""
+        if self.kv_b_is_quantized:
+            self.kv_b_dequantized = self.kv_b_proj.linear_method.dequantize(self.kv_b_proj).to(device)
 
     def kv_b_weight(self) -> torch.Tensor:
         """``kv_b_proj``'s weight viewed as ``[H, N + V, L]`` (= ``[W_UK ; W_UV]`` per head; this rank's heads)."""
-        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        weight = self.kv_b_dequantized if self.kv_b_is_quantized else self.kv_b_proj.weight
+        return weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -160,17 +172,30 @@ def is_moe_layer(config: ModelConfig, layer_index: int) -> bool:
     return layer_index >= first_dense and layer_index % int(config.get("moe_layer_freq") or 1) == 0
 
 
+def deepseek_v2_mlp(config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> nn.Module:
+    """A layer's feed-forward: DeepSeek-V2 MoE on MoE layers (:func:`is_moe_layer`), else a dense SwiGLU."""
+    if is_moe_layer(config, layer_index):
+        return DeepseekV2MoE(config, quant_config, prefix)
+    return dense_mlp(config, layer_index, quant_config, prefix)
+
+
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
+    """MLA, then the feed-forward ``make_mlp`` builds (the V2 MoE, V3's grouped top-k MoE, or dense)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        quant_config: QuantConfig | None,
+        prefix: str,
+        make_mlp: MLPFactory = deepseek_v2_mlp,
+    ) -> None:
         super().__init__()
         eps = float(config.get("rms_norm_eps", 1e-6))
         if (config.get("hidden_act") or "silu") != "silu":
             raise ValueError(f"DeepSeek-V2 with hidden_act {config.get('hidden_act')!r} is unsupported; valid: silu")
         self.self_attn = DeepseekV2Attention(config, layer_index, quant_config, f"{prefix}.self_attn")
-        if is_moe_layer(config, layer_index):
-            self.mlp = DeepseekV2MoE(config, quant_config, f"{prefix}.mlp")
-        else:
-            self.mlp = dense_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
+        self.mlp = make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -182,13 +207,16 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 
 class DeepseekV2Model(DecoderStack):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str) -> None:
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str, make_mlp: MLPFactory = deepseek_v2_mlp
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(
             config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
         )
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}") for i in range(config.num_layers)
+            DeepseekV2DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}", make_mlp)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, float(config.get("rms_norm_eps", 1e-6)))
 
@@ -199,10 +227,13 @@ class DeepseekV2ForCausalLM(CausalLM):
     #: Only gate/up fold (dense MLPs, experts, shared experts); q_proj is not part of a fused qkv here.
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
+    #: The feed-forward of each layer (DeepSeek-V3 swaps in its router).
+    make_mlp: MLPFactory = staticmethod(deepseek_v2_mlp)
+
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config, quant_config, "model")
+        self.model = DeepseekV2Model(config, quant_config, "model", self.make_mlp)
         self.init_lm_head(config, quant_config, tie_by_default=False)
 
     #: Routed-expert tensors go to the stacked FusedMoE weights; the rest folds through

@@ -179,26 +179,38 @@ def test_greedy_tokens_match_transformers_on_cuda(tiny):
     )
 
 
-def test_quantized_kv_b_proj_is_refused_at_start_up():
-    """MLA absorbs kv_b_proj's plain weight; a quantization method that claims the layer is refused
-    when the model is built, naming the layer and the method."""
+def test_quantized_kv_b_proj_that_cannot_dequantize_is_refused_at_start_up():
+    """MLA absorbs kv_b_proj's weight: a quantization method that claims the layer must dequantize
+    it (block-FP8 does, see fw_fp8's DeepSeek-V3 test); one that cannot is refused when the model
+    is built, naming the layer and the method."""
     from fw_deepseek.model import DeepseekV2Attention
 
     from framework.config import ModelConfig
     from framework.layers import LinearMethod, UnquantizedLinearMethod
 
-    class OtherMethod(LinearMethod):  # any method other than the plain weight (a quantized one)
+    class OtherMethod(LinearMethod):  # any method other than the plain weight, without dequantize()
         create_weights = UnquantizedLinearMethod.create_weights
         apply = UnquantizedLinearMethod.apply
 
+    class Dequantizing(OtherMethod):
+        def dequantize(self, layer):
+            return layer.weight * 2
+
     class KvBOnly:
+        def __init__(self, method):
+            self.method = method
+
         def get_quant_method(self, layer, prefix):
-            return OtherMethod() if prefix.endswith("kv_b_proj") else None
+            return self.method() if prefix.endswith("kv_b_proj") else None
 
     hf_config = CONFIGS["v2_lite_grouped_routing"]().to_dict()
     config = ModelConfig.from_hf_config({**hf_config, "architectures": ["DeepseekV2ForCausalLM"]}, dtype=torch.float32)
-    DeepseekV2Attention(config, 0, None, "model.layers.0.self_attn")  # unquantized: fine
+    assert not DeepseekV2Attention(config, 0, None, "model.layers.0.self_attn").kv_b_is_quantized
+    attention = DeepseekV2Attention(config, 0, KvBOnly(Dequantizing), "model.layers.0.self_attn")
+    torch.nn.init.normal_(attention.kv_b_proj.weight)
+    attention.init_buffers("cpu")
+    assert torch.equal(attention.kv_b_weight().flatten(0, 1), 2 * attention.kv_b_proj.weight)
     with pytest.raises(
-        ConfigError, match=r"model\.layers\.0\.self_attn\.kv_b_proj: .*quantized kv_b_proj \(OtherMethod\)"
+        ConfigError, match=r"model\.layers\.0\.self_attn\.kv_b_proj: .*must dequantize; OtherMethod cannot"
     ):
-        DeepseekV2Attention(config, 0, KvBOnly(), "model.layers.0.self_attn")
+        DeepseekV2Attention(config, 0, KvBOnly(OtherMethod), "model.layers.0.self_attn")

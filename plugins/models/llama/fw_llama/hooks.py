@@ -35,6 +35,13 @@ GPT_OSS_ARCHITECTURES = {
 }
 
 
+#: GLM-4.5 MoE: Llama attention (partial NeoX rotary, optional QK norm), DeepSeek-V3's MoE (``glm4_moe.py``).
+GLM4_MOE_ARCHITECTURES = {
+    "Glm4MoeForCausalLM": "GLM-4.5 / 4.6 / 4.7 and -Air (sigmoid router with correction bias, shared experts; "
+    "the MTP layer is skipped)",
+}
+
+
 @hookimpl
 def register_model_architectures():
     return (
@@ -59,5 +66,14 @@ def register_model_architectures():
         + [
             ModelSpec(name=name, impl="fw_llama.gpt_oss:GptOssForCausalLM", description=description)
             for name, description in GPT_OSS_ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(
+                name=name,
+                impl="fw_llama.glm4_moe:Glm4MoeForCausalLM",
+                description=description,
+                supports_tensor_parallel=True,
+            )
+            for name, description in GLM4_MOE_ARCHITECTURES.items()
         ]
     )

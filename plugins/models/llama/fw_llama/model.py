@@ -11,16 +11,15 @@
 
 Phi-3 and GLM checkpoints store fused ``qkv_proj`` / ``gate_up_proj`` tensors, which the fused
 layers load whole; the others store ``q_proj`` ... ``up_proj``, folded by ``packed_modules_mapping``.
-The mixture-of-experts members (Mixtral, Qwen2-MoE, Qwen3-MoE, ``moe.py``) reuse this decoder
-(their attention variant comes from their architecture name) and swap its feed-forward through
-``LlamaModel(make_mlp=...)``.
+The mixture-of-experts members (Mixtral, Qwen2-MoE, Qwen3-MoE, ``moe.py``; GLM-4.5, ``glm4_moe.py``)
+reuse this decoder (their attention variant comes from their architecture name) and swap its
+feed-forward through ``LlamaModel(make_mlp=...)``.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,7 @@ from framework.layers import (
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.linear import KeepsWeightAttrs, copy_weight, load_column_shard
-from framework.layers.mlp import dense_mlp
+from framework.layers.mlp import MLPFactory, dense_mlp
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
@@ -50,8 +49,12 @@ GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 #: Architectures whose attention has q/k/v bias regardless of ``attention_bias`` (the MoE ones
 #: are served elsewhere but build their attention from :class:`LlamaAttention`).
 QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-#: Architectures with Qwen3's QK norm: one RMSNorm over ``head_size`` for all heads of q, one for k.
+#: Architectures with Qwen3's QK norm: one RMSNorm over ``head_size`` for all heads of q, one for k
+#: (GLM-4.5's MoE: where ``use_qk_norm`` says so).
 QK_RMS_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+#: GLM-4.5 / 4.6 / 4.7 (``glm4_moe.py``): q/k/v bias per ``attention_bias`` but none on o_proj, and,
+#: unlike the dense GLMs, rotary on halves of the first ``partial_rotary_factor`` of each head.
+GLM4_MOE = "Glm4MoeForCausalLM"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +90,9 @@ class LlamaVariant:
             qkv_bias=attention_bias
             or arch in QKV_BIAS_ARCHITECTURES
             or (is_stablelm and bool(config.get("use_qkv_bias"))),
-            o_proj_bias=attention_bias and not is_glm,
+            o_proj_bias=attention_bias and not is_glm and arch != GLM4_MOE,
             qk_norm="rms"
-            if arch in QK_RMS_NORM_ARCHITECTURES
+            if arch in QK_RMS_NORM_ARCHITECTURES or (arch == GLM4_MOE and config.get("use_qk_norm"))
             else "layer_per_head"
             if is_stablelm and config.get("qk_layernorm")
             else None,
@@ -280,10 +283,6 @@ class LlamaAttention(nn.Module):
                 q, k = norm_per_head(self.q_norm, q, self.head_size), norm_per_head(self.k_norm, k, self.head_size)
             q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, self.sinks))
-
-
-#: Builds a layer's feed-forward block: ``make_mlp(config, layer_index, quant_config, prefix)``.
-MLPFactory = Callable[[ModelConfig, int, "QuantConfig | None", str], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):

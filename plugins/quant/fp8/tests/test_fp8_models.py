@@ -11,7 +11,7 @@ import transformers
 from tiny_fp8_checkpoints import quantize_checkpoint
 
 from framework import LLM, SamplingParams
-from framework.testing import reference_greedy, write_tiny_model
+from framework.testing import reference_greedy, write_grouped_moe_model, write_tiny_model
 
 # 4 heads of 32 and 2 KV heads: q is one 128-row block, k and v 64 rows each (blocks that do not
 # start on 128-row boundaries inside the fused qkv_proj)
@@ -20,6 +20,12 @@ CONFIG = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden
 MOE = dict(vocab_size=160, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
            num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            head_dim=32, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1)
+# DeepSeek-V3's layout: MLA projections (kv_b_proj too), dense first layer, routed and shared experts
+DEEPSEEK_V3 = dict(vocab_size=160, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96,
+                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                   n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=256,
+                   initializer_range=0.1)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -52,6 +58,22 @@ def test_block_fp8_moe_experts_match_transformers(tmp_path):
     write_tiny_model(tmp_path, transformers.Qwen3MoeConfig(**MOE))
     quantize_checkpoint(tmp_path, "block")
     assert greedy(tmp_path) == transformers_greedy(tmp_path)
+
+
+def test_block_fp8_deepseek_v3_absorbs_its_dequantized_kv_b_proj(tmp_path, monkeypatch):
+    """DeepSeek-V3/R1 as released: every projection block-FP8, kv_b_proj included; MLA multiplies by
+    kv_b_proj's weight directly, so fw dequantizes it once after loading (the MTP layer is skipped).
+    The layers take the CPU's torch path: the Triton kernels under the interpreter (ten times slower
+    here) are the other tests' subject."""
+    monkeypatch.setattr("fw_fp8.kernels.dispatch.interpreting", lambda: False)
+    write_grouped_moe_model(tmp_path, transformers.DeepseekV3Config(**DEEPSEEK_V3))
+    quantize_checkpoint(tmp_path, "block")
+    with LLM(str(tmp_path), device="cpu", dtype="float32", num_blocks=16) as llm:
+        attention = llm.engine.core.runner.model.model.layers[0].self_attn
+        assert type(attention.kv_b_proj.linear_method).__name__ == "Fp8LinearMethod"
+        assert attention.kv_b_is_quantized and attention.kv_b_dequantized.dtype == torch.float32
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+    assert ids == transformers_greedy(tmp_path)
 
 
 @pytest.mark.parametrize(("granularity", "static_inputs"), [("channel", False), ("tensor", True)])

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .grouped_moe import GROUPED_MOE_ARCHITECTURES, correction_bias_names, grouped_moe_config, grouped_moe_tensors
+
 # GGUF `general.architecture` -> (HF model_type, HF architectures[0])
 HF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -29,6 +31,7 @@ HF_ARCHITECTURES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "stablelm": ("stablelm", "StableLmForCausalLM"),
     "glm4": ("glm4", "Glm4ForCausalLM"),
+    **GROUPED_MOE_ARCHITECTURES,  # deepseek2 (softmax-routed files: DeepseekV2ForCausalLM), glm4moe
 }
 
 _GEMMA = ("gemma2", "gemma3")
@@ -81,7 +84,7 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
     """The Hugging Face `config.json` dict for a GGUF model with this metadata.
 
     Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3, qwen2moe, qwen3moe, gemma2,
-    gemma3 (text), phi3, stablelm and glm4; raises `ValueError` listing those for any other architecture and `KeyError` naming a
+    gemma3 (text), phi3, stablelm, glm4, deepseek2 and glm4moe (``fw_gguf.grouped_moe``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
     missing required key. Keys follow transformers' config classes; RoPE is stated the
     `config.json` way (`rope_theta`, `rope_scaling`, plus `rope_local_base_freq` for Gemma 3),
     which transformers converts to `rope_parameters`. `tie_word_embeddings` needs `tensor_names`
@@ -140,6 +143,11 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         config["use_sliding_window"] = False
     elif arch in _MOE:
         config.update(_moe_config(arch, key, num_layers, names))
+    elif arch in GROUPED_MOE_ARCHITECTURES:
+        config.update(grouped_moe_config(arch, key, config))
+        if arch == "glm4moe" and names is not None:
+            config["attention_bias"] = "blk.0.attn_q.bias" in names
+            config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
     elif arch == "phi3":
         config["partial_rotary_factor"] = key("rope.dimension_count", head_dim) / head_dim
         if (original := key("rope.scaling.original_context_length", None)) is not None:
@@ -254,6 +262,8 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
                           "post_ffw_norm": "post_mlp_layernorm"})
     if arch == "stablelm":
         per_layer.update({"attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"})
+    if arch in GROUPED_MOE_ARCHITECTURES:
+        per_layer.update(grouped_moe_tensors(arch))
     names = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
@@ -264,6 +274,8 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
         for gguf_name, hf_name in per_layer.items():
             for suffix in (".weight", ".bias"):
                 names[f"blk.{i}.{gguf_name}{suffix}"] = f"model.layers.{i}.{hf_name}{suffix}"
+    if arch in GROUPED_MOE_ARCHITECTURES:
+        names.update(correction_bias_names(num_layers))
     return names
 
 

@@ -21,6 +21,7 @@ from .config import (
     unpermute_qk,
 )
 from .dequant import UnsupportedQuantTypeError, as_quant_type
+from .grouped_moe import GROUPED_MOE_ARCHITECTURES, kv_b_from_split, loads_as_float
 from .lazy import GGUFTensorSlice
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
@@ -86,7 +87,10 @@ class GGUFFormat(WeightFormat):
                          pad_token=text("pad"), extra_eos_token_ids=frozenset(stop_token_ids(self.metadata)))
 
     def _is_matrix(self, hf_name: str, shape: tuple[int, ...]) -> bool:
-        """Weight matrices stay as GGUF bytes (handled by the gguf LinearMethod); the rest are floats."""
+        """Weight matrices stay as GGUF bytes (handled by the gguf LinearMethod); the rest are floats
+        (also the DeepSeek-V3-style routers and MLA's kv_b_proj, which fw keeps unquantized)."""
+        if self.arch in GROUPED_MOE_ARCHITECTURES and loads_as_float(hf_name):
+            return False
         return len(shape) == 2 and hf_name.endswith(".weight") and "norm" not in hf_name
 
     def quantization_config(self) -> dict[str, Any]:
@@ -94,7 +98,7 @@ class GGUFFormat(WeightFormat):
         types = {}
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
-            if hf_name and (self._is_matrix(hf_name, info.shape) or len(info.shape) == 3):
+            if hf_name and (self._is_matrix(hf_name, info.shape) or len(info.shape) == 3 and ".experts." in hf_name):
                 types[hf_name] = as_quant_type(info.qtype).name
         return {"quant_method": "gguf", "tensor_types": types}
 
@@ -109,8 +113,12 @@ class GGUFFormat(WeightFormat):
         offset = norm_weight_offset(self.arch)
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
-            if hf_name is None:
-                continue  # llama.cpp-only tensors (rope_freqs, ...)
+            if hf_name is None or hf_name.endswith(".v_b_proj.weight"):
+                continue  # llama.cpp-only tensors (rope_freqs, ...); attn_v_b joins attn_k_b below
+            if hf_name.endswith(".k_b_proj.weight"):  # MLA: llama.cpp's split kv_b_proj, joined back
+                v_b = self.model.tensors[name.replace("attn_k_b", "attn_v_b")]
+                yield hf_name.replace("k_b_proj", "kv_b_proj"), kv_b_from_split(info.dequantize(), v_b.dequantize())
+                continue
             if len(info.shape) == 3:  # an expert stack
                 yield hf_name, GGUFTensorSlice(info)
                 continue
@@ -128,4 +136,4 @@ class GGUFFormat(WeightFormat):
             yield hf_name, tensor
 
     def num_weights(self) -> int | None:
-        return sum(1 for name in self.model.tensors if name in self._names)
+        return sum(1 for name in self.model.tensors if name in self._names and ".attn_v_b." not in name)
