@@ -82,6 +82,25 @@ def test_dequantize_kernel_is_bit_exact_with_the_torch_reference(qtype, planar, 
     assert (out[:, :2] == 7).all() and (out[:, 2 + k:] == 7).all()
 
 
+@interpreted
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_matmul_tiles_hold_the_reference_values_exactly(qtype, random_packed):
+    """x = the identity (tensor-core tiles) or one of its rows (the elementwise GEMV): the products
+    are the weights the fp32 reference dequantizes, value for value (``decode_weights`` rounds
+    ``q * scale`` once, as the reference does, then subtracts the offset)."""
+    n, k = 8, 256 if _block_size(qtype) == 256 else 64
+    packed = torch.from_numpy(random_packed(qtype, n, k, seed=int(qtype) + 40))
+    expected = dequantize(packed, qtype, (n, k)).T
+    nb = max(1, 256 // _block_size(qtype))
+    weight = to_planar(packed, qtype)
+    tiles = gguf_matmul(torch.eye(k), weight, qtype, n, k, planar=True,
+                        config=GGUFKernelConfig(block_m=64, block_n=16, blocks_per_step=nb))
+    assert expected.abs().max() > 0 and torch.equal(tiles, expected)
+    row = gguf_matmul(torch.eye(k)[5:6], weight, qtype, n, k, planar=True,
+                      config=GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=nb))
+    assert torch.equal(row, expected[5:6])
+
+
 def _uses_gemv(qtype, planar, rows, n, k, config) -> bool:
     total_blocks = n * k // _block_size(qtype)
     return isinstance(config, GemvConfig) or (rows == 1 and planar and config is None

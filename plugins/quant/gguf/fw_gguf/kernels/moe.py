@@ -40,7 +40,7 @@ from torch import Tensor
 from framework import ops
 from framework.kernels import get_kernel
 from framework.ops import PLAIN_SWIGLU, MoEActivation, PackedExperts
-from fw_gguf.kernels.decode import GROUPS, KERNEL_TYPES, decode
+from fw_gguf.kernels.decode import GROUPS, KERNEL_TYPES, decode_weights
 
 #: ``PackedExperts.quant_type`` prefixes of GGUF stacks: the file's block layout, planar per expert.
 LAYOUTS = {"gguf": False, "gguf-planar": True}
@@ -101,16 +101,14 @@ def _step(acc, x_ptr, x_off, x_mask, k0, w_ptr, n4, N, K, QTYPE: tl.constexpr, P
     g4 = tl.arange(0, G)[None, None, :, None]
     s4 = tl.arange(0, S)[None, None, None, :]
     live = kb < blocks_per_row
-    q, scale, offset = decode(w_ptr, n4 * blocks_per_row + kb, N * blocks_per_row, g4, s4, (n4 < N) & live, QTYPE,
-                              PLANAR)
-    w = q * scale - offset
+    w = decode_weights(w_ptr, n4 * blocks_per_row + kb, N * blocks_per_row, g4, s4, (n4 < N) & live, QTYPE, PLANAR)
     if BLOCK_M == 1:
         x = tl.load(x_ptr + x_off + n4 * 0 + kb * QK + g4 * S + s4, mask=live, other=0.0).to(tl.float32)
         acc += w * x
     else:
         ks = k0 + tl.arange(0, NB * QK)
         x = tl.load(x_ptr + x_off[:, None] + ks[None, :], mask=x_mask[:, None] & (ks[None, :] < K), other=0.0)
-        acc = tl.dot(x, tl.trans(tl.reshape(w, (BLOCK_N, NB * QK)).to(x.dtype)), acc, input_precision=PRECISION)
+        acc = tl.dot(x, tl.trans(tl.reshape(w.to(x.dtype), (BLOCK_N, NB * QK))), acc, input_precision=PRECISION)
     return acc
 
 
