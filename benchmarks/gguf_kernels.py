@@ -14,7 +14,8 @@ runs from ``DEQUANTIZE_MIN_ROWS`` rows on (the dequantize kernel into a matrix, 
 cuBLAS on the bf16 matrix. Bandwidth is of the packed bytes, also as a fraction of the H200's
 copy bandwidth. ``--sweep`` times a grid of settings too, reports the fastest and prints them as
 entries for ``fw_gguf.kernels.matmul.TUNED`` (or to fit the rule to); it compiles and times up to
-144 settings per case (the 1-row GEMV with x read per row and shared), so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. Weights are random blocks with small fp16 scales (valid for every type).
+144 settings per case (the 1-row GEMV with x read per row and shared; 108 tile settings at 64 rows,
+144 at 512), so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. Weights are random blocks with small fp16 scales (valid for every type).
 """
 
 from __future__ import annotations
@@ -82,10 +83,11 @@ def sweep_settings(qtype: GGMLQuantizationType, rows: int) -> list[GGUFKernelCon
             )
             if block_m == 1 or not shared_x
         ]
+    # tensor-core tiles: up to 512 values of K per step and K split, as the rule may (108 settings at 64 rows)
     return [
-        GGUFKernelConfig(block_m, block_n, nb, 1, warps, stages)
-        for block_m, block_n, nb, warps, stages in itertools.product(
-            (16, 32, 64, 128), (64, 128), steps[:1], (4, 8), (2, 3)
+        GGUFKernelConfig(block_m, block_n, nb, split_k, warps, 2)
+        for block_m, block_n, nb, split_k, warps in itertools.product(
+            (16, 32, 64, 128), (32, 64, 128), steps, (1, 2, 4), (4, 8)
         )
         if block_m <= max(16, triton_next_pow2(rows))
     ]

@@ -221,10 +221,11 @@ def test_static_config_rule():
     assert matmul_config(Q.Q8_0, 4096, 4096, 1).blocks_per_step == 8
     assert matmul_config(Q.Q4_K, 128256, 4096, 1).split_k == 1
     assert matmul_config(Q.Q4_K, 4096, 4096, 8).block_m == 16
-    batch = matmul_config(Q.Q4_K, 4096, 4096, 64)  # 64 programs (128 split in two) < 132 SMs: split in 4
-    assert (batch.block_m, batch.block_n, batch.split_k) == (64, 64, 4)
+    batch = matmul_config(Q.Q4_K, 4096, 4096, 64)  # 128 programs < 132 SMs: split in 2 (8 steps each)
+    assert (batch.block_m, batch.block_n, batch.split_k, batch.num_warps) == (64, 32, 2, 8)
+    assert matmul_config(Q.Q4_K, 4096, 4096, 16).block_n == 64 and matmul_config(Q.Q4_K, 4096, 4096, 16).num_warps == 4
     big = matmul_config(Q.Q6_K, 28672, 4096, 200)
-    assert (big.block_m, big.block_n, big.split_k) == (64, 128, 1)
+    assert (big.block_m, big.block_n, big.split_k) == (64, 32, 1)
     assert not any(matmul_config(Q.Q4_K, 4096, 4096, rows).shared_x for rows in (1, 8, 64))  # opt-in
 
 
@@ -272,7 +273,7 @@ def test_kernels_compile_for_hopper():
         _case(Q.Q4_K, 1, 32, 2),  # the decode GEMV, K split
         _case(Q.Q8_0, 1, 32, 1),
         _case(Q.Q6_K, 16, 32, 1, planar=False),  # 2-8 rows on tensor cores, the file's layout
-        _case(Q.IQ4_XS, 64, 128, 1, warps=8, stages=2),  # batch tiles
+        _case(Q.IQ4_XS, 64, 32, 1, warps=8, stages=2),  # batch tiles, as the rule launches them
         HopperCompile("fw_gguf.kernels.matmul:_dequantize_kernel", {"w_ptr": "*u8", "out_ptr": "*bf16"},
                       dict(QTYPE=int(Q.Q3_K), PLANAR=True, G=16, S=16, BLOCK_N=16, NB=1),
                       options=dict(num_warps=4, enable_fp_fusion=False)),

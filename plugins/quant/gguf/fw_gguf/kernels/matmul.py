@@ -163,9 +163,12 @@ def matmul_config(qtype: GGMLQuantizationType, n: int, k: int, rows: int,
     * 1 row: elementwise GEMV, 32 weight rows and 256 values of K per step, K split until the
       programs cover twice the SMs (at most 8 splits, each at least 4 steps);
     * 2-8 rows: the same streaming shape on tensor cores (rows padded to 16);
-    * more: tensor-core tiles, ``BLOCK_M`` the rows rounded up to 16..64, ``BLOCK_N`` 64 up to 64
-      rows else 128, 256 values of K per step (one K-quant block), K split until the programs
-      cover the SMs (at most 4 splits, each at least 4 steps).
+    * more: tensor-core tiles, ``BLOCK_M`` the rows rounded up to 16..64, 256 values of K per step
+      (one K-quant block), K split until the programs cover the SMs (at most 4 splits, each at
+      least 4 steps); ``BLOCK_N`` 64 on 4 warps up to 16 rows, else 32 on 8 warps: the tiles that
+      ptxas compiles for sm_90 without spilling registers (a ``BLOCK_N`` x 256 decoded fp32 tile
+      and the accumulator share a thread's 255; 64 x 64 on 4 warps spills ~0.5 KB a thread for
+      Q4_K / Q6_K / Q8_0, 64 x 128 on 8 warps ~0.3 KB).
     """
     block_size = GROUPS[qtype][0] * GROUPS[qtype][1]
     per_step = max(1, 256 // block_size)
@@ -179,13 +182,13 @@ def matmul_config(qtype: GGMLQuantizationType, n: int, k: int, rows: int,
         return GGUFKernelConfig(block_m=1 if rows == 1 else 16, block_n=block_n, blocks_per_step=per_step,
                                 split_k=split_k, num_warps=4, num_stages=3)
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64 if rows <= 64 else 128
+    block_n = 64 if rows <= 16 else 32
     split_k = 1
     programs = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
     while split_k < 4 and programs * split_k < num_sms and steps // (2 * split_k) >= 4:
         split_k *= 2
     return GGUFKernelConfig(block_m=block_m, block_n=block_n, blocks_per_step=per_step, split_k=split_k,
-                            num_warps=4 if block_m * block_n <= 4096 else 8, num_stages=2)
+                            num_warps=4 if rows <= 16 else 8, num_stages=2)
 
 
 #: Settings measured on a GPU model (``benchmarks/gguf_kernels.py --sweep`` prints entries to paste):
