@@ -112,13 +112,13 @@ def test_moe_kernel_with_per_projection_types_in_both_forms_and_layouts(types, c
 @interpreted
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 1), (1, 8), (8, 8), (3, 5), (64, 2), (64, 8)])
 def test_moe_kernel_from_one_token_to_64_at_top_k_1_to_8(num_tokens, top_k, random_packed):
-    """The rule's form (per-pair GEMV up to 64 pairs, 16-row blocks up to 256, then 64-row blocks;
+    """The rule's form (per-pair GEMV up to 64 pairs, 16-row blocks up to 256, then 32-row blocks;
     its row tiles widened to the whole width), planar Q4_0 / Q8_0 experts, 12 of 16 experts chosen
     (the rest get no token)."""
     chosen = [0, 1, 2, 4, 5, 7, 8, 9, 11, 12, 14, 15]
     pairs = num_tokens * top_k
     config = moe_config(pairs)
-    assert config.block_m == (1 if pairs <= 64 else 16 if pairs <= 256 else 64)
+    assert config.block_m == (1 if pairs <= 64 else 16 if pairs <= 256 else 32)
     config = dataclasses.replace(config, block_n_gate_up=64, block_n_down=64)
     _check((Q.Q4_0, Q.Q4_0, Q.Q8_0), 64, 64, 16, num_tokens, top_k, random_packed, config, planar=True,
            chosen=chosen, seed=num_tokens * 10 + top_k)
@@ -159,6 +159,16 @@ def test_stacks_whose_bytes_do_not_match_their_features_are_refused(random_packe
         MoEKernelConfig(block_m=8, block_n_gate_up=16, block_n_down=16)
 
 
+def test_a_tuned_moe_setting_replaces_the_rule_for_its_device_types_shape_and_pairs(monkeypatch, random_packed):
+    w1, w2 = _stack(Q.Q4_K, 4, 256, 512, 1, random_packed), _stack(Q.Q6_K, 4, 512, 256, 2, random_packed)
+    tuned = MoEKernelConfig(block_m=32, block_n_gate_up=16, block_n_down=16, k_step=512)
+    monkeypatch.setitem(moe_module.MOE_TUNED, ("cpu", "Q4_K", "Q6_K", 4, 512, 256, 64), tuned)
+    device = torch.device("cpu")
+    assert moe_module.launch_setting(w1, w2, 40, device) is tuned  # 40 pairs: the 64 bucket
+    assert moe_module.launch_setting(w1, w2, 8, device) == moe_config(8)
+    assert moe_module.launch_setting(w2, w2, 40, device) == moe_config(40)  # another gate type
+
+
 def test_registered_for_cuda_below_the_mxfp4_kernel():
     from framework import registries
     from framework.platform import Platform
@@ -182,22 +192,22 @@ def _meta(qtype: Q, suffix: str = "") -> dict:
     return {f"QTYPE{suffix}": int(qtype), f"G{suffix}": groups, f"S{suffix}": size, f"NB{suffix}": 256 // (groups * size)}
 
 
-def _gate_up(qtype, block_m, block_n, planar=True):
+def _gate_up(qtype, block_m, block_n, warps, planar=True):
     return HopperCompile("fw_gguf.kernels.moe:_gate_up_kernel",
                          {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "act_ptr": "*bf16",
                           "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i64"},
                          dict(PLANAR=planar, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype, "1"),
                               **_meta(qtype, "3")),
-                         options=dict(num_warps=4 if block_m < 64 else 8, num_stages=2),
+                         options=dict(num_warps=warps, num_stages=2),
                          divisible_by_16=tuple(a for a in ALIGNED if a not in ("w2_ptr", "stride_w2e")))
 
 
-def _down(qtype, block_m, block_n, planar=True):
+def _down(qtype, block_m, block_n, warps, planar=True):
     return HopperCompile("fw_gguf.kernels.moe:_down_kernel",
                          {"act_ptr": "*bf16", "w2_ptr": "*u8", "out_ptr": "*bf16", "weights_ptr": "*fp32",
                           "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i64"},
                          dict(PLANAR=planar, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype)),
-                         options=dict(num_warps=4 if block_m < 64 else 8, num_stages=2),
+                         options=dict(num_warps=warps, num_stages=2),
                          divisible_by_16=("w2_ptr", "stride_w2e", "H", "INTER"))
 
 
@@ -211,21 +221,24 @@ def _loads(ptx: str) -> dict[str, int]:
 
 
 def test_moe_kernels_compile_for_hopper_with_16_byte_weight_loads():
-    """Qwen3-30B-A3B Q4_K_M's launches (Q4_K gate/up, Q6_K down) in both forms, and a 32-value type
-    in the file's layout: sm_90 PTX; the tensor-core forms use ``mma``; planar quant bytes arrive in
+    """Qwen3-30B-A3B Q4_K_M's launches at the rule's settings (Q4_K gate/up, Q6_K down) in both
+    forms, and a 32-value type in the file's layout: sm_90 PTX; the tensor-core forms use ``mma``; planar quant bytes arrive in
     16-byte loads: at least a thread's share of them in ``ld.global.v4`` in the GEMV (128 threads;
     Q4_K: 16 rows x 128 bytes x 2 projections, Q6_K: 32 rows x 192 bytes) and in 16-byte
-    ``cp.async`` in the tiles, where nothing is loaded byte by byte."""
-    cases = [_gate_up(Q.Q4_K, 1, 16), _down(Q.Q6_K, 1, 32), _gate_up(Q.Q4_K, 16, 64), _down(Q.Q6_K, 64, 128),
-             _gate_up(Q.Q8_0, 16, 64, planar=False)]
+    ``cp.async`` in the tiles (256 threads, 32 rows); bytes loaded one by one are at most Q4_K's
+    three scale bytes a projection."""
+    cases = [_gate_up(Q.Q4_K, 1, 16, 4), _down(Q.Q6_K, 1, 32, 4), _gate_up(Q.Q4_K, 16, 32, 8), _down(Q.Q6_K, 32, 32, 8),
+             _gate_up(Q.Q8_0, 16, 32, 8, planar=False)]
     ptx = compile_for_hopper(cases)
     loads = [_loads(text) for text in ptx]
     assert all(".target sm_90" in text for text in ptx)
     assert "mma" not in ptx[0] and "mma" not in ptx[1] and all("mma" in text for text in ptx[2:])
     assert loads[0].get("ld.global.v4.b32", 0) >= 16 * 128 * 2 // 128 // 16, loads[0]
     assert loads[1].get("ld.global.v4.b32", 0) >= 32 * 192 // 128 // 16, loads[1]
-    for counts in loads[2:4]:
-        assert counts.get("cp.async.cg.shared.global 16", 0) > 0 and "ld.global.b8" not in counts, counts
+    assert loads[2].get("cp.async.cg.shared.global 16", 0) >= 32 * 128 * 2 // 256 // 16, loads[2]
+    assert loads[3].get("cp.async.cg.shared.global 16", 0) >= 32 * 192 // 256 // 16, loads[3]
+    assert all(counts.get("ld.global.b8", 0) <= 6 for counts in loads[:4]), loads
+    assert loads[1].get("ld.global.b8", 0) == loads[3].get("ld.global.b8", 0) == 0  # Q6_K: none
 
 
 # --- compiled on CUDA -------------------------------------------------------------------------------------------

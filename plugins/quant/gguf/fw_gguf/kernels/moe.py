@@ -69,12 +69,15 @@ class MoEKernelConfig:
 
 def moe_config(num_pairs: int) -> MoEKernelConfig:
     """The static rule for ``num_pairs`` (token, expert) pairs: the per-pair GEMV up to 64 pairs
-    (8 tokens at top-8), 16-row tensor-core blocks up to 256, 64-row blocks beyond."""
+    (8 tokens at top-8), 16-row tensor-core blocks up to 256, 32-row blocks beyond. Each is a
+    shape ptxas compiles for sm_90 without spilling registers at Q4_K gate/up and Q6_K down (the
+    gate/up kernel holds two decoded tiles and two accumulators: 64-row blocks, or 64-wide ones on
+    4 warps, spill)."""
     if num_pairs <= 64:
         return MoEKernelConfig(block_m=1, block_n_gate_up=16, block_n_down=32, num_warps=4, num_stages=2)
     if num_pairs <= 256:
-        return MoEKernelConfig(block_m=16, block_n_gate_up=64, block_n_down=64, num_warps=4, num_stages=2)
-    return MoEKernelConfig(block_m=64, block_n_gate_up=64, block_n_down=128, num_warps=8, num_stages=2)
+        return MoEKernelConfig(block_m=16, block_n_gate_up=32, block_n_down=64, num_warps=8, num_stages=2)
+    return MoEKernelConfig(block_m=32, block_n_gate_up=32, block_n_down=32, num_warps=8, num_stages=2)
 
 
 #: Settings measured on a GPU model (``benchmarks/gguf_kernels.py --moe --sweep`` prints entries):
