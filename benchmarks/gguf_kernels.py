@@ -3,6 +3,7 @@
     python benchmarks/gguf_kernels.py --out $OUT/gguf_kernels.json
     python benchmarks/gguf_kernels.py --types Q4_K --layers qkv down --rows 1 --sweep --out $OUT/sweep.json
     python benchmarks/gguf_kernels.py --tiny     # the script itself on a CPU (TRITON_INTERPRET=1)
+    python benchmarks/gguf_kernels.py --moe [--tokens 1 8 64 512] [--sweep]   # the MoE kernel: gguf_moe_kernels.py
 
 For each type, Llama-3-8B layer shape (fused qkv, o, fused gate_up, down, LM head) and row count,
 it first checks the kernels (the dequantize kernel bit-exact in bf16 with the torch reference, the
@@ -15,7 +16,8 @@ cuBLAS on the bf16 matrix. Bandwidth is of the packed bytes, also as a fraction 
 copy bandwidth. ``--sweep`` times a grid of settings too, reports the fastest and prints them as
 entries for ``fw_gguf.kernels.matmul.TUNED`` (or to fit the rule to); it compiles and times up to
 144 settings per case (the 1-row GEMV with x read per row and shared; 108 tile settings at 64 rows,
-144 at 512), so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. Weights are random blocks with small fp16 scales (valid for every type).
+144 at 512), so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. ``--moe``
+benchmarks the MoE kernel instead (``gguf_moe_kernels.py``). Weights are random blocks with small fp16 scales (valid for every type).
 """
 
 from __future__ import annotations
@@ -227,8 +229,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of settings per case")
     parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU under the interpreter")
+    parser.add_argument("--moe", action="store_true", help="the MoE kernel at the Qwen3-30B-A3B Q4_K_M shape instead")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512], help="--moe: token counts")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.moe:
+        from gguf_moe_kernels import run_moe
+
+        return run_moe(args)
     tiny = args.tiny or not torch.cuda.is_available()
     device = "cpu" if tiny else "cuda"
     layers = TINY_LAYERS if tiny else {name: LAYERS[name] for name in args.layers}
