@@ -155,6 +155,10 @@ def test_stacks_whose_bytes_do_not_match_their_features_are_refused(random_packe
     hidden, (topk_weights, topk_ids) = torch.randn(1, 64), _routing(1, 1, [0, 1], 0)
     with pytest.raises(ValueError, match=r"gguf:Q8_0 experts need contiguous uint8 \[E, rows, 32 // 32 \* 34\]"):
         quantized_fused_moe(hidden, w, w, w._replace(in_features=32), topk_weights, topk_ids)
+    down = _stack(Q.Q8_0, 2, 64, 64, 2, random_packed)  # width 64 where the gate/up stacks have 32 rows
+    with pytest.raises(ValueError, match=r"w2: expected 2 experts of \[64, 32\] for hidden 64 and width 32, got 2 of "
+                                         r"\[64, 64\]"):
+        quantized_fused_moe(hidden, w, w, down, topk_weights, topk_ids)
     with pytest.raises(ValueError, match="block_m is 1 .* or a power of two >= 16"):
         MoEKernelConfig(block_m=8, block_n_gate_up=16, block_n_down=16)
 

@@ -272,6 +272,13 @@ def quantized_fused_moe(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w1.data.shape[0], w1.data.shape[1]
     top_k = topk_ids.shape[1]
+    expected = {"w1": (num_experts, inter, hidden_size), "w3": (num_experts, inter, hidden_size),
+                "w2": (num_experts, hidden_size, inter)}
+    for name, packed in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if (*packed.data.shape[:2], packed.in_features) != expected[name]:
+            raise ValueError(f"{name}: expected {expected[name][0]} experts of [{expected[name][1]}, "
+                             f"{expected[name][2]}] for hidden {hidden_size} and width {inter}, got "
+                             f"{packed.data.shape[0]} of [{packed.data.shape[1]}, {packed.in_features}]")
     if num_tokens == 0:
         return torch.empty_like(hidden)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
