@@ -110,7 +110,7 @@ def test_moe_kernel_with_per_projection_types_in_both_forms_and_layouts(types, c
 
 
 @interpreted
-@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 1), (1, 8), (8, 8), (3, 5), (64, 2), (64, 8)])
+@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 1), (1, 8), (8, 8), (64, 2), (33, 8)])
 def test_moe_kernel_from_one_token_to_64_at_top_k_1_to_8(num_tokens, top_k, random_packed):
     """The rule's form (per-pair GEMV up to 64 pairs, 16-row blocks up to 256, then 32-row blocks;
     its row tiles widened to the whole width), planar Q4_0 / Q8_0 experts, 12 of 16 experts chosen
@@ -196,21 +196,21 @@ def _meta(qtype: Q, suffix: str = "") -> dict:
     return {f"QTYPE{suffix}": int(qtype), f"G{suffix}": groups, f"S{suffix}": size, f"NB{suffix}": 256 // (groups * size)}
 
 
-def _gate_up(qtype, block_m, block_n, warps, planar=True):
+def _gate_up(qtype, block_m, block_n, warps):
     return HopperCompile("fw_gguf.kernels.moe:_gate_up_kernel",
                          {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "act_ptr": "*bf16",
                           "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i64"},
-                         dict(PLANAR=planar, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype, "1"),
+                         dict(PLANAR=True, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype, "1"),
                               **_meta(qtype, "3")),
                          options=dict(num_warps=warps, num_stages=2),
                          divisible_by_16=tuple(a for a in ALIGNED if a not in ("w2_ptr", "stride_w2e")))
 
 
-def _down(qtype, block_m, block_n, warps, planar=True):
+def _down(qtype, block_m, block_n, warps):
     return HopperCompile("fw_gguf.kernels.moe:_down_kernel",
                          {"act_ptr": "*bf16", "w2_ptr": "*u8", "out_ptr": "*bf16", "weights_ptr": "*fp32",
                           "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i64"},
-                         dict(PLANAR=planar, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype)),
+                         dict(PLANAR=True, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype)),
                          options=dict(num_warps=warps, num_stages=2),
                          divisible_by_16=("w2_ptr", "stride_w2e", "H", "INTER"))
 
@@ -226,22 +226,21 @@ def _loads(ptx: str) -> dict[str, int]:
 
 def test_moe_kernels_compile_for_hopper_with_16_byte_weight_loads():
     """Qwen3-30B-A3B Q4_K_M's launches at the rule's settings (Q4_K gate/up, Q6_K down) in both
-    forms, and a 32-value type in the file's layout: sm_90 PTX; the tensor-core forms use ``mma``; planar quant bytes arrive in
+    forms: sm_90 PTX; the tensor-core forms use ``mma``; planar quant bytes arrive in
     16-byte loads: at least a thread's share of them in ``ld.global.v4`` in the GEMV (128 threads;
     Q4_K: 16 rows x 128 bytes x 2 projections, Q6_K: 32 rows x 192 bytes) and in 16-byte
     ``cp.async`` in the tiles (256 threads, 32 rows); bytes loaded one by one are at most Q4_K's
     three scale bytes a projection."""
-    cases = [_gate_up(Q.Q4_K, 1, 16, 4), _down(Q.Q6_K, 1, 32, 4), _gate_up(Q.Q4_K, 16, 32, 8), _down(Q.Q6_K, 32, 32, 8),
-             _gate_up(Q.Q8_0, 16, 32, 8, planar=False)]
+    cases = [_gate_up(Q.Q4_K, 1, 16, 4), _down(Q.Q6_K, 1, 32, 4), _gate_up(Q.Q4_K, 16, 32, 8), _down(Q.Q6_K, 32, 32, 8)]
     ptx = compile_for_hopper(cases)
     loads = [_loads(text) for text in ptx]
     assert all(".target sm_90" in text for text in ptx)
-    assert "mma" not in ptx[0] and "mma" not in ptx[1] and all("mma" in text for text in ptx[2:])
+    assert "mma" not in ptx[0] and "mma" not in ptx[1] and "mma" in ptx[2] and "mma" in ptx[3]
     assert loads[0].get("ld.global.v4.b32", 0) >= 16 * 128 * 2 // 128 // 16, loads[0]
     assert loads[1].get("ld.global.v4.b32", 0) >= 32 * 192 // 128 // 16, loads[1]
     assert loads[2].get("cp.async.cg.shared.global 16", 0) >= 32 * 128 * 2 // 256 // 16, loads[2]
     assert loads[3].get("cp.async.cg.shared.global 16", 0) >= 32 * 192 // 256 // 16, loads[3]
-    assert all(counts.get("ld.global.b8", 0) <= 6 for counts in loads[:4]), loads
+    assert all(counts.get("ld.global.b8", 0) <= 6 for counts in loads), loads
     assert loads[1].get("ld.global.b8", 0) == loads[3].get("ld.global.b8", 0) == 0  # Q6_K: none
 
 
@@ -268,7 +267,10 @@ def _qwen3_routing(num_tokens, seed=0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
 def test_compiled_moe_kernel_bf16_matches_the_reference_at_the_qwen3_30b_a3b_shape(num_tokens, random_packed):
-    """bf16 on the GPU: the kernel's error against fp32 math within twice the reference's own."""
+    """bf16 on the GPU: the kernel's error against fp32 math within twice that of the torch
+    reference op and of dequantize-then-bf16 ``fused_moe`` (the registry's, Triton's on CUDA)."""
+    from framework.kernels import get_kernel
+
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     w1, w3, w2 = _qwen3_stacks(random_packed)
@@ -276,8 +278,11 @@ def test_compiled_moe_kernel_bf16_matches_the_reference_at_the_qwen3_30b_a3b_sha
     exact = ops.quantized_fused_moe(hidden.float(), w1, w3, w2, topk_weights, topk_ids)
     got = quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids).float()
     reference = ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids).float()
-    kernel_error, reference_error = (got - exact).abs().max().item(), (reference - exact).abs().max().item()
-    assert kernel_error <= 2 * reference_error + 1e-3 * exact.abs().max().item(), (kernel_error, reference_error)
+    ids = torch.arange(QWEN3_30B_A3B[0], device="cuda")
+    w13 = torch.cat([w1.experts(ids, torch.bfloat16), w3.experts(ids, torch.bfloat16)], dim=1)
+    dense = get_kernel("fused_moe")(hidden, w13, w2.experts(ids, torch.bfloat16), topk_weights, topk_ids).float()
+    errors = [(out - exact).abs().max().item() for out in (got, reference, dense)]
+    assert errors[0] <= 2 * max(errors[1:]) + 1e-3 * exact.abs().max().item(), errors
 
 
 @pytest.mark.gpu
