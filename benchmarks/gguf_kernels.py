@@ -3,6 +3,7 @@
     python benchmarks/gguf_kernels.py --out $OUT/gguf_kernels.json
     python benchmarks/gguf_kernels.py --types Q4_K --layers qkv down --rows 1 --sweep --out $OUT/sweep.json
     python benchmarks/gguf_kernels.py --tiny     # the script itself on a CPU (TRITON_INTERPRET=1)
+    python benchmarks/gguf_kernels.py --moe [--tokens 1 8 64 512] [--sweep]   # the MoE kernel: gguf_moe_kernels.py
 
 For each type, Llama-3-8B layer shape (fused qkv, o, fused gate_up, down, LM head) and row count,
 it first checks the kernels (the dequantize kernel bit-exact in bf16 with the torch reference, the
@@ -14,7 +15,9 @@ runs from ``DEQUANTIZE_MIN_ROWS`` rows on (the dequantize kernel into a matrix, 
 cuBLAS on the bf16 matrix. Bandwidth is of the packed bytes, also as a fraction of the H200's
 copy bandwidth. ``--sweep`` times a grid of settings too, reports the fastest and prints them as
 entries for ``fw_gguf.kernels.matmul.TUNED`` (or to fit the rule to); it compiles and times up to
-144 settings per case (the 1-row GEMV with x read per row and shared), so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. Weights are random blocks with small fp16 scales (valid for every type).
+144 settings per case (the 1-row GEMV with x read per row and shared; 108 tile settings at 64 rows,
+144 at 512), so narrow it with ``--types``, ``--layers`` and ``--rows`` to fit a run. ``--moe``
+benchmarks the MoE kernel instead (``gguf_moe_kernels.py``). Weights are random blocks with small fp16 scales (valid for every type).
 """
 
 from __future__ import annotations
@@ -82,10 +85,11 @@ def sweep_settings(qtype: GGMLQuantizationType, rows: int) -> list[GGUFKernelCon
             )
             if block_m == 1 or not shared_x
         ]
+    # tensor-core tiles: up to 512 values of K per step and K split, as the rule may (108 settings at 64 rows)
     return [
-        GGUFKernelConfig(block_m, block_n, nb, 1, warps, stages)
-        for block_m, block_n, nb, warps, stages in itertools.product(
-            (16, 32, 64, 128), (64, 128), steps[:1], (4, 8), (2, 3)
+        GGUFKernelConfig(block_m, block_n, nb, split_k, warps, 2)
+        for block_m, block_n, nb, split_k, warps in itertools.product(
+            (16, 32, 64, 128), (32, 64, 128), steps, (1, 2, 4), (4, 8)
         )
         if block_m <= max(16, triton_next_pow2(rows))
     ]
@@ -225,8 +229,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of settings per case")
     parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU under the interpreter")
+    parser.add_argument("--moe", action="store_true", help="the MoE kernel at the Qwen3-30B-A3B Q4_K_M shape instead")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512], help="--moe: token counts")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.moe:
+        from gguf_moe_kernels import run_moe
+
+        return run_moe(args)
     tiny = args.tiny or not torch.cuda.is_available()
     device = "cpu" if tiny else "cuda"
     layers = TINY_LAYERS if tiny else {name: LAYERS[name] for name in args.layers}

@@ -20,6 +20,7 @@ REFERENCE_KERNELS = {
     "qk_norm_rotary_embedding": "framework.ops:qk_norm_rotary_embedding",
     "fused_moe": "framework.ops:fused_moe",
     "quantized_fused_moe": "framework.ops:quantized_fused_moe",
+    "moe_align_block_size": "framework.ops:moe_align_block_size",
     "linear": "framework.ops:linear",
 }
 

@@ -60,7 +60,21 @@ def _resolve(op: str, name: str | None, generation: int, device_type: str | None
     return _select(op, name, device_type).load()
 
 
-def get_kernel(op: str, name: str | None = None) -> Callable[..., Any]:
-    """The implementation of ``op``: ``name`` if given (or forced by ``FW_KERNELS``), else the best."""
+def get_kernel(op: str, name: str | None = None, *, prefer: str | None = None) -> Callable[..., Any]:
+    """The implementation of ``op``: ``name`` if given (or forced by ``FW_KERNELS``), else the best.
+
+    ``prefer`` names the implementation made for the caller's data (a quantization method's own
+    kernel of a shared op such as ``quantized_fused_moe``, whose implementations each decode some
+    formats): it is used where it is registered and can run on the target platform, ahead of a
+    higher-priority one for another format; otherwise the best is. ``FW_KERNELS`` still wins.
+    """
     device = _target_device.get()
-    return _resolve(op, name or _forced().get(op), plugins.generation(), device and torch.device(device).type)
+    device_type = device and torch.device(device).type
+    chosen = name or _forced().get(op)
+    if chosen is None and prefer is not None:
+        platform = platform_for_device(device_type)
+        registry = registries.kernels(platform)
+        key = f"{op}/{prefer}"
+        if key in registry and not registry.get(key).unavailable_reasons(platform):
+            chosen = prefer
+    return _resolve(op, chosen, plugins.generation(), device_type)

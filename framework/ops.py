@@ -211,6 +211,40 @@ def fused_moe(
     )
 
 
+def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """The (token, expert) pairs of a MoE call grouped by expert into blocks of ``block_m`` rows, on
+    ``topk_ids``' device: what a grouped-GEMM kernel (one expert per block of rows) iterates over.
+
+    Pair ``p = token * top_k + j`` (``topk_ids`` ``[T, top_k]``, ``P = T * top_k`` pairs). Returns
+    ``(sorted_pair_ids [num_blocks * block_m], block_expert_ids [num_blocks])``, both int32::
+
+        sorted_pair_ids:  [ e0 e0 e0 pad | e3 e3 pad pad | e5 ... ]     (pad = P: masked out)
+        block_expert_ids: [     0        |      3        |  5  ... -1 -1 ]  (-1: an unused block)
+
+    Pairs are grouped by expert in increasing expert order, stable (pair order within an expert);
+    each group is padded to whole blocks with the id ``P``; ``num_blocks = cdiv(P, block_m) +
+    min(P, num_experts)`` bounds the padded groups (a shape-only count: no host sync), and the
+    blocks past the last group get expert -1. An expert nobody chose has no block.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs, device = flat.numel(), flat.device
+    num_blocks = -(-num_pairs // block_m) + min(num_pairs, num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    group_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - group_start[sorted_experts]
+    slots = padded_end[sorted_experts] - padded[sorted_experts] + rank
+    sorted_pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids[slots] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert_ids = torch.where(block_expert_ids < num_experts, block_expert_ids, -1).to(torch.int32)
+    return sorted_pair_ids, block_expert_ids
+
+
 class PackedExperts(NamedTuple):
     """One projection of every expert in a quantized layout: an argument of :func:`quantized_fused_moe`.
 

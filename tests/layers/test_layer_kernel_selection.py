@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from framework import hookimpl, ops
+from framework.kernels import kernels_for
 from framework.layers import GeluTanhAndMul, ReplicatedLinear, RMSNorm, SiluAndMul
 from framework.layers.rotary import RotaryEmbedding, get_rope
 from framework.plugins import unregister_plugin
@@ -115,3 +116,34 @@ def test_a_linear_method_subclass_with_its_own_create_weights_still_multiplies()
     method.create_weights(layer, 8, [5], 8, 5, torch.float32)
     x = torch.randn(3, 8)
     torch.testing.assert_close(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight), rtol=0, atol=0)
+
+
+def test_a_preferred_implementation_wins_where_it_runs_and_fw_kernels_still_forces(monkeypatch, register_fw_plugin):
+    """``get_kernel(op, prefer=name)``: a quant method's own kernel of a shared op, ahead of a
+    higher-priority one for another format, where it can run; the best one elsewhere."""
+    from framework.kernels import get_kernel
+
+    module = types.ModuleType("fw_fake_moe_kernels")
+    module.other_format = lambda *args: "other"
+    module.this_format = lambda *args: "this"
+    module.cuda_only = lambda *args: "cuda"
+    monkeypatch.setitem(sys.modules, "fw_fake_moe_kernels", module)
+
+    class FakeMoEKernels:
+        @hookimpl
+        def register_kernels(self):
+            op = "quantized_fused_moe"
+            return [
+                KernelSpec(op=op, name="other", impl="fw_fake_moe_kernels:other_format", priority=10),
+                KernelSpec(op=op, name="this", impl="fw_fake_moe_kernels:this_format", priority=5),
+                KernelSpec(op=op, name="cuda", impl="fw_fake_moe_kernels:cuda_only", priority=5, devices=("cuda",)),
+            ]
+
+    register_fw_plugin(FakeMoEKernels(), name="fake-moe-kernels")
+    with kernels_for("cpu"):
+        assert get_kernel("quantized_fused_moe")() == "other"
+        assert get_kernel("quantized_fused_moe", prefer="this")() == "this"
+        assert get_kernel("quantized_fused_moe", prefer="cuda")() == "other"  # cannot run on the CPU
+        assert get_kernel("quantized_fused_moe", prefer="unregistered")() == "other"
+        monkeypatch.setenv("FW_KERNELS", "quantized_fused_moe=torch")
+        assert get_kernel("quantized_fused_moe", prefer="this") is ops.quantized_fused_moe

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from framework.ops import PLAIN_SWIGLU, MoEActivation
+from framework.ops import PLAIN_SWIGLU, MoEActivation, moe_align_block_size
 from fw_triton_ops.activation import _sigmoid
 
 
@@ -238,50 +238,30 @@ def launch_config(num_pairs: int) -> dict[str, int]:
 
 
 def align_pairs_to_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """``(sorted_pair_ids [num_blocks * block_m], block_expert_ids [num_blocks])``, on the device.
-
-    Pairs are grouped by expert (stable: in pair order within an expert), each group padded to
-    whole blocks with the id ``num_pairs``; ``num_blocks = cdiv(P, block_m) + min(P, E)`` bounds
-    the padded groups, and blocks past the last group get expert -1.
-    """
+    """:func:`framework.ops.moe_align_block_size` (the ``moe_align_block_size`` op): one Triton
+    program for a decode batch (up to :data:`MAX_PAIRS_ONE_PROGRAM` pairs), the reference's device
+    sort for more. ``(sorted_pair_ids [num_blocks * block_m], block_expert_ids [num_blocks])``."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs, device = flat.numel(), flat.device
+    if num_pairs > MAX_PAIRS_ONE_PROGRAM:
+        return moe_align_block_size(topk_ids, num_experts, block_m)
     num_blocks = triton.cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
-    if num_pairs <= MAX_PAIRS_ONE_PROGRAM:
-        sorted_pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-        block_expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
-        _align_one_program_kernel[(1,)](
-            flat,
-            sorted_pair_ids,
-            block_expert_ids,
-            num_pairs,
-            num_experts,
-            num_blocks,
-            BLOCK_M=block_m,
-            BLOCK_P=triton.next_power_of_2(num_pairs),
-            BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_S=triton.next_power_of_2(num_blocks * block_m),
-            BLOCK_B=triton.next_power_of_2(num_blocks),
-            num_warps=8,
-        )
-        return sorted_pair_ids, block_expert_ids
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    group_start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    slots = (
-        padded_end[sorted_experts]
-        - padded[sorted_experts]
-        + torch.arange(num_pairs, device=device)
-        - group_start[sorted_experts]
+    sorted_pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    _align_one_program_kernel[(1,)](
+        flat,
+        sorted_pair_ids,
+        block_expert_ids,
+        num_pairs,
+        num_experts,
+        num_blocks,
+        BLOCK_M=block_m,
+        BLOCK_P=triton.next_power_of_2(num_pairs),
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_S=triton.next_power_of_2(num_blocks * block_m),
+        BLOCK_B=triton.next_power_of_2(num_blocks),
+        num_warps=8,
     )
-    sorted_pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pair_ids[slots] = order.to(torch.int32)
-    block_starts = torch.arange(num_blocks, device=device) * block_m
-    block_expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
-    block_expert_ids = torch.where(block_expert_ids < num_experts, block_expert_ids, -1).to(torch.int32)
     return sorted_pair_ids, block_expert_ids
 
 

@@ -15,6 +15,10 @@ TRITON_KERNELS = {
         "per-head RMS norm of query and key, then rotary, in one kernel",
     ),
     "fused_moe": ("fw_triton_ops.fused_moe:fused_moe", "MoE experts as two grouped GEMMs (SiLU-and-mul fused)"),
+    "moe_align_block_size": (
+        "fw_triton_ops.fused_moe:align_pairs_to_blocks",
+        "MoE pairs sorted into blocks of one expert: one program for a decode batch, a device sort beyond",
+    ),
     "linear": (
         "fw_triton_ops.gemv:linear",
         "split-K GEMV for one row (bf16/fp16, Hopper+, at the shapes measured faster than cuBLAS); F.linear otherwise",

@@ -1,7 +1,7 @@
-"""Entry point of the ``gguf`` plugin: a weight format and a quantization method (no torch import)."""
+"""Entry point of the ``gguf`` plugin: a weight format, a quantization method and its MoE kernel (no torch import)."""
 
 from framework import hookimpl
-from framework.specs import QuantMethodSpec, WeightFormatSpec
+from framework.specs import KernelSpec, QuantMethodSpec, WeightFormatSpec
 
 
 @hookimpl
@@ -26,5 +26,23 @@ def register_quantization_methods():
             description="GGUF block quants F32/F16/BF16, Q4_0..Q8_0, Q2_K..Q6_K kept packed; dequantized in the matmul",
             requires=("gguf",),
             isq_types=("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k"),
+        )
+    ]
+
+
+@hookimpl
+def register_kernels():
+    """The GGUF expert stacks' ``quantized_fused_moe``. Below fw-fp4's MXFP4 kernel (priority 10),
+    so the default choice for other formats is unchanged: the gguf MoE method asks for this one by
+    name (``get_kernel(..., prefer="triton_gguf")``); other types go to the torch reference."""
+    return [
+        KernelSpec(
+            op="quantized_fused_moe",
+            name="triton_gguf",
+            impl="fw_gguf.kernels.moe:quantized_fused_moe",
+            description="GGUF experts (every type fw_gguf.kernels decodes) as two grouped GEMMs; other types: reference",
+            priority=5,
+            devices=("cuda",),
+            requires=("triton", "gguf"),
         )
     ]

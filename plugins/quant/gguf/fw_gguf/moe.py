@@ -2,10 +2,12 @@
 
 llama.cpp stores a layer's experts as one tensor per projection, ``ffn_gate_exps`` /
 ``ffn_up_exps`` ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]``, each with its own ggml type
-(Q4_K_M files keep the down stack in Q6_K). The method keeps each stack's bytes as they are in
-the file, ``[E, rows, bytes_per_row]`` uint8, and runs the kernel registry's
-``quantized_fused_moe`` op on them (the torch reference gathers and dequantizes only the chosen
-experts for a few tokens, graph-safe; it loops over the experts hit for many)::
+(Q4_K_M files keep the down stack in Q6_K). The method keeps each stack's bytes,
+``[E, rows, bytes_per_row]`` uint8, and runs the kernel registry's ``quantized_fused_moe`` op on
+them: on CUDA fw_gguf's own Triton kernels (:mod:`fw_gguf.kernels.moe`, asked for by name), for
+which each expert's matrix is regrouped after loading into the planar layout (same bytes, same
+size; ``layer.gguf_planar``); elsewhere the torch reference, which gathers and dequantizes only
+the chosen experts for a few tokens and loops over the experts hit for many::
 
     gguf_w1  [E, I/tp, bytes(gate type, H)]     rows: this rank's intermediate features
     gguf_w3  [E, I/tp, bytes(up type, H)]
@@ -34,6 +36,7 @@ from framework.ops import PackedExperts
 from framework.quantization import FusedMoEMethod
 
 from .dequant import as_quant_type, bytes_per_row, dequantize
+from .kernels.layout import KERNEL_TYPES, experts_from_planar, experts_to_planar
 from .lazy import GGUFTensorSlice
 
 #: FusedMoE shard -> the checkpoint projection whose stack fills it.
@@ -59,10 +62,17 @@ def gguf_moe_method(tensor_types: dict[str, str], layer: nn.Module, prefix: str)
     return GGUFFusedMoEMethod({shard: tensor_types[name] for shard, name in names.items()})
 
 
-def _dequantize_experts(qtype: GGMLQuantizationType, in_features: int, data: torch.Tensor,
+#: The ``quantized_fused_moe`` implementation made for these stacks (fw_gguf.kernels.moe), where it runs.
+KERNEL_NAME = "triton_gguf"
+
+
+def _dequantize_experts(qtype: GGMLQuantizationType, in_features: int, planar: bool, data: torch.Tensor,
                         scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``[n, rows, bytes]`` packed expert rows -> ``[n, rows, in_features]`` values (GGUF blocks hold their scales)."""
+    """``[n, rows, bytes]`` packed expert rows (each expert planar where ``planar``) -> ``[n, rows,
+    in_features]`` values (GGUF blocks hold their scales)."""
     num, rows = data.shape[0], data.shape[1]
+    if planar:
+        data = experts_from_planar(data, qtype)
     return dequantize(data, qtype, (num * rows, in_features), dtype).view(num, rows, in_features)
 
 
@@ -95,8 +105,18 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
             placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
             set_weight_attrs(placeholder, {"weight_loader": loader, "moe_projection": projection})
             layer.register_parameter(name, placeholder)
-        self.fused_moe = get_kernel("quantized_fused_moe")
+        layer.gguf_planar = False
+        self.fused_moe = get_kernel("quantized_fused_moe", prefer=KERNEL_NAME)
         self.dense_fused_moe = get_kernel("fused_moe")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """On CUDA, with every stack of a kernel type, regroup each expert's matrix into the planar
+        layout the kernels read with 16-byte loads (:func:`fw_gguf.kernels.layout.experts_to_planar`)."""
+        if layer.gguf_w1.device.type != "cuda" or not all(t in KERNEL_TYPES for t in self.types.values()):
+            return
+        for shard, qtype in self.types.items():
+            setattr(layer, f"gguf_{shard}", experts_to_planar(getattr(layer, f"gguf_{shard}"), qtype))
+        layer.gguf_planar = True
 
     def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: str,
                     expert_id: int | None = None) -> None:
@@ -137,9 +157,10 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
     def packed_experts(self, layer: nn.Module) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
         """``(gate, up, down)`` as the ``quantized_fused_moe`` op takes them."""
         def packed(shard: str) -> PackedExperts:
-            qtype, in_features = self.types[shard], layer.gguf_in_features[shard]
-            return PackedExperts(getattr(layer, f"gguf_{shard}"), None, f"gguf:{qtype.name}", in_features,
-                                 functools.partial(_dequantize_experts, qtype, in_features))
+            qtype, in_features, planar = self.types[shard], layer.gguf_in_features[shard], layer.gguf_planar
+            return PackedExperts(getattr(layer, f"gguf_{shard}"), None,
+                                 f"{'gguf-planar' if planar else 'gguf'}:{qtype.name}", in_features,
+                                 functools.partial(_dequantize_experts, qtype, in_features, planar))
 
         return packed("w1"), packed("w3"), packed("w2")
 
@@ -150,9 +171,12 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        if topk_ids.numel() > layer.num_experts and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-            # many tokens inside a CUDA graph: the op's per-expert loop would sync; every expert
-            # dequantized once, then the dense kernel (graph-safe on the GPU)
+        packed = self.packed_experts(layer)
+        in_kernels = all(p.quant_type in getattr(self.fused_moe, "quant_types", ()) for p in packed)
+        if (not in_kernels and topk_ids.numel() > layer.num_experts and hidden.is_cuda
+                and torch.cuda.is_current_stream_capturing()):
+            # many tokens inside a CUDA graph without the Triton kernels: the reference's per-expert
+            # loop would sync; every expert dequantized once, then the dense kernel (graph-safe)
             w13, w2 = self.dequantize(layer, hidden.dtype)
             return self.dense_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-        return self.fused_moe(hidden, *self.packed_experts(layer), topk_weights, topk_ids)
+        return self.fused_moe(hidden, *packed, topk_weights, topk_ids)

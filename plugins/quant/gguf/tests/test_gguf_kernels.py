@@ -82,6 +82,25 @@ def test_dequantize_kernel_is_bit_exact_with_the_torch_reference(qtype, planar, 
     assert (out[:, :2] == 7).all() and (out[:, 2 + k:] == 7).all()
 
 
+@interpreted
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_matmul_tiles_hold_the_reference_values_exactly(qtype, random_packed):
+    """x = the identity (tensor-core tiles) or one of its rows (the elementwise GEMV): the products
+    are the weights the fp32 reference dequantizes, value for value (``decode_weights`` rounds
+    ``q * scale`` once, as the reference does, then subtracts the offset)."""
+    n, k = 8, 256 if _block_size(qtype) == 256 else 64
+    packed = torch.from_numpy(random_packed(qtype, n, k, seed=int(qtype) + 40))
+    expected = dequantize(packed, qtype, (n, k)).T
+    nb = max(1, 256 // _block_size(qtype))
+    weight = to_planar(packed, qtype)
+    tiles = gguf_matmul(torch.eye(k), weight, qtype, n, k, planar=True,
+                        config=GGUFKernelConfig(block_m=64, block_n=16, blocks_per_step=nb))
+    assert expected.abs().max() > 0 and torch.equal(tiles, expected)
+    row = gguf_matmul(torch.eye(k)[5:6], weight, qtype, n, k, planar=True,
+                      config=GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=nb))
+    assert torch.equal(row, expected[5:6])
+
+
 def _uses_gemv(qtype, planar, rows, n, k, config) -> bool:
     total_blocks = n * k // _block_size(qtype)
     return isinstance(config, GemvConfig) or (rows == 1 and planar and config is None
@@ -202,10 +221,11 @@ def test_static_config_rule():
     assert matmul_config(Q.Q8_0, 4096, 4096, 1).blocks_per_step == 8
     assert matmul_config(Q.Q4_K, 128256, 4096, 1).split_k == 1
     assert matmul_config(Q.Q4_K, 4096, 4096, 8).block_m == 16
-    batch = matmul_config(Q.Q4_K, 4096, 4096, 64)  # 64 programs (128 split in two) < 132 SMs: split in 4
-    assert (batch.block_m, batch.block_n, batch.split_k) == (64, 64, 4)
+    batch = matmul_config(Q.Q4_K, 4096, 4096, 64)  # 128 programs < 132 SMs: split in 2 (8 steps each)
+    assert (batch.block_m, batch.block_n, batch.split_k, batch.num_warps) == (64, 32, 2, 8)
+    assert matmul_config(Q.Q4_K, 4096, 4096, 16).block_n == 64 and matmul_config(Q.Q4_K, 4096, 4096, 16).num_warps == 4
     big = matmul_config(Q.Q6_K, 28672, 4096, 200)
-    assert (big.block_m, big.block_n, big.split_k) == (64, 128, 1)
+    assert (big.block_m, big.block_n, big.split_k) == (64, 32, 1)
     assert not any(matmul_config(Q.Q4_K, 4096, 4096, rows).shared_x for rows in (1, 8, 64))  # opt-in
 
 
@@ -253,7 +273,7 @@ def test_kernels_compile_for_hopper():
         _case(Q.Q4_K, 1, 32, 2),  # the decode GEMV, K split
         _case(Q.Q8_0, 1, 32, 1),
         _case(Q.Q6_K, 16, 32, 1, planar=False),  # 2-8 rows on tensor cores, the file's layout
-        _case(Q.IQ4_XS, 64, 128, 1, warps=8, stages=2),  # batch tiles
+        _case(Q.IQ4_XS, 64, 32, 1, warps=8, stages=2),  # batch tiles, as the rule launches them
         HopperCompile("fw_gguf.kernels.matmul:_dequantize_kernel", {"w_ptr": "*u8", "out_ptr": "*bf16"},
                       dict(QTYPE=int(Q.Q3_K), PLANAR=True, G=16, S=16, BLOCK_N=16, NB=1),
                       options=dict(num_warps=4, enable_fp_fusion=False)),

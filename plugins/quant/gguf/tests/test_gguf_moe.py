@@ -15,7 +15,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from framework import LLM, SamplingParams
-from framework.testing import capture_logits, check_logits_parity, reference_greedy, write_tiny_model
+from framework.testing import capture_logits, check_logits_parity, interpreted, reference_greedy, write_tiny_model
 
 SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False, num_experts=8,
@@ -220,8 +220,8 @@ def test_quantized_experts_load_lazily_into_the_model_dtype(tiny_moe):
 @pytest.mark.gpu
 def test_packed_experts_in_cuda_graphs_give_the_greedy_ids_of_transformers(tiny_moe):
     """On the GPU the Q8_0 expert stacks stay packed (GGUFFusedMoEMethod) through CUDA-graphed
-    decode steps: one sequence (the gather path) and six at once (more pairs than experts: every
-    expert dequantized inside the graph) give transformers' greedy ids on the file's values."""
+    decode steps: one sequence (the per-pair GEMV) and six at once (more pairs than experts: every
+    expert's bytes read by fw_gguf's Triton kernel) give transformers' greedy ids on the file's values."""
     from fw_gguf.moe import GGUFFusedMoEMethod
 
     from framework.layers.fused_moe import FusedMoE
@@ -239,6 +239,29 @@ def test_packed_experts_in_cuda_graphs_give_the_greedy_ids_of_transformers(tiny_
     assert "decode graphs" in llm.engine.summary["cuda_graphs"]
     experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
     assert experts and all(isinstance(e.quant_method, GGUFFusedMoEMethod) for e in experts)
+    # fw_gguf's Triton kernel on planar stacks (graph-safe for any batch: no dequantize-everything path)
+    assert all(e.gguf_planar and e.quant_method.fused_moe.__module__ == "fw_gguf.kernels.moe" for e in experts)
     for batch in ([prompts[0]], prompts):
         ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in batch], greedy)]
         assert ids == [reference_greedy(dequantized, p, greedy.max_tokens) for p in batch]
+
+
+@interpreted
+def test_packed_experts_through_the_triton_kernel_give_the_logits_of_the_reference_op(tmp_path, monkeypatch):
+    """The engine's MoE layers on fw_gguf's Triton ``quantized_fused_moe`` (interpreted here and
+    forced by ``FW_KERNELS``; CUDA picks it itself) over packed Q8_0 stacks: the logits the torch
+    reference op gives on the same stacks."""
+    from framework.layers.fused_moe import FusedMoE
+
+    reference = write_tiny_model(tmp_path / "safetensors", CONFIGS["qwen3moe"]())
+    path = tmp_path / "model-q8-experts.gguf"
+    write_gguf(path, "qwen3moe", reference, quantized=("_exps",))
+    monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
+    expected = engine_logits(path, PROMPTS[:1])
+    monkeypatch.setenv("FW_KERNELS", "quantized_fused_moe=triton_gguf")
+    llm = LLM(str(path), num_blocks=32, prefill_chunk_size=8, max_num_batched_tokens=16)
+    experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(e.quant_method.fused_moe.__module__ == "fw_gguf.kernels.moe" for e in experts)
+    records = capture_logits(llm)
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=1))
+    torch.testing.assert_close(torch.stack([records[key] for key in sorted(records)]), expected, rtol=1e-4, atol=1e-4)

@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType
 
 from fw_gguf.kernels.layout import FIELDS, GROUPS, KERNEL_TYPES, from_planar, to_planar
 
-__all__ = ["FIELDS", "GROUPS", "KERNEL_TYPES", "decode", "from_planar", "to_planar"]
+__all__ = ["FIELDS", "GROUPS", "KERNEL_TYPES", "decode", "decode_weights", "from_planar", "to_planar"]
 
 Q = GGMLQuantizationType
 
@@ -109,6 +109,30 @@ def decode(w_ptr, blk, T, g, s, mask, QTYPE: tl.constexpr, PLANAR: tl.constexpr)
     """``(q, scale, offset)`` fp32 of the tile (see the module docstring): ``blk`` ``[BN, NB, 1, 1]``
     global block indices (row * blocks per row + block), ``g`` ``[1, 1, G, 1]``, ``s`` ``[1, 1, 1, S]``,
     ``mask`` ``[BN, NB, 1, 1]`` (masked blocks decode to scale 0 and offset 0)."""
+    q, scale, offset = _decode_int(w_ptr, blk, T, g, s, mask, QTYPE, PLANAR)
+    return _small_int_to_float(q), scale, offset
+
+
+@triton.jit
+def decode_weights(w_ptr, blk, T, g, s, mask, QTYPE: tl.constexpr, PLANAR: tl.constexpr):
+    """The tile's fp32 weights for a matmul (arguments as :func:`decode`): ``q * scale`` rounded
+    once as the reference rounds it, then ``- offset`` (types with an offset), so the reference's
+    fp32 values up to the sign of a zero. The product is one FMA on the quant biased by
+    ``1.5 * 2**23`` (its bits, as :func:`_small_int_to_float` makes them, without the subtraction)::
+
+        fma(1.5 * 2**23 + q, scale, -(1.5 * 2**23 * scale))  =  round(q * scale)
+
+    exact because the FMA rounds once and ``1.5 * 2**23 * scale`` is exact (``scale`` has at most
+    19 significant bits: an fp16 times a scale of at most 8 bits, once per group). Offset-free
+    types (Q8_0, Q4_0, Q5_0, Q3_K, Q6_K, IQ4) take one fp32 operation per weight instead of two."""
+    q, scale, offset = _decode_int(w_ptr, blk, T, g, s, mask, QTYPE, PLANAR)
+    biased = (q + 0x4B400000).to(tl.float32, bitcast=True)
+    return tl.fma(biased, scale, -(scale * 12582912.0)) - offset
+
+
+@triton.jit
+def _decode_int(w_ptr, blk, T, g, s, mask, QTYPE: tl.constexpr, PLANAR: tl.constexpr):
+    """:func:`decode` with ``q`` as the exact int32 quant."""
     if QTYPE == Q8_0:
         d = _f16(_field(w_ptr, blk, T, 0, 2, 34, PLANAR), mask)
         q = _signed8(_u8(_field(w_ptr, blk, T, 2, 32, 34, PLANAR) + s, mask))
@@ -188,4 +212,4 @@ def decode(w_ptr, blk, T, g, s, mask, QTYPE: tl.constexpr, PLANAR: tl.constexpr)
         nibble = (_u8(_field(w_ptr, blk, T, 8, 128, 136, PLANAR) + g * 16 + s % 16, mask) >> ((s // 16) * 4)) & 15
         q = _iq4_level(nibble)
         scale, offset = d * ((low | (top << 4)) - 32).to(tl.float32), tl.zeros_like(d)
-    return _small_int_to_float(q), scale, offset
+    return q, scale, offset

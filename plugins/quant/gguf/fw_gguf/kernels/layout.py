@@ -45,3 +45,20 @@ def from_planar(planar: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tens
     total = planar.numel() // type_size
     return torch.cat([planar[total * start:total * (start + size)].view(total, size) for start, size in FIELDS[qtype]],
                      dim=1)
+
+
+def experts_to_planar(stack: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """An expert stack ``[E, rows, bytes_per_row]`` -> each expert's matrix in the planar layout, same shape."""
+    experts, type_size = stack.shape[0], GGML_QUANT_SIZES[qtype][1]
+    blocks = stack.reshape(experts, -1, type_size)
+    return torch.cat([blocks[:, :, start:start + size].reshape(experts, -1) for start, size in FIELDS[qtype]],
+                     dim=1).view(stack.shape)
+
+
+def experts_from_planar(stack: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """The inverse of :func:`experts_to_planar`: ``[E, rows, bytes_per_row]`` in the GGUF block layout."""
+    experts, type_size = stack.shape[0], GGML_QUANT_SIZES[qtype][1]
+    flat = stack.reshape(experts, -1)
+    total = flat.shape[1] // type_size
+    return torch.cat([flat[:, total * start:total * (start + size)].reshape(experts, total, size)
+                      for start, size in FIELDS[qtype]], dim=2).view(stack.shape)

@@ -14,6 +14,11 @@
   - ``BLOCK_M >= 16`` (2-8 rows padded to 16, and batches/prefill): the decoded tile is cast to x's
     dtype and multiplied on the tensor cores (``tl.dot``, fp32 accumulation).
 
+  Both forms decode with :func:`decode_weights`: one FMA per weight (plus the offset's subtraction
+  for the affine types), the fp32 values of the reference, then one cast to x's dtype. The cast
+  stays in fp32 -> bf16/fp16 rather than scaling in 16 bits: bf16 cannot hold an fp16 scale, and
+  Triton runs 16-bit arithmetic one value per instruction, no cheaper than fp32.
+
   K may be split (``split_k``) to give small-N layers enough programs: split ``s`` stores fp32 partial
   sums into slice ``s`` of a ``[split_k, M, N]`` buffer (every element written, nothing zeroed) and
   :func:`_sum_splits_kernel` adds the slices in a fixed order: the same bits on every run, no atomics.
@@ -41,7 +46,7 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from fw_gguf.kernels.decode import GROUPS, decode
+from fw_gguf.kernels.decode import GROUPS, decode, decode_weights
 from fw_gguf.kernels.gemv import GEMV_TYPES, GemvConfig, gemv_setting, gemv_supported, gguf_gemv
 
 #: Streaming multiprocessors assumed where the device cannot be asked (the interpreter): an H200's.
@@ -97,8 +102,7 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, T, stride_xm, stride_om, stri
     for kb0 in range(kb_lo, kb_hi, NB):
         kb = kb0 + b4
         live = kb < kb_hi
-        q, scale, offset = decode(w_ptr, n4 * blocks_per_row + kb, T, g4, s4, (n4 < N) & live, QTYPE, PLANAR)
-        w = q * scale - offset
+        w = decode_weights(w_ptr, n4 * blocks_per_row + kb, T, g4, s4, (n4 < N) & live, QTYPE, PLANAR)
         if BLOCK_M == 1:
             # per row: x in the weight tile's own layout; shared: 1/BLOCK_N of the loads, plus a conversion
             if SHARED_X:
@@ -110,7 +114,8 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, T, stride_xm, stride_om, stri
             ks = kb0 * QK + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
                         mask=(rows[:, None] < M) & (ks[None, :] < kb_hi * QK), other=0.0)
-            acc += tl.dot(x, tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)))
+            # rounded to x's dtype in the decoding layout, so a layout change moves 16-bit values
+            acc += tl.dot(x, tl.trans(tl.reshape(w.to(x.dtype), (BLOCK_N, BLOCK_K))))
     if BLOCK_M == 1:
         acc = tl.sum(tl.sum(tl.sum(tiles, axis=3), axis=2), axis=1)[None, :]
     mask = (rows[:, None] < M) & (n[None, :] < N)
@@ -158,9 +163,12 @@ def matmul_config(qtype: GGMLQuantizationType, n: int, k: int, rows: int,
     * 1 row: elementwise GEMV, 32 weight rows and 256 values of K per step, K split until the
       programs cover twice the SMs (at most 8 splits, each at least 4 steps);
     * 2-8 rows: the same streaming shape on tensor cores (rows padded to 16);
-    * more: tensor-core tiles, ``BLOCK_M`` the rows rounded up to 16..64, ``BLOCK_N`` 64 up to 64
-      rows else 128, 256 values of K per step (one K-quant block), K split until the programs
-      cover the SMs (at most 4 splits, each at least 4 steps).
+    * more: tensor-core tiles, ``BLOCK_M`` the rows rounded up to 16..64, 256 values of K per step
+      (one K-quant block), K split until the programs cover the SMs (at most 4 splits, each at
+      least 4 steps); ``BLOCK_N`` 64 on 4 warps up to 16 rows, else 32 on 8 warps: the tiles that
+      ptxas compiles for sm_90 without spilling registers (a ``BLOCK_N`` x 256 decoded fp32 tile
+      and the accumulator share a thread's 255; 64 x 64 on 4 warps spills ~0.5 KB a thread for
+      Q4_K / Q6_K / Q8_0, 64 x 128 on 8 warps ~0.3 KB).
     """
     block_size = GROUPS[qtype][0] * GROUPS[qtype][1]
     per_step = max(1, 256 // block_size)
@@ -174,13 +182,13 @@ def matmul_config(qtype: GGMLQuantizationType, n: int, k: int, rows: int,
         return GGUFKernelConfig(block_m=1 if rows == 1 else 16, block_n=block_n, blocks_per_step=per_step,
                                 split_k=split_k, num_warps=4, num_stages=3)
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64 if rows <= 64 else 128
+    block_n = 64 if rows <= 16 else 32
     split_k = 1
     programs = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
     while split_k < 4 and programs * split_k < num_sms and steps // (2 * split_k) >= 4:
         split_k *= 2
     return GGUFKernelConfig(block_m=block_m, block_n=block_n, blocks_per_step=per_step, split_k=split_k,
-                            num_warps=4 if block_m * block_n <= 4096 else 8, num_stages=2)
+                            num_warps=4 if rows <= 16 else 8, num_stages=2)
 
 
 #: Settings measured on a GPU model (``benchmarks/gguf_kernels.py --sweep`` prints entries to paste):
