@@ -34,6 +34,11 @@ GPT_OSS_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt-oss-20b / 120b (attention sinks, alternate sliding window, YaRN; MXFP4 experts with fw-fp4)",
 }
 
+#: Llama 4 text: chunked / NoPE attention layers, a top-1 MoE scaled on its input (``llama4.py``).
+LLAMA4_ARCHITECTURES = {
+    "Llama4ForCausalLM": "Llama 4 Scout / Maverick text (chunked attention, NoPE layers, shared-expert top-1 MoE)",
+}
+
 
 @hookimpl
 def register_model_architectures():
@@ -59,5 +64,9 @@ def register_model_architectures():
         + [
             ModelSpec(name=name, impl="fw_llama.gpt_oss:GptOssForCausalLM", description=description)
             for name, description in GPT_OSS_ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(name=name, impl="fw_llama.llama4:Llama4ForCausalLM", description=description)
+            for name, description in LLAMA4_ARCHITECTURES.items()
         ]
     )

@@ -1,0 +1,98 @@
+"""Llama 4 text through the whole engine matches transformers (fp32, tiny random models).
+
+The tiny config keeps every switch live within a few dozen tokens: chunks of 8 positions on the
+RoPE layers (prompts and prefix-cache hits cross chunk borders), NoPE layers every second layer
+with ``floor_scale=4`` so the temperature tuning scales queries from position 3 on, the L2 QK
+norm, and MoE layers (top-1 of 4 experts plus the shared expert) between dense ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from framework import LLM
+from framework.testing import ModelParityTests, reference_logits, tiny_model_fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=32,
+    intermediate_size_mlp=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    no_rope_layer_interval=2,
+    attention_chunk_size=8,
+    floor_scale=4,
+    attn_scale=0.5,
+)
+
+CONFIGS = {
+    "llama4_chunked_nope_moe": lambda: transformers.Llama4TextConfig(**SMALL),
+    # llama3 rope scaling (Scout's), no QK norm (Maverick's), top-2 routing: each choice its own scaled input
+    "llama4_scaled_rope_top2": lambda: transformers.Llama4TextConfig(
+        **{**SMALL, "num_experts_per_tok": 2, "use_qk_norm": False, "interleave_moe_layer_step": 1},
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+tiny = tiny_model_fixture(CONFIGS)
+
+
+class TestParity(ModelParityTests):
+    """Logits and greedy ids against transformers: batched chunked prefill, a prefix-cache hit, preemption."""
+
+
+def test_layers_follow_the_config_switches(tiny):
+    path, reference = tiny
+    model = LLM(str(path), num_blocks=16).engine.core.runner.model
+    config = reference.config
+    for index, (ours, theirs) in enumerate(zip(model.model.layers, reference.model.layers, strict=True)):
+        attention = ours.self_attn
+        assert (attention.rotary_emb is not None) == bool(config.no_rope_layers[index])
+        expected_chunk = 8 if config.layer_types[index] == "chunked_attention" else None
+        assert attention.attn.config.attention_chunk_size == expected_chunk
+        assert hasattr(ours.feed_forward, "experts") == theirs.is_moe_layer
+        if theirs.is_moe_layer:  # transformers' [E, H, 2I] stacked experts, transposed on load
+            assert torch.equal(ours.feed_forward.experts.w13_weight, theirs.feed_forward.experts.gate_up_proj.mT)
+    assert {layer.self_attn.attn.config.attention_chunk_size for layer in model.model.layers} == {8, None}
+
+
+def test_chunked_attention_and_temperature_tuning_change_the_logits(tiny):
+    """Without the chunk mask or the NoPE query scaling transformers' own logits move far beyond
+    the parity tolerance: the parity tests above really pin both."""
+    _, reference = tiny
+    prompt = list(range(3, 40))
+    base = reference_logits(reference, prompt)
+    scale = base.abs().max()
+    reference.config.attention_chunk_size = 10_000
+    try:
+        unchunked = reference_logits(reference, prompt)
+    finally:
+        reference.config.attention_chunk_size = 8
+    assert (unchunked - base).abs().max() > 1e-2 * scale
+    for layer in reference.model.layers:
+        layer.self_attn.attn_temperature_tuning = False
+    try:
+        untuned = reference_logits(reference, prompt)
+    finally:
+        for layer in reference.model.layers:
+            layer.self_attn.attn_temperature_tuning = True
+    assert (untuned - base).abs().max() > 1e-2 * scale
