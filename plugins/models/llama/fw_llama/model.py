@@ -52,14 +52,17 @@ GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 #: Architectures with Qwen3's QK norm: one RMSNorm over ``head_size`` for all heads of q, one for k.
 QK_RMS_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+#: Architectures whose QK norm is one RMSNorm over all of q's features (every head), one over k's.
+QK_RMS_NORM_ACROSS_HEADS_ARCHITECTURES = ("MiniMaxM2ForCausalLM",)
 
 
 @dataclass(frozen=True, slots=True)
 class LlamaVariant:
     """What tells one family member from another (the table in the module docstring).
 
-    ``qk_norm``: ``None``, ``"rms"`` (one RMSNorm over ``head_size`` shared by all heads, Qwen3)
-    or ``"layer_per_head"`` (a LayerNorm per head, StableLM 2 12B). ``norm``: ``"rms"`` or
+    ``qk_norm``: ``None``, ``"rms"`` (one RMSNorm over ``head_size`` shared by all heads, Qwen3),
+    ``"rms_across_heads"`` (one RMSNorm over all ``heads * head_size`` features, MiniMax-M2; not
+    shardable) or ``"layer_per_head"`` (a LayerNorm per head, StableLM 2 12B). ``norm``: ``"rms"`` or
     ``"layer"``. ``attention_sinks``: a learned sink logit per head (``self_attn.sinks``, gpt-oss).
     ``branch_norms``: normalise the attention and MLP outputs before each residual
     add (GLM-4). ``parallel_residual``: ``x + attn(norm(x)) + mlp(norm(x))`` (StableLM).
@@ -90,6 +93,8 @@ class LlamaVariant:
             o_proj_bias=attention_bias and not is_glm,
             qk_norm="rms"
             if arch in QK_RMS_NORM_ARCHITECTURES
+            else "rms_across_heads"
+            if arch in QK_RMS_NORM_ACROSS_HEADS_ARCHITECTURES
             else "layer_per_head"
             if is_stablelm and config.get("qk_layernorm")
             else None,
@@ -122,9 +127,12 @@ def layer_sliding_window(config: ModelConfig, layer_index: int) -> int | None:
 
 def rotary_dim(config: ModelConfig) -> int:
     """Features per head that rotate: ``head_size * partial_rotary_factor`` (transformers 5 keeps
-    the factor in ``rope_parameters``, older configs at the top level)."""
-    factor = config.rope_parameters.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
-    return int(config.head_size * float(factor))
+    the factor in ``rope_parameters``, older configs at the top level), else ``rotary_dim``
+    (MiniMax-M2's own configs), else all of them."""
+    factor = config.rope_parameters.get("partial_rotary_factor") or config.get("partial_rotary_factor")
+    if factor is None and config.get("rotary_dim"):
+        return int(config.get("rotary_dim"))
+    return int(config.head_size * float(factor or 1.0))
 
 
 def rope_scaling(config: ModelConfig) -> dict[str, Any] | None:
@@ -259,8 +267,13 @@ class LlamaAttention(nn.Module):
             loader = functools.partial(load_column_shard, tp_rank=self.qkv_proj.tp_rank)
             set_weight_attrs(self.sinks, {"weight_loader": loader, "output_dim": 0})
         self.q_norm = self.k_norm = None
+        self.qk_norm_across_heads = variant.qk_norm == "rms_across_heads"
         if variant.qk_norm == "rms":  # Qwen3: checkpoint names q_norm / k_norm
             self.q_norm, self.k_norm = RMSNorm(head_size, variant.eps), RMSNorm(head_size, variant.eps)
+        elif self.qk_norm_across_heads:  # MiniMax-M2: the statistics span every head
+            if self.qkv_proj.tp_size > 1:
+                raise ValueError(f"{config.architecture}: its QK norm spans all heads; run it with --tp 1")
+            self.q_norm, self.k_norm = RMSNorm(self.q_size, variant.eps), RMSNorm(self.kv_size, variant.eps)
         elif variant.qk_norm == "layer_per_head":  # StableLM: q_layernorm / k_layernorm, this rank's heads
             qkv = self.qkv_proj
             self.q_layernorm = PerHeadLayerNorm(
@@ -273,7 +286,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if isinstance(self.q_norm, RMSNorm):  # Qwen3: per-head RMS norm and RoPE in one op
+        if self.qk_norm_across_heads:  # MiniMax-M2: q and k normalised whole, then RoPE
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+        elif isinstance(self.q_norm, RMSNorm):  # Qwen3: per-head RMS norm and RoPE in one op
             q, k = self.rotary_emb.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         else:
             if self.q_norm is not None:  # StableLM: per-head LayerNorm, before RoPE
