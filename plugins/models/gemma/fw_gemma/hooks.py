@@ -10,9 +10,18 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "Gemma 3 text: 5 local : 1 global layers, QK norm, local and global RoPE bases",
 }
 
+#: Gemma 4 text: per-layer shapes, shared KV, per-layer inputs (``gemma4.py``); no tensor parallelism yet.
+GEMMA4_ARCHITECTURES = {
+    "Gemma4ForCausalLM": "Gemma 4 text (dense): per-layer inputs, shared KV layers, proportional RoPE on global layers",
+}
+
 #: Multimodal checkpoints whose text model is served (images are not yet).
 MULTIMODAL_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "Gemma 3 4B / 12B / 27B: the text model (vision tower skipped at load)",
+}
+#: Gemma 4 multimodal checkpoints: the text model of ``gemma4.py`` (vision / audio towers skipped).
+GEMMA4_MULTIMODAL_ARCHITECTURES = {
+    "Gemma4ForConditionalGeneration": "Gemma 4: the text model (vision and audio towers skipped at load)",
 }
 
 #: ``Gemma3TextConfig``'s defaults for the keys Google's multimodal configs leave out of ``text_config``
@@ -39,21 +48,32 @@ GEMMA3_TEXT_DEFAULTS = (
 
 @hookimpl
 def register_model_architectures():
-    return [
-        ModelSpec(
-            name=name,
-            impl="fw_gemma.model:GemmaForCausalLM",
-            description=description,
-            supports_tensor_parallel=True,
-        )
-        for name, description in ARCHITECTURES.items()
-    ] + [
-        ModelSpec(
-            name=name,
-            impl="fw_gemma.multimodal:Gemma3ForConditionalGeneration",
-            description=description,
-            supports_tensor_parallel=True,
-            config_defaults=GEMMA3_TEXT_DEFAULTS,
-        )
-        for name, description in MULTIMODAL_ARCHITECTURES.items()
-    ]
+    return (
+        [
+            ModelSpec(
+                name=name,
+                impl="fw_gemma.model:GemmaForCausalLM",
+                description=description,
+                supports_tensor_parallel=True,
+            )
+            for name, description in ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(
+                name=name,
+                impl="fw_gemma.multimodal:Gemma3ForConditionalGeneration",
+                description=description,
+                supports_tensor_parallel=True,
+                config_defaults=GEMMA3_TEXT_DEFAULTS,
+            )
+            for name, description in MULTIMODAL_ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(name=name, impl="fw_gemma.gemma4:Gemma4ForCausalLM", description=description)
+            for name, description in GEMMA4_ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(name=name, impl="fw_gemma.multimodal:Gemma4ForConditionalGeneration", description=description)
+            for name, description in GEMMA4_MULTIMODAL_ARCHITECTURES.items()
+        ]
+    )

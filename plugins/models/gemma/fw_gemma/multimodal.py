@@ -1,14 +1,15 @@
-"""The text model of Gemma 3 multimodal checkpoints (``Gemma3ForConditionalGeneration``: Gemma 3
-4B / 12B / 27B): the Gemma 3 decoder of ``model.py`` under the wrapper's weight names.
+"""The text model of Gemma multimodal checkpoints: ``Gemma3ForConditionalGeneration`` (Gemma 3
+4B / 12B / 27B) on the Gemma 3 decoder of ``model.py``, ``Gemma4ForConditionalGeneration`` on
+Gemma 4's (``gemma4.py``), under the wrapper's weight names.
 
 Checkpoint names, by the transformers version that wrote them::
 
-    language_model.model.layers.0...    (transformers 4, as Google released them)  -> model.layers.0...
-    model.language_model.layers.0...    (transformers 5 state dicts)               -> model.layers.0...
-    language_model.lm_head.weight / lm_head.weight                                 -> lm_head.weight (tied)
-    vision_tower.*, multi_modal_projector.* (either prefix)                        -> skipped, counted in one log line
+    language_model.model.layers.0...    (transformers 4, as Google released Gemma 3)  -> model.layers.0...
+    model.language_model.layers.0...    (transformers 5 state dicts, Gemma 4)         -> model.layers.0...
+    language_model.lm_head.weight / lm_head.weight                                    -> lm_head.weight (tied)
+    vision / audio towers and their projectors (either prefix)                        -> skipped, counted in one log line
 
-Images are the vision work's: this class serves the text path, so prompts are token ids and text.
+Images and audio are the multimodal work's: these classes serve the text path (token ids and text).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from framework.loader.model_loader import load_parameters
 
+from .gemma4 import Gemma4ForCausalLM
 from .model import GemmaForCausalLM
 
 log = logging.getLogger("fw.loader")
@@ -31,14 +33,18 @@ TEXT_PREFIXES = {
     "language_model.lm_head.": "lm_head.",
     "lm_head.": "lm_head.",
 }
-#: Prefixes of the image encoder and its projector (not served yet).
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+#: Prefixes of the encoders and their projectors (not served yet).
+ENCODER_PREFIXES = tuple(
+    f"{root}{part}."
+    for root in ("", "model.")
+    for part in ("vision_tower", "multi_modal_projector", "audio_tower", "embed_vision", "embed_audio")
+)
 
 
 def text_weight_name(name: str) -> str | None:
-    """The text model's name of checkpoint tensor ``name``; None for a vision tensor; an unknown
+    """The text model's name of checkpoint tensor ``name``; None for an encoder's tensor; an unknown
     name unchanged (the loader then names it as unmatched)."""
-    if name.startswith(VISION_PREFIXES):
+    if name.startswith(ENCODER_PREFIXES):
         return None
     for prefix, target in TEXT_PREFIXES.items():
         if name.startswith(prefix):
@@ -46,29 +52,35 @@ def text_weight_name(name: str) -> str | None:
     return name
 
 
+def text_weights(weights: Iterable[tuple[str, torch.Tensor]], architecture: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors under its names, the encoders' skipped unread (one log line at the end)."""
+    skipped = 0
+    for name, tensor in weights:
+        text_name = text_weight_name(name)
+        if text_name is None:
+            skipped += 1
+        else:
+            yield text_name, tensor
+    if skipped:
+        log.info(
+            "%s: skipped %d vision/audio encoder and projector tensors; the text model is served, not its encoders",
+            architecture,
+            skipped,
+        )
+
+
 class Gemma3ForConditionalGeneration(GemmaForCausalLM):
     """Gemma 3 4B / 12B / 27B, text only: ``forward(input_ids, positions) -> hidden``; ``compute_logits``."""
 
-    #: vision tensors are skipped unread; the text ones reach the layers' loaders as they came
+    #: encoder tensors are skipped unread; the text ones reach the layers' loaders as they came
     reads_checkpoint_slices = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skipped = 0
+        return load_parameters(self, text_weights(weights, self.config.architecture))
 
-        def text_only() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal skipped
-            for name, tensor in weights:
-                text_name = text_weight_name(name)
-                if text_name is None:
-                    skipped += 1
-                else:
-                    yield text_name, tensor
 
-        loaded = load_parameters(self, text_only())
-        if skipped:
-            log.info(
-                "%s: skipped %d vision-tower and projector tensors; the text model is served, images are not",
-                self.config.architecture,
-                skipped,
-            )
-        return loaded
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    """Gemma 4, text only: ``forward(input_ids, positions) -> hidden``; ``compute_logits``."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(text_weights(weights, self.config.architecture))

@@ -1,0 +1,117 @@
+"""Gemma 4 text through the whole engine matches transformers (fp32, tiny random models).
+
+The tiny configs keep every switch live: sliding (window 6) and global layers of different head
+sizes and KV-head counts, proportional RoPE on the global layers, keys as values
+(``attention_k_eq_v``), the last layers sharing the K/V of earlier ones with double-wide MLPs,
+per-layer inputs, random ``layer_scalar``s and norms, and final-logit soft-capping.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from framework import LLM
+from framework.testing import ModelParityTests, tiny_model_fixture, write_tiny_model
+from framework.testing.model_writers import randomise_identity_params
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    sliding_window=6,
+    final_logit_softcapping=3.0,
+)
+
+CONFIGS = {
+    # E2B-like: shared KV on the last two layers (double-wide MLPs), per-layer inputs, k = v on global layers
+    "gemma4_shared_kv_per_layer_inputs": lambda: transformers.Gemma4TextConfig(
+        **SMALL,
+        num_hidden_layers=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        vocab_size_per_layer_input=160,
+        hidden_size_per_layer_input=8,
+    ),
+    # 31B-like: no sharing, no per-layer inputs, separate v projections
+    "gemma4_dense": lambda: transformers.Gemma4TextConfig(
+        **SMALL,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        global_head_dim=32,
+        hidden_size_per_layer_input=0,
+    ),
+}
+
+
+def write_randomised(path, config):
+    """Random norms, and ``layer_scalar``s in [0.5, 1.5] (ones in a fresh model)."""
+    reference = write_tiny_model(path, config)
+    randomise_identity_params(reference)
+    generator = torch.Generator().manual_seed(4)
+    text = getattr(reference.model, "language_model", reference.model)  # a multimodal wrapper's text model
+    with torch.no_grad():
+        for layer in text.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=generator))
+    reference.save_pretrained(path)
+    return reference
+
+
+tiny = tiny_model_fixture(CONFIGS, write=write_randomised)
+
+
+class TestParity(ModelParityTests):
+    """Logits and greedy ids against transformers: batched chunked prefill, a prefix-cache hit, preemption."""
+
+
+def test_layers_take_the_shapes_transformers_gives_them(tiny):
+    path, reference = tiny
+    model = LLM(str(path), num_blocks=16).engine.core.runner.model
+    config, modes = reference.config, reference.config.kv_sharing_modes
+    for index, (ours, theirs) in enumerate(zip(model.model.layers, reference.model.layers, strict=True)):
+        attention = ours.self_attn.attn.config
+        assert attention.head_size == theirs.self_attn.head_dim
+        assert attention.num_kv_heads * theirs.self_attn.num_key_value_groups == config.num_attention_heads
+        assert ours.layer.kv_mode == modes[index] or (modes[index] is None and ours.layer.kv_mode is None)
+        assert ours.mlp.gate_up_proj.weight.shape[0] == 2 * theirs.mlp.intermediate_size
+        assert torch.equal(ours.layer_scalar, theirs.layer_scalar)
+    assert len({layer.self_attn.attn.config.head_size for layer in model.model.layers}) == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_multimodal(tmp_path_factory):
+    """A Gemma 4 multimodal checkpoint (text model under ``model.language_model.``, a one-layer
+    vision tower) written by transformers."""
+    text = CONFIGS["gemma4_shared_kv_per_layer_inputs"]().to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    path = tmp_path_factory.mktemp("gemma4_multimodal")
+    return path, write_randomised(path, config)
+
+
+def test_multimodal_checkpoint_serves_its_text_model(tiny_multimodal, caplog):
+    """Gemma4ForConditionalGeneration's logits (token prompts, chunked prefill) equal
+    transformers' multimodal class's; its vision tensors are skipped with one log line."""
+    import logging
+
+    from framework.testing import PARITY_PROMPTS, check_logits_parity
+
+    path, reference = tiny_multimodal
+    assert type(reference).__name__ == "Gemma4ForConditionalGeneration"
+    with caplog.at_level(logging.INFO, logger="fw.loader"):
+        check_logits_parity(path, reference, PARITY_PROMPTS)
+    num_encoder = sum(1 for name, _ in reference.named_parameters() if "language_model" not in name)
+    skipped = [record.getMessage() for record in caplog.records if "encoder" in record.getMessage()]
+    assert len(skipped) == 1 and f"skipped {num_encoder} vision/audio" in skipped[0]
