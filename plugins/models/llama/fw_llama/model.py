@@ -19,7 +19,6 @@ The mixture-of-experts members (Mixtral, Qwen2-MoE, Qwen3-MoE, ``moe.py``) reuse
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +40,12 @@ from framework.layers import (
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
-from framework.layers.linear import KeepsWeightAttrs, copy_weight, load_column_shard
+from framework.layers.linear import load_column_shard
 from framework.layers.mlp import dense_mlp
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
+
+from .per_head_norm import PER_HEAD_NORM, PerHeadLayerNorm
 
 GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 #: Architectures whose attention has q/k/v bias regardless of ``attention_bias`` (the MoE ones
@@ -156,55 +157,6 @@ def rope_scaling(config: ModelConfig) -> dict[str, Any] | None:
         raise ValueError("longrope rope scaling needs original_max_position_embeddings in the model config")
     factor = scaling.get("factor") or int(config.get("max_position_embeddings") or config.max_model_len) / int(original)
     return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": int(original), "factor": factor}
-
-
-class PerHeadLayerNorm(KeepsWeightAttrs):
-    """StableLM's QK norm: a LayerNorm (no bias) per head, each with its own weight.
-
-    The heads' weights are one ``weight [num_heads, head_size]`` parameter, so ``forward(x [...,
-    num_heads, head_size])`` is one ``layer_norm`` times it. Checkpoints keep one tensor per head
-    (``norms.{head}.weight``, as transformers' ``nn.ModuleList`` names them):
-    :meth:`LlamaForCausalLM.map_weight_name` sends each to :meth:`weight_loader` with its head.
-    Under tensor parallelism a rank holds the ``num_heads`` heads from ``first_head`` on (those of
-    its attention shard) and skips the others' weights.
-    """
-
-    def __init__(
-        self, num_heads: int, head_size: int, eps: float, first_head: int = 0, total_num_heads: int | None = None
-    ) -> None:
-        super().__init__()
-        self.num_heads, self.head_size, self.eps = num_heads, head_size, eps
-        self.first_head, self.total_num_heads = first_head, total_num_heads or num_heads
-        self.weight = nn.Parameter(torch.ones(num_heads, head_size), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
-        self._loaded_heads: set[int] = set()
-
-    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, head: int) -> None:
-        """Copy head ``head``'s checkpoint weight ``[head_size]`` into its row (nothing for another rank's head)."""
-        if not 0 <= head < self.total_num_heads or tuple(loaded_weight.shape) != (self.head_size,):
-            raise ValueError(
-                f"per-head norm weight {head} of shape {tuple(loaded_weight.shape)} does not fit: expected "
-                f"heads 0..{self.total_num_heads - 1} of shape ({self.head_size},)"
-            )
-        row = head - self.first_head
-        if 0 <= row < self.num_heads:
-            copy_weight(param.data[row], loaded_weight)
-            self._loaded_heads.add(head)
-
-    def missing_weights(self) -> list[str]:
-        """This rank's heads no checkpoint tensor has filled (``check_all_loaded`` reports them)."""
-        absent = sorted(set(range(self.first_head, self.first_head + self.num_heads)) - self._loaded_heads)
-        return [f"norms.{head}.weight" for head in absent]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.layer_norm(x, (self.head_size,), eps=self.eps) * self.weight
-
-    def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, head_size={self.head_size}, eps={self.eps}"
-
-
-#: A checkpoint name of one head's QK LayerNorm weight (StableLM): ``...q_layernorm.norms.{head}.weight``.
-_PER_HEAD_NORM = re.compile(r"^(?P<norm>.*_layernorm)\.norms\.(?P<head>\d+)\.weight$")
 
 
 class LlamaAttention(nn.Module):
@@ -395,6 +347,6 @@ class LlamaForCausalLM(CausalLM):
     def map_weight_name(name: str) -> tuple[str, tuple | None]:
         """StableLM's per-head QK norm weights go to their row of :class:`PerHeadLayerNorm`'s
         stacked ``weight``; the rest folds through ``packed_modules_mapping``."""
-        if (match := _PER_HEAD_NORM.match(name)) is not None:
+        if (match := PER_HEAD_NORM.match(name)) is not None:
             return f"{match['norm']}.weight", (int(match["head"]),)
         return name, None
