@@ -115,3 +115,25 @@ def test_multimodal_checkpoint_serves_its_text_model(tiny_multimodal, caplog):
     num_encoder = sum(1 for name, _ in reference.named_parameters() if "language_model" not in name)
     skipped = [record.getMessage() for record in caplog.records if "encoder" in record.getMessage()]
     assert len(skipped) == 1 and f"skipped {num_encoder} vision/audio" in skipped[0]
+
+
+@pytest.mark.gpu
+def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
+    """Triton attention over layers of two head sizes (16, 32), shared-KV layers, CUDA-graphed
+    decode steps: transformers' greedy ids (fp32)."""
+    from framework.testing import PARITY_PROMPTS, check_greedy_parity, check_kernels_used, count_kernel_calls
+
+    reference = write_randomised(tmp_path, CONFIGS["gemma4_shared_kv_per_layer_inputs"]())
+    with count_kernel_calls() as calls:
+        llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
+        assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+        check_greedy_parity(
+            tmp_path,
+            reference,
+            PARITY_PROMPTS,
+            device="cuda",
+            dtype="f32",
+            prefill_chunk_size=64,
+            max_num_batched_tokens=128,
+        )
+    check_kernels_used(calls, {"attention": "triton"})

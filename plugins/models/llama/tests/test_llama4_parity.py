@@ -96,3 +96,31 @@ def test_chunked_attention_and_temperature_tuning_change_the_logits(tiny):
         for layer in reference.model.layers:
             layer.self_attn.attn_temperature_tuning = True
     assert (untuned - base).abs().max() > 1e-2 * scale
+
+
+@pytest.mark.gpu
+def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
+    """The Triton attention backend (chunked layers included), Triton fused_moe and CUDA-graphed
+    decode steps give transformers' greedy ids (fp32); a fallback to torch fails."""
+    from framework.testing import (
+        PARITY_PROMPTS,
+        check_greedy_parity,
+        check_kernels_used,
+        count_kernel_calls,
+        write_tiny_model,
+    )
+
+    reference = write_tiny_model(tmp_path, CONFIGS["llama4_chunked_nope_moe"]())
+    with count_kernel_calls() as calls:
+        llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
+        assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+        check_greedy_parity(
+            tmp_path,
+            reference,
+            [*PARITY_PROMPTS, list(range(2, 66))],
+            device="cuda",
+            dtype="f32",
+            prefill_chunk_size=64,
+            max_num_batched_tokens=128,
+        )
+    check_kernels_used(calls, {"attention": "triton", "fused_moe": "triton"})

@@ -111,3 +111,24 @@ def test_minimax_config_json_with_rotary_dim_only(tiny, tmp_path):
     for file in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / file).symlink_to(path / file)
     check_logits_parity(tmp_path, reference, PARITY_PROMPTS[:2])
+
+
+@pytest.mark.gpu
+def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
+    """Triton attention and fused_moe with CUDA-graphed decode steps give transformers' greedy ids (fp32)."""
+    from framework.testing import PARITY_PROMPTS, check_greedy_parity, check_kernels_used, count_kernel_calls
+
+    reference = write_with_routing_bias(tmp_path, CONFIGS["minimax_m2"]())
+    with count_kernel_calls() as calls:
+        llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
+        assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+        check_greedy_parity(
+            tmp_path,
+            reference,
+            PARITY_PROMPTS,
+            device="cuda",
+            dtype="f32",
+            prefill_chunk_size=64,
+            max_num_batched_tokens=128,
+        )
+    check_kernels_used(calls, {"attention": "triton", "fused_moe": "triton"})
