@@ -12,7 +12,8 @@ per-layer inputs.
 
 A shared-KV layer stores its producer's keys and values in its own cache (the same numbers, so
 prefix caching and preemption hold); the memory saving of one cache for both is not taken.
-The MoE variant (``enable_moe_block``) is refused: its GeGLU experts need a fused-MoE activation fw lacks.
+With ``enable_moe_block`` (gemma-4-26B-A4B) every layer adds a routed-experts branch beside its
+MLP (``gemma4_moe.py``).
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from framework.layers import (
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM
+from framework.layers.fused_moe import expert_weight_target
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
+from .gemma4_moe import Gemma4MoE, moe_weight_name, weightless_rms_norm
 from .model import FULL, SLIDING, TANH_GELUS
 
 
@@ -89,11 +92,6 @@ def gemma4_layers(config: ModelConfig) -> list[Gemma4Layer]:
             )
         )
     return layers
-
-
-def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x**2) + eps)`` over the last dimension in float32 (Gemma 4's v norm)."""
-    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class Gemma4Attention(nn.Module):
@@ -165,8 +163,8 @@ class Gemma4Attention(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    """Attention and MLP, each normalised before and after, added to the residual; then the
-    per-layer input gated in; the whole layer output times ``layer_scalar``."""
+    """Attention and MLP (plus the MoE branch), each normalised before and after, added to the
+    residual; then the per-layer input gated in; the whole layer output times ``layer_scalar``."""
 
     def __init__(
         self,
@@ -185,6 +183,10 @@ class Gemma4DecoderLayer(nn.Module):
         )
         for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
             setattr(self, f"{name}_layernorm", RMSNorm(hidden, eps))
+        self.moe = None
+        if config.get("enable_moe_block"):
+            self.moe = Gemma4MoE(config, quant_config, f"{prefix}.moe")
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
         self.per_layer_size = int(config.get("hidden_size_per_layer_input") or 0)
         if self.per_layer_size:
             self.per_layer_input_gate = ReplicatedLinear(
@@ -208,7 +210,10 @@ class Gemma4DecoderLayer(nn.Module):
         if self.layer.kv_mode == "store":
             shared_kv[self.layer.layer_type] = kv
         hidden = hidden + self.post_attention_layernorm(attended)
-        hidden = hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self.moe is not None:  # the experts read the residual stream itself
+            fed = self.post_feedforward_layernorm_1(fed) + self.moe(hidden)
+        hidden = hidden + self.post_feedforward_layernorm(fed)
         if self.per_layer_size:
             gated = self.gelu(self.per_layer_input_gate(hidden)) * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
@@ -273,8 +278,6 @@ class Gemma4ForCausalLM(CausalLM):
         act = config.get("hidden_activation") or TANH_GELUS[0]
         if act not in TANH_GELUS:
             raise ValueError(f"fw_gemma's Gemma 4 supports hidden_activation {' or '.join(TANH_GELUS)}; got {act!r}")
-        if config.get("enable_moe_block"):
-            raise ValueError("Gemma 4 MoE checkpoints (enable_moe_block) are not supported yet: GeGLU experts")
         if config.get("use_bidirectional_attention") == "all":
             raise ValueError("fw_gemma serves causal Gemma 4; use_bidirectional_attention='all' is not supported")
         self.config = config
@@ -283,7 +286,10 @@ class Gemma4ForCausalLM(CausalLM):
         self.final_logit_softcapping = config.get("final_logit_softcapping")
 
     def map_weight_name(self, name: str) -> tuple[str, tuple | None]:
-        """A shared-KV layer's ``q_proj`` is its own layer, not a shard of a fused ``qkv_proj``."""
+        """Expert stacks go to FusedMoE's parameters; a shared-KV layer's ``q_proj`` is its own
+        layer, not a shard of a fused ``qkv_proj``."""
+        if (target := expert_weight_target(name)) is not None:
+            return target
         parts = name.split(".")
         if len(parts) > 4 and parts[1] == "layers" and parts[4] == "q_proj":
             if self.model.layer_shapes[int(parts[2])].kv_mode == "reuse":
@@ -306,8 +312,9 @@ class Gemma4ForCausalLM(CausalLM):
 def gemma4_text_weights(layers: list[Gemma4Layer], weights):
     """The checkpoint's tensors as the model's layers take them: a ``k_eq_v`` layer's key
     projection also fills its value rows; a shared-KV layer's K/V tensors (which some
-    checkpoints keep) are dropped."""
+    checkpoints keep) are dropped; the MoE branch's tensors move under the layer's ``moe``."""
     for name, tensor in weights:
+        name = moe_weight_name(name)
         parts = name.split(".")
         if len(parts) > 4 and parts[1] == "layers" and parts[3] == "self_attn":
             layer = layers[int(parts[2])]

@@ -3,7 +3,8 @@
 The tiny configs keep every switch live: sliding (window 6) and global layers of different head
 sizes and KV-head counts, proportional RoPE on the global layers, keys as values
 (``attention_k_eq_v``), the last layers sharing the K/V of earlier ones with double-wide MLPs,
-per-layer inputs, random ``layer_scalar``s and norms, and final-logit soft-capping.
+per-layer inputs, the MoE branch (GeGLU experts, scaled router), random ``layer_scalar``s, norms
+and router scales, and final-logit soft-capping.
 """
 
 from __future__ import annotations
@@ -45,19 +46,24 @@ CONFIGS = {
         vocab_size_per_layer_input=160,
         hidden_size_per_layer_input=8,
     ),
-    # 31B-like: no sharing, no per-layer inputs, separate v projections
-    "gemma4_dense": lambda: transformers.Gemma4TextConfig(
+    # 26B-A4B-like: no sharing, no per-layer inputs, separate v projections, a GeGLU-experts branch
+    # (top-2 of 4) beside every layer's MLP
+    "gemma4_moe": lambda: transformers.Gemma4TextConfig(
         **SMALL,
         num_hidden_layers=3,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         global_head_dim=32,
         hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
     ),
 }
 
 
 def write_randomised(path, config):
-    """Random norms, and ``layer_scalar``s in [0.5, 1.5] (ones in a fresh model)."""
+    """Random norms, and ``layer_scalar``s and the routers' scales in [0.5, 1.5] (ones in a fresh model)."""
     reference = write_tiny_model(path, config)
     randomise_identity_params(reference)
     generator = torch.Generator().manual_seed(4)
@@ -65,6 +71,9 @@ def write_randomised(path, config):
     with torch.no_grad():
         for layer in text.layers:
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=generator))
+            if layer.enable_moe_block:
+                for param in (layer.router.scale, layer.router.per_expert_scale):
+                    param.copy_(0.5 + torch.rand(param.shape, generator=generator))
     reference.save_pretrained(path)
     return reference
 
@@ -87,6 +96,10 @@ def test_layers_take_the_shapes_transformers_gives_them(tiny):
         assert ours.layer.kv_mode == modes[index] or (modes[index] is None and ours.layer.kv_mode is None)
         assert ours.mlp.gate_up_proj.weight.shape[0] == 2 * theirs.mlp.intermediate_size
         assert torch.equal(ours.layer_scalar, theirs.layer_scalar)
+        assert (ours.moe is not None) == theirs.enable_moe_block
+        if theirs.enable_moe_block:
+            assert torch.equal(ours.moe.experts.w13_weight, theirs.experts.gate_up_proj)
+            assert torch.equal(ours.moe.router.per_expert_scale, theirs.router.per_expert_scale)
     assert len({layer.self_attn.attn.config.head_size for layer in model.model.layers}) == 2
 
 
