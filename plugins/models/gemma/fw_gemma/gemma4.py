@@ -268,7 +268,7 @@ class Gemma4Model(nn.Module):
 
 
 class Gemma4ForCausalLM(CausalLM):
-    """Gemma 4 text (E2B / E4B / 31B dense): ``forward(input_ids, positions) -> hidden``; ``compute_logits``."""
+    """Gemma 4 text (E2B / E4B / 31B, 26B-A4B MoE): ``forward(input_ids, positions) -> hidden``; ``compute_logits``."""
 
     #: tensors reach the layers' loaders as they came (lazy ones read only where used)
     reads_checkpoint_slices = True

@@ -12,7 +12,7 @@ ARCHITECTURES = {
 
 #: Gemma 4 text: per-layer shapes, shared KV, per-layer inputs (``gemma4.py``); no tensor parallelism yet.
 GEMMA4_ARCHITECTURES = {
-    "Gemma4ForCausalLM": "Gemma 4 text (dense): per-layer inputs, shared KV layers, proportional RoPE on global layers",
+    "Gemma4ForCausalLM": "Gemma 4 text: per-layer inputs, shared KV layers, proportional RoPE on global layers, GeGLU-experts MoE",
 }
 
 #: Multimodal checkpoints whose text model is served (images are not yet).

@@ -131,12 +131,13 @@ def test_multimodal_checkpoint_serves_its_text_model(tiny_multimodal, caplog):
 
 
 @pytest.mark.gpu
-def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
-    """Triton attention over layers of two head sizes (16, 32), shared-KV layers, CUDA-graphed
-    decode steps: transformers' greedy ids (fp32)."""
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path, name):
+    """Triton attention over layers of two head sizes (16, 32), shared-KV layers, Triton fused_moe
+    with GeGLU experts, CUDA-graphed decode steps: transformers' greedy ids (fp32)."""
     from framework.testing import PARITY_PROMPTS, check_greedy_parity, check_kernels_used, count_kernel_calls
 
-    reference = write_randomised(tmp_path, CONFIGS["gemma4_shared_kv_per_layer_inputs"]())
+    reference = write_randomised(tmp_path, CONFIGS[name]())
     with count_kernel_calls() as calls:
         llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64)
         assert "decode graphs" in llm.engine.summary["cuda_graphs"]
@@ -149,4 +150,4 @@ def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
             prefill_chunk_size=64,
             max_num_batched_tokens=128,
         )
-    check_kernels_used(calls, {"attention": "triton"})
+    check_kernels_used(calls, {"attention": "triton", **({"fused_moe": "triton"} if "moe" in name else {})})
