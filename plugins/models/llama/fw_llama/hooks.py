@@ -43,6 +43,7 @@ GPT_OSS_ARCHITECTURES = {
 #: Llama 4 text: chunked / NoPE attention layers, a top-1 MoE scaled on its input (``llama4.py``).
 LLAMA4_ARCHITECTURES = {
     "Llama4ForCausalLM": "Llama 4 Scout / Maverick text (chunked attention, NoPE layers, shared-expert top-1 MoE)",
+    "Llama4ForConditionalGeneration": "Llama 4 Scout / Maverick checkpoints: the text model (vision model skipped at load)",
 }
 
 
@@ -76,7 +77,7 @@ def register_model_architectures():
             for name, description in GPT_OSS_ARCHITECTURES.items()
         ]
         + [
-            ModelSpec(name=name, impl="fw_llama.llama4:Llama4ForCausalLM", description=description)
+            ModelSpec(name=name, impl=f"fw_llama.llama4:{name}", description=description)
             for name, description in LLAMA4_ARCHITECTURES.items()
         ]
     )
