@@ -53,11 +53,23 @@ CONFIGS = {
     ),
 }
 
-tiny = tiny_model_fixture(CONFIGS)
+#: the full parity suite runs on the first config; the second checks logits and greedy ids
+tiny = tiny_model_fixture({"llama4_chunked_nope_moe": CONFIGS["llama4_chunked_nope_moe"]})
+tiny_top2 = tiny_model_fixture({"llama4_scaled_rope_top2": CONFIGS["llama4_scaled_rope_top2"]})
 
 
 class TestParity(ModelParityTests):
     """Logits and greedy ids against transformers: batched chunked prefill, a prefix-cache hit, preemption."""
+
+
+def test_llama3_rope_no_qk_norm_top2_routing_match_transformers(tiny_top2):
+    """Each of the two choices scales its own input; Scout's llama3 rope; Maverick's missing QK norm."""
+    from framework.testing import PARITY_PROMPTS, check_greedy_parity, check_logits_parity
+
+    llm = check_logits_parity(*tiny_top2, PARITY_PROMPTS)
+    layers = llm.engine.core.runner.model.model.layers
+    assert all(layer.feed_forward.top_k == 2 and not layer.self_attn.use_qk_norm for layer in layers)
+    check_greedy_parity(*tiny_top2, PARITY_PROMPTS)
 
 
 def test_layers_follow_the_config_switches(tiny):
