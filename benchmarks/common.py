@@ -75,6 +75,40 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     ),
+    # Llama 4 Scout (17B active, 16 experts top-1 + a shared expert on every layer; chunked attention
+    # on 3 of 4 layers, NoPE on the 4th) with 20 of its 48 layers: ~92 GB of bf16 weights, one H200
+    "llama4-scout-20l": dict(
+        architectures=["Llama4ForCausalLM"],
+        model_type="llama4_text",
+        hidden_size=5120,
+        intermediate_size=8192,
+        intermediate_size_mlp=16384,
+        num_local_experts=16,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        num_hidden_layers=20,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=202048,
+        max_position_embeddings=262144,
+        attention_chunk_size=8192,
+        no_rope_layer_interval=4,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=8192,
+        attn_scale=0.1,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=16.0,
+            low_freq_factor=1.0,
+            high_freq_factor=1.0,
+            original_max_position_embeddings=8192,
+        ),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
     # DeepSeek-V2-Lite: MLA (kv_lora_rank 512, rope 64: 576 cached numbers per token and layer), 26 MoE layers
     # of 64 experts (top-6, width 1408) + 2 shared, 1 dense layer; YaRN x40
     "deepseek-v2-lite": dict(

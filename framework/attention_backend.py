@@ -101,6 +101,9 @@ class AttentionLayerConfig:
     #: per-head attention sinks (gpt-oss): ``forward`` gets ``sinks [num_heads]``, one extra logit
     #: per head that joins the softmax's denominator and contributes no value
     has_sinks: bool = False
+    #: chunked local attention (Llama 4): a query attends only to keys of its own chunk of this
+    #: many positions, ``k // chunk == q // chunk`` (besides ``k <= q``)
+    attention_chunk_size: int | None = None
 
     @property
     def kv_cache_layout(self) -> str:
@@ -132,6 +135,8 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     #: True if ``forward`` takes ``sinks`` (layers with ``has_sinks``); others are refused for them.
     supports_sinks: bool = False
+    #: True if ``forward`` honours ``attention_chunk_size`` (layers with it are refused otherwise).
+    supports_chunked_attention: bool = False
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -211,7 +216,8 @@ class AttentionBackend(ABC):
         ``kv_cache`` at ``metadata.slot_mapping`` (first, or within the attention kernel itself, as
         long as the step's tokens attend to the new K/V); token ``j`` of request ``r`` (absolute
         position ``p = seq_len - query_len + j``) attends to positions ``<= p`` of its own
-        sequence (and ``> p - sliding_window`` when set).
+        sequence (and ``> p - sliding_window`` when set; and ``>= p // C * C``, its own chunk, when
+        ``attention_chunk_size`` ``C`` is set, for a backend with ``supports_chunked_attention``).
 
         ``sinks`` (only for a layer with ``has_sinks``; a backend that cannot use them refuses such
         layers in :meth:`validate`): ``[num_heads]`` float logits, one per head, appended to every

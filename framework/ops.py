@@ -158,7 +158,8 @@ class MoEActivation(NamedTuple):
     """What an expert applies between its projections, and its biases (keyword arguments of
     :func:`fused_moe` and :func:`quantized_fused_moe`; the defaults are plain SwiGLU without bias).
 
-    ``swiglu_limit`` set: gpt-oss's :func:`swiglu_oai_and_mul` with ``swiglu_alpha``; ``w13_bias``
+    ``gelu_tanh``: GeGLU, :func:`gelu_tanh_and_mul` (Gemma 4's experts); ``swiglu_limit`` set:
+    gpt-oss's :func:`swiglu_oai_and_mul` with ``swiglu_alpha``; ``w13_bias``
     ``[E, 2 * I]`` (gate then up) is added to the gate/up projection and ``w2_bias`` ``[E, H]`` to
     the down projection, before the routing weight.
     """
@@ -167,8 +168,11 @@ class MoEActivation(NamedTuple):
     w2_bias: Tensor | None = None
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    gelu_tanh: bool = False
 
     def act(self, gate_up: Tensor) -> Tensor:
+        if self.gelu_tanh:
+            return gelu_tanh_and_mul(gate_up)
         if self.swiglu_limit is None:
             return silu_and_mul(gate_up)
         return swiglu_oai_and_mul(gate_up, self.swiglu_alpha, self.swiglu_limit)

@@ -70,10 +70,15 @@ class ModelSpec(Spec):
     ``impl`` is a class taking ``(config, quant_config, prefix)`` (DESIGN §4).
     ``kv_cache_layout`` names the KV layout its attention needs (``"standard"`` K/V per head,
     ``"mla"`` compressed latent); ``supports_tensor_parallel`` says whether it can be sharded.
+    ``config_defaults`` are ``(key, value)`` pairs the architecture's reference config class
+    assumes when a checkpoint's ``config.json`` omits them (multimodal checkpoints such as Gemma 3
+    4B keep a sparse ``text_config``): the engine fills them in before it reads the config, into
+    ``text_config`` where there is one (:func:`framework.engine.model_loading.with_config_defaults`).
     """
 
     kv_cache_layout: str = "standard"
     supports_tensor_parallel: bool = False
+    config_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -39,6 +39,8 @@ def refusal_reasons(
         backend_cls = spec.load()
         if any(layer.has_sinks for layer in layers) and not backend_cls.supports_sinks:
             reasons.append("attention sinks (gpt-oss) unsupported")
+        if any(layer.attention_chunk_size for layer in layers) and not backend_cls.supports_chunked_attention:
+            reasons.append("chunked local attention (Llama 4 attention_chunk_size) unsupported")
         reasons += backend_cls.validate(layers, cache_dtype, platform)
     return reasons
 

@@ -4,9 +4,10 @@ The three steps :class:`~framework.engine.builder.EngineBuilder` runs in order:
 
 - :func:`open_source`: ``--m`` / ``--w`` / ``--f`` resolved to a local path (downloading when it
   names a Hub repo) and opened as the weight format ``--load-format`` names (or the detected one);
-- :func:`read_model_config`: the :class:`ModelConfig` (dtype settled for the device, the context
-  length, every end-of-sequence id the checkpoint, generation config and tokenizer declare), with
-  the tokenizer and generation config that came with it;
+- :func:`read_model_config`: the :class:`ModelConfig` (the architecture's config defaults filled
+  in, dtype settled for the device, the context length, every end-of-sequence id the checkpoint,
+  generation config and tokenizer declare), with the tokenizer and generation config that came
+  with it;
 - :func:`load_model`: the architecture built on the device and every checkpoint tensor loaded
   into it. On failure nothing stays half-loaded: :func:`release_device_memory` returns what the
   partial model held before the error propagates.
@@ -23,13 +24,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from framework import isq, plugins
+from framework import isq, plugins, registries
 from framework.config import ModelConfig, resolve_dtype, with_yarn_scaling
 from framework.engine.args import EngineArgs
 from framework.errors import ModelLoadError
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
 from framework.loader.source import resolve_local_path
+from framework.platform import Platform, platform_for_device
 from framework.quantization import QuantConfig, verify_quant_methods
 from framework.tokenizer import Tokenizer
 
@@ -56,11 +58,25 @@ def open_source(args: EngineArgs) -> OpenedSource:
     return OpenedSource(path, model_loader.open_model_source(Path(path), args.file, args.load_format))
 
 
+def with_config_defaults(hf_config: dict[str, Any], platform: Platform) -> dict[str, Any]:
+    """``hf_config`` with its registered architecture's ``ModelSpec.config_defaults`` filled in
+    where absent: inside ``text_config`` when the config has one, else at the top level. A config
+    of an unregistered architecture comes back unchanged (building it fails later, naming it)."""
+    archs = hf_config.get("architectures") or []
+    registry = registries.model_architectures(platform)
+    if not archs or archs[0] not in registry or not registry.get(archs[0]).config_defaults:
+        return hf_config
+    defaults = dict(registry.get(archs[0]).config_defaults)
+    if isinstance(hf_config.get("text_config"), dict):
+        return {**hf_config, "text_config": {**defaults, **hf_config["text_config"]}}
+    return {**defaults, **hf_config}
+
+
 def read_model_config(source: WeightFormat, args: EngineArgs, device: torch.device, source_path: str) -> ModelSetup:
     """The model's config for ``device`` (``--dtype``, ``--max-model-len``, ``--yarn-scaling-factor``
     applied), its tokenizer and generation config. ``eos_token_ids`` is the union of the ids the
     generation config, the model config and the tokenizer name."""
-    hf_config = source.hf_config()
+    hf_config = with_config_defaults(source.hf_config(), platform_for_device(device.type))
     if args.yarn_scaling_factor:
         hf_config = with_yarn_scaling(hf_config, args.yarn_scaling_factor)
     generation = source.generation_config()

@@ -33,6 +33,8 @@ class Attention(nn.Module):
 
     With ``has_sinks`` (gpt-oss) every call passes the layer's per-head sink logits, which the
     backend adds to the softmax (see :meth:`framework.attention_backend.AttentionBackend.forward`).
+    With ``attention_chunk_size`` (Llama 4) a token attends only within its own chunk of that many
+    positions; only backends with ``supports_chunked_attention`` are chosen for such layers.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class Attention(nn.Module):
         mla: MLAConfig | None = None,
         *,
         has_sinks: bool = False,
+        attention_chunk_size: int | None = None,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -58,7 +61,15 @@ class Attention(nn.Module):
             )
         self.layer_index = layer_index
         self.config = AttentionLayerConfig(
-            num_heads, num_kv_heads, head_size, scale, sliding_window, logits_soft_cap, mla, has_sinks
+            num_heads,
+            num_kv_heads,
+            head_size,
+            scale,
+            sliding_window,
+            logits_soft_cap,
+            mla,
+            has_sinks,
+            attention_chunk_size,
         )
         self.prefix = prefix
         self.quant_method: QuantMethodBase | None = quant_method_for(

@@ -198,8 +198,9 @@ class FusedMoE(KeepsWeightAttrs):
 
     gpt-oss: ``bias=True`` adds ``w13_bias [E, 2I]`` / ``w2_bias [E, H]`` (:func:`create_expert_biases`,
     which a quant method calls from its ``create_weights``), and ``swiglu_limit`` swaps SiLU-and-mul
-    for the clamped SwiGLU (:func:`framework.ops.swiglu_oai_and_mul`); methods pass
-    :meth:`activation` to their kernel when :attr:`is_plain_swiglu` is False.
+    for the clamped SwiGLU (:func:`framework.ops.swiglu_oai_and_mul`); ``activation="gelu_tanh"``
+    makes the experts GeGLU (Gemma 4). Methods pass :meth:`activation` to their kernel when
+    :attr:`is_plain_swiglu` is False.
     """
 
     #: Its loaders only narrow and copy, so they take lazy checkpoint slices (model_loader).
@@ -222,8 +223,15 @@ class FusedMoE(KeepsWeightAttrs):
         bias: bool = False,
         swiglu_limit: float | None = None,
         swiglu_alpha: float = 1.702,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_tanh") or (activation == "gelu_tanh" and (bias or swiglu_limit)):
+            raise ValueError(
+                f"{prefix}: expert activation {activation!r} (bias={bias}, swiglu_limit={swiglu_limit}); valid: "
+                "'silu' (optionally with biases and a clamp), 'gelu_tanh' (neither)"
+            )
+        self.activation_name = activation
         if not 0 < top_k <= num_experts:
             raise ValueError(f"{prefix}: top_k must be in 1..num_experts ({num_experts}), got {top_k}")
         tp_size, tp_rank = resolve_tp(tp_size, tp_rank)
@@ -243,8 +251,8 @@ class FusedMoE(KeepsWeightAttrs):
         self.quant_method: FusedMoEMethod = method or UnquantizedFusedMoEMethod()
         if not self.is_plain_swiglu and not self.quant_method.supports_moe_activation:
             raise ConfigError(
-                f"{prefix}: {type(self.quant_method).__name__} cannot run experts with biases or the clamped "
-                "SwiGLU (gpt-oss); use an unquantized or MXFP4 checkpoint"
+                f"{prefix}: {type(self.quant_method).__name__} cannot run experts with biases, the clamped "
+                "SwiGLU (gpt-oss) or GeGLU (Gemma 4); use an unquantized or MXFP4 checkpoint"
             )
         self.quant_method.create_weights(self, num_experts, hidden_size, width, self.params_dtype)
         self._loaded_experts: dict[str, set[int]] = {"w1": set(), "w3": set(), "w2": set()}
@@ -354,7 +362,7 @@ class FusedMoE(KeepsWeightAttrs):
     @property
     def is_plain_swiglu(self) -> bool:
         """No biases and SiLU-and-mul: every ``fused_moe`` kernel serves it."""
-        return not self.has_bias and self.swiglu_limit is None
+        return not self.has_bias and self.swiglu_limit is None and self.activation_name == "silu"
 
     def activation(self) -> MoEActivation:
         """The biases and activation for ``fused_moe``; the down bias on rank 0 only (the ranks'
@@ -364,6 +372,7 @@ class FusedMoE(KeepsWeightAttrs):
             getattr(self, "w2_bias", None) if self.tp_rank == 0 else None,
             self.swiglu_limit,
             self.swiglu_alpha,
+            self.activation_name == "gelu_tanh",
         )
 
     def forward(

@@ -2,7 +2,7 @@
 
 :func:`get_rope` reads a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict and returns
 the module for its type: default, ``linear``, ``dynamic`` (NTK), ``llama3``, ``yarn``,
-``longrope``. Each type only changes the inverse frequencies, the attention scaling folded into
+``longrope``, ``proportional`` (Gemma 4). Each type only changes the inverse frequencies, the attention scaling folded into
 cos/sin, and how many positions the table holds; the frequencies are computed with the same
 float32 arithmetic as ``transformers.modeling_rope_utils`` so the two agree bit for bit.
 
@@ -290,6 +290,36 @@ class YaRNScalingRotaryEmbedding(RotaryEmbedding):
         return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
 
 
+class ProportionalRotaryEmbedding(RotaryEmbedding):
+    """Gemma 4's global layers: the first ``rotated_dim / 2`` frequencies of a full-width rotation,
+    ``1 / base^(2i / head_size) / factor``, the others zero (those features pass through).
+
+    Unlike partial rotary (``rotary_dim < head_size``, whose frequencies span the rotating
+    features), the rotation keeps the whole head's pairing: feature ``i`` with ``i + head_size / 2``
+    (neox style), so the table is ``head_size`` wide.
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotated_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype,
+        *,
+        factor: float = 1.0,
+    ) -> None:
+        if rotated_dim % 2 or not 0 <= rotated_dim <= head_size:
+            raise ValueError(f"proportional rope rotates an even number of features <= {head_size}; got {rotated_dim}")
+        self.rotated_dim, self.factor = rotated_dim, factor
+        super().__init__(head_size, head_size, max_position_embeddings, base, is_neox_style, dtype)
+
+    def compute_inv_freq(self) -> Tensor:
+        rotated = default_inv_freq(self.base, self.head_size)[: self.rotated_dim // 2]
+        return torch.cat([rotated, torch.zeros(self.head_size // 2 - self.rotated_dim // 2)]) / self.factor
+
+
 class LongRopeScaledRotaryEmbedding(RotaryEmbedding):
     """Phi-3 LongRoPE: per-frequency ``short_factor`` within the original context, ``long_factor``
     beyond it. The table holds both: rows ``[0, original)`` short, then ``max_position`` long rows.
@@ -356,7 +386,7 @@ class LongRopeScaledRotaryEmbedding(RotaryEmbedding):
         return positions + (positions >= original).any() * original  # the long rows; a tensor op: no host sync
 
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
 
 def get_rope(
@@ -457,5 +487,9 @@ def _cached_rope(
             long_factor=need("long_factor"),
             factor=scaling.get("factor"),
             attention_factor=scaling.get("attention_factor"),
+        )
+    if rope_type == "proportional":  # rotary_dim: the features that rotate; the table spans the head
+        return ProportionalRotaryEmbedding(
+            head_size, rotary_dim, max_position, base, is_neox_style, dtype, factor=scaling.get("factor") or 1.0
         )
     raise ValueError(f"unknown rope type {rope_type!r}; valid: {', '.join(ROPE_TYPES)}")

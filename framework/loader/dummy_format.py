@@ -42,7 +42,9 @@ class DummyFormat(WeightFormat):
             return Tokenizer.from_directory(self.path)
         from framework.testing import make_tiny_tokenizer
 
-        return Tokenizer(make_tiny_tokenizer(int(self.hf_config()["vocab_size"])), eos_token="</s>")
+        config = self.hf_config()  # a multimodal wrapper's vocabulary is its text model's
+        vocab_size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        return Tokenizer(make_tiny_tokenizer(int(vocab_size)), eos_token="</s>")
 
     @functools.cached_property
     def _shapes(self) -> dict[str, torch.Size]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from framework.testing.attention import (
     ATTENTION_CASES,
+    CHUNKED_ATTENTION_CASES,
     MLA_ATTENTION_CASES,
     allocate_test_cache,
     as_cached,
@@ -82,6 +83,7 @@ from framework.testing.parsers import (
 #: everything here, importable as ``framework.testing.NAME`` (the fixtures are also seen by pytest here)
 __all__ = [
     "ATTENTION_CASES",
+    "CHUNKED_ATTENTION_CASES",
     "MLA_ATTENTION_CASES",
     "allocate_test_cache",
     "as_cached",

@@ -14,12 +14,22 @@ ATTENTION_CASES = [
     ("soft_cap", [6, 1], [10, 25], 4, 4, 64, None, 5.0),
 ]
 
+#: Chunked local attention (Llama 4), for backends with ``supports_chunked_attention``: the cases'
+#: eight fields then ``attention_chunk_size``. Prefills that cross chunk borders, a chunk that starts
+#: inside the cached context, decodes right after and right before a border.
+CHUNKED_ATTENTION_CASES = [
+    ("chunked_prefill", [19, 7, 1], [0, 0, 0], 4, 2, 32, None, None, 8),
+    ("chunked_with_prefix", [5, 12, 3], [11, 32, 40], 8, 2, 64, None, None, 8),
+    ("chunked_decode", [1, 1, 1, 1], [16, 23, 5, 40], 4, 1, 32, None, None, 8),
+]
 
-def dense_attention(query, key, value, scale: float, sliding_window=None, soft_cap=None, sinks=None):
+
+def dense_attention(query, key, value, scale: float, sliding_window=None, soft_cap=None, sinks=None, chunk_size=None):
     """Unpaged causal attention of one sequence: query ``[q, H, D]`` at the last ``q`` positions
     of ``key``/``value`` ``[k, H_kv, D]``. The oracle for paged backends (float64). ``sinks``
     ``[H]``: per-head logits joining each softmax's denominator (gpt-oss), as
-    ``exp(sink) / (exp(sink) + sum exp(scores))`` taken from the keys' weights."""
+    ``exp(sink) / (exp(sink) + sum exp(scores))`` taken from the keys' weights. ``chunk_size``:
+    chunked local attention, keys of the query's own chunk of positions only (Llama 4)."""
     import torch
 
     group = query.shape[1] // key.shape[1]
@@ -34,6 +44,8 @@ def dense_attention(query, key, value, scale: float, sliding_window=None, soft_c
     allowed = k_pos <= q_pos
     if sliding_window:
         allowed &= k_pos > q_pos - sliding_window
+    if chunk_size:
+        allowed &= k_pos // chunk_size == q_pos // chunk_size
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     weights = scores.softmax(-1)
     if sinks is not None:  # renormalise by hand, independently of the backends' running-max tricks
@@ -118,8 +130,18 @@ def _check_attention_case(
 
     from framework.attention_backend import AttentionLayerConfig
 
-    name, query_lens, context_lens, num_heads, num_kv_heads, head_size, window, cap = case
-    layer = AttentionLayerConfig(num_heads, num_kv_heads, head_size, head_size**-0.5, window, cap, has_sinks=with_sinks)
+    name, query_lens, context_lens, num_heads, num_kv_heads, head_size, window, cap, *rest = case
+    chunk = rest[0] if rest else None  # CHUNKED_ATTENTION_CASES
+    layer = AttentionLayerConfig(
+        num_heads,
+        num_kv_heads,
+        head_size,
+        head_size**-0.5,
+        window,
+        cap,
+        has_sinks=with_sinks,
+        attention_chunk_size=chunk,
+    )
     # sinks around the scores' scale (|q.k| * scale ~ 1), some far above, so they take real weight
     sinks = torch.randn(num_heads, generator=generator) * 2.0 if with_sinks else None
     extra = {} if sinks is None else {"sinks": sinks.to(device)}
@@ -148,7 +170,7 @@ def _check_attention_case(
         seq_lens,
         atol,
         lambda r, c, s: dense_attention(
-            queries[r][c:s], cached[r][0][:s], cached[r][1][:s], layer.scale, window, cap, sinks
+            queries[r][c:s], cached[r][0][:s], cached[r][1][:s], layer.scale, window, cap, sinks, chunk
         ),
     )
 

@@ -63,7 +63,7 @@ def write_tiny_model(
     if randomise_norms_and_biases:
         randomise_identity_params(model)
     model.save_pretrained(path, safe_serialization=True)
-    make_tiny_tokenizer(hf_config.vocab_size).save(str(path / "tokenizer.json"))
+    make_tiny_tokenizer(hf_config.get_text_config().vocab_size).save(str(path / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>"}
     if chat_template:
         config["chat_template"] = chat_template

@@ -130,3 +130,25 @@ def test_forward_takes_router_logits_or_a_precomputed_routing():
     assert not torch.allclose(layer(hidden, logits), layer(hidden, topk_weights=sigmoid_weights, topk_ids=sigmoid_ids))
     with pytest.raises(ValueError, match="router_logits"):
         layer(hidden)
+
+
+def test_geglu_experts_apply_gelu_tanh_between_the_projections():
+    """``activation="gelu_tanh"`` (Gemma 4): gelu_tanh(gate) * up per expert; biases or a clamp with it are refused."""
+    gate, up, down = _experts()
+    layer = FusedMoE(4, 2, 16, 8, renormalize=False, activation="gelu_tanh")
+    layer.w13_weight.copy_(torch.cat([gate, up], dim=1))
+    layer.w2_weight.copy_(down)
+    assert not layer.is_plain_swiglu and layer.activation().gelu_tanh
+    hidden = torch.randn(3, 16, generator=torch.Generator().manual_seed(4))
+    topk_ids = torch.tensor([[0, 2], [3, 0], [1, 1]], dtype=torch.int32)
+    topk_weights = torch.tensor([[0.7, 0.3], [0.5, 0.25], [0.6, 0.4]])
+    out = layer(hidden, topk_weights=topk_weights, topk_ids=topk_ids)
+    for t in range(3):
+        expected = sum(
+            w * down[e] @ (F.gelu(gate[e] @ hidden[t], approximate="tanh") * (up[e] @ hidden[t]))
+            for w, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist())
+        )
+        torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-5)
+    for bad in (dict(activation="relu"), dict(activation="gelu_tanh", bias=True)):
+        with pytest.raises(ValueError, match="valid: 'silu'"):
+            FusedMoE(4, 2, 16, 8, renormalize=False, **bad)

@@ -216,3 +216,23 @@ def test_get_rope_builds_a_new_module_when_fw_kernels_forces_another_kernel(monk
     monkeypatch.setenv("FW_KERNELS", "rotary_embedding=torch")
     forced = get_rope(HEAD_SIZE, HEAD_SIZE, MAX_POSITION, BASE)
     assert forced is not before and forced is get_rope(HEAD_SIZE, HEAD_SIZE, MAX_POSITION, BASE)
+
+
+@pytest.mark.parametrize("partial, factor", [(0.25, 1.0), (0.5, 2.0)])
+def test_proportional_rope_matches_transformers_and_leaves_the_rest_unrotated(partial, factor):
+    """Gemma 4's global layers: the frequencies of a full-width rotation for the first
+    ``partial * head_size`` features' pairs, zeros for the others (those pass through)."""
+    config = hf_config({"rope_type": "proportional", "partial_rotary_factor": partial, "factor": factor})
+    expected, _ = ROPE_INIT_FUNCTIONS["proportional"](config)
+    rotated = 2 * int(partial * HEAD_SIZE // 2)
+    rope = get_rope(HEAD_SIZE, rotated, MAX_POSITION, BASE, {"rope_type": "proportional", "factor": factor})
+    assert rope.cos_sin_cache.shape[-1] == HEAD_SIZE
+    torch.testing.assert_close(rope.compute_inv_freq(), expected, rtol=0, atol=0)
+    positions = torch.tensor([0, 5, 200])
+    query, key = torch.randn(3, NUM_HEADS * HEAD_SIZE), torch.randn(3, NUM_KV_HEADS * HEAD_SIZE)
+    q, k = rope(positions, query, key)
+    heads = lambda x: x.view(3, -1, HEAD_SIZE)  # noqa: E731
+    half = HEAD_SIZE // 2
+    for idle in (slice(rotated // 2, half), slice(half + rotated // 2, HEAD_SIZE)):  # zero frequency: unchanged
+        torch.testing.assert_close(heads(q)[..., idle], heads(query)[..., idle])
+    assert not torch.allclose(heads(k)[1:, :, : rotated // 2], heads(key)[1:, :, : rotated // 2])

@@ -67,6 +67,8 @@ def attend(
     allowed = k_pos <= q_pos
     if layer.sliding_window:
         allowed &= k_pos > q_pos - layer.sliding_window
+    if layer.attention_chunk_size:  # chunked local attention: keys of the query's own chunk only
+        allowed &= k_pos // layer.attention_chunk_size == q_pos // layer.attention_chunk_size
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         sink_column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
@@ -93,11 +95,12 @@ class TorchAttentionBackend(AttentionBackend):
     Reads both KV layouts: ``"standard"`` and ``"mla"`` (multi-query attention over the cached
     latents, whose first ``kv_lora_rank`` features are also the values), and every KV dtype of
     :mod:`framework.kv_quant` (dequantized per request; scores and values in the rotated space for turbo);
-    standard layers may have attention sinks.
+    standard layers may have attention sinks and chunked local attention (Llama 4).
     """
 
     name = "torch"
     supports_sinks = True
+    supports_chunked_attention = True
 
     def forward(
         self,

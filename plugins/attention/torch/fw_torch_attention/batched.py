@@ -5,7 +5,7 @@ runs a dozen small ops for each; on a CPU those per-request Python loops and ops
 part of a decode step. Here a decode-only step (every request computes one token) gathers every
 request's keys and values from the paged cache at once, padded to the longest sequence, and runs
 one ``F.scaled_dot_product_attention`` over ``[requests, heads, 1, head_size]`` queries with a
-mask for each request's length (and sliding window); grouped-query heads share their KV head
+mask for each request's length (and sliding window or attention chunk); grouped-query heads share their KV head
 (``enable_gqa``), nothing is repeated. Steps with prefills, soft-capped logits and the MLA layout
 take the reference path, as do layers with attention sinks. Computed in float32, as the reference.
 """
@@ -63,6 +63,9 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
         allowed = positions < seq_lens  # [R, L]: the query sits at position seq_len - 1
         if layer.sliding_window:
             allowed &= positions > seq_lens - 1 - layer.sliding_window
+        if layer.attention_chunk_size:  # keys from the start of the query's chunk on
+            chunk = layer.attention_chunk_size
+            allowed &= positions >= (seq_lens - 1) // chunk * chunk
         q = (
             kv_quant.query_space(kv_cache, query.view(num_reqs, heads, head_size))
             .view(num_reqs, heads, 1, head_size)

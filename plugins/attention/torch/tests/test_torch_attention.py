@@ -133,3 +133,49 @@ def test_backends_without_sinks_are_refused_for_layers_with_sinks():
     assert refusal_reasons(spec, [AttentionLayerConfig(8, 2, 64, 0.125)], "standard", "auto", torch.float32, cpu) == []
     torch_spec = registries.attention_backends().get("torch")
     assert refusal_reasons(torch_spec, [sinks_layer], "standard", "auto", torch.float32, cpu) == []
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "torch_sdpa"])
+def test_torch_backends_keep_chunked_attention_within_each_chunk(backend_name):
+    """Llama 4's chunked local attention: prefills across chunk borders, a chunk that starts inside
+    the cached context, decodes just after and just before a border (torch_sdpa batches those)."""
+    from framework import registries
+    from framework.testing import CHUNKED_ATTENTION_CASES
+
+    backend = registries.attention_backends().get(backend_name).load()()
+    check_attention_backend(backend, atol=1e-5, cases=CHUNKED_ATTENTION_CASES)
+
+
+def test_chunked_attention_mask_differs_from_plain_causal():
+    """The chunked cases' oracle really masks: the same inputs without the chunk rule differ."""
+    from framework.testing import dense_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(20, 2, 16, generator=generator) for _ in range(3))
+    chunked = dense_attention(query[-5:], key, value, 0.25, chunk_size=8)
+    causal = dense_attention(query[-5:], key, value, 0.25)
+    # positions 15..19: 15 is the last of chunk 1 and sees 8..15; 16.. start chunk 2
+    windowed = dense_attention(query[-4:], key[16:], value[16:], 0.25)
+    assert torch.allclose(chunked[1:], windowed) and not torch.allclose(chunked, causal, atol=1e-3)
+
+
+def test_backends_without_chunked_attention_are_refused_for_chunked_layers():
+    from framework import registries
+    from framework.attention_backend import AttentionBackend, AttentionLayerConfig
+    from framework.engine.attention_choice import refusal_reasons
+    from framework.platform import Platform
+    from framework.specs import AttentionBackendSpec
+
+    class NoChunks(AttentionBackend):
+        def forward(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    globals()["NoChunks"] = NoChunks
+    spec = AttentionBackendSpec(name="no_chunks", impl=f"{__name__}:NoChunks")
+    chunked, cpu = AttentionLayerConfig(8, 2, 64, 0.125, attention_chunk_size=8192), Platform("cpu")
+    assert refusal_reasons(spec, [chunked], "standard", "auto", torch.float32, cpu) == [
+        "chunked local attention (Llama 4 attention_chunk_size) unsupported"
+    ]
+    for name in ("torch", "torch_sdpa"):
+        torch_spec = registries.attention_backends().get(name)
+        assert refusal_reasons(torch_spec, [chunked], "standard", "auto", torch.float32, cpu) == []

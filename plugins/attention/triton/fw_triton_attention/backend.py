@@ -36,6 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True  # no host reads or syncs in forward; grids come from host ints
     supports_sinks = True
+    supports_chunked_attention = True
 
     def __init__(self, num_sms: int | None = None) -> None:
         self.num_sms = num_sms
@@ -80,7 +81,11 @@ class TritonAttentionBackend(AttentionBackend):
         key = key.view(num_tokens, layer.num_kv_heads, layer.head_size)
         value = value.view(num_tokens, layer.num_kv_heads, layer.head_size)
         common = dict(
-            sm_scale=layer.scale, sliding_window=layer.sliding_window, soft_cap=layer.logits_soft_cap, sinks=sinks
+            sm_scale=layer.scale,
+            sliding_window=layer.sliding_window,
+            soft_cap=layer.logits_soft_cap,
+            sinks=sinks,
+            chunk_size=layer.attention_chunk_size,
         )
         if kv_cache.is_quantized:
             return self._forward_quantized(layer, query, key, value, kv_cache, metadata, common)

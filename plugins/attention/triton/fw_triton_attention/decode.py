@@ -79,6 +79,7 @@ def _decode_attention_kernel(
     sm_scale,
     soft_cap,
     sliding_window,
+    chunk_size,
     head_size,
     num_heads,
     GROUP: tl.constexpr,
@@ -89,6 +90,7 @@ def _decode_attention_kernel(
     IS_SPLIT: tl.constexpr,
     STORE_NEW_KV: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     FP32: tl.constexpr,
@@ -105,6 +107,8 @@ def _decode_attention_kernel(
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(seq_len - sliding_window, 0)
+    if USE_CHUNK:  # chunked local attention: from the start of the query's chunk
+        kv_lo = tl.maximum(kv_lo, (seq_len - 1) // chunk_size * chunk_size)
     seg = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
     start = kv_lo + split * seg
     end = tl.minimum(start + seg, seq_len)
@@ -308,6 +312,7 @@ def decode_attention(
     value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request (``query`` ``[R, H, D]``) over the paged cache.
 
@@ -321,7 +326,8 @@ def decode_attention(
     token counted, as in every decode step and CUDA-graph padding row). The cache then holds what
     ``store_kv`` followed by this function without them would leave, and the output is the same.
     Without them the cache is only read, and position ``seq_len - 1`` must be stored already.
-    ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``).
+    ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``). ``chunk_size``:
+    chunked local attention (Llama 4), keys from the start of the query's chunk only.
 
     ``kv_cache`` may be a quantized :class:`~framework.kv_cache.KVCache`: tiles are then read from
     its packed rows (:mod:`fw_triton_attention.quant_tiles`; the query rotated by the caller for
@@ -339,6 +345,8 @@ def decode_attention(
         return out
     if sliding_window:
         max_seq_len = min(max_seq_len, sliding_window)
+    if chunk_size:
+        max_seq_len = min(max_seq_len, chunk_size)
     if num_splits is None:
         num_splits = num_kv_splits(num_reqs, num_kv_heads, max_seq_len, num_sms or _num_sms(query.device))
     block_d = max(16, triton.next_power_of_2(head_size))
@@ -377,6 +385,7 @@ def decode_attention(
         sm_scale,
         soft_cap or 1.0,
         sliding_window or 0,
+        chunk_size or 1,
         head_size,
         num_heads,
         GROUP=group,
@@ -387,6 +396,7 @@ def decode_attention(
         IS_SPLIT=num_splits > 1,
         STORE_NEW_KV=store_new_kv,
         USE_WINDOW=bool(sliding_window),
+        USE_CHUNK=bool(chunk_size),
         USE_SOFT_CAP=bool(soft_cap),
         USE_SINKS=sinks is not None,
         FP32=INTERPRET or query.dtype == torch.float32,

@@ -56,6 +56,7 @@ def _prefill_attention_kernel(
     sm_scale,
     soft_cap,
     sliding_window,
+    chunk_size,
     head_size,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
@@ -64,6 +65,7 @@ def _prefill_attention_kernel(
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     FP32: tl.constexpr,
@@ -105,6 +107,9 @@ def _prefill_attention_kernel(
     if USE_WINDOW:
         first_pos = context_len + q_block * BLOCK_Q
         kv_start = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+    if USE_CHUNK:  # the block's first query sits in the earliest chunk: keys before it are never seen
+        chunk_start = (context_len + q_block * BLOCK_Q) // chunk_size * chunk_size
+        kv_start = tl.maximum(kv_start, chunk_start // BLOCK_N * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -143,6 +148,8 @@ def _prefill_attention_kernel(
         allowed = (kv_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
         if USE_WINDOW:
             allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+        if USE_CHUNK:
+            allowed = allowed & (kv_pos[None, :] >= (q_pos // chunk_size * chunk_size)[:, None])
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -180,12 +187,14 @@ def prefill_attention(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, H, D]`` (requests' new tokens, contiguous per request) over the cache.
 
     ``max_query_len`` (a host int) sizes the grid, so nothing syncs with the device. A quantized
     :class:`~framework.kv_cache.KVCache` is read from its packed rows, as in ``decode_attention``.
-    ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``).
+    ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``). ``chunk_size``:
+    chunked local attention, keys of the query's own chunk only (Llama 4).
     """
     num_tokens, num_heads, head_size = query.shape
     cache = cache_geometry(kv_cache)
@@ -216,6 +225,7 @@ def prefill_attention(
         sm_scale,
         soft_cap or 1.0,
         sliding_window or 0,
+        chunk_size or 1,
         head_size,
         GROUP=group,
         GROUP_P2=group_p2,
@@ -224,6 +234,7 @@ def prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
         PAGE=cache.page,
         USE_WINDOW=bool(sliding_window),
+        USE_CHUNK=bool(chunk_size),
         USE_SOFT_CAP=bool(soft_cap),
         USE_SINKS=sinks is not None,
         FP32=INTERPRET or query.dtype == torch.float32,

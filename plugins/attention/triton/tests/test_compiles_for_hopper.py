@@ -1,5 +1,6 @@
 """The decode kernel lowers to sm_90 PTX and passes ``ptxas`` (no GPU needed) in the forms the
-backend launches: with and without storing the new K/V, split or not, with a sliding window."""
+backend launches: with and without storing the new K/V, split or not, with a sliding window and
+chunked local attention."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def test_decode_kernel_compiles_for_hopper_and_the_fused_store_stays():
                 IS_SPLIT=split,
                 STORE_NEW_KV=store,
                 USE_WINDOW=window,
+                USE_CHUNK=window,  # the windowed forms also bound the keys by a chunk (Llama 4)
                 USE_SOFT_CAP=False,
                 FP32=False,
                 USE_SINKS=False,
@@ -72,6 +74,7 @@ def test_more_shared_memory_than_an_sm_has_fails_the_check():
             IS_SPLIT=True,
             STORE_NEW_KV=True,
             USE_WINDOW=False,
+            USE_CHUNK=False,
             USE_SOFT_CAP=False,
             FP32=False,
             USE_SINKS=False,
@@ -103,6 +106,7 @@ def test_quantized_cache_kernels_compile_for_hopper():
                 IS_SPLIT=True,
                 STORE_NEW_KV=False,
                 USE_WINDOW=False,
+                USE_CHUNK=False,
                 USE_SOFT_CAP=False,
                 USE_SINKS=False,
                 FP32=False,
@@ -128,6 +132,7 @@ def test_quantized_cache_kernels_compile_for_hopper():
                 BLOCK_D=128,
                 PAGE=16,
                 USE_WINDOW=False,
+                USE_CHUNK=False,
                 USE_SOFT_CAP=False,
                 USE_SINKS=False,
                 FP32=False,
@@ -174,8 +179,18 @@ def test_quantized_cache_kernels_compile_for_hopper():
 
 def test_kernels_with_attention_sinks_compile_for_hopper():
     """gpt-oss's shapes (8 query heads per KV head, head 64): the sink in the unsplit decode, the
-    split decode's reduce and the prefill, where it seeds the running softmax."""
-    decode = dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=64, PAGE=16, STORE_NEW_KV=True, USE_WINDOW=True, USE_SOFT_CAP=False)
+    split decode's reduce and the prefill, where it seeds the running softmax; with a window and
+    a chunk bound (Llama 4) on the keys, so those branches compile too."""
+    decode = dict(
+        BLOCK_H=16,
+        BLOCK_N=64,
+        BLOCK_D=64,
+        PAGE=16,
+        STORE_NEW_KV=True,
+        USE_WINDOW=True,
+        USE_CHUNK=True,
+        USE_SOFT_CAP=False,
+    )
     cases = [
         HopperCompile(
             "fw_triton_attention.decode:_decode_attention_kernel",
@@ -216,6 +231,7 @@ def test_kernels_with_attention_sinks_compile_for_hopper():
                 BLOCK_D=64,
                 PAGE=16,
                 USE_WINDOW=True,
+                USE_CHUNK=True,
                 USE_SOFT_CAP=False,
                 USE_SINKS=True,
                 FP32=False,

@@ -12,6 +12,7 @@ from framework.platform import Platform
 from framework.specs import AttentionBackendSpec
 from framework.testing import (
     ATTENTION_CASES,
+    CHUNKED_ATTENTION_CASES,
     PARITY_PROMPTS,
     check_attention_backend,
     check_greedy_parity,
@@ -92,6 +93,22 @@ def test_interpreted_kernels_read_and_write_bf16():
 SINK_CASES = [CPU_CASES[i] for i in (1, 2, 4, 5, 7, 8)]
 
 
+#: Chunked local attention (chunks of 8): prefills across chunk borders and over cached prefixes,
+#: decodes right after and before a border (split decodes: test_chunked_decode_split_count...).
+CHUNKED_CPU_CASES = CHUNKED_ATTENTION_CASES
+
+
+@interpreted
+def test_interpreted_kernels_keep_chunked_attention_within_each_chunk():
+    check_attention_backend(
+        TritonAttentionBackend(num_sms=CPU_NUM_SMS),
+        device="cpu",
+        dtype=torch.float32,
+        atol=1e-4,
+        cases=CHUNKED_CPU_CASES,
+    )
+
+
 @interpreted
 def test_interpreted_kernels_add_attention_sinks_fp32():
     check_attention_backend(
@@ -126,8 +143,9 @@ def _shuffled_table(seq_lens, page, generator):
     return table, num_blocks
 
 
-def _paged_decode_case(seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, seed=0):
-    """Random query ``[R, H, D]``, a paged cache with shuffled blocks, and the dense reference per request."""
+def _paged_decode_case(seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, seed=0, chunk_size=None):
+    """Random query ``[R, H, D]``, a paged cache with shuffled blocks, and the dense reference per
+    request (with ``chunk_size``: chunked local attention)."""
     generator = torch.Generator().manual_seed(seed)
     table, num_blocks = _shuffled_table(seq_lens, page, generator)
     cache = torch.randn(2, num_blocks, page, num_kv_heads, head_size, generator=generator).to(dtype)
@@ -135,7 +153,7 @@ def _paged_decode_case(seq_lens, num_heads, num_kv_heads, head_size, page, devic
     expected = []
     for r, s in enumerate(seq_lens):
         k, v = (cache[i, table[r].long()].flatten(0, 1)[:s] for i in (0, 1))
-        expected.append(dense_attention(query[r : r + 1], k, v, head_size**-0.5)[0])
+        expected.append(dense_attention(query[r : r + 1], k, v, head_size**-0.5, chunk_size=chunk_size)[0])
     to = dict(device=device)
     return (
         query.to(**to),
@@ -167,6 +185,14 @@ def test_decode_split_count_never_changes_the_result(num_splits):
     # longer contexts than the step has
     case = _paged_decode_case([70, 33, 64], 8, 2, 32, 16, "cpu", torch.float32)
     assert _decode_error(*case, num_splits=num_splits) < 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_chunked_decode_split_count_never_changes_the_result(num_splits):
+    # chunks of 16: the requests' last chunks hold 6, 1 and 16 keys, spread over the splits
+    case = _paged_decode_case([70, 33, 64], 8, 2, 32, 16, "cpu", torch.float32, chunk_size=16)
+    assert _decode_error(*case, num_splits=num_splits, chunk_size=16) < 1e-5
 
 
 def _fused_store_case(seq_lens, num_heads, num_kv_heads, head_size, page, device, dtype, seed=0):
@@ -393,6 +419,13 @@ LONG_DECODE = ("decode_32k_gqa4", [1] * 8, [32767, 20000, 32767, 8191, 32767, 10
 def test_compiled_kernels_add_attention_sinks_on_cuda_bf16():
     check_attention_backend(
         TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=CPU_CASES, with_sinks=True
+    )
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_keep_chunked_attention_within_each_chunk_on_cuda_bf16():
+    check_attention_backend(
+        TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=CHUNKED_CPU_CASES
     )
 
 

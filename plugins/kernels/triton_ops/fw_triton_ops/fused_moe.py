@@ -76,6 +76,17 @@ def gate_up_activation(
 
 
 @triton.jit
+def gelu_tanh_activation(acc_gate, acc_up, out_dtype):
+    """GeGLU's epilogue (Gemma 4's experts): the projections rounded to ``out_dtype``, then
+    ``gelu_tanh(gate)`` rounded again and times ``up``, as ``gelu_tanh_and_mul`` computes it; float32."""
+    g = acc_gate.to(out_dtype).to(tl.float32)
+    u = acc_up.to(out_dtype).to(tl.float32)
+    # 0.5 g (1 + tanh(z)) == g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3): no cancellation for g < 0
+    gelu = g * _sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    return gelu.to(out_dtype).to(tl.float32) * u
+
+
+@triton.jit
 def _gate_up_silu_kernel(
     x_ptr,
     w_ptr,
@@ -99,6 +110,7 @@ def _gate_up_silu_kernel(
     PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SWIGLU_OAI: tl.constexpr,
+    GELU_TANH: tl.constexpr,
 ):
     expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -120,20 +132,23 @@ def _gate_up_silu_kernel(
             a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
-    act = gate_up_activation(
-        acc_gate,
-        acc_up,
-        bias_ptr,
-        expert,
-        cols,
-        col_mask,
-        INTER,
-        act_ptr.dtype.element_ty,
-        swiglu_alpha,
-        swiglu_limit,
-        HAS_BIAS,
-        SWIGLU_OAI,
-    )
+    if GELU_TANH:  # no biases with GeGLU experts (FusedMoE refuses the combination)
+        act = gelu_tanh_activation(acc_gate, acc_up, act_ptr.dtype.element_ty)
+    else:
+        act = gate_up_activation(
+            acc_gate,
+            acc_up,
+            bias_ptr,
+            expert,
+            cols,
+            col_mask,
+            INTER,
+            act_ptr.dtype.element_ty,
+            swiglu_alpha,
+            swiglu_limit,
+            HAS_BIAS,
+            SWIGLU_OAI,
+        )
     out_dtype = act_ptr.dtype.element_ty
     tl.store(
         act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype), mask=valid[:, None] & col_mask[None, :]
@@ -329,6 +344,7 @@ def fused_moe(
         activation.swiglu_limit or 0.0,
         HAS_BIAS=w13_bias is not None,
         SWIGLU_OAI=activation.swiglu_limit is not None,
+        GELU_TANH=activation.gelu_tanh,
         **meta,
     )
     per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)

@@ -77,6 +77,16 @@ def test_fused_moe_with_biases_and_the_clamped_swiglu_matches_reference_fp32(sha
 
 
 @interpreted
+def test_fused_moe_with_geglu_experts_matches_reference_fp32():
+    """Gemma 4's experts: gelu_tanh(gate) * up between the projections."""
+    inputs = moe_inputs(5, 8, 2, 64, 48, seed=5)
+    geglu = ops.MoEActivation(gelu_tanh=True)
+    expected = ops.fused_moe(*inputs, geglu)
+    torch.testing.assert_close(fused_moe(*inputs, geglu), expected, rtol=1e-5, atol=1e-5)
+    assert (expected - ops.fused_moe(*inputs)).abs().max() > 0.05  # not SwiGLU's result
+
+
+@interpreted
 def test_fused_moe_when_every_token_picks_the_same_experts():
     # one expert group spans several blocks; the other experts get no rows at all
     hidden, w13, w2, _, _ = moe_inputs(40, 8, 2, 64, 32, seed=3)
@@ -165,6 +175,14 @@ def test_compiled_fused_moe_bf16_matches_reference_on_cuda(num_tokens):
     inputs = moe_inputs(num_tokens, *QWEN3_30B_A3B, seed=num_tokens, device="cuda", dtype=torch.bfloat16)
     triton_error, torch_error, scale = _errors_against_fp32(inputs)
     assert triton_error <= 2 * torch_error + 1e-3 * scale, (triton_error, torch_error, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_compiled_fused_moe_with_geglu_experts_matches_reference_on_cuda(num_tokens):
+    inputs = moe_inputs(num_tokens, 16, 4, 512, 384, device="cuda")
+    geglu = ops.MoEActivation(gelu_tanh=True)
+    torch.testing.assert_close(fused_moe(*inputs, geglu), ops.fused_moe(*inputs, geglu), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -36,7 +36,12 @@ from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
 #: ``architectures[0]`` -> Gemma generation; the switches in the table above key off it.
-GENERATIONS = {"GemmaForCausalLM": 1, "Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 3}
+GENERATIONS = {
+    "GemmaForCausalLM": 1,
+    "Gemma2ForCausalLM": 2,
+    "Gemma3ForCausalLM": 3,
+    "Gemma3ForConditionalGeneration": 3,  # its text model (``multimodal.py``)
+}
 SLIDING, FULL = "sliding_attention", "full_attention"
 TANH_GELUS = ("gelu_pytorch_tanh", "gelu_tanh")
 

@@ -29,9 +29,21 @@ MOE_ARCHITECTURES = {
 }
 
 
+#: MiniMax-M2: the MoE decoder above with a bias-corrected sigmoid router and a QK norm across
+#: all heads, which tensor parallelism would split (so one device).
+MINIMAX_ARCHITECTURES = {
+    "MiniMaxM2ForCausalLM": "MiniMax-M2 (sigmoid router with e_score_correction_bias, QK norm across heads, partial rotary)",
+}
+
 #: gpt-oss: Llama attention with sinks, biased experts with the clamped SwiGLU (``gpt_oss.py``).
 GPT_OSS_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt-oss-20b / 120b (attention sinks, alternate sliding window, YaRN; MXFP4 experts with fw-fp4)",
+}
+
+#: Llama 4 text: chunked / NoPE attention layers, a top-1 MoE scaled on its input (``llama4.py``).
+LLAMA4_ARCHITECTURES = {
+    "Llama4ForCausalLM": "Llama 4 Scout / Maverick text (chunked attention, NoPE layers, shared-expert top-1 MoE)",
+    "Llama4ForConditionalGeneration": "Llama 4 Scout / Maverick checkpoints: the text model (vision model skipped at load)",
 }
 
 
@@ -64,6 +76,10 @@ def register_model_architectures():
             for name, description in MOE_ARCHITECTURES.items()
         ]
         + [
+            ModelSpec(name=name, impl="fw_llama.moe:LlamaMoeForCausalLM", description=description)
+            for name, description in MINIMAX_ARCHITECTURES.items()
+        ]
+        + [
             ModelSpec(name=name, impl="fw_llama.gpt_oss:GptOssForCausalLM", description=description)
             for name, description in GPT_OSS_ARCHITECTURES.items()
         ]
@@ -75,5 +91,9 @@ def register_model_architectures():
                 supports_tensor_parallel=True,
             )
             for name, description in GLM4_MOE_ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(name=name, impl=f"fw_llama.llama4:{name}", description=description)
+            for name, description in LLAMA4_ARCHITECTURES.items()
         ]
     )

@@ -19,7 +19,6 @@ feed-forward through ``LlamaModel(make_mlp=...)``.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +39,12 @@ from framework.layers import (
 )
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
-from framework.layers.linear import KeepsWeightAttrs, copy_weight, load_column_shard
+from framework.layers.linear import load_column_shard
 from framework.layers.mlp import MLPFactory, dense_mlp
 from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
+
+from .per_head_norm import PER_HEAD_NORM, PerHeadLayerNorm
 
 GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 #: Architectures whose attention has q/k/v bias regardless of ``attention_bias`` (the MoE ones
@@ -55,14 +56,17 @@ QK_RMS_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 #: GLM-4.5 / 4.6 / 4.7 (``glm4_moe.py``): q/k/v bias per ``attention_bias`` but none on o_proj, and,
 #: unlike the dense GLMs, rotary on halves of the first ``partial_rotary_factor`` of each head.
 GLM4_MOE = "Glm4MoeForCausalLM"
+#: Architectures whose QK norm is one RMSNorm over all of q's features (every head), one over k's.
+QK_RMS_NORM_ACROSS_HEADS_ARCHITECTURES = ("MiniMaxM2ForCausalLM",)
 
 
 @dataclass(frozen=True, slots=True)
 class LlamaVariant:
     """What tells one family member from another (the table in the module docstring).
 
-    ``qk_norm``: ``None``, ``"rms"`` (one RMSNorm over ``head_size`` shared by all heads, Qwen3)
-    or ``"layer_per_head"`` (a LayerNorm per head, StableLM 2 12B). ``norm``: ``"rms"`` or
+    ``qk_norm``: ``None``, ``"rms"`` (one RMSNorm over ``head_size`` shared by all heads, Qwen3),
+    ``"rms_across_heads"`` (one RMSNorm over all ``heads * head_size`` features, MiniMax-M2; not
+    shardable) or ``"layer_per_head"`` (a LayerNorm per head, StableLM 2 12B). ``norm``: ``"rms"`` or
     ``"layer"``. ``attention_sinks``: a learned sink logit per head (``self_attn.sinks``, gpt-oss).
     ``branch_norms``: normalise the attention and MLP outputs before each residual
     add (GLM-4). ``parallel_residual``: ``x + attn(norm(x)) + mlp(norm(x))`` (StableLM).
@@ -93,6 +97,8 @@ class LlamaVariant:
             o_proj_bias=attention_bias and not is_glm and arch != GLM4_MOE,
             qk_norm="rms"
             if arch in QK_RMS_NORM_ARCHITECTURES or (arch == GLM4_MOE and config.get("use_qk_norm"))
+            else "rms_across_heads"
+            if arch in QK_RMS_NORM_ACROSS_HEADS_ARCHITECTURES
             else "layer_per_head"
             if is_stablelm and config.get("qk_layernorm")
             else None,
@@ -125,9 +131,12 @@ def layer_sliding_window(config: ModelConfig, layer_index: int) -> int | None:
 
 def rotary_dim(config: ModelConfig) -> int:
     """Features per head that rotate: ``head_size * partial_rotary_factor`` (transformers 5 keeps
-    the factor in ``rope_parameters``, older configs at the top level)."""
-    factor = config.rope_parameters.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
-    return int(config.head_size * float(factor))
+    the factor in ``rope_parameters``, older configs at the top level), else ``rotary_dim``
+    (MiniMax-M2's own configs), else all of them."""
+    factor = config.rope_parameters.get("partial_rotary_factor") or config.get("partial_rotary_factor")
+    if factor is None and config.get("rotary_dim"):
+        return int(config.get("rotary_dim"))
+    return int(config.head_size * float(factor or 1.0))
 
 
 def rope_scaling(config: ModelConfig) -> dict[str, Any] | None:
@@ -151,55 +160,6 @@ def rope_scaling(config: ModelConfig) -> dict[str, Any] | None:
         raise ValueError("longrope rope scaling needs original_max_position_embeddings in the model config")
     factor = scaling.get("factor") or int(config.get("max_position_embeddings") or config.max_model_len) / int(original)
     return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": int(original), "factor": factor}
-
-
-class PerHeadLayerNorm(KeepsWeightAttrs):
-    """StableLM's QK norm: a LayerNorm (no bias) per head, each with its own weight.
-
-    The heads' weights are one ``weight [num_heads, head_size]`` parameter, so ``forward(x [...,
-    num_heads, head_size])`` is one ``layer_norm`` times it. Checkpoints keep one tensor per head
-    (``norms.{head}.weight``, as transformers' ``nn.ModuleList`` names them):
-    :meth:`LlamaForCausalLM.map_weight_name` sends each to :meth:`weight_loader` with its head.
-    Under tensor parallelism a rank holds the ``num_heads`` heads from ``first_head`` on (those of
-    its attention shard) and skips the others' weights.
-    """
-
-    def __init__(
-        self, num_heads: int, head_size: int, eps: float, first_head: int = 0, total_num_heads: int | None = None
-    ) -> None:
-        super().__init__()
-        self.num_heads, self.head_size, self.eps = num_heads, head_size, eps
-        self.first_head, self.total_num_heads = first_head, total_num_heads or num_heads
-        self.weight = nn.Parameter(torch.ones(num_heads, head_size), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
-        self._loaded_heads: set[int] = set()
-
-    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, head: int) -> None:
-        """Copy head ``head``'s checkpoint weight ``[head_size]`` into its row (nothing for another rank's head)."""
-        if not 0 <= head < self.total_num_heads or tuple(loaded_weight.shape) != (self.head_size,):
-            raise ValueError(
-                f"per-head norm weight {head} of shape {tuple(loaded_weight.shape)} does not fit: expected "
-                f"heads 0..{self.total_num_heads - 1} of shape ({self.head_size},)"
-            )
-        row = head - self.first_head
-        if 0 <= row < self.num_heads:
-            copy_weight(param.data[row], loaded_weight)
-            self._loaded_heads.add(head)
-
-    def missing_weights(self) -> list[str]:
-        """This rank's heads no checkpoint tensor has filled (``check_all_loaded`` reports them)."""
-        absent = sorted(set(range(self.first_head, self.first_head + self.num_heads)) - self._loaded_heads)
-        return [f"norms.{head}.weight" for head in absent]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.layer_norm(x, (self.head_size,), eps=self.eps) * self.weight
-
-    def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, head_size={self.head_size}, eps={self.eps}"
-
-
-#: A checkpoint name of one head's QK LayerNorm weight (StableLM): ``...q_layernorm.norms.{head}.weight``.
-_PER_HEAD_NORM = re.compile(r"^(?P<norm>.*_layernorm)\.norms\.(?P<head>\d+)\.weight$")
 
 
 class LlamaAttention(nn.Module):
@@ -262,8 +222,13 @@ class LlamaAttention(nn.Module):
             loader = functools.partial(load_column_shard, tp_rank=self.qkv_proj.tp_rank)
             set_weight_attrs(self.sinks, {"weight_loader": loader, "output_dim": 0})
         self.q_norm = self.k_norm = None
+        self.qk_norm_across_heads = variant.qk_norm == "rms_across_heads"
         if variant.qk_norm == "rms":  # Qwen3: checkpoint names q_norm / k_norm
             self.q_norm, self.k_norm = RMSNorm(head_size, variant.eps), RMSNorm(head_size, variant.eps)
+        elif self.qk_norm_across_heads:  # MiniMax-M2: the statistics span every head
+            if self.qkv_proj.tp_size > 1:
+                raise ValueError(f"{config.architecture}: its QK norm spans all heads; run it with --tp 1")
+            self.q_norm, self.k_norm = RMSNorm(self.q_size, variant.eps), RMSNorm(self.kv_size, variant.eps)
         elif variant.qk_norm == "layer_per_head":  # StableLM: q_layernorm / k_layernorm, this rank's heads
             qkv = self.qkv_proj
             self.q_layernorm = PerHeadLayerNorm(
@@ -276,7 +241,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if isinstance(self.q_norm, RMSNorm):  # Qwen3: per-head RMS norm and RoPE in one op
+        if self.qk_norm_across_heads:  # MiniMax-M2: q and k normalised whole, then RoPE
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+        elif isinstance(self.q_norm, RMSNorm):  # Qwen3: per-head RMS norm and RoPE in one op
             q, k = self.rotary_emb.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         else:
             if self.q_norm is not None:  # StableLM: per-head LayerNorm, before RoPE
@@ -379,6 +346,6 @@ class LlamaForCausalLM(CausalLM):
     def map_weight_name(name: str) -> tuple[str, tuple | None]:
         """StableLM's per-head QK norm weights go to their row of :class:`PerHeadLayerNorm`'s
         stacked ``weight``; the rest folds through ``packed_modules_mapping``."""
-        if (match := _PER_HEAD_NORM.match(name)) is not None:
+        if (match := PER_HEAD_NORM.match(name)) is not None:
             return f"{match['norm']}.weight", (int(match["head"]),)
         return name, None

@@ -131,7 +131,8 @@ def quantized_fused_moe(
     activation: MoEActivation = PLAIN_SWIGLU,
 ) -> Tensor:
     """:func:`framework.ops.quantized_fused_moe`; MXFP4 experts here, any other type by the reference."""
-    if any(p.quant_type != QUANT_TYPE for p in (w1, w3, w2)) or not _runs_here(hidden):
+    # GeGLU experts (Gemma 4) take the reference: this kernel's epilogue is SwiGLU's
+    if any(p.quant_type != QUANT_TYPE for p in (w1, w3, w2)) or not _runs_here(hidden) or activation.gelu_tanh:
         return ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, activation)
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate_size = w1.data.shape[0], w1.data.shape[1]
