@@ -21,6 +21,8 @@ REFERENCE_KERNELS = {
     "fused_moe": "framework.ops:fused_moe",
     "quantized_fused_moe": "framework.ops:quantized_fused_moe",
     "linear": "framework.ops:linear",
+    "causal_conv1d": "framework.ops_linear_attention:causal_conv1d",
+    "gated_delta_rule": "framework.ops_linear_attention:gated_delta_rule",
 }
 
 

@@ -1,0 +1,185 @@
+"""Torch reference ops of gated-delta-rule linear attention (Qwen3-Next / Qwen3.5 GDN layers).
+
+A GDN layer keeps, per sequence, a short-convolution state ``[conv_dim, kernel - 1]`` (the last
+inputs of its depthwise causal conv) and a recurrent state ``S`` ``[num_v_heads, k_dim, v_dim]``
+(float32). One token ``t`` of one value head updates and reads ``S``::
+
+    S <- exp(g_t) * S                        decay (g_t <= 0, log space)
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T  the delta rule: write the part of v_t S does not predict
+    o_t = S^T q_t                            (q and k L2-normalised, q scaled by k_dim ** -0.5)
+
+:func:`recurrent_gated_delta_rule` runs that loop; :func:`chunk_gated_delta_rule` computes the
+same in chunks of ``chunk_size`` tokens with matmuls (the WY form: within a chunk the corrected
+values ``u`` solve one unit-lower-triangular system, then the chunk's outputs and its end state
+are two products). The registry ops :func:`causal_conv1d` and :func:`gated_delta_rule` take a
+whole step's packed tokens (``cu_seqlens``) and update the per-sequence states in place, at the
+rows ``state_slots`` name; a sequence whose ``has_initial_state`` is false starts from zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the normalisation fla and transformers apply)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q: Tensor, k: Tensor, num_v_heads: int, use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+    """q and k in float32, one head per value head (each key head serves consecutive value heads),
+    normalised as the layer asks; q scaled by ``k_dim ** -0.5``."""
+    groups = num_v_heads // q.shape[-2]
+    q, k = q.float(), k.float()
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q * q.shape[-1] ** -0.5, k
+
+
+def recurrent_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """One sequence token by token: ``q, k`` ``[L, Hk, Dk]``, ``v`` ``[L, Hv, Dv]``, ``g, beta``
+    ``[L, Hv]``, ``initial_state`` ``[Hv, Dk, Dv]`` (None: zeros). Returns ``(o [L, Hv, Dv]`` in
+    ``v.dtype``, the final state float32)."""
+    q, k = _prepare(q, k, v.shape[-2], use_qk_l2norm)
+    values, g, beta = v.float(), g.float(), beta.float()
+    num_heads, dk, dv = v.shape[-2], q.shape[-1], v.shape[-1]
+    state = torch.zeros(num_heads, dk, dv, device=v.device) if initial_state is None else initial_state.float()
+    out = torch.empty_like(values)
+    for t in range(v.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        predicted = torch.einsum("hkv,hk->hv", state, k[t])
+        update = (values[t] - predicted) * beta[t][:, None]
+        state = state + k[t][:, :, None] * update[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out.to(v.dtype), state
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """:func:`recurrent_gated_delta_rule`'s result, chunk by chunk.
+
+    In a chunk of ``C`` tokens starting from state ``S0``, with ``G = cumsum(g)`` inside the chunk
+    and ``D[t, s] = exp(G_t - G_s)`` for ``s <= t`` (0 above; every entry <= 1, so nothing overflows)::
+
+        (I + A) U = beta*V - (beta*exp(G)*K) S0     A[t, s] = beta_t D[t, s] (k_t . k_s), s < t
+        O  = (exp(G)*Q) S0 + ((Q K^T) o D) U
+        S  = exp(G_C) S0 + (exp(G_C - G)*K)^T U
+    """
+    q, k = _prepare(q, k, v.shape[-2], use_qk_l2norm)
+    # heads first: [H, L, D] and [H, L]
+    q, k, values = q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1)
+    g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)
+    num_heads, length, dk, dv = values.shape[0], values.shape[1], q.shape[-1], values.shape[-1]
+    state = torch.zeros(num_heads, dk, dv, device=v.device) if initial_state is None else initial_state.float()
+    out = torch.empty_like(values)
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        qc, kc, vc, bc = q[:, start:end], k[:, start:end], values[:, start:end], beta[:, start:end, None]
+        cum = g[:, start:end].cumsum(-1)  # [H, C]
+        size = end - start
+        causal = torch.ones(size, size, dtype=torch.bool, device=v.device).tril()
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # D [H, C, C]
+        system = (bc * kc @ kc.transpose(-1, -2)) * decay
+        system = system.masked_fill(
+            causal.logical_not().logical_or(torch.eye(size, dtype=torch.bool, device=v.device)), 0.0
+        )
+        system = system + torch.eye(size, device=v.device)
+        rhs = torch.cat([bc * vc, bc * cum.exp()[..., None] * kc], dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        u = solved[..., :dv] - solved[..., dv:] @ state
+        out[:, start:end] = (cum.exp()[..., None] * qc) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        tail = (cum[:, -1:] - cum).exp()[..., None]  # exp(G_C - G_s)
+        state = cum[:, -1].exp()[:, None, None] * state + (tail * kc).transpose(-1, -2) @ u
+    return out.transpose(0, 1).to(v.dtype), state
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    conv_states: Tensor,
+    cu_seqlens: list[int],
+    state_slots: list[int],
+    has_initial_state: list[bool],
+    bias: Tensor | None = None,
+) -> Tensor:
+    """Depthwise causal conv then SiLU over a step's packed tokens, carrying each sequence's state.
+
+    ``x`` ``[T, D]``; ``weight`` ``[D, K]``; ``conv_states`` ``[num_slots, D, K - 1]`` (updated in
+    place: each sequence's row ends holding its last ``K - 1`` inputs, zeros before its first);
+    sequence ``r`` is ``x[cu_seqlens[r]:cu_seqlens[r + 1]]`` with state row ``state_slots[r]``.
+    Returns ``[T, D]`` in ``x.dtype``.
+    """
+    width = weight.shape[1] - 1
+    out = torch.empty_like(x)
+    for r, slot in enumerate(state_slots):
+        start, end = cu_seqlens[r], cu_seqlens[r + 1]
+        previous = conv_states[slot] if has_initial_state[r] else torch.zeros_like(conv_states[slot])
+        window = torch.cat([previous.to(x.dtype), x[start:end].transpose(0, 1)], dim=-1)  # [D, K - 1 + n]
+        conv = F.conv1d(window[None].to(weight.dtype), weight[:, None, :], bias, groups=weight.shape[0])[0]
+        out[start:end] = F.silu(conv).transpose(0, 1).to(x.dtype)
+        conv_states[slot] = window[:, window.shape[1] - width :].to(conv_states.dtype)
+    return out
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    states: Tensor,
+    cu_seqlens: list[int],
+    state_slots: list[int],
+    has_initial_state: list[bool],
+    use_qk_l2norm: bool = True,
+) -> Tensor:
+    """The gated delta rule over a step's packed sequences, each from and into its state row.
+
+    ``q, k`` ``[T, Hk, Dk]``, ``v`` ``[T, Hv, Dv]``, ``g, beta`` ``[T, Hv]``; ``states``
+    ``[num_slots, Hv, Dk, Dv]`` float32, updated in place. One-token sequences (decode) run
+    together as one recurrent step; longer ones (prefill chunks) run :func:`chunk_gated_delta_rule`.
+    Returns ``o`` ``[T, Hv, Dv]`` in ``v.dtype``.
+    """
+    out = torch.empty_like(v)
+    singles = [r for r in range(len(state_slots)) if cu_seqlens[r + 1] - cu_seqlens[r] == 1]
+    if singles:
+        rows = torch.tensor([cu_seqlens[r] for r in singles], device=v.device)
+        slots = torch.tensor([state_slots[r] for r in singles], device=v.device)
+        keep = torch.tensor([has_initial_state[r] for r in singles], device=v.device)
+        initial = torch.where(keep[:, None, None, None], states[slots], 0.0)
+        qs, ks = _prepare(q[rows], k[rows], v.shape[-2], use_qk_l2norm)
+        state = initial * g[rows].float().exp()[..., None, None]
+        update = (v[rows].float() - torch.einsum("bhkv,bhk->bhv", state, ks)) * beta[rows].float()[..., None]
+        state = state + ks[..., None] * update[..., None, :]
+        out[rows] = torch.einsum("bhkv,bhk->bhv", state, qs).to(v.dtype)
+        states[slots] = state
+    for r, slot in enumerate(state_slots):
+        start, end = cu_seqlens[r], cu_seqlens[r + 1]
+        if end - start == 1:
+            continue
+        initial = states[slot] if has_initial_state[r] else None
+        piece = slice(start, end)
+        out[piece], states[slot] = chunk_gated_delta_rule(
+            q[piece], k[piece], v[piece], g[piece], beta[piece], initial, use_qk_l2norm
+        )
+    return out
