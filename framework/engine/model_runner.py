@@ -38,6 +38,7 @@ from framework.engine.outputs import LogprobEntry
 from framework.engine.request import PLACEHOLDER, Request
 from framework.engine.sampler import Sampler, compute_logprobs
 from framework.engine.scheduler import ScheduledBatch
+from framework.engine.state_cache import StateCache
 from framework.engine.transfer import HostCopy, to_device
 from framework.forward_context import ForwardContext, forward_context
 from framework.kv_cache import KVCache
@@ -111,13 +112,16 @@ class ModelRunner:
         broadcast: Callable[[StepMessage], object] | None = None,
         structured_outputs: StructuredOutputManager | None = None,
         share_sampled: bool = False,
+        state_caches: list[StateCache] | None = None,
     ) -> None:
         """``graph_runner``: captured decode graphs (None: eager); ``broadcast``: rank 0 of a
         tensor-parallel group sends each step to the workers with it; ``structured_outputs``: grammar
-        masks on the logits (rank 0); ``share_sampled``: see the module docstring."""
+        masks on the logits (rank 0); ``share_sampled``: see the module docstring; ``state_caches``: the
+        per-sequence states of a hybrid model's linear-attention layers (:mod:`~framework.engine.state_cache`)."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
+        self.state_caches = state_caches or []
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
@@ -163,6 +167,7 @@ class ModelRunner:
                 request.num_computed_tokens,
                 request.block_ids,
                 request.request_id,
+                state_slot=request.state_slot,
             )
             for request, num_new in zip(batch.requests, batch.num_new_tokens)
         ]
@@ -217,6 +222,9 @@ class ModelRunner:
             seq_lens_cpu=lens_cpu,
             is_decode_only=num_tokens == num_reqs,
         )
+        if self.state_caches:
+            metadata.state_slots_cpu = [item.state_slot for item in inputs]
+            metadata.has_initial_state_cpu = [item.start > 0 for item in inputs]
         ids = dev64[:num_tokens]
         if from_device:
             ids = self._ids_from_device(ids, from_device)
@@ -278,7 +286,7 @@ class ModelRunner:
         if graphs is not None and metadata.is_decode_only and graphs.bucket_for(metadata.num_reqs):
             return graphs.run(input_ids, positions, metadata)
         self.backend.prepare(metadata)
-        with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
+        with forward_context(ForwardContext(metadata, self.backend, self.kv_caches, self.state_caches)):
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
