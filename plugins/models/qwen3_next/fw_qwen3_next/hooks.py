@@ -1,0 +1,21 @@
+"""Entry point of the ``qwen3_next`` plugin: which architecture names it serves (no torch import)."""
+
+from framework import hookimpl
+from framework.specs import ModelSpec
+
+#: HF ``architectures`` names served by the one hybrid implementation (``model.py``).
+ARCHITECTURES = {
+    "Qwen3NextForCausalLM": "Qwen3-Next (e.g. 80B-A3B): Gated DeltaNet and gated attention 3:1, "
+    "MoE with a gated shared expert",
+    "Qwen3_5ForCausalLM": "Qwen3.5 dense text: Gated DeltaNet and gated attention 3:1",
+    "Qwen3_5MoeForCausalLM": "Qwen3.5 MoE text (e.g. 35B-A3B): Qwen3.5 layers, MoE with a gated shared expert",
+}
+
+
+@hookimpl
+def register_model_architectures():
+    # tensor parallelism is not verified yet: the linear-attention projections are replicated
+    return [
+        ModelSpec(name=name, impl="fw_qwen3_next.model:Qwen3NextForCausalLM", description=description)
+        for name, description in ARCHITECTURES.items()
+    ]
