@@ -17,7 +17,9 @@ engine's state cache. Common to all three:
 | Qwen3.5-MoE | MoE with a sigmoid-gated shared expert on every layer | as Qwen3.5 |
 
 Attention layers are numbered 0, 1, ... among themselves (their KV caches), GDN layers likewise
-(their state caches). The multi-token-prediction weights (``mtp.*``) are not used.
+(their state caches). The multi-token-prediction weights (``mtp.*``) are not used. The Hub's
+Qwen3.5 checkpoints are ``*ForConditionalGeneration``: their language model (``model.language_model.*``,
+settings in ``text_config``) is served; the vision tower (``model.visual.*``) is not loaded.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def rotary_dim(config: ModelConfig) -> int:
 
 
 def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:
-    """Whether a layer's feed-forward is the MoE block (transformers' rule; Qwen3.5 dense: never)."""
-    if config.architecture == "Qwen3_5ForCausalLM" or not int(config.get("num_experts") or 0):
+    """Whether a layer's feed-forward is the MoE block (transformers' rule; Qwen3.5 dense has no experts)."""
+    if not int(config.get("num_experts") or 0):
         return False
     step = int(config.get("decoder_sparse_step") or 1)
     return layer_index not in (config.get("mlp_only_layers") or []) and (layer_index + 1) % step == 0
@@ -217,7 +219,7 @@ class HybridModel(DecoderStack):
 class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next, Qwen3.5, Qwen3.5-MoE: ``forward(input_ids, positions) -> hidden``; ``compute_logits``."""
 
-    ignored_weight_patterns = (*CausalLM.ignored_weight_patterns, "mtp.")
+    ignored_weight_patterns = (*CausalLM.ignored_weight_patterns, "mtp.", "model.visual.")
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
@@ -229,6 +231,9 @@ class Qwen3NextForCausalLM(CausalLM):
 
     @staticmethod
     def map_weight_name(name: str) -> tuple[str, tuple | None]:
-        """Expert tensors go to the stacked FusedMoE weights; the rest folds through
-        ``packed_modules_mapping`` (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``)."""
+        """A multimodal checkpoint's ``model.language_model.`` is this model's ``model.``; expert
+        tensors go to the stacked FusedMoE weights; the rest folds through ``packed_modules_mapping``
+        (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``)."""
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
         return map_expert_weight_name(name)

@@ -165,6 +165,42 @@ def test_aborted_request_frees_its_slot_and_the_next_request_reuses_it_from_zero
     assert tokens["b"] == _reference_ids(reference, PARITY_PROMPTS[1])
 
 
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+TEXT_OF_MULTIMODAL = {k: v for k, v in SMALL.items() if k != "tie_word_embeddings"}
+MULTIMODAL = {
+    "qwen3_5_vl": lambda: transformers.Qwen3_5Config(
+        text_config={**TEXT_OF_MULTIMODAL, "intermediate_size": 96}, vision_config=VISION, tie_word_embeddings=False
+    ),
+    "qwen3_5_moe_vl": lambda: transformers.Qwen3_5MoeConfig(
+        text_config={**TEXT_OF_MULTIMODAL, **MOE}, vision_config=VISION, tie_word_embeddings=False
+    ),
+}
+
+
+def _write_multimodal(path, hf_config):
+    """A ``*ForConditionalGeneration`` checkpoint as the Hub ships Qwen3.5 (language model under
+    ``model.language_model``, a vision tower beside it); returns the transformers reference."""
+    import torch
+
+    from framework.testing.model_writers import make_tiny_tokenizer, randomise_identity_params
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(hf_config, dtype=torch.float32).eval()
+    randomise_identity_params(model)
+    model.save_pretrained(path)
+    make_tiny_tokenizer(hf_config.text_config.vocab_size).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(MULTIMODAL))
+def test_text_path_of_the_hub_multimodal_checkpoints_matches_transformers(name, tmp_path):
+    reference = _write_multimodal(tmp_path, MULTIMODAL[name]())
+    llm = check_logits_parity(tmp_path, reference, PARITY_PROMPTS)
+    assert llm.engine.summary["architecture"] == reference.config.architectures[0]
+    assert _generate(llm, [PARITY_PROMPTS[1]]) == [_reference_ids(reference, PARITY_PROMPTS[1])]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_engine_matches_transformers(name, tmp_path):
