@@ -202,20 +202,26 @@ def test_text_path_of_the_hub_multimodal_checkpoints_matches_transformers(name, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deltanet_kernels", ["torch", "triton"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_gpu_engine_matches_transformers(name, tmp_path):
-    """On CUDA (fp32; Triton attention and kernels, the torch DeltaNet ops on the GPU, eager decode):
-    every prompt position's logits within 1e-4 of transformers' (CPU) and the greedy ids equal,
-    with prompts split into prefill chunks of 8 and async scheduling on."""
+def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monkeypatch):
+    """On CUDA (fp32; Triton attention and kernels, eager decode; the DeltaNet ops' torch references
+    or, forced, the triton_ops decode kernels): every prompt position's logits within 1e-4 of
+    transformers' (CPU) and the greedy ids equal, prompts split into prefill chunks of 8, async
+    scheduling on."""
     import torch
 
-    from framework.testing import capture_logits, reference_logits
+    from framework.testing import capture_logits, check_kernels_used, count_kernel_calls, reference_logits
 
+    if deltanet_kernels == "triton":
+        monkeypatch.setenv("FW_KERNELS", "gated_delta_rule=triton,causal_conv1d=triton")
     reference = write_randomised_model(tmp_path, CONFIGS[name]())
-    llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64, prefill_chunk_size=8)
-    assert llm.engine.core.async_scheduling
-    records = capture_logits(llm)
-    results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], GREEDY)
+    with count_kernel_calls() as calls:
+        llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64, prefill_chunk_size=8)
+        assert llm.engine.core.async_scheduling
+        records = capture_logits(llm)
+        results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], GREEDY)
+    check_kernels_used(calls, {"gated_delta_rule": deltanet_kernels, "causal_conv1d": deltanet_kernels})
     for index, (prompt, result) in enumerate(zip(PARITY_PROMPTS, results, strict=True)):
         expected = reference_logits(reference, prompt)
         got = torch.stack([records[(f"{index}-0", pos)].cpu() for pos in range(len(prompt))])

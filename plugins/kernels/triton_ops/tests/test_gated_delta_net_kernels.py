@@ -1,0 +1,94 @@
+"""The gated-delta-net decode kernels against the torch references in
+``framework.ops_linear_attention``: a step mixing decodes (the kernels), a fresh one-token prompt
+and prefill chunks (the reference); interpreted on CPU (fp32), compiled for sm_90, and on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework import ops_linear_attention as reference
+from framework.testing import HopperCompile, compile_for_hopper, interpreted, require_triton
+
+require_triton()
+
+from fw_triton_ops.gated_delta_net import causal_conv1d, gated_delta_rule  # noqa: E402
+
+HK, HV, DK, DV = 2, 4, 16, 24  # DV of 24: a masked v block
+#: a decode resuming slot 3, a fresh one-token prompt in slot 0, a prefill chunk resuming slot 4,
+#: two more decodes (slots 1, 5); slots 2 and 6 are held by nobody this step
+LENGTHS, SLOTS, RESUMES = [1, 1, 5, 1, 1], [3, 0, 4, 1, 5], [True, False, True, True, True]
+
+
+def _step(device: str, dtype: torch.dtype):
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    tokens = cu[-1]
+    q, k, v = randn(tokens, HK, DK), randn(tokens, HK, DK), randn(tokens, HV, DV)
+    g = -2 * torch.rand(tokens, HV, generator=generator).to(device)
+    beta = torch.rand(tokens, HV, generator=generator).to(device=device, dtype=dtype)
+    states = torch.randn(7, HV, DK, DV, generator=generator).to(device)
+    channels, kernel = 2 * HK * DK + HV * DV, 4
+    x, weight = randn(tokens, channels), randn(channels, kernel, scale=0.5)
+    conv_states = randn(7, channels, kernel - 1)
+    return cu, (q, k, v, g, beta, states), (x, weight, conv_states)
+
+
+def _check(device: str, dtype: torch.dtype, tol: dict) -> None:
+    cu, (q, k, v, g, beta, states), (x, weight, conv_states) = _step(device, dtype)
+    expected_states, expected_conv = states.clone(), conv_states.clone()
+    out = gated_delta_rule(q, k, v, g, beta, states, cu, SLOTS, RESUMES)
+    expected = reference.gated_delta_rule(q, k, v, g, beta, expected_states, cu, SLOTS, RESUMES)
+    torch.testing.assert_close(out, expected, **tol)
+    torch.testing.assert_close(states, expected_states, **tol)
+    conv = causal_conv1d(x, weight, conv_states, cu, SLOTS, RESUMES)
+    torch.testing.assert_close(conv, reference.causal_conv1d(x, weight, expected_conv, cu, SLOTS, RESUMES), **tol)
+    torch.testing.assert_close(conv_states, expected_conv, rtol=0, atol=0)  # the shift is exact
+
+
+@interpreted
+def test_decode_kernels_match_the_references_in_a_mixed_step_fp32():
+    _check("cpu", torch.float32, {"rtol": 1e-5, "atol": 1e-5})
+
+
+def test_decode_kernels_compile_for_hopper():
+    cases = [
+        HopperCompile(
+            "fw_triton_ops.gated_delta_net:_recurrent_step_kernel",
+            {
+                **{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "beta_ptr", "out_ptr")},
+                "g_ptr": "*fp32",
+                "states_ptr": "*fp32",
+                **{name: "*i64" for name in ("rows_ptr", "slots_ptr", "resume_ptr")},
+            },
+            dict(HEADS_PER_KEY=2, NUM_V_HEADS=48, K_DIM=128, V_DIM=128, BLOCK_K=128, BLOCK_V=32, USE_QK_L2NORM=True),
+            float_args=("scale",),
+            options=dict(num_warps=4),
+        ),
+        HopperCompile(
+            "fw_triton_ops.gated_delta_net:_conv_step_kernel",
+            {
+                **{name: "*bf16" for name in ("x_ptr", "weight_ptr", "bias_ptr", "states_ptr", "out_ptr")},
+                **{name: "*i64" for name in ("rows_ptr", "slots_ptr", "resume_ptr")},
+            },
+            dict(CHANNELS=10240, KERNEL=4, HAS_BIAS=False, BLOCK_D=256),
+            options=dict(num_warps=4),
+        ),
+    ]
+    assert all(".target sm_90" in ptx for ptx in compile_for_hopper(cases))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, tol",
+    [(torch.float32, {"rtol": 1e-4, "atol": 1e-4}), (torch.bfloat16, {"rtol": 2e-2, "atol": 2e-2})],
+    ids=["fp32", "bf16"],
+)
+def test_compiled_decode_kernels_match_the_references_on_cuda(dtype, tol):
+    _check("cuda", dtype, tol)
