@@ -132,7 +132,8 @@ class EngineBuilder:
             return
         budget = None if self.cache.num_blocks else kv_cache_sizing.kv_budget_bytes(self.cache, self.device)
         per_slot = sum(spec.bytes_per_slot for spec in self.state_specs)
-        self.num_state_slots = state_cache.num_state_slots(self.scheduler.max_num_seqs, per_slot, budget)
+        slots = state_cache.num_state_slots(self.scheduler.max_num_seqs, per_slot, budget)
+        self.num_state_slots = distributed.min_over_ranks(slots)  # every rank serves the same sequences
         state_cache.log_plan(self.state_specs, self.num_state_slots, self.scheduler.max_num_seqs)
         if self.cache.enable_prefix_caching:
             state_cache.log.info(

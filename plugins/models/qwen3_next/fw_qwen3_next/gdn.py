@@ -6,7 +6,9 @@
 
 The stateful part (short convolution, delta rule, the per-sequence states) is the framework's
 :class:`~framework.layers.linear_attention.GatedDeltaNetAttention`; this block owns the weights.
-The two checkpoint layouts:
+Tensor parallelism splits the heads: rank r keeps key heads ``[r*Hk/tp, (r+1)*Hk/tp)`` and the
+value heads they serve, the matching conv channels of q, k and v, and its rows of ``A_log`` and
+``dt_bias``; ``out_proj`` is row-parallel (one all-reduce). The two checkpoint layouts:
 
 | | projections | order inside the fused projection |
 | --- | --- | --- |
@@ -16,13 +18,17 @@ The two checkpoint layouts:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from framework.config import ModelConfig
+from framework.distributed import get_tp_rank, get_tp_size
 from framework.kernels import get_kernel
-from framework.layers import ReplicatedLinear
+from framework.layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, set_weight_attrs
+from framework.layers.linear import KeepsWeightAttrs, copy_weight, divide, load_column_shard
 from framework.layers.linear_attention import GatedDeltaNetAttention
 from framework.quantization import QuantConfig
 
@@ -41,46 +47,67 @@ class GatedRMSNorm(nn.Module):
         return (self._rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)
 
 
-class DepthwiseConvWeight(nn.Module):
-    """Holds the short convolution's ``weight [conv_dim, 1, kernel]`` (the checkpoint's ``conv1d``)."""
+class DepthwiseConvWeight(KeepsWeightAttrs):
+    """Holds the short convolution's ``weight [channels, 1, kernel]`` (the checkpoint's ``conv1d``) for
+    this rank's channels: of each part ``[q | k | v]`` of the checkpoint's channels (``part_sizes``,
+    per rank), the rank's slice."""
 
-    def __init__(self, channels: int, kernel: int) -> None:
+    def __init__(self, part_sizes: list[int], kernel: int, tp_rank: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.part_sizes, self.tp_rank = part_sizes, tp_rank
+        self.weight = nn.Parameter(torch.empty(sum(part_sizes), 1, kernel), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        full_offset, offset = 0, 0
+        for size in self.part_sizes:
+            full = size * loaded_weight.shape[0] // sum(self.part_sizes)  # this part's channels over all ranks
+            piece = loaded_weight.narrow(0, full_offset + self.tp_rank * size, size)
+            copy_weight(param.data.narrow(0, offset, size), piece)
+            full_offset, offset = full_offset + full, offset + size
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(KeepsWeightAttrs):
     """``forward(hidden [T, hidden]) -> [T, hidden]`` of linear-attention layer ``state_index``."""
 
     def __init__(
         self, config: ModelConfig, state_index: int, quant_config: QuantConfig | None, prefix: str, fused_qkvz: bool
     ) -> None:
         super().__init__()
-        hidden = config.hidden_size
-        num_k, num_v = int(config.get("linear_num_key_heads")), int(config.get("linear_num_value_heads"))
+        hidden, tp_size, tp_rank = config.hidden_size, get_tp_size(), get_tp_rank()
+        total_k, total_v = int(config.get("linear_num_key_heads")), int(config.get("linear_num_value_heads"))
+        num_k = divide(total_k, tp_size, "linear attention key heads")
+        num_v = divide(total_v, tp_size, "linear attention value heads")
         dk, dv = int(config.get("linear_key_head_dim")), int(config.get("linear_value_head_dim"))
         self.core = GatedDeltaNetAttention(state_index, num_k, num_v, dk, dv, int(config.get("linear_conv_kernel_dim")))
         self.num_k, self.num_v, self.dk, self.dv = num_k, num_v, dk, dv
-        key_dim, value_dim = self.core.key_dim, self.core.value_dim
+        key_dim, value_dim = total_k * dk, total_v * dv  # over all ranks
         self.fused_qkvz = fused_qkvz
 
-        def linear(name: str, size: int, input_size: int = hidden) -> ReplicatedLinear:
-            return ReplicatedLinear(input_size, size, quant_config=quant_config, prefix=f"{prefix}.{name}")
+        def column(name: str, size: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(hidden, size, quant_config=quant_config, prefix=f"{prefix}.{name}")
 
-        if fused_qkvz:
-            self.in_proj_qkvz = linear("in_proj_qkvz", 2 * key_dim + 2 * value_dim)
-            self.in_proj_ba = linear("in_proj_ba", 2 * num_v)
+        if fused_qkvz:  # grouped by key head: a contiguous split keeps each rank's groups whole
+            self.in_proj_qkvz = column("in_proj_qkvz", 2 * key_dim + 2 * value_dim)
+            self.in_proj_ba = column("in_proj_ba", 2 * total_v)
         else:
-            self.in_proj_qkv = linear("in_proj_qkv", self.core.conv_dim)
-            self.in_proj_z = linear("in_proj_z", value_dim)
-            self.in_proj_b = linear("in_proj_b", num_v)
-            self.in_proj_a = linear("in_proj_a", num_v)
-        self.conv1d = DepthwiseConvWeight(self.core.conv_dim, self.core.conv_kernel)
-        # the decay parameters stay float32 (transformers computes g in float32 from them)
+            self.in_proj_qkv = MergedColumnParallelLinear(
+                hidden, [key_dim, key_dim, value_dim], quant_config=quant_config, prefix=f"{prefix}.in_proj_qkv"
+            )
+            self.in_proj_z = column("in_proj_z", value_dim)
+            self.in_proj_b = column("in_proj_b", total_v)
+            self.in_proj_a = column("in_proj_a", total_v)
+        self.conv1d = DepthwiseConvWeight(
+            [self.core.key_dim, self.core.key_dim, self.core.value_dim], self.core.conv_kernel, tp_rank
+        )
+        # the decay parameters stay float32 (transformers computes g in float32 from them); this rank's heads
+        loader = functools.partial(load_column_shard, tp_rank=tp_rank)
         self.A_log = nn.Parameter(torch.empty(num_v, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(num_v, dtype=torch.float32), requires_grad=False)
+        for param in (self.A_log, self.dt_bias):
+            set_weight_attrs(param, {"weight_loader": loader, "output_dim": 0})
         self.norm = GatedRMSNorm(dv, float(config.get("rms_norm_eps") or 1e-6))
-        self.out_proj = linear("out_proj", hidden, value_dim)
+        self.out_proj = RowParallelLinear(value_dim, hidden, quant_config=quant_config, prefix=f"{prefix}.out_proj")
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])`` from either layout."""

@@ -17,8 +17,12 @@ ARCHITECTURES = {
 
 @hookimpl
 def register_model_architectures():
-    # tensor parallelism is not verified yet: the linear-attention projections are replicated
     return [
-        ModelSpec(name=name, impl="fw_qwen3_next.model:Qwen3NextForCausalLM", description=description)
+        ModelSpec(
+            name=name,
+            impl="fw_qwen3_next.model:Qwen3NextForCausalLM",
+            description=description,
+            supports_tensor_parallel=True,
+        )
         for name, description in ARCHITECTURES.items()
     ]

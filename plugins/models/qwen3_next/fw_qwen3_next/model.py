@@ -16,6 +16,9 @@ engine's state cache. Common to all three:
 | Qwen3.5 | dense SwiGLU | ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` |
 | Qwen3.5-MoE | MoE with a sigmoid-gated shared expert on every layer | as Qwen3.5 |
 
+Tensor parallelism: attention heads, the DeltaNet heads (``gdn.py``), the MLPs and every expert
+are split over the ranks; each rank keeps the state of its own DeltaNet heads.
+
 Attention layers are numbered 0, 1, ... among themselves (their KV caches), GDN layers likewise
 (their state caches). The multi-token-prediction weights (``mtp.*``) are not used. The Hub's
 Qwen3.5 checkpoints are ``*ForConditionalGeneration``: their language model (``model.language_model.*``,
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from framework.config import ModelConfig
+from framework.distributed import get_tp_size
 from framework.layers import (
     FusedMoE,
     GatedMLP,
@@ -43,6 +47,7 @@ from framework.layers import (
 from framework.layers.attention import Attention
 from framework.layers.causal_lm import CausalLM, DecoderStack
 from framework.layers.fused_moe import map_expert_weight_name
+from framework.layers.linear import divide
 from framework.layers.mlp import dense_mlp
 from framework.quantization import QuantConfig
 
@@ -81,9 +86,11 @@ class GatedAttention(nn.Module):
     def __init__(self, config: ModelConfig, attention_index: int, quant_config: QuantConfig | None, prefix: str):
         super().__init__()
         hidden, head_size, eps = config.hidden_size, config.head_size, float(config.get("rms_norm_eps") or 1e-6)
-        self.head_size, self.num_heads = head_size, config.num_heads
+        self.head_size = head_size
         bias = bool(config.get("attention_bias", False))
-        # 2 * num_heads "query heads" of head_size: the checkpoint's q_proj holds [query_h, gate_h] per head
+        # 2 * num_heads "query heads" of head_size: the checkpoint's q_proj holds [query_h, gate_h] per
+        # head, so a rank's share (whole heads, an even count) keeps every pair together
+        divide(config.num_heads, get_tp_size(), "attention heads")
         self.qkv_proj = QKVParallelLinear(
             hidden,
             head_size,
@@ -93,7 +100,8 @@ class GatedAttention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
         )
-        self.q_size, self.kv_size = 2 * config.num_heads * head_size, config.num_kv_heads * head_size
+        self.num_heads, num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads  # this rank's
+        self.q_size, self.kv_size = 2 * self.num_heads * head_size, num_kv_heads * head_size
         self.o_proj = RowParallelLinear(
             config.num_heads * head_size, hidden, bias=bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
         )
@@ -102,8 +110,8 @@ class GatedAttention(nn.Module):
         )
         self.attn = Attention(
             attention_index,
-            config.num_heads,
-            config.num_kv_heads,
+            self.num_heads,
+            num_kv_heads,
             head_size,
             head_size**-0.5,
             quant_config=quant_config,

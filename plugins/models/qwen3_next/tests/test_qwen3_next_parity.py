@@ -111,11 +111,12 @@ def test_layers_follow_layer_types_with_kv_and_state_caches_per_kind(tiny):
 
 
 def test_preempted_requests_resume_from_scratch_and_every_slot_is_freed(qwen3_5):
-    """Four requests in 5 blocks of 16 preempt each other; each preempted request gives its slot
-    back and recomputes from token 0 (state from zeros); all still give transformers' ids."""
+    """Three requests (71 tokens in all) in 4 blocks of 16 preempt each other; each preempted
+    request gives its slot back and recomputes from token 0 (state from zeros); all still give
+    transformers' ids."""
     path, reference = qwen3_5
-    prompts = [*PARITY_PROMPTS, PARITY_PROMPTS[0][::-1]]
-    llm = LLM(str(path), num_blocks=5, max_num_seqs=4)
+    prompts = PARITY_PROMPTS
+    llm = LLM(str(path), num_blocks=4, max_num_seqs=4)
     assert _generate(llm, prompts) == [_reference_ids(reference, p) for p in prompts]
     core = llm.engine.core
     assert core.stats().num_preemptions > 0
@@ -198,7 +199,6 @@ def test_text_path_of_the_hub_multimodal_checkpoints_matches_transformers(name, 
     reference = _write_multimodal(tmp_path, MULTIMODAL[name]())
     llm = check_logits_parity(tmp_path, reference, PARITY_PROMPTS)
     assert llm.engine.summary["architecture"] == reference.config.architectures[0]
-    assert _generate(llm, [PARITY_PROMPTS[1]]) == [_reference_ids(reference, PARITY_PROMPTS[1])]
 
 
 @pytest.mark.gpu
