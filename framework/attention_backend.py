@@ -33,6 +33,7 @@ import torch
 from framework.kv_cache import KVCache, KVCacheSpec, model_cache_spec, quantized_cache_spec
 
 if TYPE_CHECKING:
+    from framework.ops_linear_attention import StateIndices
     from framework.specs import KVCacheDtypeSpec
 
 
@@ -54,19 +55,17 @@ class AttentionMetadata:
     block_table_cpu: torch.Tensor | None = None  # the block table on the host, for backends that plan there
     #: set when the step captures or replays the decode CUDA graph of this many (padded) rows
     graph_batch_size: int | None = None
-    #: hybrid models: each request's state slot (:mod:`framework.engine.state_cache`), and whether
-    #: it resumes a state (it computed tokens before this step) rather than starting from zeros
-    state_slots_cpu: list[int] | None = None
-    has_initial_state_cpu: list[bool] | None = None
+    #: hybrid models: where each request keeps its linear-attention state (:mod:`framework.engine.state_cache`)
+    state_indices: StateIndices | None = None
 
-    def linear_attention_inputs(self) -> tuple[list[int], list[int], list[bool]]:
-        """``(cu_seqlens_q, state_slots, has_initial_state)`` on the host, for linear-attention layers;
-        a ValueError if the step has no state slots (the engine sets them for models with such layers)."""
-        if self.state_slots_cpu is None or self.has_initial_state_cpu is None:
+    def linear_attention_indices(self) -> StateIndices:
+        """:attr:`state_indices`; a ValueError if the step has none (the engine sets them for models
+        with linear-attention layers)."""
+        if self.state_indices is None:
             raise ValueError(
-                "a linear-attention layer ran in a step without state slots (AttentionMetadata.state_slots_cpu)"
+                "a linear-attention layer ran in a step without state slots (AttentionMetadata.state_indices)"
             )
-        return self.cu_seqlens_q_cpu.tolist(), self.state_slots_cpu, self.has_initial_state_cpu
+        return self.state_indices
 
     def host_block_table(self) -> torch.Tensor:
         """``block_table_cpu``, which the model runner always fills; a ValueError if it is missing

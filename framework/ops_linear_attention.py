@@ -12,11 +12,13 @@ inputs of its depthwise causal conv) and a recurrent state ``S`` ``[num_v_heads,
 same in chunks of ``chunk_size`` tokens with matmuls (the WY form: within a chunk the corrected
 values ``u`` solve one unit-lower-triangular system, then the chunk's outputs and its end state
 are two products). The registry ops :func:`causal_conv1d` and :func:`gated_delta_rule` take a
-whole step's packed tokens (``cu_seqlens``) and update the per-sequence states in place, at the
-rows ``state_slots`` name; a sequence whose ``has_initial_state`` is false starts from zeros.
+whole step's packed tokens and update the per-sequence states in place, at the rows the step's
+:class:`StateIndices` name; a sequence whose ``has_initial_state`` is false starts from zeros.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -113,30 +115,76 @@ def chunk_gated_delta_rule(
     return out.transpose(0, 1).to(v.dtype), state
 
 
+class StateIndices(NamedTuple):
+    """Where a step's sequences keep their states, for the varlen ops (built once per step).
+
+    Host: ``cu_seqlens`` ``[R + 1]`` (sequence ``r`` is tokens ``cu_seqlens[r]:cu_seqlens[r + 1]``),
+    each sequence's ``state_slots`` row and ``has_initial_state`` (false: it starts from zeros).
+    Device (int64), for the one-token sequences (decodes) only, in batch order: their token
+    ``decode_rows``, ``decode_slots`` and ``decode_has_initial_state`` (0 or 1), so a decode step
+    runs without host lists. ``longer`` lists the other sequences' indices ``r``.
+    """
+
+    cu_seqlens: list[int]
+    state_slots: list[int]
+    has_initial_state: list[bool]
+    decode_rows: Tensor
+    decode_slots: Tensor
+    decode_has_initial_state: Tensor
+    longer: list[int]
+
+    @classmethod
+    def build(
+        cls, cu_seqlens: list[int], state_slots: list[int], has_initial_state: list[bool], device: torch.device
+    ) -> StateIndices:
+        """The indices of a step, the decode ones crossing to ``device`` in one copy that does not wait."""
+        from framework.engine.transfer import to_device
+
+        singles = [r for r in range(len(state_slots)) if cu_seqlens[r + 1] - cu_seqlens[r] == 1]
+        longer = [r for r in range(len(state_slots)) if cu_seqlens[r + 1] - cu_seqlens[r] != 1]
+        flat = [cu_seqlens[r] for r in singles] + [state_slots[r] for r in singles]
+        flat += [int(has_initial_state[r]) for r in singles]
+        decode = to_device(torch.tensor(flat, dtype=torch.int64), device)
+        n = len(singles)
+        return cls(
+            list(cu_seqlens), list(state_slots), list(has_initial_state),
+            decode[:n], decode[n : 2 * n], decode[2 * n :], longer,
+        )  # fmt: skip
+
+    def without_decodes(self) -> StateIndices:
+        """The same step with its one-token sequences left out (an implementation that runs them itself)."""
+        empty = self.decode_rows[:0]
+        return self._replace(decode_rows=empty, decode_slots=empty, decode_has_initial_state=empty)
+
+    def sequence(self, r: int) -> tuple[slice, int, bool]:
+        """``(token rows, state slot, has_initial_state)`` of sequence ``r``."""
+        return slice(self.cu_seqlens[r], self.cu_seqlens[r + 1]), self.state_slots[r], self.has_initial_state[r]
+
+
 def causal_conv1d(
-    x: Tensor,
-    weight: Tensor,
-    conv_states: Tensor,
-    cu_seqlens: list[int],
-    state_slots: list[int],
-    has_initial_state: list[bool],
-    bias: Tensor | None = None,
+    x: Tensor, weight: Tensor, conv_states: Tensor, indices: StateIndices, bias: Tensor | None = None
 ) -> Tensor:
     """Depthwise causal conv then SiLU over a step's packed tokens, carrying each sequence's state.
 
     ``x`` ``[T, D]``; ``weight`` ``[D, K]``; ``conv_states`` ``[num_slots, D, K - 1]`` (updated in
-    place: each sequence's row ends holding its last ``K - 1`` inputs, zeros before its first);
-    sequence ``r`` is ``x[cu_seqlens[r]:cu_seqlens[r + 1]]`` with state row ``state_slots[r]``.
+    place: each sequence's row ends holding its last ``K - 1`` inputs, zeros before its first).
     Returns ``[T, D]`` in ``x.dtype``.
     """
     width = weight.shape[1] - 1
     out = torch.empty_like(x)
-    for r, slot in enumerate(state_slots):
-        start, end = cu_seqlens[r], cu_seqlens[r + 1]
-        previous = conv_states[slot] if has_initial_state[r] else torch.zeros_like(conv_states[slot])
-        window = torch.cat([previous.to(x.dtype), x[start:end].transpose(0, 1)], dim=-1)  # [D, K - 1 + n]
+    if indices.decode_rows.numel():  # one token each: the window is the state and the token
+        rows, slots = indices.decode_rows, indices.decode_slots
+        keep = indices.decode_has_initial_state.bool()[:, None, None]
+        window = torch.cat([torch.where(keep, conv_states[slots], 0).to(x.dtype), x[rows][:, :, None]], dim=-1)
+        conv = (window.to(weight.dtype) * weight).sum(-1) + (0 if bias is None else bias)
+        out[rows] = F.silu(conv).to(x.dtype)
+        conv_states[slots] = window[:, :, 1:].to(conv_states.dtype)
+    for r in indices.longer:
+        rows, slot, resume = indices.sequence(r)
+        previous = conv_states[slot] if resume else torch.zeros_like(conv_states[slot])
+        window = torch.cat([previous.to(x.dtype), x[rows].transpose(0, 1)], dim=-1)  # [D, K - 1 + n]
         conv = F.conv1d(window[None].to(weight.dtype), weight[:, None, :], bias, groups=weight.shape[0])[0]
-        out[start:end] = F.silu(conv).transpose(0, 1).to(x.dtype)
+        out[rows] = F.silu(conv).transpose(0, 1).to(x.dtype)
         conv_states[slot] = window[:, window.shape[1] - width :].to(conv_states.dtype)
     return out
 
@@ -148,9 +196,7 @@ def gated_delta_rule(
     g: Tensor,
     beta: Tensor,
     states: Tensor,
-    cu_seqlens: list[int],
-    state_slots: list[int],
-    has_initial_state: list[bool],
+    indices: StateIndices,
     use_qk_l2norm: bool = True,
 ) -> Tensor:
     """The gated delta rule over a step's packed sequences, each from and into its state row.
@@ -161,25 +207,18 @@ def gated_delta_rule(
     Returns ``o`` ``[T, Hv, Dv]`` in ``v.dtype``.
     """
     out = torch.empty_like(v)
-    singles = [r for r in range(len(state_slots)) if cu_seqlens[r + 1] - cu_seqlens[r] == 1]
-    if singles:
-        rows = torch.tensor([cu_seqlens[r] for r in singles], device=v.device)
-        slots = torch.tensor([state_slots[r] for r in singles], device=v.device)
-        keep = torch.tensor([has_initial_state[r] for r in singles], device=v.device)
-        initial = torch.where(keep[:, None, None, None], states[slots], 0.0)
+    if indices.decode_rows.numel():
+        rows, slots = indices.decode_rows, indices.decode_slots
+        keep = indices.decode_has_initial_state.bool()[:, None, None, None]
         qs, ks = _prepare(q[rows], k[rows], v.shape[-2], use_qk_l2norm)
-        state = initial * g[rows].float().exp()[..., None, None]
+        state = torch.where(keep, states[slots], 0.0) * g[rows].float().exp()[..., None, None]
         update = (v[rows].float() - torch.einsum("bhkv,bhk->bhv", state, ks)) * beta[rows].float()[..., None]
         state = state + ks[..., None] * update[..., None, :]
         out[rows] = torch.einsum("bhkv,bhk->bhv", state, qs).to(v.dtype)
         states[slots] = state
-    for r, slot in enumerate(state_slots):
-        start, end = cu_seqlens[r], cu_seqlens[r + 1]
-        if end - start == 1:
-            continue
-        initial = states[slot] if has_initial_state[r] else None
-        piece = slice(start, end)
-        out[piece], states[slot] = chunk_gated_delta_rule(
-            q[piece], k[piece], v[piece], g[piece], beta[piece], initial, use_qk_l2norm
+    for r in indices.longer:
+        rows, slot, resume = indices.sequence(r)
+        out[rows], states[slot] = chunk_gated_delta_rule(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], states[slot] if resume else None, use_qk_l2norm
         )
     return out

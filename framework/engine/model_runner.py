@@ -7,6 +7,7 @@ Input preparation for ``R`` requests (request ``r`` computes ``n_r`` tokens from
     positions    [T]  those positions
     slot_mapping [T]  block_ids[p // block_size] * block_size + p % block_size
     cu_seqlens_q [R+1], seq_lens [R] = c_r + n_r, block_table [R, max_blocks]
+    state_indices      hybrid models: request r's state slot, and whether it resumes (c_r > 0)
 
 A request samples when its computed tokens reach ``num_tokens`` (the end of its prompt, or
 its last generated token); requests in the middle of a chunked prompt do not.
@@ -42,6 +43,7 @@ from framework.engine.state_cache import StateCache
 from framework.engine.transfer import HostCopy, to_device
 from framework.forward_context import ForwardContext, forward_context
 from framework.kv_cache import KVCache
+from framework.ops_linear_attention import StateIndices
 
 if TYPE_CHECKING:
     from framework.engine.cuda_graphs import CUDAGraphRunner
@@ -222,9 +224,10 @@ class ModelRunner:
             seq_lens_cpu=lens_cpu,
             is_decode_only=num_tokens == num_reqs,
         )
-        if self.state_caches:
-            metadata.state_slots_cpu = [item.state_slot for item in inputs]
-            metadata.has_initial_state_cpu = [item.start > 0 for item in inputs]
+        if self.state_caches:  # a sequence resumes its state once it has computed tokens
+            metadata.state_indices = StateIndices.build(
+                cu_seqlens, [item.state_slot for item in inputs], [item.start > 0 for item in inputs], self.device
+            )
         ids = dev64[:num_tokens]
         if from_device:
             ids = self._ids_from_device(ids, from_device)

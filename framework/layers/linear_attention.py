@@ -59,8 +59,8 @@ class GatedDeltaNetAttention(nn.Module):
     def forward(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
         context = get_forward_context()
         metadata, cache = context.metadata, context.state_caches[self.state_index]
-        cu_seqlens, slots, has_initial = metadata.linear_attention_inputs()
-        mixed_qkv = self._conv(mixed_qkv, conv_weight, cache.conv, cu_seqlens, slots, has_initial)
+        indices = metadata.linear_attention_indices()
+        mixed_qkv = self._conv(mixed_qkv, conv_weight, cache.conv, indices)
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         tokens = mixed_qkv.shape[0]
         return self._delta_rule(
@@ -70,9 +70,7 @@ class GatedDeltaNetAttention(nn.Module):
             g,
             beta,
             cache.recurrent,
-            cu_seqlens,
-            slots,
-            has_initial,
+            indices,
         )
 
     def extra_repr(self) -> str:

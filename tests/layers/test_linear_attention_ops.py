@@ -66,7 +66,9 @@ def test_varlen_rule_reads_and_writes_each_sequence_state_slot():
     q, k, v, g, beta = _inputs(cu[-1])
     states = torch.randn(6, HV, DK, DV)
     before = states.clone()
-    out = ops.gated_delta_rule(q, k, v, g, beta, states, cu, slots, resumes)
+    indices = ops.StateIndices.build(cu, slots, resumes, torch.device("cpu"))
+    assert indices.decode_rows.tolist() == [0, 1] and indices.longer == [2, 3]
+    out = ops.gated_delta_rule(q, k, v, g, beta, states, indices)
     for r, (slot, resume) in enumerate(zip(slots, resumes)):
         piece = slice(cu[r], cu[r + 1])
         initial = before[slot] if resume else None
@@ -86,8 +88,9 @@ def test_causal_conv1d_carries_its_state_across_chunks(split):
     channels, kernel = 12, 4
     x, weight = torch.randn(10, channels), torch.randn(channels, kernel)
     states = torch.randn(3, channels, kernel - 1)  # stale rows: a fresh sequence must not read them
-    first = ops.causal_conv1d(x[:split], weight, states, [0, split], [2], [False])
-    second = ops.causal_conv1d(x[split:], weight, states, [0, 10 - split], [2], [True])
+    cpu = torch.device("cpu")
+    first = ops.causal_conv1d(x[:split], weight, states, ops.StateIndices.build([0, split], [2], [False], cpu))
+    second = ops.causal_conv1d(x[split:], weight, states, ops.StateIndices.build([0, 10 - split], [2], [True], cpu))
     expected = hf.causal_conv1d_fn(x.T[None], weight, None, activation="silu")[0].T
     torch.testing.assert_close(torch.cat([first, second]), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(states[2], x[-(kernel - 1) :].T)
@@ -98,7 +101,8 @@ def test_causal_conv1d_of_a_batch_of_decodes_matches_transformers_update():
     x, weight = torch.randn(3, channels), torch.randn(channels, kernel)
     states = torch.randn(5, channels, kernel - 1)
     hf_states = states[[4, 0, 2]].clone()
-    out = ops.causal_conv1d(x, weight, states, [0, 1, 2, 3], [4, 0, 2], [True, True, True])
+    indices = ops.StateIndices.build([0, 1, 2, 3], [4, 0, 2], [True, True, True], torch.device("cpu"))
+    out = ops.causal_conv1d(x, weight, states, indices)
     expected = hf.causal_conv1d_update(x[:, :, None], hf_states, weight, None, activation="silu")[:, :, 0]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(states[[4, 0, 2]], hf_states)

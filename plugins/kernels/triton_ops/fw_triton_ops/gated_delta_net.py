@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from framework import ops_linear_attention as reference
-from framework.engine.transfer import to_device
+from framework.ops_linear_attention import StateIndices
 
 
 @triton.jit
@@ -120,27 +120,6 @@ def _conv_step_kernel(
     tl.store(out_ptr + row * stride_o + d, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _split(cu_seqlens: list[int], slots: list[int], resumes: list[bool]):
-    """The one-token sequences' (rows, slots, resumes) and the longer ones' (start, end, slot, resume)."""
-    singles: tuple[list[int], list[int], list[int]] = ([], [], [])
-    longer = []
-    for r, slot in enumerate(slots):
-        start, end = cu_seqlens[r], cu_seqlens[r + 1]
-        if end - start == 1:
-            singles[0].append(start)
-            singles[1].append(slot)
-            singles[2].append(int(resumes[r]))
-        else:
-            longer.append((start, end, slot, resumes[r]))
-    return singles, longer
-
-
-def _index_tensors(singles, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    flat = to_device(torch.tensor(singles[0] + singles[1] + singles[2], dtype=torch.int64), device)
-    n = len(singles[0])
-    return flat[:n], flat[n : 2 * n], flat[2 * n :]
-
-
 def gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -148,63 +127,51 @@ def gated_delta_rule(
     g: Tensor,
     beta: Tensor,
     states: Tensor,
-    cu_seqlens: list[int],
-    state_slots: list[int],
-    has_initial_state: list[bool],
+    indices: StateIndices,
     use_qk_l2norm: bool = True,
 ) -> Tensor:
     """:func:`framework.ops_linear_attention.gated_delta_rule`, its one-token sequences in one launch."""
     out = torch.empty_like(v)
-    singles, longer = _split(cu_seqlens, state_slots, has_initial_state)
-    if singles[0]:
-        rows, slots, resumes = _index_tensors(singles, v.device)
+    num_decodes = indices.decode_rows.numel()
+    if num_decodes:
         num_v, k_dim, v_dim = v.shape[1], q.shape[2], v.shape[2]
         block_v = min(32, triton.next_power_of_2(v_dim))
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g, beta = g.contiguous(), beta.contiguous()
-        grid = (len(singles[0]), num_v, triton.cdiv(v_dim, block_v))
-        _recurrent_step_kernel[grid](
-            q, k, v, g, beta, states, out, rows, slots, resumes,
+        _recurrent_step_kernel[(num_decodes, num_v, triton.cdiv(v_dim, block_v))](
+            q, k, v, g, beta, states, out,
+            indices.decode_rows, indices.decode_slots, indices.decode_has_initial_state,
             q.stride(0), k.stride(0), v.stride(0), g.stride(0), out.stride(0), k_dim**-0.5,
             HEADS_PER_KEY=num_v // q.shape[1], NUM_V_HEADS=num_v, K_DIM=k_dim, V_DIM=v_dim,
             BLOCK_K=triton.next_power_of_2(k_dim), BLOCK_V=block_v, USE_QK_L2NORM=use_qk_l2norm,
             num_warps=4,
         )  # fmt: skip
-    for start, end, slot, resume in longer:
-        piece = slice(start, end)
-        initial = states[slot] if resume else None
-        out[piece], states[slot] = reference.chunk_gated_delta_rule(
-            q[piece], k[piece], v[piece], g[piece], beta[piece], initial, use_qk_l2norm
+    for r in indices.longer:
+        rows, slot, resume = indices.sequence(r)
+        out[rows], states[slot] = reference.chunk_gated_delta_rule(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], states[slot] if resume else None, use_qk_l2norm
         )
     return out
 
 
 def causal_conv1d(
-    x: Tensor,
-    weight: Tensor,
-    conv_states: Tensor,
-    cu_seqlens: list[int],
-    state_slots: list[int],
-    has_initial_state: list[bool],
-    bias: Tensor | None = None,
+    x: Tensor, weight: Tensor, conv_states: Tensor, indices: StateIndices, bias: Tensor | None = None
 ) -> Tensor:
     """:func:`framework.ops_linear_attention.causal_conv1d`, its one-token sequences in one launch."""
-    out = torch.empty_like(x)
-    singles, longer = _split(cu_seqlens, state_slots, has_initial_state)
-    if singles[0]:
-        rows, slots, resumes = _index_tensors(singles, x.device)
+    if indices.longer:  # the prefill chunks' rows through the reference, the decode rows below
+        out = reference.causal_conv1d(x, weight, conv_states, indices.without_decodes(), bias)
+    else:
+        out = torch.empty_like(x)
+    num_decodes = indices.decode_rows.numel()
+    if num_decodes:
         channels, kernel = weight.shape
         weight = weight.contiguous()
         x = x if x.stride(-1) == 1 else x.contiguous()
         block_d = min(256, triton.next_power_of_2(channels))
-        grid = (len(singles[0]), triton.cdiv(channels, block_d))
-        _conv_step_kernel[grid](
-            x, weight, weight if bias is None else bias, conv_states, out, rows, slots, resumes,
+        _conv_step_kernel[(num_decodes, triton.cdiv(channels, block_d))](
+            x, weight, weight if bias is None else bias, conv_states, out,
+            indices.decode_rows, indices.decode_slots, indices.decode_has_initial_state,
             x.stride(0), out.stride(0),
             CHANNELS=channels, KERNEL=kernel, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
-    for start, end, slot, resume in longer:
-        out[start:end] = reference.causal_conv1d(
-            x[start:end], weight, conv_states, [0, end - start], [slot], [resume], bias
-        )
     return out

@@ -43,12 +43,13 @@ def _step(device: str, dtype: torch.dtype):
 def _check(device: str, dtype: torch.dtype, tol: dict) -> None:
     cu, (q, k, v, g, beta, states), (x, weight, conv_states) = _step(device, dtype)
     expected_states, expected_conv = states.clone(), conv_states.clone()
-    out = gated_delta_rule(q, k, v, g, beta, states, cu, SLOTS, RESUMES)
-    expected = reference.gated_delta_rule(q, k, v, g, beta, expected_states, cu, SLOTS, RESUMES)
+    indices = reference.StateIndices.build(cu, SLOTS, RESUMES, torch.device(device))
+    out = gated_delta_rule(q, k, v, g, beta, states, indices)
+    expected = reference.gated_delta_rule(q, k, v, g, beta, expected_states, indices)
     torch.testing.assert_close(out, expected, **tol)
     torch.testing.assert_close(states, expected_states, **tol)
-    conv = causal_conv1d(x, weight, conv_states, cu, SLOTS, RESUMES)
-    torch.testing.assert_close(conv, reference.causal_conv1d(x, weight, expected_conv, cu, SLOTS, RESUMES), **tol)
+    conv = causal_conv1d(x, weight, conv_states, indices)
+    torch.testing.assert_close(conv, reference.causal_conv1d(x, weight, expected_conv, indices), **tol)
     torch.testing.assert_close(conv_states, expected_conv, rtol=0, atol=0)  # the shift is exact
 
 
