@@ -166,22 +166,27 @@ class EngineBuilder:
         self.kv_cache_bytes = per_block * num_blocks
         return caches
 
-    def capture_cuda_graphs(self, backend: AttentionBackend, kv_caches: list[KVCache]) -> CUDAGraphRunner | None:
-        """Capture decode graphs when on CUDA, enabled, and the backend allows it."""
-        if self.state_specs:  # the decode graphs do not carry state slots yet
-            self.graph_summary = "off (linear-attention layers: state slots are not graphed yet)"
-            return None
+    def capture_cuda_graphs(
+        self, backend: AttentionBackend, kv_caches: list[KVCache], state_caches: list | None = None
+    ) -> CUDAGraphRunner | None:
+        """Capture decode graphs when on CUDA, enabled, and the backend allows it (a hybrid model's
+        graphs carry its state slots: at most ``num_state_slots`` rows)."""
+        max_num_seqs = self.scheduler.max_num_seqs
+        if self.state_specs:
+            max_num_seqs = min(max_num_seqs, self.num_state_slots)
         graphs, self.graph_summary = capture_decode_graphs(
             self.torch_model,
             backend,
             self.backend_name,
             kv_caches,
             enabled=self.args.enable_cuda_graphs,
-            max_num_seqs=self.scheduler.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_model_len=self.config.max_model_len,
             block_size=self.cache.block_size,
             sink_block=self.num_blocks,
             device=self.device,
+            state_caches=state_caches,
+            spare_state_slot=self.num_state_slots,
         )
         return graphs
 
@@ -233,7 +238,7 @@ class EngineBuilder:
             kv_caches = self.allocate_kv_cache(backend)
             states = state_cache.allocate_state_caches(self.state_specs, self.num_state_slots, self.device)
         with out_of_memory_names_the_flag("capturing CUDA graphs"):
-            graphs = self.capture_cuda_graphs(backend, kv_caches)
+            graphs = self.capture_cuda_graphs(backend, kv_caches, states)
         return ModelRunner(
             self.torch_model,
             backend,

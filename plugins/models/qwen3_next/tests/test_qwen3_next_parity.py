@@ -166,6 +166,42 @@ def test_aborted_request_frees_its_slot_and_the_next_request_reuses_it_from_zero
     assert tokens["b"] == _reference_ids(reference, PARITY_PROMPTS[1])
 
 
+def test_decode_graph_buffers_carry_the_state_slots_replayed_eagerly(tmp_path):
+    """The decode CUDA graphs' static buffers, with each replay run eagerly on the CPU (what a captured
+    graph does: the model over the buffers): real rows read and write their own state slots,
+    padding rows (3 requests in the bucket of 4) only the spare row; the ids stay transformers'.
+    The model has linear-attention layers only: the CPU paged-attention backend reads host lengths,
+    which a graph replay does not refresh."""
+    from framework.engine.cuda_graphs import CUDAGraphRunner
+
+    config = transformers.Qwen3_5TextConfig(
+        **{**SMALL, "num_hidden_layers": 2, "layer_types": ["linear_attention"] * 2},
+        intermediate_size=96,
+        use_cache=False,  # transformers' cache needs an attention layer
+    )
+    reference = write_randomised_model(tmp_path, config)
+    llm = LLM(str(tmp_path), num_blocks=16, max_num_seqs=4, prefill_chunk_size=8)  # buckets 1, 2, 4
+    runner = llm.engine.core.runner
+    graphs = CUDAGraphRunner(
+        runner.model, runner.backend, runner.kv_caches, max_num_seqs=4, max_model_len=512, block_size=16,
+        sink_block=16, device=runner.device, state_caches=runner.state_caches, spare_state_slot=4,
+    )  # fmt: skip
+    replays = []
+
+    class EagerReplay:
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        def replay(self) -> None:
+            replays.append((self.size, graphs.state_slots[: self.size].tolist()))
+            graphs.outputs[self.size] = graphs._forward(self.size)
+
+    graphs.graphs = {size: EagerReplay(size) for size in graphs.buckets}
+    runner.graph_runner = graphs
+    assert _generate(llm, PARITY_PROMPTS) == [_reference_ids(reference, p) for p in PARITY_PROMPTS]
+    assert (4, [0, 1, 2, 4]) in replays  # three decodes and a padding row on the spare slot 4
+
+
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
 TEXT_OF_MULTIMODAL = {k: v for k, v in SMALL.items() if k != "tie_word_embeddings"}
 MULTIMODAL = {
@@ -205,10 +241,10 @@ def test_text_path_of_the_hub_multimodal_checkpoints_matches_transformers(name, 
 @pytest.mark.parametrize("deltanet_kernels", ["torch", "triton"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monkeypatch):
-    """On CUDA (fp32; Triton attention and kernels, eager decode; the DeltaNet ops' torch references
-    or, forced, the triton_ops decode kernels): every prompt position's logits within 1e-4 of
-    transformers' (CPU) and the greedy ids equal, prompts split into prefill chunks of 8, async
-    scheduling on."""
+    """On CUDA (fp32; Triton attention and kernels, decode in CUDA graphs; the DeltaNet ops' torch
+    references or, forced, the triton_ops decode kernels): every prompt position's logits within
+    1e-4 of transformers' (CPU) and the greedy ids equal, prompts split into prefill chunks of 8,
+    async scheduling on."""
     import torch
 
     from framework.testing import capture_logits, check_kernels_used, count_kernel_calls, reference_logits
@@ -219,6 +255,7 @@ def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monke
     with count_kernel_calls() as calls:
         llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64, prefill_chunk_size=8)
         assert llm.engine.core.async_scheduling
+        assert "decode graphs" in llm.engine.summary["cuda_graphs"]  # the state slots ride in the graphs
         records = capture_logits(llm)
         results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], GREEDY)
     check_kernels_used(calls, {"gated_delta_rule": deltanet_kernels, "causal_conv1d": deltanet_kernels})
