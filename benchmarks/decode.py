@@ -6,6 +6,8 @@
     python benchmarks/decode.py --shape qwen3-32b --tp 2 --batch 1 --context 128 --out $OUT/decode-32b-tp2.json
     python benchmarks/decode.py --shape qwen3-30b-a3b --batch 1 --context 128 --out $OUT/decode-moe.json
     python benchmarks/decode.py --shape deepseek-v2-lite --batch 1 8 --context 128 --out $OUT/decode-mla.json
+    python benchmarks/decode.py --shape qwen3.5-27b --batch 1 64 --context 128 --out $OUT/decode-qwen3.5-27b.json
+    python benchmarks/decode.py --shape qwen3.5-35b-a3b --batch 1 64 --context 128 --out $OUT/decode-qwen3.5-moe.json
     FW_KERNELS=linear=torch python benchmarks/decode.py --shape llama3-8b --tp 2 --batch 1 --context 128  # cuBLAS matmuls
 
 ``FW_KERNELS`` (forced kernel implementations, passed on to the tensor-parallel workers) is recorded
