@@ -166,6 +166,20 @@ def test_aborted_request_frees_its_slot_and_the_next_request_reuses_it_from_zero
     assert tokens["b"] == _reference_ids(reference, PARITY_PROMPTS[1])
 
 
+def test_state_cache_comes_out_of_the_memory_budget(qwen3_5):
+    """With ``--mem 1`` (1 MiB) the states of at most half the budget get slots (fewer than
+    ``max_num_seqs``) and the KV blocks take what is left."""
+    path, _ = qwen3_5
+    llm = LLM(str(path), mem_mb=1, max_num_seqs=256)
+    summary, budget = llm.engine.summary, 1 << 20
+    runner = llm.engine.core.runner
+    per_slot = sum(cache.conv[0].nbytes + cache.recurrent[0].nbytes for cache in runner.state_caches)
+    assert summary["state_slots"] == budget // 2 // per_slot < 256
+    assert summary["state_bytes"] == summary["state_slots"] * per_slot
+    assert summary["state_bytes"] + summary["kv_bytes"] <= budget
+    assert llm.engine.core.scheduler.state_slots.num_slots == summary["state_slots"]
+
+
 def test_decode_graph_buffers_carry_the_state_slots_replayed_eagerly(tmp_path):
     """The decode CUDA graphs' static buffers, with each replay run eagerly on the CPU (what a captured
     graph does: the model over the buffers): real rows read and write their own state slots,
