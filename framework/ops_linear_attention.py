@@ -101,11 +101,7 @@ def chunk_gated_delta_rule(
         size = end - start
         causal = torch.ones(size, size, dtype=torch.bool, device=v.device).tril()
         decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # D [H, C, C]
-        system = (bc * kc @ kc.transpose(-1, -2)) * decay
-        system = system.masked_fill(
-            causal.logical_not().logical_or(torch.eye(size, dtype=torch.bool, device=v.device)), 0.0
-        )
-        system = system + torch.eye(size, device=v.device)
+        system = ((bc * kc @ kc.transpose(-1, -2)) * decay).tril(-1) + torch.eye(size, device=v.device)  # I + A
         rhs = torch.cat([bc * vc, bc * cum.exp()[..., None] * kc], dim=-1)
         solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         u = solved[..., :dv] - solved[..., dv:] @ state
@@ -137,14 +133,15 @@ class StateIndices(NamedTuple):
     def build(
         cls, cu_seqlens: list[int], state_slots: list[int], has_initial_state: list[bool], device: torch.device
     ) -> StateIndices:
-        """The indices of a step, the decode ones crossing to ``device`` in one copy that does not wait."""
-        from framework.engine.transfer import to_device
-
+        """The indices of a step, the decode ones crossing to ``device`` in one pinned copy that does
+        not make the host wait (a step launched while the previous one runs keeps its overlap)."""
         singles = [r for r in range(len(state_slots)) if cu_seqlens[r + 1] - cu_seqlens[r] == 1]
         longer = [r for r in range(len(state_slots)) if cu_seqlens[r + 1] - cu_seqlens[r] != 1]
         flat = [cu_seqlens[r] for r in singles] + [state_slots[r] for r in singles]
         flat += [int(has_initial_state[r]) for r in singles]
-        decode = to_device(torch.tensor(flat, dtype=torch.int64), device)
+        decode = torch.tensor(flat, dtype=torch.int64)
+        if device.type == "cuda":
+            decode = decode.pin_memory().to(device, non_blocking=True)
         n = len(singles)
         return cls(
             list(cu_seqlens), list(state_slots), list(has_initial_state),
