@@ -118,7 +118,8 @@ class StateIndices(NamedTuple):
     each sequence's ``state_slots`` row and ``has_initial_state`` (false: it starts from zeros).
     Device (int64), for the one-token sequences (decodes) only, in batch order: their token
     ``decode_rows``, ``decode_slots`` and ``decode_has_initial_state`` (0 or 1), so a decode step
-    runs without host lists. ``longer`` lists the other sequences' indices ``r``.
+    runs without host lists. ``longer`` lists the other sequences' indices ``r``; ``longer_table``
+    ``[len(longer), 4]`` (device, int64) holds their ``(start, end, slot, has_initial_state)``.
     """
 
     cu_seqlens: list[int]
@@ -128,6 +129,7 @@ class StateIndices(NamedTuple):
     decode_slots: Tensor
     decode_has_initial_state: Tensor
     longer: list[int]
+    longer_table: Tensor
 
     @classmethod
     def build(
@@ -139,19 +141,25 @@ class StateIndices(NamedTuple):
         longer = [r for r in range(len(state_slots)) if cu_seqlens[r + 1] - cu_seqlens[r] != 1]
         flat = [cu_seqlens[r] for r in singles] + [state_slots[r] for r in singles]
         flat += [int(has_initial_state[r]) for r in singles]
+        for r in longer:
+            flat += [cu_seqlens[r], cu_seqlens[r + 1], state_slots[r], int(has_initial_state[r])]
         decode = torch.tensor(flat, dtype=torch.int64)
         if device.type == "cuda":
             decode = decode.pin_memory().to(device, non_blocking=True)
         n = len(singles)
         return cls(
             list(cu_seqlens), list(state_slots), list(has_initial_state),
-            decode[:n], decode[n : 2 * n], decode[2 * n :], longer,
+            decode[:n], decode[n : 2 * n], decode[2 * n : 3 * n], longer, decode[3 * n :].view(-1, 4),
         )  # fmt: skip
 
     def without_decodes(self) -> StateIndices:
         """The same step with its one-token sequences left out (an implementation that runs them itself)."""
         empty = self.decode_rows[:0]
         return self._replace(decode_rows=empty, decode_slots=empty, decode_has_initial_state=empty)
+
+    def max_longer_len(self) -> int:
+        """Tokens of the longest sequence in ``longer`` (0 if none)."""
+        return max((self.cu_seqlens[r + 1] - self.cu_seqlens[r] for r in self.longer), default=0)
 
     def sequence(self, r: int) -> tuple[slice, int, bool]:
         """``(token rows, state slot, has_initial_state)`` of sequence ``r``."""

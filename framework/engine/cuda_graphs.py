@@ -110,6 +110,7 @@ class CUDAGraphRunner:
                 self.state_slots[:size],
                 self.state_resumes[:size],
                 [],
+                self.state_rows[:0].view(0, 4),
             )
         return metadata
 

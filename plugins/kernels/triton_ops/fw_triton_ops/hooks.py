@@ -26,11 +26,11 @@ TRITON_KERNELS = {
 OPT_IN_KERNELS: dict[str, tuple[str, str]] = {
     "gated_delta_rule": (
         "fw_triton_ops.gated_delta_net:gated_delta_rule",
-        "decode: one program per (sequence, value head, v block) updates its state row; prefill chunks: torch",
+        "one program per (sequence, value head, v block), its state in registers, tokens in order",
     ),
     "causal_conv1d": (
         "fw_triton_ops.gated_delta_net:causal_conv1d",
-        "decode: one program per (sequence, channel block) shifts its conv state; prefill chunks: torch",
+        "decodes shift their state in one program; prefill chunks by token blocks, then their new states",
     ),
 }
 
