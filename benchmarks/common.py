@@ -5,7 +5,7 @@
 The scripts that write JSON results take their ``commit`` and ``command`` from it (:func:`git_commit`,
 :func:`command_line`), the kernel benchmarks their CUDA-graph timer (:func:`graph_time`); ``serving.py``, a client of a running server, stands alone.
 The scripts run as ``python benchmarks/<script>.py``, which puts this directory on ``sys.path``.
-Nothing here needs a GPU: on a CPU the ``tiny`` and ``tiny-moe`` shapes check the scripts themselves.
+Nothing here needs a GPU: on a CPU the ``tiny``, ``tiny-moe`` and ``tiny-hybrid`` shapes check the scripts themselves.
 """
 
 from __future__ import annotations
@@ -270,6 +270,76 @@ SHAPES: dict[str, dict[str, Any]] = {
         sliding_window=16,
         max_position_embeddings=4096,
         attention_bias=True,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3.5-27B's text model: 64 layers, Gated DeltaNet and gated attention 3:1 (48 + 16), 24 query /
+    # 4 KV heads of 256, DeltaNet 16 key / 48 value heads of 128, FFN 17408 (about 54 GB in bf16)
+    "qwen3.5-27b": dict(
+        architectures=["Qwen3_5ForCausalLM"],
+        model_type="qwen3_5_text",
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        full_attention_interval=4,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3.5-35B-A3B's text model: 40 layers (30 DeltaNet + 10 attention), 256 experts (top-8, width
+    # 512) and a gated shared expert (512) on every layer, 16 query / 2 KV heads of 256, DeltaNet 16 key /
+    # 32 value heads of 128
+    "qwen3.5-35b-a3b": dict(
+        architectures=["Qwen3_5MoeForCausalLM"],
+        model_type="qwen3_5_moe_text",
+        hidden_size=2048,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts=256,
+        num_experts_per_tok=8,
+        num_hidden_layers=40,
+        full_attention_interval=4,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    # a CPU check of the scripts on a hybrid model (3 DeltaNet layers, 1 attention layer)
+    "tiny-hybrid": dict(
+        architectures=["Qwen3_5ForCausalLM"],
+        model_type="qwen3_5_text",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         tie_word_embeddings=False,
     ),
     "tiny-moe": dict(

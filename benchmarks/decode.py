@@ -8,6 +8,8 @@
     python benchmarks/decode.py --shape deepseek-v2-lite --batch 1 8 --context 128 --out $OUT/decode-mla.json
     python benchmarks/decode.py --shape glm-4.7-flash --batch 1 --context 128 --out $OUT/decode-glm-4.7-flash.json
     python benchmarks/decode.py --shape llama4-scout-20l --batch 1 64 --context 128 --max-model-len 4096 --out $OUT/decode-llama4.json
+    python benchmarks/decode.py --shape qwen3.5-27b --batch 1 64 --context 128 --out $OUT/decode-qwen3.5-27b.json
+    python benchmarks/decode.py --shape qwen3.5-35b-a3b --batch 1 64 --context 128 --out $OUT/decode-qwen3.5-moe.json
     FW_KERNELS=linear=torch python benchmarks/decode.py --shape llama3-8b --tp 2 --batch 1 --context 128  # cuBLAS matmuls
 
 ``FW_KERNELS`` (forced kernel implementations, passed on to the tensor-parallel workers) is recorded

@@ -33,6 +33,7 @@ import torch
 from framework.kv_cache import KVCache, KVCacheSpec, model_cache_spec, quantized_cache_spec
 
 if TYPE_CHECKING:
+    from framework.ops_linear_attention import StateIndices
     from framework.specs import KVCacheDtypeSpec
 
 
@@ -54,6 +55,17 @@ class AttentionMetadata:
     block_table_cpu: torch.Tensor | None = None  # the block table on the host, for backends that plan there
     #: set when the step captures or replays the decode CUDA graph of this many (padded) rows
     graph_batch_size: int | None = None
+    #: hybrid models: where each request keeps its linear-attention state (:mod:`framework.engine.state_cache`)
+    state_indices: StateIndices | None = None
+
+    def linear_attention_indices(self) -> StateIndices:
+        """:attr:`state_indices`; a ValueError if the step has none (the engine sets them for models
+        with linear-attention layers)."""
+        if self.state_indices is None:
+            raise ValueError(
+                "a linear-attention layer ran in a step without state slots (AttentionMetadata.state_indices)"
+            )
+        return self.state_indices
 
     def host_block_table(self) -> torch.Tensor:
         """``block_table_cpu``, which the model runner always fills; a ValueError if it is missing

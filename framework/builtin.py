@@ -22,6 +22,8 @@ REFERENCE_KERNELS = {
     "quantized_fused_moe": "framework.ops:quantized_fused_moe",
     "moe_align_block_size": "framework.ops:moe_align_block_size",
     "linear": "framework.ops:linear",
+    "causal_conv1d": "framework.ops_linear_attention:causal_conv1d",
+    "gated_delta_rule": "framework.ops_linear_attention:gated_delta_rule",
 }
 
 

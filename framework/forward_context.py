@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from framework.attention_backend import AttentionMetadata
@@ -19,6 +19,8 @@ class ForwardContext:
     metadata: AttentionMetadata
     backend: Any
     kv_caches: list[Any]  # per layer, indexed by Attention.layer_index
+    #: hybrid models: per linear-attention layer, indexed by GatedDeltaNetAttention.state_index
+    state_caches: list[Any] = field(default_factory=list)
 
 
 _current: ForwardContext | None = None

@@ -22,6 +22,7 @@ class StepInput(msgspec.Struct, array_like=True):
     block_ids: list[int]
     request_id: str = ""
     blocks_from: int = 0
+    state_slot: int = -1  # hybrid models: the request's state-cache slot (-1: none)
 
 
 class BlockTableSync:
@@ -46,7 +47,9 @@ class BlockTableSync:
         for item in inputs:
             table, count = self.sent.get(item.request_id, (None, 0))
             start = count if table is item.block_ids and len(table) >= count else 0
-            compact.append(StepInput(item.token_ids, item.start, item.block_ids[start:], item.request_id, start))
+            compact.append(
+                StepInput(item.token_ids, item.start, item.block_ids[start:], item.request_id, start, item.state_slot)
+            )
             sent[item.request_id] = (item.block_ids, len(item.block_ids))
         self.sent = sent
         return compact
@@ -59,7 +62,7 @@ class BlockTableSync:
                 table.extend(item.block_ids)
             else:
                 table = (table or [])[: item.blocks_from] + item.block_ids
-            full.append(StepInput(item.token_ids, item.start, table, item.request_id))
+            full.append(StepInput(item.token_ids, item.start, table, item.request_id, state_slot=item.state_slot))
             tables[item.request_id] = table
         self.tables = tables
         return full

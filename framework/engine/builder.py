@@ -23,7 +23,7 @@ from framework.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from framework.distributed.all_reduce_policy import AllReducePolicy
 from framework.distributed.launch import WorkerGroup
 from framework.distributed.messages import StepMessage
-from framework.engine import kv_cache_sizing, model_loading, tensor_parallel_start
+from framework.engine import kv_cache_sizing, model_loading, state_cache, tensor_parallel_start
 from framework.engine.args import EngineArgs
 from framework.engine.attention_choice import choose_attention_backend
 from framework.engine.built_engine import Engine
@@ -69,6 +69,9 @@ class EngineBuilder:
         self.config: ModelConfig | None = None
         self.torch_model: torch.nn.Module | None = None
         self.isq_report: isq.IsqReport | None = None  # what --isq did, once the model is loaded
+        #: hybrid models (linear-attention layers): the per-layer state specs and the slot count
+        self.state_specs: list[state_cache.StateCacheSpec] = []
+        self.num_state_slots = 0
 
     # --- steps ---------------------------------------------------------------------------
     def open_source(self) -> WeightFormat:
@@ -119,13 +122,42 @@ class EngineBuilder:
         backend.initialize(layers, self.config.dtype, self.cache.block_size, self.device)
         return backend
 
+    def plan_state_cache(self) -> None:
+        """A hybrid model's state cache: its layers' specs and how many sequences get a slot
+        (:func:`~framework.engine.state_cache.num_state_slots`); prefix caching turned off (see
+        :mod:`~framework.engine.state_cache`). Nothing for a model without linear-attention layers."""
+        model = self.torch_model or self.load_model()
+        self.state_specs = state_cache.state_cache_specs(model, self.config.dtype)
+        if not self.state_specs:
+            return
+        budget = None if self.cache.num_blocks else kv_cache_sizing.kv_budget_bytes(self.cache, self.device)
+        per_slot = sum(spec.bytes_per_slot for spec in self.state_specs)
+        slots = state_cache.num_state_slots(self.scheduler.max_num_seqs, per_slot, budget)
+        self.num_state_slots = distributed.min_over_ranks(slots)  # every rank serves the same sequences
+        state_cache.log_plan(self.state_specs, self.num_state_slots, self.scheduler.max_num_seqs)
+        if self.cache.enable_prefix_caching:
+            state_cache.log.info(
+                "prefix caching is off: this model's linear-attention layers keep a state per sequence"
+            )
+            self.cache.enable_prefix_caching = False
+
+    @property
+    def state_cache_bytes(self) -> int:
+        return self.num_state_slots * sum(spec.bytes_per_slot for spec in self.state_specs)
+
     def allocate_kv_cache(self, backend: AttentionBackend) -> list[KVCache]:
-        """Size the KV cache to its budget (:mod:`~framework.engine.kv_cache_sizing`) and allocate it."""
+        """Size the KV cache to its budget (:mod:`~framework.engine.kv_cache_sizing`), less what a
+        hybrid model's state cache takes, and allocate it."""
         config, cache, layers = self.config, self.cache, self.attention_layers()
         specs = [backend.kv_cache_spec(layer, self.kv_dtype, config.dtype, cache.block_size) for layer in layers]
         per_block = kv_cache_sizing.bytes_per_block(specs)
         num_blocks = kv_cache_sizing.num_kv_blocks(
-            cache, self.device, per_block, config.max_model_len, self.scheduler.max_num_seqs
+            cache,
+            self.device,
+            per_block,
+            config.max_model_len,
+            self.scheduler.max_num_seqs,
+            reserved_bytes=self.state_cache_bytes,
         )
         kv_cache_sizing.warn_if_short(num_blocks, cache.block_size, config.max_model_len)
         caches = kv_cache_sizing.allocate_kv_caches(specs, num_blocks, self.device)
@@ -134,19 +166,27 @@ class EngineBuilder:
         self.kv_cache_bytes = per_block * num_blocks
         return caches
 
-    def capture_cuda_graphs(self, backend: AttentionBackend, kv_caches: list[KVCache]) -> CUDAGraphRunner | None:
-        """Capture decode graphs when on CUDA, enabled, and the backend allows it."""
+    def capture_cuda_graphs(
+        self, backend: AttentionBackend, kv_caches: list[KVCache], state_caches: list | None = None
+    ) -> CUDAGraphRunner | None:
+        """Capture decode graphs when on CUDA, enabled, and the backend allows it (a hybrid model's
+        graphs carry its state slots: at most ``num_state_slots`` rows)."""
+        max_num_seqs = self.scheduler.max_num_seqs
+        if self.state_specs:
+            max_num_seqs = min(max_num_seqs, self.num_state_slots)
         graphs, self.graph_summary = capture_decode_graphs(
             self.torch_model,
             backend,
             self.backend_name,
             kv_caches,
             enabled=self.args.enable_cuda_graphs,
-            max_num_seqs=self.scheduler.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_model_len=self.config.max_model_len,
             block_size=self.cache.block_size,
             sink_block=self.num_blocks,
             device=self.device,
+            state_caches=state_caches,
+            spare_state_slot=self.num_state_slots,
         )
         return graphs
 
@@ -193,10 +233,12 @@ class EngineBuilder:
                 self.all_reduce_policy, self.torch_model, config, self.scheduler.max_num_seqs
             )
         backend = self.select_attention_backend()
+        self.plan_state_cache()
         with out_of_memory_names_the_flag("allocating the KV cache"):
             kv_caches = self.allocate_kv_cache(backend)
+            states = state_cache.allocate_state_caches(self.state_specs, self.num_state_slots, self.device)
         with out_of_memory_names_the_flag("capturing CUDA graphs"):
-            graphs = self.capture_cuda_graphs(backend, kv_caches)
+            graphs = self.capture_cuda_graphs(backend, kv_caches, states)
         return ModelRunner(
             self.torch_model,
             backend,
@@ -208,6 +250,7 @@ class EngineBuilder:
             broadcast=broadcast,
             structured_outputs=structured_outputs,
             share_sampled=share_sampled,
+            state_caches=states,
         )
 
     def use_async_scheduling(self) -> bool:
@@ -248,8 +291,14 @@ class EngineBuilder:
             config, self.cache, self.scheduler, str(self.device), self.backend_name, self.args.seed
         )
         kv_manager = KVCacheManager.for_cache(self.num_blocks, self.cache)
+        slots = state_cache.StateSlotManager(self.num_state_slots) if self.state_specs else None
         core = EngineCore(
-            engine_config, runner, kv_manager, structured_outputs=grammars, async_scheduling=async_scheduling
+            engine_config,
+            runner,
+            kv_manager,
+            structured_outputs=grammars,
+            async_scheduling=async_scheduling,
+            state_slots=slots,
         )
         summary = engine_summary(self, core)
         log_summary(self, summary)

@@ -7,6 +7,8 @@ reserved sink block and attends to one token, so it is harmless::
     static rows  [ r0 r1 ... r(n-1) | pad ... pad ]   bucket size B >= n
     slot_mapping [ real slots       | sink slots  ]
     seq_lens     [ real lengths     | 1 ...       ]
+    state slots  [ real slots       | spare slot  ]   hybrid models: padding updates the spare
+                                                      state row, starting from zeros
 
 The attention backend must declare ``supports_cuda_graphs``: its forward may not read host
 tensors or sync, and ``max_seq_len`` is the model's context length (an upper bound) inside the
@@ -25,6 +27,7 @@ from torch import nn
 from framework.attention_backend import AttentionBackend, AttentionMetadata
 from framework.forward_context import ForwardContext, forward_context
 from framework.kv_cache import KVCache
+from framework.ops_linear_attention import StateIndices
 
 log = logging.getLogger("fw.engine")
 
@@ -51,8 +54,13 @@ class CUDAGraphRunner:
         block_size: int,
         sink_block: int,
         device: torch.device,
+        state_caches: list | None = None,
+        spare_state_slot: int = 0,
     ) -> None:
+        """``state_caches``: a hybrid model's per-sequence states; ``spare_state_slot`` is their row
+        reserved for padding rows (one past the slots handed out)."""
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.state_caches, self.spare_state_slot = state_caches or [], spare_state_slot
         self.buckets = batch_buckets(max_num_seqs)
         self.max_model_len, self.block_size, self.sink_block = max_model_len, block_size, sink_block
         size, width = self.buckets[-1], -(-max_model_len // block_size)
@@ -62,6 +70,10 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.block_table = torch.full((size, width), sink_block, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
+        # decode rows are 0..size-1; padding rows update the spare state row from zeros
+        self.state_rows = torch.arange(size, dtype=torch.int64, device=device)
+        self.state_slots = torch.full((size,), spare_state_slot, dtype=torch.int64, device=device)
+        self.state_resumes = torch.zeros(size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         #: the backend plans on the host each step (FlashInfer), so replays are prepared too
         self.backend_plans = type(backend).prepare is not AttentionBackend.prepare
@@ -72,7 +84,7 @@ class CUDAGraphRunner:
         self, size: int, seq_lens_cpu: torch.Tensor | None = None, block_table_cpu: torch.Tensor | None = None
     ) -> AttentionMetadata:
         """The static buffers' metadata for ``size`` rows; host copies where a backend plans."""
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             num_reqs=size,
             num_tokens=size,
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
@@ -89,11 +101,23 @@ class CUDAGraphRunner:
             if block_table_cpu is None
             else block_table_cpu,
         )
+        if self.state_caches:  # the host lists are placeholders: a decode step reads the device rows
+            metadata.state_indices = StateIndices(
+                list(range(size + 1)),
+                [self.spare_state_slot] * size,
+                [False] * size,
+                self.state_rows[:size],
+                self.state_slots[:size],
+                self.state_resumes[:size],
+                [],
+                self.state_rows[:0].view(0, 4),
+            )
+        return metadata
 
     def _forward(self, size: int) -> torch.Tensor:
         """The model over the static buffers (the backend was prepared before, outside any capture)."""
         metadata = self._metadata(size)
-        with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
+        with forward_context(ForwardContext(metadata, self.backend, self.kv_caches, self.state_caches)):
             return self.model(self.input_ids[:size], self.positions[:size])
 
     @torch.inference_mode()
@@ -126,10 +150,16 @@ class CUDAGraphRunner:
         self.seq_lens[:num].copy_(metadata.seq_lens, non_blocking=True)
         width = metadata.block_table.shape[1]
         self.block_table[:num, :width].copy_(metadata.block_table, non_blocking=True)
-        if num < size:  # padding rows: sink slot, one token of context
+        if self.state_caches:
+            self.state_slots[:num].copy_(metadata.state_indices.decode_slots, non_blocking=True)
+            self.state_resumes[:num].copy_(metadata.state_indices.decode_has_initial_state, non_blocking=True)
+        if num < size:  # padding rows: sink slot, one token of context (and the spare state row)
             self.slot_mapping[num:size].fill_(self.sink_block * self.block_size)
             self.seq_lens[num:size].fill_(1)
             self.block_table[num:size, 0].fill_(self.sink_block)
+            if self.state_caches:
+                self.state_slots[num:size].fill_(self.spare_state_slot)
+                self.state_resumes[num:size].zero_()
         if self.backend_plans:
             self.backend.prepare(self._padded_host_metadata(metadata, size))
         self.graphs[size].replay()
@@ -166,9 +196,12 @@ def capture_decode_graphs(
     block_size: int,
     sink_block: int,
     device: torch.device,
+    state_caches: list | None = None,
+    spare_state_slot: int = 0,
 ) -> CapturedGraphs:
     """Capture the decode graphs when on CUDA, ``enabled`` (``--enable-cuda-graphs``) and the backend
-    allows it; ``sink_block`` is the KV block reserved for padding rows (one past the allocated ones)."""
+    allows it; ``sink_block`` is the KV block reserved for padding rows (one past the allocated ones),
+    ``spare_state_slot`` a hybrid model's state row for them."""
     if device.type != "cuda" or not enabled:
         return CapturedGraphs(None, "off")
     if not backend.supports_cuda_graphs:
@@ -182,6 +215,8 @@ def capture_decode_graphs(
         block_size=block_size,
         sink_block=sink_block,
         device=device,
+        state_caches=state_caches,
+        spare_state_slot=spare_state_slot,
     )
     seconds, memory = graphs.capture()
     summary = f"{len(graphs.buckets)} decode graphs (batch 1..{graphs.buckets[-1]}) in {seconds:.1f} s, {memory / 2**20:.0f} MiB"

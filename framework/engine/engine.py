@@ -25,6 +25,7 @@ from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, STEP_FAILED,
 from framework.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus
 from framework.engine.sampler import make_generator
 from framework.engine.scheduler import ScheduledBatch, Scheduler
+from framework.engine.state_cache import StateSlotManager
 from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError, FwError, RequestFailedError
 from framework.sampling_params import SamplingParams
@@ -58,14 +59,16 @@ class EngineCore:
         kv_cache: KVCacheManager,
         structured_outputs: StructuredOutputManager | None = None,
         async_scheduling: bool = False,
+        state_slots: StateSlotManager | None = None,
     ) -> None:
+        """``state_slots``: a hybrid model's state-cache slots (see :class:`Scheduler`)."""
         self.config = config
         self.async_scheduling = async_scheduling
         self.inflight: InflightStep | None = None
         self.runner = runner
         self.kv_cache = kv_cache
         self.structured_outputs = structured_outputs  # None: requests with structured_outputs are refused
-        self.scheduler = Scheduler(config.scheduler, kv_cache)
+        self.scheduler = Scheduler(config.scheduler, kv_cache, state_slots)
         self.requests: dict[str, Request] = {}
         self.scheduled: list[Request] = []  # the batch of the step being run (failed with it if it raises)
         self.num_failed_steps = 0

@@ -51,12 +51,18 @@ def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
 
 
 def num_kv_blocks(
-    cache: CacheConfig, device: torch.device, bytes_per_block: int, max_model_len: int, max_num_seqs: int
+    cache: CacheConfig,
+    device: torch.device,
+    bytes_per_block: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    reserved_bytes: int = 0,
 ) -> int:
-    """Blocks that fit the budget (see the module docstring); at least one."""
+    """Blocks that fit the budget (see the module docstring) less ``reserved_bytes`` (a hybrid
+    model's state cache, allocated after the blocks); at least one."""
     if cache.num_blocks:
         return cache.num_blocks
-    budget = kv_budget_bytes(cache, device)
+    budget = kv_budget_bytes(cache, device) - reserved_bytes
     most_useful = -(-max_model_len // cache.block_size) * max_num_seqs
     # every rank holds the same blocks (of its own heads): the tightest device decides
     return distributed.min_over_ranks(max(1, min(budget // bytes_per_block, most_useful)))

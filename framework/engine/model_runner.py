@@ -7,6 +7,7 @@ Input preparation for ``R`` requests (request ``r`` computes ``n_r`` tokens from
     positions    [T]  those positions
     slot_mapping [T]  block_ids[p // block_size] * block_size + p % block_size
     cu_seqlens_q [R+1], seq_lens [R] = c_r + n_r, block_table [R, max_blocks]
+    state_indices      hybrid models: request r's state slot, and whether it resumes (c_r > 0)
 
 A request samples when its computed tokens reach ``num_tokens`` (the end of its prompt, or
 its last generated token); requests in the middle of a chunked prompt do not.
@@ -38,9 +39,11 @@ from framework.engine.outputs import LogprobEntry
 from framework.engine.request import PLACEHOLDER, Request
 from framework.engine.sampler import Sampler, compute_logprobs
 from framework.engine.scheduler import ScheduledBatch
+from framework.engine.state_cache import StateCache
 from framework.engine.transfer import HostCopy, to_device
 from framework.forward_context import ForwardContext, forward_context
 from framework.kv_cache import KVCache
+from framework.ops_linear_attention import StateIndices
 
 if TYPE_CHECKING:
     from framework.engine.cuda_graphs import CUDAGraphRunner
@@ -111,13 +114,16 @@ class ModelRunner:
         broadcast: Callable[[StepMessage], object] | None = None,
         structured_outputs: StructuredOutputManager | None = None,
         share_sampled: bool = False,
+        state_caches: list[StateCache] | None = None,
     ) -> None:
         """``graph_runner``: captured decode graphs (None: eager); ``broadcast``: rank 0 of a
         tensor-parallel group sends each step to the workers with it; ``structured_outputs``: grammar
-        masks on the logits (rank 0); ``share_sampled``: see the module docstring."""
+        masks on the logits (rank 0); ``share_sampled``: see the module docstring; ``state_caches``: the
+        per-sequence states of a hybrid model's linear-attention layers (:mod:`~framework.engine.state_cache`)."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
+        self.state_caches = state_caches or []
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
@@ -163,6 +169,7 @@ class ModelRunner:
                 request.num_computed_tokens,
                 request.block_ids,
                 request.request_id,
+                state_slot=request.state_slot,
             )
             for request, num_new in zip(batch.requests, batch.num_new_tokens)
         ]
@@ -217,6 +224,10 @@ class ModelRunner:
             seq_lens_cpu=lens_cpu,
             is_decode_only=num_tokens == num_reqs,
         )
+        if self.state_caches:  # a sequence resumes its state once it has computed tokens
+            metadata.state_indices = StateIndices.build(
+                cu_seqlens, [item.state_slot for item in inputs], [item.start > 0 for item in inputs], self.device
+            )
         ids = dev64[:num_tokens]
         if from_device:
             ids = self._ids_from_device(ids, from_device)
@@ -278,7 +289,7 @@ class ModelRunner:
         if graphs is not None and metadata.is_decode_only and graphs.bucket_for(metadata.num_reqs):
             return graphs.run(input_ids, positions, metadata)
         self.backend.prepare(metadata)
-        with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
+        with forward_context(ForwardContext(metadata, self.backend, self.kv_caches, self.state_caches)):
             return self.model(input_ids, positions)
 
     @torch.inference_mode()

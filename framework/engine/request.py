@@ -61,6 +61,7 @@ class Request:
     num_keyed_blocks: int = 0  # leading blocks the prefix cache has already considered (cache_full_blocks)
     num_cached_tokens: int = -1  # prefix-cache hit of the first schedule; -1 = not yet looked up
     num_preemptions: int = 0
+    state_slot: int = -1  # hybrid models: the state-cache slot it holds while running (-1: none)
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     generator: torch.Generator | None = None

@@ -5,6 +5,10 @@ needs (``num_tokens - num_computed_tokens``), capped by the prefill chunk size a
 token budget; then waiting requests are admitted while budget, sequence slots and blocks last.
 When a running request cannot get a block, the newest running request is preempted (its blocks
 freed, to be recomputed later — usually from the prefix cache).
+
+Hybrid models (linear-attention layers beside paged attention) also give each running request a
+state slot (:class:`~framework.engine.state_cache.StateSlotManager`): taken on admission, given
+back on finish, abort and preemption, like the blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from framework.config import SchedulerConfig
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.request import FinishReason, Request, RequestStatus
+from framework.engine.state_cache import StateSlotManager
 
 
 @dataclass(slots=True)
@@ -36,9 +41,13 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting and running queues; decides each step's batch."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, state_slots: StateSlotManager | None = None
+    ) -> None:
+        """``state_slots``: the state-cache slots of a hybrid model (None: a paged-attention-only model)."""
         self.config = config
         self.kv_cache = kv_cache
+        self.state_slots = state_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -81,6 +90,8 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.state_slots is not None and not self.state_slots.can_allocate(request):
+                break  # every slot is held by a running request
             if not request.block_ids:
                 request.num_computed_tokens = self.kv_cache.allocate_cached_prefix(request)
                 if request.num_cached_tokens < 0:
@@ -89,6 +100,8 @@ class Scheduler:
             if not self.kv_cache.allocate(request, num_new):
                 break  # keep FCFS order: the head waits for blocks, cached blocks stay attached
             self.waiting.popleft()
+            if self.state_slots is not None:
+                self.state_slots.allocate(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.requests.append(request)
@@ -97,6 +110,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
+        self._free_state(request)  # recomputed from token 0: its state is rebuilt
         request.num_computed_tokens = 0
         request.pooled = None
         request.status = RequestStatus.PREEMPTED
@@ -105,11 +119,16 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """Remove a request from whichever queue holds it and free its blocks."""
+        """Remove a request from whichever queue holds it and free its blocks (and state slot)."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache.free(request)
+        self._free_state(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def _free_state(self, request: Request) -> None:
+        if self.state_slots is not None:
+            self.state_slots.free(request)

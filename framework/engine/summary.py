@@ -39,6 +39,9 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
         "plugins": [info.name for info in plugins.loaded_plugins()],
         "tensor_parallel_size": self.parallel.tensor_parallel_size,
     }
+    if getattr(self, "state_specs", None):  # a hybrid model's per-sequence state cache
+        summary["state_slots"] = self.num_state_slots
+        summary["state_bytes"] = self.state_cache_bytes
     if getattr(self, "isq_report", None) is not None:
         summary["isq"] = self.isq_report.describe()
     if self.parallel.is_parallel:

@@ -72,6 +72,8 @@ def test_all_entry_points_load_and_broken_plugin_is_reported_by_name(three_plugi
             "fused_moe/torch",
             "quantized_fused_moe/torch",
             "linear/torch",
+            "causal_conv1d/torch",
+            "gated_delta_rule/torch",
         ]
     )
 

@@ -27,7 +27,16 @@ TRITON_KERNELS = {
 
 #: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
 #: so they run only when forced (``FW_KERNELS="op=triton"``) until a GPU run shows them ahead.
-OPT_IN_KERNELS: dict[str, tuple[str, str]] = {}
+OPT_IN_KERNELS: dict[str, tuple[str, str]] = {
+    "gated_delta_rule": (
+        "fw_triton_ops.gated_delta_net:gated_delta_rule",
+        "one program per (sequence, value head, v block), its state in registers, tokens in order",
+    ),
+    "causal_conv1d": (
+        "fw_triton_ops.gated_delta_net:causal_conv1d",
+        "decodes shift their state in one program; prefill chunks by token blocks, then their new states",
+    ),
+}
 
 
 @hookimpl
