@@ -71,6 +71,7 @@ def test_all_entry_points_load_and_broken_plugin_is_reported_by_name(three_plugi
             "qk_norm_rotary_embedding/torch",
             "fused_moe/torch",
             "quantized_fused_moe/torch",
+            "moe_align_block_size/torch",
             "linear/torch",
             "causal_conv1d/torch",
             "gated_delta_rule/torch",
