@@ -41,6 +41,7 @@ from framework.errors import ConfigError
 from framework.kv_cache import KVCache
 from framework.layers.attention import Attention
 from framework.loader.format import WeightFormat
+from framework.multimodal.inputs import VisionSpec
 from framework.platform import Platform, platform_for_device
 
 
@@ -69,6 +70,7 @@ class EngineBuilder:
         self.config: ModelConfig | None = None
         self.torch_model: torch.nn.Module | None = None
         self.isq_report: isq.IsqReport | None = None  # what --isq did, once the model is loaded
+        self.vision: VisionSpec | None = None  # how the model takes images (a vision model, once loaded)
 
     # --- steps ---------------------------------------------------------------------------
     def open_source(self) -> WeightFormat:
@@ -95,6 +97,7 @@ class EngineBuilder:
         self.torch_model = model_loading.load_model(
             model_cls, config, quant_config, self.source, self.device, self.args.seed, self.isq_report
         )
+        self.vision = model_loading.vision_spec(model_cls, config, self.source_path)
         return self.torch_model
 
     def release_model(self, error: BaseException | None = None) -> None:
@@ -253,4 +256,6 @@ class EngineBuilder:
         )
         summary = engine_summary(self, core)
         log_summary(self, summary)
-        return Engine(core, self._tokenizer, config, self._generation, self.backend_name, summary, self.workers)
+        return Engine(
+            core, self._tokenizer, config, self._generation, self.backend_name, summary, self.workers, self.vision
+        )
