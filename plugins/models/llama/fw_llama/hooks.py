@@ -35,6 +35,12 @@ GPT_OSS_ARCHITECTURES = {
 }
 
 
+#: Vision-language models (a vision tower feeding a Llama-family decoder).
+VISION_ARCHITECTURES = {
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (image input: windowed ViT, M-RoPE; no video yet)",
+}
+
+
 @hookimpl
 def register_model_architectures():
     return (
@@ -59,5 +65,9 @@ def register_model_architectures():
         + [
             ModelSpec(name=name, impl="fw_llama.gpt_oss:GptOssForCausalLM", description=description)
             for name, description in GPT_OSS_ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(name=name, impl="fw_llama.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration", description=description)
+            for name, description in VISION_ARCHITECTURES.items()
         ]
     )
