@@ -7,7 +7,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from framework.multimodal.inputs import ImageInput
+from framework.multimodal.prompt import first_image_part
 from framework.parsers.base import ToolCall, ToolParseDelta, assemble
+from framework.server.chat_images import chat_prompt_with_images
 from framework.server.chat_prompt import chat_prompt
 from framework.server.chat_tools import (
     ToolSetup,
@@ -42,7 +45,12 @@ class ChatTurn:
         self.served = state.served_parsers()
         # what the template drops of tools, calls and results, written in the generic format
         shown = with_generic_tools(messages, setup.tools, self.served.template_tools)
-        self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, shown)
+        #: the prompt's images (a vision model), placed in ``prompt_ids``
+        self.images: list[ImageInput] = []
+        if state.vision is not None and first_image_part(shown) is not None:
+            self.prompt_text, self.prompt_ids, self.images = chat_prompt_with_images(state, body, setup.tools, shown)
+        else:
+            self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, shown)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = build_sampling_params(
             body,
@@ -145,7 +153,13 @@ class MCPRounds:
             return self.first_events
         request_id = f"{self.request_id}-r{self.index}" if self.index else self.request_id
         return run_choices(
-            self.state.client, request_id, [self.turn.prompt_ids], self.turn.params, self.state.metrics, self.arrival
+            self.state.client,
+            request_id,
+            [self.turn.prompt_ids],
+            self.turn.params,
+            self.state.metrics,
+            self.arrival,
+            images=self.turn.images,
         )
 
     def runs(self, calls: list[ToolCall]) -> bool:

@@ -85,7 +85,7 @@ def start_chat(
         )
     release = state.admit(max(body.n, 1))
     try:
-        turn = ChatTurn(state, body, setup, template_messages(body.messages))
+        turn = ChatTurn(state, body, setup, template_messages(body.messages, allow_images=state.vision is not None))
         release.add_tokens(len(turn.prompt_ids) * max(body.n, 1))
     except BaseException:
         release()
@@ -115,7 +115,9 @@ async def chat_chunk_stream(
 
     An engine refusal of the request's grammar is raised here, as an HTTP error, not mid-stream."""
     state, turn = call.state, call.turn
-    events = run_choices(state.client, call.request_id, [turn.prompt_ids], turn.params, state.metrics, call.arrival)
+    events = run_choices(
+        state.client, call.request_id, [turn.prompt_ids], turn.params, state.metrics, call.arrival, turn.images
+    )
     if turn.params.structured_outputs is not None:
         events = await first_event_or_error(events, call.release, grammar_errors(turn.grammar_field))
     return chat_chunks(state, call.request_id, turn, call.arrival, include_usage, events), events
