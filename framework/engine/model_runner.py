@@ -9,7 +9,9 @@ Input preparation for ``R`` requests (request ``r`` computes ``n_r`` tokens from
     cu_seqlens_q [R+1], seq_lens [R] = c_r + n_r, block_table [R, max_blocks]
 
 A request samples when its computed tokens reach ``num_tokens`` (the end of its prompt, or
-its last generated token); requests in the middle of a chunked prompt do not.
+its last generated token); requests in the middle of a chunked prompt do not. A vision model's
+steps also get the image embeddings of the image tokens they cover and its M-RoPE positions
+(:class:`~framework.engine.multimodal_step.MultiModalStep`).
 
 Tensor parallelism: on rank 0 ``broadcast`` sends each step's :class:`StepMessage` (the new
 tokens, first position and not yet sent block ids per request, and the hidden rows of every

@@ -43,13 +43,17 @@ class MRotaryEmbedding(nn.Module):
         # the section (0: temporal, 1: height, 2: width) of each cos and each sin column
         section = [index for index, width in enumerate(mrope_section) for _ in range(width)]
         self.section = section + section
+        self._section_index: dict[torch.device, torch.Tensor] = {}  # self.section on each device, made once
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         base = self.base
         if positions.ndim == 1:
             return base(positions, query, key)
         rows = base.cos_sin_cache[positions]  # [3, T, rotary_dim]: cos | sin per section
-        index = torch.tensor(self.section, device=positions.device).view(1, 1, -1).expand(1, rows.shape[1], -1)
+        section = self._section_index.get(positions.device)
+        if section is None:
+            section = self._section_index[positions.device] = torch.tensor(self.section, device=positions.device)
+        index = section.view(1, 1, -1).expand(1, rows.shape[1], -1)
         table = rows.gather(0, index)[0]  # [T, rotary_dim]: each token's own rows
         token_rows = torch.arange(table.shape[0], device=positions.device)
         return base._kernel(token_rows, query, key, base.head_size, table, base.is_neox_style)

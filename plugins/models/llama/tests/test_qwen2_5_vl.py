@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from fw_llama.qwen2_vl_processor import Qwen2VLImageProcessor, processor_settings
 
 from framework import LLM, SamplingParams
 from framework.errors import ConfigError
@@ -19,7 +20,6 @@ from framework.multimodal.images import ImageError
 from framework.multimodal.inputs import ImageInput
 from framework.testing import capture_logits, data_url, random_image, write_tiny_qwen2_5_vl
 from framework.testing.vision import IMAGE_TOKEN_ID
-from fw_llama.qwen2_vl_processor import Qwen2VLImageProcessor, processor_settings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -197,3 +197,18 @@ def test_text_model_refuses_images(tmp_path):
         ConfigError, match=r"messages\[0\]\.content\[1\]: this model \(LlamaForCausalLM\) does not take images"
     ):
         llm.chat(conversation(random_image(56, 56, 1)), GREEDY)
+
+
+@pytest.mark.gpu
+def test_greedy_ids_match_transformers_on_cuda_with_graphs_and_async_scheduling(tiny, processor):
+    path, reference = tiny
+    llm = LLM(str(path), dtype="float32", device="cuda", prefill_chunk_size=8, async_scheduling=True)
+    images = [random_image(84, 56, 1), random_image(100, 120, 2)]
+    results = llm.chat([conversation(*images), conversation(images[1], text="t9")], GREEDY)
+    assert results[0].outputs[0].token_ids == reference_greedy(
+        reference, processor, results[0].prompt_token_ids, images
+    )
+    assert results[1].outputs[0].token_ids == reference_greedy(
+        reference, processor, results[1].prompt_token_ids, images[1:]
+    )
+    assert llm.engine.core.runner.graph_runner is not None  # decode ran in CUDA graphs (M-RoPE positions + delta)
