@@ -78,6 +78,11 @@ from framework.testing.parsers import (
     random_chunks,
 )
 from framework.testing.vision import (
+    IMAGE_TOKEN,
+    IMAGE_TOKEN_ID,
+    TINY_PREPROCESSOR,
+    VISION_CHAT_TEMPLATE,
+    VISION_SPECIALS,
     data_url,
     random_image,
     write_tiny_qwen2_5_vl,
@@ -125,6 +130,11 @@ __all__ = [
     "tiny_model_fixture",
     "check_tool_parser_streaming",
     "random_chunks",
+    "IMAGE_TOKEN",
+    "IMAGE_TOKEN_ID",
+    "TINY_PREPROCESSOR",
+    "VISION_CHAT_TEMPLATE",
+    "VISION_SPECIALS",
     "data_url",
     "random_image",
     "write_tiny_qwen2_5_vl",
