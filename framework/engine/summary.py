@@ -39,6 +39,12 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
         "plugins": [info.name for info in plugins.loaded_plugins()],
         "tensor_parallel_size": self.parallel.tensor_parallel_size,
     }
+    if self.vision is not None:  # a vision model: how it takes images
+        summary["vision"] = {
+            "image_processor": self.vision.processor.rpartition(":")[2],
+            "image_token_id": self.vision.image_token_id,
+            "max_images": self.vision.max_images,
+        }
     if getattr(self, "isq_report", None) is not None:
         summary["isq"] = self.isq_report.describe()
     if self.parallel.is_parallel:

@@ -90,6 +90,7 @@ def test_openai_client_images_get_transformers_greedy_ids(tiny_vlm, vision_spec,
             extra_body={"ignore_eos": True},
         )
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert any("images     up to 8 per prompt (Qwen2VLImageProcessor)" in line for line in server.lines)
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == tokenizer.decode(expected) == streamed
 

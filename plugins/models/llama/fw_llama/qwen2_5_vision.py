@@ -122,7 +122,7 @@ class Qwen2_5VisionTransformer(nn.Module):
         self.window = int(get("window_size", 112)) // self.merge // self.patch_size
         self.full_attention = set(get("fullatt_block_indexes", [7, 15, 23, 31]))
         theta = float((get("rope_parameters") or {}).get("rope_theta") or get("rope_theta") or 10000.0)
-        self.theta, self.rotary_quarter = theta, dim // self.num_heads // 2  # rows and columns: a quarter each
+        self.theta, self.spatial_dim = theta, dim // self.num_heads // 2  # half a head: row angles, then column angles
         self.patch_embed = nn.Module()
         kernel = (self.temporal_patch_size, self.patch_size, self.patch_size)
         self.patch_embed.proj = nn.Conv3d(self.in_channels, dim, kernel, stride=kernel, bias=False)
@@ -144,8 +144,8 @@ class Qwen2_5VisionTransformer(nn.Module):
         order = order.to(x.device)
         x = x.view(-1, unit, x.shape[-1])[order].view(x.shape)
         positions = block_positions(h, w, self.merge).repeat(t, 1).to(x.device)
-        quarter = self.rotary_quarter
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=x.device) / quarter)
+        spatial = self.spatial_dim
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=x.device) / spatial)
         freqs = (positions[..., None].float() * inv_freq).flatten(1)  # [N, head_dim / 2]: rows, then columns
         freqs = freqs.view(-1, unit, freqs.shape[-1])[order].view(freqs.shape)
         cos, sin = torch.cat((freqs, freqs), -1).cos()[:, None], torch.cat((freqs, freqs), -1).sin()[:, None]

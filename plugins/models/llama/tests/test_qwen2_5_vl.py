@@ -212,3 +212,12 @@ def test_greedy_ids_match_transformers_on_cuda_with_graphs_and_async_scheduling(
         reference, processor, results[1].prompt_token_ids, images[1:]
     )
     assert llm.engine.core.runner.graph_runner is not None  # decode ran in CUDA graphs (M-RoPE positions + delta)
+
+
+def test_engine_summary_says_the_model_takes_images(tiny):
+    llm = LLM(str(tiny[0]), dtype="float32", device="cpu")
+    assert llm.engine.summary["vision"] == {
+        "image_processor": "Qwen2VLImageProcessor",
+        "image_token_id": IMAGE_TOKEN_ID,
+        "max_images": 8,
+    }
