@@ -50,39 +50,58 @@ def first_image_part(messages: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def take_images(messages: list[dict[str, Any]], max_images: int) -> tuple[list[dict[str, Any]], list[PromptImage]]:
-    """The messages with each image part replaced by ``{"type": "image"}``, and the decoded images in
-    order. Raises :class:`ContentImageError` for an image that cannot be decoded or one past ``max_images``."""
-    from PIL import Image
-
-    shaped, images = [], []
+def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Every image content part of ``messages`` in order, with its name (``messages[i].content[j]``)."""
+    found = []
     for i, message in enumerate(messages):
         content = message.get("content")
-        if not isinstance(content, list) or not any(is_image_part(part) for part in content):
-            shaped.append(message)
-            continue
-        parts = []
-        for j, part in enumerate(content):
-            if not is_image_part(part):
-                parts.append(part)
-                continue
-            param = f"messages[{i}].content[{j}]"
-            if len(images) == max_images:
-                raise ContentImageError(param, f"too many images: this model takes at most {max_images} per prompt")
-            try:
-                value = part.get("image")
-                if isinstance(value, Image.Image):
-                    image = to_rgb(value)
-                elif part["type"] == "image":
-                    raise ImageError("an image part holds a PIL image under 'image'; send image_url parts over HTTP")
-                else:
-                    image = decode_image_url(image_url_of(part))
-            except ImageError as error:
-                raise ContentImageError(param, str(error)) from None
-            images.append(PromptImage(param, image))
-            parts.append({"type": "image"})
-        shaped.append({**message, "content": parts})
-    return shaped, images
+        if isinstance(content, list):
+            found += [(f"messages[{i}].content[{j}]", part) for j, part in enumerate(content) if is_image_part(part)]
+    return found
+
+
+def without_images(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each image part replaced by ``{"type": "image"}`` (what the template sees)."""
+    return [
+        {**message, "content": [{"type": "image"} if is_image_part(part) else part for part in message["content"]]}
+        if isinstance(message.get("content"), list)
+        else message
+        for message in messages
+    ]
+
+
+def take_images(messages: list[dict[str, Any]], max_images: int) -> tuple[list[dict[str, Any]], list[PromptImage]]:
+    """:func:`without_images` of the messages, and the decoded images in order. Raises
+    :class:`ContentImageError` for an image that cannot be decoded or one past ``max_images``."""
+    from PIL import Image
+
+    images = []
+    for param, part in image_parts(messages):
+        if len(images) == max_images:
+            raise ContentImageError(param, f"too many images: this model takes at most {max_images} per prompt")
+        try:
+            value = part.get("image")
+            if isinstance(value, Image.Image):
+                image = to_rgb(value)
+            elif part["type"] == "image":
+                raise ImageError("an image part holds a PIL image under 'image'; send image_url parts over HTTP")
+            else:
+                image = decode_image_url(image_url_of(part))
+        except ImageError as error:
+            raise ContentImageError(param, str(error)) from None
+        images.append(PromptImage(param, image))
+    return without_images(messages), images
+
+
+def process_images(images: list[PromptImage], processor: ImageProcessor) -> list[ProcessedImage]:
+    """Each image through the model's processor (:class:`ContentImageError` for one it refuses)."""
+    processed = []
+    for item in images:
+        try:
+            processed.append(processor.preprocess(item.image))
+        except ValueError as error:
+            raise ContentImageError(item.param, str(error)) from None
+    return processed
 
 
 def expand_placeholders(
@@ -127,10 +146,4 @@ def vision_prompt(
     """The prompt ids of ``messages`` (``encode`` renders and tokenizes them) with their images
     preprocessed and placed; raises :class:`ContentImageError` / ImageError for bad images."""
     shaped, images = take_images(messages, spec.max_images)
-    processed = []
-    for item in images:
-        try:
-            processed.append(processor.preprocess(item.image))
-        except ValueError as error:
-            raise ContentImageError(item.param, str(error)) from None
-    return expand_placeholders(encode(shaped), processed, spec.image_token_id)
+    return expand_placeholders(encode(shaped), process_images(images, processor), spec.image_token_id)

@@ -183,3 +183,26 @@ def test_an_image_for_a_text_only_model_is_a_400_naming_the_part():
     error = response.json()["error"]
     assert error["param"] == "messages[0].content[1]" and "does not take images" in error["message"]
     assert engine.prompts == []
+
+
+def test_images_are_decoded_and_preprocessed_off_the_event_loop(vision_app, monkeypatch):
+    import asyncio
+
+    from framework.server import chat_images
+
+    http, _, received = vision_app
+    on_loop = []
+    process = chat_images.process_images
+
+    def recording(images, processor):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop runs in this thread: a worker thread
+            on_loop.append(False)
+        return process(images, processor)
+
+    monkeypatch.setattr(chat_images, "process_images", recording)
+    response = http.post("/v1/chat/completions", json={"messages": chat_messages(IMAGES[0]), "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert on_loop == [False] and len(received[0]) == 1
