@@ -65,6 +65,19 @@ def reference_greedy(model, processor, prompt_ids, images, steps=12):
     return out[0, len(prompt_ids) :].tolist()
 
 
+def reference_logits(model, processor, prompt_ids, images):
+    """transformers' logits at every position of ``prompt_ids`` with ``images``."""
+    processed = [processor.preprocess(image) for image in images]
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        return model(
+            input_ids=ids,
+            pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
+            image_grid_thw=torch.tensor([p.grid for p in processed]),
+            mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
+        ).logits[0]
+
+
 def test_image_processor_matches_transformers_pil_processor(processor, tiny):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -95,17 +108,8 @@ def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunk
     first = prompt.index(IMAGE_TOKEN_ID)
     assert first // 8 != (first + 5) // 8  # the first image's 6 tokens cross a chunk boundary
     assert prompt.count(IMAGE_TOKEN_ID) == 6 + 16
-    processed = [processor.preprocess(image) for image in images]
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        expected = reference(
-            input_ids=ids,
-            pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
-            image_grid_thw=torch.tensor([p.grid for p in processed]),
-            mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
-        ).logits[0]
     got = torch.stack([logits[("0-0", position)] for position in range(len(prompt))])
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, reference_logits(reference, processor, prompt, images), rtol=1e-4, atol=1e-4)
     assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, images)
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2  # each image once, though split over steps
 
@@ -136,18 +140,44 @@ def test_different_images_with_the_same_text_share_no_prefix_blocks(tiny, proces
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2  # a hit past the image needs no encoder run
 
 
+def test_a_prefix_cache_hit_that_ends_inside_an_image_continues_from_its_embeddings(tiny, processor):
+    path, reference = tiny
+    # two keyed blocks of 4: the hit covers tokens 0..7, and the image's 16 tokens start at 3
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, prefix_cache_max_tokens=8)
+    logits = capture_logits(llm)
+    image = random_image(112, 112, 5)
+    llm.chat(conversation(image), GREEDY)
+    second = llm.chat(conversation(image), GREEDY)[0]
+    prompt = second.prompt_token_ids
+    start = prompt.index(IMAGE_TOKEN_ID)
+    assert start < second.num_cached_tokens == 8 < start + 16
+    got = torch.stack([logits[("1-0", position)] for position in range(8, len(prompt))])
+    torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [image])[8:], rtol=1e-4, atol=1e-4)
+    assert second.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image])
+
+
 def test_preempted_requests_with_images_resume_without_encoding_again(tiny, processor):
     path, reference = tiny
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=7, block_size=16, max_num_seqs=3)
-    images = [random_image(56 + 28 * i, 56, 10 + i) for i in range(3)]
-    results = llm.chat(
-        [conversation(image) for image in images], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # no prefix cache: a resumed request recomputes its image tokens, from the encoder cache
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device="cpu",
+        num_blocks=7,
+        block_size=16,
+        max_num_seqs=3,
+        enable_prefix_caching=False,
     )
+    logits = capture_logits(llm)  # a recomputed position keeps its last logits
+    images = [random_image(56 + 28 * i, 56, 10 + i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    results = llm.chat([conversation(image) for image in images], params)
     assert llm.engine.core.stats().num_preemptions > 0
-    for image, result in zip(images, results, strict=True):
-        assert result.outputs[0].token_ids == reference_greedy(
-            reference, processor, result.prompt_token_ids, [image], 20
-        )
+    for index, (image, result) in enumerate(zip(images, results, strict=True)):
+        prompt = result.prompt_token_ids
+        got = torch.stack([logits[(f"{index}-0", position)] for position in range(len(prompt))])
+        torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [image]), rtol=1e-4, atol=1e-4)
+        assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image], 20)
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 3
 
 
