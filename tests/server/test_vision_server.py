@@ -206,3 +206,11 @@ def test_images_are_decoded_and_preprocessed_off_the_event_loop(vision_app, monk
     response = http.post("/v1/chat/completions", json={"messages": chat_messages(IMAGES[0]), "max_tokens": 2})
     assert response.status_code == 200, response.text
     assert on_loop == [False] and len(received[0]) == 1
+
+
+def test_tokenize_counts_the_image_tokens_generation_sees(vision_app):
+    http, engine, _ = vision_app
+    messages = chat_messages(*IMAGES)
+    tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).status_code == 200
+    assert tokens == engine.prompt_ids[0] and tokens.count(IMAGE_TOKEN_ID) == 22
