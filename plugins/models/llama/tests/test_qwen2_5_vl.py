@@ -114,6 +114,23 @@ def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunk
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2  # each image once, though split over steps
 
 
+def test_async_scheduling_mixes_decode_and_image_prefill_with_the_same_ids(tiny, processor):
+    path, reference = tiny
+    llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8, async_scheduling=True)
+    logits = capture_logits(llm)
+    images = [random_image(100, 120, 2)]
+    # the short text-only prompt decodes (its input on the device) while the image prompt's chunks prefill
+    results = llm.chat([[{"role": "user", "content": "t5"}], conversation(*images)], GREEDY)
+    with torch.no_grad():
+        short = torch.tensor([results[0].prompt_token_ids])
+        expected = reference.generate(input_ids=short, max_new_tokens=12, do_sample=False)[0, short.shape[1] :]
+    assert results[0].outputs[0].token_ids == expected.tolist()
+    prompt = results[1].prompt_token_ids
+    got = torch.stack([logits[("1-0", position)] for position in range(len(prompt))])
+    torch.testing.assert_close(got, reference_logits(reference, processor, prompt, images), rtol=1e-4, atol=1e-4)
+    assert results[1].outputs[0].token_ids == reference_greedy(reference, processor, prompt, images)
+
+
 def test_text_only_prompt_of_the_vision_model_matches_transformers(tiny, processor):
     path, reference = tiny
     llm = LLM(str(path), dtype="float32", device="cpu")
