@@ -9,13 +9,14 @@ whole image. Windows are formed over merged blocks::
     window_index: merged-block order -> window-major order (the hidden rows are permuted by it
     before the blocks and back after the merger)
 
-Attention is dense (torch SDPA) within each window or image: the tower runs once per image,
-inside the prefill step that first reaches its tokens.
+Attention is dense within each window or image: the windows (or frames) are padded into one
+batch, keys past a window's end masked, so each block makes one SDPA call (:class:`Segments`).
+The tower runs once per image, inside the prefill step that first reaches its tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,41 @@ def window_index(grid_t: int, grid_h: int, grid_w: int, merge: int, window: int)
     return order, [int(c) * merge * merge for c in counts if c > 0]
 
 
+class Segments(NamedTuple):
+    """Packed rows cut into segments (windows), as one padded batch ``[num_segments, longest]``.
+
+    ``rows``: each packed row's place in the flattened batch; ``key_mask``: ``[num_segments, 1, 1,
+    longest]``, True where a key is a row of the segment (None when all segments are as long).
+    """
+
+    num_segments: int
+    longest: int
+    rows: torch.Tensor
+    key_mask: torch.Tensor | None
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device) -> Segments:
+        longest = max(lengths)
+        starts = torch.arange(len(lengths), device=device) * longest
+        sizes = torch.tensor(lengths, device=device)
+        rows = torch.repeat_interleave(starts, sizes) + torch.cat([torch.arange(n, device=device) for n in lengths])
+        mask = None
+        if min(lengths) != longest:
+            mask = (torch.arange(longest, device=device) < sizes[:, None]).view(len(lengths), 1, 1, longest)
+        return cls(len(lengths), longest, rows, mask)
+
+    def batch(self, x: torch.Tensor) -> torch.Tensor:
+        """``[rows, heads, head_dim]`` -> ``[segments, heads, longest, head_dim]`` (padding rows zero)."""
+        padded = x.new_zeros(self.num_segments * self.longest, *x.shape[1:])
+        padded[self.rows] = x
+        return padded.view(self.num_segments, self.longest, *x.shape[1:]).transpose(1, 2)
+
+    def unbatch(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`batch`'s inverse: ``[segments, heads, longest, head_dim]`` -> ``[rows, heads, head_dim]``."""
+        flat = x.transpose(1, 2).reshape(self.num_segments * self.longest, x.shape[1], x.shape[3])
+        return flat[self.rows]
+
+
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -60,16 +96,15 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         num = x.shape[0]
         q, k, v = self.qkv(x).view(num, 3, self.num_heads, self.head_dim).unbind(1)
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        outs = [
-            F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)).transpose(0, 1)
-            for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))
-        ]
-        return self.proj(torch.cat(outs).reshape(num, -1))
+        out = F.scaled_dot_product_attention(
+            segments.batch(q), segments.batch(k), segments.batch(v), attn_mask=segments.key_mask
+        )
+        return self.proj(segments.unbatch(out).reshape(num, -1))
 
 
 class VisionMLP(nn.Module):
@@ -92,8 +127,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = VisionMLP(dim, hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -149,7 +184,8 @@ class Qwen2_5VisionTransformer(nn.Module):
         freqs = (positions[..., None].float() * inv_freq).flatten(1)  # [N, head_dim / 2]: rows, then columns
         freqs = freqs.view(-1, unit, freqs.shape[-1])[order].view(freqs.shape)
         cos, sin = torch.cat((freqs, freqs), -1).cos()[:, None], torch.cat((freqs, freqs), -1).sin()[:, None]
-        image_lengths = [h * w] * t  # full attention: each frame on its own
+        frames = Segments.of([h * w] * t, x.device)  # full attention: each frame on its own
+        windows = Segments.of(window_lengths, x.device)
         for index, block in enumerate(self.blocks):
-            x = block(x, cos, sin, image_lengths if index in self.full_attention else window_lengths)
+            x = block(x, cos, sin, frames if index in self.full_attention else windows)
         return self.merger(x)[torch.argsort(order)]

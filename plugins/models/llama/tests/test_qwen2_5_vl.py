@@ -18,7 +18,7 @@ from framework import LLM, SamplingParams
 from framework.errors import ConfigError
 from framework.multimodal.images import ImageError
 from framework.multimodal.inputs import ImageInput
-from framework.testing import capture_logits, data_url, random_image, write_tiny_qwen2_5_vl
+from framework.testing import capture_logits, data_url, random_image, randomise_identity_params, write_tiny_qwen2_5_vl
 from framework.testing.vision import IMAGE_TOKEN_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -268,3 +268,23 @@ def test_engine_summary_says_the_model_takes_images(tiny):
         "image_token_id": IMAGE_TOKEN_ID,
         "max_images": 8,
     }
+
+
+def test_vision_tower_with_checkpoint_sized_windows_matches_transformers():
+    """Qwen2.5-VL checkpoints' 112-pixel windows (4 x 4 merged blocks), cut at the image's edges."""
+    from fw_llama.qwen2_5_vision import Qwen2_5VisionTransformer
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+
+    vision = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48, window_size=112)
+    vision.update(fullatt_block_indexes=[1], patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    torch.manual_seed(0)
+    reference = hf.Qwen2_5_VisionTransformerPretrainedModel(hf.Qwen2_5_VLVisionConfig(**vision)).eval()
+    randomise_identity_params(reference)
+    tower = Qwen2_5VisionTransformer(vision)
+    tower.load_state_dict(reference.state_dict())
+    processed = Qwen2VLImageProcessor({}).preprocess(random_image(300, 200, 3))  # 7 x 11 blocks: edge windows
+    assert processed.grid == [1, 14, 22]
+    pixels = torch.from_numpy(processed.pixel_values)
+    with torch.no_grad():
+        expected = reference(pixels, grid_thw=torch.tensor([processed.grid])).pooler_output
+        torch.testing.assert_close(tower(pixels, processed.grid), expected, rtol=1e-4, atol=1e-4)
