@@ -125,7 +125,7 @@ class MultiModalStep:
                     pieces.append(embeds[first - image.offset : last - image.offset])
             row += num_new
         if self.uses_mrope:
-            positions = self._positions(batch)
+            positions = self._positions(batch, positions)
         if not pieces:
             return positions, None
         embeds = self.model.embed_input_ids(input_ids)
@@ -141,21 +141,22 @@ class MultiModalStep:
             self.num_encoder_runs += 1
         return embeds
 
-    def _positions(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _positions(self, batch: ScheduledBatch, positions: torch.Tensor) -> torch.Tensor:
         """Every token's M-RoPE position: ``[3, T]`` when some token lies in a prompt with images,
-        else ``[T]`` (index + delta)."""
+        else ``[T]``: ``positions`` (the token indices, on the device) plus each request's delta."""
         spans = [
             (r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in zip(batch.requests, batch.num_new_tokens)
         ]
-        in_prompt = any(r.rope_positions is not None and start < r.num_prompt_tokens for r, start, _ in spans)
+        if not any(r.rope_positions is not None and start < r.num_prompt_tokens for r, start, _ in spans):
+            deltas = np.repeat([r.rope_delta for r in batch.requests], batch.num_new_tokens)  # decode: one add
+            return positions + to_device(torch.from_numpy(deltas), self.device)
         parts = []
         for request, start, end in spans:
             table = request.rope_positions
-            if in_prompt and table is not None and start < request.num_prompt_tokens:
+            if table is not None and start < request.num_prompt_tokens:
                 split = min(end, request.num_prompt_tokens)
                 tail = torch.arange(split, end).expand(3, -1) + request.rope_delta
                 parts.append(torch.cat((table[:, start:split], tail), dim=1))
             else:
-                flat = torch.arange(start, end) + request.rope_delta
-                parts.append(flat.expand(3, -1) if in_prompt else flat)
+                parts.append((torch.arange(start, end) + request.rope_delta).expand(3, -1))
         return to_device(torch.cat(parts, dim=-1).contiguous(), self.device)

@@ -108,8 +108,10 @@ def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunk
     first = prompt.index(IMAGE_TOKEN_ID)
     assert first // 8 != (first + 5) // 8  # the first image's 6 tokens cross a chunk boundary
     assert prompt.count(IMAGE_TOKEN_ID) == 6 + 16
-    got = torch.stack([logits[("0-0", position)] for position in range(len(prompt))])
-    torch.testing.assert_close(got, reference_logits(reference, processor, prompt, images), rtol=1e-4, atol=1e-4)
+    # every position the engine computed, decode steps (M-RoPE index + delta) included
+    sequence = prompt + result.outputs[0].token_ids[:-1]
+    got = torch.stack([logits[("0-0", position)] for position in range(len(sequence))])
+    torch.testing.assert_close(got, reference_logits(reference, processor, sequence, images), rtol=1e-4, atol=1e-4)
     assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, images)
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2  # each image once, though split over steps
 
