@@ -128,8 +128,9 @@ def test_async_scheduling_mixes_decode_and_image_prefill_with_the_same_ids(tiny,
         expected = reference.generate(input_ids=short, max_new_tokens=12, do_sample=False)[0, short.shape[1] :]
     assert results[0].outputs[0].token_ids == expected.tolist()
     prompt = results[1].prompt_token_ids
-    got = torch.stack([logits[("1-0", position)] for position in range(len(prompt))])
-    torch.testing.assert_close(got, reference_logits(reference, processor, prompt, images), rtol=1e-4, atol=1e-4)
+    sequence = prompt + results[1].outputs[0].token_ids[:-1]  # decode positions (index + delta) too
+    got = torch.stack([logits[("1-0", position)] for position in range(len(sequence))])
+    torch.testing.assert_close(got, reference_logits(reference, processor, sequence, images), rtol=1e-4, atol=1e-4)
     assert results[1].outputs[0].token_ids == reference_greedy(reference, processor, prompt, images)
 
 
