@@ -41,13 +41,8 @@ def is_image_part(part: Any) -> bool:
 
 def first_image_part(messages: list[dict[str, Any]]) -> str | None:
     """The name of the first image content part in ``messages`` (``messages[i].content[j]``), or None."""
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if is_image_part(part):
-                    return f"messages[{i}].content[{j}]"
-    return None
+    found = image_parts(messages)
+    return found[0][0] if found else None
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
