@@ -200,6 +200,7 @@ class LLM:
                 raise ConfigError(f"{part}: this model ({self.engine.model_config.architecture}) does not take images")
             if self._image_processor is None:
                 self._image_processor = load_processor(vision)
-            ids, images = vision_prompt(conversation, vision, self._image_processor, encode)
+            max_tokens = self.engine.model_config.max_model_len
+            ids, images = vision_prompt(conversation, vision, self._image_processor, encode, max_tokens)
             prompts.append({"prompt_token_ids": ids, "images": images})
         return self.generate(prompts, sampling_params)

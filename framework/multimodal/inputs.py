@@ -57,6 +57,10 @@ class ImageProcessor(Protocol):
 
     def __init__(self, config: dict[str, Any]) -> None: ...
 
+    def num_tokens(self, width: int, height: int) -> int:
+        """How many embeddings an image of this size gives (cheap: checked before :meth:`preprocess`)."""
+        ...
+
     def preprocess(self, image: Any) -> ProcessedImage:
         """``image`` is an RGB ``PIL.Image.Image``; raises ValueError for one the model cannot take."""
         ...

@@ -88,11 +88,20 @@ def take_images(messages: list[dict[str, Any]], max_images: int) -> tuple[list[d
     return without_images(messages), images
 
 
-def process_images(images: list[PromptImage], processor: ImageProcessor) -> list[ProcessedImage]:
-    """Each image through the model's processor (:class:`ContentImageError` for one it refuses)."""
-    processed = []
+def process_images(
+    images: list[PromptImage], processor: ImageProcessor, max_tokens: int | None = None
+) -> list[ProcessedImage]:
+    """Each image through the model's processor (:class:`ContentImageError` for one it refuses, or
+    for the first image that takes the images' embeddings past ``max_tokens``, the context length:
+    counted from the sizes, before any pixel array is built)."""
+    processed, total = [], 0
     for item in images:
         try:
+            total += processor.num_tokens(item.image.width, item.image.height)
+            if max_tokens is not None and total > max_tokens:
+                raise ValueError(
+                    f"the images up to this one take {total} tokens; the model's context is {max_tokens} tokens"
+                )
             processed.append(processor.preprocess(item.image))
         except ValueError as error:
             raise ContentImageError(item.param, str(error)) from None
@@ -137,8 +146,9 @@ def vision_prompt(
     spec: VisionSpec,
     processor: ImageProcessor,
     encode: Callable[[list[dict[str, Any]]], list[int]],
+    max_tokens: int | None = None,
 ) -> tuple[list[int], list[ImageInput]]:
     """The prompt ids of ``messages`` (``encode`` renders and tokenizes them) with their images
     preprocessed and placed; raises :class:`ContentImageError` / ImageError for bad images."""
     shaped, images = take_images(messages, spec.max_images)
-    return expand_placeholders(encode(shaped), process_images(images, processor), spec.image_token_id)
+    return expand_placeholders(encode(shaped), process_images(images, processor, max_tokens), spec.image_token_id)

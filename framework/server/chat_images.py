@@ -31,7 +31,7 @@ def prepare_images(state: Any, messages: list[dict[str, Any]]) -> list[Processed
     """The messages' images decoded and preprocessed, in order (a 400 naming the part for a bad one)."""
     try:
         _, images = take_images(messages, state.vision.max_images)
-        return process_images(images, state.image_processor())
+        return process_images(images, state.image_processor(), state.max_model_len)
     except ContentImageError as error:
         raise APIError(400, str(error), param=error.param, code="invalid_image") from None
 

@@ -194,13 +194,13 @@ def test_images_are_decoded_and_preprocessed_off_the_event_loop(vision_app, monk
     on_loop = []
     process = chat_images.process_images
 
-    def recording(images, processor):
+    def recording(images, processor, max_tokens=None):
         try:
             asyncio.get_running_loop()
             on_loop.append(True)
         except RuntimeError:  # no loop runs in this thread: a worker thread
             on_loop.append(False)
-        return process(images, processor)
+        return process(images, processor, max_tokens)
 
     monkeypatch.setattr(chat_images, "process_images", recording)
     response = http.post("/v1/chat/completions", json={"messages": chat_messages(IMAGES[0]), "max_tokens": 2})
@@ -214,3 +214,16 @@ def test_tokenize_counts_the_image_tokens_generation_sees(vision_app):
     tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
     assert http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).status_code == 200
     assert tokens == engine.prompt_ids[0] and tokens.count(IMAGE_TOKEN_ID) == 22
+
+
+def test_images_past_the_context_length_are_a_400_before_their_pixels_are_made(vision_app, monkeypatch):
+    http, engine, _ = vision_app
+    monkeypatch.setattr(engine.ready, "max_model_len", 40)
+    images = [random_image(112, 112, i) for i in range(3)]  # 16 image tokens each
+    response = http.post("/v1/chat/completions", json={"messages": chat_messages(*images)})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (
+        error["param"] == "messages[0].content[5]" and "take 48 tokens; the model's context is 40" in error["message"]
+    )
+    assert engine.prompts == []

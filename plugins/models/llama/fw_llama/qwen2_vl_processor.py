@@ -78,6 +78,11 @@ class Qwen2VLImageProcessor:
         self.mean = np.array(settings["image_mean"], dtype=np.float32)[:, None, None]
         self.std = np.array(settings["image_std"], dtype=np.float32)[:, None, None]
 
+    def num_tokens(self, width: int, height: int) -> int:
+        factor = self.patch_size * self.merge_size
+        resized_height, resized_width = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        return resized_height * resized_width // (factor * factor)
+
     def preprocess(self, image: Any) -> ProcessedImage:
         from PIL import Image
 

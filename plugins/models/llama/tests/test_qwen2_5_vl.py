@@ -89,7 +89,7 @@ def test_image_processor_matches_transformers_pil_processor(processor, tiny):
         ours = processor.preprocess(image if image.mode == "RGB" else _rgb_on_white(image))
         assert ours.grid == expected["image_grid_thw"][0].tolist()
         np.testing.assert_allclose(ours.pixel_values, expected["pixel_values"], rtol=0, atol=1e-6)
-        assert ours.num_tokens == np.prod(ours.grid) // 4
+        assert ours.num_tokens == np.prod(ours.grid) // 4 == processor.num_tokens(image.width, image.height)
 
 
 def _rgb_on_white(image):
