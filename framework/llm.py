@@ -19,6 +19,8 @@ from framework.engine.built_engine import Engine
 from framework.engine.outputs import GRAMMAR_FAILED, LogprobEntry
 from framework.engine.request import FinishReason
 from framework.errors import ConfigError, RequestFailedError
+from framework.multimodal.inputs import load_processor
+from framework.multimodal.prompt import first_image_part, vision_prompt
 from framework.output_text import SequenceText
 from framework.sampling_params import SamplingParams
 
@@ -60,6 +62,7 @@ class LLM:
         self.engine: Engine = EngineBuilder(model, args=args, **options).build()
         self._ids = itertools.count()
         self._closed = False
+        self._image_processor = None  # a vision model's, built on the first image
         plugins.call_lifecycle_sync("startup", engine=self.engine)
 
     def close(self) -> None:
@@ -87,7 +90,10 @@ class LLM:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+        raise TypeError(
+            "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} (with 'images': "
+            "[ImageInput, ...] for a vision model)"
+        )
 
     def generate(
         self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -106,6 +112,7 @@ class LLM:
         sequences: dict[str, tuple[CompletionOutput, SequenceText | None, GenerationResult, SamplingParams]] = {}
         for prompt, params in zip(prompts, params_list):
             text, ids = self._prompt_ids(prompt)
+            images = prompt.get("images") if isinstance(prompt, dict) else None
             result = GenerationResult(str(next(self._ids)), text, ids, [])
             results.append(result)
             for index in range(params.n):
@@ -121,7 +128,7 @@ class LLM:
                 # decoded once at the end (the same text, without a per-token cost in the loop)
                 sequence_text = SequenceText(self.tokenizer, child) if any(child.stop) else None
                 sequences[request_id] = (output, sequence_text, result, child)
-                core.add_request(request_id, ids, child)
+                core.add_request(request_id, ids, child, images=images)
         while core.has_unfinished():
             for step in core.step():
                 if step.error is not None:  # the engine gave it up (its grammar failed to compile, or its step failed)
@@ -171,17 +178,29 @@ class LLM:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[GenerationResult]:
-        """Apply the chat template to one conversation (or a list of them) and generate."""
+        """Apply the chat template to one conversation (or a list of them) and generate.
+
+        A vision model's messages may hold image content parts: ``{"type": "image_url", "image_url":
+        {"url": "data:image/png;base64,..."}}`` or ``{"type": "image", "image": <PIL.Image>}``.
+        """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [
-            {
-                "prompt_token_ids": self.tokenizer.encode_chat(
-                    conversation,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    **(chat_template_kwargs or {}),
-                )
-            }
-            for conversation in conversations
-        ]
+
+        def encode(conversation: list[dict]) -> list[int]:
+            return self.tokenizer.encode_chat(
+                conversation, tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+
+        prompts = []
+        for conversation in conversations:
+            if (part := first_image_part(conversation)) is None:
+                prompts.append({"prompt_token_ids": encode(conversation)})
+                continue
+            vision = self.engine.vision
+            if vision is None:
+                raise ConfigError(f"{part}: this model ({self.engine.model_config.architecture}) does not take images")
+            if self._image_processor is None:
+                self._image_processor = load_processor(vision)
+            max_tokens = self.engine.model_config.max_model_len
+            ids, images = vision_prompt(conversation, vision, self._image_processor, encode, max_tokens)
+            prompts.append({"prompt_token_ids": ids, "images": images})
         return self.generate(prompts, sampling_params)

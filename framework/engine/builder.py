@@ -41,6 +41,7 @@ from framework.errors import ConfigError
 from framework.kv_cache import KVCache
 from framework.layers.attention import Attention
 from framework.loader.format import WeightFormat
+from framework.multimodal.inputs import VisionSpec
 from framework.platform import Platform, platform_for_device
 
 
@@ -72,6 +73,7 @@ class EngineBuilder:
         #: hybrid models (linear-attention layers): the per-layer state specs and the slot count
         self.state_specs: list[state_cache.StateCacheSpec] = []
         self.num_state_slots = 0
+        self.vision: VisionSpec | None = None  # how the model takes images (a vision model, once loaded)
 
     # --- steps ---------------------------------------------------------------------------
     def open_source(self) -> WeightFormat:
@@ -98,6 +100,7 @@ class EngineBuilder:
         self.torch_model = model_loading.load_model(
             model_cls, config, quant_config, self.source, self.device, self.args.seed, self.isq_report
         )
+        self.vision = model_loading.vision_spec(model_cls, config, self.source_path)
         return self.torch_model
 
     def release_model(self, error: BaseException | None = None) -> None:
@@ -302,4 +305,6 @@ class EngineBuilder:
         )
         summary = engine_summary(self, core)
         log_summary(self, summary)
-        return Engine(core, self._tokenizer, config, self._generation, self.backend_name, summary, self.workers)
+        return Engine(
+            core, self._tokenizer, config, self._generation, self.backend_name, summary, self.workers, self.vision
+        )

@@ -11,6 +11,7 @@ from framework.config import ModelConfig
 from framework.distributed.launch import WorkerGroup
 from framework.distributed.messages import StepMessage
 from framework.engine.engine import EngineCore
+from framework.multimodal.inputs import VisionSpec
 from framework.tokenizer import Tokenizer
 
 
@@ -25,6 +26,7 @@ class Engine:
     attention_backend: str
     summary: dict[str, Any]
     workers: WorkerGroup | None = None  # this node's other tensor-parallel ranks (rank 0 only)
+    vision: VisionSpec | None = None  # how the model takes images; None: text only
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the group (no-op on one device); idempotent."""

@@ -21,6 +21,7 @@ import torch
 from framework.config import EngineConfig
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import LaunchedStep, ModelRunner
+from framework.engine.multimodal_step import attach_images, request_images
 from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, STEP_FAILED, EngineStats, RequestOutput
 from framework.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus
 from framework.engine.sampler import make_generator
@@ -28,6 +29,7 @@ from framework.engine.scheduler import ScheduledBatch, Scheduler
 from framework.engine.state_cache import StateSlotManager
 from framework.engine.structured_outputs import StructuredOutputManager
 from framework.errors import ConfigError, FwError, RequestFailedError
+from framework.multimodal.inputs import ImageInput
 from framework.sampling_params import SamplingParams
 
 log = logging.getLogger("fw.engine")
@@ -77,7 +79,12 @@ class EngineCore:
 
     # --- requests ------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        pooling: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         """Queue a request; raises ConfigError (with the limits) if it can never be served.
 
@@ -86,9 +93,11 @@ class EngineCore:
         With ``params.structured_outputs`` an invalid grammar raises ConfigError here; a valid
         one compiles in the background and the request is scheduled once it is ready. Any other
         failure is logged and raised as :class:`RequestFailedError`; the request is then not queued.
+        ``images``: the prompt's preprocessed images, whose placeholder spans lie in
+        ``prompt_token_ids`` (:mod:`framework.multimodal`); ConfigError for a model without vision.
         """
         try:
-            self._add_request(request_id, prompt_token_ids, params, pooling)
+            self._add_request(request_id, prompt_token_ids, params, pooling, images)
         except FwError:
             raise
         except Exception as error:
@@ -98,7 +107,12 @@ class EngineCore:
             ) from error
 
     def _add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: str | None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        pooling: str | None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         if pooling not in POOLING_TYPES:
             raise ConfigError(f"unknown pooling {pooling!r}; valid: mean, last")
@@ -134,6 +148,14 @@ class EngineCore:
             max_model_len=min(model.max_model_len, capacity),
             pooling=pooling,
         )
+        if images:
+            if self.runner.broadcast is not None:
+                raise ConfigError(
+                    "images are not supported with tensor parallelism yet; serve this model on one device"
+                )
+            attach_images(
+                self.runner.model, request, request_images(self.runner.model, request.prompt_token_ids, images)
+            )
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.runner.device)
         if params.structured_outputs is not None and not pooling:

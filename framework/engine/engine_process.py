@@ -131,6 +131,7 @@ class EngineLoop:
                 eos_token_ids=sorted(config.eos_token_ids),
                 tokenizer=_tokenizer_spec(engine.tokenizer),
                 sampling_defaults=sampling_defaults(engine.generation_config),
+                vision=engine.vision,
             )
         )
         return True
@@ -182,7 +183,9 @@ class EngineLoop:
 
         if isinstance(message, AddRequest):
             try:  # add_request raises only FwErrors (RequestFailedError for its own failures)
-                self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.pooling)
+                self.core.add_request(
+                    message.request_id, message.prompt_token_ids, message.params, message.pooling, message.images
+                )
             except FwError as error:
                 self.send(
                     AddFailed(

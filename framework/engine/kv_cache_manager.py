@@ -1,7 +1,9 @@
 """Paged KV-cache blocks: allocation, ref counts and the hashed prefix cache.
 
 A block holds ``block_size`` consecutive tokens of one sequence. A *full* block's key is
-``hash(parent key, its token ids, extra keys)``, so equal keys mean equal prefixes. Freed
+``hash(parent key, its token ids, extra keys)``, so equal keys mean equal prefixes; the extra
+keys are the request's cache salt and the hashes of the images whose tokens the block holds
+(two prompts with the same text and different images share no block). Freed
 blocks keep their key and stay reusable until evicted, least recently freed first:
 
     free queue (LRU order)   [oldest-freed ......................... newest-freed]
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from framework.engine.multimodal_step import image_keys
 from framework.engine.request import Request
 
 if TYPE_CHECKING:
@@ -101,7 +104,8 @@ class KVCacheManager:
             for index in range(len(hashes), full):
                 start = index * self.block_size
                 parent = hashes[-1] if hashes else None
-                hashes.append(hash_block(parent, request.token_ids_at(start, start + self.block_size), extra))
+                keys = extra + image_keys(request, start, start + self.block_size) if request.images else extra
+                hashes.append(hash_block(parent, request.token_ids_at(start, start + self.block_size), keys))
         return hashes[:full]
 
     def allocate_cached_prefix(self, request: Request) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from framework.engine.outputs import EngineStats, RequestOutput
+from framework.multimodal.inputs import ImageInput, VisionSpec
 from framework.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     pooling: str | None = None  # an embedding request
+    images: list[ImageInput] = []  # the prompt's preprocessed images (a vision model)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", kw_only=True):
@@ -62,6 +64,8 @@ class Ready(msgspec.Struct, tag="ready", kw_only=True):
     tokenizer: TokenizerSpec
     #: the model's sampling defaults (``generation_config.json``), for requests that leave them unset
     sampling_defaults: dict[str, float] = {}
+    #: how the model takes images (None: text only)
+    vision: VisionSpec | None = None
 
 
 class LoadFailed(msgspec.Struct, tag="load_failed", kw_only=True):

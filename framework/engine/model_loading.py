@@ -16,6 +16,7 @@ The three steps :class:`~framework.engine.builder.EngineBuilder` runs in order:
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 import traceback
@@ -31,6 +32,7 @@ from framework.errors import ModelLoadError
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
 from framework.loader.source import resolve_local_path
+from framework.multimodal.inputs import VisionSpec
 from framework.platform import Platform, platform_for_device
 from framework.quantization import QuantConfig, verify_quant_methods
 from framework.tokenizer import Tokenizer
@@ -136,6 +138,16 @@ def load_model(
     if isq_report is not None:
         log.info("%s; load took %.2f s", isq_report.describe(), time.perf_counter() - started)
     return model.eval()
+
+
+def vision_spec(model_cls: type[torch.nn.Module], config: ModelConfig, source_path: str) -> VisionSpec | None:
+    """How a vision model takes images (its ``vision_spec`` with the checkpoint's
+    ``preprocessor_config.json``, if the source directory has one); None for a text model."""
+    if not hasattr(model_cls, "vision_spec"):
+        return None
+    file = Path(source_path) / "preprocessor_config.json"
+    preprocessor = json.loads(file.read_text()) if file.is_file() else {}
+    return model_cls.vision_spec(config, preprocessor)
 
 
 def release_device_memory(device: torch.device, error: BaseException | None = None) -> None:

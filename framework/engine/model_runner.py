@@ -10,7 +10,9 @@ Input preparation for ``R`` requests (request ``r`` computes ``n_r`` tokens from
     state_indices      hybrid models: request r's state slot, and whether it resumes (c_r > 0)
 
 A request samples when its computed tokens reach ``num_tokens`` (the end of its prompt, or
-its last generated token); requests in the middle of a chunked prompt do not.
+its last generated token); requests in the middle of a chunked prompt do not. A vision model's
+steps also get the image embeddings of the image tokens they cover and its M-RoPE positions
+(:class:`~framework.engine.multimodal_step.MultiModalStep`).
 
 Tensor parallelism: on rank 0 ``broadcast`` sends each step's :class:`StepMessage` (the new
 tokens, first position and not yet sent block ids per request, and the hidden rows of every
@@ -35,6 +37,7 @@ from torch import nn
 from framework.attention_backend import AttentionBackend, AttentionMetadata
 from framework.distributed.messages import BlockTableSync, StepInput, StepMessage
 from framework.distributed.state import broadcast_from_rank0
+from framework.engine.multimodal_step import MultiModalStep, is_vision_model
 from framework.engine.outputs import LogprobEntry
 from framework.engine.request import PLACEHOLDER, Request
 from framework.engine.sampler import Sampler, compute_logprobs
@@ -139,6 +142,8 @@ class ModelRunner:
         self.share_sampled = share_sampled
         #: rows of logits per prompt-logprob call: 256 rows of a 152k vocabulary are 156 MB in fp32
         self.max_prompt_logprob_rows = 256
+        #: a vision model's encoder runs and M-RoPE positions (None for a text model)
+        self.multimodal = MultiModalStep(model, device) if is_vision_model(model) else None
 
     def release_cuda_graphs(self) -> None:
         """Drop the decode graphs and wait for the device (before a tensor-parallel group is left:
@@ -266,7 +271,12 @@ class ModelRunner:
         """Run the model over the batch (``inputs``: its :meth:`step_inputs`, if already built);
         returns hidden states ``[T, hidden]``. Rank 0's steps start here (workers' run
         :meth:`execute_message`); tests wrap it to see the logits (:func:`framework.testing.capture_logits`)."""
-        return self.run_model(*self.prepare_inputs(inputs if inputs is not None else self.step_inputs(batch)))
+        input_ids, positions, metadata = self.prepare_inputs(inputs if inputs is not None else self.step_inputs(batch))
+        if self.multimodal is not None and self.multimodal.applies(batch):
+            positions, embeds = self.multimodal.prepare(batch, input_ids, positions)
+            if embeds is not None:
+                return self.run_model(input_ids, positions, metadata, embeds)
+        return self.run_model(input_ids, positions, metadata)
 
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:
@@ -283,13 +293,27 @@ class ModelRunner:
                 token_ids,
             )
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """The model (or the decode graph of its bucket) on prepared inputs."""
+    def run_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The model (or the decode graph of its bucket) on prepared inputs; ``inputs_embeds``
+        (a vision model's step over image tokens) replaces the token embeddings."""
         graphs = self.graph_runner
-        if graphs is not None and metadata.is_decode_only and graphs.bucket_for(metadata.num_reqs):
+        if (
+            inputs_embeds is None
+            and graphs is not None
+            and metadata.is_decode_only
+            and graphs.bucket_for(metadata.num_reqs)
+        ):
             return graphs.run(input_ids, positions, metadata)
         self.backend.prepare(metadata)
         with forward_context(ForwardContext(metadata, self.backend, self.kv_caches, self.state_caches)):
+            if inputs_embeds is not None:
+                return self.model(input_ids, positions, inputs_embeds)
             return self.model(input_ids, positions)
 
     @torch.inference_mode()

@@ -12,6 +12,7 @@ import torch
 from framework.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from framework.engine.multimodal_step import RequestImage
     from framework.engine.structured_outputs import StructuredOutputState
 
 
@@ -69,6 +70,12 @@ class Request:
     pooling: str | None = None  # "mean" or "last": an embedding request (no tokens are generated)
     pooled: torch.Tensor | None = None  # running sum (mean) or last hidden state over the prompt
     structured_output: StructuredOutputState | None = None  # the grammar state, if structured_outputs is set
+    #: the prompt's images (in order) and their encoder outputs by index, kept until the request
+    #: finishes (:mod:`framework.engine.multimodal_step`)
+    images: list[RequestImage] = field(default_factory=list)
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    rope_positions: torch.Tensor | None = None  # M-RoPE: [3, num_prompt_tokens] for a prompt with images
+    rope_delta: int = 0  # M-RoPE: a token past the prompt at index i has position i + rope_delta
     #: fixed at creation (read several times per step for every running request)
     num_prompt_tokens: int = field(init=False)
     #: the most output tokens this request may produce (its max_tokens and the context length)

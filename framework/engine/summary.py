@@ -42,6 +42,12 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
     if getattr(self, "state_specs", None):  # a hybrid model's per-sequence state cache
         summary["state_slots"] = self.num_state_slots
         summary["state_bytes"] = self.state_cache_bytes
+    if self.vision is not None:  # a vision model: how it takes images
+        summary["vision"] = {
+            "image_processor": self.vision.processor.rpartition(":")[2],
+            "image_token_id": self.vision.image_token_id,
+            "max_images": self.vision.max_images,
+        }
     if getattr(self, "isq_report", None) is not None:
         summary["isq"] = self.isq_report.describe()
     if self.parallel.is_parallel:

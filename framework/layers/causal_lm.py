@@ -47,8 +47,12 @@ class DecoderStack(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed(input_ids), None
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``inputs_embeds`` (a vision model's step): what :meth:`embed` gives for ``input_ids``,
+        with image embeddings in the rows of image tokens."""
+        hidden, residual = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)

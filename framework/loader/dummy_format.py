@@ -53,7 +53,10 @@ class DummyFormat(WeightFormat):
 
         config = transformers.AutoConfig.for_model(**self.hf_config())
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError:  # a vision-language model (Qwen2.5-VL) is an image-text-to-text model
+                model = transformers.AutoModelForImageTextToText.from_config(config)
         return {name: tensor.shape for name, tensor in model.state_dict().items()}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

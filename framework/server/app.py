@@ -30,7 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import framework
 from framework import plugins
 from framework.engine.messages import Ready
-from framework.server.chat_prompt import chat_prompt_ids
+from framework.server.chat_images import chat_prompt_with_images, prepare_images_off_loop
+from framework.server.chat_prompt import chat_prompt_ids, template_messages
 from framework.server.engine_client import AsyncEngineClient
 from framework.server.errors import (
     APIError,
@@ -189,7 +190,12 @@ class ServiceController(Controller):
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
             )
-            tokens = chat_prompt_ids(tokenizer, chat)
+            processed = await prepare_images_off_loop(server, chat)
+            if processed is None:
+                tokens = chat_prompt_ids(tokenizer, chat)
+            else:  # a vision model's images, each image token repeated per embedding as generation sees it
+                messages = template_messages(chat.messages, allow_images=True)
+                tokens = chat_prompt_with_images(server, chat, None, messages, processed)[1]
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=server.max_model_len)
 
     @get("/tokenizer_info")

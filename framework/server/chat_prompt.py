@@ -71,8 +71,10 @@ def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
         )
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them; content parts are joined text."""
+def template_messages(messages: list[ChatMessage], allow_images: bool = False) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them; text-only content parts are joined text. With
+    ``allow_images`` (a vision model's chat completion) a content with ``image_url`` parts stays a
+    list of parts (:func:`framework.server.chat_images.chat_prompt_with_images` takes them)."""
     if not messages:
         raise bad_request("'messages' must hold at least one message", "messages")
     result = []
@@ -83,7 +85,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 f"messages[{i}].role",
             )
         content = message.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(part.get("type") == "image_url" for part in content):
+            content = image_parts(content, i, allow_images)
+        elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -105,6 +109,31 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             item["reasoning_content"] = message.reasoning
         result.append(item)
     return result
+
+
+def image_parts(content: list[dict[str, Any]], index: int, allow_images: bool) -> list[dict[str, Any]]:
+    """A content list with images, checked: only ``text`` and ``image_url`` parts, and images only
+    where ``allow_images`` (else a 400 naming the first image part)."""
+    for j, part in enumerate(content):
+        param = f"messages[{index}].content[{j}]"
+        if part.get("type") == "image_url" and not allow_images:
+            raise APIError(
+                400,
+                f"{param} is an image, and this model does not take images (image_url parts need a vision "
+                "model, through /v1/chat/completions)",
+                param=param,
+                code="unsupported_parameter",
+            )
+        if part.get("type") == "text" and not isinstance(part.get("text"), str):
+            raise bad_request(f"{param}.text must be a string", f"{param}.text")
+        if part.get("type") not in ("text", "image_url"):
+            raise APIError(
+                400,
+                f"content part type {part.get('type')!r} is not supported (only 'text' and 'image_url')",
+                param=f"{param}.type",
+                code="unsupported_parameter",
+            )
+    return content
 
 
 def chat_prompt_text(

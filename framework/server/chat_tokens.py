@@ -53,10 +53,10 @@ def encode_chat(
     shaped = render(shaped_messages)
     placeholder = re.compile("|".join(map(re.escape, literals)))
     if placeholder.sub(lambda m: literals[m.group()][0], shaped) != text:
-        index, key = next(iter(literals.values()))[1:]
+        core, index, key = next(iter(literals.values()))
         raise bad_request(
             f"messages[{index}].{key} holds special-token text "
-            f"({tokenizer.find_special_text(messages[index][key])!r}) and the chat template changes "
+            f"({tokenizer.find_special_text(core)!r}) and the chat template changes "
             "that text, so it cannot be kept out of the control tokens; remove it",
             f"messages[{index}].{key}",
         )
@@ -70,16 +70,29 @@ def _placeholders(
     placeholder -> (the text, message index, key)."""
     shaped, literals = [], {}
     nonce = secrets.token_hex(8)  # unguessable, so no client text can pose as a placeholder
+
+    def shape(value: str, index: int, key: str) -> str:
+        if tokenizer.find_special_text(value) is None:
+            return value
+        core = value.strip()
+        mark = f"\ue000{nonce}.{len(literals)}\ue001"
+        start = value.index(core)
+        literals[mark] = (core, index, key)
+        return value[:start] + mark + value[start + len(core) :]
+
     for index, message in enumerate(messages):
         message = dict(message)
         for key in TEXT_KEYS:
             value = message.get(key)
-            if isinstance(value, str) and tokenizer.find_special_text(value) is not None:
-                core = value.strip()
-                mark = f"\ue000{nonce}.{len(literals)}\ue001"
-                start = value.index(core)
-                message[key] = value[:start] + mark + value[start + len(core) :]
-                literals[mark] = (core, index, key)
+            if isinstance(value, str):
+                message[key] = shape(value, index, key)
+            elif isinstance(value, list):  # content parts (a vision model's): each text part is client text
+                message[key] = [
+                    {**part, "text": shape(part["text"], index, f"{key}[{j}].text")}
+                    if isinstance(part, dict) and isinstance(part.get("text"), str)
+                    else part
+                    for j, part in enumerate(value)
+                ]
         shaped.append(message)
     return shaped, literals
 

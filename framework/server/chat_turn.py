@@ -7,7 +7,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from framework.multimodal.inputs import ImageInput, ProcessedImage
+from framework.multimodal.prompt import first_image_part
 from framework.parsers.base import ToolCall, ToolParseDelta, assemble
+from framework.server.chat_images import chat_prompt_with_images
 from framework.server.chat_prompt import chat_prompt
 from framework.server.chat_tools import (
     ToolSetup,
@@ -34,15 +37,30 @@ class ChatTurn:
     """One generation of a chat request: the prompt, its sampling params, a parser per choice."""
 
     def __init__(
-        self, state: ServerState, body: ChatCompletionRequest, setup: ToolSetup, messages: list[dict[str, Any]]
+        self,
+        state: ServerState,
+        body: ChatCompletionRequest,
+        setup: ToolSetup,
+        messages: list[dict[str, Any]],
+        processed_images: list[ProcessedImage] | None = None,
     ) -> None:
+        """``processed_images``: the conversation's images, already preprocessed (off the event
+        loop); a vision model's turn without them preprocesses them here."""
         self.body, self.setup, self.state = body, setup, state
         self.messages = messages  # the conversation as the template takes it (template_messages ran once)
         client = state.client
         self.served = state.served_parsers()
         # what the template drops of tools, calls and results, written in the generic format
         shown = with_generic_tools(messages, setup.tools, self.served.template_tools)
-        self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, shown)
+        #: the prompt's images (a vision model), placed in ``prompt_ids``, and as preprocessed
+        self.images: list[ImageInput] = []
+        self.processed_images = processed_images
+        if state.vision is not None and first_image_part(shown) is not None:
+            self.prompt_text, self.prompt_ids, self.images, self.processed_images = chat_prompt_with_images(
+                state, body, setup.tools, shown, processed_images
+            )
+        else:
+            self.prompt_text, self.prompt_ids = chat_prompt(client.tokenizer, body, setup.tools, shown)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = build_sampling_params(
             body,
@@ -80,7 +98,7 @@ class ChatTurn:
         """The turn after the server ran MCP calls: after a forced call (required / named) the model
         answers freely, the tools still in view."""
         setup = self.setup if self.setup.mode == "auto" else ToolSetup(tools=self.setup.tools, mode="none")
-        return ChatTurn(self.state, self.body, setup, messages)
+        return ChatTurn(self.state, self.body, setup, messages, self.processed_images)
 
     @property
     def calls_finish(self) -> bool:
@@ -145,7 +163,13 @@ class MCPRounds:
             return self.first_events
         request_id = f"{self.request_id}-r{self.index}" if self.index else self.request_id
         return run_choices(
-            self.state.client, request_id, [self.turn.prompt_ids], self.turn.params, self.state.metrics, self.arrival
+            self.state.client,
+            request_id,
+            [self.turn.prompt_ids],
+            self.turn.params,
+            self.state.metrics,
+            self.arrival,
+            images=self.turn.images,
         )
 
     def runs(self, calls: list[ToolCall]) -> bool:

@@ -47,6 +47,7 @@ from framework.engine.messages import (
 )
 from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, EngineStats, RequestOutput
 from framework.errors import ConfigError, FwError, GrammarError, RequestFailedError
+from framework.multimodal.inputs import ImageInput
 from framework.sampling_params import SamplingParams
 from framework.tokenizer import Tokenizer
 
@@ -214,7 +215,12 @@ class AsyncEngineClient:
 
     # --- requests ------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, pooling: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        pooling: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs until one has a finish reason (with ``pooling``: one output
         carrying the embedding).
@@ -233,7 +239,13 @@ class AsyncEngineClient:
         finished = False
         try:
             self._send(
-                AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, pooling=pooling)
+                AddRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_token_ids,
+                    params=params,
+                    pooling=pooling,
+                    images=images or [],
+                )
             )
             while True:
                 item = await queue.get()

@@ -17,6 +17,7 @@ from typing import Any
 
 from framework.engine.outputs import LogprobEntry
 from framework.errors import GrammarError, RequestFailedError
+from framework.multimodal.inputs import ImageInput
 from framework.output_text import SequenceText
 from framework.sampling_params import SamplingParams
 from framework.server.engine_client import AsyncEngineClient
@@ -162,8 +163,10 @@ async def run_choices(
     params: SamplingParams,
     metrics: ServerMetrics | None = None,
     arrival: float | None = None,
+    images: list[ImageInput] | None = None,
 ) -> AsyncIterator[ChoiceDelta]:
-    """Yield every choice's deltas as they come; see the module docstring."""
+    """Yield every choice's deltas as they come; see the module docstring. ``images``: those of the
+    (one) prompt, for a vision model."""
     arrival = arrival or time.perf_counter()
     queue: asyncio.Queue = asyncio.Queue()
     child_ids: list[str] = []
@@ -176,7 +179,7 @@ async def run_choices(
             child_ids.append(child_id)
             tasks.append(
                 asyncio.create_task(
-                    _pump(client, child_id, index, prompt_index, prompt_ids, child, queue, metrics, arrival)
+                    _pump(client, child_id, index, prompt_index, prompt_ids, child, queue, metrics, arrival, images)
                 )
             )
     remaining = len(tasks)
@@ -206,11 +209,12 @@ async def _pump(
     queue: asyncio.Queue,
     metrics: ServerMetrics | None,
     arrival: float,
+    images: list[ImageInput] | None = None,
 ) -> None:
     text = SequenceText(client.tokenizer, params)
     last = None
     try:
-        async for output in client.generate(child_id, prompt_ids, params):
+        async for output in client.generate(child_id, prompt_ids, params, images=images):
             now = time.perf_counter()
             if metrics is not None:
                 if last is None:

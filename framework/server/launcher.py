@@ -91,6 +91,11 @@ def format_summary(ready: Ready) -> str:
         f"  context    {ready.max_model_len} tokens",
         f"  weights    {weights_line(s)}",
         *([f"  isq        {s['isq']}"] if s.get("isq") else []),
+        *(
+            [f"  images     up to {s['vision']['max_images']} per prompt ({s['vision']['image_processor']})"]
+            if s.get("vision")
+            else []
+        ),
         f"  KV cache   {s.get('kv_cache_dtype', 'auto')}: {s.get('kv_blocks')} blocks, {s.get('kv_tokens')} tokens, "
         f"{s.get('kv_bytes', 0) / 2**20:.1f} MiB, {s.get('kv_bytes_per_token')} bytes per token",
         f"  plugins    {', '.join(s.get('plugins', []))}",

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from litestar import Request, Response
 from litestar.response import Stream
 
+from framework.multimodal.inputs import ProcessedImage
 from framework.parsers.base import ToolCall
+from framework.server.chat_images import prepare_images_off_loop
 from framework.server.chat_prompt import chat_logprobs, reject_unsupported, template_messages
 from framework.server.chat_stream import chat_chunks
 from framework.server.chat_tools import tool_setup
@@ -51,9 +53,14 @@ class ChatCall:
 
 
 def start_chat(
-    state: ServerState, body: ChatCompletionRequest, arrival: float, id_prefix: str = "chatcmpl"
+    state: ServerState,
+    body: ChatCompletionRequest,
+    arrival: float,
+    id_prefix: str = "chatcmpl",
+    processed_images: list[ProcessedImage] | None = None,
 ) -> ChatCall:
-    """Validate ``body`` (400s name the field), admit it (429 at capacity) and build its first turn."""
+    """Validate ``body`` (400s name the field), admit it (429 at capacity) and build its first turn
+    (``processed_images``: its images, preprocessed by :func:`prepare_images_off_loop`)."""
     state.check_model(body.model)
     reject_unsupported(body, UNSUPPORTED_CHAT_FIELDS)
     check_sampling_limits(body, state.config.max_n)
@@ -85,7 +92,8 @@ def start_chat(
         )
     release = state.admit(max(body.n, 1))
     try:
-        turn = ChatTurn(state, body, setup, template_messages(body.messages))
+        messages = template_messages(body.messages, allow_images=state.vision is not None)
+        turn = ChatTurn(state, body, setup, messages, processed_images)
         release.add_tokens(len(turn.prompt_ids) * max(body.n, 1))
     except BaseException:
         release()
@@ -115,7 +123,9 @@ async def chat_chunk_stream(
 
     An engine refusal of the request's grammar is raised here, as an HTTP error, not mid-stream."""
     state, turn = call.state, call.turn
-    events = run_choices(state.client, call.request_id, [turn.prompt_ids], turn.params, state.metrics, call.arrival)
+    events = run_choices(
+        state.client, call.request_id, [turn.prompt_ids], turn.params, state.metrics, call.arrival, turn.images
+    )
     if turn.params.structured_outputs is not None:
         events = await first_event_or_error(events, call.release, grammar_errors(turn.grammar_field))
     return chat_chunks(state, call.request_id, turn, call.arrival, include_usage, events), events
@@ -134,7 +144,7 @@ def stream_response(body: AsyncIterator[bytes], call: ChatCall, *generators: Asy
 async def create_chat_completion(state: ServerState, request: Request) -> Response | Stream:
     arrival = time.perf_counter()
     body = decode_body(await read_body(request, state.config.request_body_timeout_s), ChatCompletionRequest)
-    call = start_chat(state, body, arrival)
+    call = start_chat(state, body, arrival, processed_images=await prepare_images_off_loop(state, body))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks, events = await chat_chunk_stream(call, include_usage)

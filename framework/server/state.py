@@ -100,6 +100,7 @@ class ServerState:
         #: the Responses API's stored responses (previous_response_id, GET / DELETE, background)
         self.responses = ResponseStore(config.max_stored_responses, config.stored_response_ttl_s)
         self._parsers: Any = None
+        self._image_processor: Any = None  # (the VisionSpec, its processor)
 
     def served_parsers(self) -> Any:
         """The tool and reasoning parsers of this server (resolved once the tokenizer is known)."""
@@ -131,6 +132,20 @@ class ServerState:
     def sampling_defaults(self) -> dict[str, float]:
         """The model's sampling defaults (``generation_config.json``) for requests that leave them unset."""
         return getattr(self.client.ready, "sampling_defaults", None) or {}
+
+    @property
+    def vision(self) -> Any:
+        """How the model takes images (:class:`~framework.multimodal.inputs.VisionSpec`), or None."""
+        return getattr(self.client.ready, "vision", None)
+
+    def image_processor(self) -> Any:
+        """The vision model's image processor, built on first use (for the served engine's spec)."""
+        spec = self.vision
+        if self._image_processor is None or self._image_processor[0] is not spec:
+            from framework.multimodal.inputs import load_processor
+
+            self._image_processor = (spec, load_processor(spec))
+        return self._image_processor[1]
 
     @property
     def max_model_len(self) -> int:

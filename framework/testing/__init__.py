@@ -11,7 +11,7 @@ Fixtures:
   make them many times slower); the previous setting is restored after the module.
 
 The helpers live in modules by kind (``fixtures``, ``model_writers``, ``attention``, ``parsers``,
-``parity``, ``gpu``, ``metrics``, ``quant``) and are all importable from here.
+``parity``, ``gpu``, ``metrics``, ``quant``, ``vision``) and are all importable from here.
 
 Conformance kits for plugin authors: attention backends (``check_attention_backend``, also on a
 quantized KV dtype against attention over the dequantized cache), tool
@@ -79,6 +79,16 @@ from framework.testing.parsers import (
     check_tool_parser_streaming,
     random_chunks,
 )
+from framework.testing.vision import (
+    IMAGE_TOKEN,
+    IMAGE_TOKEN_ID,
+    TINY_PREPROCESSOR,
+    VISION_CHAT_TEMPLATE,
+    VISION_SPECIALS,
+    data_url,
+    random_image,
+    write_tiny_qwen2_5_vl,
+)
 
 #: everything here, importable as ``framework.testing.NAME`` (the fixtures are also seen by pytest here)
 __all__ = [
@@ -124,6 +134,14 @@ __all__ = [
     "tiny_model_fixture",
     "check_tool_parser_streaming",
     "random_chunks",
+    "IMAGE_TOKEN",
+    "IMAGE_TOKEN_ID",
+    "TINY_PREPROCESSOR",
+    "VISION_CHAT_TEMPLATE",
+    "VISION_SPECIALS",
+    "data_url",
+    "random_image",
+    "write_tiny_qwen2_5_vl",
     "QuantScheme",
     "check_linear_method",
     "check_moe_method",

@@ -61,7 +61,7 @@ class ScriptedEngineClient:
     is_unresponsive = False
     num_restarts = 0
 
-    async def generate(self, request_id, prompt_token_ids, params, pooling=None):
+    async def generate(self, request_id, prompt_token_ids, params, pooling=None, images=None):
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         self.prompts.append(prompt)
         self.prompt_lengths.append(len(prompt_token_ids))

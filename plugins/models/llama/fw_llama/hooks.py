@@ -54,6 +54,12 @@ GLM4_MOE_ARCHITECTURES = {
 }
 
 
+#: Vision-language models (a vision tower feeding a Llama-family decoder).
+VISION_ARCHITECTURES = {
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (image input: windowed ViT, M-RoPE; no video yet)",
+}
+
+
 @hookimpl
 def register_model_architectures():
     return (
@@ -95,5 +101,9 @@ def register_model_architectures():
         + [
             ModelSpec(name=name, impl=f"fw_llama.llama4:{name}", description=description)
             for name, description in LLAMA4_ARCHITECTURES.items()
+        ]
+        + [
+            ModelSpec(name=name, impl="fw_llama.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration", description=description)
+            for name, description in VISION_ARCHITECTURES.items()
         ]
     )

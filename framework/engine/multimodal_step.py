@@ -1,0 +1,162 @@
+"""Images inside the engine: checked at ``add_request``, encoded inside the prefill step that
+first reaches their tokens, and kept on the request (the encoder cache) until it finishes.
+
+A vision model class provides, besides ``forward(input_ids, positions, inputs_embeds=None)``:
+
+- ``vision_spec(config, preprocessor_config) -> VisionSpec`` (classmethod; for the API process);
+- ``image_token_id``, ``num_image_tokens(grid)`` and ``embed_image(pixel_values, grid) ->
+  [num_image_tokens, hidden]``; ``embed_input_ids(input_ids) -> [T, hidden]``;
+- optionally ``rope_positions(num_tokens, spans) -> ([3, num_tokens], delta)`` (M-RoPE): the
+  prompt's positions, ``spans`` being each image's ``(offset, length, grid)``; a token past the
+  prompt at index ``i`` has position ``i + delta`` in every section.
+
+A step whose tokens cover part of an image takes those rows of its embeddings::
+
+    request tokens   [ text | image 0 (offset, length) | text ... ]
+    this step        [start ........ end)
+    rows copied      image 0 embeddings [max(start, offset) - offset : min(end, offset + length) - offset]
+
+An image is encoded once per request (``Request.image_embeds``): a chunked prefill that splits
+its tokens, a prefix-cache hit that covers part of them, or a preemption reuse the same output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xxhash
+from torch import nn
+
+from framework.engine.transfer import to_device
+from framework.errors import ConfigError
+from framework.multimodal.inputs import ImageInput
+
+if TYPE_CHECKING:
+    from framework.engine.request import Request
+    from framework.engine.scheduler import ScheduledBatch
+
+
+@dataclass(slots=True)
+class RequestImage:
+    """An image of a request: its pixels (host), grid, prompt span and content hash."""
+
+    pixel_values: torch.Tensor
+    grid: list[int]
+    offset: int
+    length: int
+    image_hash: int
+
+
+def is_vision_model(model: nn.Module) -> bool:
+    return hasattr(model, "embed_image")
+
+
+def request_images(model: nn.Module, prompt_token_ids: list[int], inputs: list[ImageInput]) -> list[RequestImage]:
+    """The images of a new request, checked against the model and the prompt (ConfigError otherwise)."""
+    if not is_vision_model(model):
+        raise ConfigError(f"this model ({type(model).__name__}) does not take images; send text only")
+    images, previous_end = [], 0
+    for index, item in enumerate(inputs):
+        expected = model.num_image_tokens(item.grid)
+        end = item.offset + item.length
+        if item.length != expected or item.offset < previous_end or end > len(prompt_token_ids):
+            raise ConfigError(
+                f"image {index}: its {item.length} placeholder tokens at {item.offset} do not fit the prompt "
+                f"({len(prompt_token_ids)} tokens, images in order) or its grid {item.grid} ({expected} tokens)"
+            )
+        if any(token != model.image_token_id for token in prompt_token_ids[item.offset : end]):
+            raise ConfigError(f"image {index}: its span holds tokens other than the image token {model.image_token_id}")
+        expected_bytes = int(np.prod(item.shape)) * 4
+        if len(item.pixel_values) != expected_bytes:
+            raise ConfigError(f"image {index}: {len(item.pixel_values)} pixel bytes for shape {item.shape}")
+        hasher = xxhash.xxh64(item.pixel_values)
+        hasher.update(repr(item.grid).encode())
+        pixels = torch.from_numpy(item.array().copy())
+        images.append(RequestImage(pixels, list(item.grid), item.offset, item.length, hasher.intdigest()))
+        previous_end = end
+    return images
+
+
+def attach_images(model: nn.Module, request: Request, images: list[RequestImage]) -> None:
+    """Give ``request`` its images and, for an M-RoPE model, its prompt positions."""
+    request.images = images
+    if hasattr(model, "rope_positions"):
+        spans = [(image.offset, image.length, image.grid) for image in images]
+        request.rope_positions, request.rope_delta = model.rope_positions(request.num_prompt_tokens, spans)
+
+
+def image_keys(request: Request, start: int, end: int) -> tuple[int, ...]:
+    """The hashes of the request's images with tokens in ``start:end`` (a block's extra prefix-cache keys)."""
+    return tuple(
+        image.image_hash for image in request.images if image.offset < end and image.offset + image.length > start
+    )
+
+
+class MultiModalStep:
+    """The image embeddings and M-RoPE positions of one step, for a vision model's runner."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.uses_mrope = hasattr(model, "rope_positions")
+        self.num_encoder_runs = 0  # images encoded so far (each once per request)
+
+    def applies(self, batch: ScheduledBatch) -> bool:
+        return any(request.images or request.rope_delta for request in batch.requests)
+
+    def prepare(
+        self, batch: ScheduledBatch, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's positions (``[3, T]`` when it covers M-RoPE prompt tokens) and its input
+        embeddings with image rows (None when no image token is computed)."""
+        rows: list[int] = []
+        pieces: list[torch.Tensor] = []
+        row = 0
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            for index, image in enumerate(request.images):
+                first, last = max(start, image.offset), min(end, image.offset + image.length)
+                if first < last:
+                    embeds = self._encoded(request, index)
+                    rows.extend(range(row + first - start, row + last - start))
+                    pieces.append(embeds[first - image.offset : last - image.offset])
+            row += num_new
+        if self.uses_mrope:
+            positions = self._positions(batch, positions)
+        if not pieces:
+            return positions, None
+        embeds = self.model.embed_input_ids(input_ids)
+        index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+        return positions, embeds.index_copy(0, index, torch.cat(pieces).to(embeds.dtype))
+
+    def _encoded(self, request: Request, index: int) -> torch.Tensor:
+        embeds = request.image_embeds.get(index)
+        if embeds is None:
+            image = request.images[index]
+            embeds = self.model.embed_image(to_device(image.pixel_values, self.device), image.grid)
+            request.image_embeds[index] = embeds
+            self.num_encoder_runs += 1
+        return embeds
+
+    def _positions(self, batch: ScheduledBatch, positions: torch.Tensor) -> torch.Tensor:
+        """Every token's M-RoPE position: ``[3, T]`` when some token lies in a prompt with images,
+        else ``[T]``: ``positions`` (the token indices, on the device) plus each request's delta."""
+        spans = [
+            (r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in zip(batch.requests, batch.num_new_tokens)
+        ]
+        if not any(r.rope_positions is not None and start < r.num_prompt_tokens for r, start, _ in spans):
+            deltas = np.repeat([r.rope_delta for r in batch.requests], batch.num_new_tokens)  # decode: one add
+            return positions + to_device(torch.from_numpy(deltas), self.device)
+        parts = []
+        for request, start, end in spans:
+            table = request.rope_positions
+            if table is not None and start < request.num_prompt_tokens:
+                split = min(end, request.num_prompt_tokens)
+                tail = torch.arange(split, end).expand(3, -1) + request.rope_delta
+                parts.append(torch.cat((table[:, start:split], tail), dim=1))
+            else:
+                parts.append((torch.arange(start, end) + request.rope_delta).expand(3, -1))
+        return to_device(torch.cat(parts, dim=-1).contiguous(), self.device)

@@ -1,0 +1,154 @@
+"""Images in chat messages: take them out of the content parts, preprocess them, and expand
+each image's placeholder token in the prompt ids (shared by the API process and :class:`framework.LLM`).
+
+A message's content parts ``{"type": "image_url", "image_url": {"url": "data:..."}}`` (or, in
+process, ``{"type": "image", "image": <PIL.Image>}``) become ``{"type": "image"}`` for the chat
+template, which writes the model's image token once per image. After tokenizing, the i-th image
+token is repeated ``num_tokens`` times (its embeddings' count)::
+
+    template ids:  ... <vision_start> <image_pad> <vision_end> ...
+    prompt ids:    ... <vision_start> <image_pad> x num_tokens <vision_end> ...
+                                      ^ offset of ImageInput i, length num_tokens
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from framework.multimodal.images import ImageError, decode_image_url, image_url_of, to_rgb
+from framework.multimodal.inputs import ImageInput, ImageProcessor, ProcessedImage, VisionSpec
+
+IMAGE_PART_TYPES = ("image_url", "image")
+
+
+class ContentImageError(ImageError):
+    """An :class:`ImageError` of one content part, ``param`` naming it (``messages[0].content[1]``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class PromptImage(NamedTuple):
+    param: str  # the content part it came from, for errors
+    image: Any  # an RGB PIL.Image.Image
+
+
+def is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+
+
+def first_image_part(messages: list[dict[str, Any]]) -> str | None:
+    """The name of the first image content part in ``messages`` (``messages[i].content[j]``), or None."""
+    found = image_parts(messages)
+    return found[0][0] if found else None
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Every image content part of ``messages`` in order, with its name (``messages[i].content[j]``)."""
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            found += [(f"messages[{i}].content[{j}]", part) for j, part in enumerate(content) if is_image_part(part)]
+    return found
+
+
+def without_images(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each image part replaced by ``{"type": "image"}`` (what the template sees)."""
+    return [
+        {**message, "content": [{"type": "image"} if is_image_part(part) else part for part in message["content"]]}
+        if isinstance(message.get("content"), list)
+        else message
+        for message in messages
+    ]
+
+
+def take_images(messages: list[dict[str, Any]], max_images: int) -> tuple[list[dict[str, Any]], list[PromptImage]]:
+    """:func:`without_images` of the messages, and the decoded images in order. Raises
+    :class:`ContentImageError` for an image that cannot be decoded or one past ``max_images``."""
+    from PIL import Image
+
+    images = []
+    for param, part in image_parts(messages):
+        if len(images) == max_images:
+            raise ContentImageError(param, f"too many images: this model takes at most {max_images} per prompt")
+        try:
+            value = part.get("image")
+            if isinstance(value, Image.Image):
+                image = to_rgb(value)
+            elif part["type"] == "image":
+                raise ImageError("an image part holds a PIL image under 'image'; send image_url parts over HTTP")
+            else:
+                image = decode_image_url(image_url_of(part))
+        except ImageError as error:
+            raise ContentImageError(param, str(error)) from None
+        images.append(PromptImage(param, image))
+    return without_images(messages), images
+
+
+def process_images(
+    images: list[PromptImage], processor: ImageProcessor, max_tokens: int | None = None
+) -> list[ProcessedImage]:
+    """Each image through the model's processor (:class:`ContentImageError` for one it refuses, or
+    for the first image that takes the images' embeddings past ``max_tokens``, the context length:
+    counted from the sizes, before any pixel array is built)."""
+    processed, total = [], 0
+    for item in images:
+        try:
+            total += processor.num_tokens(item.image.width, item.image.height)
+            if max_tokens is not None and total > max_tokens:
+                raise ValueError(
+                    f"the images up to this one take {total} tokens; the model's context is {max_tokens} tokens"
+                )
+            processed.append(processor.preprocess(item.image))
+        except ValueError as error:
+            raise ContentImageError(item.param, str(error)) from None
+    return processed
+
+
+def expand_placeholders(
+    prompt_ids: list[int], processed: list[ProcessedImage], image_token_id: int
+) -> tuple[list[int], list[ImageInput]]:
+    """``prompt_ids`` with the i-th ``image_token_id`` repeated ``processed[i].num_tokens`` times, and
+    the images' :class:`ImageInput` (their spans in the new ids). Raises ImageError when the template
+    wrote a different number of image tokens than there are images."""
+    where = [index for index, token in enumerate(prompt_ids) if token == image_token_id]
+    if len(where) != len(processed):
+        raise ImageError(
+            f"the chat template wrote {len(where)} image tokens for {len(processed)} images; "
+            "this model's template must place each image part"
+        )
+    ids: list[int] = []
+    inputs = []
+    previous = 0
+    for index, image in zip(where, processed):
+        ids.extend(prompt_ids[previous:index])
+        pixels = image.pixel_values
+        inputs.append(
+            ImageInput(
+                pixel_values=pixels.astype("float32", copy=False).tobytes(),
+                shape=list(pixels.shape),
+                grid=list(image.grid),
+                offset=len(ids),
+                length=image.num_tokens,
+            )
+        )
+        ids.extend([image_token_id] * image.num_tokens)
+        previous = index + 1
+    ids.extend(prompt_ids[previous:])
+    return ids, inputs
+
+
+def vision_prompt(
+    messages: list[dict[str, Any]],
+    spec: VisionSpec,
+    processor: ImageProcessor,
+    encode: Callable[[list[dict[str, Any]]], list[int]],
+    max_tokens: int | None = None,
+) -> tuple[list[int], list[ImageInput]]:
+    """The prompt ids of ``messages`` (``encode`` renders and tokenizes them) with their images
+    preprocessed and placed; raises :class:`ContentImageError` / ImageError for bad images."""
+    shaped, images = take_images(messages, spec.max_images)
+    return expand_placeholders(encode(shaped), process_images(images, processor, max_tokens), spec.image_token_id)

@@ -1,0 +1,100 @@
+"""Tiny vision-language checkpoints and images for tests (no download): a random Qwen2.5-VL with
+a word-level tokenizer, a Qwen-style chat template and a ``preprocessor_config.json``.
+
+The tokenizer's ids: ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and the specials of :data:`VISION_SPECIALS`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+VISION_SPECIALS = {"<|im_start|>": 290, "<|im_end|>": 291, "<|vision_start|>": 292, "<|vision_end|>": 293}
+IMAGE_TOKEN, IMAGE_TOKEN_ID = "<|image_pad|>", 294
+#: renders an image part as Qwen2-VL's templates do: vision start, one image token, vision end
+VISION_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }} {% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+#: pixel bounds that keep tiny test images tiny: 56x56 (4 image tokens) up to 28*28*64 (64 tokens)
+TINY_PREPROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64, "patch_size": 14, "merge_size": 2}
+
+
+def write_tiny_qwen2_5_vl(path, seed: int = 0):
+    """A random Qwen2.5-VL (text: hidden 64, 2 layers, M-RoPE sections [2, 3, 3]; vision: hidden 32,
+    2 blocks, the second with full attention, 2x2-block windows) written to ``path``; returns the
+    transformers model (fp32, eval mode, norms and biases randomised) as the reference."""
+    import tokenizers
+    import torch
+    import transformers
+    from tokenizers import models, pre_tokenizers
+
+    from framework.testing.model_writers import randomise_identity_params
+
+    path = Path(path)
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            bos_token_id=0,
+            eos_token_id=1,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=IMAGE_TOKEN_ID + 1,
+        vision_start_token_id=VISION_SPECIALS["<|vision_start|>"],
+        vision_end_token_id=VISION_SPECIALS["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    randomise_identity_params(model)
+    model.save_pretrained(path, safe_serialization=True)
+    specials = {**VISION_SPECIALS, IMAGE_TOKEN: IMAGE_TOKEN_ID}
+    vocab = {"<s>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, 290)}, **specials}
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<s>", "</s>", *specials])
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": VISION_CHAT_TEMPLATE})
+    )
+    (path / "preprocessor_config.json").write_text(
+        json.dumps({"image_processor_type": "Qwen2VLImageProcessor", **TINY_PREPROCESSOR})
+    )
+    return model
+
+
+def random_image(width: int, height: int, seed: int):
+    """An RGB ``PIL.Image`` of uniform random pixels."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(image, image_format: str = "PNG") -> str:
+    """``image`` as a ``data:image/...;base64,`` URL."""
+    buffer = io.BytesIO()
+    image.save(buffer, format=image_format)
+    return f"data:image/{image_format.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()

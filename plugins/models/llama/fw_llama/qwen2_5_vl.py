@@ -1,0 +1,152 @@
+"""Qwen2.5-VL: the Qwen2 decoder with multimodal RoPE, and the vision tower of ``qwen2_5_vision``.
+
+The model follows fw's multimodal contract (:mod:`framework.engine.multimodal_step`):
+``vision_spec`` (its image processor and placeholder token), ``embed_image`` (one image's
+embeddings), ``embed_input_ids``, ``forward(input_ids, positions, inputs_embeds=None)`` and
+``rope_positions``. M-RoPE splits each head's rotary frequencies into three sections
+(``mrope_section``) that rotate by a token's temporal, height and width position::
+
+    text token at index i (after images):   (p, p, p),  p = i + delta (the images' shrinkage)
+    image token at block (row r, col c):     (s, s + r, s + c),  s = the position after the text before it
+
+so ``positions`` is ``[3, T]`` in a step that covers image tokens and ``[T]`` (``p`` for all
+three sections, plain RoPE) otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework.config import ModelConfig
+from framework.layers.causal_lm import CausalLM
+from framework.layers.rotary import RotaryEmbedding
+from framework.multimodal.inputs import VisionSpec
+from framework.quantization import QuantConfig
+from fw_llama.model import LlamaModel
+from fw_llama.qwen2_5_vision import Qwen2_5VisionTransformer
+from fw_llama.qwen2_vl_processor import processor_settings
+
+
+class MRotaryEmbedding(nn.Module):
+    """M-RoPE over a default :class:`RotaryEmbedding` (NeoX pairs): ``[T]`` positions rotate as the
+    base does; ``[3, T]`` positions pick each frequency's row from its section's position."""
+
+    def __init__(self, base: RotaryEmbedding, mrope_section: list[int]) -> None:
+        super().__init__()
+        if sum(mrope_section) != base.rotary_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must add up to rotary_dim / 2 = {base.rotary_dim // 2}")
+        self.base = base
+        # the section (0: temporal, 1: height, 2: width) of each cos and each sin column
+        section = [index for index, width in enumerate(mrope_section) for _ in range(width)]
+        self.section = section + section
+        self._section_index: dict[torch.device, torch.Tensor] = {}  # self.section on each device, made once
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        base = self.base
+        if positions.ndim == 1:
+            return base(positions, query, key)
+        rows = base.cos_sin_cache[positions]  # [3, T, rotary_dim]: cos | sin per section
+        section = self._section_index.get(positions.device)
+        if section is None:
+            section = self._section_index[positions.device] = torch.tensor(self.section, device=positions.device)
+        index = section.view(1, 1, -1).expand(1, rows.shape[1], -1)
+        table = rows.gather(0, index)[0]  # [T, rotary_dim]: each token's own rows
+        token_rows = torch.arange(table.shape[0], device=positions.device)
+        return base._kernel(token_rows, query, key, base.head_size, table, base.is_neox_style)
+
+
+def text_config(config: ModelConfig) -> ModelConfig:
+    """The decoder's config: the Qwen2 layout (q/k/v bias) and plain rope (M-RoPE wraps it)."""
+    hf = dict(config.hf_config)
+    hf.update(hf.get("text_config") or {})
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(hf.get(key), dict):
+            hf[key] = {k: v for k, v in hf[key].items() if k in ("rope_theta",)}
+    hf.pop("text_config", None)
+    return dataclasses.replace(config, hf_config=hf, architecture="Qwen2ForCausalLM")
+
+
+def mrope_section(config: ModelConfig) -> list[int]:
+    for source in (config.rope_parameters, config.get("rope_scaling") or {}):
+        if source.get("mrope_section"):
+            return list(source["mrope_section"])
+    return [16, 24, 24]
+
+
+class Qwen2_5_VLForConditionalGeneration(CausalLM):
+    """``Qwen2_5_VLForConditionalGeneration`` checkpoints: ``model.language_model.*`` (or the older
+    ``model.*``), ``model.visual.*`` (or ``visual.*``) and ``lm_head``."""
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        text = text_config(config)
+        self.model = LlamaModel(text, quant_config, "model")
+        self.init_lm_head(text, quant_config, tie_by_default=False)
+        self.visual = Qwen2_5VisionTransformer(config.hf_config.get("vision_config") or {})
+        self.image_token_id = int(config.get("image_token_id"))
+        section = mrope_section(config)
+        for layer in self.model.layers:
+            attention = layer.self_attn
+            attention.rotary_emb = MRotaryEmbedding(attention.rotary_emb, section)
+
+    @classmethod
+    def vision_spec(cls, config: ModelConfig, preprocessor_config: dict[str, Any]) -> VisionSpec:
+        settings = processor_settings(preprocessor_config)
+        vision = config.hf_config.get("vision_config") or {}
+        for key, name in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size")):
+            if key in vision:
+                settings[name] = vision[key]
+        if "spatial_merge_size" in vision:
+            settings["merge_size"] = vision["spatial_merge_size"]
+        return VisionSpec(
+            processor="fw_llama.qwen2_vl_processor:Qwen2VLImageProcessor",
+            processor_config=settings,
+            image_token_id=int(config.get("image_token_id")),
+        )
+
+    @staticmethod
+    def map_weight_name(name: str) -> tuple[str, tuple | None]:
+        """transformers 5's names onto this module's; the tower's tensors load whole (no fusing)."""
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
+        elif name.startswith("model.visual."):
+            name = name.removeprefix("model.")
+        return name, (() if name.startswith("visual.") else None)
+
+    def num_image_tokens(self, grid: list[int]) -> int:
+        return self.visual.num_tokens(grid)
+
+    def embed_image(self, pixel_values: torch.Tensor, grid: list[int]) -> torch.Tensor:
+        """``[num_image_tokens(grid), hidden]``: one image through the tower."""
+        return self.visual(pixel_values, grid)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def rope_positions(self, num_tokens: int, spans: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, int]:
+        """The ``[3, num_tokens]`` M-RoPE positions of a prompt whose images take the ``(offset,
+        length, grid)`` spans, and the delta that later tokens add to their index."""
+        merge = self.visual.merge
+        parts, position, previous = [], 0, 0
+        for offset, length, (t, h, w) in spans:
+            parts.append(torch.arange(offset - previous).expand(3, -1) + position)
+            position += offset - previous
+            grid = torch.stack(
+                torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij")
+            )
+            parts.append(grid.reshape(3, -1) + position)
+            position += max(h, w) // merge
+            previous = offset + length
+        parts.append(torch.arange(num_tokens - previous).expand(3, -1) + position)
+        positions = torch.cat(parts, dim=1)
+        return positions, int(positions.max()) + 1 - num_tokens

@@ -1,0 +1,62 @@
+"""Image decoding and placeholder expansion of ``framework.multimodal`` (no model): every accepted
+format decodes to the same RGB pixels, transparency lands on white, limits and mismatches are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from framework.multimodal import images
+from framework.multimodal.images import ImageError, decode_image_url
+from framework.multimodal.inputs import ProcessedImage
+from framework.multimodal.prompt import expand_placeholders
+from framework.testing import data_url, random_image
+
+
+@pytest.mark.parametrize("image_format", ["PNG", "WEBP", "BMP", "GIF"])
+def test_lossless_formats_decode_to_the_same_rgb_pixels(image_format):
+    image = random_image(23, 17, 4)
+    if image_format == "GIF":  # a palette format: compare with what the palette keeps
+        image = image.quantize(64).convert("RGB")
+    decoded = decode_image_url(data_url(image, image_format) if image_format != "WEBP" else _lossless_webp(image))
+    assert decoded.mode == "RGB" and decoded.size == (23, 17)
+    np.testing.assert_array_equal(np.asarray(decoded), np.asarray(image))
+
+
+def _lossless_webp(image) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="WEBP", lossless=True)
+    return "data:image/webp;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_jpeg_decodes_to_rgb():
+    decoded = decode_image_url(data_url(random_image(30, 20, 1), "JPEG"))
+    assert decoded.mode == "RGB" and decoded.size == (30, 20)
+
+
+def test_transparent_pixels_are_composited_onto_white():
+    from PIL import Image
+
+    rgba = Image.new("RGBA", (4, 4), (10, 20, 30, 0))
+    rgba.putpixel((0, 0), (10, 20, 30, 255))
+    decoded = np.asarray(decode_image_url(data_url(rgba)))
+    assert decoded[0, 0].tolist() == [10, 20, 30] and decoded[3, 3].tolist() == [255, 255, 255]
+
+
+def test_an_image_over_the_pixel_limit_is_refused(monkeypatch):
+    monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(ImageError, match="the image has 20x10 pixels; at most 100 are read"):
+        decode_image_url(data_url(random_image(20, 10, 0)))
+
+
+def test_placeholders_expand_to_each_images_tokens_and_a_count_mismatch_is_refused():
+    pixels = np.zeros((8, 3), dtype=np.float32)
+    processed = [ProcessedImage(pixels, [1, 4, 2], 2), ProcessedImage(pixels[:4], [1, 2, 2], 1)]
+    ids, inputs = expand_placeholders([5, 9, 6, 9, 7], processed, image_token_id=9)
+    assert ids == [5, 9, 9, 6, 9, 7]
+    assert [(i.offset, i.length, i.shape) for i in inputs] == [(1, 2, [8, 3]), (4, 1, [4, 3])]
+    with pytest.raises(ImageError, match="the chat template wrote 1 image tokens for 2 images"):
+        expand_placeholders([5, 9, 6], processed, image_token_id=9)

@@ -1,0 +1,229 @@
+"""Images through the HTTP API: a real ``fw serve`` of the tiny random Qwen2.5-VL answers the openai
+client's ``image_url`` parts with transformers' greedy ids, and every bad image is a 400 naming its
+content part before anything reaches the engine (the app with a stand-in engine client)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import openai
+import pytest
+import torch
+from litestar.testing import TestClient
+
+from framework.multimodal.inputs import load_processor
+from framework.multimodal.prompt import vision_prompt
+from framework.server.app import create_app
+from framework.server.state import ServerConfig
+from framework.testing import data_url, random_image, write_tiny_qwen2_5_vl
+from framework.testing.vision import IMAGE_TOKEN_ID
+from framework.tokenizer import Tokenizer
+
+from .scripted_engine import ScriptedEngineClient
+
+IMAGES = [random_image(84, 56, 1), random_image(100, 120, 2)]
+
+
+def chat_messages(*images, text="t5 t6"):
+    parts = [{"type": "text", "text": text}]
+    for index, image in enumerate(images):
+        parts += [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": f"t{20 + index}"},
+        ]
+    return [{"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2_5_vl")
+    return path, write_tiny_qwen2_5_vl(path)
+
+
+@pytest.fixture(scope="module")
+def vision_spec(tiny_vlm):
+    """The spec the engine sends in Ready, from the architecture the registry serves the model with."""
+    from framework import plugins, registries
+    from framework.config import ModelConfig
+    from framework.platform import platform_for_device
+
+    plugins.load_plugins()
+    config = ModelConfig.from_hf_config(json.loads((tiny_vlm[0] / "config.json").read_text()), dtype=torch.float32)
+    model_cls = registries.model_architectures(platform_for_device("cpu")).get(config.architecture).load()
+    return model_cls.vision_spec(config, json.loads((tiny_vlm[0] / "preprocessor_config.json").read_text()))
+
+
+def test_openai_client_images_get_transformers_greedy_ids(tiny_vlm, vision_spec, serve_on_free_port):
+    path, reference = tiny_vlm
+    tokenizer = Tokenizer.from_directory(path)
+    messages = chat_messages(*IMAGES)
+    processor = load_processor(vision_spec)
+    prompt_ids, _ = vision_prompt(
+        messages, vision_spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
+    )
+    processed = [processor.preprocess(image) for image in IMAGES]
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        expected = reference.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
+            image_grid_thw=torch.tensor([p.grid for p in processed]),
+            mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
+            max_new_tokens=10,
+            do_sample=False,
+        )[0, len(prompt_ids) :].tolist()
+    args = ["--m", str(path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
+    with serve_on_free_port(args) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(
+            model=str(path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        stream = client.chat.completions.create(
+            model=str(path),
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert any("images     up to 8 per prompt (Qwen2VLImageProcessor)" in line for line in server.lines)
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.choices[0].message.content == tokenizer.decode(expected) == streamed
+
+
+@pytest.fixture
+def vision_app(tiny_vlm, vision_spec):
+    """The real app over a stand-in engine client of the tiny VLM's tokenizer and vision spec."""
+    engine = ScriptedEngineClient(lambda prompt: "t7")
+    engine.tokenizer = Tokenizer.from_directory(tiny_vlm[0])
+    engine.ready = SimpleNamespace(max_model_len=512, vocab_size=300, vision=vision_spec)
+    received = []
+    generate = engine.generate
+
+    def recording_generate(request_id, prompt_token_ids, params, pooling=None, images=None):
+        received.append(images)
+        return generate(request_id, prompt_token_ids, params, pooling, images)
+
+    engine.generate = recording_generate
+    app = create_app(engine, ServerConfig(served_model_names=["vlm"]), start_engine=False)
+    with TestClient(app, base_url="http://127.0.0.1:2000") as http:
+        yield http, engine, received
+
+
+def test_image_parts_reach_the_engine_as_pixels_with_their_spans(vision_app):
+    http, engine, received = vision_app
+    response = http.post("/v1/chat/completions", json={"messages": chat_messages(*IMAGES), "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    (images,) = received
+    prompt = engine.prompt_ids[0]
+    assert [(image.grid, image.length) for image in images] == [([1, 4, 6], 6), ([1, 8, 8], 16)]
+    for image in images:
+        assert prompt[image.offset : image.offset + image.length] == [IMAGE_TOKEN_ID] * image.length
+        assert len(image.pixel_values) == 4 * image.length * 4 * 1176  # 4 patches of 3*2*14*14 floats per token
+    assert prompt.count(IMAGE_TOKEN_ID) == 22
+
+
+def _bad(url: str) -> list[dict]:
+    return [
+        {"role": "user", "content": [{"type": "text", "text": "t5"}, {"type": "image_url", "image_url": {"url": url}}]}
+    ]
+
+
+def _tiff_url() -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    random_image(8, 8, 0).save(buffer, format="TIFF")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        (_bad("data:image/png;base64,aGVsbG8gd29ybGQ="), "the data is not an image in a supported format"),
+        (_bad(_tiff_url()), "the data is not an image in a supported format"),
+        (_bad("data:image/svg+xml;base64,PHN2Zz4="), "unsupported image type 'image/svg+xml'"),
+        (_bad("data:image/png;base64,@@@"), "not valid base64"),
+        (_bad("https://example.com/cat.png"), "image URLs over http(s) are not fetched"),
+        (_bad("/etc/passwd"), "local paths and file: URLs are refused"),
+        (_bad("file:///etc/passwd"), "local paths and file: URLs are refused"),
+    ],
+)
+def test_bad_images_are_400s_naming_the_part_and_reach_no_engine(vision_app, messages, message):
+    http, engine, _ = vision_app
+    response = http.post("/v1/chat/completions", json={"messages": messages})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and message in error["message"], error
+    assert engine.prompts == []
+
+
+def test_too_many_images_is_a_400_naming_the_first_extra_part(vision_app):
+    http, engine, _ = vision_app
+    response = http.post(
+        "/v1/chat/completions", json={"messages": chat_messages(*[random_image(56, 56, i) for i in range(9)])}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[17]" and "at most 8" in error["message"]
+    assert engine.prompts == []
+
+
+def test_an_image_for_a_text_only_model_is_a_400_naming_the_part():
+    engine = ScriptedEngineClient(lambda prompt: "hi")
+    app = create_app(engine, ServerConfig(served_model_names=["text"]), start_engine=False)
+    with TestClient(app, base_url="http://127.0.0.1:2000") as http:
+        response = http.post("/v1/chat/completions", json={"messages": chat_messages(IMAGES[0])})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and "does not take images" in error["message"]
+    assert engine.prompts == []
+
+
+def test_images_are_decoded_and_preprocessed_off_the_event_loop(vision_app, monkeypatch):
+    import asyncio
+
+    from framework.server import chat_images
+
+    http, _, received = vision_app
+    on_loop = []
+    process = chat_images.process_images
+
+    def recording(images, processor, max_tokens=None):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop runs in this thread: a worker thread
+            on_loop.append(False)
+        return process(images, processor, max_tokens)
+
+    monkeypatch.setattr(chat_images, "process_images", recording)
+    response = http.post("/v1/chat/completions", json={"messages": chat_messages(IMAGES[0]), "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert on_loop == [False] and len(received[0]) == 1
+
+
+def test_tokenize_counts_the_image_tokens_generation_sees(vision_app):
+    http, engine, _ = vision_app
+    messages = chat_messages(*IMAGES)
+    tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).status_code == 200
+    assert tokens == engine.prompt_ids[0] and tokens.count(IMAGE_TOKEN_ID) == 22
+
+
+def test_images_past_the_context_length_are_a_400_before_their_pixels_are_made(vision_app, monkeypatch):
+    http, engine, _ = vision_app
+    monkeypatch.setattr(engine.ready, "max_model_len", 40)
+    images = [random_image(112, 112, i) for i in range(3)]  # 16 image tokens each
+    response = http.post("/v1/chat/completions", json={"messages": chat_messages(*images)})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (
+        error["param"] == "messages[0].content[5]" and "take 48 tokens; the model's context is 40" in error["message"]
+    )
+    assert engine.prompts == []
