@@ -270,9 +270,10 @@ def _quant_store_kernel(
 
 
 def quant_store(key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    """Store ``key`` (already rotated for rotated-key dtypes) and ``value`` ``[T, H_kv, D]`` (last dim
-    contiguous) into the quantized ``cache`` at ``slot_mapping[:T]``, as
-    :func:`framework.kv_quant.store_quantized` does; fp8 rows use the checkpoint scales if set."""
+    """Store ``key`` and ``value`` ``[T, H_kv, D]`` (last dim contiguous; already rotated where the
+    dtype rotates them, and then float32 as :func:`framework.kv_quant.rotate` returns them) into the
+    quantized ``cache`` at ``slot_mapping[:T]``, the bytes :func:`framework.kv_quant.store_quantized`
+    stores; fp8 rows use the checkpoint scales if set."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
