@@ -133,8 +133,10 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens = query.shape[0]
         spec, signs = kv_cache.spec, kv_cache.rotation_signs
         query = kv_quant.query_space(kv_cache, query)
-        key = kv_quant.rotate(key, signs).to(key.dtype) if spec.rotate_keys else key
-        value = kv_quant.rotate(value, signs).to(value.dtype) if spec.rotate_values else value
+        # rotated K/V stay float32 up to the quantizer, as kv_quant.quantize_kv has them: rounded
+        # to a bf16 model dtype first, 1-2 % of the stored bytes would differ from the reference's
+        key = kv_quant.rotate(key, signs) if spec.rotate_keys else key
+        value = kv_quant.rotate(value, signs) if spec.rotate_values else value
         quant_store(key, value, kv_cache, metadata.slot_mapping)
         if metadata.is_decode_only or metadata.max_query_len == 1:
             output = decode_attention(

@@ -160,6 +160,20 @@ def load_cache_tile(
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """``x`` (float32, ``|x| <= 448``) rounded to the nearest float8 e4m3 value, ties to even, as
+    float32: what compiled conversions (and torch) store. The interpreter's own conversion rounds
+    ties away from zero and loses the carry into the exponent, so it only gets exact values."""
+    bits = x.to(tl.int32, bitcast=True)
+    # keep 3 of fp32's 23 mantissa bits: add just under half a step, plus one if the kept lsb is odd
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # below 2^-6 e4m3 is subnormal, a fixed step of 2^-9: fp32 addition at 1.5 * 2^14 rounds to it
+    subnormal = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # the sign of -0.0 and of underflows kept
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _store_row(
     src,
     dst,
@@ -184,16 +198,18 @@ def _store_row(
     if HAS_STATIC:
         scale = tl.load(static_ptr)
     else:
-        scale = tl.max(tl.max(tl.abs(x), 1), 0) / HALF
+        # IEEE divisions here and below, as torch's (a plain `/` compiles to approximations, by a
+        # constant to a multiply by an approximate reciprocal): an absmax of 1.75 * 2^k must give
+        # torch's scale code for 2^(k - 8), not the next one up
+        scale = tl.div_rn(tl.max(tl.max(tl.abs(x), 1), 0), HALF)
     code = tl.ceil(tl.log2(tl.maximum(scale, 1.52587890625e-05)) * 8.0) + 128.0  # 2^-16: code 0
     code = tl.minimum(tl.maximum(code, 0.0), 255.0)
-    units = x / decode_scale(code)
+    units = tl.div_rn(x, decode_scale(code))
     if FORMAT == 8:
         clamped = tl.minimum(tl.maximum(units, -448.0), 448.0)
+        if INTERPRETED:  # the interpreter rounds ties away and drops carries: hand it exact e4m3 values
+            clamped = _round_to_e4m3(clamped)
         stored = clamped.to(tl.float8e4nv)
-        if INTERPRETED:  # the interpreter drops the carry when rounding up to the next power of two
-            back = stored.to(tl.float32)
-            stored = tl.where(tl.abs(back) * 1.5 < tl.abs(clamped), (back * 2.0).to(tl.float8e4nv), stored)
         tl.store(dst + groups[:, None] + lanes[None, :], stored.to(tl.uint8, bitcast=True), mask=mask)
     else:
         codes = tl.minimum(tl.maximum(tl.floor(units + (HALF + 0.5)), 0.0), 2 * HALF).to(tl.int32)
@@ -254,9 +270,10 @@ def _quant_store_kernel(
 
 
 def quant_store(key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    """Store ``key`` (already rotated for rotated-key dtypes) and ``value`` ``[T, H_kv, D]`` (last dim
-    contiguous) into the quantized ``cache`` at ``slot_mapping[:T]``, as
-    :func:`framework.kv_quant.store_quantized` does; fp8 rows use the checkpoint scales if set."""
+    """Store ``key`` and ``value`` ``[T, H_kv, D]`` (last dim contiguous; already rotated where the
+    dtype rotates them, and then float32 as :func:`framework.kv_quant.rotate` returns them) into the
+    quantized ``cache`` at ``slot_mapping[:T]``, the bytes :func:`framework.kv_quant.store_quantized`
+    stores; fp8 rows use the checkpoint scales if set."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return

@@ -150,8 +150,8 @@ def test_quantized_cache_kernels_compile_for_hopper():
         HopperCompile(
             "fw_triton_attention.quant_tiles:_quant_store_kernel",
             {
-                "key_ptr": "*bf16",
-                "value_ptr": "*bf16",
+                "key_ptr": "*bf16" if key == value == 8 else "*fp32",  # turbo rows come rotated, in fp32
+                "value_ptr": "*bf16" if key == value == 8 else "*fp32",
                 "cache_ptr": "*u8",
                 "scales_ptr": "*u8",
                 "slot_mapping_ptr": "*i64",
