@@ -9,8 +9,7 @@ For each layer (fused qkv, o, fused gate_up, down, LM head) and row count it che
 against ``x @ W^T`` on the dequantized weight, then times, replayed from a CUDA graph over weight
 copies that overflow the L2: the W8A16 kernel (block scales), the block-scaled W8A8 GEMM (1x128
 activation groups, sm_89+), ``torch._scaled_mm`` on a per-channel copy of the weight (sm_89+), and
-bf16 cuBLAS. The row where W8A8 first beats W8A16 is what ``fw_fp8.kernels.dispatch.W8A16_MAX_ROWS``
-should say.
+bf16 cuBLAS. ``fw_fp8.kernels.dispatch`` (``SMALL_MAX_ROWS``) picks among them from these timings.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common import copies_timer, write_kernel_report  # noqa: E402
-from fw_fp8.kernels.dispatch import W8A16_MAX_ROWS, has_fp8_tensor_cores  # noqa: E402
+from fw_fp8.kernels.dispatch import SMALL_MAX_ROWS, has_fp8_tensor_cores  # noqa: E402
 from fw_fp8.kernels.layout import Fp8Weight, dequantize_fp8_weight  # noqa: E402
 from fw_fp8.kernels.w8a8_block import w8a8_block_matmul  # noqa: E402
 from fw_fp8.kernels.w8a16 import choose_config, w8a16_matmul  # noqa: E402
@@ -110,7 +109,7 @@ def measure(n: int, k: int, rows: int, tiny: bool, sweep: bool = False) -> dict:
         result["w8a16_refused"] = refused
     dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
     result["cublas_bf16_us"] = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies) * 1e6
-    result["dispatch"] = "w8a16" if rows <= W8A16_MAX_ROWS or not fp8_cores else "w8a8_block"
+    result["dispatch"] = "w8a16" if not fp8_cores else "w8a8_block"  # block weights at any row count
     return result
 
 
@@ -138,7 +137,7 @@ def main() -> None:
         swept = f"{best['us']:9.1f} {best}" if best else ""
         print(f"{name:8} {rows:5d} {' '.join(cells)} {result['cublas_bf16_us']:9.1f} {swept}")
     if args.out:
-        write_kernel_report(args.out, results, tiny=tiny, w8a16_max_rows=W8A16_MAX_ROWS)
+        write_kernel_report(args.out, results, tiny=tiny, small_max_rows=SMALL_MAX_ROWS)
         print(f"wrote {args.out}")
 
 

@@ -96,7 +96,7 @@ def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) ->
     ]
     dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
     time_it = copies_timer(tiny)
-    rule = choose_config(rows, n, k, group)
+    rule = choose_config(rows, n, k, group, bits=bits)
     kernel_s = time_it(lambda w: wna16_matmul(x, w), copies)
     cublas_s = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies)
     result = {

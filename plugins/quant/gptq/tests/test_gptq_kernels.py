@@ -106,6 +106,9 @@ def test_main_kernel_variants_compile_for_sm90():
         _hopper_case(8, 16, 128, 128, False, False, has_g_idx=True),  # act-order lookups, 8-bit
     ])
     assert len(ptx) == 3
+    rules = [choose_config(1, 28672, 4096, 128, bits=bits) for bits in (4, 8)]  # the decode rule fits an SM
+    compile_for_hopper([_hopper_case(bits, r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], False, True, stages=r["num_stages"])
+                        for bits, r in zip((4, 8), rules)])
     assert all("wgmma" in p for p in ptx)  # every form multiplies on Hopper's tensor cores
     assert "cp.async.cg.shared.global" in ptx[0]  # the GEMV streams its words with 16-byte async copies
     # the unpacked weights go straight into the left operand's registers, not through shared memory,

@@ -135,18 +135,19 @@ def wna16_dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_p
              mask=(offs_k < K)[:, None] & mask_n[None, :])
 
 
-def choose_config(rows: int, n: int, k: int, group_size: int, num_sms: int = DEFAULT_NUM_SMS) -> dict[str, int]:
+def choose_config(rows: int, n: int, k: int, group_size: int, num_sms: int = DEFAULT_NUM_SMS, bits: int = 4
+                  ) -> dict[str, int]:
     """Tile sizes, K step, split-K, warps and stages for ``rows`` x ``[n, k]`` (a rule; the sweep in
     ``benchmarks/w4a16_kernels.py`` times it beside the best of a grid).
 
-    128 outputs a tile. Up to :data:`GEMV_MAX_ROWS` rows: 16-row tiles, 512-input steps of 128-input
-    slices (the group, where it is smaller), K split up to four ways while the N blocks fill under half
+    128 outputs a tile. Up to :data:`GEMV_MAX_ROWS` rows: 16-row tiles, 512-input steps (256 at 8 bits,
+    to fit the shared memory) of 128-input slices (the group, where it is smaller), K split up to four ways while the N blocks fill under half
     the SMs, 4 warps, 4 stages. More rows: 32 or 64-row tiles, one slice a step, K split while the tiles
     fill under the SMs, 3 stages."""
     sub_k = min(128, group_size) if group_size > 0 else 128
     sub_k = max(sub_k, 16)  # tl.dot's smallest K; a smaller group reads its scales per input
-    if rows <= GEMV_MAX_ROWS:
-        block_m, block_k, stages, fill = 16, 512, 4, num_sms // 2
+    if rows <= GEMV_MAX_ROWS:  # 4 stages of 128 x 512 4-bit words (or x 256 8-bit ones) and x: 192 / 160 KB
+        block_m, block_k, stages, fill = 16, 2048 // bits, 4, num_sms // 2
     else:
         block_m, block_k, stages, fill = 32 if rows <= 32 else 64, sub_k, 3, num_sms
     block_n = 128  # narrower tiles make Triton (3.6) route the unpacked weights through shared memory
@@ -201,7 +202,7 @@ def wna16_matmul(x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None
             return product
         out.copy_(product)
         return out
-    cfg = dict(config or choose_config(m, n, k, weight.group_size, _num_sms(x.device)))
+    cfg = dict(config or choose_config(m, n, k, weight.group_size, _num_sms(x.device), weight.bits))
     cfg.setdefault("SUB_K", min(cfg["BLOCK_K"], 128))
     cfg.pop("USE_DOT", None)  # the former elementwise form's switch; every setting multiplies on tl.dot
     split_k = cfg.pop("SPLIT_K", 1)
