@@ -487,12 +487,19 @@ def copies_timer(on_cpu: bool):
 
 
 def bytes_read_per_token(model, config: dict[str, Any]) -> int:
-    """Weight bytes a batch-1 decode step reads: every parameter but the embedding table (rows are
+    """Weight bytes a batch-1 decode step reads: every parameter (and a quant method's buffers) but the embedding table (rows are
     gathered), and of each MoE layer's stacked experts only the ``top_k`` a token uses. A model
     whose ``config`` ties the embeddings reads the whole table once more, as its LM head."""
     from framework.layers.fused_moe import FusedMoE
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # packed quantized weights a quant method keeps as buffers (fw_gptq's kernel layout, ...)
+    total += sum(
+        b.numel() * b.element_size()
+        for module in model.modules()
+        if getattr(module, "quant_method", None) is not None
+        for b in module.buffers(recurse=False)
+    )
     embed = model.model.embed_tokens.weight
     if not config.get("tie_word_embeddings"):
         total -= embed.numel() * embed.element_size()
