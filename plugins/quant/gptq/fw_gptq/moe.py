@@ -9,10 +9,11 @@ expert is decoded and the stacks kept as::
     wna16_w1 / _w3 / _w2   int32 [E, K/pf, N]   the kernel layout's qweight of every expert
     wna16_side_w1 / ...    float32 [E, 2*G*N + K]  scales | zeros | g_idx (as floats), per expert
 
-run by the kernel registry's ``quantized_fused_moe`` op (:class:`framework.ops.PackedExperts`;
-its torch reference gathers and dequantizes the chosen experts for few tokens, graph-safe).
-Act-order experts keep their input order (each expert's ``g_idx`` is looked up per input
-feature). On the CPU, unless ``FW_GPTQ_KEEP_PACKED=1``, the experts are dequantized once into
+run by the kernel registry's ``quantized_fused_moe`` op (:class:`framework.ops.PackedExperts`
+of type ``wna16:<bits>bit:g<group size>``, or ``...:g_idx`` where some expert's groups are not
+``k // group size``): on CUDA :mod:`fw_gptq.kernels.moe`'s Triton kernels (``triton_wna16``), elsewhere
+the torch reference, which gathers and dequantizes the chosen experts. Act-order experts keep their
+input order (each expert's ``g_idx`` is looked up per input feature). On the CPU, unless ``FW_GPTQ_KEEP_PACKED=1``, the experts are dequantized once into
 ``w13_weight`` / ``w2_weight`` and run by the dense ``fused_moe`` op.
 """
 
@@ -23,6 +24,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from framework import ops
 from framework.kernels import get_kernel
 from framework.layers.linear import set_weight_attrs
 from framework.ops import PackedExperts
@@ -43,12 +45,20 @@ def dequantize_experts(bits: int, k: int, n: int, data: Tensor, side: Tensor, dt
     """``[E', K/pf, N]`` words and ``[E', 2GN + K]`` side rows -> ``[E', N, K]`` weights in ``dtype``."""
     groups = (side.shape[1] - k) // (2 * n)
     q = unpack_along(data, bits, 1).float()  # [E', K, N]
-    scales = side[:, :groups * n].view(-1, groups, n)
-    zeros = side[:, groups * n:2 * groups * n].view(-1, groups, n)
-    g = side[:, 2 * groups * n:].long()  # [E', K]
+    scales = side[:, : groups * n].view(-1, groups, n)
+    zeros = side[:, groups * n : 2 * groups * n].view(-1, groups, n)
+    g = side[:, 2 * groups * n :].long()  # [E', K]
     index = g.unsqueeze(-1).expand(-1, -1, n)
     w = (q - zeros.gather(1, index)) * scales.gather(1, index)
     return w.transpose(1, 2).to(dtype)
+
+
+def _grouping(weights: list[IntWeight]) -> str:
+    """``g<size>`` where every expert's input ``k`` is in group ``k // size``, else ``g_idx``."""
+    size = weights[0].group_size
+    natural = torch.arange(weights[0].q.shape[0], device=weights[0].q.device) // size
+    regular = all(w.group_size == size and torch.equal(w.group_of(), natural) for w in weights)
+    return f"g{size}" if regular else "g_idx"
 
 
 class WNA16FusedMoEMethod(FusedMoEMethod):
@@ -60,8 +70,14 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
     def __init__(self, scheme: WNA16Scheme) -> None:
         self.scheme = scheme
 
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+    ) -> None:
         width, full = intermediate_size_per_partition, layer.intermediate_size
         shapes = {"w13": (hidden_size, 2 * width, hidden_size), "w2": (width, hidden_size, full)}
         layer.wna16_names = {}
@@ -86,7 +102,7 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
                 names.append(spec.name)
             layer.wna16_names[projection] = names
         layer.wna16_shapes = {"w1": (hidden_size, width), "w3": (hidden_size, width), "w2": (width, hidden_size)}
-        self.fused_moe = get_kernel("quantized_fused_moe")
+        self.fused_moe = get_kernel("quantized_fused_moe", prefer="triton_wna16")
         self.dense_fused_moe = get_kernel("fused_moe")
 
     def _decode(self, layer: nn.Module, projection: str, expert: int) -> IntWeight:
@@ -114,21 +130,35 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
         halves = {"w1": [], "w3": []}
         for weight in decoded["w13"]:  # the gate columns [0, I), the up columns [I, 2I)
             for shard, columns in (("w1", slice(0, width)), ("w3", slice(width, 2 * width))):
-                halves[shard].append(IntWeight(weight.q[:, columns], weight.scales[:, columns],
-                                               None if weight.zeros is None else weight.zeros[:, columns],
-                                               weight.g_idx, weight.bits, weight.group_size))
+                halves[shard].append(
+                    IntWeight(
+                        weight.q[:, columns],
+                        weight.scales[:, columns],
+                        None if weight.zeros is None else weight.zeros[:, columns],
+                        weight.g_idx,
+                        weight.bits,
+                        weight.group_size,
+                    )
+                )
         for shard, weights in (*halves.items(), ("w2", decoded["w2"])):
             layer.register_buffer(f"wna16_{shard}", torch.stack([pack_along(w.q, w.bits, 0) for w in weights]))
             layer.register_buffer(f"wna16_side_{shard}", torch.stack([_expert_side(w) for w in weights]))
+        layer.wna16_grouping = {shard: _grouping(ws) for shard, ws in (*halves.items(), ("w2", decoded["w2"]))}
         layer.wna16_packed = True
 
     def packed_experts(self, layer: nn.Module) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
         """``(gate, up, down)`` as the ``quantized_fused_moe`` op takes them."""
+
         def packed(shard: str) -> PackedExperts:
             k, n = layer.wna16_shapes[shard]
             decode = functools.partial(dequantize_experts, self.scheme.bits, k, n)
-            return PackedExperts(getattr(layer, f"wna16_{shard}"), getattr(layer, f"wna16_side_{shard}"),
-                                 f"wna16:{self.scheme.bits}bit", k, decode)
+            return PackedExperts(
+                getattr(layer, f"wna16_{shard}"),
+                getattr(layer, f"wna16_side_{shard}"),
+                f"wna16:{self.scheme.bits}bit:{layer.wna16_grouping[shard]}",
+                k,
+                decode,
+            )
 
         return packed("w1"), packed("w3"), packed("w2")
 
@@ -142,7 +172,12 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
     def apply(self, layer: nn.Module, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if not layer.wna16_packed:
             return self.dense_fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        if topk_ids.numel() > layer.num_experts and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-            w13, w2 = self.dequantize(layer, hidden.dtype)  # the op's per-expert loop would sync in a graph
+        if (
+            self.fused_moe is ops.quantized_fused_moe
+            and topk_ids.numel() > layer.num_experts
+            and hidden.is_cuda
+            and torch.cuda.is_current_stream_capturing()
+        ):
+            w13, w2 = self.dequantize(layer, hidden.dtype)  # the reference's per-expert loop would sync in a graph
             return self.dense_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
         return self.fused_moe(hidden, *self.packed_experts(layer), topk_weights, topk_ids)

@@ -11,10 +11,18 @@ from schemes import FormatScheme
 from tiny_checkpoints import quantize_checkpoint
 
 from framework import LLM, SamplingParams
-from framework.testing import reference_greedy, write_tiny_model
+from framework.testing import interpreted, reference_greedy, write_tiny_model
 
-CONFIG = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+CONFIG = dict(
+    vocab_size=160,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -42,8 +50,11 @@ def test_quantized_tiny_model_matches_transformers_on_dequantized_weights(scheme
     assert greedy(tmp_path) == expected
 
 
-@pytest.mark.parametrize("scheme", [FormatScheme("gptq", 4, 32, symmetric=False, act_order=True),
-                                    FormatScheme("awq", 4, 64, symmetric=False)], ids=repr)
+@pytest.mark.parametrize(
+    "scheme",
+    [FormatScheme("gptq", 4, 32, symmetric=False, act_order=True), FormatScheme("awq", 4, 64, symmetric=False)],
+    ids=repr,
+)
 def test_quantized_tiny_model_under_tensor_parallelism_matches_transformers(scheme, tmp_path):
     reference = write_tiny_model(tmp_path, transformers.LlamaConfig(**CONFIG))
     quantize_checkpoint(tmp_path, reference, scheme)
@@ -62,16 +73,54 @@ def test_a_checkpoint_that_needs_packing_is_kept_packed_on_request(tmp_path, mon
     assert [r.outputs[0].token_ids for r in results] == [reference_greedy(reference, p, 10) for p in PROMPTS]
 
 
-MOE = dict(vocab_size=160, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=8,
-           num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+MOE = dict(
+    vocab_size=160,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 
 
-@pytest.mark.parametrize(("scheme", "tp"), [(FormatScheme("gptq", 4, 32, symmetric=False, act_order=True), 2),
-                                            (FormatScheme("awq", 4, 64, symmetric=False), 1)], ids=repr)
+@pytest.mark.parametrize(
+    ("scheme", "tp"),
+    [
+        (FormatScheme("gptq", 4, 32, symmetric=False, act_order=True), 2),
+        (FormatScheme("awq", 4, 64, symmetric=False), 1),
+    ],
+    ids=repr,
+)
 def test_quantized_moe_experts_load_per_expert_and_match_transformers(scheme, tp, tmp_path, monkeypatch):
     monkeypatch.setenv("FW_GPTQ_KEEP_PACKED", "1")  # experts stay packed, run by quantized_fused_moe, as on the GPU
     reference = write_tiny_model(tmp_path, transformers.Qwen3MoeConfig(**MOE))
     quantize_checkpoint(tmp_path, reference, scheme)
     expected = [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
     assert greedy(tmp_path, tensor_parallel_size=tp) == expected
+
+
+@interpreted
+def test_packed_moe_experts_through_the_triton_kernel_match_transformers(tmp_path, monkeypatch):
+    """The engine's MoE layers on fw_gptq's Triton ``quantized_fused_moe`` (interpreted here and forced
+    by ``FW_KERNELS``; CUDA picks it itself) over packed act-order experts with zero points."""
+    from framework.layers.fused_moe import FusedMoE
+
+    monkeypatch.setenv("FW_GPTQ_KEEP_PACKED", "1")
+    monkeypatch.setenv("FW_KERNELS", "quantized_fused_moe=triton_wna16")
+    config = transformers.Qwen3MoeConfig(**{**MOE, "num_hidden_layers": 1})
+    reference = write_tiny_model(tmp_path, config)
+    quantize_checkpoint(tmp_path, reference, FormatScheme("gptq", 4, 32, symmetric=False, act_order=True))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", num_blocks=16) as llm:
+        experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert experts and all(e.quant_method.fused_moe.__module__ == "fw_gptq.kernels.moe" for e in experts)
+        assert all(e.quant_method.packed_experts(e)[0].quant_type == "wna16:4bit:g_idx" for e in experts)
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)]
+    assert ids == [reference_greedy(reference, PROMPTS[0], params.max_tokens)]
