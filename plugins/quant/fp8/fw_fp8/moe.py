@@ -22,7 +22,6 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from framework import ops
 from framework.errors import ConfigError
 from framework.kernels import get_kernel
 from framework.layers.linear import set_weight_attrs
@@ -94,6 +93,8 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
             self._param(layer, "w13_input_scale", (e, 2), torch.float32, "w13", None, per_shard=True)
             self._param(layer, "w2_input_scale", (e,), torch.float32, "w2", None)
         self.fused_moe = get_kernel("quantized_fused_moe", prefer="triton_fp8")
+        # this plugin's kernel never syncs; any other implementation may run the reference's per-expert loop
+        self.graph_safe = self.fused_moe.__module__ == "fw_fp8.kernels.moe"
         self.dense_fused_moe = get_kernel("fused_moe")
 
     def _row_scales(self, layer: nn.Module) -> dict[str, Tensor]:
@@ -151,7 +152,7 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer: nn.Module, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if (
-            self.fused_moe is ops.quantized_fused_moe
+            not self.graph_safe
             and topk_ids.numel() > layer.num_experts
             and hidden.is_cuda
             and torch.cuda.is_current_stream_capturing()

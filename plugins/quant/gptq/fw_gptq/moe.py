@@ -24,7 +24,6 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from framework import ops
 from framework.kernels import get_kernel
 from framework.layers.linear import set_weight_attrs
 from framework.ops import PackedExperts
@@ -103,6 +102,8 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
             layer.wna16_names[projection] = names
         layer.wna16_shapes = {"w1": (hidden_size, width), "w3": (hidden_size, width), "w2": (width, hidden_size)}
         self.fused_moe = get_kernel("quantized_fused_moe", prefer="triton_wna16")
+        # this plugin's kernel never syncs; any other implementation may run the reference's per-expert loop
+        self.graph_safe = self.fused_moe.__module__ == "fw_gptq.kernels.moe"
         self.dense_fused_moe = get_kernel("fused_moe")
 
     def _decode(self, layer: nn.Module, projection: str, expert: int) -> IntWeight:
@@ -173,7 +174,7 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
         if not layer.wna16_packed:
             return self.dense_fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         if (
-            self.fused_moe is ops.quantized_fused_moe
+            not self.graph_safe
             and topk_ids.numel() > layer.num_experts
             and hidden.is_cuda
             and torch.cuda.is_current_stream_capturing()
