@@ -7,8 +7,8 @@
     python benchmarks/fp8_kernels.py --moe --tiny     # the script itself on a CPU (TRITON_INTERPRET=1)
 
 One MoE layer of the Qwen3-30B-A3B shape (128 experts, 8 per token, hidden 2048, expert width 768)
-with random experts in the format's kernel layout (4-bit group 128: symmetric, with zero points, or
-act-order; block FP8 128x128). Per token count it checks the kernel against the torch reference op
+with random experts in the format's kernel layout (4-bit group 128: symmetric, with zero points,
+act-order sorted by group, or groups looked up per input; block FP8 128x128). Per token count it checks the kernel against the torch reference op
 in float32 (within bf16 tolerance), then times, replayed from a CUDA graph over copies of the stacks
 that overflow the L2 (every call reads HBM): the kernel at its rule's setting, the bf16 Triton
 ``fused_moe`` on the dequantized stacks (what a bf16 model runs) and, where it is graph-safe (pairs
@@ -33,11 +33,13 @@ TINY = (8, 2, 256, 128)
 #: Bytes the chosen experts of the stack copies a timing cycles through must reach (several L2s).
 COLD_BYTES = 256 * 2**20
 #: ``--moe`` variants of w4a16_kernels.py: name -> (zero points, act-order)
-WNA16_VARIANTS = {"gptq": (False, False), "awq": (True, False), "act-order": (True, True)}
+WNA16_VARIANTS = {"gptq": (False, False), "awq": (True, False), "act-order": (True, "perm"), "g-idx": (True, "g_idx")}
 
 
 def wna16_stack(experts, rows, cols, zeros, act_order, device, generator) -> PackedExperts:
-    """Random 4-bit group-128 experts ``[E, rows, cols]`` in fw_gptq's MoE layout."""
+    """Random 4-bit group-128 experts ``[E, rows, cols]`` in fw_gptq's MoE layout. ``act_order``:
+    ``"perm"``, desc_act experts as the loader keeps them (sorted by group; a random ``perm``);
+    ``"g_idx"``, groups looked up per input (what experts whose groups cannot be sorted keep)."""
     from fw_gptq.moe import dequantize_experts
 
     groups = cols // 128
@@ -50,16 +52,19 @@ def wna16_stack(experts, rows, cols, zeros, act_order, device, generator) -> Pac
         if zeros
         else torch.full((experts, groups * rows), 8.0, device=device)
     )
-    g_idx = (torch.arange(cols, device=device) // 128).float().expand(experts, cols)
-    if act_order:
-        g_idx = torch.stack([g[torch.randperm(cols, device=device, generator=generator)] for g in g_idx])
-    side = torch.cat([scales, zero, g_idx], dim=1).contiguous()
+    last = (torch.arange(cols, device=device) // 128).float().expand(experts, cols)
+    if act_order:  # a random permutation: of the inputs (perm) or of their groups (g_idx)
+        source = torch.arange(cols, device=device).float() if act_order == "perm" else last[0]
+        last = torch.stack([source[torch.randperm(cols, device=device, generator=generator)] for _ in range(experts)])
+    side = torch.cat([scales, zero, last], dim=1).contiguous()
+    grouping = {False: "g128", "perm": "perm128", "g_idx": "g_idx"}[act_order]
+    perm_size = 128 if act_order == "perm" else None
     return PackedExperts(
         words,
         side,
-        f"wna16:4bit:{'g_idx' if act_order else 'g128'}",
+        f"wna16:4bit:{grouping}",
         cols,
-        functools.partial(dequantize_experts, 4, cols, rows),
+        functools.partial(dequantize_experts, 4, cols, rows, perm_group_size=perm_size),
     )
 
 

@@ -7,13 +7,15 @@ gate/up, the input axis of down), through :meth:`FusedMoE.weight_loader`. After 
 expert is decoded and the stacks kept as::
 
     wna16_w1 / _w3 / _w2   int32 [E, K/pf, N]   the kernel layout's qweight of every expert
-    wna16_side_w1 / ...    float32 [E, 2*G*N + K]  scales | zeros | g_idx (as floats), per expert
+    wna16_side_w1 / ...    float32 [E, 2*G*N + K]  scales | zeros | groups or perm (as floats), per expert
 
 run by the kernel registry's ``quantized_fused_moe`` op (:class:`framework.ops.PackedExperts`
-of type ``wna16:<bits>bit:g<group size>``, or ``...:g_idx`` where some expert's groups are not
-``k // group size``): on CUDA :mod:`fw_gptq.kernels.moe`'s Triton kernels (``triton_wna16``), elsewhere
-the torch reference, which gathers and dequantizes the chosen experts. Act-order experts keep their
-input order (each expert's ``g_idx`` is looked up per input feature). On the CPU, unless ``FW_GPTQ_KEEP_PACKED=1``, the experts are dequantized once into
+of type ``wna16:<bits>bit:<grouping>``, :func:`stack_experts`): on CUDA :mod:`fw_gptq.kernels.moe`'s
+Triton kernels (``triton_wna16``), elsewhere the torch reference, which gathers and dequantizes the
+chosen experts. Act-order experts are sorted by group at load where that makes the groups
+contiguous (``perm<size>``: the kernel gathers the activations through ``perm``); otherwise
+(``g_idx``) they keep their input order and each input's group is looked up. On the CPU, unless
+``FW_GPTQ_KEEP_PACKED=1``, the experts are dequantized once into
 ``w13_weight`` / ``w2_weight`` and run by the dense ``fused_moe`` op.
 """
 
@@ -35,29 +37,60 @@ from .packing import IntWeight, pack_along, unpack_along
 from .params import checkpoint_params
 
 
-def _expert_side(weight: IntWeight) -> Tensor:
-    """One expert's scales, zeros and groups, flattened into one float32 row."""
-    return torch.cat([weight.scales.float().flatten(), weight.zero_values().flatten(), weight.group_of().float()])
+def _expert_side(weight: IntWeight, last: Tensor | None = None) -> Tensor:
+    """One expert's scales, zeros and groups (or ``last``), flattened into one float32 row."""
+    last = weight.group_of() if last is None else last
+    return torch.cat([weight.scales.float().flatten(), weight.zero_values().flatten(), last.float()])
 
 
-def dequantize_experts(bits: int, k: int, n: int, data: Tensor, side: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[E', K/pf, N]`` words and ``[E', 2GN + K]`` side rows -> ``[E', N, K]`` weights in ``dtype``."""
+def stack_experts(weights: list[IntWeight]) -> tuple[Tensor, Tensor, str]:
+    """``(words [E, K/pf, N], side [E, 2GN + K], grouping)`` of experts of one projection, where
+    ``grouping`` (the ``quant_type``'s last part) says what the side rows end with:
+
+    * ``g<size>``: every expert's input ``k`` is in group ``k // size``; the groups, as floats;
+    * ``perm<size>``: act-order experts whose inputs, sorted by group (``perm = argsort(g_idx)``),
+      are in groups ``k' // size``: the words hold input ``perm[k']`` at ``k'``; ``perm``, as floats;
+    * ``g_idx``: any other grouping, kept in input order; each input's group, as floats.
+    """
+    size = weights[0].group_size
+    k = weights[0].q.shape[0]
+    natural = torch.arange(k, device=weights[0].q.device) // size
+    same_size = all(w.group_size == size for w in weights)
+    if same_size and all(torch.equal(w.group_of(), natural) for w in weights):
+        grouping, perms = f"g{size}", None
+    else:
+        perms = [torch.argsort(w.group_of(), stable=True) for w in weights]
+        if same_size and all(torch.equal(w.group_of()[p], natural) for w, p in zip(weights, perms, strict=True)):
+            grouping = f"perm{size}"
+        else:
+            grouping, perms = "g_idx", None
+    if perms is None:
+        data = torch.stack([pack_along(w.q, w.bits, 0) for w in weights])
+        side = torch.stack([_expert_side(w) for w in weights])
+    else:
+        data = torch.stack([pack_along(w.q[p], w.bits, 0) for w, p in zip(weights, perms, strict=True)])
+        side = torch.stack([_expert_side(w, p) for w, p in zip(weights, perms, strict=True)])
+    return data, side, grouping
+
+
+def dequantize_experts(
+    bits: int, k: int, n: int, data: Tensor, side: Tensor, dtype: torch.dtype, perm_group_size: int | None = None
+) -> Tensor:
+    """``[E', K/pf, N]`` words and ``[E', 2GN + K]`` side rows of :func:`stack_experts` -> ``[E', N, K]``
+    weights in ``dtype``, in the layer's input order (``perm_group_size``: the group size of side rows
+    ending with ``perm``; None: ending with each input's group)."""
+    permuted = perm_group_size is not None
     groups = (side.shape[1] - k) // (2 * n)
     q = unpack_along(data, bits, 1).float()  # [E', K, N]
     scales = side[:, : groups * n].view(-1, groups, n)
     zeros = side[:, groups * n : 2 * groups * n].view(-1, groups, n)
-    g = side[:, 2 * groups * n :].long()  # [E', K]
+    last = side[:, 2 * groups * n :].long()  # [E', K]
+    g = (torch.arange(k, device=side.device) // perm_group_size).expand_as(last) if permuted else last
     index = g.unsqueeze(-1).expand(-1, -1, n)
-    w = (q - zeros.gather(1, index)) * scales.gather(1, index)
-    return w.transpose(1, 2).to(dtype)
-
-
-def _grouping(weights: list[IntWeight]) -> str:
-    """``g<size>`` where every expert's input ``k`` is in group ``k // size``, else ``g_idx``."""
-    size = weights[0].group_size
-    natural = torch.arange(weights[0].q.shape[0], device=weights[0].q.device) // size
-    regular = all(w.group_size == size and torch.equal(w.group_of(), natural) for w in weights)
-    return f"g{size}" if regular else "g_idx"
+    w = ((q - zeros.gather(1, index)) * scales.gather(1, index)).transpose(1, 2)
+    if permuted:  # column k' holds input perm[k']
+        w = torch.empty_like(w).scatter_(2, last.unsqueeze(1).expand(-1, n, -1), w)
+    return w.to(dtype)
 
 
 class WNA16FusedMoEMethod(FusedMoEMethod):
@@ -141,10 +174,11 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
                         weight.group_size,
                     )
                 )
+        layer.wna16_grouping = {}
         for shard, weights in (*halves.items(), ("w2", decoded["w2"])):
-            layer.register_buffer(f"wna16_{shard}", torch.stack([pack_along(w.q, w.bits, 0) for w in weights]))
-            layer.register_buffer(f"wna16_side_{shard}", torch.stack([_expert_side(w) for w in weights]))
-        layer.wna16_grouping = {shard: _grouping(ws) for shard, ws in (*halves.items(), ("w2", decoded["w2"]))}
+            data, side, layer.wna16_grouping[shard] = stack_experts(weights)
+            layer.register_buffer(f"wna16_{shard}", data)
+            layer.register_buffer(f"wna16_side_{shard}", side)
         layer.wna16_packed = True
 
     def packed_experts(self, layer: nn.Module) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
@@ -152,11 +186,13 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
 
         def packed(shard: str) -> PackedExperts:
             k, n = layer.wna16_shapes[shard]
-            decode = functools.partial(dequantize_experts, self.scheme.bits, k, n)
+            grouping = layer.wna16_grouping[shard]
+            size = int(grouping[4:]) if grouping.startswith("perm") else None
+            decode = functools.partial(dequantize_experts, self.scheme.bits, k, n, perm_group_size=size)
             return PackedExperts(
                 getattr(layer, f"wna16_{shard}"),
                 getattr(layer, f"wna16_side_{shard}"),
-                f"wna16:{self.scheme.bits}bit:{layer.wna16_grouping[shard]}",
+                f"wna16:{self.scheme.bits}bit:{grouping}",
                 k,
                 decode,
             )

@@ -27,17 +27,19 @@ require_triton()
 
 from fw_gptq.kernels import moe as moe_module  # noqa: E402
 from fw_gptq.kernels.moe import MoEKernelConfig, moe_config, quantized_fused_moe  # noqa: E402
-from fw_gptq.moe import _expert_side, _grouping, dequantize_experts  # noqa: E402
-from fw_gptq.packing import IntWeight, pack_along  # noqa: E402
+from fw_gptq.moe import dequantize_experts, stack_experts  # noqa: E402
+from fw_gptq.packing import IntWeight  # noqa: E402
 
 # narrow tiles: few values a program, which is what the interpreter's time goes by
 UNSORTED = MoEKernelConfig(sorted=False, block_n=64, block_k=64, sub_k=32)
 SORTED = MoEKernelConfig(sorted=True, block_m=16, block_n=64, block_k=64, sub_k=32)
 
 
-def _stack(experts, rows, cols, bits, group_size, symmetric, act_order, seed, device="cpu") -> PackedExperts:
-    """Random experts ``[E, rows, cols]`` in the MoE method's layout (small scales: the SwiGLU stays
-    in its interesting range); act-order: each expert's groups a random permutation of ``k // size``."""
+def _stack(experts, rows, cols, bits, group_size, symmetric, act_order, seed, device="cpu"):
+    """``(PackedExperts, dense float32 [E, rows, cols])``: random experts in the MoE method's layout
+    (small scales: the SwiGLU stays in its interesting range) and their values by the canonical
+    form's own decoder. ``act_order``: ``"perm"``, each expert's groups a random permutation of
+    ``k // size`` (as GPTQ's desc_act writes them); ``"uneven"``, random groups of uneven sizes."""
     generator = torch.Generator().manual_seed(seed)
     size = cols if group_size == -1 else group_size
     groups = -(-cols // size)
@@ -46,12 +48,17 @@ def _stack(experts, rows, cols, bits, group_size, symmetric, act_order, seed, de
         q = torch.randint(0, 2**bits, (cols, rows), generator=generator, dtype=torch.uint8)
         scales = torch.rand(groups, rows, generator=generator) * 0.02 + 0.005
         zeros = None if symmetric else torch.randint(0, 2**bits, (groups, rows), generator=generator, dtype=torch.uint8)
-        g_idx = (torch.arange(cols) // size)[torch.randperm(cols, generator=generator)] if act_order else None
+        g_idx = None
+        if act_order == "perm":
+            g_idx = (torch.arange(cols) // size)[torch.randperm(cols, generator=generator)]
+        elif act_order == "uneven":
+            g_idx = torch.randint(0, groups, (cols,), generator=generator)
         weights.append(IntWeight(q, scales, zeros, g_idx, bits, size))
-    data = torch.stack([pack_along(w.q, bits, 0) for w in weights]).to(device)
-    side = torch.stack([_expert_side(w) for w in weights]).to(device)
-    decode = functools.partial(dequantize_experts, bits, cols, rows)
-    return PackedExperts(data, side, f"wna16:{bits}bit:{_grouping(weights)}", cols, decode)
+    data, side, grouping = stack_experts(weights)
+    perm_size = int(grouping[4:]) if grouping.startswith("perm") else None
+    decode = functools.partial(dequantize_experts, bits, cols, rows, perm_group_size=perm_size)
+    packed = PackedExperts(data.to(device), side.to(device), f"wna16:{bits}bit:{grouping}", cols, decode)
+    return packed, torch.stack([w.dequantize(torch.float32) for w in weights]).to(device)
 
 
 def _routing(num_tokens: int, top_k: int, chosen: list[int], seed: int, device: str = "cpu"):
@@ -78,17 +85,20 @@ def _check(
     seed=0,
 ):
     """The kernel against the reference op and against dequantize-then-fused_moe."""
-    w1 = _stack(experts, inter, hidden_size, bits, group_size, symmetric, act_order, seed + 1)
-    w3 = _stack(experts, inter, hidden_size, bits, group_size, symmetric, act_order, seed + 2)
-    w2 = _stack(experts, hidden_size, inter, bits, group_size, symmetric, act_order, seed + 3)
-    assert w1.quant_type.endswith("g_idx") == act_order
+    w1, d1 = _stack(experts, inter, hidden_size, bits, group_size, symmetric, act_order, seed + 1)
+    w3, d3 = _stack(experts, inter, hidden_size, bits, group_size, symmetric, act_order, seed + 2)
+    w2, d2 = _stack(experts, hidden_size, inter, bits, group_size, symmetric, act_order, seed + 3)
+    expected = {
+        False: f"g{group_size if group_size > 0 else hidden_size}",
+        "perm": f"perm{group_size}",
+        "uneven": "g_idx",
+    }[act_order]
+    assert w1.quant_type == f"wna16:{bits}bit:{expected}"
     hidden = torch.randn(num_tokens, hidden_size, generator=torch.Generator().manual_seed(seed))
     topk_weights, topk_ids = _routing(num_tokens, top_k, chosen or list(range(experts)), seed)
     got = quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, config=config)
     reference = ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids)
-    all_experts = torch.arange(experts)
-    w13 = torch.cat([w1.experts(all_experts, torch.float32), w3.experts(all_experts, torch.float32)], dim=1)
-    dense = ops.fused_moe(hidden, w13, w2.experts(all_experts, torch.float32), topk_weights, topk_ids)
+    dense = ops.fused_moe(hidden, torch.cat([d1, d3], dim=1), d2, topk_weights, topk_ids)
     assert got.shape == (num_tokens, hidden_size) and got.dtype == torch.float32
     scale = reference.abs().max().item()
     assert scale > 0
@@ -102,8 +112,9 @@ def _check(
     [
         (4, 32, True, False, UNSORTED),
         (4, 32, False, False, SORTED),
-        (4, 32, False, True, UNSORTED),
-        (8, 16, True, True, SORTED),
+        (4, 32, False, "perm", UNSORTED),
+        (4, 32, True, "perm", SORTED),
+        (8, 16, True, "uneven", SORTED),
         (8, 32, False, False, UNSORTED),
         (8, -1, True, False, SORTED),
         (4, 16, False, False, SORTED),
@@ -113,6 +124,7 @@ def _check(
         "awq4-asym-sorted",
         "gptq4-act-order",
         "act-order-sorted",
+        "uneven-groups-looked-up-sorted",
         "int8-asym",
         "int8-channel-sorted",
         "group16-per-feature-scales",
@@ -139,7 +151,7 @@ def test_moe_kernel_from_one_token_to_64_at_top_k_1_to_8(num_tokens, top_k):
 def test_other_formats_and_activations_go_to_the_reference(monkeypatch):
     calls = []
     monkeypatch.setattr(ops, "quantized_fused_moe", lambda *args: calls.append(args) or "reference")
-    w = _stack(2, 32, 32, 4, 32, True, False, 1)
+    w = _stack(2, 32, 32, 4, 32, True, False, 1)[0]
     hidden, (topk_weights, topk_ids) = torch.randn(1, 32), _routing(1, 1, [0, 1], 0)
     assert quantized_fused_moe(hidden, w, w, w._replace(quant_type="gguf:Q4_K"), topk_weights, topk_ids) == "reference"
     biased = MoEActivation(w13_bias=torch.zeros(2, 64))
@@ -147,16 +159,17 @@ def test_other_formats_and_activations_go_to_the_reference(monkeypatch):
     eight = w._replace(quant_type="wna16:8bit:g32")
     assert quantized_fused_moe(hidden, w, w, eight, topk_weights, topk_ids) == "reference"  # two bit widths
     assert len(calls) == 3
-    assert moe_module.parse_quant_type("wna16:4bit:g128") == (4, 128)
-    assert moe_module.parse_quant_type("wna16:8bit:g_idx") == (8, None)
+    assert moe_module.parse_quant_type("wna16:4bit:g128") == (4, 128, False)
+    assert moe_module.parse_quant_type("wna16:4bit:perm32") == (4, 32, True)
+    assert moe_module.parse_quant_type("wna16:8bit:g_idx") == (8, None, False)
     assert moe_module.parse_quant_type("wna16:4bit") is None and moe_module.parse_quant_type("wna16:3bit:g64") is None
 
 
 @interpreted
 def test_stacks_whose_shapes_do_not_fit_are_refused():
-    w = _stack(2, 32, 64, 4, 32, True, False, 1)
+    w = _stack(2, 32, 64, 4, 32, True, False, 1)[0]
     hidden, (topk_weights, topk_ids) = torch.randn(1, 64), _routing(1, 1, [0, 1], 0)
-    down = _stack(2, 64, 64, 4, 32, True, False, 2)  # width 64 where the gate/up stacks have 32 rows
+    down = _stack(2, 64, 64, 4, 32, True, False, 2)[0]  # width 64 where the gate/up stacks have 32 rows
     with pytest.raises(ValueError, match=r"w2: expected int32 words \[E, 32 // 8, 64\]"):
         quantized_fused_moe(hidden, w, w, down, topk_weights, topk_ids)
     with pytest.raises(ValueError, match="block_m is a power of two >= 16"):
@@ -181,7 +194,15 @@ def test_registered_for_cuda_and_asked_for_by_the_moe_method():
 
 
 def _hopper(
-    kernel: str, bits: int, sorted_: bool, act_order: bool, block_m: int, block_k: int, stages: int, sub_k: int = 128
+    kernel: str,
+    bits: int,
+    sorted_: bool,
+    act_order: bool,
+    block_m: int,
+    block_k: int,
+    stages: int,
+    sub_k: int = 128,
+    gather: bool = False,
 ):
     pointers = {
         "x_ptr": "*bf16",
@@ -223,6 +244,7 @@ def _hopper(
             BITS=bits,
             GROUP_SIZE=128,
             ACT_ORDER=act_order,
+            GATHER_X=gather,
             SCALE_PER_SLICE=not act_order,
             FP32=False,
             SORTED=sorted_,
@@ -240,21 +262,26 @@ def _hopper(
 def test_moe_kernels_compile_for_hopper_on_wgmma_from_registers():
     """The rule's launches at the Qwen3-30B-A3B shape, 4-bit group 128: sm_90 PTX on wgmma, the
     unpacked weights never stored to shared memory as 16-bit values, no integer-to-float conversion,
-    the words streamed by 16-byte async copies; act-order compiles too."""
+    the words streamed by 16-byte async copies, act-order experts sorted by group (the activations
+    gathered through ``perm``) too; looked-up groups compile."""
     decode, batch, act_order = moe_config(8, 128), moe_config(512, 128), moe_config(8, 128, act_order=True)
     cases = [
         _hopper("_gate_up_kernel", 4, False, False, 16, decode.block_k, decode.num_stages),
         _hopper("_down_kernel", 4, False, False, 16, decode.block_k, decode.num_stages),
         _hopper("_gate_up_kernel", 4, True, False, batch.block_m, batch.block_k, batch.num_stages),
         _hopper("_down_kernel", 8, True, False, batch.block_m, batch.block_k, batch.num_stages),
+        _hopper("_down_kernel", 4, False, False, 16, decode.block_k, decode.num_stages, gather=True),
         _hopper("_gate_up_kernel", 4, False, True, 16, act_order.block_k, act_order.num_stages, act_order.sub_k),
     ]
     ptx = compile_for_hopper(cases)
     assert all("wgmma" in text for text in ptx)
-    for text in ptx[:4]:
-        assert "st.shared.b16" not in text
+    for text in ptx[:5]:
         assert "cvt.rn.f32.u32" not in text and "cvt.rn.f32.s32" not in text
         assert "cp.async.cg.shared.global" in text and "ld.global.b8" not in text
+    assert all("st.shared.b16" not in text for text in ptx[:4])
+    # gathered through perm, x's bf16 tile [SUB_K, 16] goes through registers (16 values a thread of 128 per
+    # slice); the weights do not (they would be 128 a thread)
+    assert ptx[4].count("st.shared.b16") == decode.block_k // 128 * 16, ptx[4].count("st.shared.b16")
 
 
 # --- compiled on CUDA -------------------------------------------------------------------------------------------
@@ -264,11 +291,11 @@ QWEN3_30B_A3B = (128, 8, 2048, 768)
 
 
 @functools.cache
-def _qwen3_stacks(act_order: bool) -> tuple[PackedExperts, ...]:
+def _qwen3_stacks(act_order: bool | str) -> tuple[PackedExperts, ...]:
     """4-bit group-128 experts with zero points (built once per form: packing 384 experts takes seconds)."""
     experts, _, hidden_size, inter = QWEN3_30B_A3B
     return tuple(
-        _stack(experts, rows, cols, 4, 128, False, act_order, i, "cuda")
+        _stack(experts, rows, cols, 4, 128, False, act_order, i, "cuda")[0]
         for i, (rows, cols) in enumerate(((inter, hidden_size), (inter, hidden_size), (hidden_size, inter)))
     )
 
@@ -284,7 +311,7 @@ def _qwen3(num_tokens, act_order=False, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act_order", [False, True], ids=["group128", "act-order"])
+@pytest.mark.parametrize("act_order", [False, "perm", "uneven"], ids=["group128", "act-order", "looked-up-groups"])
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
 def test_compiled_moe_kernel_bf16_matches_the_reference_at_the_qwen3_30b_a3b_shape(num_tokens, act_order):
     """bf16 on the GPU: the kernel's error against fp32 math within twice that of the torch

@@ -7,8 +7,9 @@ Each projection is :class:`~fw_gptq.moe.WNA16FusedMoEMethod`'s stack::
     side   float32 [E, 2*G*N + K]   scales [G, N] | zero points [G, N] | g_idx [K] (as floats), per expert
 
 and ``quant_type`` says how a weight finds its group: ``wna16:4bit:g128`` (``k // 128``: scales read
-once per slice of inputs where the slice lies in one group) or ``wna16:4bit:g_idx`` (act-order: the
-expert's ``g_idx`` looked up per input feature). Two launches, as the bf16 ``fused_moe``, then the
+once per slice of inputs where the slice lies in one group), ``wna16:4bit:perm128`` (act-order experts
+sorted by group at load: the same, with the activations gathered through the expert's ``perm``) or
+``wna16:4bit:g_idx`` (any other grouping: the expert's group looked up per input feature). Two launches, as the bf16 ``fused_moe``, then the
 ``top_k`` rows of a token summed in float32::
 
     gate/up:  act[p]      = silu(x[t] @ w1[e]^T) * (x[t] @ w3[e]^T)      pair p = t * top_k + j, e = topk_ids[t, j]
@@ -165,17 +166,24 @@ def _multiply(
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     ACT_ORDER: tl.constexpr,
+    GATHER_X: tl.constexpr,
     SCALE_PER_SLICE: tl.constexpr,
     FP32: tl.constexpr,
     SUB_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """``acc [BLOCK_N, BLOCK_M] += W[offs_n, slice] @ x[x_rows, slice]^T`` for one SUB_K slice."""
+    """``acc [BLOCK_N, BLOCK_M] += W[offs_n, slice] @ x[x_rows, slice]^T`` for one SUB_K slice (``GATHER_X``:
+    the slice's inputs are ``perm[slice]``, the side row's last ``K`` values)."""
     w = _weight_slice(
         w_ptr, side_ptr, ks0, K, N, G, offs_n, mask_n, BITS, GROUP_SIZE, ACT_ORDER, SCALE_PER_SLICE, SUB_K, BLOCK_N
     )
     offs_k = ks0 + tl.arange(0, SUB_K)
-    x_t = tl.load(x_ptr + x_rows[None, :] + offs_k[:, None], mask=valid[None, :] & (offs_k < K)[:, None], other=0.0)
+    mask_k = offs_k < K
+    if GATHER_X:  # the words hold input perm[k] at k: the activations follow
+        inputs = tl.load(side_ptr + 2 * G * N + offs_k, mask=mask_k, other=0.0).to(tl.int32)
+    else:
+        inputs = offs_k
+    x_t = tl.load(x_ptr + x_rows[None, :] + inputs[:, None], mask=valid[None, :] & mask_k[:, None], other=0.0)
     if FP32:
         acc += tl.dot(tl.trans(w), x_t, input_precision="ieee")
     else:
@@ -204,6 +212,7 @@ def _gate_up_kernel(
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     ACT_ORDER: tl.constexpr,
+    GATHER_X: tl.constexpr,
     SCALE_PER_SLICE: tl.constexpr,
     FP32: tl.constexpr,
     SORTED: tl.constexpr,
@@ -243,6 +252,7 @@ def _gate_up_kernel(
                 BITS,
                 GROUP_SIZE,
                 ACT_ORDER,
+                GATHER_X,
                 SCALE_PER_SLICE,
                 FP32,
                 SUB_K,
@@ -264,6 +274,7 @@ def _gate_up_kernel(
                 BITS,
                 GROUP_SIZE,
                 ACT_ORDER,
+                GATHER_X,
                 SCALE_PER_SLICE,
                 FP32,
                 SUB_K,
@@ -299,6 +310,7 @@ def _down_kernel(
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     ACT_ORDER: tl.constexpr,
+    GATHER_X: tl.constexpr,
     SCALE_PER_SLICE: tl.constexpr,
     FP32: tl.constexpr,
     SORTED: tl.constexpr,
@@ -334,6 +346,7 @@ def _down_kernel(
                 BITS,
                 GROUP_SIZE,
                 ACT_ORDER,
+                GATHER_X,
                 SCALE_PER_SLICE,
                 FP32,
                 SUB_K,
@@ -345,17 +358,20 @@ def _down_kernel(
     tl.store(out_ptr + rows[None, :] * H + offs_n[:, None], out.to(out_dtype), mask=valid[None, :] & mask_n[:, None])
 
 
-def parse_quant_type(quant_type: str) -> tuple[int, int | None] | None:
-    """``(bits, group_size)`` of a stack this module multiplies (``group_size`` None: act-order, the
-    experts' ``g_idx`` looked up), or None (another format)."""
+def parse_quant_type(quant_type: str) -> tuple[int, int | None, bool] | None:
+    """``(bits, group_size, gather)`` of a stack this module multiplies (``group_size`` None: each
+    input's group looked up; ``gather``: act-order experts sorted by group, ``perm<size>``), or None
+    (another format)."""
     parts = quant_type.split(":")
     if len(parts) != 3 or parts[0] != "wna16" or parts[1] not in ("4bit", "8bit"):
         return None
     bits, grouping = int(parts[1][0]), parts[2]
     if grouping == "g_idx":
-        return bits, None
-    if grouping[:1] == "g" and grouping[1:].isdigit() and int(grouping[1:]) > 0:
-        return bits, int(grouping[1:])
+        return bits, None, False
+    for prefix in ("g", "perm"):
+        size = grouping[len(prefix) :]
+        if grouping.startswith(prefix) and size.isdigit() and int(size) > 0:
+            return bits, int(size), prefix == "perm"
     return None
 
 
@@ -417,7 +433,7 @@ def quantized_fused_moe(
     tensor of ``hidden.dtype``; raises ``ValueError`` for stacks whose shapes do not fit together."""
     if not supports(hidden, w1, w3, w2, activation):
         return ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, activation)
-    (bits, group13), _, (_, group2) = (parse_quant_type(p.quant_type) for p in (w1, w3, w2))
+    (bits, group13, gather13), _, (_, group2, gather2) = (parse_quant_type(p.quant_type) for p in (w1, w3, w2))
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w1.data.shape[0], w1.data.shape[2]
     top_k = topk_ids.shape[1]
@@ -451,12 +467,13 @@ def quantized_fused_moe(
         expert_ids = topk_ids.reshape(-1)
         sorted_ids, num_programs = expert_ids, num_pairs
 
-    def per_launch(group: int | None, k: int) -> dict:
+    def per_launch(group: int | None, gather: bool, k: int) -> dict:
         """Grouping constexprs, and a K step no longer than ``k`` needs (whole slices)."""
         size = group or k  # act-order: unused
         return dict(
             GROUP_SIZE=size,
             ACT_ORDER=group is None,
+            GATHER_X=gather,
             SCALE_PER_SLICE=group is not None and group % config.sub_k == 0,
             BLOCK_K=max(config.sub_k, min(config.block_k, triton.next_power_of_2(k))),
         )
@@ -489,7 +506,7 @@ def quantized_fused_moe(
         hidden.stride(0),
         w1.data.stride(0),
         w1.scales.stride(0),
-        **per_launch(group13, hidden_size),
+        **per_launch(group13, gather13, hidden_size),
         **common,
     )
     per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -507,7 +524,7 @@ def quantized_fused_moe(
         groups[2],
         w2.data.stride(0),
         w2.scales.stride(0),
-        **per_launch(group2, inter),
+        **per_launch(group2, gather2, inter),
         **common,
     )
     return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
