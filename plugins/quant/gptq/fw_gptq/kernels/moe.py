@@ -74,9 +74,9 @@ class MoEKernelConfig:
 def moe_config(num_pairs: int, group_size: int = 128, act_order: bool = False) -> MoEKernelConfig:
     """The static rule for ``num_pairs`` pairs: unsorted up to 64 pairs (8 tokens at top-8) in 256-input
     steps, then 16-row sorted blocks up to 256 pairs and 32-row blocks beyond, one slice a step. Slices
-    are 128 inputs, or the group where it is smaller (so each slice's scales are one row). Act-order
-    experts read a scale and a zero per weight: 32-input slices, 64-input steps, two stages (what fits
-    an SM's shared memory)."""
+    are 128 inputs, or the group where it is smaller (so each slice's scales are one row). ``act_order``:
+    groups looked up per input (``g_idx`` stacks; sorted ``perm`` stacks are not this case), a scale and
+    a zero read per weight: 32-input slices, 64-input steps, two stages (what fits an SM's shared memory)."""
     sub_k = 32 if act_order else max(32, min(128, group_size))
     stages = 2 if act_order else 3
     if num_pairs < SORTED_MIN_PAIRS:
