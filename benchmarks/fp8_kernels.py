@@ -4,6 +4,7 @@
     python benchmarks/fp8_kernels.py --layers down --rows 1 8 64 --out fp8.json
     python benchmarks/fp8_kernels.py --tiny                 # the script itself on a CPU (TRITON_INTERPRET=1)
     python benchmarks/fp8_kernels.py --rows 1 64 --sweep    # also a grid of W8A16 settings per case
+    python benchmarks/fp8_kernels.py --moe [--tokens 1 8 64 512] [--sweep]   # the MoE kernel: quant_moe_kernels.py
 
 For each layer (fused qkv, o, fused gate_up, down, LM head) and row count it checks every path
 against ``x @ W^T`` on the dequantized weight, then times, replayed from a CUDA graph over weight
@@ -119,10 +120,16 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=ROWS)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (checks the script)")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of W8A16 settings per case")
-    parser.add_argument(
-        "--out", default=os.path.join(os.environ["OUT"], "fp8_kernels.json") if os.environ.get("OUT") else None
-    )
+    parser.add_argument("--moe", action="store_true", help="the MoE kernel at the Qwen3-30B-A3B shape instead")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512], help="--moe: token counts")
+    parser.add_argument("--out", help="the JSON report (default: $OUT/fp8_kernels.json or fp8_moe.json)")
     args = parser.parse_args()
+    if args.out is None and os.environ.get("OUT"):
+        args.out = os.path.join(os.environ["OUT"], "fp8_moe.json" if args.moe else "fp8_kernels.json")
+    if args.moe:
+        from quant_moe_kernels import run_moe
+
+        return run_moe(args, "fp8")
     tiny = args.tiny or not torch.cuda.is_available()
     layers = TINY_LAYERS if tiny else {name: LAYERS[name] for name in args.layers}
     results = []

@@ -3,6 +3,7 @@
     python benchmarks/w4a16_kernels.py                      # table; JSON to $OUT/w4a16_kernels.json if $OUT is set
     python benchmarks/w4a16_kernels.py --sweep --layers down --rows 1 16 --out sweep.json
     python benchmarks/w4a16_kernels.py --tiny               # the script itself on a CPU (TRITON_INTERPRET=1)
+    python benchmarks/w4a16_kernels.py --moe [--tokens 1 8 64 512] [--sweep]   # the MoE kernel: quant_moe_kernels.py
 
 For each variant (4-bit group 128 symmetric: GPTQ; with zero points: AWQ; act-order; 8-bit), layer
 (fused qkv, o, fused gate_up, down, LM head) and row count (1..512) it checks the kernel against
@@ -137,10 +138,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of settings per case")
     parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU under the interpreter")
-    parser.add_argument(
-        "--out", default=os.path.join(os.environ["OUT"], "w4a16_kernels.json") if os.environ.get("OUT") else None
-    )
+    parser.add_argument("--moe", action="store_true", help="the MoE kernel at the Qwen3-30B-A3B shape instead")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512], help="--moe: token counts")
+    parser.add_argument("--out", help="the JSON report (default: $OUT/w4a16_kernels.json or w4a16_moe.json)")
     args = parser.parse_args()
+    if args.out is None and os.environ.get("OUT"):
+        args.out = os.path.join(os.environ["OUT"], "w4a16_moe.json" if args.moe else "w4a16_kernels.json")
+    if args.moe:
+        from quant_moe_kernels import run_moe
+
+        return run_moe(args, "wna16")
     tiny = args.tiny or not torch.cuda.is_available()
     layers = TINY_LAYERS if tiny else {name: LAYERS[name] for name in args.layers}
     rows_list = [1, 3, 17] if tiny else args.rows

@@ -358,3 +358,18 @@ def test_random_mxfp4_checkpoint_runs_in_fw_bench(benchmarks, tmp_path):
     args += ["--device", "cpu", "--dtype", "bf16", "--output-json", str(tmp_path / "bench.json")]
     result = CliRunner().invoke(build_app(), args)
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    ("script", "fmt", "variant"), [("w4a16_kernels.py", "wna16", "awq"), ("fp8_kernels.py", "fp8", "block")]
+)
+def test_quantized_moe_kernels_check_and_time_both_forms(benchmarks, tmp_path, monkeypatch, script, fmt, variant):
+    """``--moe --tiny``: the fw_gptq / fw_fp8 MoE kernel checked against the torch reference op
+    (interpreted here), then timed, for one token (per pair) and 40 (sorted blocks)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "moe.json"
+    benchmarks(script, "--moe", "--tiny", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["format"] == fmt and report["moe_shape"] == [8, 2, 256, 128]
+    assert [(r["variant"], r["tokens"]) for r in report["results"]] == [(variant, 1), (variant, 40)]
+    assert all(r["check_rel_error"] < 1e-5 and r["rule_us"] > 0 for r in report["results"])

@@ -1,7 +1,7 @@
-"""Entry point of the ``fp8`` plugin: the FP8 quantization methods (no torch import)."""
+"""Entry point of the ``fp8`` plugin: the FP8 quantization methods and their MoE kernel (no torch import)."""
 
 from framework import hookimpl
-from framework.specs import QuantMethodSpec
+from framework.specs import KernelSpec, QuantMethodSpec
 
 
 @hookimpl
@@ -18,6 +18,20 @@ def register_quantization_methods():
                         description="fbgemm FP8: per-channel weights, dynamic per-token activations"),
         QuantMethodSpec(name="modelopt", impl="fw_fp8.config:ModelOptFp8Config",
                         description="NVIDIA ModelOpt FP8: per-tensor weights, static input scales"),
+    ]
+
+
+@hookimpl
+def register_kernels():
+    """The FP8 expert stacks' ``quantized_fused_moe``. Below fw-fp4's MXFP4 kernel (priority 10),
+    fw-gguf's (5) and fw-gptq's (4), so the default choice for other formats is unchanged: the FP8 MoE
+    method asks for this one by name (``get_kernel(..., prefer="triton_fp8")``); other types go to the
+    torch reference."""
+    return [
+        KernelSpec(op="quantized_fused_moe", name="triton_fp8", impl="fw_fp8.kernels.moe:quantized_fused_moe",
+                   description="FP8 E4M3 experts (block, channel, tensor scales) as two grouped Triton GEMMs; "
+                               "other types: reference",
+                   priority=3, devices=("cuda",), requires=("triton",)),
     ]
 
 

@@ -11,7 +11,8 @@ Parameters while loading (``E`` experts, ``I`` this rank's intermediate features
 
 After loading, gate, up and down are kept as ``(fp8 bytes [E, N, K], scales [E, N / rows, C])`` and run
 by the kernel registry's ``quantized_fused_moe`` op (:class:`framework.ops.PackedExperts`, type
-``fp8:e4m3``; its torch reference dequantizes the chosen experts).
+``fp8:e4m3:<scale rows>x<scale cols>``): on CUDA :mod:`fw_fp8.kernels.moe`'s Triton kernels
+(``triton_fp8``), elsewhere the torch reference, which dequantizes the chosen experts.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
         if scheme.serialized and scheme.static_input_scale:
             self._param(layer, "w13_input_scale", (e, 2), torch.float32, "w13", None, per_shard=True)
             self._param(layer, "w2_input_scale", (e,), torch.float32, "w2", None)
-        self.fused_moe = get_kernel("quantized_fused_moe")
+        self.fused_moe = get_kernel("quantized_fused_moe", prefer="triton_fp8")
+        # this plugin's kernel never syncs; any other implementation may run the reference's per-expert loop
+        self.graph_safe = self.fused_moe.__module__ == "fw_fp8.kernels.moe"
         self.dense_fused_moe = get_kernel("fused_moe")
 
     def _row_scales(self, layer: nn.Module) -> dict[str, Tensor]:
@@ -120,8 +123,8 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
         """``(gate, up, down)`` as the ``quantized_fused_moe`` op takes them."""
         def packed(shard: str) -> PackedExperts:
             rows, cols, k = layer.fp8_layouts[shard]
-            return PackedExperts(getattr(layer, f"fp8_{shard}"), getattr(layer, f"fp8_scale_{shard}"), "fp8:e4m3", k,
-                                 functools.partial(decode_experts, rows, cols))
+            return PackedExperts(getattr(layer, f"fp8_{shard}"), getattr(layer, f"fp8_scale_{shard}"),
+                                 f"fp8:e4m3:{rows}x{cols}", k, functools.partial(decode_experts, rows, cols))
 
         return packed("w1"), packed("w3"), packed("w2")
 
@@ -131,7 +134,8 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
         return torch.cat([gate, up], dim=1), down
 
     def apply(self, layer: nn.Module, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-        if topk_ids.numel() > layer.num_experts and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-            w13, w2 = self.dequantize(layer, hidden.dtype)  # the op's per-expert loop would sync in a graph
+        if not self.graph_safe and topk_ids.numel() > layer.num_experts and hidden.is_cuda \
+                and torch.cuda.is_current_stream_capturing():
+            w13, w2 = self.dequantize(layer, hidden.dtype)  # the reference's per-expert loop would sync in a graph
             return self.dense_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
         return self.fused_moe(hidden, *self.packed_experts(layer), topk_weights, topk_ids)

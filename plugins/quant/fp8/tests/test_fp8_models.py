@@ -11,7 +11,7 @@ import transformers
 from tiny_fp8_checkpoints import quantize_checkpoint
 
 from framework import LLM, SamplingParams
-from framework.testing import reference_greedy, write_grouped_moe_model, write_tiny_model
+from framework.testing import interpreted, reference_greedy, write_grouped_moe_model, write_tiny_model
 
 # 4 heads of 32 and 2 KV heads: q is one 128-row block, k and v 64 rows each (blocks that do not
 # start on 128-row boundaries inside the fused qkv_proj)
@@ -99,3 +99,23 @@ def test_quantization_fp8_on_a_16_bit_checkpoint_quantizes_every_linear_layer_at
         assert layer.fp8_qweight.dtype == torch.float8_e4m3fn and not hasattr(layer, "weight")
         got = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
     assert got == [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@interpreted
+def test_block_fp8_moe_experts_through_the_triton_kernel_match_transformers(tmp_path, monkeypatch):
+    """The engine's MoE layers on fw_fp8's Triton ``quantized_fused_moe`` (interpreted here and forced
+    by ``FW_KERNELS``; CUDA picks it itself): the greedy tokens transformers gives on the same files."""
+    from framework.layers.fused_moe import FusedMoE
+
+    monkeypatch.setenv("FW_KERNELS", "quantized_fused_moe=triton_fp8")
+    write_tiny_model(tmp_path, transformers.Qwen3MoeConfig(**{**MOE, "num_hidden_layers": 1}))
+    quantize_checkpoint(tmp_path, "block")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", num_blocks=16) as llm:
+        experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert experts and all(e.quant_method.fused_moe.__module__ == "fw_fp8.kernels.moe" for e in experts)
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager"
+    )
+    assert ids == [reference_greedy(model.eval(), PROMPTS[0], params.max_tokens)]

@@ -7,12 +7,15 @@ gate/up, the input axis of down), through :meth:`FusedMoE.weight_loader`. After 
 expert is decoded and the stacks kept as::
 
     wna16_w1 / _w3 / _w2   int32 [E, K/pf, N]   the kernel layout's qweight of every expert
-    wna16_side_w1 / ...    float32 [E, 2*G*N + K]  scales | zeros | g_idx (as floats), per expert
+    wna16_side_w1 / ...    float32 [E, 2*G*N + K]  scales | zeros | groups or perm (as floats), per expert
 
-run by the kernel registry's ``quantized_fused_moe`` op (:class:`framework.ops.PackedExperts`;
-its torch reference gathers and dequantizes the chosen experts for few tokens, graph-safe).
-Act-order experts keep their input order (each expert's ``g_idx`` is looked up per input
-feature). On the CPU, unless ``FW_GPTQ_KEEP_PACKED=1``, the experts are dequantized once into
+run by the kernel registry's ``quantized_fused_moe`` op (:class:`framework.ops.PackedExperts`
+of type ``wna16:<bits>bit:<grouping>``, :func:`stack_experts`): on CUDA :mod:`fw_gptq.kernels.moe`'s
+Triton kernels (``triton_wna16``), elsewhere the torch reference, which gathers and dequantizes the
+chosen experts. Act-order experts are sorted by group at load where that makes the groups
+contiguous (``perm<size>``: the kernel gathers the activations through ``perm``); otherwise
+(``g_idx``) they keep their input order and each input's group is looked up. On the CPU, unless
+``FW_GPTQ_KEEP_PACKED=1``, the experts are dequantized once into
 ``w13_weight`` / ``w2_weight`` and run by the dense ``fused_moe`` op.
 """
 
@@ -34,21 +37,59 @@ from .packing import IntWeight, pack_along, unpack_along
 from .params import checkpoint_params
 
 
-def _expert_side(weight: IntWeight) -> Tensor:
-    """One expert's scales, zeros and groups, flattened into one float32 row."""
-    return torch.cat([weight.scales.float().flatten(), weight.zero_values().flatten(), weight.group_of().float()])
+def _expert_side(weight: IntWeight, last: Tensor | None = None) -> Tensor:
+    """One expert's scales, zeros and groups (or ``last``), flattened into one float32 row."""
+    last = weight.group_of() if last is None else last
+    return torch.cat([weight.scales.float().flatten(), weight.zero_values().flatten(), last.float()])
 
 
-def dequantize_experts(bits: int, k: int, n: int, data: Tensor, side: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[E', K/pf, N]`` words and ``[E', 2GN + K]`` side rows -> ``[E', N, K]`` weights in ``dtype``."""
+def stack_experts(weights: list[IntWeight]) -> tuple[Tensor, Tensor, str]:
+    """``(words [E, K/pf, N], side [E, 2GN + K], grouping)`` of experts of one projection, where
+    ``grouping`` (the ``quant_type``'s last part) says what the side rows end with:
+
+    * ``g<size>``: every expert's input ``k`` is in group ``k // size``; the groups, as floats;
+    * ``perm<size>``: act-order experts whose inputs, sorted by group (``perm = argsort(g_idx)``),
+      are in groups ``k' // size``: the words hold input ``perm[k']`` at ``k'``; ``perm``, as floats;
+    * ``g_idx``: any other grouping, kept in input order; each input's group, as floats.
+    """
+    size, k = weights[0].group_size, weights[0].q.shape[0]
+    natural = torch.arange(k, device=weights[0].q.device) // size
+    same_size = all(w.group_size == size for w in weights)
+    perms = None
+    if same_size and all(torch.equal(w.group_of(), natural) for w in weights):
+        grouping = f"g{size}"
+    else:
+        perms = [torch.argsort(w.group_of(), stable=True) for w in weights]
+        if same_size and all(torch.equal(w.group_of()[p], natural) for w, p in zip(weights, perms)):
+            grouping = f"perm{size}"
+        else:
+            grouping, perms = "g_idx", None
+    if perms is None:
+        data = torch.stack([pack_along(w.q, w.bits, 0) for w in weights])
+        side = torch.stack([_expert_side(w) for w in weights])
+    else:
+        data = torch.stack([pack_along(w.q[p], w.bits, 0) for w, p in zip(weights, perms)])
+        side = torch.stack([_expert_side(w, p) for w, p in zip(weights, perms)])
+    return data, side, grouping
+
+
+def dequantize_experts(bits: int, k: int, n: int, data: Tensor, side: Tensor, dtype: torch.dtype,
+                       perm_group_size: int | None = None) -> Tensor:
+    """``[E', K/pf, N]`` words and ``[E', 2GN + K]`` side rows of :func:`stack_experts` -> ``[E', N, K]``
+    weights in ``dtype``, in the layer's input order (``perm_group_size``: the group size of side rows
+    ending with ``perm``; None: ending with each input's group)."""
     groups = (side.shape[1] - k) // (2 * n)
     q = unpack_along(data, bits, 1).float()  # [E', K, N]
     scales = side[:, :groups * n].view(-1, groups, n)
     zeros = side[:, groups * n:2 * groups * n].view(-1, groups, n)
-    g = side[:, 2 * groups * n:].long()  # [E', K]
+    last = side[:, 2 * groups * n:].long()  # [E', K]
+    permuted = perm_group_size is not None
+    g = (torch.arange(k, device=side.device) // perm_group_size).expand_as(last) if permuted else last
     index = g.unsqueeze(-1).expand(-1, -1, n)
-    w = (q - zeros.gather(1, index)) * scales.gather(1, index)
-    return w.transpose(1, 2).to(dtype)
+    w = ((q - zeros.gather(1, index)) * scales.gather(1, index)).transpose(1, 2)
+    if permuted:  # column k' holds input perm[k']
+        w = torch.empty_like(w).scatter_(2, last.unsqueeze(1).expand(-1, n, -1), w)
+    return w.to(dtype)
 
 
 class WNA16FusedMoEMethod(FusedMoEMethod):
@@ -86,7 +127,9 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
                 names.append(spec.name)
             layer.wna16_names[projection] = names
         layer.wna16_shapes = {"w1": (hidden_size, width), "w3": (hidden_size, width), "w2": (width, hidden_size)}
-        self.fused_moe = get_kernel("quantized_fused_moe")
+        self.fused_moe = get_kernel("quantized_fused_moe", prefer="triton_wna16")
+        # this plugin's kernel never syncs; any other implementation may run the reference's per-expert loop
+        self.graph_safe = self.fused_moe.__module__ == "fw_gptq.kernels.moe"
         self.dense_fused_moe = get_kernel("fused_moe")
 
     def _decode(self, layer: nn.Module, projection: str, expert: int) -> IntWeight:
@@ -117,18 +160,22 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
                 halves[shard].append(IntWeight(weight.q[:, columns], weight.scales[:, columns],
                                                None if weight.zeros is None else weight.zeros[:, columns],
                                                weight.g_idx, weight.bits, weight.group_size))
+        layer.wna16_grouping = {}
         for shard, weights in (*halves.items(), ("w2", decoded["w2"])):
-            layer.register_buffer(f"wna16_{shard}", torch.stack([pack_along(w.q, w.bits, 0) for w in weights]))
-            layer.register_buffer(f"wna16_side_{shard}", torch.stack([_expert_side(w) for w in weights]))
+            data, side, layer.wna16_grouping[shard] = stack_experts(weights)
+            layer.register_buffer(f"wna16_{shard}", data)
+            layer.register_buffer(f"wna16_side_{shard}", side)
         layer.wna16_packed = True
 
     def packed_experts(self, layer: nn.Module) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
         """``(gate, up, down)`` as the ``quantized_fused_moe`` op takes them."""
         def packed(shard: str) -> PackedExperts:
             k, n = layer.wna16_shapes[shard]
-            decode = functools.partial(dequantize_experts, self.scheme.bits, k, n)
+            grouping = layer.wna16_grouping[shard]
+            size = int(grouping[4:]) if grouping.startswith("perm") else None
+            decode = functools.partial(dequantize_experts, self.scheme.bits, k, n, perm_group_size=size)
             return PackedExperts(getattr(layer, f"wna16_{shard}"), getattr(layer, f"wna16_side_{shard}"),
-                                 f"wna16:{self.scheme.bits}bit", k, decode)
+                                 f"wna16:{self.scheme.bits}bit:{grouping}", k, decode)
 
         return packed("w1"), packed("w3"), packed("w2")
 
@@ -142,7 +189,8 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
     def apply(self, layer: nn.Module, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if not layer.wna16_packed:
             return self.dense_fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        if topk_ids.numel() > layer.num_experts and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-            w13, w2 = self.dequantize(layer, hidden.dtype)  # the op's per-expert loop would sync in a graph
+        if not self.graph_safe and topk_ids.numel() > layer.num_experts and hidden.is_cuda \
+                and torch.cuda.is_current_stream_capturing():
+            w13, w2 = self.dequantize(layer, hidden.dtype)  # the reference's per-expert loop would sync in a graph
             return self.dense_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
         return self.fused_moe(hidden, *self.packed_experts(layer), topk_weights, topk_ids)

@@ -11,7 +11,7 @@ from schemes import FormatScheme
 from tiny_checkpoints import quantize_checkpoint
 
 from framework import LLM, SamplingParams
-from framework.testing import reference_greedy, write_tiny_model
+from framework.testing import interpreted, reference_greedy, write_tiny_model
 
 CONFIG = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
@@ -75,3 +75,25 @@ def test_quantized_moe_experts_load_per_expert_and_match_transformers(scheme, tp
     quantize_checkpoint(tmp_path, reference, scheme)
     expected = [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
     assert greedy(tmp_path, tensor_parallel_size=tp) == expected
+
+
+@interpreted
+def test_packed_moe_experts_through_the_triton_kernel_match_transformers(tmp_path, monkeypatch):
+    """The engine's MoE layers on fw_gptq's Triton ``quantized_fused_moe`` (interpreted here and forced
+    by ``FW_KERNELS``; CUDA picks it itself) over packed act-order experts with zero points: the greedy
+    tokens transformers gives on the dequantized weights."""
+    from framework.layers.fused_moe import FusedMoE
+
+    monkeypatch.setenv("FW_GPTQ_KEEP_PACKED", "1")
+    monkeypatch.setenv("FW_KERNELS", "quantized_fused_moe=triton_wna16")
+    config = transformers.Qwen3MoeConfig(**{**MOE, "num_hidden_layers": 1})
+    reference = write_tiny_model(tmp_path, config)
+    quantize_checkpoint(tmp_path, reference, FormatScheme("gptq", 4, 32, symmetric=False, act_order=True))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", num_blocks=16) as llm:
+        experts = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert experts and all(e.quant_method.fused_moe.__module__ == "fw_gptq.kernels.moe" for e in experts)
+        # desc_act experts sorted by group at load: the kernel gathers the activations through perm
+        assert {p.quant_type for e in experts for p in e.quant_method.packed_experts(e)} == {"wna16:4bit:perm32"}
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)]
+    assert ids == [reference_greedy(reference, PROMPTS[0], params.max_tokens)]
