@@ -183,8 +183,9 @@ class EngineLoop:
 
         if isinstance(message, AddRequest):
             try:  # add_request raises only FwErrors (RequestFailedError for its own failures)
+                images = {"images": message.images} if message.images else {}  # text requests: the plain call
                 self.core.add_request(
-                    message.request_id, message.prompt_token_ids, message.params, message.pooling, message.images
+                    message.request_id, message.prompt_token_ids, message.params, message.pooling, **images
                 )
             except FwError as error:
                 self.send(

@@ -214,7 +214,8 @@ async def _pump(
     text = SequenceText(client.tokenizer, params)
     last = None
     try:
-        async for output in client.generate(child_id, prompt_ids, params, images=images):
+        extra = {"images": images} if images else {}  # text requests: the plain call every client takes
+        async for output in client.generate(child_id, prompt_ids, params, **extra):
             now = time.perf_counter()
             if metrics is not None:
                 if last is None:

@@ -195,7 +195,9 @@ def test_messages_are_templated_once_per_request_over_all_rounds(client, monkeyp
 
     calls = []
     original = serving_chat.template_messages
-    monkeypatch.setattr(serving_chat, "template_messages", lambda messages: calls.append(1) or original(messages))
+    monkeypatch.setattr(
+        serving_chat, "template_messages", lambda messages, **kw: calls.append(1) or original(messages, **kw)
+    )
     response = client.chat.completions.create(
         model="scripted", messages=MESSAGES, stream=stream, extra_body={"mcp_execute": True}
     )
