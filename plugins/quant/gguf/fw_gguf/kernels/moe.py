@@ -28,7 +28,6 @@ model by ``benchmarks/gguf_kernels.py --moe --sweep``), else :func:`moe_config`'
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +38,11 @@ from torch import Tensor
 
 from framework import ops
 from framework.ops import PLAIN_SWIGLU, MoEActivation, PackedExperts
-from framework.quantized_moe import pair_blocks, two_launches
+from framework.quantized_moe import kernel_can_run, pair_blocks, two_launches
 from fw_gguf.kernels.decode import GROUPS, KERNEL_TYPES, decode_weights
 
 #: ``PackedExperts.quant_type`` prefixes of GGUF stacks: the file's block layout, planar per expert.
 LAYOUTS = {"gguf": False, "gguf-planar": True}
-_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -217,12 +215,11 @@ def parse_quant_type(quant_type: str) -> tuple[bool, GGMLQuantizationType] | Non
 def supports(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
              activation: MoEActivation = PLAIN_SWIGLU) -> bool:
     """Whether :func:`quantized_fused_moe` runs these in its kernels (else it calls the reference):
-    GGUF stacks of kernel types, gate and up in one layout, plain SwiGLU without biases, float
-    activations, on CUDA (or under ``TRITON_INTERPRET=1``)."""
+    GGUF stacks of kernel types, gate and up in one layout, and what
+    :func:`framework.quantized_moe.kernel_can_run` takes (plain SwiGLU without biases, float
+    activations, on CUDA or under ``TRITON_INTERPRET=1``)."""
     parsed = [parse_quant_type(p.quant_type) for p in (w1, w3, w2)]
-    return (all(parsed) and parsed[0][0] == parsed[1][0] and activation.swiglu_limit is None
-            and activation.w13_bias is None and activation.w2_bias is None
-            and hidden.dtype in _ACT_DTYPES and (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+    return all(parsed) and parsed[0][0] == parsed[1][0] and kernel_can_run(hidden, activation)
 
 
 def launch_setting(w1: PackedExperts, w2: PackedExperts, num_pairs: int, device: torch.device) -> MoEKernelConfig:
