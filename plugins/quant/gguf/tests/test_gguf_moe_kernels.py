@@ -150,6 +150,19 @@ def test_other_formats_and_activations_go_to_the_reference(monkeypatch, random_p
 
 
 @interpreted
+def test_geglu_experts_are_multiplied_as_geglu(random_packed):
+    """The kernels compute SiLU-and-mul only: a GeGLU activation (Gemma 4's experts) gets GeGLU's values."""
+    w1, w3, w2 = (_stack(Q.Q8_0, 2, 32, 32, seed, random_packed) for seed in (1, 2, 3))
+    hidden, (topk_weights, topk_ids) = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)), _routing(
+        2, 1, [0, 1], 0)
+    geglu = MoEActivation(gelu_tanh=True)
+    got = quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, geglu, config=GEMV)
+    reference = ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, geglu)
+    assert (reference - ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids)).abs().max() > 1e-3
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+
+
+@interpreted
 def test_stacks_whose_bytes_do_not_match_their_features_are_refused(random_packed):
     w = _stack(Q.Q8_0, 2, 32, 64, 1, random_packed)
     hidden, (topk_weights, topk_ids) = torch.randn(1, 64), _routing(1, 1, [0, 1], 0)

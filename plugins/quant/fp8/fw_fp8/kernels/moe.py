@@ -7,31 +7,21 @@ Each projection is :class:`~fw_fp8.moe.Fp8FusedMoEMethod`'s stack::
     scales  float32 [E, ceil(N / rows), ceil(K / cols)]     W[e, n, k] = data[e, n, k] * scales[e, n // rows, k // cols]
 
 (block checkpoints: ``128x128``, or ``1x128`` where a shard's rows do not start on a block; channel and
-tensor scales: ``1x<K>``). Two launches, as the bf16 ``fused_moe``, then the ``top_k`` rows of a token
-summed in float32::
+tensor scales: ``1x<K>``). The two launches (gate/up with SiLU-and-mul, then down times the routing
+weight), their two forms (unsorted per pair up to :data:`SORTED_MIN_PAIRS` pairs, sorted blocks of one
+expert beyond) and the buffers between them are :mod:`framework.quantized_moe`'s; the projections are
+rounded to x's dtype before SiLU-and-mul and before the routing weight, as the reference rounds them.
 
-    gate/up:  act[p]      = silu(x[t] @ w1[e]^T) * (x[t] @ w3[e]^T)      pair p = t * top_k + j, e = topk_ids[t, j]
-    down:     per_pair[p] = (act[p] @ w2[e]^T) * topk_weights[t, j]
-
-with the projections rounded to x's dtype before SiLU-and-mul and before the routing weight, as the
-reference rounds them. As in the dense W8A16 core (:mod:`fw_fp8.kernels.w8a16`), a program covers
-``BLOCK_M`` pairs of one expert and ``BLOCK_N`` outputs; each ``SUB_K`` slice (never crossing a scale
-column) of FP8 bytes is upcast to x's dtype in registers (exact) and is the LEFT operand of ``tl.dot``
-(``acc`` is out^T, which Hopper's wgmma takes from registers); the slice's partial sums are multiplied
-by one scale per output feature, so the weights are never materialised. Two forms (``sorted``):
-
-* unsorted (decode, up to :data:`SORTED_MIN_PAIRS` pairs): one program per pair, its expert read
-  straight from ``topk_ids``, x's row padded to 16 (``tl.dot``'s smallest tile);
-* sorted: the pairs grouped into blocks of one expert by the ``moe_align_block_size`` op (kernel
-  registry); an expert nobody chose has no block and is never read.
-
-Grids come from shapes only and nothing syncs with the host: every call can be captured in a CUDA graph.
+As in the dense W8A16 core (:mod:`fw_fp8.kernels.w8a16`), a program covers ``BLOCK_M`` pairs of one
+expert and ``BLOCK_N`` outputs; each ``SUB_K`` slice (never crossing a scale column) of FP8 bytes is
+upcast to x's dtype in registers (exact) and is the LEFT operand of ``tl.dot`` (``acc`` is out^T, which
+Hopper's wgmma takes from registers); the slice's partial sums are multiplied by one scale per output
+feature, so the weights are never materialised. Unsorted, x's row is padded to 16 (``tl.dot``'s
+smallest tile). Grids come from shapes only and nothing syncs with the host: every call can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,43 +29,23 @@ import triton.language as tl
 from torch import Tensor
 
 from framework import ops
-from framework.kernels import get_kernel
 from framework.ops import PLAIN_SWIGLU, MoEActivation, PackedExperts
-
-#: From this many (token, expert) pairs the sorted form (blocks of one expert's pairs).
-SORTED_MIN_PAIRS = 65
-_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class MoEKernelConfig:
-    """One launch shape of :func:`quantized_fused_moe`: whether pairs are sorted into blocks of
-    ``block_m`` (unsorted: one pair a program, padded to ``block_m``), outputs per program, inputs per
-    K step and per slice (``sub_k``: a power of two >= 16 dividing ``block_k`` and the scale columns),
-    warps, stages."""
-
-    sorted: bool
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 512
-    sub_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        if self.block_m < 16 or self.block_m & (self.block_m - 1):
-            raise ValueError(f"block_m is a power of two >= 16 (tl.dot's smallest tile), not {self.block_m}")
-        if self.sub_k < 16 or self.sub_k & (self.sub_k - 1) or self.block_k % self.sub_k:
-            raise ValueError(
-                f"sub_k is a power of two >= 16 dividing block_k; got sub_k {self.sub_k}, block_k {self.block_k}"
-            )
+from framework.quantized_moe import (
+    SORTED_MIN_PAIRS,
+    MoEKernelConfig,
+    kernel_can_run,
+    next_power_of_2,
+    pair_blocks,
+    two_launches,
+)
 
 
 def moe_config(num_pairs: int, scale_cols: int = 128) -> MoEKernelConfig:
-    """The static rule for ``num_pairs`` pairs: unsorted up to 64 pairs (8 tokens at top-8): 64 outputs
-    a program in 512-input steps, as the dense GEMV; then sorted 16-row blocks up to 256 pairs and
-    32-row blocks beyond, 128 outputs, one slice a step. Slices are 128 inputs (or the scale columns,
-    where they are narrower)."""
+    """The launch shape (:class:`~framework.quantized_moe.MoEKernelConfig`; here ``sub_k`` also divides
+    the scale columns) by the static rule for ``num_pairs`` pairs: unsorted up to 64 pairs (8 tokens at
+    top-8): 64 outputs a program in 512-input steps, as the dense GEMV; then sorted 16-row blocks up to
+    256 pairs and 32-row blocks beyond, 128 outputs, one slice a step. Slices are 128 inputs (or the
+    scale columns, where they are narrower)."""
     sub_k = max(16, min(128, scale_cols))
     if num_pairs < SORTED_MIN_PAIRS:
         return MoEKernelConfig(sorted=False, block_n=64, block_k=max(512, sub_k), sub_k=sub_k, num_stages=3)
@@ -292,16 +262,7 @@ def supports(
     stacks, gate and up scaled alike, plain SwiGLU without biases, float activations, on CUDA (or under
     ``TRITON_INTERPRET=1``)."""
     parsed = [parse_quant_type(p.quant_type) for p in (w1, w3, w2)]
-    return (
-        all(parsed)
-        and parsed[0] == parsed[1]
-        and activation.swiglu_limit is None
-        and not activation.gelu_tanh
-        and activation.w13_bias is None
-        and activation.w2_bias is None
-        and hidden.dtype in _ACT_DTYPES
-        and (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-    )
+    return all(parsed) and parsed[0] == parsed[1] and kernel_can_run(hidden, activation)
 
 
 def _check_stack(packed: PackedExperts, name: str, rows: int, cols: int) -> None:
@@ -359,75 +320,59 @@ def quantized_fused_moe(
     layouts = [parse_quant_type(p.quant_type) for p in (w1, w2)]
     # one scale column covering all of K: no slice ever crosses it
     columns = [
-        c if s.shape[-1] > 1 else triton.next_power_of_2(k) * 2
+        c if s.shape[-1] > 1 else next_power_of_2(k) * 2
         for (_, c), s, k in zip(layouts, (w1.scales, w2.scales), (hidden_size, inter), strict=True)
     ]
-    num_pairs = num_tokens * top_k
-    config = config or moe_config(num_pairs, min(columns))
+    config = config or moe_config(num_tokens * top_k, min(columns))
     if any(c % config.sub_k for c in columns):
         raise ValueError(f"sub_k {config.sub_k} must divide the scale columns {columns}")
-    if config.sorted:
-        sorted_ids, expert_ids = get_kernel("moe_align_block_size")(topk_ids, num_experts, config.block_m)
-        num_programs = expert_ids.numel()
-    else:  # one program per pair: its expert straight from topk_ids
-        expert_ids = topk_ids.reshape(-1)
-        sorted_ids, num_programs = expert_ids, num_pairs
+    pairs = pair_blocks(topk_ids, num_experts, config.block_m, config.sorted)
+    common = config.launch_meta(hidden)
+    data = [p.data.view(torch.float8_e4m3fn) for p in (w1, w3, w2)]
 
-    def per_launch(layout: tuple[int, int], cols: int, k: int) -> dict:
-        """Scale constexprs, and a K step no longer than ``k`` needs (whole slices)."""
-        return dict(
-            SCALE_ROWS=layout[0],
-            SCALE_COLS=cols,
-            BLOCK_K=max(config.sub_k, min(config.block_k, triton.next_power_of_2(k))),
+    def gate_up(act: Tensor) -> None:
+        _gate_up_kernel[(pairs.num_programs, triton.cdiv(inter, config.block_n))](
+            hidden,
+            data[0],
+            data[1],
+            w1.scales,
+            w3.scales,
+            act,
+            pairs.sorted_ids,
+            pairs.expert_ids,
+            pairs.num_pairs,
+            top_k,
+            hidden_size,
+            inter,
+            hidden.stride(0),
+            data[0].stride(0),
+            w1.scales.stride(0),
+            w1.scales.stride(1),
+            SCALE_ROWS=layouts[0][0],
+            SCALE_COLS=columns[0],
+            BLOCK_K=config.k_step(hidden_size),
+            **common,
         )
 
-    common = dict(
-        FP32=hidden.dtype == torch.float32,
-        SORTED=config.sorted,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        SUB_K=config.sub_k,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    data = [p.data.view(torch.float8_e4m3fn) for p in (w1, w3, w2)]
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    _gate_up_kernel[(num_programs, triton.cdiv(inter, config.block_n))](
-        hidden,
-        data[0],
-        data[1],
-        w1.scales,
-        w3.scales,
-        act,
-        sorted_ids,
-        expert_ids,
-        num_pairs,
-        top_k,
-        hidden_size,
-        inter,
-        hidden.stride(0),
-        data[0].stride(0),
-        w1.scales.stride(0),
-        w1.scales.stride(1),
-        **per_launch(layouts[0], columns[0], hidden_size),
-        **common,
-    )
-    per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _down_kernel[(num_programs, triton.cdiv(hidden_size, config.block_n))](
-        act,
-        data[2],
-        w2.scales,
-        per_pair,
-        topk_weights.reshape(-1).float(),
-        sorted_ids,
-        expert_ids,
-        num_pairs,
-        hidden_size,
-        inter,
-        data[2].stride(0),
-        w2.scales.stride(0),
-        w2.scales.stride(1),
-        **per_launch(layouts[1], columns[1], inter),
-        **common,
-    )
-    return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    def down(act: Tensor, per_pair: Tensor, weights: Tensor) -> None:
+        _down_kernel[(pairs.num_programs, triton.cdiv(hidden_size, config.block_n))](
+            act,
+            data[2],
+            w2.scales,
+            per_pair,
+            weights,
+            pairs.sorted_ids,
+            pairs.expert_ids,
+            pairs.num_pairs,
+            hidden_size,
+            inter,
+            data[2].stride(0),
+            w2.scales.stride(0),
+            w2.scales.stride(1),
+            SCALE_ROWS=layouts[1][0],
+            SCALE_COLS=columns[1],
+            BLOCK_K=config.k_step(inter),
+            **common,
+        )
+
+    return two_launches(hidden, topk_weights, topk_ids, inter, gate_up, down)

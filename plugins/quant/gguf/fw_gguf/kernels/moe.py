@@ -28,7 +28,6 @@ model by ``benchmarks/gguf_kernels.py --moe --sweep``), else :func:`moe_config`'
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +37,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import Tensor
 
 from framework import ops
-from framework.kernels import get_kernel
 from framework.ops import PLAIN_SWIGLU, MoEActivation, PackedExperts
+from framework.quantized_moe import kernel_can_run, pair_blocks, two_launches
 from fw_gguf.kernels.decode import GROUPS, KERNEL_TYPES, decode_weights
 
 #: ``PackedExperts.quant_type`` prefixes of GGUF stacks: the file's block layout, planar per expert.
 LAYOUTS = {"gguf": False, "gguf-planar": True}
-_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -217,12 +215,11 @@ def parse_quant_type(quant_type: str) -> tuple[bool, GGMLQuantizationType] | Non
 def supports(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
              activation: MoEActivation = PLAIN_SWIGLU) -> bool:
     """Whether :func:`quantized_fused_moe` runs these in its kernels (else it calls the reference):
-    GGUF stacks of kernel types, gate and up in one layout, plain SwiGLU without biases, float
-    activations, on CUDA (or under ``TRITON_INTERPRET=1``)."""
+    GGUF stacks of kernel types, gate and up in one layout, and what
+    :func:`framework.quantized_moe.kernel_can_run` takes (plain SwiGLU without biases, float
+    activations, on CUDA or under ``TRITON_INTERPRET=1``)."""
     parsed = [parse_quant_type(p.quant_type) for p in (w1, w3, w2)]
-    return (all(parsed) and parsed[0][0] == parsed[1][0] and activation.swiglu_limit is None
-            and activation.w13_bias is None and activation.w2_bias is None
-            and hidden.dtype in _ACT_DTYPES and (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
+    return all(parsed) and parsed[0][0] == parsed[1][0] and kernel_can_run(hidden, activation)
 
 
 def launch_setting(w1: PackedExperts, w2: PackedExperts, num_pairs: int, device: torch.device) -> MoEKernelConfig:
@@ -282,29 +279,27 @@ def quantized_fused_moe(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2
     if num_tokens == 0:
         return torch.empty_like(hidden)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-    num_pairs = num_tokens * top_k
-    config = config or launch_setting(w1, w2, num_pairs, hidden.device)
-    if config.block_m == 1:  # one program per pair: its expert straight from topk_ids
-        expert_ids = topk_ids.reshape(-1)
-        sorted_ids, num_programs = expert_ids, num_pairs
-    else:
-        sorted_ids, expert_ids = get_kernel("moe_align_block_size")(topk_ids, num_experts, config.block_m)
-        num_programs = expert_ids.numel()
+    config = config or launch_setting(w1, w2, num_tokens * top_k, hidden.device)
+    pairs = pair_blocks(topk_ids, num_experts, config.block_m, sorted=config.block_m != 1)
     common = dict(BLOCK_M=config.block_m, PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
                   num_warps=config.num_warps, num_stages=config.num_stages)
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    _gate_up_kernel[(num_programs, triton.cdiv(inter, config.block_n_gate_up))](
-        hidden, w1.data, w3.data, act, sorted_ids, expert_ids, num_pairs, top_k, hidden_size, inter,
-        hidden.stride(0), w1.data.stride(0), w3.data.stride(0), PLANAR=planar13, BLOCK_N=config.block_n_gate_up,
-        **_type_meta(type1, config.k_step, "1"), **_type_meta(type3, config.k_step, "3"), **common,
-    )
-    per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _down_kernel[(num_programs, triton.cdiv(hidden_size, config.block_n_down))](
-        act, w2.data, per_pair, topk_weights.reshape(-1).float(), sorted_ids, expert_ids, num_pairs, hidden_size,
-        inter, w2.data.stride(0), PLANAR=planar2, BLOCK_N=config.block_n_down, **_type_meta(type2, config.k_step),
-        **common,
-    )
-    return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+
+    def gate_up(act: Tensor) -> None:
+        _gate_up_kernel[(pairs.num_programs, triton.cdiv(inter, config.block_n_gate_up))](
+            hidden, w1.data, w3.data, act, pairs.sorted_ids, pairs.expert_ids, pairs.num_pairs, top_k, hidden_size,
+            inter, hidden.stride(0), w1.data.stride(0), w3.data.stride(0), PLANAR=planar13,
+            BLOCK_N=config.block_n_gate_up, **_type_meta(type1, config.k_step, "1"),
+            **_type_meta(type3, config.k_step, "3"), **common,
+        )
+
+    def down(act: Tensor, per_pair: Tensor, weights: Tensor) -> None:
+        _down_kernel[(pairs.num_programs, triton.cdiv(hidden_size, config.block_n_down))](
+            act, w2.data, per_pair, weights, pairs.sorted_ids, pairs.expert_ids, pairs.num_pairs, hidden_size,
+            inter, w2.data.stride(0), PLANAR=planar2, BLOCK_N=config.block_n_down, **_type_meta(type2, config.k_step),
+            **common,
+        )
+
+    return two_launches(hidden, topk_weights, topk_ids, inter, gate_up, down)
 
 
 #: The ``PackedExperts.quant_type`` values this implementation multiplies in its kernels.

@@ -9,66 +9,44 @@ Each projection is :class:`~fw_gptq.moe.WNA16FusedMoEMethod`'s stack::
 and ``quant_type`` says how a weight finds its group: ``wna16:4bit:g128`` (``k // 128``: scales read
 once per slice of inputs where the slice lies in one group), ``wna16:4bit:perm128`` (act-order experts
 sorted by group at load: the same, with the activations gathered through the expert's ``perm``) or
-``wna16:4bit:g_idx`` (any other grouping: the expert's group looked up per input feature). Two launches, as the bf16 ``fused_moe``, then the
-``top_k`` rows of a token summed in float32::
+``wna16:4bit:g_idx`` (any other grouping: the expert's group looked up per input feature). The two
+launches (gate/up with SiLU-and-mul, then down times the routing weight), their two forms (unsorted
+per pair up to :data:`SORTED_MIN_PAIRS` pairs, sorted blocks of one expert beyond) and the buffers
+between them are :mod:`framework.quantized_moe`'s; the projections are rounded to x's dtype before
+SiLU-and-mul and before the routing weight, as the reference rounds them.
 
-    gate/up:  act[p]      = silu(x[t] @ w1[e]^T) * (x[t] @ w3[e]^T)      pair p = t * top_k + j, e = topk_ids[t, j]
-    down:     per_pair[p] = (act[p] @ w2[e]^T) * topk_weights[t, j]
-
-with the projections rounded to x's dtype before SiLU-and-mul and before the routing weight, as the
-reference rounds them. A program covers ``BLOCK_M`` pairs of one expert and ``BLOCK_N`` outputs; the
-weight is unpacked as the dense core's (:mod:`fw_gptq.kernels.wna16`: each word loaded once, shifts,
-no integer-to-float conversion, a zero *tensor*, 128-wide tiles) and is the LEFT operand of
-``tl.dot`` (``acc`` is out^T), which Hopper's wgmma reads from registers. Two forms (``sorted``):
-
-* unsorted (decode, up to :data:`SORTED_MIN_PAIRS` pairs): one program per pair, its expert read
-  straight from ``topk_ids``, x's row padded to 16 (``tl.dot``'s smallest tile);
-* sorted: the pairs grouped into blocks of one expert by the ``moe_align_block_size`` op (kernel
-  registry); an expert nobody chose has no block and is never read.
-
-Grids come from shapes only and nothing syncs with the host: every call can be captured in a CUDA graph.
+A program covers ``BLOCK_M`` pairs of one expert and ``BLOCK_N`` outputs; the weight is unpacked as the
+dense core's (:mod:`fw_gptq.kernels.wna16`: each word loaded once, shifts, no integer-to-float
+conversion, a zero *tensor*, 128-wide tiles) and is the LEFT operand of ``tl.dot`` (``acc`` is out^T),
+which Hopper's wgmma reads from registers. Unsorted, x's row is padded to 16 (``tl.dot``'s smallest
+tile). Grids come from shapes only and nothing syncs with the host: every call can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from framework import ops
-from framework.kernels import get_kernel
+from framework import ops, quantized_moe
 from framework.ops import PLAIN_SWIGLU, MoEActivation, PackedExperts
-
-#: From this many (token, expert) pairs the sorted form (blocks of one expert's pairs).
-SORTED_MIN_PAIRS = 65
-_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from framework.quantized_moe import SORTED_MIN_PAIRS, kernel_can_run, pair_blocks, two_launches
 
 
 @dataclass(frozen=True)
-class MoEKernelConfig:
-    """One launch shape of :func:`quantized_fused_moe`: whether pairs are sorted into blocks of
-    ``block_m`` (unsorted: one pair a program, padded to ``block_m``), outputs per program, inputs per
-    K step and per unpacked slice (``sub_k``: a multiple of 32, dividing ``block_k``), warps, stages."""
+class MoEKernelConfig(quantized_moe.MoEKernelConfig):
+    """:class:`framework.quantized_moe.MoEKernelConfig` with this kernel's defaults; ``sub_k`` (an
+    unpacked slice) is a power of two >= 32, whole words of either bit width."""
 
-    sorted: bool
-    block_m: int = 16
+    MIN_SUB_K: ClassVar[int] = 32
+
     block_n: int = 128
     block_k: int = 256
-    sub_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        if self.block_m < 16 or self.block_m & (self.block_m - 1):
-            raise ValueError(f"block_m is a power of two >= 16 (tl.dot's smallest tile), not {self.block_m}")
-        if self.sub_k < 32 or self.sub_k & (self.sub_k - 1) or self.block_k % self.sub_k:
-            raise ValueError(
-                f"sub_k is a power of two >= 32 dividing block_k; got sub_k {self.sub_k}, block_k {self.block_k}"
-            )
 
 
 def moe_config(num_pairs: int, group_size: int = 128, act_order: bool = False) -> MoEKernelConfig:
@@ -383,15 +361,7 @@ def supports(
     activations, on CUDA (or under ``TRITON_INTERPRET=1``)."""
     parsed = [parse_quant_type(p.quant_type) for p in (w1, w3, w2)]
     return (
-        all(parsed)
-        and parsed[0] == parsed[1]
-        and parsed[0][0] == parsed[2][0]
-        and activation.swiglu_limit is None
-        and not activation.gelu_tanh
-        and activation.w13_bias is None
-        and activation.w2_bias is None
-        and hidden.dtype in _ACT_DTYPES
-        and (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        all(parsed) and parsed[0] == parsed[1] and parsed[0][0] == parsed[2][0] and kernel_can_run(hidden, activation)
     )
 
 
@@ -456,75 +426,62 @@ def quantized_fused_moe(
     if num_tokens == 0:
         return torch.empty_like(hidden)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-    num_pairs = num_tokens * top_k
     config = config or moe_config(
-        num_pairs, min(g for g in (group13, group2, 128) if g is not None), group13 is None or group2 is None
+        num_tokens * top_k, min(g for g in (group13, group2, 128) if g is not None), group13 is None or group2 is None
     )
-    if config.sorted:
-        sorted_ids, expert_ids = get_kernel("moe_align_block_size")(topk_ids, num_experts, config.block_m)
-        num_programs = expert_ids.numel()
-    else:  # one program per pair: its expert straight from topk_ids
-        expert_ids = topk_ids.reshape(-1)
-        sorted_ids, num_programs = expert_ids, num_pairs
+    pairs = pair_blocks(topk_ids, num_experts, config.block_m, config.sorted)
 
-    def per_launch(group: int | None, gather: bool, k: int) -> dict:
-        """Grouping constexprs, and a K step no longer than ``k`` needs (whole slices)."""
-        size = group or k  # act-order: unused
+    def grouping(group: int | None, gather: bool, k: int) -> dict:
+        """Grouping constexprs, and the K step of a launch over ``k`` inputs."""
         return dict(
-            GROUP_SIZE=size,
+            GROUP_SIZE=group or k,  # act-order: unused
             ACT_ORDER=group is None,
             GATHER_X=gather,
             SCALE_PER_SLICE=group is not None and group % config.sub_k == 0,
-            BLOCK_K=max(config.sub_k, min(config.block_k, triton.next_power_of_2(k))),
+            BLOCK_K=config.k_step(k),
         )
 
-    common = dict(
-        BITS=bits,
-        FP32=hidden.dtype == torch.float32,
-        SORTED=config.sorted,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        SUB_K=config.sub_k,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    _gate_up_kernel[(num_programs, triton.cdiv(inter, config.block_n))](
-        hidden,
-        w1.data,
-        w3.data,
-        w1.scales,
-        w3.scales,
-        act,
-        sorted_ids,
-        expert_ids,
-        num_pairs,
-        top_k,
-        hidden_size,
-        inter,
-        groups[0],
-        hidden.stride(0),
-        w1.data.stride(0),
-        w1.scales.stride(0),
-        **per_launch(group13, gather13, hidden_size),
-        **common,
-    )
-    per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _down_kernel[(num_programs, triton.cdiv(hidden_size, config.block_n))](
-        act,
-        w2.data,
-        w2.scales,
-        per_pair,
-        topk_weights.reshape(-1).float(),
-        sorted_ids,
-        expert_ids,
-        num_pairs,
-        hidden_size,
-        inter,
-        groups[2],
-        w2.data.stride(0),
-        w2.scales.stride(0),
-        **per_launch(group2, gather2, inter),
-        **common,
-    )
-    return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    common = dict(BITS=bits, **config.launch_meta(hidden))
+
+    def gate_up(act: Tensor) -> None:
+        _gate_up_kernel[(pairs.num_programs, triton.cdiv(inter, config.block_n))](
+            hidden,
+            w1.data,
+            w3.data,
+            w1.scales,
+            w3.scales,
+            act,
+            pairs.sorted_ids,
+            pairs.expert_ids,
+            pairs.num_pairs,
+            top_k,
+            hidden_size,
+            inter,
+            groups[0],
+            hidden.stride(0),
+            w1.data.stride(0),
+            w1.scales.stride(0),
+            **grouping(group13, gather13, hidden_size),
+            **common,
+        )
+
+    def down(act: Tensor, per_pair: Tensor, weights: Tensor) -> None:
+        _down_kernel[(pairs.num_programs, triton.cdiv(hidden_size, config.block_n))](
+            act,
+            w2.data,
+            w2.scales,
+            per_pair,
+            weights,
+            pairs.sorted_ids,
+            pairs.expert_ids,
+            pairs.num_pairs,
+            hidden_size,
+            inter,
+            groups[2],
+            w2.data.stride(0),
+            w2.scales.stride(0),
+            **grouping(group2, gather2, inter),
+            **common,
+        )
+
+    return two_launches(hidden, topk_weights, topk_ids, inter, gate_up, down)
