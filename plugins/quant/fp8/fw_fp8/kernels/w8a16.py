@@ -105,7 +105,6 @@ def w8a16_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = None)
     cfg.setdefault("SUB_K", min(cfg["BLOCK_K"], 128))
     split_k = cfg.pop("SPLIT_K", 1)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
-    cfg.pop("USE_DOT", None)  # the former elementwise form's switch; every setting multiplies on tl.dot
     block_k, sub_k = cfg["BLOCK_K"], cfg["SUB_K"]
     assert block_k % sub_k == 0 and scale_cols % sub_k == 0, (block_k, sub_k, scale_cols)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k

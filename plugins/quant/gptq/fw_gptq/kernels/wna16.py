@@ -204,7 +204,6 @@ def wna16_matmul(x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None
         return out
     cfg = dict(config or choose_config(m, n, k, weight.group_size, _num_sms(x.device), weight.bits))
     cfg.setdefault("SUB_K", min(cfg["BLOCK_K"], 128))
-    cfg.pop("USE_DOT", None)  # the former elementwise form's switch; every setting multiplies on tl.dot
     split_k = cfg.pop("SPLIT_K", 1)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
     block_k, sub_k = cfg["BLOCK_K"], cfg["SUB_K"]
