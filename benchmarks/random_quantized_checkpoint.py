@@ -6,12 +6,14 @@
     python benchmarks/random_quantized_checkpoint.py --shape qwen3-30b-a3b --dir /tmp/qwen3-moe-gptq
     python benchmarks/random_quantized_checkpoint.py --shape llama3-8b --method fp8 --dir /tmp/llama3-8b-fp8
     python benchmarks/random_quantized_checkpoint.py --shape llama3-8b --method fp8-tensor --dir /tmp/llama3-8b-fp8t
+    python benchmarks/random_quantized_checkpoint.py --shape llama3-8b --method bf16 --dir /tmp/llama3-8b-bf16  # for --isq
 
 The names and shapes are transformers' for the shape (built on the meta device, as the ``dummy``
 load format does); every decoder linear layer (MoE experts as ``experts.{e}.gate_proj`` ...) gets
 random packed integers with its format's tensors (:mod:`fw_gptq.params`), scales of about 1e-3 and
 symmetric zero points (``fp8``: Hugging Face block FP8, normal(0, 0.02) weights quantized per 128x128
-block by ``fw_fp8.quantize``; ``fp8-tensor``: one scale per tensor); the rest is normal(0, 0.02) in bf16 (norms 1). A word-level tokenizer of the
+block by ``fw_fp8.quantize``; ``fp8-tensor``: one scale per tensor; ``bf16``: no quantization, the
+source of ``--isq`` runs); the rest is normal(0, 0.02) in bf16 (norms 1). A word-level tokenizer of the
 vocabulary makes the folder loadable. Tensors are drawn on the GPU when there is one.
 """
 
@@ -31,7 +33,14 @@ from safetensors.torch import save_file
 from framework.testing import make_tiny_tokenizer
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FORMATS = {"gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed", "fp8": "fp8", "fp8-tensor": "fp8"}
+FORMATS = {
+    "bf16": None,
+    "gptq": "gptq",
+    "awq": "awq",
+    "compressed-tensors": "compressed",
+    "fp8": "fp8",
+    "fp8-tensor": "fp8",
+}
 
 
 def random_fp8(n: int, k: int, per_tensor: bool, device: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -141,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     symmetric = args.method != "awq"
     scheme = WNA16Scheme(
-        "gptq" if args.method.startswith("fp8") else FORMATS[args.method],
+        FORMATS[args.method] if args.method in ("gptq", "awq", "compressed-tensors") else "gptq",
         args.bits,
         args.group_size,
         symmetric,
@@ -149,7 +158,9 @@ def main() -> None:
     )
     config = model_config(args.shape)
     is_fp8 = args.method.startswith("fp8")
-    if is_fp8:
+    if args.method == "bf16":
+        pass
+    elif is_fp8:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
         if args.method == "fp8":
             config["quantization_config"]["weight_block_size"] = [128, 128]
@@ -175,6 +186,8 @@ def main() -> None:
                 and name.rsplit(".", 2)[-2] not in ROUTER_LEAVES
             ):
                 linears = {name: tuple(shape)}
+            if args.method == "bf16":
+                linears = {}
             if not linears:
                 yield name, random_bf16(name, shape, device, generator)
             for linear, (n, k) in linears.items():
@@ -189,7 +202,7 @@ def main() -> None:
     files = write_checkpoint_folder(args.dir, config, tensors())
     print(
         f"wrote {args.dir}: {args.shape}, {args.method}"
-        f"{'' if is_fp8 else f' {args.bits}-bit group {args.group_size}'}"
+        f"{'' if is_fp8 or args.method == 'bf16' else f' {args.bits}-bit group {args.group_size}'}"
         f"{' act-order' if args.desc_act else ''}, {len(files)} shards\n"
         f"run: fw bench --m {args.dir} --num-prompts 1 --input-len 128 --output-len 256"
     )

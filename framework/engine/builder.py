@@ -13,6 +13,7 @@ own module: :mod:`~framework.engine.model_loading` (source, config, weights),
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import torch
@@ -97,9 +98,11 @@ class EngineBuilder:
             self.source, config, self.args.quantization, self.platform, self.device, model_cls, self.args.isq
         )
         self.isq_report = None if self.args.isq is None else isq.IsqReport(self.args.isq)
+        started = time.perf_counter()
         self.torch_model = model_loading.load_model(
             model_cls, config, quant_config, self.source, self.device, self.args.seed, self.isq_report
         )
+        self.load_seconds = time.perf_counter() - started
         self.vision = model_loading.vision_spec(model_cls, config, self.source_path)
         return self.torch_model
 

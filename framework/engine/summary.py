@@ -36,6 +36,7 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
         "weight_format": self.source.name,
         "weight_bytes": model_bytes(self.torch_model),
         "checkpoint_bytes": self.source.checkpoint_bytes(),
+        "load_s": round(getattr(self, "load_seconds", 0.0), 3),
         "plugins": [info.name for info in plugins.loaded_plugins()],
         "tensor_parallel_size": self.parallel.tensor_parallel_size,
     }
@@ -80,10 +81,11 @@ def log_summary(builder: EngineBuilder, summary: dict[str, Any]) -> None:
     )
     checkpoint = summary["checkpoint_bytes"]
     log.info(
-        "Weights: %.2f GiB on %s%s",
+        "Weights: %.2f GiB on %s%s, loaded in %.1f s",
         summary["weight_bytes"] / 2**30,
         builder.device,
         f" (checkpoint files {checkpoint / 2**30:.2f} GiB)" if checkpoint else "",
+        summary["load_s"],
     )
 
 
