@@ -107,7 +107,8 @@ def main() -> None:
         print(qtype, {k: v for k, v in report["per_type"][qtype].items() if k != "tensors_detail"}, flush=True)
 
     reference = tensors(llama_quantize(args.llamacpp_bin, source_file, work / "llamacpp-Q4_K_M.gguf", "Q4_K_M", False))
-    hf_dir = write_hf_checkpoint(source_file, work / "source-f16-hf", dtype=torch.float16)
+    # float32: the F16 matrices exactly, and the F32 norms unrounded (llama-quantize copies them as they are)
+    hf_dir = write_hf_checkpoint(source_file, work / "source-hf", dtype=torch.float32)
     written, isq_report = export_checkpoint(str(hf_dir), str(work / "fw-q4k.gguf"), "q4k", device)
     ours = tensors(written)
     type_mismatches = [n for n in reference if n in ours and reference[n].tensor_type != ours[n].tensor_type]
@@ -143,11 +144,16 @@ def main() -> None:
     report["llamacpp_loads_fw_file"] = {
         "llama_bench_rc": bench.returncode,
         "llama_bench": bench.stdout[-4000:],
+        "llama_bench_stderr": bench.stderr[-2000:],
         "llama_simple_rc": simple.returncode,
         "llama_simple_output": simple.stdout[-2000:],
+        "llama_simple_stderr": simple.stderr[-2000:],
         "fw_greedy_text": fw_text,
     }
     print("llama-bench rc", bench.returncode, "| llama-simple:", simple.stdout[-300:], "| fw:", fw_text)
+    for done in (bench, simple):
+        if done.returncode:
+            print(done.args[0], "failed:", done.stderr[-1500:])
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
 
