@@ -256,15 +256,14 @@ def test_text_path_of_the_hub_multimodal_checkpoints_matches_transformers(name, 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monkeypatch):
     """On CUDA (fp32; Triton attention and kernels, decode in CUDA graphs; the DeltaNet ops' torch
-    references or, forced, the triton_ops decode kernels): every prompt position's logits within
+    references or triton_ops' kernels, forced): every prompt position's logits within
     1e-4 of transformers' (CPU) and the greedy ids equal, prompts split into prefill chunks of 8,
     async scheduling on."""
     import torch
 
     from framework.testing import capture_logits, check_kernels_used, count_kernel_calls, reference_logits
 
-    if deltanet_kernels == "triton":
-        monkeypatch.setenv("FW_KERNELS", "gated_delta_rule=triton,causal_conv1d=triton")
+    monkeypatch.setenv("FW_KERNELS", f"gated_delta_rule={deltanet_kernels},causal_conv1d={deltanet_kernels}")
     reference = write_randomised_model(tmp_path, CONFIGS[name]())
     with count_kernel_calls() as calls:
         llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64, prefill_chunk_size=8)
