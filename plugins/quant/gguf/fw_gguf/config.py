@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, correction_bias_names, grouped_moe_config, grouped_moe_tensors
-from .hybrid import HYBRID_ARCHITECTURES, HYBRID_MOE, dense_layers, hybrid_config, hybrid_layer_names, hybrid_tensors
+from .hybrid import HYBRID_ARCHITECTURES, HYBRID_MOE, hybrid_config, hybrid_layer_names, hybrid_tensors
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures[0])
 HF_ARCHITECTURES = {
@@ -148,8 +148,6 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         config.update(_moe_config(arch, key, num_layers, names))
     elif arch in HYBRID_ARCHITECTURES:
         config.update(hybrid_config(arch, key, config))
-        if arch == "qwen3next" and names is not None:
-            config["mlp_only_layers"] = dense_layers(arch, config["num_hidden_layers"], names)
     elif arch in GROUPED_MOE_ARCHITECTURES:
         config.update(grouped_moe_config(arch, key, config))
         if arch == "glm4moe" and names is not None:

@@ -22,7 +22,7 @@ from .config import (
 )
 from .dequant import UnsupportedQuantTypeError, as_quant_type
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, kv_b_from_split, loads_as_float
-from .hybrid import HYBRID_ARCHITECTURES, HybridLayout, norm_is_shifted, to_hf_layout
+from .hybrid import HYBRID_ARCHITECTURES, HybridLayout, fuse_qkvz, norm_is_shifted, to_hf_layout
 from .lazy import GGUFTensorSlice
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
@@ -97,6 +97,8 @@ class GGUFFormat(WeightFormat):
             return False
         if self._hybrid is not None and self._hybrid.loads_as_float(hf_name, info.qtype):
             return False
+        if hf_name.endswith(".in_proj_qkvz.weight"):  # Qwen3-Next: packed if attn_gate, joining it, is alike
+            return self.model.tensors[info.name.replace("attn_qkv", "attn_gate")].qtype == info.qtype
         return len(info.shape) == 2 and hf_name.endswith(".weight") and "norm" not in hf_name
 
     def quantization_config(self) -> dict[str, Any]:
@@ -119,11 +121,17 @@ class GGUFFormat(WeightFormat):
         offset = norm_weight_offset(self.arch)
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
-            if hf_name is None or hf_name.endswith(".v_b_proj.weight"):
-                continue  # llama.cpp-only tensors (rope_freqs, ...); attn_v_b joins attn_k_b below
+            if hf_name is None or hf_name.endswith(".v_b_proj.weight") or self._joins_qkvz(hf_name):
+                continue  # llama.cpp-only tensors (rope_freqs, ...); attn_v_b joins attn_k_b below, attn_gate attn_qkv
             if hf_name.endswith(".k_b_proj.weight"):  # MLA: llama.cpp's split kv_b_proj, joined back
                 v_b = self.model.tensors[name.replace("attn_k_b", "attn_v_b")]
                 yield hf_name.replace("k_b_proj", "kv_b_proj"), kv_b_from_split(info.dequantize(), v_b.dequantize())
+                continue
+            if hf_name.endswith(".in_proj_qkvz.weight"):  # Qwen3-Next: llama.cpp's split in_proj_qkvz, joined back
+                gate = self.model.tensors[name.replace("attn_qkv", "attn_gate")]
+                packed = self._is_matrix(hf_name, info)
+                parts = (info.data, gate.data) if packed else (info.dequantize(), gate.dequantize())
+                yield hf_name, fuse_qkvz(self._hybrid, *parts)
                 continue
             if len(info.shape) == 3:  # an expert stack
                 yield hf_name, GGUFTensorSlice(info)
@@ -143,5 +151,10 @@ class GGUFFormat(WeightFormat):
                 continue
             yield hf_name, tensor
 
+    def _joins_qkvz(self, hf_name: str) -> bool:
+        """Qwen3-Next's ``attn_gate`` (``in_proj_z``), read with ``attn_qkv`` into ``in_proj_qkvz``."""
+        return self.arch == "qwen3next" and hf_name.endswith(".linear_attn.in_proj_z.weight")
+
     def num_weights(self) -> int | None:
-        return sum(1 for name in self.model.tensors if name in self._names and ".attn_v_b." not in name)
+        return sum(1 for name in self.model.tensors if name in self._names and ".attn_v_b." not in name
+                   and not self._joins_qkvz(self._names[name]))

@@ -11,7 +11,7 @@ Metadata -> Hugging Face config (llama.cpp keys, `{arch}.` prefixed):
 | `attention.recurrent_layers`, else `full_attention_interval` | `layer_types` | llama.cpp's default interval: 4 |
 | `rope.dimension_count` | `partial_rotary_factor * head_dim` | (M)RoPE of text: plain NeoX rotary |
 | `nextn_predict_layers` | MTP blocks counted in `block_count`: not built, tensors skipped | |
-| `expert_*`, `expert_shared_feed_forward_length` | the Qwen-MoE keys | MoE archs |
+| `expert_*`, `expert_shared_feed_forward_length` | the Qwen-MoE keys | MoE archs: every layer sparse |
 
 What the converter changes and :func:`to_hf_layout` undoes:
 
@@ -24,9 +24,9 @@ What the converter changes and :func:`to_hf_layout` undoes:
   ``attn_qkv`` and the conv, the rows of ``attn_gate``, ``ssm_alpha``, ``ssm_beta``, ``ssm_a``,
   ``ssm_dt``, and the columns of ``ssm_out``. Rows are regrouped as whole (packed) rows; columns of
   ``ssm_out`` as whole GGUF blocks when a head's width holds whole blocks, else it loads as floats;
-- Qwen3-Next's ``in_proj_qkvz`` (per key head ``q, k, v, z``) is stored as ``attn_qkv`` (all q,
-  all k, all v) and ``attn_gate`` (z): fw's model loads the split form (see ``fw_qwen3_next.gdn``);
-  ``in_proj_ba`` stays ``ssm_ba``.
+- Qwen3-Next's ``in_proj_qkvz`` (per key head ``q, k, v, z``) is stored split, as ``attn_qkv``
+  (all q, all k, all v) and ``attn_gate`` (z): :func:`fuse_qkvz` puts the rows back (packed when
+  both tensors have one GGUF type, else as floats); ``in_proj_ba`` stays whole, as ``ssm_ba``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,10 @@ def hybrid_config(arch: str, key: Callable[..., Any], config: dict[str, Any]) ->
 
 
 def hybrid_tensors(arch: str) -> dict[str, str]:
-    """Per-layer GGUF tensor name -> HF name (without `blk.{i}.` / `model.layers.{i}.` and the suffix)."""
+    """Per-layer GGUF tensor name -> HF name (without `blk.{i}.` / `model.layers.{i}.` and the suffix);
+    Qwen3-Next's `attn_qkv` is the fused `in_proj_qkvz` (its `attn_gate` joins it: :func:`fuse_qkvz`)."""
+    if arch == "qwen3next":
+        return {**_GDN_TENSORS, "attn_qkv": "linear_attn.in_proj_qkvz"}
     return dict(_GDN_TENSORS)
 
 
@@ -106,11 +109,6 @@ def hybrid_layer_names(num_layers: int) -> dict[str, str]:
         names[f"blk.{i}.ssm_a"] = f"model.layers.{i}.linear_attn.A_log"
         names[f"blk.{i}.ssm_dt.bias"] = f"model.layers.{i}.linear_attn.dt_bias"
     return names
-
-
-def dense_layers(arch: str, num_layers: int, names: set[str]) -> list[int]:
-    """Qwen3-Next's ``mlp_only_layers``: the layers without a router tensor."""
-    return [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
 
 
 def untile_index(num_k_heads: int, num_v_heads: int, width: int, device: torch.device | None = None) -> torch.Tensor:
@@ -158,6 +156,25 @@ class HybridLayout:
         heads = untile_index(self.num_k, self.num_v, 1, tensor.device)
         rows = tensor.shape[0]
         return tensor.reshape(rows, self.num_v, -1).index_select(1, heads).reshape(rows, -1)
+
+
+def fuse_qkvz(layout: HybridLayout, qkv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's ``in_proj_qkvz`` rows from llama.cpp's ``attn_qkv`` and ``attn_gate`` (whole
+    rows: packed ones too, when both share a GGUF type)::
+
+        attn_qkv: [q0 q1 | k0 k1 | v0 v1]   attn_gate: [z0 z1]   ->   [q0 k0 v0 z0 | q1 k1 v1 z1]
+
+    (``vh`` / ``zh``: the ``Hv / Hk`` value heads of key head ``h``)."""
+    dk, group = layout.dk, layout.num_v // layout.num_k * layout.dv
+    key_dim, value_dim = layout.num_k * dk, layout.num_k * group
+    heads = torch.arange(layout.num_k, device=qkv.device)[:, None]
+    parts = [
+        heads * dk + torch.arange(dk, device=qkv.device),
+        key_dim + heads * dk + torch.arange(dk, device=qkv.device),
+        2 * key_dim + heads * group + torch.arange(group, device=qkv.device),
+        2 * key_dim + value_dim + heads * group + torch.arange(group, device=qkv.device),
+    ]
+    return torch.cat([qkv, gate]).index_select(0, torch.cat(parts, dim=1).reshape(-1))
 
 
 def to_hf_layout(layout: HybridLayout, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:

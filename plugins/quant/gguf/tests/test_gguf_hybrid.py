@@ -1,19 +1,24 @@
-"""Qwen3.5 (`qwen35`) and Qwen3.5-MoE (`qwen35moe`) from GGUF files laid out as llama.cpp's
-converter writes them (`conversion/qwen.py`: `_LinearAttentionVReorderBase`, `Qwen3NextModel`).
+"""Qwen3.5 (`qwen35`), Qwen3.5-MoE (`qwen35moe`) and Qwen3-Next (`qwen3next`) from GGUF files laid
+out as llama.cpp's converter writes them (`conversion/qwen.py`: `_LinearAttentionVReorderBase`,
+`Qwen3NextModel`).
 
 A tiny random model (grouped value heads: 4 over 2 key heads; randomised norms) is written by
 transformers, then as a GGUF from the same weights by an independent writer that follows the
-converter: value heads regrouped into tiled order (rows of the v part of `in_proj_qkv` and of the
-conv, of `in_proj_z`, `in_proj_a/b`, `A_log`, `dt_bias`; columns of `out_proj`), `A_log` stored
-as `-exp(A_log)`, `dt_bias` as `ssm_dt.bias`, the conv squeezed, every norm but the DeltaNet
-output norm stored `1 + w`, the MoE's `gate_up_proj` split; names from gguf-py's own table.
-fw's logits from the F32 file equal transformers'; a Q8_0 file (its matrices and experts packed)
-gives the greedy ids of transformers holding the file's values. The dense model's value heads
-(8 wide) split Q8_0 blocks, so its `out_proj` loads as floats; the MoE's (32 wide) hold whole
-blocks and stay packed.
+converter: Qwen3.5's value heads regrouped into tiled order (rows of the v part of `in_proj_qkv`
+and of the conv, of `in_proj_z`, `in_proj_a/b`, `A_log`, `dt_bias`; columns of `out_proj`),
+Qwen3-Next's `in_proj_qkvz` split into `attn_qkv` and `attn_gate`, `A_log` stored as
+`-exp(A_log)`, `dt_bias` as `ssm_dt.bias`, the conv squeezed, every norm but the DeltaNet output
+norm stored `1 + w`, the MoE's `gate_up_proj` split; names from gguf-py's own table; an MTP block
+after the decoder's. fw's logits from the F32 file equal transformers'; a Q8_0 file (its matrices
+and experts packed) gives the greedy ids of transformers holding the file's values. Qwen3.5's
+8-wide value heads split Q8_0 blocks, so its `out_proj` loads as floats; the MoE's (32 wide) hold
+whole blocks and stay packed; Qwen3-Next's F32 `attn_gate` beside a Q8_0 `attn_qkv` makes its
+`in_proj_qkvz` floats.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -44,16 +49,12 @@ SMALL = dict(
     initializer_range=0.1,
     tie_word_embeddings=False,
 )
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40)
 CONFIGS = {
     "qwen35": lambda: transformers.Qwen3_5TextConfig(**SMALL, linear_value_head_dim=8, intermediate_size=96),
-    "qwen35moe": lambda: transformers.Qwen3_5MoeTextConfig(
-        **SMALL,
-        linear_value_head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=40,
-    ),
+    "qwen35moe": lambda: transformers.Qwen3_5MoeTextConfig(**SMALL, **MOE, linear_value_head_dim=32),
+    # every layer sparse: llama.cpp's qwen3next has no dense feed-forward (no mlp_only_layers)
+    "qwen3next": lambda: transformers.Qwen3NextConfig(**SMALL, **MOE, linear_value_head_dim=8, intermediate_size=96),
 }
 
 
@@ -64,46 +65,84 @@ def tiling(config, width: int) -> torch.Tensor:
     return torch.arange(num_v * width).reshape(num_k, num_v // num_k, width).transpose(0, 1).reshape(-1)
 
 
-def converted(config, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor, int, torch.Tensor]]:
-    """``[(HF name as the converter names it, GGUF values, dim, index)]`` for one HF tensor:
-    the values are ``f(tensor.index_select(dim, index))`` (``index`` None: no reordering)."""
+def _reordered(config, name: str) -> tuple[int, torch.Tensor | None]:
+    """``(dim, index)`` of `_LinearAttentionVReorderBase`'s value-head reordering of this tensor
+    (Qwen3.5 only; index None: none)."""
+    if not isinstance(config, (transformers.Qwen3_5TextConfig, transformers.Qwen3_5MoeTextConfig)):
+        return 0, None
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
     dv = config.linear_value_head_dim
-    dim, index = 0, None
-    if ".linear_attn." in name:  # _LinearAttentionVReorderBase.modify_tensors
-        leaf = name.rsplit(".linear_attn.", 1)[1]
-        if leaf in ("in_proj_qkv.weight", "conv1d.weight"):
-            index = torch.cat([torch.arange(2 * key_dim), 2 * key_dim + tiling(config, dv)])
-        elif leaf == "in_proj_z.weight":
-            index = tiling(config, dv)
-        elif leaf in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
-            index = tiling(config, 1)
-        elif leaf == "out_proj.weight":
-            dim, index = 1, tiling(config, dv)
+    leaf = name.rsplit(".linear_attn.", 1)[-1]
+    if leaf in ("in_proj_qkv.weight", "conv1d.weight"):
+        return 0, torch.cat([torch.arange(2 * key_dim), 2 * key_dim + tiling(config, dv)])
+    if leaf == "in_proj_z.weight":
+        return 0, tiling(config, dv)
+    if leaf in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+        return 0, tiling(config, 1)
+    if leaf == "out_proj.weight":
+        return 1, tiling(config, dv)
+    return 0, None
+
+
+def _split_qkvz(config, tensor: torch.Tensor) -> tuple[list[torch.Tensor], Callable]:
+    """Qwen3NextModel: ``in_proj_qkvz`` (per key head ``q, k, v, z``) -> ``attn_qkv`` (all q, all
+    k, all v) and ``attn_gate`` (z); with the function that joins them back."""
+    num_k, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    group = config.linear_num_value_heads // num_k * config.linear_value_head_dim
+    sizes = [dk, dk, group, group]
+    q, k, v, z = tensor.view(num_k, sum(sizes), -1).split(sizes, dim=1)
+
+    def join(pieces: list[torch.Tensor]) -> torch.Tensor:
+        qkv, gate = pieces
+        q, k, v = (x.reshape(num_k, -1, qkv.shape[-1]) for x in qkv.split([num_k * dk, num_k * dk, num_k * group]))
+        return torch.cat([q, k, v, gate.reshape(num_k, group, -1)], dim=1).reshape(-1, qkv.shape[-1])
+
+    return [torch.cat([x.reshape(-1, tensor.shape[-1]) for x in (q, k, v)]), z.reshape(-1, tensor.shape[-1])], join
+
+
+def converted(config, name: str, tensor: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], Callable]:
+    """``([(HF name as the converter names it, GGUF values)], back)`` for one HF tensor, ``back``
+    taking the pieces' values to the HF tensor (the inverse of the converter's changes)."""
+    dim, index = _reordered(config, name)
     values = tensor if index is None else tensor.index_select(dim, index)
     # Qwen3NextModel.modify_tensors
+    shift = name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
     if name.endswith(".A_log"):
         values = -torch.exp(values)
     elif name.endswith(".dt_bias"):
         name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
     elif "conv1d" in name:
         values = values.squeeze()
-    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+    elif shift:
         values = values + 1
+
+    def back(pieces: list[torch.Tensor]) -> torch.Tensor:
+        value = torch.cat(pieces, dim=-2) if len(pieces) > 1 else pieces[0]  # the experts' gate and up
+        if name.endswith(".A_log"):
+            value = torch.log(-value)
+        value = value.unsqueeze(1) if "conv1d" in name else value - 1 if shift else value
+        return value if index is None else value.index_select(dim, torch.argsort(index))
+
+    if name.endswith(".in_proj_qkvz.weight"):
+        (qkv, gate), join = _split_qkvz(config, values)
+        base = name.removesuffix(".in_proj_qkvz.weight")
+        return [(f"{base}.in_proj_qkv.weight", qkv), (f"{base}.in_proj_z.weight", gate)], join
     if name.endswith("mlp.experts.gate_up_proj"):  # Qwen2MoeModel: gate_up split on dim -2
         gate, up = values.chunk(2, dim=-2)
         base = name.removesuffix(".gate_up_proj")
-        return [(f"{base}.gate_proj.weight", gate, dim, None), (f"{base}.up_proj.weight", up, dim, None)]
+        return [(f"{base}.gate_proj.weight", gate), (f"{base}.up_proj.weight", up)], back
     if name.endswith("mlp.experts.down_proj"):
         name += ".weight"
-    return [(name, values, dim, index)]
+    return [(name, values)], back
 
 
-def is_quantized(gguf_name: str, values: torch.Tensor) -> bool:
+def is_quantized(arch: str, gguf_name: str, values: torch.Tensor) -> bool:
     """The Q8_0 file's packed tensors: 2-D matrices and expert stacks (rows of whole 32-blocks), not
-    norms or the conv (as llama.cpp's quantizer leaves them)."""
+    norms or the conv (as llama.cpp's quantizer leaves them); in the qwen3next file not `attn_gate`
+    either (a type unlike `attn_qkv`'s: the two join into one float `in_proj_qkvz`)."""
     return (
-        values.dim() >= 2
+        not (arch == "qwen3next" and "attn_gate" in gguf_name)
+        and values.dim() >= 2
         and values.shape[-1] % 32 == 0
         and "norm" not in gguf_name
         and "conv1d" not in gguf_name
@@ -121,7 +160,7 @@ def write_gguf(path, arch: str, model, quantize: bool = False) -> dict[str, torc
     writer.add_nextn_predict_layers(1)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    if arch == "qwen35":
+    if arch != "qwen35moe":
         writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
@@ -138,8 +177,9 @@ def write_gguf(path, arch: str, model, quantize: bool = False) -> dict[str, torc
     writer.add_array(f"{arch}.attention.recurrent_layers", [*recurrent, False])
     writer.add_full_attention_interval(4)
     writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
-    writer.add_rope_dimension_sections([11, 11, 10, 0])
-    if arch == "qwen35moe":
+    if arch != "qwen3next":  # _Qwen35MRopeMixin
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if arch != "qwen35":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
@@ -162,29 +202,21 @@ def write_gguf(path, arch: str, model, quantize: bool = False) -> dict[str, torc
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     held = dict(state)
     for hf_name, tensor in state.items():
-        pieces = converted(config, hf_name, tensor)
+        pieces, back = converted(config, hf_name, tensor)
         stored = []
-        for name, values, dim, index in pieces:
+        for name, values in pieces:
             base, suffix = (name, "") if name.endswith((".A_log",)) else name.rsplit(".", 1)
             gguf_name = name_map.get_name(base) + (f".{suffix}" if suffix else "")
             array = values.float().contiguous().numpy()
-            if quantize and is_quantized(gguf_name, values):
+            if quantize and is_quantized(arch, gguf_name, values):
                 packed = gguf.quants.quantize(array, Q.Q8_0)
                 writer.add_tensor(gguf_name, packed, raw_dtype=Q.Q8_0)
                 array = gguf.quants.dequantize(packed, Q.Q8_0)
             else:
                 writer.add_tensor(gguf_name, np.ascontiguousarray(array))
-            stored.append((torch.from_numpy(np.array(array)), dim, index))
-        if quantize:  # the file's values back in the HF layout (the inverse reordering)
-            values = torch.cat([v for v, _, _ in stored], dim=-2) if len(stored) > 1 else stored[0][0]
-            _, dim, index = stored[0]
-            if "conv1d" in hf_name:
-                values = values.unsqueeze(1)
-            if hf_name.endswith(".A_log"):
-                values = torch.log(-values)
-            if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
-                values = values - 1
-            held[hf_name] = values if index is None else values.index_select(dim, torch.argsort(index))
+            stored.append(torch.from_numpy(np.array(array)))
+        if quantize:  # the file's values back in the HF layout
+            held[hf_name] = back(stored).reshape(tensor.shape)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -247,6 +279,11 @@ def test_q8_gguf_stays_packed_and_gives_the_greedy_ids_of_the_files_values(tiny,
     expected = [reference_greedy(dequantized, p, greedy.max_tokens) for p in PARITY_PROMPTS[:2]]
     assert [r.outputs[0].token_ids for r in results] == expected
     packed = check_kept_packed(llm.engine.core.runner.model)
-    assert "model.layers.0.linear_attn.in_proj_qkv" in packed and "model.layers.2.linear_attn.in_proj_z" in packed
+    gdn = "model.layers.0.linear_attn"
+    if arch == "qwen3next":
+        assert f"{gdn}.in_proj_ba" in packed and f"{gdn}.in_proj_qkvz" not in packed
+    else:
+        assert f"{gdn}.in_proj_qkv" in packed and "model.layers.2.linear_attn.in_proj_z" in packed
     # out_proj's tiled columns: whole Q8_0 blocks per 32-wide value head; split by 8-wide ones
-    assert ("model.layers.0.linear_attn.out_proj" in packed) == (reference.config.linear_value_head_dim % 32 == 0)
+    tiled_and_narrow = arch != "qwen3next" and reference.config.linear_value_head_dim % 32
+    assert (f"{gdn}.out_proj" in packed) == (not tiled_and_narrow)
