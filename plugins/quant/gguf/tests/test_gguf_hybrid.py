@@ -287,3 +287,22 @@ def test_q8_gguf_stays_packed_and_gives_the_greedy_ids_of_the_files_values(tiny,
     # out_proj's tiled columns: whole Q8_0 blocks per 32-wide value head; split by 8-wide ones
     tiled_and_narrow = arch != "qwen3next" and reference.config.linear_value_head_dim % 32
     assert (f"{gdn}.out_proj" in packed) == (not tiled_and_narrow)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_q8_hybrid_in_cuda_graphs_gives_the_greedy_ids_of_the_files_values(arch, tmp_path):
+    """On the GPU (fp32; the DeltaNet ops' Triton kernels, decode in CUDA graphs) a Q8_0 file's
+    packed matrices and experts give the greedy ids of transformers holding the file's values,
+    one sequence and six at once."""
+    reference = write_randomised_model(tmp_path / "safetensors", CONFIGS[arch]())
+    held = write_gguf(tmp_path / "model-q8.gguf", arch, reference, quantize=True)
+    dequantized = transformers.AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32).eval()
+    dequantized.load_state_dict(held)
+    prompts = [*PARITY_PROMPTS[:2], *([3 + i, 17, 29 + i] for i in range(4))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(tmp_path / "model-q8.gguf"), device="cuda", dtype="f32", num_blocks=64)
+    assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+    for batch in ([prompts[0]], prompts):
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in batch], greedy)]
+        assert ids == [reference_greedy(dequantized, p, greedy.max_tokens) for p in batch]
