@@ -144,7 +144,7 @@ class GGUFFormat(WeightFormat):
                 tensor = tensor.unsqueeze(0)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as a vector
             if self._hybrid is not None:
                 tensor = to_hf_layout(self._hybrid, hf_name, tensor)
-            if offset and hf_name.endswith("norm.weight") and norm_is_shifted(hf_name):
+            if offset and norm_is_shifted(hf_name):
                 tensor = tensor - offset
             if hf_name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
                 yield from split_per_head_norm(hf_name, tensor)

@@ -202,5 +202,6 @@ def to_hf_layout(layout: HybridLayout, hf_name: str, tensor: torch.Tensor) -> to
 
 
 def norm_is_shifted(hf_name: str) -> bool:
-    """Whether the converter stored this norm weight as ``1 + w`` (all but the DeltaNet output norm)."""
+    """Whether a model whose converter shifts norms stored this tensor as ``1 + w``: every norm
+    weight but the DeltaNet output norm (for Gemma, which has none, every norm weight)."""
     return hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight")
