@@ -98,9 +98,10 @@ def _chunk_prepare_kernel(
     kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
     a = tl.where(t[:, None] > t[None, :], kk * decay * beta[:, None], 0.0)  # padded rows and columns are 0
     # (I + A)^-1 row by row: inv[i] = e_i - sum_{j < i} A[i, j] inv[j]; rows j >= i are still e_j,
-    # where A[i, j] = 0, so each step may sum over the whole tile
+    # where A[i, j] = 0, so each step may sum over the whole tile; rows past the chunk's last token
+    # (A = 0 there) stay e_i
     inv = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
-    for i in range(1, CHUNK):
+    for i in range(1, tl.minimum(end - first, CHUNK)):
         a_row = tl.sum(tl.where(t[:, None] == i, a, 0.0), axis=0)
         row = tl.where(t == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inv, axis=0)
         inv = tl.where(t[:, None] == i, row[None, :], inv)
