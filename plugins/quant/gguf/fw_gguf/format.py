@@ -90,25 +90,27 @@ class GGUFFormat(WeightFormat):
 
     def _is_matrix(self, hf_name: str, info: Any) -> bool:
         """Weight matrices stay as GGUF bytes (handled by the gguf LinearMethod); the rest are floats
-        (also the DeepSeek-V3-style routers and MLA's kv_b_proj, which fw keeps unquantized, the
-        DeltaNet conv weights, and a Qwen3.5 ``out_proj`` whose value heads cannot be regrouped
-        inside its packed rows: ``fw_gguf.hybrid``)."""
+        (also the DeepSeek-V3-style routers and MLA's kv_b_proj, which fw keeps unquantized, and
+        the DeltaNet conv weights)."""
         if self.arch in GROUPED_MOE_ARCHITECTURES and loads_as_float(hf_name):
             return False
-        if self._hybrid is not None and self._hybrid.loads_as_float(hf_name, info.qtype):
+        if hf_name.endswith(".linear_attn.conv1d.weight"):
             return False
         if hf_name.endswith(".in_proj_qkvz.weight"):  # Qwen3-Next: packed if attn_gate, joining it, is alike
             return self.model.tensors[info.name.replace("attn_qkv", "attn_gate")].qtype == info.qtype
         return len(info.shape) == 2 and hf_name.endswith(".weight") and "norm" not in hf_name
 
     def quantization_config(self) -> dict[str, Any]:
-        """``tensor_types`` maps each HF weight-matrix and expert-stack name to its GGUF type name."""
+        """``tensor_types`` maps each HF weight-matrix and expert-stack name to its GGUF type name;
+        ``input_orders`` names the matrices whose input columns the file keeps in another order
+        (Qwen3.5's tiled ``out_proj``: ``fw_gguf.hybrid``)."""
         types = {}
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
             if hf_name and (self._is_matrix(hf_name, info) or len(info.shape) == 3 and ".experts." in hf_name):
                 types[hf_name] = as_quant_type(info.qtype).name
-        return {"quant_method": "gguf", "tensor_types": types}
+        orders = self._hybrid.input_orders(list(types)) if self._hybrid is not None else {}
+        return {"quant_method": "gguf", "tensor_types": types, "input_orders": orders}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names with packed uint8 rows (matrices, any GGUF type) or float tensors (norms, biases).

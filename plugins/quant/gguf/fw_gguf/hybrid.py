@@ -22,8 +22,10 @@ What the converter changes and :func:`to_hf_layout` undoes:
 - Qwen3.5 (not Qwen3-Next) with fewer key than value heads: the value heads are stored *tiled*
   (``v0 of every key head, then v1 ...``) instead of grouped by key head, in the v rows of
   ``attn_qkv`` and the conv, the rows of ``attn_gate``, ``ssm_alpha``, ``ssm_beta``, ``ssm_a``,
-  ``ssm_dt``, and the columns of ``ssm_out``. Rows are regrouped as whole (packed) rows; columns of
-  ``ssm_out`` as whole GGUF blocks when a head's width holds whole blocks, else it loads as floats;
+  ``ssm_dt``, and the columns of ``ssm_out``. Rows are regrouped as whole (packed) rows; ``ssm_out``
+  stays as stored, its layer gathering its input into the tiled order instead
+  (:meth:`HybridLayout.input_orders`: the ``gguf`` method's ``input_orders``), as a head narrower
+  than a block (128 features in Q4_K's 256) would split blocks;
 - Qwen3-Next's ``in_proj_qkvz`` (per key head ``q, k, v, z``) is stored split, as ``attn_qkv``
   (all q, all k, all v) and ``attn_gate`` (z): :func:`fuse_qkvz` puts the rows back (packed when
   both tensors have one GGUF type, else as floats); ``in_proj_ba`` stays whole, as ``ssm_ba``.
@@ -34,7 +36,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import gguf
 import torch
 
 #: GGUF architectures served here -> HF (model_type, architectures[0]).
@@ -111,6 +112,14 @@ def hybrid_layer_names(num_layers: int) -> dict[str, str]:
     return names
 
 
+def tile_index(num_k_heads: int, num_v_heads: int, width: int, device: torch.device | None = None) -> torch.Tensor:
+    """The converter's value-head tiling as a gather: ``tiled = grouped[index]`` (the inverse of
+    :func:`untile_index`)."""
+    per_key = num_v_heads // num_k_heads
+    rows = torch.arange(num_v_heads * width, device=device)
+    return rows.reshape(num_k_heads, per_key, width).transpose(0, 1).reshape(-1)
+
+
 def untile_index(num_k_heads: int, num_v_heads: int, width: int, device: torch.device | None = None) -> torch.Tensor:
     """Row order that undoes the converter's value-head tiling: `grouped = tiled[index]`.
 
@@ -140,22 +149,13 @@ class HybridLayout:
         index = untile_index(self.num_k, self.num_v, width, tensor.device)
         return torch.cat([tensor[:skip], tensor[skip:].index_select(0, index)])
 
-    def loads_as_float(self, hf_name: str, qtype: gguf.GGMLQuantizationType) -> bool:
-        """The matrices that load as floats: the conv weight, and ``out_proj`` when its value-head
-        columns cannot be regrouped inside packed rows of ``qtype`` (a head narrower than a block)."""
-        if hf_name.endswith(".linear_attn.conv1d.weight"):
-            return True
-        block, _ = gguf.GGML_QUANT_SIZES[qtype]
-        return hf_name.endswith(".linear_attn.out_proj.weight") and self.tiled and self.dv % block != 0
-
-    def untile_columns(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``ssm_out`` ``[hidden, Hv * Dv]`` (floats, or packed rows whose heads hold whole blocks)
-        with its value-head columns regrouped."""
+    def input_orders(self, hf_names: list[str]) -> dict[str, list[int]]:
+        """``{out_proj weight name: [Hk, Hv, Dv]}`` for the layers that keep llama.cpp's tiled input
+        columns (the ``gguf`` method's ``input_orders``: it gathers ``x[:, tile_index(Hk, Hv, Dv)]``)."""
         if not self.tiled:
-            return tensor
-        heads = untile_index(self.num_k, self.num_v, 1, tensor.device)
-        rows = tensor.shape[0]
-        return tensor.reshape(rows, self.num_v, -1).index_select(1, heads).reshape(rows, -1)
+            return {}
+        order = [self.num_k, self.num_v, self.dv]
+        return {name: order for name in hf_names if name.endswith(".linear_attn.out_proj.weight")}
 
 
 def fuse_qkvz(layout: HybridLayout, qkv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,8 @@ def fuse_qkvz(layout: HybridLayout, qkv: torch.Tensor, gate: torch.Tensor) -> to
 
 def to_hf_layout(layout: HybridLayout, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A DeltaNet tensor in the HF checkpoint's layout (the converter's changes undone; norms'
-    ``+1`` excepted: :func:`norm_weight_offset`). Other tensors come back unchanged."""
+    ``+1`` excepted: :func:`norm_weight_offset`; ``out_proj``'s columns stay tiled:
+    :meth:`HybridLayout.input_orders`). Other tensors come back unchanged."""
     if ".linear_attn." not in hf_name:
         return tensor
     key_dim = layout.num_k * layout.dk
@@ -196,8 +197,6 @@ def to_hf_layout(layout: HybridLayout, hf_name: str, tensor: torch.Tensor) -> to
         return layout.untile_rows(tensor, layout.dv)
     if leaf in ("in_proj_a.weight", "in_proj_b.weight"):
         return layout.untile_rows(tensor, 1)
-    if leaf == "out_proj.weight":
-        return layout.untile_columns(tensor)
     return tensor
 
 

@@ -11,9 +11,9 @@ Qwen3-Next's `in_proj_qkvz` split into `attn_qkv` and `attn_gate`, `A_log` store
 norm stored `1 + w`, the MoE's `gate_up_proj` split; names from gguf-py's own table; an MTP block
 after the decoder's. fw's logits from the F32 file equal transformers'; a Q8_0 file (its matrices
 and experts packed) gives the greedy ids of transformers holding the file's values. Qwen3.5's
-8-wide value heads split Q8_0 blocks, so its `out_proj` loads as floats; the MoE's (32 wide) hold
-whole blocks and stay packed; Qwen3-Next's F32 `attn_gate` beside a Q8_0 `attn_qkv` makes its
-`in_proj_qkvz` floats.
+`out_proj` stays packed with its tiled columns (its input gathered into their order), also where
+8-wide value heads split Q8_0 blocks; Qwen3-Next's F32 `attn_gate` beside a Q8_0 `attn_qkv` makes
+its `in_proj_qkvz` floats.
 """
 
 from __future__ import annotations
@@ -285,8 +285,12 @@ def test_q8_gguf_stays_packed_and_gives_the_greedy_ids_of_the_files_values(tiny,
     else:
         assert f"{gdn}.in_proj_qkv" in packed and "model.layers.2.linear_attn.in_proj_z" in packed
     # out_proj's tiled columns: whole Q8_0 blocks per 32-wide value head; split by 8-wide ones
-    tiled_and_narrow = arch != "qwen3next" and reference.config.linear_value_head_dim % 32
-    assert (f"{gdn}.out_proj" in packed) == (not tiled_and_narrow)
+    assert f"{gdn}.out_proj" in packed  # Qwen3.5's tiled columns kept, the input gathered into their order
+    orders = llm.engine.core.runner.model.model.layers[0].linear_attn.out_proj.linear_method.input_order
+    assert orders == (None if arch == "qwen3next" else [2, 4, reference.config.linear_value_head_dim])
+    out_proj = llm.engine.core.runner.model.model.layers[0].linear_attn.out_proj
+    weight = out_proj.linear_method.dequantize(out_proj)  # in the model's order
+    assert torch.equal(weight, held["model.layers.0.linear_attn.out_proj.weight"])
 
 
 @pytest.mark.gpu
