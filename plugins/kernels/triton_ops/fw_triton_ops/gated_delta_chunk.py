@@ -22,10 +22,13 @@ Two launches::
 Every program reads its sequence's ``(start, end, slot, has_initial_state)`` from the step's
 ``longer_table``; a chunk index past a sequence's end exits at once (the grid spans the longest).
 q and k are L2-normalised in float32 inside both kernels (as they are loaded). Matmuls of float32
-inputs run in IEEE float32; of 16-bit inputs in TF32 with float32 accumulation.
+inputs run in IEEE float32; of 16-bit inputs in TF32 with float32 accumulation (IEEE float32 on
+GPUs before Ampere, which have no TF32).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -34,6 +37,11 @@ from torch import Tensor
 
 #: tokens per chunk (fla's and transformers' choice: the tile of the triangular solve)
 CHUNK = 64
+
+
+@functools.cache
+def _has_tf32(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 @triton.jit
@@ -213,7 +221,7 @@ def chunked_gated_delta_rule(
     shared = dict(
         HEADS_PER_KEY=num_v // q.shape[1], NUM_V_HEADS=num_v, K_DIM=k_dim, V_DIM=v_dim, CHUNK=CHUNK,
         BLOCK_K=max(16, triton.next_power_of_2(k_dim)), USE_QK_L2NORM=use_qk_l2norm,
-        DOT_PRECISION="ieee" if v.dtype == torch.float32 else "tf32", num_warps=4,
+        DOT_PRECISION="tf32" if v.dtype != torch.float32 and _has_tf32(v.device) else "ieee", num_warps=4,
     )  # fmt: skip
     scale = k_dim**-0.5
     num_seqs = table.shape[0]
