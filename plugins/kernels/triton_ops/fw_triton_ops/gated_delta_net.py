@@ -4,17 +4,16 @@ Same signatures and results as :func:`framework.ops_linear_attention.gated_delta
 :func:`~framework.ops_linear_attention.causal_conv1d`; every sequence of a step runs here, each
 program reading and writing its sequence's state row in place::
 
-    gated_delta_rule   program (sequence b, value head h, block of v_dim), tokens in order:
+    gated_delta_rule   decodes: program (sequence b, value head h, block of v_dim):
         S [k_dim, BLOCK_V] = states[slot_b, h]                (zeros when the sequence starts here)
-        per token: S *= exp(g);  u = beta * (v - S^T k);  S += k u^T;  o = S^T q
-        (q, k L2-normalised in float32; S stays in registers, written back once)
+        S *= exp(g);  u = beta * (v - S^T k);  S += k u^T;  o = S^T q
+        (q, k L2-normalised in float32; S stays in registers, written back once);
+                       prefill chunks: the chunked (WY) kernels of :mod:`fw_triton_ops.gated_delta_chunk`
     causal_conv1d      decodes: program (sequence, channel block): one output, the state shifted;
                        prefill chunks: program (sequence, channel block, token block) for the
                        outputs (inputs before the chunk come from the state), then a second launch
                        stores each sequence's last ``kernel - 1`` inputs as its new state
 
-The recurrent kernel walks a prefill chunk token by token (parallel over sequences, heads and v
-blocks): a chunked (WY) kernel would be faster for long prompts; the torch reference has that form.
 Decode steps touch only device tensors, so they run inside CUDA graphs.
 """
 
@@ -26,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from framework.ops_linear_attention import StateIndices
+from fw_triton_ops.gated_delta_chunk import chunked_gated_delta_rule
 
 
 @triton.jit
@@ -215,26 +215,26 @@ def gated_delta_rule(
     indices: StateIndices,
     use_qk_l2norm: bool = True,
 ) -> Tensor:
-    """:func:`framework.ops_linear_attention.gated_delta_rule`: the decodes in one launch, the prefill chunks in another."""
+    """:func:`framework.ops_linear_attention.gated_delta_rule`: the decodes in one recurrent launch,
+    the prefill chunks in the chunked (WY) kernels of :mod:`fw_triton_ops.gated_delta_chunk`."""
     out = torch.empty_like(v)
     num_v, k_dim, v_dim = v.shape[1], q.shape[2], v.shape[2]
-    block_v = min(32, triton.next_power_of_2(v_dim))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
-    rows, table = indices.decode_rows, indices.longer_table
-    launches = [
-        (rows, rows + 1, indices.decode_slots, indices.decode_has_initial_state, 1),
-        (table[:, 0], table[:, 1], table[:, 2], table[:, 3], 4),
-    ]
-    for starts, ends, slots, resumes, stride in launches:
-        if starts.numel():
-            _recurrent_kernel[(starts.numel(), num_v, triton.cdiv(v_dim, block_v))](
-                q, k, v, g, beta, states, out, starts, ends, slots, resumes, stride,
-                q.stride(0), k.stride(0), v.stride(0), g.stride(0), out.stride(0), k_dim**-0.5,
-                HEADS_PER_KEY=num_v // q.shape[1], NUM_V_HEADS=num_v, K_DIM=k_dim, V_DIM=v_dim,
-                BLOCK_K=triton.next_power_of_2(k_dim), BLOCK_V=block_v, USE_QK_L2NORM=use_qk_l2norm,
-                num_warps=4,
-            )  # fmt: skip
+    rows = indices.decode_rows
+    if rows.numel():
+        block_v = min(32, triton.next_power_of_2(v_dim))
+        _recurrent_kernel[(rows.numel(), num_v, triton.cdiv(v_dim, block_v))](
+            q, k, v, g, beta, states, out, rows, rows + 1, indices.decode_slots, indices.decode_has_initial_state, 1,
+            q.stride(0), k.stride(0), v.stride(0), g.stride(0), out.stride(0), k_dim**-0.5,
+            HEADS_PER_KEY=num_v // q.shape[1], NUM_V_HEADS=num_v, K_DIM=k_dim, V_DIM=v_dim,
+            BLOCK_K=triton.next_power_of_2(k_dim), BLOCK_V=block_v, USE_QK_L2NORM=use_qk_l2norm,
+            num_warps=4,
+        )  # fmt: skip
+    if indices.longer_table.shape[0]:
+        chunked_gated_delta_rule(
+            q, k, v, g, beta, states, indices.longer_table, indices.max_longer_len(), out, use_qk_l2norm
+        )
     return out
 
 

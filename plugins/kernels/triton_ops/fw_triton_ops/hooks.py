@@ -23,20 +23,20 @@ TRITON_KERNELS = {
         "fw_triton_ops.gemv:linear",
         "split-K GEMV for one row (bf16/fp16, Hopper+, at the shapes measured faster than cuBLAS); F.linear otherwise",
     ),
-}
-
-#: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
-#: so they run only when forced (``FW_KERNELS="op=triton"``) until a GPU run shows them ahead.
-OPT_IN_KERNELS: dict[str, tuple[str, str]] = {
     "gated_delta_rule": (
         "fw_triton_ops.gated_delta_net:gated_delta_rule",
-        "one program per (sequence, value head, v block), its state in registers, tokens in order",
+        "decodes: one program per (sequence, value head, v block), the state in registers; "
+        "prefill: chunks of 64 in the WY form",
     ),
     "causal_conv1d": (
         "fw_triton_ops.gated_delta_net:causal_conv1d",
         "decodes shift their state in one program; prefill chunks by token blocks, then their new states",
     ),
 }
+
+#: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
+#: so they run only when forced (``FW_KERNELS="op=triton"``) until a GPU run shows them ahead.
+OPT_IN_KERNELS: dict[str, tuple[str, str]] = {}
 
 
 @hookimpl

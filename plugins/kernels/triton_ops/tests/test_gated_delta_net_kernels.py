@@ -1,6 +1,7 @@
 """The gated-delta-net kernels against the torch references in ``framework.ops_linear_attention``:
 a step mixing decodes, a fresh one-token prompt, prefill chunks that resume a state (one shorter
-than the conv's kernel) and a fresh one; interpreted on CPU (fp32), compiled for sm_90, on CUDA."""
+than the conv's kernel) and a fresh one; a step of prompts spanning several 64-token chunks of
+the chunked kernel; interpreted on CPU (fp32, bf16), compiled for sm_90, on CUDA."""
 
 from __future__ import annotations
 
@@ -21,16 +22,19 @@ HK, HV, DK, DV = 2, 4, 16, 24  # DV of 24: a masked v block
 LENGTHS = [1, 1, 21, 1, 1, 2, 5]
 SLOTS = [3, 0, 4, 1, 5, 6, 7]
 RESUMES = [True, False, True, True, True, True, False]
+#: the chunked prefill: 70 tokens resuming slot 3 (a chunk and 6), a fresh one-token prompt, a
+#: fresh 130-token prompt (two chunks and 2), exactly one chunk resuming slot 1, then a decode
+CHUNKED = dict(lengths=[70, 1, 130, 64, 1], slots=[3, 0, 4, 1, 5], resumes=[True, False, False, True, True])
 
 
-def _step(device: str, dtype: torch.dtype):
+def _step(device: str, dtype: torch.dtype, lengths: list[int] = LENGTHS):
     generator = torch.Generator().manual_seed(0)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
 
     cu = [0]
-    for n in LENGTHS:
+    for n in lengths:
         cu.append(cu[-1] + n)
     tokens = cu[-1]
     q, k, v = randn(tokens, HK, DK), randn(tokens, HK, DK), randn(tokens, HV, DV)
@@ -43,10 +47,10 @@ def _step(device: str, dtype: torch.dtype):
     return cu, (q, k, v, g, beta, states), (x, weight, conv_states)
 
 
-def _check(device: str, dtype: torch.dtype, tol: dict) -> None:
-    cu, (q, k, v, g, beta, states), (x, weight, conv_states) = _step(device, dtype)
+def _check(device: str, dtype: torch.dtype, tol: dict, lengths=LENGTHS, slots=SLOTS, resumes=RESUMES) -> None:
+    cu, (q, k, v, g, beta, states), (x, weight, conv_states) = _step(device, dtype, lengths)
     expected_states, expected_conv = states.clone(), conv_states.clone()
-    indices = reference.StateIndices.build(cu, SLOTS, RESUMES, torch.device(device))
+    indices = reference.StateIndices.build(cu, slots, resumes, torch.device(device))
     out = gated_delta_rule(q, k, v, g, beta, states, indices)
     expected = reference.gated_delta_rule(q, k, v, g, beta, expected_states, indices)
     torch.testing.assert_close(out, expected, **tol)
@@ -61,9 +65,24 @@ def test_kernels_match_the_references_in_a_mixed_step_fp32():
     _check("cpu", torch.float32, {"rtol": 1e-5, "atol": 1e-5})
 
 
+@interpreted
+@pytest.mark.parametrize(
+    "dtype, tol",
+    [(torch.float32, {"rtol": 1e-5, "atol": 1e-5}), (torch.bfloat16, {"rtol": 2e-2, "atol": 2e-2})],
+    ids=["fp32", "bf16"],
+)
+def test_chunked_prefill_matches_the_reference_across_chunk_boundaries(dtype, tol):
+    _check("cpu", dtype, tol, **CHUNKED)
+
+
 def test_kernels_compile_for_hopper():
     indices = {name: "*i64" for name in ("rows_ptr", "slots_ptr", "resume_ptr")}
     conv = {name: "*bf16" for name in ("x_ptr", "weight_ptr", "bias_ptr", "states_ptr", "out_ptr")}
+    # the Qwen3.5-27B layer: 16 key heads, 48 value heads, 128 x 128 states
+    chunk = dict(
+        HEADS_PER_KEY=3, NUM_V_HEADS=48, K_DIM=128, V_DIM=128, CHUNK=64, BLOCK_K=128, USE_QK_L2NORM=True,
+        DOT_PRECISION="tf32",
+    )  # fmt: skip
     cases = [
         HopperCompile(
             "fw_triton_ops.gated_delta_net:_recurrent_kernel",
@@ -74,6 +93,28 @@ def test_kernels_compile_for_hopper():
                 **{name: "*i64" for name in ("starts_ptr", "ends_ptr", "slots_ptr", "resume_ptr")},
             },
             dict(HEADS_PER_KEY=3, NUM_V_HEADS=48, K_DIM=128, V_DIM=128, BLOCK_K=128, BLOCK_V=32, USE_QK_L2NORM=True),
+            float_args=("scale",),
+            options=dict(num_warps=4),
+        ),
+        HopperCompile(
+            "fw_triton_ops.gated_delta_chunk:_chunk_prepare_kernel",
+            {
+                **{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "beta_ptr")},
+                **{name: "*fp32" for name in ("g_ptr", "gcum_ptr", "w_ptr", "u_ptr", "aqk_ptr")},
+                "table_ptr": "*i64",
+            },
+            dict(chunk, BLOCK_DV=128),
+            float_args=("scale",),
+            options=dict(num_warps=4),
+        ),
+        HopperCompile(
+            "fw_triton_ops.gated_delta_chunk:_chunk_state_kernel",
+            {
+                **{name: "*bf16" for name in ("q_ptr", "k_ptr", "out_ptr")},
+                **{name: "*fp32" for name in ("gcum_ptr", "w_ptr", "u_ptr", "aqk_ptr", "states_ptr")},
+                "table_ptr": "*i64",
+            },
+            dict(chunk, BLOCK_V=32),
             float_args=("scale",),
             options=dict(num_warps=4),
         ),
@@ -107,3 +148,4 @@ def test_kernels_compile_for_hopper():
 )
 def test_compiled_kernels_match_the_references_on_cuda(dtype, tol):
     _check("cuda", dtype, tol)
+    _check("cuda", dtype, tol, **CHUNKED)

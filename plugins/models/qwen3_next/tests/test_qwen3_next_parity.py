@@ -256,15 +256,14 @@ def test_text_path_of_the_hub_multimodal_checkpoints_matches_transformers(name, 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monkeypatch):
     """On CUDA (fp32; Triton attention and kernels, decode in CUDA graphs; the DeltaNet ops' torch
-    references or, forced, the triton_ops decode kernels): every prompt position's logits within
+    references or triton_ops' kernels, forced): every prompt position's logits within
     1e-4 of transformers' (CPU) and the greedy ids equal, prompts split into prefill chunks of 8,
     async scheduling on."""
     import torch
 
     from framework.testing import capture_logits, check_kernels_used, count_kernel_calls, reference_logits
 
-    if deltanet_kernels == "triton":
-        monkeypatch.setenv("FW_KERNELS", "gated_delta_rule=triton,causal_conv1d=triton")
+    monkeypatch.setenv("FW_KERNELS", f"gated_delta_rule={deltanet_kernels},causal_conv1d={deltanet_kernels}")
     reference = write_randomised_model(tmp_path, CONFIGS[name]())
     with count_kernel_calls() as calls:
         llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64, prefill_chunk_size=8)
@@ -274,6 +273,30 @@ def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monke
         results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], GREEDY)
     check_kernels_used(calls, {"gated_delta_rule": deltanet_kernels, "causal_conv1d": deltanet_kernels})
     for index, (prompt, result) in enumerate(zip(PARITY_PROMPTS, results, strict=True)):
+        expected = reference_logits(reference, prompt)
+        got = torch.stack([records[(f"{index}-0", pos)].cpu() for pos in range(len(prompt))])
+        assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), f"prompt {index}"
+        assert result.outputs[0].token_ids == reference_greedy(reference, prompt, STEPS), f"prompt {index}"
+
+
+@pytest.mark.gpu
+def test_gpu_long_prompts_through_the_chunked_deltanet_kernel_match_transformers(qwen3_5):
+    """On CUDA (fp32, the triton_ops DeltaNet kernels by default): prompts of 150 and 70 tokens in
+    prefill chunks of 100 (the chunked kernel's 64-token chunks, then a chunk resuming the state):
+    every position's logits within 1e-4 of transformers' and the greedy ids equal."""
+    import torch
+
+    from framework.testing import capture_logits, check_kernels_used, count_kernel_calls, reference_logits
+
+    path, reference = qwen3_5
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 160, (n,), generator=generator).tolist() for n in (150, 70)]
+    with count_kernel_calls() as calls:
+        llm = LLM(str(path), device="cuda", dtype="f32", num_blocks=64, prefill_chunk_size=100)
+        records = capture_logits(llm)
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    check_kernels_used(calls, {"gated_delta_rule": "triton", "causal_conv1d": "triton"})
+    for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         expected = reference_logits(reference, prompt)
         got = torch.stack([records[(f"{index}-0", pos)].cpu() for pos in range(len(prompt))])
         assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), f"prompt {index}"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, correction_bias_names, grouped_moe_config, grouped_moe_tensors
+from .hybrid import HYBRID_ARCHITECTURES, HYBRID_MOE, hybrid_config, hybrid_layer_names, hybrid_tensors
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures[0])
 HF_ARCHITECTURES = {
@@ -32,6 +33,7 @@ HF_ARCHITECTURES = {
     "stablelm": ("stablelm", "StableLmForCausalLM"),
     "glm4": ("glm4", "Glm4ForCausalLM"),
     **GROUPED_MOE_ARCHITECTURES,  # deepseek2 (softmax-routed files: DeepseekV2ForCausalLM), glm4moe
+    **HYBRID_ARCHITECTURES,  # qwen35, qwen35moe, qwen3next (Gated DeltaNet hybrids)
 }
 
 _GEMMA = ("gemma2", "gemma3")
@@ -84,7 +86,8 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
     """The Hugging Face `config.json` dict for a GGUF model with this metadata.
 
     Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3, qwen2moe, qwen3moe, gemma2,
-    gemma3 (text), phi3, stablelm, glm4, deepseek2 and glm4moe (``fw_gguf.grouped_moe``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
+    gemma3 (text), phi3, stablelm, glm4, deepseek2 and glm4moe (``fw_gguf.grouped_moe``), qwen35,
+    qwen35moe and qwen3next (``fw_gguf.hybrid``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
     missing required key. Keys follow transformers' config classes; RoPE is stated the
     `config.json` way (`rope_theta`, `rope_scaling`, plus `rope_local_base_freq` for Gemma 3),
     which transformers converts to `rope_parameters`. `tie_word_embeddings` needs `tensor_names`
@@ -115,7 +118,7 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         "model_type": model_type,
         "hidden_size": hidden_size,
         # MoE files may omit the dense width (every layer sparse): the expert width stands in
-        "intermediate_size": key("feed_forward_length", key("expert_feed_forward_length", None) if arch in _MOE else KeyError),
+        "intermediate_size": key("feed_forward_length", key("expert_feed_forward_length", None) if arch in (*_MOE, *HYBRID_MOE) else KeyError),
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -143,6 +146,8 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         config["use_sliding_window"] = False
     elif arch in _MOE:
         config.update(_moe_config(arch, key, num_layers, names))
+    elif arch in HYBRID_ARCHITECTURES:
+        config.update(hybrid_config(arch, key, config))
     elif arch in GROUPED_MOE_ARCHITECTURES:
         config.update(grouped_moe_config(arch, key, config))
         if arch == "glm4moe" and names is not None:
@@ -264,6 +269,8 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
         per_layer.update({"attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"})
     if arch in GROUPED_MOE_ARCHITECTURES:
         per_layer.update(grouped_moe_tensors(arch))
+    if arch in HYBRID_ARCHITECTURES:
+        per_layer.update({**(_MOE_LAYER_TENSORS if arch in HYBRID_MOE else {}), **hybrid_tensors(arch)})
     names = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
@@ -276,6 +283,8 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
                 names[f"blk.{i}.{gguf_name}{suffix}"] = f"model.layers.{i}.{hf_name}{suffix}"
     if arch in GROUPED_MOE_ARCHITECTURES:
         names.update(correction_bias_names(num_layers))
+    if arch in HYBRID_ARCHITECTURES:
+        names.update(hybrid_layer_names(num_layers))
     return names
 
 
@@ -287,8 +296,10 @@ def split_per_head_norm(hf_name: str, tensor: torch.Tensor) -> list[tuple[str, t
 
 
 def norm_weight_offset(arch: str) -> float:
-    """What llama.cpp added to RMSNorm weights: 1.0 for Gemma (it stores `1 + w`, HF stores `w`)."""
-    return 1.0 if arch in _GEMMA or arch == "gemma" else 0.0
+    """What llama.cpp added to RMSNorm weights: 1.0 for Gemma and the Qwen3.5 / Qwen3-Next hybrids
+    (it stores `1 + w`, HF stores `w`; the hybrids' DeltaNet output norm excepted:
+    `fw_gguf.hybrid.norm_is_shifted`)."""
+    return 1.0 if arch in _GEMMA or arch == "gemma" or arch in HYBRID_ARCHITECTURES else 0.0
 
 
 def qk_unpermute_heads(metadata: dict[str, Any], gguf_name: str) -> int | None:

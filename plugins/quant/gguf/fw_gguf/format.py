@@ -22,6 +22,7 @@ from .config import (
 )
 from .dequant import UnsupportedQuantTypeError, as_quant_type
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, kv_b_from_split, loads_as_float
+from .hybrid import HYBRID_ARCHITECTURES, HybridLayout, fuse_qkvz, norm_is_shifted, to_hf_layout
 from .lazy import GGUFTensorSlice
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
@@ -52,6 +53,7 @@ class GGUFFormat(WeightFormat):
             self._config = hf_config_from_gguf(self.metadata, self.model.tensors.keys())
             self._names = tensor_name_map(self.arch, int(self._config["num_hidden_layers"]))
             self._add_longrope_factors()
+            self._hybrid = HybridLayout(self.arch, self._config) if self.arch in HYBRID_ARCHITECTURES else None
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{self.files[0]}: cannot build a model config from its metadata: {exc}") from None
         for info in self.model.tensors.values():
@@ -86,21 +88,29 @@ class GGUFFormat(WeightFormat):
         return Tokenizer(backend, chat_template(self.metadata), bos_token=text("bos"), eos_token=text("eos"),
                          pad_token=text("pad"), extra_eos_token_ids=frozenset(stop_token_ids(self.metadata)))
 
-    def _is_matrix(self, hf_name: str, shape: tuple[int, ...]) -> bool:
+    def _is_matrix(self, hf_name: str, info: Any) -> bool:
         """Weight matrices stay as GGUF bytes (handled by the gguf LinearMethod); the rest are floats
-        (also the DeepSeek-V3-style routers and MLA's kv_b_proj, which fw keeps unquantized)."""
+        (also the DeepSeek-V3-style routers and MLA's kv_b_proj, which fw keeps unquantized, and
+        the DeltaNet conv weights)."""
         if self.arch in GROUPED_MOE_ARCHITECTURES and loads_as_float(hf_name):
             return False
-        return len(shape) == 2 and hf_name.endswith(".weight") and "norm" not in hf_name
+        if hf_name.endswith(".linear_attn.conv1d.weight"):
+            return False
+        if hf_name.endswith(".in_proj_qkvz.weight"):  # Qwen3-Next: packed if attn_gate, joining it, is alike
+            return self.model.tensors[info.name.replace("attn_qkv", "attn_gate")].qtype == info.qtype
+        return len(info.shape) == 2 and hf_name.endswith(".weight") and "norm" not in hf_name
 
     def quantization_config(self) -> dict[str, Any]:
-        """``tensor_types`` maps each HF weight-matrix and expert-stack name to its GGUF type name."""
+        """``tensor_types`` maps each HF weight-matrix and expert-stack name to its GGUF type name;
+        ``input_orders`` names the matrices whose input columns the file keeps in another order
+        (Qwen3.5's tiled ``out_proj``: ``fw_gguf.hybrid``)."""
         types = {}
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
-            if hf_name and (self._is_matrix(hf_name, info.shape) or len(info.shape) == 3 and ".experts." in hf_name):
+            if hf_name and (self._is_matrix(hf_name, info) or len(info.shape) == 3 and ".experts." in hf_name):
                 types[hf_name] = as_quant_type(info.qtype).name
-        return {"quant_method": "gguf", "tensor_types": types}
+        orders = self._hybrid.input_orders(list(types)) if self._hybrid is not None else {}
+        return {"quant_method": "gguf", "tensor_types": types, "input_orders": orders}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names with packed uint8 rows (matrices, any GGUF type) or float tensors (norms, biases).
@@ -113,27 +123,40 @@ class GGUFFormat(WeightFormat):
         offset = norm_weight_offset(self.arch)
         for name, info in self.model.tensors.items():
             hf_name = self._names.get(name)
-            if hf_name is None or hf_name.endswith(".v_b_proj.weight"):
-                continue  # llama.cpp-only tensors (rope_freqs, ...); attn_v_b joins attn_k_b below
+            if hf_name is None or hf_name.endswith(".v_b_proj.weight") or self._joins_qkvz(hf_name):
+                continue  # llama.cpp-only tensors (rope_freqs, ...); attn_v_b joins attn_k_b below, attn_gate attn_qkv
             if hf_name.endswith(".k_b_proj.weight"):  # MLA: llama.cpp's split kv_b_proj, joined back
                 v_b = self.model.tensors[name.replace("attn_k_b", "attn_v_b")]
                 yield hf_name.replace("k_b_proj", "kv_b_proj"), kv_b_from_split(info.dequantize(), v_b.dequantize())
                 continue
+            if hf_name.endswith(".in_proj_qkvz.weight"):  # Qwen3-Next: llama.cpp's split in_proj_qkvz, joined back
+                gate = self.model.tensors[name.replace("attn_qkv", "attn_gate")]
+                packed = self._is_matrix(hf_name, info)
+                parts = (info.data, gate.data) if packed else (info.dequantize(), gate.dequantize())
+                yield hf_name, fuse_qkvz(self._hybrid, *parts)
+                continue
             if len(info.shape) == 3:  # an expert stack
                 yield hf_name, GGUFTensorSlice(info)
                 continue
-            tensor = info.data if self._is_matrix(hf_name, info.shape) else info.dequantize(torch.float32)
+            tensor = info.data if self._is_matrix(hf_name, info) else info.dequantize(torch.float32)
             heads = qk_unpermute_heads(self.metadata, name)
             if heads is not None:
                 tensor = unpermute_qk(tensor, heads)  # whole rows: works on packed bytes too
             if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
                 tensor = tensor.unsqueeze(0)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as a vector
-            if offset and hf_name.endswith("norm.weight"):
+            if self._hybrid is not None:
+                tensor = to_hf_layout(self._hybrid, hf_name, tensor)
+            if offset and norm_is_shifted(hf_name):
                 tensor = tensor - offset
             if hf_name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
                 yield from split_per_head_norm(hf_name, tensor)
                 continue
             yield hf_name, tensor
 
+    def _joins_qkvz(self, hf_name: str) -> bool:
+        """Qwen3-Next's ``attn_gate`` (``in_proj_z``), read with ``attn_qkv`` into ``in_proj_qkvz``."""
+        return self.arch == "qwen3next" and hf_name.endswith(".linear_attn.in_proj_z.weight")
+
     def num_weights(self) -> int | None:
-        return sum(1 for name in self.model.tensors if name in self._names and ".attn_v_b." not in name)
+        return sum(1 for name in self.model.tensors if name in self._names and ".attn_v_b." not in name
+                   and not self._joins_qkvz(self._names[name]))

@@ -59,13 +59,16 @@ _FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GG
 
 
 class GGUFQuantConfig(QuantConfig):
-    """Knows the GGUF type of every weight matrix and expert stack (``tensor_types``: HF name -> type name)."""
+    """Knows the GGUF type of every weight matrix and expert stack (``tensor_types``: HF name -> type
+    name), and which matrices keep their input columns in llama.cpp's tiled value-head order
+    (``input_orders``: HF name -> ``[key heads, value heads, head width]``, ``fw_gguf.hybrid``)."""
 
     supported_act_dtypes = GGUF_ACT_DTYPES
     supported_device_types = GGUF_DEVICE_TYPES
 
-    def __init__(self, tensor_types: dict[str, str]) -> None:
+    def __init__(self, tensor_types: dict[str, str], input_orders: dict[str, list[int]] | None = None) -> None:
         self.tensor_types = tensor_types
+        self.input_orders = dict(input_orders or {})
 
     @classmethod
     def get_name(cls) -> str:
@@ -75,7 +78,7 @@ class GGUFQuantConfig(QuantConfig):
     def from_config(cls, config: dict[str, Any], model_config: Any = None) -> GGUFQuantConfig:
         if "tensor_types" not in config:
             raise ValueError("gguf quantization config needs 'tensor_types' (it comes from the GGUF file itself)")
-        return cls(dict(config["tensor_types"]))
+        return cls(dict(config["tensor_types"]), config.get("input_orders"))
 
     @classmethod
     def for_isq(cls, isq_type: str, model_config: Any, weight_shapes: dict[str, tuple[int, ...]]) -> GGUFQuantConfig:
@@ -126,17 +129,22 @@ class GGUFQuantConfig(QuantConfig):
         if isinstance(layer, Attention):  # GGUF files hold no KV-cache quantization
             return None
         shards = self.shard_types(prefix)
-        return None if shards is None else GGUFLinearMethod(shards)
+        return None if shards is None else GGUFLinearMethod(shards, self.input_orders.get(f"{prefix}.weight"))
 
 
 class GGUFLinearMethod(LinearMethod):
-    """Packed GGUF shards per layer; ``weight`` is a placeholder whose loader routes shards."""
+    """Packed GGUF shards per layer; ``weight`` is a placeholder whose loader routes shards.
+
+    ``input_order`` ``[Hk, Hv, width]``: the file's input columns are value heads in llama.cpp's
+    tiled order (``fw_gguf.hybrid``); ``apply`` gathers ``x`` into that order first (a copy of the
+    activations, not of the weight) and ``dequantize`` returns the model's order."""
 
     supported_act_dtypes = GGUF_ACT_DTYPES
     supported_device_types = GGUF_DEVICE_TYPES
 
-    def __init__(self, shards: list[tuple[Any, str]]) -> None:
+    def __init__(self, shards: list[tuple[Any, str]], input_order: list[int] | None = None) -> None:
         self.shards = shards
+        self.input_order = input_order
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
@@ -146,6 +154,10 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_types = [as_quant_type(GGMLQuantizationType[qtype]) for _, qtype in self.shards]
         if getattr(layer, "tp_size", 1) > 1:
             check_shardable(layer, self.shards, layer.gguf_types)
+            if self.input_order is not None:
+                raise ConfigError(f"{layer.prefix}: its input columns are in llama.cpp's tiled value-head order, "
+                                  "which tensor parallelism cannot split yet; run this model on one device")
+        layer.gguf_input_index = None  # set after loading, on the weights' device
         layer.gguf_rows = rows
         layer.gguf_in_features = input_size_per_partition
         for index, (qtype, num_rows) in enumerate(zip(layer.gguf_types, rows)):
@@ -180,7 +192,12 @@ class GGUFLinearMethod(LinearMethod):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return self.dequantized(layer, layer.params_dtype)
+        weight = self.dequantized(layer, layer.params_dtype)
+        if self.input_order is None:
+            return weight
+        from .hybrid import untile_index
+
+        return weight.index_select(1, untile_index(*self.input_order, device=weight.device))
 
     @staticmethod
     def file_blocks(layer: nn.Module, index: int) -> torch.Tensor:
@@ -196,6 +213,10 @@ class GGUFLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         keep_packed = os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")
         device = layer.gguf_weight_0.device.type
+        if self.input_order is not None:
+            from .hybrid import tile_index
+
+            layer.gguf_input_index = tile_index(*self.input_order, device=layer.gguf_weight_0.device)
         if device == "cuda" and not all(qtype in _FLOAT_TYPES for qtype in layer.gguf_types):
             from .kernels.gemv import reserve_counters  # before any CUDA-graph capture uses them
 
@@ -248,6 +269,8 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_groups = groups
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.gguf_input_index is not None:
+            x = x.index_select(-1, layer.gguf_input_index)
         if layer.gguf_dense is None:
             if uses_kernels(layer, x):
                 return linear_packed(layer, x, bias)
