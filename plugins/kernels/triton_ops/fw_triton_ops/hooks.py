@@ -23,6 +23,11 @@ TRITON_KERNELS = {
         "fw_triton_ops.gemv:linear",
         "split-K GEMV for one row (bf16/fp16, Hopper+, at the shapes measured faster than cuBLAS); F.linear otherwise",
     ),
+}
+
+#: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
+#: so they run only when forced (``FW_KERNELS="op=triton"``) until a GPU run shows them ahead.
+OPT_IN_KERNELS: dict[str, tuple[str, str]] = {
     "gated_delta_rule": (
         "fw_triton_ops.gated_delta_net:gated_delta_rule",
         "decodes: one program per (sequence, value head, v block), the state in registers; "
@@ -33,10 +38,6 @@ TRITON_KERNELS = {
         "decodes shift their state in one program; prefill chunks by token blocks, then their new states",
     ),
 }
-
-#: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
-#: so they run only when forced (``FW_KERNELS="op=triton"``) until a GPU run shows them ahead.
-OPT_IN_KERNELS: dict[str, tuple[str, str]] = {}
 
 
 @hookimpl
