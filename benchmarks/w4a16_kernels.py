@@ -16,6 +16,7 @@ times a grid of block sizes / split-K / warps and reports the fastest (to fit ``
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 
@@ -25,6 +26,8 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common import copies_timer, write_kernel_report  # noqa: E402
+from fw_gptq.kernels.gemv_int8 import int8_gemv as int8_gemv_kernel  # noqa: E402
+from fw_gptq.kernels.gemv_int8 import int8_gemv_supported, quantize_x_reference  # noqa: E402
 from fw_gptq.kernels.layout import dequantize_kernel_weight, to_kernel_layout  # noqa: E402
 from fw_gptq.kernels.wna16 import choose_config, wna16_matmul  # noqa: E402
 from fw_gptq.packing import IntWeight  # noqa: E402
@@ -113,6 +116,8 @@ def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) ->
         "cublas_bf16_us": cublas_s * 1e6,
         "speedup_vs_bf16": cublas_s / kernel_s,
     }
+    if rows == 1 and int8_gemv_supported(weight):  # the integer GEMV (FW_GPTQ_GEMV=int8), its own rounding
+        result.update(int8_gemv(x, weight, copies, time_it, sweep))
     if sweep:
         settings, refused = [], []
         for config in sweep_settings(rows):
@@ -129,6 +134,38 @@ def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) ->
         best = min(settings, key=lambda s: s["us"])
         result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings, refused=refused)
     return result
+
+
+def int8_gemv(x, weight, copies, time_it, sweep: bool) -> dict:
+    """Time the one-row integer GEMV (rule, and with ``sweep`` a grid of its settings) against its reference."""
+    if weight.perm is not None:  # act-order: the kernel takes x in its (sorted) input order, as wna16_matmul gives it
+        x = x.index_select(1, weight.perm)
+    dense = dequantize_kernel_weight(weight, torch.float32, permuted=True)
+    expected = quantize_x_reference(x).double() @ dense.double().t()
+    got = int8_gemv_kernel(x, weight).double()
+    error = ((got - expected).abs().max() / expected.abs().max()).item()
+    if error > 2e-2:
+        raise AssertionError(f"int8 GEMV {weight.in_features} -> {weight.out_features}: relative error {error:.3g}")
+    packed = sum(t.nbytes for t in (weight.qweight, weight.scales, weight.zeros) if t is not None)
+    seconds = time_it(lambda w: int8_gemv_kernel(x, w), copies)
+    out = {"int8_gemv_us": seconds * 1e6, "int8_gemv_gb_s": packed / seconds / 1e9, "int8_gemv_rel_error": error}
+    if sweep:
+        grid = []
+        for block_n, split_k, warps in itertools.product((32, 64, 128), (1, 2, 4, 8), (4, 8)):
+            run = functools.partial(int8_gemv_kernel, block_n=block_n, split_k=split_k, num_warps=warps)
+            if (run(x, weight).double() - expected).abs().max() > 0.05 * expected.abs().max():
+                continue
+            grid.append(
+                {
+                    "block_n": block_n,
+                    "split_k": split_k,
+                    "num_warps": warps,
+                    "us": time_it(lambda w, run=run: run(x, w), copies) * 1e6,
+                }
+            )
+        out["int8_gemv_best"] = min(grid, key=lambda g: g["us"])
+        out["int8_gemv_settings"] = grid
+    return out
 
 
 def main() -> None:
@@ -160,6 +197,8 @@ def main() -> None:
         result = {"layer": name, **measure(variant, n, k, rows, args.sweep, tiny)}
         results.append(result)
         best = f"{result['best']['us']:8.1f}" if "best" in result else "-"
+        if "int8_gemv_us" in result:
+            best += f"  int8 GEMV {result['int8_gemv_us']:.1f} us ({result['int8_gemv_gb_s']:.0f} GB/s)"
         print(
             f"{variant:10s} {name:8s} {n:6d} {k:6d} {rows:4d} {result['kernel_us']:10.1f} {result['kernel_gb_s']:7.0f} "
             f"{result['cublas_bf16_us']:14.1f} {result['speedup_vs_bf16']:7.2f} {best:>8s}",

@@ -27,6 +27,8 @@ and cuBLAS multiplies it. Everything is graph-capturable: no host syncs.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -196,6 +198,10 @@ def wna16_matmul(x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None
         x = x.index_select(1, weight.perm)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if config is None and m == 1 and int8_gemv_chosen(weight, x):
+        from .gemv_int8 import int8_gemv
+
+        return int8_gemv(x, weight, out)
     if config is None and m >= DEQUANT_MIN_ROWS:
         product = torch.mm(x, wna16_dequantize(weight, x.dtype))
         if out is None:
@@ -220,6 +226,17 @@ def wna16_matmul(x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None
     if split_k > 1:
         target.copy_(partial.sum(0))
     return target
+
+
+def int8_gemv_chosen(weight: KernelWeight, x: torch.Tensor) -> bool:
+    """Whether one row goes to the integer GEMV (:mod:`~fw_gptq.kernels.gemv_int8`: x rounded to int8
+    per 32 inputs, as llama.cpp's GPU GEMV): with ``FW_GPTQ_GEMV=int8``, on CUDA, in bf16/fp16, for a
+    weight it takes. Off by default until a GPU run measures it ahead of the tile kernel."""
+    if os.environ.get("FW_GPTQ_GEMV", "tile") != "int8" or x.device.type != "cuda":
+        return False
+    from .gemv_int8 import int8_gemv_supported
+
+    return x.dtype in (torch.bfloat16, torch.float16) and int8_gemv_supported(weight)
 
 
 def _num_sms(device: torch.device) -> int:
