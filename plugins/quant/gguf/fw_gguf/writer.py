@@ -3,7 +3,7 @@
 The file holds what llama.cpp's ``convert_hf_to_gguf.py`` + ``llama-quantize`` would write for a
 ``llama`` architecture model (Llama, Mistral, SmolLM): the ``llama.*`` hyper-parameters, the
 tokenizer as ``tokenizer.ggml.*`` (a byte-level BPE ``tokenizer.json`` becomes the ``gpt2`` model
-with its tokens, token types and merges), the chat template, and the tensors under llama.cpp's
+with its tokens, token types and merges, and the llama.cpp pre-tokenizer name of its split), the chat template, and the tensors under llama.cpp's
 names with q/k rows in llama.cpp's rotary order (:func:`permute_qk`, undone by
 :func:`fw_gguf.config.unpermute_qk` when fw reads the file back). Norms stay float32, as
 llama.cpp keeps them.
@@ -67,6 +67,30 @@ def llama_metadata(writer: gguf.GGUFWriter, hf: dict[str, Any], name: str, isq_t
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
+def llama_cpp_pre_tokenizer(pre_tokenizer: dict[str, Any] | None) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` name for a ``tokenizer.json`` byte-level pre-tokenizer: its
+    split regex (:data:`fw_gguf.tokenizer.PRE_TOKENIZER_SPLITS`, Llama 3's or Qwen 2's), SmolLM's
+    per-digit split before GPT-2's, or GPT-2's own (a bare ``ByteLevel``). llama.cpp refuses a name it
+    does not know, so anything else is an error naming the kinds written."""
+    from .tokenizer import _LLAMA3_SPLIT, _QWEN2_SPLIT
+
+    steps = (pre_tokenizer or {}).get("pretokenizers", [pre_tokenizer] if pre_tokenizer else [])
+    kinds = [step.get("type") for step in steps]
+    splits = [step.get("pattern", {}).get("Regex") for step in steps if step.get("type") == "Split"]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
+        return "smollm"
+    if kinds[:1] == ["Split"] and kinds[-1:] == ["ByteLevel"] and len(splits) == 1:
+        named = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}.get(splits[0])
+        if named:
+            return named
+    raise ConfigError(
+        f"writing GGUF files: no llama.cpp pre-tokenizer matches this tokenizer's ({' + '.join(map(str, kinds))}); "
+        "written: GPT-2's byte-level regex, SmolLM's digits split, Llama 3's and Qwen 2's split regexes"
+    )
+
+
 def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: Any, generation: dict[str, Any]) -> None:
     """``tokenizer.ggml.*`` of a byte-level BPE tokenizer (``fw.tokenizer.Tokenizer``)."""
     spec = json.loads(tokenizer.backend.to_str())
@@ -87,7 +111,7 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: Any, generation: dict
         types[index] = _TOKEN_CONTROL if token.get("special") else _TOKEN_USER
     merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre(llama_cpp_pre_tokenizer(spec.get("pre_tokenizer")))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -199,6 +199,8 @@ def test_fw_quantize_isq_writes_a_gguf_fw_loads_back_with_identical_outputs(tiny
     model = open_gguf_model(written)
     assert model.metadata["general.architecture"] == "llama" and model.metadata["general.file_type"] == 15
     assert model.metadata["tokenizer.ggml.model"] == "gpt2" and len(model.metadata["tokenizer.ggml.tokens"]) == 49152
+    # fw reads SmolLM2's file with GPT-2's bare byte-level split (same ids): a name llama.cpp knows
+    assert model.metadata["tokenizer.ggml.pre"] == "gpt-2"
     assert model.tensors["blk.1.attn_v.weight"].qtype.name == "Q6_K"  # use_more_bits(1, 2): the last eighth
     assert model.tensors["blk.0.attn_v.weight"].qtype.name == "Q4_K"
     assert "output.weight" not in model.tensors  # tied, as llama.cpp writes it
@@ -213,6 +215,27 @@ def test_fw_quantize_isq_writes_a_gguf_fw_loads_back_with_identical_outputs(tiny
             outputs[key] = ([r.outputs[0].token_ids for r in results], logits)
     assert outputs["isq"][0] == outputs["file"][0]
     assert torch.equal(outputs["isq"][1], outputs["file"][1])
+
+
+def test_pre_tokenizer_names_are_llama_cpps():
+    from fw_gguf.tokenizer import _LLAMA3_SPLIT
+    from fw_gguf.writer import llama_cpp_pre_tokenizer
+    from tokenizers import Regex, pre_tokenizers
+
+    from framework.errors import ConfigError
+
+    def spec(pre):
+        return json.loads(pre.__getstate__())
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert llama_cpp_pre_tokenizer(spec(byte_level)) == "gpt-2"  # llama.cpp refuses "gpt2"
+    smollm = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    assert llama_cpp_pre_tokenizer(spec(smollm)) == "smollm"
+    split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+    llama3 = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    assert llama_cpp_pre_tokenizer(spec(llama3)) == "llama-bpe"
+    with pytest.raises(ConfigError, match="no llama.cpp pre-tokenizer matches.*Whitespace"):
+        llama_cpp_pre_tokenizer(spec(pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), byte_level])))
 
 
 @pytest.mark.gpu
