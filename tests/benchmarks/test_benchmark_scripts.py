@@ -104,6 +104,18 @@ def test_gpu_suite_runs_decode_and_prefill_cases_with_the_documented_keys(benchm
     assert results[0]["decode_tokens_per_s"] > 0 and results[1]["prefill_tokens_per_s"] > 0
 
 
+def test_gpu_suite_runs_the_mla_shape_over_the_latent_cache(benchmarks, tmp_path):
+    """``tiny-mla`` (DeepSeek-V2's layers) checks on a CPU the script the H200 runs with ``deepseek-v2-lite``."""
+    out = tmp_path / "mla.json"
+    benchmarks("gpu_suite.py", "--shape", "tiny-mla", "--cases", "decode:2:12:4", "--dtype", "f32", "--out", str(out))
+    report = json.loads(out.read_text())
+    (result,) = report["results"]
+    assert RESULT_KEYS <= set(result) and result["decode_tokens_per_s"] > 0
+    assert "DeepseekV2ForCausalLM" in result["model"] and result["attention_backend"] == "torch"
+    per_token = report["summary"]["kv_bytes"] / report["summary"]["kv_tokens"]
+    assert per_token == 2 * (64 + 32) * 4  # two layers of kv_lora_rank + qk_rope_head_dim in fp32
+
+
 def test_recorded_command_is_the_arguments_given_less_the_output_path(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from common import command_line
