@@ -191,7 +191,7 @@ def test_validate_accepts_mla_layers_and_names_what_it_cannot_read():
     ]
 
 
-def test_registration_reads_the_mla_layout_and_flashinfer_still_refuses_it():
+def test_registration_reads_the_mla_layout_on_cuda():
     from framework import registries
     from framework.engine.attention_choice import refusal_reasons
     from framework.platform import Platform
@@ -201,11 +201,7 @@ def test_registration_reads_the_mla_layout_and_flashinfer_still_refuses_it():
     triton_spec = registries.attention_backends().get("triton")
     assert "mla" in triton_spec.kv_cache_layouts
     assert refusal_reasons(triton_spec, layers, "mla", "auto", torch.bfloat16, hopper) == []
-    flashinfer = next((s for s in registries.attention_backends() if s.name == "flashinfer"), None)
-    if flashinfer is not None:  # registered where its plugin is installed
-        assert "KV layout 'mla' unsupported (it reads: standard)" in refusal_reasons(
-            flashinfer, layers, "mla", "auto", torch.bfloat16, hopper
-        )
+    # FlashInfer's refusal of the layout: plugins/attention/flashinfer/tests
 
 
 # --- through the engine, interpreted --------------------------------------------------------------
@@ -334,20 +330,27 @@ def test_compiled_conformance_kit_passes_on_cuda_bf16():
 
 @pytest.mark.gpu
 def test_mla_decode_makes_no_host_sync_and_replays_in_a_cuda_graph():
+    """A decode step (split: the graph runner passes the model's length as max_seq_len) replayed after
+    the next step's queries, latents, lengths and slots were copied in gives the eager result."""
     from framework.testing import check_no_sync_and_cuda_graph_replay
 
     layer, backend = mla_layer(16, 512, 64), TritonAttentionBackend()
     query, latent, cache, metadata = paged_step([1] * 4, [100, 17, 900, 3], 16, 512, 64, "cuda", torch.bfloat16)
-    metadata.max_seq_len = 4096  # as the graph runner passes the model's length
+    metadata.max_seq_len = 4096
+    table = metadata.block_table.long()
+    rows = torch.arange(4, device="cuda")
 
-    def run(q, lat, seq_lens):
-        metadata.seq_lens = seq_lens
+    def run(q, lat, seq_lens, slots):
+        metadata.seq_lens, metadata.slot_mapping = seq_lens, slots
         return backend.forward(layer, q, lat, None, KVCache(cache), metadata)
 
-    def fresh():
-        return torch.randn_like(query), torch.randn_like(latent), metadata.seq_lens + 1
+    def fresh():  # the next token of every request: one position further, its slot from the table
+        position = metadata.seq_lens.long()
+        slots = table[rows, position // PAGE] * PAGE + position % PAGE
+        return torch.randn_like(query), torch.randn_like(latent), metadata.seq_lens + 1, slots
 
-    check_no_sync_and_cuda_graph_replay(run, [query, latent, metadata.seq_lens.clone()], fresh)
+    inputs = [query, latent, metadata.seq_lens.clone(), metadata.slot_mapping.clone()]
+    check_no_sync_and_cuda_graph_replay(run, inputs, fresh)
 
 
 @pytest.mark.gpu
