@@ -259,6 +259,13 @@ def test_nano_requests_are_nano_vllms_lengths_and_the_same_every_run(monkeypatch
     assert nano_requests(8, 50)[0] == prompts[:8]  # the prompts come first: a shorter run shares them
 
 
+def test_mla_attention_checks_the_triton_path_against_the_torch_reference(benchmarks, capsys):
+    """``mla_attention.py --check``: the Triton forward it times gives the torch backend's output and cache
+    (under TRITON_INTERPRET=1 here)."""
+    benchmarks("mla_attention.py", "--check")
+    assert capsys.readouterr().out.count("triton matches torch") == 2
+
+
 def test_decode_attention_sweep_checks_fused_against_unfused_and_skips_surplus_splits(benchmarks, capsys):
     """``decode_attention_sweep.py --check``: the two paths it times give the same output and cache
     (default and swept settings, under TRITON_INTERPRET=1 here); the sweep gives no split an empty

@@ -211,6 +211,9 @@ def mla_decode(
     sm_scale: float,
     num_splits: int | None = None,
     num_sms: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     latent: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -218,7 +221,8 @@ def mla_decode(
     """MLA of one absorbed query per request (``query`` ``[R, H, L + R]``) over the ``"mla"`` cache
     ``[num_blocks, PAGE, L + R]``; returns ``[R, H, L]`` (``L = rank``).
 
-    ``num_splits`` defaults to :func:`~fw_triton_attention.decode.num_kv_splits` over the head blocks.
+    ``num_splits`` defaults to :func:`~fw_triton_attention.decode.num_kv_splits` over the head blocks;
+    ``block_n`` / ``num_warps`` / ``num_stages`` override :func:`mla_decode_tiles` (for tuning).
     With ``latent`` (``[R, L + R]``, last dim contiguous: each request's new token) and
     ``slot_mapping`` the kernel also stores the new latents, as :func:`store_latent` would first
     (``seq_lens >= 1``, the new token counted); without them the cache is only read. Grids come
@@ -236,7 +240,8 @@ def mla_decode(
     out = query.new_empty(query.shape[0], num_heads, rank) if out is None else out
     if num_reqs == 0:
         return out
-    block_h, block_n, num_warps, num_stages = mla_decode_tiles(rank)
+    block_h, default_n, default_warps, default_stages = mla_decode_tiles(rank)
+    block_n, num_warps, num_stages = block_n or default_n, num_warps or default_warps, num_stages or default_stages
     num_head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         num_splits = num_kv_splits(num_reqs, num_head_blocks, max_seq_len, num_sms or _num_sms(query.device))
