@@ -79,6 +79,13 @@ class TritonAttentionBackend(AttentionBackend):
                 reasons.append(f"MLA kv_lora_rank {mla.kv_lora_rank} > {MAX_MLA_RANK} unsupported")
             if mla.qk_rope_head_dim > MAX_MLA_ROPE:
                 reasons.append(f"MLA qk_rope_head_dim {mla.qk_rope_head_dim} > {MAX_MLA_ROPE} unsupported")
+        extras = {
+            "a sliding window": any(layer.sliding_window for layer in layers),
+            "soft-capped logits": any(layer.logits_soft_cap for layer in layers),
+            "attention sinks": any(layer.has_sinks for layer in layers),
+            "chunked attention": any(layer.attention_chunk_size for layer in layers),
+        }
+        reasons += [f"MLA layers with {name} unsupported" for name, present in extras.items() if present]
         if layers and kv_cache_dtype != "auto":
             reasons.append(f"kv dtype {kv_cache_dtype}: the MLA latent cache is read in the model dtype only (auto)")
         return reasons

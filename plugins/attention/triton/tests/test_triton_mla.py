@@ -189,6 +189,11 @@ def test_validate_accepts_mla_layers_and_names_what_it_cannot_read():
     assert TritonAttentionBackend.validate([deepseek_v2_lite], "fp8", None) == [
         "kv dtype fp8: the MLA latent cache is read in the model dtype only (auto)"
     ]
+    windowed = AttentionLayerConfig(16, 1, 576, 0.1, sliding_window=128, has_sinks=True, mla=MLAConfig(512, 64))
+    assert TritonAttentionBackend.validate([windowed], "auto", None) == [
+        "MLA layers with a sliding window unsupported",
+        "MLA layers with attention sinks unsupported",
+    ]
 
 
 def test_registration_reads_the_mla_layout_on_cuda():
