@@ -5,7 +5,7 @@
 The scripts that write JSON results take their ``commit`` and ``command`` from it (:func:`git_commit`,
 :func:`command_line`), the kernel benchmarks their CUDA-graph timer (:func:`graph_time`); ``serving.py``, a client of a running server, stands alone.
 The scripts run as ``python benchmarks/<script>.py``, which puts this directory on ``sys.path``.
-Nothing here needs a GPU: on a CPU the ``tiny``, ``tiny-moe`` and ``tiny-hybrid`` shapes check the scripts themselves.
+Nothing here needs a GPU: on a CPU the ``tiny``, ``tiny-moe``, ``tiny-hybrid`` and ``tiny-mla`` shapes check the scripts themselves.
 """
 
 from __future__ import annotations
@@ -340,6 +340,36 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=1024,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+    ),
+    # a CPU check of the scripts on multi-head latent attention (DeepSeek-V2's layers, "mla" KV layout)
+    "tiny-mla": dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=32,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     ),
     "tiny-moe": dict(

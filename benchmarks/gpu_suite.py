@@ -3,6 +3,8 @@
     python benchmarks/gpu_suite.py --shape llama3-8b --attention-backend triton \
         --cases decode:1:4096:1024 decode:1:512:256 decode:64:128:128 prefill:512 --out $OUT/suite.json
     python benchmarks/gpu_suite.py --shape qwen2.5-0.5b --cases nano:256 --out $OUT/nano.json
+    python benchmarks/gpu_suite.py --shape deepseek-v2-lite --attention-backend triton \
+        --cases decode:1:128:256 decode:64:128:128 --out $OUT/mla.json     # MLA: torch for the before
     python benchmarks/gpu_suite.py --m /tmp/llama3-8b-gptq --cases decode:1:128:256 prefill:512   # a checkpoint
 
 Cases (one engine is built per run, random weights through the model's own loaders):
@@ -20,7 +22,7 @@ Every result carries ``device``, ``model``, ``dtype``, ``tp``, ``num_gpus``, ``b
 ``input_len``, ``output_len``, ``decode_tokens_per_s``, ``commit`` and ``command``. ``--tp N`` (or
 ``--d 0,1``) runs the engine tensor-parallel, as ``decode.py`` does; the roofline then uses one
 rank's weight bytes. ``--m FOLDER`` times a checkpoint folder (``random_quantized_checkpoint.py``
-writes random GPTQ / AWQ / FP8 ones of the shapes) instead of the shape's random bf16 weights. On a CPU (``--shape tiny``) the same cases run, for checking the script.
+writes random GPTQ / AWQ / FP8 ones of the shapes) instead of the shape's random bf16 weights. On a CPU (``--shape tiny``; ``tiny-mla`` for multi-head latent attention, on the torch backend there) the same cases run, for checking the script.
 """
 
 from __future__ import annotations

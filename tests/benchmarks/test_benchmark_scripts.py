@@ -104,6 +104,18 @@ def test_gpu_suite_runs_decode_and_prefill_cases_with_the_documented_keys(benchm
     assert results[0]["decode_tokens_per_s"] > 0 and results[1]["prefill_tokens_per_s"] > 0
 
 
+def test_gpu_suite_runs_the_mla_shape_over_the_latent_cache(benchmarks, tmp_path):
+    """``tiny-mla`` (DeepSeek-V2's layers) checks on a CPU the script the H200 runs with ``deepseek-v2-lite``."""
+    out = tmp_path / "mla.json"
+    benchmarks("gpu_suite.py", "--shape", "tiny-mla", "--cases", "decode:2:12:4", "--dtype", "f32", "--out", str(out))
+    report = json.loads(out.read_text())
+    (result,) = report["results"]
+    assert RESULT_KEYS <= set(result) and result["decode_tokens_per_s"] > 0
+    assert "DeepseekV2ForCausalLM" in result["model"] and result["attention_backend"] == "torch"
+    per_token = report["summary"]["kv_bytes"] / report["summary"]["kv_tokens"]
+    assert per_token == 2 * (64 + 32) * 4  # two layers of kv_lora_rank + qk_rope_head_dim in fp32
+
+
 def test_recorded_command_is_the_arguments_given_less_the_output_path(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from common import command_line
@@ -245,6 +257,13 @@ def test_nano_requests_are_nano_vllms_lengths_and_the_same_every_run(monkeypatch
     assert all(0 <= t < 50 for p in prompts for t in p["prompt_token_ids"])
     assert nano_requests(64, 50) == (prompts, output_lens)
     assert nano_requests(8, 50)[0] == prompts[:8]  # the prompts come first: a shorter run shares them
+
+
+def test_mla_attention_checks_the_triton_path_against_the_torch_reference(benchmarks, capsys):
+    """``mla_attention.py --check``: the Triton forward it times gives the torch backend's output and cache
+    (under TRITON_INTERPRET=1 here)."""
+    benchmarks("mla_attention.py", "--check")
+    assert capsys.readouterr().out.count("triton matches torch") == 2
 
 
 def test_decode_attention_sweep_checks_fused_against_unfused_and_skips_surplus_splits(benchmarks, capsys):

@@ -36,6 +36,22 @@ def test_registered_and_unavailable_without_cuda_with_reasons():
     assert any("flashinfer" in r for r in spec.unavailable_reasons(missing))
 
 
+def test_mla_models_are_refused_with_the_layout_reason_so_triton_runs_them():
+    from framework.attention_backend import MLAConfig
+    from framework.engine.attention_choice import refusal_reasons
+
+    hopper = Platform(
+        "cuda", num_devices=1, compute_capability=(9, 0), packages=frozenset({"flashinfer", "triton"}), probed=True
+    )
+    layers = [AttentionLayerConfig(16, 1, 576, 0.1, mla=MLAConfig(512, 64))]  # DeepSeek-V2-Lite
+    spec = registries.attention_backends().get("flashinfer")
+    assert refusal_reasons(spec, layers, "mla", "auto", torch.bfloat16, hopper) == [
+        "KV layout 'mla' unsupported (it reads: standard)"
+    ]
+    triton = registries.attention_backends().get("triton")
+    assert refusal_reasons(triton, layers, "mla", "auto", torch.bfloat16, hopper) == []
+
+
 def test_validate_names_unsupported_head_size_gqa_and_kv_dtype():
     layers = [AttentionLayerConfig(6, 4, 80, 0.1)]
     reasons = FlashInferAttentionBackend.validate(layers, "fp8", None)

@@ -1,5 +1,9 @@
 """The Triton attention backend: the split-KV decode kernel, or store K/V by slot then prefill.
 
+Standard layers run :mod:`fw_triton_attention.decode` / :mod:`fw_triton_attention.prefill`; MLA
+layers (the ``"mla"`` layout) the same two paths over the latent cache in
+:mod:`fw_triton_attention.mla_decode` / :mod:`fw_triton_attention.mla_prefill`.
+
 Decode-only steps (every request computes one token, token row ``r`` = request ``r``) go to the
 split-KV decode kernel, which also stores the step's new K/V (one launch per layer instead of
 two); every other step, decode rows of mixed batches included, stores K/V with ``store_kv`` and
@@ -19,15 +23,21 @@ from framework.attention_backend import AttentionBackend, AttentionLayerConfig, 
 from framework.kv_cache import KVCache
 from fw_triton_attention.decode import decode_attention
 from fw_triton_attention.kv_store import store_kv
+from fw_triton_attention.mla_decode import mla_decode, store_latent
+from fw_triton_attention.mla_prefill import mla_prefill
 from fw_triton_attention.prefill import prefill_attention
 from fw_triton_attention.quant_tiles import quant_store
 
 #: Head sizes are padded to a power of two in the kernels; beyond 256 the tiles no longer fit.
 MAX_HEAD_SIZE = 256
+#: MLA tiles hold the latent (``kv_lora_rank``, padded to a power of two) and the rope part apart.
+MAX_MLA_RANK = 512
+MAX_MLA_ROPE = 128
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention in Triton; standard NHD cache layout, cache dtype = model dtype.
+    """Paged attention in Triton; the standard NHD cache layout (model dtype or quantized) and the
+    ``"mla"`` latent layout (model dtype).
 
     ``num_sms`` overrides the device's SM count when choosing how many splits a decode uses
     (tests use it to force split-KV on small shapes).
@@ -43,8 +53,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def validate(cls, layer_configs: list[AttentionLayerConfig], kv_cache_dtype: str, platform: Any) -> list[str]:
-        reasons: list[str] = []
-        for layer in {(c.num_heads, c.num_kv_heads, c.head_size) for c in layer_configs}:
+        reasons = cls._mla_reasons([c for c in layer_configs if c.mla is not None], kv_cache_dtype)
+        standard = [c for c in layer_configs if c.mla is None]
+        for layer in {(c.num_heads, c.num_kv_heads, c.head_size) for c in standard}:
             num_heads, num_kv_heads, head_size = layer
             if head_size > MAX_HEAD_SIZE:
                 reasons.append(f"head size {head_size} > {MAX_HEAD_SIZE} unsupported")
@@ -59,10 +70,31 @@ class TritonAttentionBackend(AttentionBackend):
                 reasons.append(f"kv dtype {kv_cache_dtype} packs rows of 8 elements: head size {head_size}")
         return reasons
 
+    @staticmethod
+    def _mla_reasons(layers: list[AttentionLayerConfig], kv_cache_dtype: str) -> list[str]:
+        """Why the MLA kernels cannot run these MLA layers (empty: they can)."""
+        reasons = []
+        for mla in {layer.mla for layer in layers}:
+            if mla.kv_lora_rank > MAX_MLA_RANK:
+                reasons.append(f"MLA kv_lora_rank {mla.kv_lora_rank} > {MAX_MLA_RANK} unsupported")
+            if mla.qk_rope_head_dim > MAX_MLA_ROPE:
+                reasons.append(f"MLA qk_rope_head_dim {mla.qk_rope_head_dim} > {MAX_MLA_ROPE} unsupported")
+        extras = {
+            "a sliding window": any(layer.sliding_window for layer in layers),
+            "soft-capped logits": any(layer.logits_soft_cap for layer in layers),
+            "attention sinks": any(layer.has_sinks for layer in layers),
+            "chunked attention": any(layer.attention_chunk_size for layer in layers),
+        }
+        reasons += [f"MLA layers with {name} unsupported" for name, present in extras.items() if present]
+        if layers and kv_cache_dtype != "auto":
+            reasons.append(f"kv dtype {kv_cache_dtype}: the MLA latent cache is read in the model dtype only (auto)")
+        return reasons
+
     def initialize(
         self, layers: list[AttentionLayerConfig], dtype: torch.dtype, block_size: int, device: torch.device
     ) -> None:
-        for head_size in {layer.head_size for layer in layers if not layer.head_size & (layer.head_size - 1)}:
+        standard = [layer for layer in layers if layer.mla is None]
+        for head_size in {layer.head_size for layer in standard if not layer.head_size & (layer.head_size - 1)}:
             kv_quant.hadamard(head_size, device)  # built before any CUDA-graph capture
 
     def forward(
@@ -76,6 +108,8 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if layer.mla is not None:
+            return self._forward_mla(layer, query, key, kv_cache, metadata)
         num_tokens = query.shape[0]
         query = query.view(num_tokens, layer.num_heads, layer.head_size)
         key = key.view(num_tokens, layer.num_kv_heads, layer.head_size)
@@ -116,6 +150,48 @@ class TritonAttentionBackend(AttentionBackend):
                 **common,
             )
         return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)
+
+    def _forward_mla(
+        self,
+        layer: AttentionLayerConfig,
+        query: torch.Tensor,
+        latent: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """MLA: decode-only steps in the latent decode kernel (which stores the new latents), others
+        store the latents then run the latent prefill kernel; ``[T, H * kv_lora_rank]`` out."""
+        num_tokens, rank = query.shape[0], layer.mla.kv_lora_rank
+        query = query.view(num_tokens, layer.num_heads, layer.head_size)
+        latent = latent.view(num_tokens, layer.head_size)
+        if metadata.is_decode_only or metadata.max_query_len == 1:
+            output = mla_decode(
+                query,
+                kv_cache.data,
+                metadata.seq_lens,
+                metadata.block_table,
+                rank=rank,
+                num_reqs=metadata.num_reqs,
+                max_seq_len=metadata.max_seq_len,
+                sm_scale=layer.scale,
+                num_sms=self.num_sms,
+                latent=latent,
+                slot_mapping=metadata.slot_mapping,
+            )
+        else:
+            store_latent(latent, kv_cache.data, metadata.slot_mapping)
+            output = mla_prefill(
+                query,
+                kv_cache.data,
+                metadata.cu_seqlens_q,
+                metadata.seq_lens,
+                metadata.block_table,
+                rank=rank,
+                num_reqs=metadata.num_reqs,
+                max_query_len=metadata.max_query_len,
+                sm_scale=layer.scale,
+            )
+        return output.view(num_tokens, layer.num_heads * rank)
 
     def _forward_quantized(
         self,

@@ -11,12 +11,12 @@ def register_attention_backends():
             name="triton",
             impl="fw_triton_attention.backend:TritonAttentionBackend",
             description="paged attention in Triton: prefill over cached prefixes, split-KV decode; GQA, "
-            "sliding window, soft-cap",
+            "sliding window, soft-cap; multi-head latent attention over the 'mla' latent cache",
             priority=50,
             devices=("cuda",),
             requires=("triton",),
             min_compute_capability=(8, 0),  # bf16 tensor-core dots
-            kv_cache_layouts=("standard",),
+            kv_cache_layouts=("standard", "mla"),
             kv_cache_dtypes=("auto", "fp8", "turbo8", "turbo4", "turbo3"),
         )
     ]

@@ -96,6 +96,57 @@ def online_softmax_step(
         scores = soft_cap_scores(scores * sm_scale, soft_cap) * 1.4426950408889634
     else:
         scores = scores * (sm_scale * 1.4426950408889634)
+    return fold_scores(acc, m_i, l_i, scores, v, allowed, FP32)
+
+
+@triton.jit
+def load_latent_tile(
+    cache_ptr,
+    table_row,
+    kv_pos,
+    kv_mask,
+    lat,
+    lat_mask,
+    rot,
+    rot_mask,
+    rank,
+    stride_cache_block,
+    stride_cache_offset,
+    PAGE: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """The cached latents of positions ``kv_pos`` of one sequence (``"mla"`` layout, masked rows read as 0):
+    ``c_kv`` ``[BLOCK_N, BLOCK_L]`` (features ``lat``; also the values) and ``k_pe`` ``[BLOCK_N, BLOCK_R]``
+    (features ``rank + rot``)::
+
+        cache [num_blocks, PAGE, L + R]:  page = block_table_row[p // PAGE], row p % PAGE = [ c_kv (L) | k_pe (R) ]
+    """
+    page = tl.load(table_row + kv_pos // PAGE, mask=kv_mask, other=0).to(tl.int64)
+    rows = cache_ptr + page * stride_cache_block + (kv_pos % PAGE) * stride_cache_offset
+    c_kv = tl.load(rows[:, None] + lat[None, :], mask=kv_mask[:, None] & lat_mask[None, :], other=0.0)
+    k_pe = tl.load(rows[:, None] + rank + rot[None, :], mask=kv_mask[:, None] & rot_mask[None, :], other=0.0)
+    if FP32:
+        c_kv = c_kv.to(tl.float32)
+        k_pe = k_pe.to(tl.float32)
+    return c_kv, k_pe
+
+
+@triton.jit
+def latent_scores(q_lat, q_rot, c_kv, k_pe, sm_scale, FP32: tl.constexpr):
+    """MLA scores ``[M, N]`` in the log2 domain: ``(q_lat . c_kv + q_rot . k_pe) * sm_scale * log2(e)``."""
+    if FP32:
+        scores = tl.dot(q_lat, tl.trans(c_kv), input_precision="ieee")
+        scores += tl.dot(q_rot, tl.trans(k_pe), input_precision="ieee")
+    else:
+        scores = tl.dot(q_lat, tl.trans(c_kv))
+        scores = tl.dot(q_rot, tl.trans(k_pe), scores)
+    return scores * (sm_scale * 1.4426950408889634)
+
+
+@triton.jit
+def fold_scores(acc, m_i, l_i, scores, v, allowed, FP32: tl.constexpr):
+    """Fold a tile's log2-domain ``scores`` ``[M, N]`` (``allowed`` masks them) and values ``v`` ``[N, D]``
+    into the running ``(acc, m_i, l_i)``, as :func:`online_softmax_step` does after its dot."""
     scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -105,5 +156,4 @@ def online_softmax_step(
         pv = tl.dot(p, v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i
+    return acc * alpha[:, None] + pv, m_new, l_i

@@ -243,3 +243,64 @@ def test_kernels_with_attention_sinks_compile_for_hopper():
     )
     ptx = compile_for_hopper(cases)
     assert all(".target sm_90" in text for text in ptx)
+
+
+#: DeepSeek-V2-Lite / V3 / GLM-4.7-Flash latents: kv_lora_rank 512, qk_rope_head_dim 64, page 16
+MLA_TILES = dict(BLOCK_L=512, BLOCK_R=64, PAGE=16, FP32=False)
+
+
+def test_mla_kernels_compile_for_hopper_and_fit_in_shared_memory():
+    """The latent store, the split decode kernel (storing the new latents or not) and the prefill
+    kernel, with the tiles the wrappers choose for a 512-wide latent (the unsplit decode, which
+    writes the output instead of partials, compiles too: checked by hand, left out for CI time)."""
+    from fw_triton_attention.mla_decode import mla_decode_tiles
+    from fw_triton_attention.mla_prefill import mla_prefill_tiles
+
+    block_h, block_n, warps, stages = mla_decode_tiles(512)
+    decode_pointers = {
+        "q_ptr": "*bf16",
+        "cache_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "part_acc_ptr": "*fp32",
+        "part_ml_ptr": "*fp32",
+        "seq_lens_ptr": "*i32",
+        "block_table_ptr": "*i32",
+        "new_ptr": "*bf16",
+        "slot_mapping_ptr": "*i64",
+    }
+    decode = [
+        HopperCompile(
+            "fw_triton_attention.mla_decode:_mla_decode_kernel",
+            decode_pointers,
+            dict(BLOCK_H=block_h, BLOCK_N=block_n, IS_SPLIT=split, STORE_NEW=store, **MLA_TILES),
+            float_args=("sm_scale",),
+            options=dict(num_warps=warps, num_stages=stages),
+        )
+        for store in (True, False)  # split (the unsplit form only differs in its epilogue)
+        for split in (True,)
+    ]
+    block_q, block_h, block_n, warps, stages = mla_prefill_tiles(512, 16, 4096)
+    prefill = HopperCompile(
+        "fw_triton_attention.mla_prefill:_mla_prefill_kernel",
+        {
+            "q_ptr": "*bf16",
+            "cache_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "cu_seqlens_q_ptr": "*i32",
+            "seq_lens_ptr": "*i32",
+            "block_table_ptr": "*i32",
+        },
+        dict(BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=block_n, **MLA_TILES),
+        float_args=("sm_scale",),
+        options=dict(num_warps=warps, num_stages=stages),
+    )
+    store = HopperCompile(
+        "fw_triton_attention.mla_decode:_store_latent_kernel",
+        {"latent_ptr": "*bf16", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"},
+        dict(PAGE=16, BLOCK_T=4, BLOCK_E=1024),
+        options=dict(num_warps=4),
+    )
+    ptx = compile_for_hopper([*decode, prefill, store])
+    assert all(".target sm_90" in text for text in ptx)
+    with_store, without = ptx[:2]  # the latent stores were not compiled away
+    assert with_store.count("st.global") > without.count("st.global") > 0

@@ -102,7 +102,7 @@ def test_mla_cache_holds_the_latent_only(tiny):
 
 
 class StandardOnlyBackend:
-    """A plugin whose fast backend reads only the standard layout (as the Triton one does today)."""
+    """A plugin whose fast backend reads only the standard layout (as FlashInfer's does)."""
 
     @hookimpl
     def register_attention_backends(self):
@@ -137,7 +137,7 @@ def test_plugins_check_shows_which_backends_read_the_mla_layout():
     lines = {line.split()[0]: line for line in result.output.splitlines() if line.startswith("  ")}
     assert lines["DeepseekV2ForCausalLM"].endswith("ok (KV layout: mla)")
     assert lines["torch"].endswith("(KV layouts: standard, mla)")
-    assert lines["triton"].endswith("(KV layouts: standard)")
+    assert lines["triton"].endswith("(KV layouts: standard, mla)")
 
 
 def test_routing_group_limit_and_renormalisation():
@@ -158,13 +158,14 @@ def test_routing_group_limit_and_renormalisation():
 
 @pytest.mark.gpu
 def test_greedy_tokens_match_transformers_on_cuda(tiny):
-    """On the GPU: the torch backend over the MLA cache (Triton cannot read it yet) and the
-    fused_moe kernel of the registry, fp32, against transformers on the CPU; fused_moe, the norms,
-    rotary and SwiGLU (dense layer, shared experts) all ran in Triton (a fallback to torch fails)."""
+    """On the GPU: the Triton backend over the MLA cache (decode steps in CUDA graphs) and the
+    fused_moe kernel of the registry, fp32, against transformers on the CPU; attention, fused_moe,
+    the norms, rotary and SwiGLU (dense layer, shared experts) all ran in Triton (a fallback to
+    torch fails)."""
     path, reference = tiny
     with count_kernel_calls() as calls:
         llm = LLM(str(path), device="cuda", dtype="float32", num_blocks=64, prefill_chunk_size=8)
-        assert llm.engine.attention_backend == "torch"
+        assert llm.engine.attention_backend == "triton"
         results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], GREEDY)
     for prompt, result in zip(PARITY_PROMPTS, results, strict=True):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
@@ -174,7 +175,7 @@ def test_greedy_tokens_match_transformers_on_cuda(tiny):
             **dict.fromkeys(
                 ["fused_moe", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"], "triton"
             ),
-            "attention": "torch",
+            "attention": "triton",
         },
     )
 

@@ -108,7 +108,7 @@ def test_tensor_parallel_2_greedy_ids_match_transformers(tmp_path):
 
 @pytest.mark.gpu
 def test_greedy_tokens_match_transformers_on_cuda(tiny):
-    """On the GPU: the torch backend over the MLA cache, the registry's Triton fused_moe fed by the
+    """On the GPU: the Triton backend over the MLA cache, the registry's Triton fused_moe fed by the
     grouped top-k router, fp32, against transformers on the CPU (a fallback to torch fails)."""
     from framework import SamplingParams
     from framework.testing import PARITY_PROMPTS, check_kernels_used, count_kernel_calls, reference_greedy
@@ -120,7 +120,7 @@ def test_greedy_tokens_match_transformers_on_cuda(tiny):
         results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], greedy)
     for prompt, result in zip(PARITY_PROMPTS, results, strict=True):
         assert result.outputs[0].token_ids == reference_greedy(reference, prompt)
-    check_kernels_used(calls, {"fused_moe": "triton", "rms_norm": "triton", "attention": "torch"})
+    check_kernels_used(calls, {"fused_moe": "triton", "rms_norm": "triton", "attention": "triton"})
 
 
 def test_glm4_moe_lite_without_mlp_layer_types_takes_transformers_default(tmp_path):
