@@ -106,11 +106,12 @@ def text_config(config: ModelConfig, architecture: str = "Qwen2ForCausalLM") -> 
     return dataclasses.replace(config, hf_config=hf, architecture=architecture)
 
 
-def mrope_section(config: ModelConfig) -> list[int]:
+def mrope_section(config: ModelConfig, default: tuple[int, ...] = (16, 24, 24)) -> list[int]:
+    """The config's ``mrope_section``, else ``default`` (transformers' for the family member)."""
     for source in (config.rope_parameters, config.get("rope_scaling") or {}):
         if source.get("mrope_section"):
             return list(source["mrope_section"])
-    return [16, 24, 24]
+    return list(default)
 
 
 class Qwen2_5_VLForConditionalGeneration(CausalLM):
@@ -118,11 +119,12 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
     ``model.*``), ``model.visual.*`` (or ``visual.*``) and ``lm_head``.
 
     The Qwen-VL family shares this class: a member overrides ``text_architecture`` (the decoder's
-    layout), ``interleaved_mrope``, :meth:`text_config`, :meth:`build_tower` and :meth:`build_decoder`.
+    layout), ``interleaved_mrope``, ``default_mrope_section``, :meth:`text_config`, :meth:`build_tower` and :meth:`build_decoder`.
     """
 
     text_architecture = "Qwen2ForCausalLM"
     interleaved_mrope = False
+    default_mrope_section = (16, 24, 24)
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
@@ -132,7 +134,7 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         self.model = self.build_decoder(text, quant_config)
         self.init_lm_head(text, quant_config, tie_by_default=False)
         self.image_token_id = int(config.get("image_token_id"))
-        section = mrope_section(config)
+        section = mrope_section(config, self.default_mrope_section)
         for layer in self.model.layers:
             attention = layer.self_attn
             attention.rotary_emb = MRotaryEmbedding(attention.rotary_emb, section, self.interleaved_mrope)

@@ -83,6 +83,7 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
 
     text_architecture = "Qwen3ForCausalLM"
     interleaved_mrope = True
+    default_mrope_section = (24, 20, 20)
     make_mlp = staticmethod(dense_mlp)
 
     def build_tower(self, vision_config: dict[str, Any]) -> nn.Module:

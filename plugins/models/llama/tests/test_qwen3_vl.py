@@ -102,6 +102,49 @@ def test_logits_and_greedy_ids_match_transformers_with_three_images_split_by_chu
     assert llm.engine.summary["vision"]["image_processor"] == "Qwen2VLImageProcessor"
 
 
+def test_a_prefix_cache_hit_that_ends_inside_an_image_continues_with_its_deepstack_rows(tiny):
+    path, reference, processor = tiny
+    # two keyed blocks of 4: the hit covers tokens 0..7, and the image's 16 tokens start at 3
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, prefix_cache_max_tokens=8)
+    logits = capture_logits(llm)
+    image = random_image(128, 128, 5)
+    llm.chat(conversation(image), GREEDY)
+    second = llm.chat(conversation(image), GREEDY)[0]
+    prompt = second.prompt_token_ids
+    start = prompt.index(IMAGE_TOKEN_ID)
+    assert start < second.num_cached_tokens == 8 < start + 16
+    with torch.no_grad():
+        want = reference(**reference_inputs(processor, prompt, [image])).logits[0, 8:]
+    got = torch.stack([logits[("1-0", position)] for position in range(8, len(prompt))])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_vision_tower_with_a_checkpoint_sized_position_grid_matches_transformers():
+    """Qwen3-VL checkpoints' 48x48 learned positions, resampled to a 14x22 patch grid (bilinear,
+    corners aligned), and DeepStack features from two of three blocks."""
+    from fw_llama.qwen3_vision import Qwen3VisionTransformer
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as hf
+
+    from framework.testing import randomise_identity_params
+
+    vision = dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48, patch_size=16)
+    vision.update(num_position_embeddings=2304, deepstack_visual_indexes=[0, 2], spatial_merge_size=2)
+    torch.manual_seed(0)
+    reference = hf.Qwen3VLVisionModel(hf.Qwen3VLVisionConfig(**vision)).eval()
+    randomise_identity_params(reference)
+    tower = Qwen3VisionTransformer(vision)
+    tower.load_state_dict(reference.state_dict())
+    processed = Qwen2VLImageProcessor({"patch_size": 16, "max_pixels": 10**6}).preprocess(random_image(352, 224, 3))
+    assert processed.grid == [1, 14, 22]
+    pixels, grid = torch.from_numpy(processed.pixel_values), torch.tensor([processed.grid])
+    with torch.no_grad():
+        expected = reference(pixels, grid_thw=grid)
+        got = tower(pixels, processed.grid)
+    torch.testing.assert_close(
+        got, torch.cat([expected.pooler_output, *expected.deepstack_features], -1), rtol=1e-4, atol=1e-4
+    )
+
+
 @pytest.mark.gpu
 def test_greedy_ids_match_transformers_on_cuda_with_graphs_and_async_scheduling(tiny):
     path, reference, processor = tiny
