@@ -119,7 +119,8 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
     ``model.*``), ``model.visual.*`` (or ``visual.*``) and ``lm_head``.
 
     The Qwen-VL family shares this class: a member overrides ``text_architecture`` (the decoder's
-    layout), ``interleaved_mrope``, ``default_mrope_section``, :meth:`text_config`, :meth:`build_tower` and :meth:`build_decoder`.
+    layout), ``interleaved_mrope``, ``default_mrope_section``, :meth:`text_config`,
+    :meth:`build_tower` and :meth:`build_decoder` (Qwen3-VL: ``qwen3_vl.py``).
     """
 
     text_architecture = "Qwen2ForCausalLM"
