@@ -5,7 +5,9 @@ A vision model class provides, besides ``forward(input_ids, positions, inputs_em
 
 - ``vision_spec(config, preprocessor_config) -> VisionSpec`` (classmethod; for the API process);
 - ``image_token_id``, ``num_image_tokens(grid)`` and ``embed_image(pixel_values, grid) ->
-  [num_image_tokens, hidden]``; ``embed_input_ids(input_ids) -> [T, hidden]``;
+  [num_image_tokens, width]``; ``embed_input_ids(input_ids) -> [T, width]``, ``width`` being
+  ``hidden`` or, for a model that sends more per image token (Qwen3-VL's DeepStack features),
+  wider: the step's ``inputs_embeds`` are then as wide;
 - optionally ``rope_positions(num_tokens, spans) -> ([3, num_tokens], delta)`` (M-RoPE): the
   prompt's positions, ``spans`` being each image's ``(offset, length, grid)``; a token past the
   prompt at index ``i`` has position ``i + delta`` in every section.

@@ -88,6 +88,7 @@ from framework.testing.vision import (
     data_url,
     random_image,
     write_tiny_qwen2_5_vl,
+    write_tiny_qwen3_vl,
 )
 
 #: everything here, importable as ``framework.testing.NAME`` (the fixtures are also seen by pytest here)
@@ -142,6 +143,7 @@ __all__ = [
     "data_url",
     "random_image",
     "write_tiny_qwen2_5_vl",
+    "write_tiny_qwen3_vl",
     "QuantScheme",
     "check_linear_method",
     "check_moe_method",

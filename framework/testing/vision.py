@@ -1,5 +1,6 @@
-"""Tiny vision-language checkpoints and images for tests (no download): a random Qwen2.5-VL with
-a word-level tokenizer, a Qwen-style chat template and a ``preprocessor_config.json``.
+"""Tiny vision-language checkpoints and images for tests (no download): a random Qwen2.5-VL or
+Qwen3-VL (dense or MoE) with a word-level tokenizer, a Qwen-style chat template and a
+``preprocessor_config.json``.
 
 The tokenizer's ids: ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and the specials of :data:`VISION_SPECIALS`.
 """
@@ -22,16 +23,23 @@ VISION_CHAT_TEMPLATE = (
 )
 #: pixel bounds that keep tiny test images tiny: 56x56 (4 image tokens) up to 28*28*64 (64 tokens)
 TINY_PREPROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64, "patch_size": 14, "merge_size": 2}
+#: Qwen3-VL's 16-pixel patches: 64x64 (4 image tokens) up to 32*32*64 (64 tokens), its 0.5 statistics
+TINY_QWEN3_PREPROCESSOR = {
+    "min_pixels": 64 * 64,
+    "max_pixels": 32 * 32 * 64,
+    "patch_size": 16,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 def write_tiny_qwen2_5_vl(path, seed: int = 0):
     """A random Qwen2.5-VL (text: hidden 64, 2 layers, M-RoPE sections [2, 3, 3]; vision: hidden 32,
     2 blocks, the second with full attention, 2x2-block windows) written to ``path``; returns the
     transformers model (fp32, eval mode, norms and biases randomised) as the reference."""
-    import tokenizers
     import torch
     import transformers
-    from tokenizers import models, pre_tokenizers
 
     from framework.testing.model_writers import randomise_identity_params
 
@@ -69,6 +77,71 @@ def write_tiny_qwen2_5_vl(path, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
     randomise_identity_params(model)
+    _write_checkpoint(path, model, TINY_PREPROCESSOR)
+    return model
+
+
+def write_tiny_qwen3_vl(path, seed: int = 0, moe: bool = False):
+    """A random Qwen3-VL (text: Qwen3, hidden 64, 2 layers, head_dim 16, interleaved M-RoPE sections
+    [2, 3, 3]; with ``moe`` Qwen3-MoE, 4 experts of width 48, top 2; vision: hidden 32, 3 blocks,
+    16-pixel patches, a 4x4 learned position grid, DeepStack from blocks 0 and 1) written to
+    ``path``; returns the transformers model (fp32, eval mode, norms and biases randomised)."""
+    import torch
+    import transformers
+
+    from framework.testing.model_writers import randomise_identity_params
+
+    path = Path(path)
+    text = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1],
+    )
+    config = (transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig)(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=IMAGE_TOKEN_ID + 1,
+        vision_start_token_id=VISION_SPECIALS["<|vision_start|>"],
+        vision_end_token_id=VISION_SPECIALS["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model_class = (
+        transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+    )
+    model = model_class(config).eval()
+    randomise_identity_params(model)
+    _write_checkpoint(path, model, TINY_QWEN3_PREPROCESSOR)
+    return model
+
+
+def _write_checkpoint(path: Path, model, preprocessor: dict) -> None:
+    """``model``'s weights and config, the word-level tokenizer, the chat template and ``preprocessor``."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
     model.save_pretrained(path, safe_serialization=True)
     specials = {**VISION_SPECIALS, IMAGE_TOKEN: IMAGE_TOKEN_ID}
     vocab = {"<s>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, 290)}, **specials}
@@ -80,9 +153,8 @@ def write_tiny_qwen2_5_vl(path, seed: int = 0):
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": VISION_CHAT_TEMPLATE})
     )
     (path / "preprocessor_config.json").write_text(
-        json.dumps({"image_processor_type": "Qwen2VLImageProcessor", **TINY_PREPROCESSOR})
+        json.dumps({"image_processor_type": "Qwen2VLImageProcessor", **preprocessor})
     )
-    return model
 
 
 def random_image(width: int, height: int, seed: int):

@@ -1,6 +1,7 @@
 """Images through the HTTP API: a real ``fw serve`` of the tiny random Qwen2.5-VL answers the openai
-client's ``image_url`` parts with transformers' greedy ids, and every bad image is a 400 naming its
-content part before anything reaches the engine (the app with a stand-in engine client)."""
+client's ``image_url`` parts with transformers' greedy ids, Qwen3-VL's parts reach the engine in its
+own patches, and every bad image is a 400 naming its content part before anything reaches the
+engine (the app with a stand-in engine client)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from framework.multimodal.inputs import load_processor
 from framework.multimodal.prompt import vision_prompt
 from framework.server.app import create_app
 from framework.server.state import ServerConfig
-from framework.testing import data_url, random_image, write_tiny_qwen2_5_vl
+from framework.testing import data_url, random_image, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
 from framework.testing.vision import IMAGE_TOKEN_ID
 from framework.tokenizer import Tokenizer
 
@@ -42,17 +43,21 @@ def tiny_vlm(tmp_path_factory):
     return path, write_tiny_qwen2_5_vl(path)
 
 
-@pytest.fixture(scope="module")
-def vision_spec(tiny_vlm):
+def spec_of(path):
     """The spec the engine sends in Ready, from the architecture the registry serves the model with."""
     from framework import plugins, registries
     from framework.config import ModelConfig
     from framework.platform import platform_for_device
 
     plugins.load_plugins()
-    config = ModelConfig.from_hf_config(json.loads((tiny_vlm[0] / "config.json").read_text()), dtype=torch.float32)
+    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()), dtype=torch.float32)
     model_cls = registries.model_architectures(platform_for_device("cpu")).get(config.architecture).load()
-    return model_cls.vision_spec(config, json.loads((tiny_vlm[0] / "preprocessor_config.json").read_text()))
+    return model_cls.vision_spec(config, json.loads((path / "preprocessor_config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def vision_spec(tiny_vlm):
+    return spec_of(tiny_vlm[0])
 
 
 def test_openai_client_images_get_transformers_greedy_ids(tiny_vlm, vision_spec, serve_on_free_port):
@@ -97,9 +102,13 @@ def test_openai_client_images_get_transformers_greedy_ids(tiny_vlm, vision_spec,
 
 @pytest.fixture
 def vision_app(tiny_vlm, vision_spec):
-    """The real app over a stand-in engine client of the tiny VLM's tokenizer and vision spec."""
+    yield from scripted_app(tiny_vlm[0], vision_spec)
+
+
+def scripted_app(path, vision_spec):
+    """The real app over a stand-in engine client of a tiny VLM's tokenizer and vision spec."""
     engine = ScriptedEngineClient(lambda prompt: "t7")
-    engine.tokenizer = Tokenizer.from_directory(tiny_vlm[0])
+    engine.tokenizer = Tokenizer.from_directory(path)
     engine.ready = SimpleNamespace(max_model_len=512, vocab_size=300, vision=vision_spec)
     received = []
     generate = engine.generate
@@ -125,6 +134,20 @@ def test_image_parts_reach_the_engine_as_pixels_with_their_spans(vision_app):
         assert prompt[image.offset : image.offset + image.length] == [IMAGE_TOKEN_ID] * image.length
         assert len(image.pixel_values) == 4 * image.length * 4 * 1176  # 4 patches of 3*2*14*14 floats per token
     assert prompt.count(IMAGE_TOKEN_ID) == 22
+
+
+def test_qwen3_vl_image_parts_reach_the_engine_in_its_16_pixel_patches(tmp_path):
+    write_tiny_qwen3_vl(tmp_path)
+    for http, engine, received in scripted_app(tmp_path, spec_of(tmp_path)):
+        response = http.post("/v1/chat/completions", json={"messages": chat_messages(*IMAGES), "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        (images,) = received
+        prompt = engine.prompt_ids[0]
+        # 84x56 -> 96x64 and 100x120 -> 96x128 pixels (multiples of 2 x 16), one token per 2x2 patches
+        assert [(image.grid, image.length) for image in images] == [([1, 4, 6], 6), ([1, 8, 6], 12)]
+        for image in images:
+            assert prompt[image.offset : image.offset + image.length] == [IMAGE_TOKEN_ID] * image.length
+            assert len(image.pixel_values) == 4 * image.length * 4 * 1536  # 4 patches of 3*2*16*16 floats per token
 
 
 def _bad(url: str) -> list[dict]:

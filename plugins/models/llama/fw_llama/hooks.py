@@ -57,6 +57,16 @@ GLM4_MOE_ARCHITECTURES = {
 #: Vision-language models (a vision tower feeding a Llama-family decoder).
 VISION_ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (image input: windowed ViT, M-RoPE; no video yet)",
+    "Qwen3VLForConditionalGeneration": "Qwen3-VL dense (image input: ViT with learned positions, DeepStack, "
+    "interleaved M-RoPE; no video yet)",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL MoE, e.g. Qwen3-VL-30B-A3B (Qwen3-VL's tower, Qwen3-MoE text)",
+}
+
+#: the module of each vision architecture's class
+VISION_MODULES = {
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
 }
 
 
@@ -103,7 +113,7 @@ def register_model_architectures():
             for name, description in LLAMA4_ARCHITECTURES.items()
         ]
         + [
-            ModelSpec(name=name, impl="fw_llama.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration", description=description)
+            ModelSpec(name=name, impl=f"fw_llama.{VISION_MODULES[name]}:{name}", description=description)
             for name, description in VISION_ARCHITECTURES.items()
         ]
     )

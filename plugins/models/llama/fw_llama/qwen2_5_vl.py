@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from framework.config import ModelConfig
+from framework.layers import norm_per_head
 from framework.layers.causal_lm import CausalLM
 from framework.layers.rotary import RotaryEmbedding
 from framework.multimodal.inputs import VisionSpec
@@ -31,68 +32,122 @@ from fw_llama.qwen2_5_vision import Qwen2_5VisionTransformer
 from fw_llama.qwen2_vl_processor import processor_settings
 
 
+def frequency_sections(mrope_section: list[int], interleaved: bool) -> list[int]:
+    """The section (0: temporal, 1: height, 2: width) of each rotary frequency.
+
+    Qwen2.5-VL gives each section a contiguous run (``[0] * s0 + [1] * s1 + [2] * s2``); Qwen3-VL
+    interleaves them, ``T H W T H W ...``, until the height and width runs are used up::
+
+        frequency j:  1 if j % 3 == 1 and j < 3 * s1;  2 if j % 3 == 2 and j < 3 * s2;  else 0
+    """
+    if not interleaved:
+        return [index for index, width in enumerate(mrope_section) for _ in range(width)]
+    _, height, width = mrope_section
+    return [
+        1 if j % 3 == 1 and j < 3 * height else 2 if j % 3 == 2 and j < 3 * width else 0
+        for j in range(sum(mrope_section))
+    ]
+
+
 class MRotaryEmbedding(nn.Module):
     """M-RoPE over a default :class:`RotaryEmbedding` (NeoX pairs): ``[T]`` positions rotate as the
-    base does; ``[3, T]`` positions pick each frequency's row from its section's position."""
+    base does; ``[3, T]`` positions pick each frequency's row from its section's position
+    (:func:`frequency_sections`)."""
 
-    def __init__(self, base: RotaryEmbedding, mrope_section: list[int]) -> None:
+    def __init__(self, base: RotaryEmbedding, mrope_section: list[int], interleaved: bool = False) -> None:
         super().__init__()
         if sum(mrope_section) != base.rotary_dim // 2:
             raise ValueError(f"mrope_section {mrope_section} must add up to rotary_dim / 2 = {base.rotary_dim // 2}")
         self.base = base
-        # the section (0: temporal, 1: height, 2: width) of each cos and each sin column
-        section = [index for index, width in enumerate(mrope_section) for _ in range(width)]
+        section = frequency_sections(mrope_section, interleaved)  # of each cos and each sin column
         self.section = section + section
         self._section_index: dict[torch.device, torch.Tensor] = {}  # self.section on each device, made once
+
+    def _token_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, table)``: each token's own ``[T, rotary_dim]`` cos | sin row of ``[3, T]`` positions."""
+        rows = self.base.cos_sin_cache[positions]  # [3, T, rotary_dim]: cos | sin per section
+        section = self._section_index.get(positions.device)
+        if section is None:
+            section = self._section_index[positions.device] = torch.tensor(self.section, device=positions.device)
+        index = section.view(1, 1, -1).expand(1, rows.shape[1], -1)
+        table = rows.gather(0, index)[0]
+        return torch.arange(table.shape[0], device=positions.device), table
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         base = self.base
         if positions.ndim == 1:
             return base(positions, query, key)
-        rows = base.cos_sin_cache[positions]  # [3, T, rotary_dim]: cos | sin per section
-        section = self._section_index.get(positions.device)
-        if section is None:
-            section = self._section_index[positions.device] = torch.tensor(self.section, device=positions.device)
-        index = section.view(1, 1, -1).expand(1, rows.shape[1], -1)
-        table = rows.gather(0, index)[0]  # [T, rotary_dim]: each token's own rows
-        token_rows = torch.arange(table.shape[0], device=positions.device)
+        token_rows, table = self._token_table(positions)
         return base._kernel(token_rows, query, key, base.head_size, table, base.is_neox_style)
 
+    def forward_with_qk_norm(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module
+    ):
+        """:meth:`RotaryEmbedding.forward_with_qk_norm` (Qwen3's per-head QK norm) with M-RoPE positions."""
+        base = self.base
+        if positions.ndim == 1:
+            return base.forward_with_qk_norm(positions, query, key, q_norm, k_norm)
+        head = base.head_size
+        return self.forward(positions, norm_per_head(q_norm, query, head), norm_per_head(k_norm, key, head))
 
-def text_config(config: ModelConfig) -> ModelConfig:
-    """The decoder's config: the Qwen2 layout (q/k/v bias) and plain rope (M-RoPE wraps it)."""
+
+def text_config(config: ModelConfig, architecture: str = "Qwen2ForCausalLM") -> ModelConfig:
+    """The decoder's config: ``text_config`` over the top level, served as ``architecture`` (Qwen2:
+    q/k/v bias) with plain rope (M-RoPE wraps it). The top level's ``tie_word_embeddings`` wins, as
+    in transformers (Qwen3-VL's text configs default it to true where the checkpoint does not tie)."""
     hf = dict(config.hf_config)
     hf.update(hf.get("text_config") or {})
+    if "tie_word_embeddings" in config.hf_config:
+        hf["tie_word_embeddings"] = config.hf_config["tie_word_embeddings"]
     for key in ("rope_scaling", "rope_parameters"):
         if isinstance(hf.get(key), dict):
             hf[key] = {k: v for k, v in hf[key].items() if k in ("rope_theta",)}
     hf.pop("text_config", None)
-    return dataclasses.replace(config, hf_config=hf, architecture="Qwen2ForCausalLM")
+    return dataclasses.replace(config, hf_config=hf, architecture=architecture)
 
 
-def mrope_section(config: ModelConfig) -> list[int]:
+def mrope_section(config: ModelConfig, default: tuple[int, ...] = (16, 24, 24)) -> list[int]:
+    """The config's ``mrope_section``, else ``default`` (transformers' for the family member)."""
     for source in (config.rope_parameters, config.get("rope_scaling") or {}):
         if source.get("mrope_section"):
             return list(source["mrope_section"])
-    return [16, 24, 24]
+    return list(default)
 
 
 class Qwen2_5_VLForConditionalGeneration(CausalLM):
     """``Qwen2_5_VLForConditionalGeneration`` checkpoints: ``model.language_model.*`` (or the older
-    ``model.*``), ``model.visual.*`` (or ``visual.*``) and ``lm_head``."""
+    ``model.*``), ``model.visual.*`` (or ``visual.*``) and ``lm_head``.
+
+    The Qwen-VL family shares this class: a member overrides ``text_architecture`` (the decoder's
+    layout), ``interleaved_mrope``, ``default_mrope_section``, :meth:`text_config`,
+    :meth:`build_tower` and :meth:`build_decoder` (Qwen3-VL: ``qwen3_vl.py``).
+    """
+
+    text_architecture = "Qwen2ForCausalLM"
+    interleaved_mrope = False
+    default_mrope_section = (16, 24, 24)
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.config = config
-        text = text_config(config)
-        self.model = LlamaModel(text, quant_config, "model")
+        text = self.text_config(config)
+        self.visual = self.build_tower(config.hf_config.get("vision_config") or {})
+        self.model = self.build_decoder(text, quant_config)
         self.init_lm_head(text, quant_config, tie_by_default=False)
-        self.visual = Qwen2_5VisionTransformer(config.hf_config.get("vision_config") or {})
         self.image_token_id = int(config.get("image_token_id"))
-        section = mrope_section(config)
+        section = mrope_section(config, self.default_mrope_section)
         for layer in self.model.layers:
             attention = layer.self_attn
-            attention.rotary_emb = MRotaryEmbedding(attention.rotary_emb, section)
+            attention.rotary_emb = MRotaryEmbedding(attention.rotary_emb, section, self.interleaved_mrope)
+
+    def text_config(self, config: ModelConfig) -> ModelConfig:
+        return text_config(config, self.text_architecture)
+
+    def build_tower(self, vision_config: dict[str, Any]) -> nn.Module:
+        return Qwen2_5VisionTransformer(vision_config)
+
+    def build_decoder(self, text: ModelConfig, quant_config: QuantConfig | None) -> nn.Module:
+        return LlamaModel(text, quant_config, "model")
 
     @classmethod
     def vision_spec(cls, config: ModelConfig, preprocessor_config: dict[str, Any]) -> VisionSpec:

@@ -1,0 +1,162 @@
+"""Qwen3-VL, dense and MoE, through the whole engine matches transformers (fp32, tiny random models,
+images of three sizes): logits at every computed position and greedy ids, with a chunked prefill
+that splits the images' tokens (so the DeepStack features of an image arrive over several steps).
+
+transformers gets the pixels fw's processor made (Qwen2-VL's processor with 16-pixel patches, which
+``test_qwen2_5_vl`` pins against transformers' own). The MoE checkpoint is rewritten with its
+experts in the released checkpoints' ``[E, in, out]`` layout, which transformers also reads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from fw_llama.qwen2_5_vl import frequency_sections
+from fw_llama.qwen2_vl_processor import Qwen2VLImageProcessor, processor_settings
+
+from framework import LLM, SamplingParams
+from framework.testing import capture_logits, data_url, random_image, write_tiny_qwen3_vl
+from framework.testing.vision import IMAGE_TOKEN_ID
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+#: 6, 12 and 4 image tokens (3x2, 3x4 and 2x2 merged blocks of 32 pixels)
+IMAGES = [(96, 64, 1), (100, 130, 2), (40, 40, 3)]
+
+
+def released_expert_layout(path) -> None:
+    """Rewrite the checkpoint's stacked experts as the released Qwen3-VL-MoE files hold them."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-qwen3_vl-{request.param}")
+    reference = write_tiny_qwen3_vl(path, moe=request.param == "moe")
+    if request.param == "moe":
+        released_expert_layout(path)
+    processor = Qwen2VLImageProcessor(processor_settings(json.loads((path / "preprocessor_config.json").read_text())))
+    return path, reference, processor
+
+
+def conversation(*images, text="t5 t6"):
+    parts = [{"type": "text", "text": text}]
+    for index, image in enumerate(images):
+        parts += [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": f"t{20 + index}"},
+        ]
+    return [{"role": "user", "content": parts}]
+
+
+def reference_inputs(processor, prompt_ids, images) -> dict:
+    processed = [processor.preprocess(image) for image in images]
+    ids = torch.tensor([prompt_ids])
+    return dict(
+        input_ids=ids,
+        pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
+        image_grid_thw=torch.tensor([p.grid for p in processed]),
+        mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
+    )
+
+
+def test_interleaved_sections_alternate_until_height_and_width_run_out():
+    assert frequency_sections([2, 3, 3], interleaved=True) == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert frequency_sections([24, 20, 20], interleaved=True)[57:64] == [0, 1, 2, 0, 0, 0, 0]
+    assert frequency_sections([2, 3, 3], interleaved=False) == [0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_logits_and_greedy_ids_match_transformers_with_three_images_split_by_chunked_prefill(tiny):
+    path, reference, processor = tiny
+    llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8)
+    logits = capture_logits(llm)
+    images = [random_image(*size) for size in IMAGES]
+    result = llm.chat(conversation(*images), GREEDY)[0]
+    prompt = result.prompt_token_ids
+    first = prompt.index(IMAGE_TOKEN_ID)
+    assert first // 8 != (first + 5) // 8  # the first image's 6 tokens cross a chunk boundary
+    assert prompt.count(IMAGE_TOKEN_ID) == 6 + 12 + 4
+    inputs = reference_inputs(processor, prompt, images)
+    with torch.no_grad():
+        expected = reference.generate(
+            **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=10, do_sample=False
+        )[0, len(prompt) :].tolist()
+    assert result.outputs[0].token_ids == expected
+    # every position the engine computed: the prompt's (M-RoPE, DeepStack) and decode's (index + delta)
+    sequence = prompt + expected[:-1]
+    with torch.no_grad():
+        want = reference(**reference_inputs(processor, sequence, images)).logits[0]
+    got = torch.stack([logits[("0-0", position)] for position in range(len(sequence))])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert llm.engine.core.runner.multimodal.num_encoder_runs == 3  # each image once, though split over steps
+    assert llm.engine.summary["vision"]["image_processor"] == "Qwen2VLImageProcessor"
+
+
+def test_a_prefix_cache_hit_that_ends_inside_an_image_continues_with_its_deepstack_rows(tiny):
+    path, reference, processor = tiny
+    # two keyed blocks of 4: the hit covers tokens 0..7, and the image's 16 tokens start at 3
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, prefix_cache_max_tokens=8)
+    logits = capture_logits(llm)
+    image = random_image(128, 128, 5)
+    llm.chat(conversation(image), GREEDY)
+    second = llm.chat(conversation(image), GREEDY)[0]
+    prompt = second.prompt_token_ids
+    start = prompt.index(IMAGE_TOKEN_ID)
+    assert start < second.num_cached_tokens == 8 < start + 16
+    with torch.no_grad():
+        want = reference(**reference_inputs(processor, prompt, [image])).logits[0, 8:]
+    got = torch.stack([logits[("1-0", position)] for position in range(8, len(prompt))])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_vision_tower_with_a_checkpoint_sized_position_grid_matches_transformers():
+    """Qwen3-VL checkpoints' 48x48 learned positions, resampled to a 14x22 patch grid (bilinear,
+    corners aligned), and DeepStack features from two of three blocks."""
+    from fw_llama.qwen3_vision import Qwen3VisionTransformer
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as hf
+
+    from framework.testing import randomise_identity_params
+
+    vision = dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48, patch_size=16)
+    vision.update(num_position_embeddings=2304, deepstack_visual_indexes=[0, 2], spatial_merge_size=2)
+    torch.manual_seed(0)
+    reference = hf.Qwen3VLVisionModel(hf.Qwen3VLVisionConfig(**vision)).eval()
+    randomise_identity_params(reference)
+    tower = Qwen3VisionTransformer(vision)
+    tower.load_state_dict(reference.state_dict())
+    processed = Qwen2VLImageProcessor({"patch_size": 16, "max_pixels": 10**6}).preprocess(random_image(352, 224, 3))
+    assert processed.grid == [1, 14, 22]
+    pixels, grid = torch.from_numpy(processed.pixel_values), torch.tensor([processed.grid])
+    with torch.no_grad():
+        expected = reference(pixels, grid_thw=grid)
+        got = tower(pixels, processed.grid)
+    torch.testing.assert_close(
+        got, torch.cat([expected.pooler_output, *expected.deepstack_features], -1), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.gpu
+def test_greedy_ids_match_transformers_on_cuda_with_graphs_and_async_scheduling(tiny):
+    path, reference, processor = tiny
+    llm = LLM(str(path), dtype="float32", device="cuda", prefill_chunk_size=8, async_scheduling=True)
+    images = [random_image(*size) for size in IMAGES]
+    conversations = [conversation(*images), conversation(images[1], text="t9")]
+    results = llm.chat(conversations, GREEDY)
+    for result, used in zip(results, [images, images[1:2]], strict=True):
+        inputs = reference_inputs(processor, result.prompt_token_ids, used)
+        with torch.no_grad():
+            expected = reference.generate(
+                **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=10, do_sample=False
+            )
+        assert result.outputs[0].token_ids == expected[0, len(result.prompt_token_ids) :].tolist()
+    assert llm.engine.core.runner.graph_runner is not None  # decode ran in CUDA graphs (M-RoPE positions + delta)
