@@ -179,3 +179,43 @@ def test_shared_first_layer_is_refused():
     derived = {**hf, "indexer_types": None, "index_topk_freq": 2, "index_skip_topk_offset": 1}
     config = ModelConfig.from_hf_config({**derived, "architectures": ["GlmMoeDsaForCausalLM"]}, dtype=torch.float32)
     assert indexer_types(config) == ["full", "shared"]  # transformers' schedule
+
+
+def test_tensor_parallel_2_sparse_greedy_ids_match_transformers(tmp_path):
+    """TP=2 on CPU (gloo), ``index_topk`` 6: each rank runs half the MLA heads and the whole
+    (replicated) indexer, so both ranks attend to the same tokens; GLM-5's shared layer included."""
+    from framework import SamplingParams
+    from framework.testing import PARITY_PROMPTS, reference_greedy
+
+    written = CONFIGS["glm_moe_dsa_shared_layer"]()
+    reference = write_grouped_moe_model(
+        tmp_path, type(written)(**{**written.to_dict(), "index_topk": 6, "index_n_heads": 16})
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = PARITY_PROMPTS[1:]
+    with LLM(str(tmp_path), num_blocks=16, prefill_chunk_size=8, tensor_parallel_size=2) as llm:
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    assert ids == [reference_greedy(reference, prompt, greedy.max_tokens) for prompt in prompts]
+
+
+@pytest.mark.gpu
+def test_sparse_greedy_tokens_match_transformers_on_cuda(tmp_path):
+    """On the GPU: the torch backend (the only one with sparse MLA) and the indexer over the
+    widened cache rows, the registry's Triton fused_moe, fp32, against transformers on the CPU."""
+    from framework import SamplingParams
+    from framework.testing import PARITY_PROMPTS, check_kernels_used, count_kernel_calls, reference_greedy
+
+    for name, written in sorted(CONFIGS.items()):
+        path = tmp_path / name
+        config = written()
+        reference = write_grouped_moe_model(
+            path, type(config)(**{**config.to_dict(), "index_topk": 6, "index_n_heads": 16})
+        )
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        with count_kernel_calls() as calls:
+            llm = LLM(str(path), device="cuda", dtype="float32", num_blocks=64, prefill_chunk_size=8)
+            assert llm.engine.attention_backend == "torch"
+            results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], greedy)
+        for prompt, result in zip(PARITY_PROMPTS, results, strict=True):
+            assert result.outputs[0].token_ids == reference_greedy(reference, prompt, greedy.max_tokens), name
+        check_kernels_used(calls, {"fused_moe": "triton", "attention": "torch"})
