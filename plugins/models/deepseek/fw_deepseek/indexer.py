@@ -12,8 +12,9 @@ Per token (``H = index_n_heads``, ``D = index_head_dim``, ``R = qk_rope_head_dim
 
 Each token's key is cached in the tail of its MLA cache row (``[c_kv, k_pe, k]``, see
 :mod:`framework.attention_backend`), so chunked prefill, prefix-cache hits and preemption reuse it
-like the latent. The indexer runs in plain torch, one request at a time (the reference; it is the
-oracle a fused kernel would be tested against). Tensor parallelism: every rank runs the whole
+like the latent. The indexer runs in plain torch, one request at a time, reading the step's host
+metadata (the reference; it is the oracle a fused kernel would be tested against): it cannot run
+inside a CUDA graph, and refuses to. Tensor parallelism: every rank runs the whole
 indexer (replicated weights) and so chooses the same tokens.
 """
 
@@ -106,6 +107,8 @@ class LightningIndexer(nn.Module):
         query, key, weights = self.project(positions, hidden, q_resid)
         context = get_forward_context()
         cache, metadata = context.kv_caches[self.layer_index].data, context.metadata
+        if metadata.graph_batch_size is not None:
+            raise RuntimeError("the lightning indexer loops over requests on the host: it cannot run in a CUDA graph")
         num_blocks, block_size, row_size = cache.shape
         rows = cache.view(num_blocks * block_size, row_size)
         rows[metadata.slot_mapping[:num_tokens], row_size - self.head_dim :] = key.to(cache.dtype)
