@@ -30,22 +30,27 @@ from framework.layers.rotary import get_rope
 from framework.quantization import QuantConfig
 
 
+def index_scores(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_start: int) -> torch.Tensor:
+    """``[q, k]`` float32 scores of ``query [q, H, D]`` (roped, at positions ``query_start..``)
+    with head ``weights [q, H]`` (scaled by ``H^-0.5``) over ``keys [k, D]`` at ``0..k-1``;
+    ``-inf`` after each query's position."""
+    scale = query.shape[-1] ** -0.5
+    scores = torch.relu(torch.einsum("qhd,kd->qhk", query.float(), keys.float()) * scale)
+    summed = torch.einsum("qh,qhk->qk", weights.float(), scores)
+    q_pos = torch.arange(query_start, query_start + query.shape[0], device=query.device)[:, None]
+    k_pos = torch.arange(keys.shape[0], device=query.device)[None, :]
+    return summed.masked_fill(k_pos > q_pos, float("-inf"))
+
+
 def select_topk(
     query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_start: int, topk: int
 ) -> torch.Tensor:
-    """The top-``topk`` keys of each query: ``query [q, H, D]`` (roped), ``weights [q, H]`` (scaled
-    by ``H^-0.5``), ``keys [k, D]`` at positions ``0..k-1``, queries at ``query_start..``.
+    """The top-``topk`` keys of each query by :func:`index_scores`.
 
     Returns ``[q, min(topk, k)]`` int32 positions, highest score first; ``-1`` where a query has
-    fewer causal keys than that. Computed in float32.
+    fewer causal keys than that.
     """
-    scale = query.shape[-1] ** -0.5
-    scores = torch.relu(torch.einsum("qhd,kd->qhk", query.float(), keys.float()) * scale)
-    index_scores = torch.einsum("qh,qhk->qk", weights.float(), scores)
-    q_pos = torch.arange(query_start, query_start + query.shape[0], device=query.device)[:, None]
-    k_pos = torch.arange(keys.shape[0], device=query.device)[None, :]
-    index_scores = index_scores.masked_fill(k_pos > q_pos, float("-inf"))
-    values, indices = index_scores.topk(min(topk, keys.shape[0]), dim=-1)
+    values, indices = index_scores(query, weights, keys, query_start).topk(min(topk, keys.shape[0]), dim=-1)
     return torch.where(values == float("-inf"), -1, indices).to(torch.int32)
 
 
