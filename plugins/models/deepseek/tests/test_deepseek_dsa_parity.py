@@ -49,7 +49,19 @@ SMALL = dict(
 LATENT = SMALL["kv_lora_rank"] + SMALL["qk_rope_head_dim"]
 
 CONFIGS = {
-    "deepseek_v32": lambda: transformers.DeepseekV32Config(**SMALL),
+    "deepseek_v32_yarn": lambda: transformers.DeepseekV32Config(  # as released: YaRN with DeepSeek's mscale
+        **SMALL,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
     "glm_moe_dsa_shared_layer": lambda: transformers.GlmMoeDsaConfig(**SMALL, indexer_types=["full", "shared"]),
 }
 
