@@ -20,6 +20,13 @@ KV cache of one layer (``"mla"`` layout, multi-head latent attention, DeepSeek-V
 all heads: the compressed latent ``c_kv`` (after ``kv_a_layernorm``) followed by the roped
 ``k_pe``. The model absorbs ``W_UK`` into its queries and ``W_UV`` into its output, so the
 backend computes multi-query attention over the latent (see :meth:`AttentionBackend.forward`).
+
+DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; ``MLAConfig.is_sparse``): the row is widened to ``L + R + index_head_dim``; its tail holds the lightning indexer's key of the token,
+written and read by the model's indexer (which picks each query's top-k tokens), never by the
+attention itself. The backend stores and reads only the head ``[c_kv, k_pe]`` and attends to the
+``topk_indices`` the layer passes (only backends with ``supports_sparse_mla`` are chosen)::
+
+    row of one token   [ c_kv (L) | k_pe (R) | indexer key (index_head_dim) ]
 """
 
 from __future__ import annotations
@@ -88,11 +95,25 @@ class MLAConfig:
 
     kv_lora_rank: int
     qk_rope_head_dim: int
+    #: DeepSeek Sparse Attention: the layer attends only to the top-k tokens it is given
+    is_sparse: bool = False
+    #: the width of the lightning indexer's key kept after the latent in each cached row (0: none;
+    #: a GLM-5 "shared" layer is sparse but reuses an earlier layer's choice, so keeps no key)
+    index_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.index_head_dim and not self.is_sparse:
+            raise ValueError("an MLA layer that caches an indexer key (index_head_dim) must be sparse")
 
     @property
     def latent_size(self) -> int:
-        """Elements per cached token: ``kv_lora_rank + qk_rope_head_dim``."""
+        """Elements of the latent a query attends over: ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def row_size(self) -> int:
+        """Elements per cached token: the latent, then the indexer key of a sparse layer."""
+        return self.latent_size + self.index_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +145,8 @@ class AttentionLayerConfig:
 
     @property
     def kv_elements_per_token(self) -> int:
-        """Cache elements one token takes in this layer: ``2 * H_kv * D`` standard, the latent size for MLA."""
-        return 2 * self.num_kv_heads * self.head_size if self.mla is None else self.mla.latent_size
+        """Cache elements one token takes in this layer: ``2 * H_kv * D`` standard, the row size for MLA."""
+        return 2 * self.num_kv_heads * self.head_size if self.mla is None else self.mla.row_size
 
     @property
     def output_size(self) -> int:
@@ -149,6 +170,9 @@ class AttentionBackend(ABC):
     supports_sinks: bool = False
     #: True if ``forward`` honours ``attention_chunk_size`` (layers with it are refused otherwise).
     supports_chunked_attention: bool = False
+    #: True if ``forward`` takes ``topk_indices`` for sparse MLA layers (``MLAConfig.is_sparse``,
+    #: the cache row widened by ``index_head_dim``); others are refused for them.
+    supports_sparse_mla: bool = False
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -157,13 +181,13 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def mla_kv_cache_shape(num_blocks: int, block_size: int, latent_size: int) -> tuple[int, ...]:
-        """Shape of one MLA layer's cache: one latent vector per token slot."""
+        """Shape of one MLA layer's cache: one row (:attr:`MLAConfig.row_size`) per token slot."""
         return (num_blocks, block_size, latent_size)
 
     def layer_kv_cache_shape(self, layer: AttentionLayerConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The cache shape of ``layer`` in its layout (what the engine allocates per layer)."""
         if layer.mla is not None:
-            return self.mla_kv_cache_shape(num_blocks, block_size, layer.mla.latent_size)
+            return self.mla_kv_cache_shape(num_blocks, block_size, layer.mla.row_size)
         return self.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
 
     def kv_cache_spec(
@@ -244,4 +268,9 @@ class AttentionBackend(ABC):
         then the roped ``k_pe``: what is stored), ``value`` is None; returns ``[T, num_heads * L]``
         = ``softmax(q . k * scale) @ c_kv`` with the same causal rule (``L = kv_lora_rank``,
         ``R = qk_rope_head_dim``).
+
+        Sparse MLA layers (``layer.mla.is_sparse``, a backend with ``supports_sparse_mla``) also get
+        ``topk_indices`` ``[T, K]`` int32: for each query, positions within its own sequence that it
+        may attend to (``-1`` pads; positions beyond the causal rule are ignored). Only the head
+        ``[c_kv, k_pe]`` of each cache row is stored and read; the tail belongs to the indexer.
         """

@@ -41,6 +41,11 @@ def refusal_reasons(
             reasons.append("attention sinks (gpt-oss) unsupported")
         if any(layer.attention_chunk_size for layer in layers) and not backend_cls.supports_chunked_attention:
             reasons.append("chunked local attention (Llama 4 attention_chunk_size) unsupported")
+        if (
+            any(layer.mla is not None and layer.mla.is_sparse for layer in layers)
+            and not backend_cls.supports_sparse_mla
+        ):
+            reasons.append("DeepSeek sparse attention (MLA with a lightning indexer's top-k) unsupported")
         reasons += backend_cls.validate(layers, cache_dtype, platform)
     return reasons
 

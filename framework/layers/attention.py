@@ -31,6 +31,10 @@ class Attention(nn.Module):
     calibrations, per tensor or per KV head) reach :meth:`set_checkpoint_scale` through the loader
     and the engine hands them to this layer's quantized cache.
 
+    A sparse MLA layer (``mla.is_sparse``, DeepSeek-V3.2 / GLM-5) is called with the
+    ``topk_indices`` its model's lightning indexer chose (``[T, K]`` positions within each
+    query's sequence, ``-1`` pads); only backends with ``supports_sparse_mla`` are chosen for it.
+
     With ``has_sinks`` (gpt-oss) every call passes the layer's per-head sink logits, which the
     backend adds to the softmax (see :meth:`framework.attention_backend.AttentionBackend.forward`).
     With ``attention_chunk_size`` (Llama 4) a token attends only within its own chunk of that many
@@ -94,15 +98,27 @@ class Attention(nn.Module):
         return tuple(None if scale is None else scale.to(device) for scale in found)
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, sinks: torch.Tensor | None = None
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``sinks`` (``[num_heads]``, this rank's heads) is required exactly when built with ``has_sinks``."""
+        """``sinks`` (``[num_heads]``, this rank's heads) is required exactly when built with ``has_sinks``;
+        ``topk_indices`` exactly for a sparse MLA layer."""
         if (sinks is not None) != self.config.has_sinks:
             raise ValueError(
                 f"{self.prefix}: attention sinks given {sinks is not None}, built with has_sinks={self.config.has_sinks}"
             )
+        is_sparse = self.config.mla is not None and self.config.mla.is_sparse
+        if (topk_indices is not None) != is_sparse:
+            raise ValueError(f"{self.prefix}: topk_indices given {topk_indices is not None}, sparse MLA {is_sparse}")
         context = get_forward_context()
         cache = context.kv_caches[self.layer_index]
-        if sinks is None:  # backends without sinks keep the plain signature
-            return context.backend.forward(self.config, query, key, value, cache, context.metadata)
-        return context.backend.forward(self.config, query, key, value, cache, context.metadata, sinks=sinks)
+        extra = {}  # backends without sinks or sparse MLA keep the plain signature
+        if sinks is not None:
+            extra["sinks"] = sinks
+        if topk_indices is not None:
+            extra["topk_indices"] = topk_indices
+        return context.backend.forward(self.config, query, key, value, cache, context.metadata, **extra)

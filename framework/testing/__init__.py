@@ -11,10 +11,11 @@ Fixtures:
   make them many times slower); the previous setting is restored after the module.
 
 The helpers live in modules by kind (``fixtures``, ``model_writers``, ``attention``, ``parsers``,
-``parity``, ``gpu``, ``metrics``, ``quant``, ``vision``) and are all importable from here.
+``parity``, ``gpu``, ``metrics``, ``quant``, ``vision``, ``sparse_mla``) and are all importable from here.
 
 Conformance kits for plugin authors: attention backends (``check_attention_backend``, also on a
-quantized KV dtype against attention over the dequantized cache), tool
+quantized KV dtype against attention over the dequantized cache; sparse MLA,
+``check_sparse_mla_attention_backend``), tool
 parsers, model parity (``ModelParityTests``), and quantization methods against
 dequantize-then-matmul (``check_linear_method``, ``check_moe_method``, in :mod:`framework.testing.quant`).
 """
@@ -79,6 +80,10 @@ from framework.testing.parsers import (
     check_tool_parser_streaming,
     random_chunks,
 )
+from framework.testing.sparse_mla import (
+    SPARSE_MLA_CASES,
+    check_sparse_mla_attention_backend,
+)
 from framework.testing.vision import (
     IMAGE_TOKEN,
     IMAGE_TOKEN_ID,
@@ -93,6 +98,8 @@ from framework.testing.vision import (
 
 #: everything here, importable as ``framework.testing.NAME`` (the fixtures are also seen by pytest here)
 __all__ = [
+    "SPARSE_MLA_CASES",
+    "check_sparse_mla_attention_backend",
     "ATTENTION_CASES",
     "CHUNKED_ATTENTION_CASES",
     "MLA_ATTENTION_CASES",

@@ -48,12 +48,14 @@ def attend(
     layer: AttentionLayerConfig,
     query_start: int,
     sinks: torch.Tensor | None = None,
+    selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries at absolute positions ``query_start..`` over keys ``0..``.
 
     ``query`` ``[q, H, D]``, ``key`` ``[k, H_kv, D]``, ``value`` ``[k, H_kv, D_v]`` (``D_v`` may differ
     from ``D``, as in MLA); computed in float32. ``sinks`` ``[H]``: one extra logit per head in the
-    softmax, dropped after it.
+    softmax, dropped after it. ``selected`` ``[q, k]`` bool (sparse MLA): a query attends only to
+    its selected keys (within the causal rule).
     """
     group = layer.num_heads // layer.num_kv_heads
     q = query.float().transpose(0, 1)  # [H, q, D]
@@ -69,6 +71,8 @@ def attend(
         allowed &= k_pos > q_pos - layer.sliding_window
     if layer.attention_chunk_size:  # chunked local attention: keys of the query's own chunk only
         allowed &= k_pos // layer.attention_chunk_size == q_pos // layer.attention_chunk_size
+    if selected is not None:
+        allowed = allowed & selected
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         sink_column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
@@ -79,14 +83,24 @@ def attend(
 
 
 def store_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write the step's MLA latents ``[T, L + R]`` into their flat slots of an ``"mla"`` cache."""
-    num_blocks, block_size, latent_size = kv_cache.shape
-    kv_cache.view(num_blocks * block_size, latent_size)[slot_mapping] = latent.to(kv_cache.dtype)
+    """Write the step's MLA latents ``[T, L + R]`` into the head of their flat slots' rows of an
+    ``"mla"`` cache (a sparse layer's rows are wider; their tail is the indexer's)."""
+    num_blocks, block_size, row_size = kv_cache.shape
+    rows = kv_cache.view(num_blocks * block_size, row_size)
+    rows[slot_mapping, : latent.shape[-1]] = latent.to(kv_cache.dtype)
 
 
-def gather_latent(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's first ``seq_len`` cached latents, ``[seq_len, L + R]``."""
-    return kv_cache[block_ids].reshape(-1, kv_cache.shape[-1])[:seq_len]
+def gather_latent(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, latent_size: int) -> torch.Tensor:
+    """One sequence's first ``seq_len`` cached latents, ``[seq_len, latent_size]`` (the rows' heads)."""
+    return kv_cache[block_ids].reshape(-1, kv_cache.shape[-1])[:seq_len, :latent_size]
+
+
+def selected_mask(topk_indices: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[q, K]`` positions (``-1`` pads) -> ``[q, seq_len]`` bool, True at the chosen positions."""
+    valid = (topk_indices >= 0) & (topk_indices < seq_len)
+    mask = torch.zeros(topk_indices.shape[0], seq_len + 1, dtype=torch.bool, device=topk_indices.device)
+    mask.scatter_(1, torch.where(valid, topk_indices.long(), seq_len), True)  # pads land in the extra column
+    return mask[:, :seq_len]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -95,12 +109,14 @@ class TorchAttentionBackend(AttentionBackend):
     Reads both KV layouts: ``"standard"`` and ``"mla"`` (multi-query attention over the cached
     latents, whose first ``kv_lora_rank`` features are also the values), and every KV dtype of
     :mod:`framework.kv_quant` (dequantized per request; scores and values in the rotated space for turbo);
-    standard layers may have attention sinks and chunked local attention (Llama 4).
+    standard layers may have attention sinks and chunked local attention (Llama 4); sparse MLA
+    layers (DeepSeek-V3.2, GLM-5) attend to their ``topk_indices`` only.
     """
 
     name = "torch"
     supports_sinks = True
     supports_chunked_attention = True
+    supports_sparse_mla = True
 
     def forward(
         self,
@@ -112,9 +128,10 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         *,
         sinks: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if layer.mla is not None:
-            return self._forward_mla(layer, query, key, kv_cache.data, metadata)
+            return self._forward_mla(layer, query, key, kv_cache.data, metadata, topk_indices)
         num_tokens = query.shape[0]
         query = query.view(num_tokens, layer.num_heads, layer.head_size)
         key = key.view(num_tokens, layer.num_kv_heads, layer.head_size)
@@ -140,8 +157,10 @@ class TorchAttentionBackend(AttentionBackend):
         latent: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """MLA: store the step's latents, then per request attend over its cached latents (one KV head)."""
+        """MLA: store the step's latents, then per request attend over its cached latents (one KV
+        head); with ``topk_indices`` (sparse MLA) each query only over its selected tokens."""
         num_tokens, rank = query.shape[0], layer.mla.kv_lora_rank
         query = query.view(num_tokens, layer.num_heads, layer.head_size)
         store_latent(latent.view(num_tokens, layer.head_size), kv_cache, metadata.slot_mapping[:num_tokens])
@@ -151,8 +170,9 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = kv_cache.shape[1]
         for r in range(metadata.num_reqs):
             start, end, seq_len = starts[r], starts[r + 1], seq_lens[r]
-            cached = gather_latent(kv_cache, metadata.block_table[r, : -(-seq_len // block_size)], seq_len)[:, None]
-            output[start:end] = attend(query[start:end], cached, cached[..., :rank], layer, seq_len - (end - start)).to(
-                query.dtype
-            )
+            block_ids = metadata.block_table[r, : -(-seq_len // block_size)]
+            cached = gather_latent(kv_cache, block_ids, seq_len, layer.head_size)[:, None]
+            selected = None if topk_indices is None else selected_mask(topk_indices[start:end], seq_len)
+            out = attend(query[start:end], cached, cached[..., :rank], layer, seq_len - (end - start), None, selected)
+            output[start:end] = out.to(query.dtype)
         return output.view(num_tokens, layer.num_heads * rank)

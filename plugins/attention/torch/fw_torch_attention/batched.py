@@ -37,11 +37,12 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         *,
         sinks: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_reqs = metadata.num_reqs
         is_plain = sinks is None and layer.mla is None and not layer.logits_soft_cap
         if not is_plain or not metadata.is_decode_only or query.shape[0] != num_reqs:
-            return super().forward(layer, query, key, value, kv_cache, metadata, sinks=sinks)
+            return super().forward(layer, query, key, value, kv_cache, metadata, sinks=sinks, topk_indices=topk_indices)
         heads, kv_heads, head_size = layer.num_heads, layer.num_kv_heads, layer.head_size
         store_cache(
             key.view(num_reqs, kv_heads, head_size),

@@ -45,6 +45,49 @@ def test_mla_cache_shape_and_size():
     assert layer.kv_cache_layout == "mla" and layer.kv_elements_per_token == 576 and layer.output_size == 16 * 512
 
 
+def test_torch_backend_sparse_mla_attends_to_the_selected_tokens_only():
+    """DeepSeek Sparse Attention: each query over its topk_indices only, the rows' indexer tails untouched."""
+    from framework.testing import check_sparse_mla_attention_backend
+
+    check_sparse_mla_attention_backend(TorchAttentionBackend(), atol=1e-5)
+
+
+def test_backends_without_sparse_mla_are_refused_for_sparse_layers():
+    from framework.attention_backend import AttentionBackend, AttentionLayerConfig, MLAConfig
+    from framework.engine.attention_choice import refusal_reasons
+    from framework.platform import Platform
+    from framework.specs import AttentionBackendSpec
+
+    class DenseMLA(AttentionBackend):
+        def forward(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    globals()["DenseMLA"] = DenseMLA
+    spec = AttentionBackendSpec(name="dense_mla", impl=f"{__name__}:DenseMLA", kv_cache_layouts=("mla",))
+    sparse = MLAConfig(32, 8, is_sparse=True, index_head_dim=16)
+    layer = AttentionLayerConfig(4, 1, sparse.latent_size, 0.1, mla=sparse)
+    dense = AttentionLayerConfig(4, 1, sparse.latent_size, 0.1, mla=MLAConfig(32, 8))
+    cpu = Platform("cpu")
+    assert refusal_reasons(spec, [dense, layer], "mla", "auto", torch.float32, cpu) == [
+        "DeepSeek sparse attention (MLA with a lightning indexer's top-k) unsupported"
+    ]
+    assert refusal_reasons(spec, [dense], "mla", "auto", torch.float32, cpu) == []
+    assert layer.kv_elements_per_token == 56 and TorchAttentionBackend().layer_kv_cache_shape(layer, 3, 16) == (
+        3,
+        16,
+        56,
+    )
+    with pytest.raises(ValueError, match="must be sparse"):
+        MLAConfig(32, 8, index_head_dim=16)
+
+
+@pytest.mark.gpu
+def test_torch_backend_sparse_mla_on_cuda():
+    from framework.testing import check_sparse_mla_attention_backend
+
+    check_sparse_mla_attention_backend(TorchAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2)
+
+
 @pytest.mark.gpu
 def test_torch_backend_mla_layout_on_cuda():
     check_mla_attention_backend(TorchAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2)

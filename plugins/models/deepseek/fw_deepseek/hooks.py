@@ -20,6 +20,16 @@ ARCHITECTURES = {
         "fw_deepseek.v3:Glm4MoeLiteForCausalLM",
         "GLM-4.7-Flash: MLA with DeepSeek-V3's MoE (sparse layers per mlp_layer_types); the MTP layer is skipped",
     ),
+    "DeepseekV32ForCausalLM": (
+        "fw_deepseek.dsa:DeepseekV32ForCausalLM",
+        "DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention (a lightning indexer picks each query's "
+        "index_topk tokens; torch attention backend only); the MTP layer is skipped",
+    ),
+    "GlmMoeDsaForCausalLM": (
+        "fw_deepseek.dsa:GlmMoeDsaForCausalLM",
+        "GLM-5: DeepSeek-V3.2's sparse attention (interleaved indexer rotary, layers sharing an indexer's "
+        "choice per indexer_types; torch attention backend only); the MTP layer is skipped",
+    ),
 }
 
 

@@ -29,6 +29,8 @@ quantized ``kv_b_proj`` (block-FP8 DeepSeek-V3/R1 checkpoints) is dequantized on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -69,7 +71,17 @@ def softmax_scale(config: ModelConfig, qk_head_dim: int) -> float:
 class DeepseekV2Attention(nn.Module):
     """Multi-head latent attention with absorbed ``W_UK`` / ``W_UV`` over the ``"mla"`` KV cache."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, quant_config: QuantConfig | None, prefix: str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        quant_config: QuantConfig | None,
+        prefix: str,
+        *,
+        is_sparse: bool = False,
+        index_head_dim: int = 0,
+    ) -> None:
+        """``is_sparse`` / ``index_head_dim``: a DeepSeek-Sparse-Attention layer (see :mod:`fw_deepseek.dsa`)."""
         super().__init__()
         # this rank's heads; the latent is one KV "head" that every rank keeps (replicated)
         heads = attention_heads_per_rank(config.num_heads, 1, distributed.get_tp_size())
@@ -113,7 +125,7 @@ class DeepseekV2Attention(nn.Module):
             config.rope_scaling,
             is_neox_style=not config.get("rope_interleave", True),  # V2 always interleaves
         )
-        mla = MLAConfig(self.kv_lora_rank, self.rope_dim)
+        mla = MLAConfig(self.kv_lora_rank, self.rope_dim, is_sparse, index_head_dim)
         self.attn = Attention(
             layer_index,
             self.num_heads,
@@ -145,12 +157,22 @@ class DeepseekV2Attention(nn.Module):
         weight = self.kv_b_dequantized if self.kv_b_is_quantized else self.kv_b_proj.weight
         return weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
 
+    def select_tokens(
+        self, positions: torch.Tensor, hidden: torch.Tensor, q_resid: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The ``topk_indices`` a sparse layer attends to (``q_resid``: ``q_a_layernorm(q_a_proj(x))``);
+        ``None``: dense MLA, every earlier token."""
+        return None
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        q_resid = None
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         else:
             q = self.q_proj(hidden)
+        topk_indices = self.select_tokens(positions, hidden, q_resid)
         q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())
@@ -159,9 +181,15 @@ class DeepseekV2Attention(nn.Module):
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
         query = torch.cat((q_latent, q_pe.view(num_tokens, self.num_heads, self.rope_dim)), dim=-1)
         latent = torch.cat((c_kv, k_pe.view(num_tokens, self.rope_dim)), dim=-1)
-        out_latent = self.attn(query.flatten(1), latent, None).view(num_tokens, self.num_heads, self.kv_lora_rank)
+        out_latent = self.attn(query.flatten(1), latent, None, topk_indices=topk_indices).view(
+            num_tokens, self.num_heads, self.kv_lora_rank
+        )
         out = torch.einsum("thl,hvl->thv", out_latent, w_uv)
         return self.o_proj(out.flatten(1))
+
+
+#: ``(config, layer_index, quant_config, prefix) -> attention module`` (``forward(positions, hidden)``)
+AttentionFactory = Callable[[ModelConfig, int, "QuantConfig | None", str], nn.Module]
 
 
 def is_moe_layer(config: ModelConfig, layer_index: int) -> bool:
@@ -180,7 +208,8 @@ def deepseek_v2_mlp(config: ModelConfig, layer_index: int, quant_config: QuantCo
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    """MLA, then the feed-forward ``make_mlp`` builds (the V2 MoE, V3's grouped top-k MoE, or dense)."""
+    """MLA (``make_attention``: dense, or DeepSeek Sparse Attention), then the feed-forward
+    ``make_mlp`` builds (the V2 MoE, V3's grouped top-k MoE, or dense)."""
 
     def __init__(
         self,
@@ -189,12 +218,13 @@ class DeepseekV2DecoderLayer(nn.Module):
         quant_config: QuantConfig | None,
         prefix: str,
         make_mlp: MLPFactory = deepseek_v2_mlp,
+        make_attention: AttentionFactory = DeepseekV2Attention,
     ) -> None:
         super().__init__()
         eps = float(config.get("rms_norm_eps", 1e-6))
         if (config.get("hidden_act") or "silu") != "silu":
             raise ValueError(f"DeepSeek-V2 with hidden_act {config.get('hidden_act')!r} is unsupported; valid: silu")
-        self.self_attn = DeepseekV2Attention(config, layer_index, quant_config, f"{prefix}.self_attn")
+        self.self_attn = make_attention(config, layer_index, quant_config, f"{prefix}.self_attn")
         self.mlp = make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -208,14 +238,19 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 class DeepseekV2Model(DecoderStack):
     def __init__(
-        self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str, make_mlp: MLPFactory = deepseek_v2_mlp
+        self,
+        config: ModelConfig,
+        quant_config: QuantConfig | None,
+        prefix: str,
+        make_mlp: MLPFactory = deepseek_v2_mlp,
+        make_attention: AttentionFactory = DeepseekV2Attention,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(
             config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
         )
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}", make_mlp)
+            DeepseekV2DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}", make_mlp, make_attention)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, float(config.get("rms_norm_eps", 1e-6)))
@@ -233,8 +268,12 @@ class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config, quant_config, "model", self.make_mlp)
+        self.model = DeepseekV2Model(config, quant_config, "model", self.make_mlp, self.attention_factory(config))
         self.init_lm_head(config, quant_config, tie_by_default=False)
+
+    def attention_factory(self, config: ModelConfig) -> AttentionFactory:
+        """What builds each layer's attention (DeepSeek-V3.2 and GLM-5 build sparse MLA)."""
+        return DeepseekV2Attention
 
     #: Routed-expert tensors go to the stacked FusedMoE weights; the rest folds through
     #: ``packed_modules_mapping`` (shared experts and dense MLPs included).
