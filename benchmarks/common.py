@@ -342,36 +342,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         tie_word_embeddings=False,
     ),
-    # a CPU check of the scripts on multi-head latent attention (DeepSeek-V2's layers, "mla" KV layout)
-    "tiny-mla": dict(
-        architectures=["DeepseekV2ForCausalLM"],
-        model_type="deepseek_v2",
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        topk_method="greedy",
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        norm_topk_prob=False,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=64,
-        q_lora_rank=None,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=32,
-        v_head_dim=32,
-        vocab_size=1024,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    ),
     "tiny-moe": dict(
         architectures=["Qwen3MoeForCausalLM"],
         model_type="qwen3_moe",
@@ -419,6 +389,24 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
     ),
 }
+# a CPU check of the scripts on multi-head latent attention (DeepSeek-V2-Lite's layers, "mla" KV layout)
+SHAPES["tiny-mla"] = {k: v for k, v in SHAPES["deepseek-v2-lite"].items() if k != "rope_scaling"} | dict(
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+)
 COPY_BANDWIDTH = 4.28e12  # bytes/s read+written, measured on the H200 (GPU.md)
 
 
