@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fw_llama.qwen2_5_vision import Segments, block_positions, rotate_half
+from fw_llama.qwen2_5_vision import Segments, VisionAttention, block_positions
 
 #: ``hidden_act`` of the ViT's MLP -> ``F.gelu``'s ``approximate``
 GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -38,24 +38,6 @@ def interpolation_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch
     taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
     weights = (1 - (source[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
     return taps, weights
-
-
-class VisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
-        num = x.shape[0]
-        q, k, v = self.qkv(x).view(num, 3, self.num_heads, self.head_dim).unbind(1)
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        out = F.scaled_dot_product_attention(
-            segments.batch(q), segments.batch(k), segments.batch(v), attn_mask=segments.key_mask
-        )
-        return self.proj(segments.unbatch(out).reshape(num, -1))
 
 
 class VisionBlock(nn.Module):
