@@ -108,7 +108,9 @@ def main() -> None:
     args = parser.parse_args()
     config = model_config(args.shape)
     # a long-context case needs the shape's context raised (Llama 3.1 has the 3-8B shape with 128k), as gpu_suite.py does
-    config["max_position_embeddings"] = max(config["max_position_embeddings"], args.context + max(args.output_len, args.steps) + 1024)
+    config["max_position_embeddings"] = max(
+        config["max_position_embeddings"], args.context + max(args.output_len, args.steps) + 1024
+    )
     folder = write_model_folder(config)
     results = [run_dtype(args, folder, config, kv_dtype) for kv_dtype in args.dtypes]
     report = {**report_header(), "shape": args.shape, "dtype": args.dtype, "mem_mb": args.mem, "results": results}
