@@ -148,6 +148,48 @@ def test_a_prefix_hit_inside_the_span_and_a_chunk_holding_only_its_end_token_mat
     assert second.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image])
 
 
+def test_text_only_prompt_matches_transformers(tiny):
+    path, reference = tiny
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    prompt = [290, 5, 6, 7, 291, 8]
+    got = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+    with torch.no_grad():
+        expected = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
+    assert got == expected[0, len(prompt) :].tolist()
+
+
+def test_checkpoints_with_the_older_tensor_names_load_the_same_model(tiny, processor, tmp_path):
+    """``language_model.model.*``, ``language_model.lm_head``, ``vision_tower.*`` and
+    ``multi_modal_projector.*`` (Mistral Small 3.1's files) give the same logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, reference = tiny
+    for file in path.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, tmp_path / file.name)
+    renames = (
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    )
+    tensors = load_file(path / "model.safetensors")
+    old = {}
+    for name, tensor in tensors.items():
+        new = next((after + name.removeprefix(before) for before, after in renames if name.startswith(before)), name)
+        old[new] = tensor
+    assert not any(name.startswith("model.") for name in old)
+    save_file(old, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    logits = capture_logits(llm)
+    image = random_image(84, 56, 1)
+    prompt = llm.chat(conversation(image), SamplingParams(temperature=0, max_tokens=1))[0].prompt_token_ids
+    got = torch.stack([logits[("0-0", position)] for position in range(len(prompt))])
+    torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [image]), rtol=1e-4, atol=1e-4)
+
+
 def test_engine_refuses_a_span_without_its_layout_tokens(tiny, processor):
     path, _ = tiny
     llm = LLM(str(path), dtype="float32", device="cpu")
