@@ -1,7 +1,8 @@
 """Mistral 3 (Pixtral tower) through the whole engine matches transformers (fp32, a tiny random
 model, images of different sizes): the image processor's pixels, the tower at a non-square grid,
 logits and greedy ids with a chunked prefill that splits an image's span (its ``[IMG_BREAK]`` /
-``[IMG_END]`` layout tokens included), and the refusal of a span laid out wrongly.
+``[IMG_END]`` layout tokens included), a prefix hit inside a span, preemption, the older checkpoint
+names, and the refusal of a span laid out wrongly.
 
 transformers gets the pixels fw's processor made (which equal its own ``PixtralImageProcessorPil``'s),
 zero-padded to one batch with their ``image_sizes``, as its processor sends them.
@@ -76,6 +77,7 @@ def reference_greedy(model, processor, prompt_ids, images, steps=10):
             image_sizes=sizes,
             max_new_tokens=steps,
             do_sample=False,
+            eos_token_id=-1,  # fw's requests ignore EOS; so does the reference (no such token)
         )
     return out[0, len(prompt_ids) :].tolist()
 
@@ -146,6 +148,31 @@ def test_a_prefix_hit_inside_the_span_and_a_chunk_holding_only_its_end_token_mat
     got = torch.stack([logits[("1-0", position)] for position in range(8, len(prompt))])
     torch.testing.assert_close(got, expected[8:], rtol=1e-4, atol=1e-4)
     assert second.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image])
+
+
+def test_preempted_requests_with_images_resume_without_encoding_again(tiny, processor):
+    path, reference = tiny
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device="cpu",
+        num_blocks=6,
+        block_size=16,
+        max_num_seqs=3,
+        enable_prefix_caching=False,
+    )
+    logits = capture_logits(llm)  # a recomputed position keeps its last logits
+    # spans of 6, 8 and 10 tokens: prompts of 11, 13 and 15 tokens that grow past 2 blocks each
+    images = [random_image(56 + 28 * i, 56, 10 + i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    results = llm.chat([conversation(image) for image in images], params)
+    assert llm.engine.core.stats().num_preemptions > 0
+    for index, (image, result) in enumerate(zip(images, results, strict=True)):
+        prompt = result.prompt_token_ids
+        got = torch.stack([logits[(f"{index}-0", position)] for position in range(len(prompt))])
+        torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [image]), rtol=1e-4, atol=1e-4)
+        assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image], 20)
+    assert llm.engine.core.runner.multimodal.num_encoder_runs == 3
 
 
 def test_text_only_prompt_matches_transformers(tiny):
