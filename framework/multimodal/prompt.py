@@ -120,10 +120,12 @@ def image_span(image: ProcessedImage, image_token_id: int, layout_token_ids: tup
     if image.span_ids is None:
         return [image_token_id] * image.num_tokens
     allowed = {image_token_id, *layout_token_ids}
-    if len(image.span_ids) != image.num_tokens or not allowed.issuperset(image.span_ids):
+    if len(image.span_ids) != image.num_tokens:
+        raise ImageError(f"the image processor gave a span of {len(image.span_ids)} ids for {image.num_tokens} tokens")
+    if not allowed.issuperset(image.span_ids):
         raise ImageError(
-            f"the image processor gave a span of {len(image.span_ids)} ids for {image.num_tokens} tokens, "
-            f"holding ids outside the model's image and layout tokens {sorted(allowed)}"
+            f"the image processor's span holds ids {sorted(set(image.span_ids) - allowed)} outside the model's "
+            f"image and layout tokens {sorted(allowed)}"
         )
     return list(image.span_ids)
 

@@ -49,9 +49,10 @@ TINY_MISTRAL3_PREPROCESSOR = {"size": {"longest_edge": 112}, "patch_size": {"hei
 def write_tiny_mistral3(path, seed: int = 0):
     """A random Mistral 3 (text: Mistral, hidden 64, 2 layers, head_dim 16; vision: Pixtral, hidden
     32, 2 blocks, 14-pixel patches, 2x2 merge; ``vision_feature_layer`` -1) written to ``path``;
-    ``[IMG_BREAK]`` and ``[IMG_END]`` are named in its config (``image_break_token_id``,
-    ``image_end_token_id``). Returns the transformers model (fp32, eval, norms randomised, the
-    tower's query and key weights scaled up)."""
+    its config names ``[IMG_BREAK]`` and ``[IMG_END]`` (``image_break_token_id``,
+    ``image_end_token_id``; released configs do not, and fw takes the tekken tokenizer's ids).
+    Returns the transformers model (fp32, eval, norms randomised, the tower's query and key
+    weights scaled up)."""
     import torch
     import transformers
 
@@ -90,8 +91,9 @@ def write_tiny_mistral3(path, seed: int = 0):
             layer.attention.q_proj.weight.mul_(12)
             layer.attention.k_proj.weight.mul_(12)
     specials = {k: v for k, v in MISTRAL3_SPECIALS.items() if k != "[IMG]"}
+    image_token = ("[IMG]", IMAGE_TOKEN_ID)
     _write_checkpoint(
-        path, model, TINY_MISTRAL3_PREPROCESSOR, specials, ("[IMG]", IMAGE_TOKEN_ID), MISTRAL3_CHAT_TEMPLATE
+        path, model, TINY_MISTRAL3_PREPROCESSOR, specials, image_token, MISTRAL3_CHAT_TEMPLATE, "PixtralImageProcessor"
     )
     return model
 
@@ -206,6 +208,7 @@ def _write_checkpoint(
     vision_specials: dict[str, int] = VISION_SPECIALS,
     image_token: tuple[str, int] = (IMAGE_TOKEN, IMAGE_TOKEN_ID),
     chat_template: str = VISION_CHAT_TEMPLATE,
+    processor_type: str = "Qwen2VLImageProcessor",
 ) -> None:
     """``model``'s weights and config, the word-level tokenizer (``vision_specials`` and the
     ``image_token`` beside the words), ``chat_template`` and ``preprocessor``."""
@@ -222,9 +225,7 @@ def _write_checkpoint(
     (path / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template})
     )
-    (path / "preprocessor_config.json").write_text(
-        json.dumps({"image_processor_type": "Qwen2VLImageProcessor", **preprocessor})
-    )
+    (path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": processor_type, **preprocessor}))
 
 
 def random_image(width: int, height: int, seed: int):

@@ -69,8 +69,12 @@ def test_a_span_with_layout_tokens_is_written_as_the_processor_laid_it_out():
     ids, inputs = expand_placeholders([5, 9, 6, 9, 7], [laid_out, plain], image_token_id=9, layout_token_ids=(10, 11))
     assert ids == [5, 9, 9, 11, 6, 9, 9, 7]
     assert [(i.offset, i.length) for i in inputs] == [(1, 3), (5, 2)]
-    with pytest.raises(ImageError, match=r"outside the model's image and layout tokens \[9, 10, 11\]"):
+    with pytest.raises(
+        ImageError, match=r"span holds ids \[12\] outside the model's image and layout tokens \[9, 10, 11\]"
+    ):
         expand_placeholders([5, 9], [ProcessedImage(pixels, [2, 2], 3, [9, 12, 11])], 9, (10, 11))
+    with pytest.raises(ImageError, match="a span of 2 ids for 3 tokens"):
+        expand_placeholders([5, 9], [ProcessedImage(pixels, [2, 2], 3, [9, 11])], 9, (10, 11))
 
 
 def test_request_image_rows_skip_layout_tokens():

@@ -229,6 +229,26 @@ def test_engine_refuses_a_span_without_its_layout_tokens(tiny, processor):
     llm.engine.core.add_request("ok", [5, *span, 6], GREEDY, images=[image])  # the laid-out span is taken
 
 
+def test_a_config_without_layout_ids_takes_mistral_3s_tokenizer_ids(tiny):
+    """Released configs name only ``image_token_index``; their tekken tokenizers put ``[IMG]``,
+    ``[IMG_BREAK]`` and ``[IMG_END]`` at 10, 12 and 13."""
+    from fw_llama.mistral3 import Mistral3ForConditionalGeneration
+
+    from framework.config import ModelConfig
+
+    hf = json.loads((tiny[0] / "config.json").read_text())
+    for key in ("image_break_token_id", "image_end_token_id"):
+        hf.pop(key)
+    hf["image_token_index"] = 10
+    config = ModelConfig.from_hf_config(hf, dtype=torch.float32)
+    # Mistral Small 3.1's preprocessor_config.json (its settings that fw reads)
+    spec = Mistral3ForConditionalGeneration.vision_spec(config, {"patch_size": 14, "size": {"longest_edge": 1540}})
+    assert (spec.image_token_id, spec.layout_token_ids) == (10, [12, 13])
+    image = PixtralImageProcessor(spec.processor_config).preprocess(random_image(2000, 1000, 1))
+    assert image.pixel_values.shape == (3, 784, 1540) and image.span_ids[54:56] == [10, 12]  # 28 rows of 55
+    assert image.span_ids.count(10) == 28 * 55 and image.span_ids[-1] == 13
+
+
 def test_engine_summary_names_the_pixtral_processor(tiny):
     llm = LLM(str(tiny[0]), dtype="float32", device="cpu")
     assert llm.engine.vision.layout_token_ids == [BREAK, END]
