@@ -249,6 +249,18 @@ def test_a_config_without_layout_ids_takes_mistral_3s_tokenizer_ids(tiny):
     assert image.span_ids.count(10) == 28 * 55 and image.span_ids[-1] == 13
 
 
+def test_a_text_model_this_class_does_not_serve_is_refused_naming_those_it_does(tiny):
+    from fw_llama.mistral3 import text_config
+
+    from framework.config import ModelConfig
+
+    hf = json.loads((tiny[0] / "config.json").read_text())
+    hf["text_config"]["model_type"] = "ministral3"  # Ministral 3: Llama 4 attention scaling, not built
+    config = ModelConfig.from_hf_config(hf, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="a 'ministral3' text model is not supported; supported: mistral, llama"):
+        text_config(config)
+
+
 def test_engine_summary_names_the_pixtral_processor(tiny):
     llm = LLM(str(tiny[0]), dtype="float32", device="cpu")
     assert llm.engine.vision.layout_token_ids == [BREAK, END]
