@@ -4,10 +4,14 @@ first reaches their tokens, and kept on the request (the encoder cache) until it
 A vision model class provides, besides ``forward(input_ids, positions, inputs_embeds=None)``:
 
 - ``vision_spec(config, preprocessor_config) -> VisionSpec`` (classmethod; for the API process);
-- ``image_token_id``, ``num_image_tokens(grid)`` and ``embed_image(pixel_values, grid) ->
-  [num_image_tokens, width]``; ``embed_input_ids(input_ids) -> [T, width]``, ``width`` being
-  ``hidden`` or, for a model that sends more per image token (Qwen3-VL's DeepStack features),
-  wider: the step's ``inputs_embeds`` are then as wide;
+- ``image_token_id``, ``num_image_tokens(grid)`` (the prompt tokens of an image's span) and
+  ``embed_image(pixel_values, grid) -> [num_embeddings, width]``, one row per image token of the
+  span; ``embed_input_ids(input_ids) -> [T, width]``, ``width`` being ``hidden`` or, for a model
+  that sends more per image token (Qwen3-VL's DeepStack features), wider: the step's
+  ``inputs_embeds`` are then as wide;
+- optionally ``image_span_ids(grid) -> list[int]``, for a model whose span holds layout tokens
+  besides image tokens (Pixtral's row breaks and image end); without it the span is
+  ``num_image_tokens(grid)`` image tokens. A layout token keeps its token embedding;
 - optionally ``rope_positions(num_tokens, spans) -> ([3, num_tokens], delta)`` (M-RoPE): the
   prompt's positions, ``spans`` being each image's ``(offset, length, grid)``; a token past the
   prompt at index ``i`` has position ``i + delta`` in every section.
@@ -17,6 +21,12 @@ A step whose tokens cover part of an image takes those rows of its embeddings::
     request tokens   [ text | image 0 (offset, length) | text ... ]
     this step        [start ........ end)
     rows copied      image 0 embeddings [max(start, offset) - offset : min(end, offset + length) - offset]
+
+With layout tokens in the span, embedding ``k`` belongs to the span's ``k``-th image token
+(``RequestImage.embed_positions``); the step copies the rows of the image tokens it covers::
+
+    span             [img img brk img img end]      embed_positions [0 1 3 4]
+    this step              [.......)                 covers span 2..4: embedding 2 at span position 3
 
 An image is encoded once per request (``Request.image_embeds``): a chunked prefill that splits
 its tokens, a prefix-cache hit that covers part of them, or a preemption reuse the same output.
@@ -43,13 +53,36 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class RequestImage:
-    """An image of a request: its pixels (host), grid, prompt span and content hash."""
+    """An image of a request: its pixels (host), grid, prompt span and content hash;
+    ``embed_positions``: the span positions of its image tokens, in order (None: the whole span)."""
 
     pixel_values: torch.Tensor
     grid: list[int]
     offset: int
     length: int
     image_hash: int
+    embed_positions: np.ndarray | None = None
+
+    def covered(self, start: int, end: int) -> tuple[np.ndarray, slice] | None:
+        """The request rows ``start:end`` that hold this image's embeddings (request positions),
+        and the slice of its embeddings they take; None when the range covers none."""
+        first, last = max(start, self.offset) - self.offset, min(end, self.offset + self.length) - self.offset
+        if first >= last:
+            return None
+        if self.embed_positions is None:
+            return np.arange(first, last) + self.offset, slice(first, last)
+        low, high = np.searchsorted(self.embed_positions, (first, last))
+        if low == high:
+            return None
+        return self.embed_positions[low:high] + self.offset, slice(int(low), int(high))
+
+
+def expected_span(model: nn.Module, grid: list[int]) -> list[int]:
+    """The prompt ids of an image's span for ``model``: its ``image_span_ids(grid)``, else its image
+    token ``num_image_tokens(grid)`` times."""
+    if hasattr(model, "image_span_ids"):
+        return list(model.image_span_ids(grid))
+    return [model.image_token_id] * model.num_image_tokens(grid)
 
 
 def is_vision_model(model: nn.Module) -> bool:
@@ -62,22 +95,29 @@ def request_images(model: nn.Module, prompt_token_ids: list[int], inputs: list[I
         raise ConfigError(f"this model ({type(model).__name__}) does not take images; send text only")
     images, previous_end = [], 0
     for index, item in enumerate(inputs):
-        expected = model.num_image_tokens(item.grid)
+        span = expected_span(model, item.grid)
         end = item.offset + item.length
-        if item.length != expected or item.offset < previous_end or end > len(prompt_token_ids):
+        if item.length != len(span) or item.offset < previous_end or end > len(prompt_token_ids):
             raise ConfigError(
                 f"image {index}: its {item.length} placeholder tokens at {item.offset} do not fit the prompt "
-                f"({len(prompt_token_ids)} tokens, images in order) or its grid {item.grid} ({expected} tokens)"
+                f"({len(prompt_token_ids)} tokens, images in order) or its grid {item.grid} ({len(span)} tokens)"
             )
-        if any(token != model.image_token_id for token in prompt_token_ids[item.offset : end]):
-            raise ConfigError(f"image {index}: its span holds tokens other than the image token {model.image_token_id}")
+        if prompt_token_ids[item.offset : end] != span:
+            layout = sorted(set(span) - {model.image_token_id})
+            raise ConfigError(
+                f"image {index}: its span is not the image token {model.image_token_id}"
+                + (f" laid out with the model's layout tokens {layout}" if layout else "")
+                + f" as its grid {item.grid} places them"
+            )
         expected_bytes = int(np.prod(item.shape)) * 4
         if len(item.pixel_values) != expected_bytes:
             raise ConfigError(f"image {index}: {len(item.pixel_values)} pixel bytes for shape {item.shape}")
         hasher = xxhash.xxh64(item.pixel_values)
         hasher.update(repr(item.grid).encode())
         pixels = torch.from_numpy(item.array().copy())
-        images.append(RequestImage(pixels, list(item.grid), item.offset, item.length, hasher.intdigest()))
+        is_image = np.asarray(span) == model.image_token_id
+        positions = None if is_image.all() else np.flatnonzero(is_image)
+        images.append(RequestImage(pixels, list(item.grid), item.offset, item.length, hasher.intdigest(), positions))
         previous_end = end
     return images
 
@@ -120,11 +160,11 @@ class MultiModalStep:
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             for index, image in enumerate(request.images):
-                first, last = max(start, image.offset), min(end, image.offset + image.length)
-                if first < last:
-                    embeds = self._encoded(request, index)
-                    rows.extend(range(row + first - start, row + last - start))
-                    pieces.append(embeds[first - image.offset : last - image.offset])
+                covered = image.covered(start, end)
+                if covered is not None:
+                    at, embeddings = covered
+                    rows.extend((at + row - start).tolist())
+                    pieces.append(self._encoded(request, index)[embeddings])
             row += num_new
         if self.uses_mrope:
             positions = self._positions(batch, positions)

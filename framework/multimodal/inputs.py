@@ -20,19 +20,22 @@ class VisionSpec(msgspec.Struct, frozen=True, kw_only=True):
     ``processor``: a ``"module:Class"`` :class:`ImageProcessor` importable without torch;
     ``processor_config``: its settings (the checkpoint's ``preprocessor_config.json`` merged over
     the model's defaults); ``image_token_id``: the token the chat template writes once per image,
-    which the prompt repeats once per image embedding; ``max_images``: per prompt.
+    which the prompt repeats once per image embedding; ``layout_token_ids``: the other tokens an
+    image's span may hold (Pixtral's row break and image end), which keep their token embeddings;
+    ``max_images``: per prompt.
     """
 
     processor: str
     processor_config: dict[str, Any] = {}
     image_token_id: int
+    layout_token_ids: list[int] = []
     max_images: int = DEFAULT_MAX_IMAGES
 
 
 class ImageInput(msgspec.Struct, kw_only=True):
     """One preprocessed image of a prompt: ``pixel_values`` float32 bytes of ``shape``, the
     model's ``grid`` for it (Qwen2-VL: ``[t, h, w]`` in patches) and the prompt span of its
-    placeholder tokens, ``offset`` .. ``offset + length``."""
+    tokens, ``offset`` .. ``offset + length`` (image tokens, and any layout tokens of the model)."""
 
     pixel_values: bytes
     shape: list[int]
@@ -45,11 +48,18 @@ class ImageInput(msgspec.Struct, kw_only=True):
 
 
 class ProcessedImage(NamedTuple):
-    """An image processor's output: the model's pixel array, its grid and its embedding count."""
+    """An image processor's output: the model's pixel array, its grid, the number of prompt tokens
+    its span takes and, for a model whose span holds layout tokens, the span's ids in order (None:
+    ``num_tokens`` image tokens, one per embedding)::
+
+        Qwen2-VL   span_ids None:  <image> x num_tokens
+        Pixtral    span_ids:       <img> <img> <break> <img> <img> <break> <img> <img> <end>
+    """
 
     pixel_values: np.ndarray
     grid: list[int]
     num_tokens: int
+    span_ids: list[int] | None = None
 
 
 class ImageProcessor(Protocol):
@@ -58,7 +68,7 @@ class ImageProcessor(Protocol):
     def __init__(self, config: dict[str, Any]) -> None: ...
 
     def num_tokens(self, width: int, height: int) -> int:
-        """How many embeddings an image of this size gives (cheap: checked before :meth:`preprocess`)."""
+        """How many prompt tokens an image of this size takes (cheap: checked before :meth:`preprocess`)."""
         ...
 
     def preprocess(self, image: Any) -> ProcessedImage:

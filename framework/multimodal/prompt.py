@@ -4,11 +4,16 @@ each image's placeholder token in the prompt ids (shared by the API process and 
 A message's content parts ``{"type": "image_url", "image_url": {"url": "data:..."}}`` (or, in
 process, ``{"type": "image", "image": <PIL.Image>}``) become ``{"type": "image"}`` for the chat
 template, which writes the model's image token once per image. After tokenizing, the i-th image
-token is repeated ``num_tokens`` times (its embeddings' count)::
+token becomes that image's span: the image token repeated ``num_tokens`` times (its embeddings'
+count), or the processor's ``span_ids`` where the model lays its image tokens out with others
+(Pixtral's row breaks and image end)::
 
     template ids:  ... <vision_start> <image_pad> <vision_end> ...
     prompt ids:    ... <vision_start> <image_pad> x num_tokens <vision_end> ...
                                       ^ offset of ImageInput i, length num_tokens
+
+    template ids:  ... [IMG] ...
+    prompt ids:    ... [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END] ...   (span_ids, 2 x 2 embeddings)
 """
 
 from __future__ import annotations
@@ -108,12 +113,32 @@ def process_images(
     return processed
 
 
+def image_span(image: ProcessedImage, image_token_id: int, layout_token_ids: tuple[int, ...] = ()) -> list[int]:
+    """The prompt ids of ``image``'s span: its ``span_ids``, else ``num_tokens`` image tokens.
+    Raises ImageError for a span of the wrong length or holding ids other than the image token
+    and ``layout_token_ids`` (a processor that disagrees with its model's spec)."""
+    if image.span_ids is None:
+        return [image_token_id] * image.num_tokens
+    allowed = {image_token_id, *layout_token_ids}
+    if len(image.span_ids) != image.num_tokens:
+        raise ImageError(f"the image processor gave a span of {len(image.span_ids)} ids for {image.num_tokens} tokens")
+    if not allowed.issuperset(image.span_ids):
+        raise ImageError(
+            f"the image processor's span holds ids {sorted(set(image.span_ids) - allowed)} outside the model's "
+            f"image and layout tokens {sorted(allowed)}"
+        )
+    return list(image.span_ids)
+
+
 def expand_placeholders(
-    prompt_ids: list[int], processed: list[ProcessedImage], image_token_id: int
+    prompt_ids: list[int],
+    processed: list[ProcessedImage],
+    image_token_id: int,
+    layout_token_ids: tuple[int, ...] | list[int] = (),
 ) -> tuple[list[int], list[ImageInput]]:
-    """``prompt_ids`` with the i-th ``image_token_id`` repeated ``processed[i].num_tokens`` times, and
-    the images' :class:`ImageInput` (their spans in the new ids). Raises ImageError when the template
-    wrote a different number of image tokens than there are images."""
+    """``prompt_ids`` with the i-th ``image_token_id`` replaced by image i's span
+    (:func:`image_span`), and the images' :class:`ImageInput` (their spans in the new ids). Raises
+    ImageError when the template wrote a different number of image tokens than there are images."""
     where = [index for index, token in enumerate(prompt_ids) if token == image_token_id]
     if len(where) != len(processed):
         raise ImageError(
@@ -135,7 +160,7 @@ def expand_placeholders(
                 length=image.num_tokens,
             )
         )
-        ids.extend([image_token_id] * image.num_tokens)
+        ids.extend(image_span(image, image_token_id, tuple(layout_token_ids)))
         previous = index + 1
     ids.extend(prompt_ids[previous:])
     return ids, inputs
@@ -151,4 +176,5 @@ def vision_prompt(
     """The prompt ids of ``messages`` (``encode`` renders and tokenizes them) with their images
     preprocessed and placed; raises :class:`ContentImageError` / ImageError for bad images."""
     shaped, images = take_images(messages, spec.max_images)
-    return expand_placeholders(encode(shaped), process_images(images, processor, max_tokens), spec.image_token_id)
+    processed = process_images(images, processor, max_tokens)
+    return expand_placeholders(encode(shaped), processed, spec.image_token_id, spec.layout_token_ids)

@@ -53,8 +53,8 @@ def chat_prompt_with_images(
     messages: list[dict[str, Any]],
     processed: list[ProcessedImage] | None = None,
 ) -> tuple[str, list[int], list[ImageInput], list[ProcessedImage]]:
-    """The prompt text (one image token per image), its ids (each image token repeated per
-    embedding), the images placed in them, and the preprocessed images (``processed``: those of
+    """The prompt text (one image token per image), its ids (each image token replaced by its
+    image's span), the images placed in them, and the preprocessed images (``processed``: those of
     :func:`prepare_images_off_loop`, else they are prepared here)."""
     if processed is None:
         processed = prepare_images(state, messages)
@@ -62,7 +62,7 @@ def chat_prompt_with_images(
         raise bad_request("the conversation's images changed between rounds", "messages")
     text, ids = chat_prompt(state.client.tokenizer, body, tools, without_images(messages))
     try:
-        ids, inputs = expand_placeholders(ids, processed, state.vision.image_token_id)
+        ids, inputs = expand_placeholders(ids, processed, state.vision.image_token_id, state.vision.layout_token_ids)
     except ImageError as error:
         raise bad_request(str(error), "messages") from None
     return text, ids, inputs, processed

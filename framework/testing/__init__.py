@@ -92,6 +92,7 @@ from framework.testing.vision import (
     VISION_SPECIALS,
     data_url,
     random_image,
+    write_tiny_mistral3,
     write_tiny_qwen2_5_vl,
     write_tiny_qwen3_vl,
 )
@@ -150,6 +151,7 @@ __all__ = [
     "data_url",
     "random_image",
     "write_tiny_qwen2_5_vl",
+    "write_tiny_mistral3",
     "write_tiny_qwen3_vl",
     "QuantScheme",
     "check_linear_method",

@@ -1,8 +1,9 @@
-"""Tiny vision-language checkpoints and images for tests (no download): a random Qwen2.5-VL or
-Qwen3-VL (dense or MoE) with a word-level tokenizer, a Qwen-style chat template and a
-``preprocessor_config.json``.
+"""Tiny vision-language checkpoints and images for tests (no download): a random Qwen2.5-VL,
+Qwen3-VL (dense or MoE) or Mistral 3 with a word-level tokenizer, a chat template of the family's
+shape and a ``preprocessor_config.json``.
 
-The tokenizer's ids: ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and the specials of :data:`VISION_SPECIALS`.
+The tokenizer's ids: ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and the specials of :data:`VISION_SPECIALS`
+(Mistral 3: of :data:`MISTRAL3_SPECIALS`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,69 @@ TINY_QWEN3_PREPROCESSOR = {
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],
 }
+
+
+#: Mistral 3's image token and layout tokens (its template writes ``[IMG]`` once per image)
+MISTRAL3_SPECIALS = {"[INST]": 290, "[/INST]": 291, "[IMG_BREAK]": 292, "[IMG_END]": 293, "[IMG]": IMAGE_TOKEN_ID}
+MISTRAL3_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}[INST] {% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for p in m.content %}{% if p.type == 'image' %}[IMG] {% else %}{{ p.text }} {% endif %}"
+    "{% endfor %}{% endif %}[/INST] {% else %}{{ m.content }} </s> {% endif %}{% endfor %}"
+)
+#: Pixtral resizes so the longest side is at most 112 pixels: up to 4 x 4 merged 28-pixel blocks
+TINY_MISTRAL3_PREPROCESSOR = {"size": {"longest_edge": 112}, "patch_size": {"height": 14, "width": 14}}
+
+
+def write_tiny_mistral3(path, seed: int = 0):
+    """A random Mistral 3 (text: Mistral, hidden 64, 2 layers, head_dim 16; vision: Pixtral, hidden
+    32, 2 blocks, 14-pixel patches, 2x2 merge; ``vision_feature_layer`` -1) written to ``path``;
+    its config names ``[IMG_BREAK]`` and ``[IMG_END]`` (``image_break_token_id``,
+    ``image_end_token_id``; released configs do not, and fw takes the tekken tokenizer's ids).
+    Returns the transformers model (fp32, eval, norms randomised, the tower's query and key
+    weights scaled up)."""
+    import torch
+    import transformers
+
+    from framework.testing.model_writers import randomise_identity_params
+
+    path = Path(path)
+    config = transformers.Mistral3Config(
+        text_config=dict(
+            model_type="mistral",
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            sliding_window=None,
+            bos_token_id=0,
+            eos_token_id=1,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14
+        ),
+        image_token_index=IMAGE_TOKEN_ID,
+        spatial_merge_size=2,
+        tie_word_embeddings=False,
+    )
+    config.image_break_token_id = MISTRAL3_SPECIALS["[IMG_BREAK]"]
+    config.image_end_token_id = MISTRAL3_SPECIALS["[IMG_END]"]
+    torch.manual_seed(seed)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    randomise_identity_params(model)
+    with torch.no_grad():  # sharper attention over patches, so the tower's 2-D rotary matters to its output
+        for layer in model.model.vision_tower.transformer.layers:
+            layer.attention.q_proj.weight.mul_(12)
+            layer.attention.k_proj.weight.mul_(12)
+    specials = {k: v for k, v in MISTRAL3_SPECIALS.items() if k != "[IMG]"}
+    image_token = ("[IMG]", IMAGE_TOKEN_ID)
+    _write_checkpoint(
+        path, model, TINY_MISTRAL3_PREPROCESSOR, specials, image_token, MISTRAL3_CHAT_TEMPLATE, "PixtralImageProcessor"
+    )
+    return model
 
 
 def write_tiny_qwen2_5_vl(path, seed: int = 0):
@@ -137,24 +201,31 @@ def write_tiny_qwen3_vl(path, seed: int = 0, moe: bool = False):
     return model
 
 
-def _write_checkpoint(path: Path, model, preprocessor: dict) -> None:
-    """``model``'s weights and config, the word-level tokenizer, the chat template and ``preprocessor``."""
+def _write_checkpoint(
+    path: Path,
+    model,
+    preprocessor: dict,
+    vision_specials: dict[str, int] = VISION_SPECIALS,
+    image_token: tuple[str, int] = (IMAGE_TOKEN, IMAGE_TOKEN_ID),
+    chat_template: str = VISION_CHAT_TEMPLATE,
+    processor_type: str = "Qwen2VLImageProcessor",
+) -> None:
+    """``model``'s weights and config, the word-level tokenizer (``vision_specials`` and the
+    ``image_token`` beside the words), ``chat_template`` and ``preprocessor``."""
     import tokenizers
     from tokenizers import models, pre_tokenizers
 
     model.save_pretrained(path, safe_serialization=True)
-    specials = {**VISION_SPECIALS, IMAGE_TOKEN: IMAGE_TOKEN_ID}
+    specials = {**vision_specials, image_token[0]: image_token[1]}
     vocab = {"<s>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, 290)}, **specials}
     tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(["<s>", "</s>", *specials])
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": VISION_CHAT_TEMPLATE})
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template})
     )
-    (path / "preprocessor_config.json").write_text(
-        json.dumps({"image_processor_type": "Qwen2VLImageProcessor", **preprocessor})
-    )
+    (path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": processor_type, **preprocessor}))
 
 
 def random_image(width: int, height: int, seed: int):

@@ -60,3 +60,34 @@ def test_placeholders_expand_to_each_images_tokens_and_a_count_mismatch_is_refus
     assert [(i.offset, i.length, i.shape) for i in inputs] == [(1, 2, [8, 3]), (4, 1, [4, 3])]
     with pytest.raises(ImageError, match="the chat template wrote 1 image tokens for 2 images"):
         expand_placeholders([5, 9, 6], processed, image_token_id=9)
+
+
+def test_a_span_with_layout_tokens_is_written_as_the_processor_laid_it_out():
+    pixels = np.zeros((3, 4, 4), dtype=np.float32)
+    laid_out = ProcessedImage(pixels, [2, 2], 3, [9, 9, 11])  # [IMG] [IMG] [IMG_END]
+    plain = ProcessedImage(pixels, [1, 2, 2], 2)
+    ids, inputs = expand_placeholders([5, 9, 6, 9, 7], [laid_out, plain], image_token_id=9, layout_token_ids=(10, 11))
+    assert ids == [5, 9, 9, 11, 6, 9, 9, 7]
+    assert [(i.offset, i.length) for i in inputs] == [(1, 3), (5, 2)]
+    with pytest.raises(
+        ImageError, match=r"span holds ids \[12\] outside the model's image and layout tokens \[9, 10, 11\]"
+    ):
+        expand_placeholders([5, 9], [ProcessedImage(pixels, [2, 2], 3, [9, 12, 11])], 9, (10, 11))
+    with pytest.raises(ImageError, match="a span of 2 ids for 3 tokens"):
+        expand_placeholders([5, 9], [ProcessedImage(pixels, [2, 2], 3, [9, 11])], 9, (10, 11))
+
+
+def test_request_image_rows_skip_layout_tokens():
+    import torch
+
+    from framework.engine.multimodal_step import RequestImage
+
+    # span at 10: [img img brk img img end] -> embeddings 0..3 at span positions 0 1 3 4
+    image = RequestImage(torch.zeros(1), [2, 2], 10, 6, 0, np.array([0, 1, 3, 4]))
+    at, rows = image.covered(11, 14)
+    assert at.tolist() == [11, 13] and (rows.start, rows.stop) == (1, 3)
+    assert image.covered(15, 20) is None  # only the end token
+    assert image.covered(0, 10) is None
+    whole = RequestImage(torch.zeros(1), [1, 2, 2], 10, 4, 0)
+    at, rows = whole.covered(12, 30)
+    assert at.tolist() == [12, 13] and (rows.start, rows.stop) == (2, 4)

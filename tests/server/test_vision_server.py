@@ -1,6 +1,6 @@
 """Images through the HTTP API: a real ``fw serve`` of the tiny random Qwen2.5-VL answers the openai
 client's ``image_url`` parts with transformers' greedy ids, Qwen3-VL's parts reach the engine in its
-own patches, and every bad image is a 400 naming its content part before anything reaches the
+own patches, Mistral 3's with their ``[IMG_BREAK]`` / ``[IMG_END]`` spans, and every bad image is a 400 naming its content part before anything reaches the
 engine (the app with a stand-in engine client)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from framework.multimodal.inputs import load_processor
 from framework.multimodal.prompt import vision_prompt
 from framework.server.app import create_app
 from framework.server.state import ServerConfig
-from framework.testing import data_url, random_image, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
-from framework.testing.vision import IMAGE_TOKEN_ID
+from framework.testing import data_url, random_image, write_tiny_mistral3, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
+from framework.testing.vision import IMAGE_TOKEN_ID, MISTRAL3_SPECIALS
 from framework.tokenizer import Tokenizer
 
 from .scripted_engine import ScriptedEngineClient
@@ -148,6 +148,27 @@ def test_qwen3_vl_image_parts_reach_the_engine_in_its_16_pixel_patches(tmp_path)
         for image in images:
             assert prompt[image.offset : image.offset + image.length] == [IMAGE_TOKEN_ID] * image.length
             assert len(image.pixel_values) == 4 * image.length * 4 * 1536  # 4 patches of 3*2*16*16 floats per token
+
+
+def test_mistral3_image_parts_reach_the_engine_as_whole_images_with_laid_out_spans(tmp_path):
+    write_tiny_mistral3(tmp_path)
+    breaks, end = MISTRAL3_SPECIALS["[IMG_BREAK]"], MISTRAL3_SPECIALS["[IMG_END]"]
+    for http, engine, received in scripted_app(tmp_path, spec_of(tmp_path)):
+        messages = chat_messages(*IMAGES)
+        tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        (images,) = received
+        prompt = engine.prompt_ids[0]
+        assert tokens == prompt
+        # 84x56 -> 84x56 and 100x120 -> 112x112 pixels (longest edge 112, multiples of 2 x 14)
+        assert [(image.shape, image.grid, image.length) for image in images] == [
+            ([3, 56, 84], [4, 6], 8),
+            ([3, 112, 112], [8, 8], 20),
+        ]
+        for image, (rows, cols) in zip(images, [(2, 3), (4, 4)], strict=True):
+            span = ([IMAGE_TOKEN_ID] * cols + [breaks]) * rows
+            assert prompt[image.offset : image.offset + image.length] == span[:-1] + [end]
 
 
 def _bad(url: str) -> list[dict]:

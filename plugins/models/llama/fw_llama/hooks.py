@@ -60,6 +60,8 @@ VISION_ARCHITECTURES = {
     "Qwen3VLForConditionalGeneration": "Qwen3-VL dense (image input: ViT with learned positions, DeepStack, "
     "interleaved M-RoPE; no video yet)",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL MoE, e.g. Qwen3-VL-30B-A3B (Qwen3-VL's tower, Qwen3-MoE text)",
+    "Mistral3ForConditionalGeneration": "Mistral Small 3.1 / 3.2 (image input: Pixtral tower with 2-D RoPE, "
+    "2x2 patch merger, [IMG_BREAK] / [IMG_END] layout tokens; Mistral text)",
 }
 
 #: the module of each vision architecture's class
@@ -67,6 +69,7 @@ VISION_MODULES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
+    "Mistral3ForConditionalGeneration": "mistral3",
 }
 
 
