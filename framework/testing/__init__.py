@@ -87,6 +87,7 @@ from framework.testing.sparse_mla import (
 from framework.testing.vision import (
     IMAGE_TOKEN,
     IMAGE_TOKEN_ID,
+    MISTRAL3_SPECIALS,
     TINY_PREPROCESSOR,
     VISION_CHAT_TEMPLATE,
     VISION_SPECIALS,
@@ -145,6 +146,7 @@ __all__ = [
     "random_chunks",
     "IMAGE_TOKEN",
     "IMAGE_TOKEN_ID",
+    "MISTRAL3_SPECIALS",
     "TINY_PREPROCESSOR",
     "VISION_CHAT_TEMPLATE",
     "VISION_SPECIALS",

@@ -22,10 +22,10 @@ SPARSE_MLA_CASES = [
 
 #: what the kit writes into every row's tail (and the unwritten rows), to catch a backend that
 #: overwrites the indexer's keys or reads slots it was not given
-TAIL_MARK = 7.0
+_TAIL_MARK = 7.0
 
 
-def random_selection(seq_len: int, topk: int, generator):
+def _random_selection(seq_len: int, topk: int, generator):
     """``[seq_len, topk]`` int32: for position ``p`` a random ``min(topk, p + 1)`` of ``0..p`` in
     random order, ``-1`` at random places for the rest."""
     import torch
@@ -65,11 +65,11 @@ def _check_sparse_case(backend, case, device, dtype, block_size: int, atol: floa
     num_blocks, tables = _shuffled_block_tables(seq_lens, block_size, generator)
     kv_cache = allocate_test_cache(backend, layer, "auto", dtype, num_blocks, block_size, device)
     assert kv_cache.data.shape[-1] == mla.row_size, f"{type(backend).__name__}: rows of {kv_cache.data.shape[-1]}"
-    kv_cache.data.fill_(TAIL_MARK)
+    kv_cache.data.fill_(_TAIL_MARK)
     backend.initialize([layer], dtype, block_size, torch.device(device))
     latents = [torch.randn(s, size, generator=generator).to(dtype) for s in seq_lens]
     queries = [torch.randn(s, num_heads, size, generator=generator).to(dtype) for s in seq_lens]
-    selections = [random_selection(s, topk, generator) for s in seq_lens]
+    selections = [_random_selection(s, topk, generator) for s in seq_lens]
 
     def run(spans: dict[int, tuple[int, int]]) -> torch.Tensor:
         rows, metadata = _step_metadata(spans, tables, block_size, device)
@@ -90,4 +90,4 @@ def _check_sparse_case(backend, case, device, dtype, block_size: int, atol: floa
 
     _compare_with_dense(backend, name, run, context_lens, seq_lens, atol, expected)
     tails = kv_cache.data[..., size:]
-    assert bool((tails == TAIL_MARK).all()), f"{type(backend).__name__} case {name!r} wrote into the rows' tails"
+    assert bool((tails == _TAIL_MARK).all()), f"{type(backend).__name__} case {name!r} wrote into the rows' tails"

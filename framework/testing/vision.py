@@ -25,7 +25,7 @@ VISION_CHAT_TEMPLATE = (
 #: pixel bounds that keep tiny test images tiny: 56x56 (4 image tokens) up to 28*28*64 (64 tokens)
 TINY_PREPROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64, "patch_size": 14, "merge_size": 2}
 #: Qwen3-VL's 16-pixel patches: 64x64 (4 image tokens) up to 32*32*64 (64 tokens), its 0.5 statistics
-TINY_QWEN3_PREPROCESSOR = {
+_TINY_QWEN3_PREPROCESSOR = {
     "min_pixels": 64 * 64,
     "max_pixels": 32 * 32 * 64,
     "patch_size": 16,
@@ -37,13 +37,13 @@ TINY_QWEN3_PREPROCESSOR = {
 
 #: Mistral 3's image token and layout tokens (its template writes ``[IMG]`` once per image)
 MISTRAL3_SPECIALS = {"[INST]": 290, "[/INST]": 291, "[IMG_BREAK]": 292, "[IMG_END]": 293, "[IMG]": IMAGE_TOKEN_ID}
-MISTRAL3_CHAT_TEMPLATE = (
+_MISTRAL3_CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m.role == 'user' %}[INST] {% if m.content is string %}{{ m.content }}"
     "{% else %}{% for p in m.content %}{% if p.type == 'image' %}[IMG] {% else %}{{ p.text }} {% endif %}"
     "{% endfor %}{% endif %}[/INST] {% else %}{{ m.content }} </s> {% endif %}{% endfor %}"
 )
 #: Pixtral resizes so the longest side is at most 112 pixels: up to 4 x 4 merged 28-pixel blocks
-TINY_MISTRAL3_PREPROCESSOR = {"size": {"longest_edge": 112}, "patch_size": {"height": 14, "width": 14}}
+_TINY_MISTRAL3_PREPROCESSOR = {"size": {"longest_edge": 112}, "patch_size": {"height": 14, "width": 14}}
 
 
 def write_tiny_mistral3(path, seed: int = 0):
@@ -93,7 +93,13 @@ def write_tiny_mistral3(path, seed: int = 0):
     specials = {k: v for k, v in MISTRAL3_SPECIALS.items() if k != "[IMG]"}
     image_token = ("[IMG]", IMAGE_TOKEN_ID)
     _write_checkpoint(
-        path, model, TINY_MISTRAL3_PREPROCESSOR, specials, image_token, MISTRAL3_CHAT_TEMPLATE, "PixtralImageProcessor"
+        path,
+        model,
+        _TINY_MISTRAL3_PREPROCESSOR,
+        specials,
+        image_token,
+        _MISTRAL3_CHAT_TEMPLATE,
+        "PixtralImageProcessor",
     )
     return model
 
@@ -197,7 +203,7 @@ def write_tiny_qwen3_vl(path, seed: int = 0, moe: bool = False):
     )
     model = model_class(config).eval()
     randomise_identity_params(model)
-    _write_checkpoint(path, model, TINY_QWEN3_PREPROCESSOR)
+    _write_checkpoint(path, model, _TINY_QWEN3_PREPROCESSOR)
     return model
 
 
