@@ -9,14 +9,16 @@ Two checkpoint layouts, with opposite global-scale conventions::
         input_global_scale f32 [1]
 
 Fused layers (QKV, gate/up) keep one global scale per shard (``per_shard`` parameters); after
-loading they become one float32 factor per output row. The activations stay 16-bit (W4A16: the
-input scales are read and unused). ``apply`` dequantizes and multiplies in torch: correct on any
-device, not yet a fused kernel (the MXFP4 MoE kernel's decode is the model for one).
+loading they become one float32 factor per output row, and the weight is repacked into the FP4
+kernels' layout (``fw_fp4.kernels.layout``). The activations stay 16-bit (W4A16: the input scales
+are read and unused). ``apply`` runs the Triton kernels (``fw_fp4.kernels.fp4_linear``) on CUDA and
+under ``TRITON_INTERPRET=1``; elsewhere it dequantizes the packed weight in torch and multiplies.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from typing import Any
 
@@ -29,7 +31,8 @@ from framework.layers.linear import set_weight_attrs
 from framework.quantization import LinearMethod, QuantConfig, QuantMethodBase
 
 from .config import ACT_DTYPES
-from .formats import NVFP4_GROUP, dequantize_nvfp4, nvfp4_row_scale
+from .formats import NVFP4_GROUP, nvfp4_row_scale
+from .kernels.layout import Fp4KernelWeight, dequantize_kernel_weight, to_kernel_layout
 
 #: Per layout: the packed tensor's name, the global scale's, the input scale's, and the convention.
 LAYOUTS = {
@@ -70,15 +73,45 @@ class Nvfp4LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         shard_scales = nvfp4_row_scale(getattr(layer, self.global_name).data, self.convention)
         rows = torch.tensor(layer.nvfp4_shard_rows, device=shard_scales.device)
-        layer.register_buffer("nvfp4_row_scales", shard_scales.repeat_interleave(rows))
-        layer.nvfp4_packed = getattr(layer, self.packed_name)
+        weight = to_kernel_layout(getattr(layer, self.packed_name).data, layer.weight_scale.data,
+                                  shard_scales.repeat_interleave(rows), "nvfp4")
+        for name in (self.packed_name, "weight_scale", self.global_name, self.input_name):
+            delattr(layer, name)
+        register_kernel_weight(layer, weight)
 
     def dequantize(self, layer: nn.Module) -> Tensor:
-        return dequantize_nvfp4(layer.nvfp4_packed.data, layer.weight_scale.data, layer.nvfp4_row_scales,
-                                layer.params_dtype)
+        return dequantize_kernel_weight(kernel_weight(layer), layer.params_dtype)
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        return F.linear(x, self.dequantize(layer).to(x.dtype), bias)
+        return fp4_linear(kernel_weight(layer), x, bias)
+
+
+def register_kernel_weight(layer: nn.Module, weight: Fp4KernelWeight) -> None:
+    """Keep ``weight``'s tensors as the layer's buffers (``to()`` moves them) and its format beside them."""
+    layer.register_buffer("fp4_codes", weight.codes)
+    layer.register_buffer("fp4_scales", weight.scales)
+    layer.register_buffer("fp4_row_scales", weight.row_scales)
+    layer.fp4_format = weight.fmt
+
+
+def kernel_weight(layer: nn.Module) -> Fp4KernelWeight:
+    """The layer's kernel-layout weight (its buffers, wherever they are now)."""
+    return Fp4KernelWeight(layer.fp4_codes, layer.fp4_scales, layer.fp4_row_scales, layer.fp4_format)
+
+
+def fp4_linear(weight: Fp4KernelWeight, x: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ W.T + bias``: the Triton kernels on CUDA and under the interpreter, else torch on the
+    dequantized weight."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if (x2d.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and x2d.shape[0] > 0:
+        from .kernels.fp4_linear import fp4_matmul  # Triton: imported only where kernels run
+
+        out = fp4_matmul(x2d, weight)
+        if bias is not None:
+            out += bias
+    else:
+        out = F.linear(x2d, dequantize_kernel_weight(weight, x.dtype), bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Nvfp4Config(QuantConfig):

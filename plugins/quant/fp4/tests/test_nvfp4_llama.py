@@ -25,16 +25,28 @@ def quantization_config(layout: str) -> dict:
     if layout == "modelopt":
         return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
     weights = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group", "symmetric": True}
-    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
 
 
 def write_nvfp4_llama(path, layout: str):
     """A tiny random Llama whose decoder linears are NVFP4 in ``layout``; returns transformers' fp32
     model holding the packed weights' exact values."""
-    config = transformers.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      initializer_range=0.1, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
     model = write_randomised_model(path, config)
     state = load_file(str(path / "model.safetensors"))
     with torch.no_grad():
@@ -61,7 +73,7 @@ def tiny(request, tmp_path_factory):
 def test_logits_match_transformers_on_the_dequantized_weights(tiny):
     llm = check_logits_parity(*tiny, PARITY_PROMPTS)
     qkv = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
-    assert type(qkv.quant_method).__name__ == "Nvfp4LinearMethod" and qkv.nvfp4_packed.dtype == torch.uint8
+    assert type(qkv.quant_method).__name__ == "Nvfp4LinearMethod" and qkv.fp4_codes.dtype == torch.int32
 
 
 def test_greedy_tokens_match_transformers_on_the_dequantized_weights(tiny):
