@@ -17,22 +17,17 @@ under ``TRITON_INTERPRET=1``; elsewhere it dequantizes the packed weight in torc
 
 from __future__ import annotations
 
-import fnmatch
-import os
-import re
+import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from framework.errors import ConfigError
-from framework.layers.linear import set_weight_attrs
-from framework.quantization import LinearMethod, QuantConfig, QuantMethodBase
 
-from .config import ACT_DTYPES
 from .formats import NVFP4_GROUP, nvfp4_row_scale
-from .kernels.layout import Fp4KernelWeight, dequantize_kernel_weight, to_kernel_layout
+from .kernels.layout import to_kernel_layout
+from .linear import Fp4LinearConfig, Fp4LinearMethodBase, register_checkpoint_param, register_kernel_weight
 
 #: Per layout: the packed tensor's name, the global scale's, the input scale's, and the convention.
 LAYOUTS = {
@@ -41,10 +36,8 @@ LAYOUTS = {
 }
 
 
-class Nvfp4LinearMethod(LinearMethod):
+class Nvfp4LinearMethod(Fp4LinearMethodBase):
     """One NVFP4 linear layer of ``layout`` (see the module docstring)."""
-
-    supported_act_dtypes = ACT_DTYPES
 
     def __init__(self, layout: str) -> None:
         self.layout = layout
@@ -57,11 +50,7 @@ class Nvfp4LinearMethod(LinearMethod):
                               f"this rank has {input_size_per_partition}")
         rows, shards = sum(output_partition_sizes), len(output_partition_sizes)
 
-        def register(name: str, tensor: Tensor, **attrs: Any) -> None:
-            param = nn.Parameter(tensor, requires_grad=False)
-            set_weight_attrs(param, {"weight_loader": layer.weight_loader, **attrs})
-            layer.register_parameter(name, param)
-
+        register = functools.partial(register_checkpoint_param, layer)
         register(self.packed_name, torch.empty(rows, input_size_per_partition // 2, dtype=torch.uint8),
                  output_dim=0, input_dim=1)
         register("weight_scale", torch.empty(rows, input_size_per_partition // NVFP4_GROUP,
@@ -79,68 +68,14 @@ class Nvfp4LinearMethod(LinearMethod):
             delattr(layer, name)
         register_kernel_weight(layer, weight)
 
-    def dequantize(self, layer: nn.Module) -> Tensor:
-        return dequantize_kernel_weight(kernel_weight(layer), layer.params_dtype)
 
-    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        return fp4_linear(kernel_weight(layer), x, bias)
-
-
-def register_kernel_weight(layer: nn.Module, weight: Fp4KernelWeight) -> None:
-    """Keep ``weight``'s tensors as the layer's buffers (``to()`` moves them) and its format beside them."""
-    layer.register_buffer("fp4_codes", weight.codes)
-    layer.register_buffer("fp4_scales", weight.scales)
-    layer.register_buffer("fp4_row_scales", weight.row_scales)
-    layer.fp4_format = weight.fmt
-
-
-def kernel_weight(layer: nn.Module) -> Fp4KernelWeight:
-    """The layer's kernel-layout weight (its buffers, wherever they are now)."""
-    return Fp4KernelWeight(layer.fp4_codes, layer.fp4_scales, layer.fp4_row_scales, layer.fp4_format)
-
-
-def fp4_linear(weight: Fp4KernelWeight, x: Tensor, bias: Tensor | None) -> Tensor:
-    """``x @ W.T + bias``: the Triton kernels on CUDA and under the interpreter, else torch on the
-    dequantized weight."""
-    x2d = x.reshape(-1, x.shape[-1])
-    if (x2d.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and x2d.shape[0] > 0:
-        from .kernels.fp4_linear import fp4_matmul  # Triton: imported only where kernels run
-
-        out = fp4_matmul(x2d, weight)
-        if bias is not None:
-            out += bias
-    else:
-        out = F.linear(x2d, dequantize_kernel_weight(weight, x.dtype), bias)
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
-class Nvfp4Config(QuantConfig):
+class Nvfp4Config(Fp4LinearConfig):
     """NVFP4 linear layers of a modelopt or compressed-tensors checkpoint; ``skipped`` stay 16-bit."""
 
-    supported_act_dtypes = ACT_DTYPES
     layout = "modelopt"
 
-    def __init__(self, skipped: list[str] | None = None) -> None:
-        self.skipped = list(skipped or [])
-
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethodBase | None:
-        from framework.layers.embedding import LMHead, VocabEmbedding
-        from framework.layers.linear import LinearBase
-
-        if not isinstance(layer, LinearBase) or isinstance(layer, VocabEmbedding | LMHead):
-            return None
-        return None if self.is_skipped(prefix) else Nvfp4LinearMethod(self.layout)
-
-    def is_skipped(self, prefix: str) -> bool:
-        """``prefix`` is listed: by name (``lm_head``), a glob (``model.layers.*.mlp.gate``, a module
-        or anything under it) or a regular expression (``re:...``)."""
-        for pattern in self.skipped:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], prefix):
-                    return True
-            elif prefix.endswith(f".{pattern}") or fnmatch.fnmatch(prefix, pattern) or fnmatch.fnmatch(prefix, f"{pattern}.*"):
-                return True
-        return prefix in self.skipped
+    def linear_method(self) -> Nvfp4LinearMethod:
+        return Nvfp4LinearMethod(self.layout)
 
 
 def _check_group(method: str, group_size: Any) -> None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mxfp4_packer import dequantize_nvfp4_lut, quantize_nvfp4
+from mxfp4_packer import dequantize_mxfp4_lut, dequantize_nvfp4_lut, quantize_mxfp4, quantize_nvfp4
 
 from framework.testing import HopperCompile, compile_for_hopper, interpreted, require_triton
 
 require_triton()
 
-from fw_fp4.formats import nvfp4_row_scale  # noqa: E402
+from fw_fp4.formats import fold_scale_bias, nvfp4_row_scale  # noqa: E402
 from fw_fp4.kernels.fp4_linear import (  # noqa: E402
     DEQUANT_MIN_ROWS,
     choose_config,
@@ -32,6 +32,13 @@ def nvfp4_weight(n: int, k: int, convention: str, seed: int, device: str = "cpu"
     rows = nvfp4_row_scale(global_scale, convention).expand(n)
     kernel = to_kernel_layout(packed.to(device), tensors["weight_scale"].to(device), rows.to(device), "nvfp4")
     return kernel, dequantize_nvfp4_lut(tensors).to(device)
+
+
+def mxfp4_weight(n: int, k: int, seed: int):
+    """A random MXFP4 weight in the kernel layout (scale bytes rebased) and its table reading."""
+    blocks, scales = quantize_mxfp4(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+    kernel = to_kernel_layout(blocks.flatten(-2), fold_scale_bias(scales, "test"), None, "mxfp4")
+    return kernel, dequantize_mxfp4_lut(blocks, scales)
 
 
 def reference(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -61,6 +68,18 @@ def test_interpreted_kernel_matches_dequantize_then_matmul_fp32(convention, n, k
     out = fp4_matmul(x, weight, config)
     assert out.shape == (rows, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, reference(x, dense), rtol=1e-5, atol=1e-4)
+
+
+MXFP4_CASES = [(200, 256, 1, None), (64, 512, 17, None), (72, 256, 130, None),
+               (96, 1024, 2, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2})]
+
+
+@interpreted
+@pytest.mark.parametrize("n,k,rows,config", MXFP4_CASES, ids=[f"{n}x{k}-rows{r}" for n, k, r, _ in MXFP4_CASES])
+def test_interpreted_mxfp4_kernel_matches_dequantize_then_matmul_fp32(n, k, rows, config):
+    weight, dense = mxfp4_weight(n, k, seed=n + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(fp4_matmul(x, weight, config), reference(x, dense), rtol=1e-5, atol=1e-4)
 
 
 def test_the_rule_splits_k_for_few_output_blocks_and_tiles_prefill():
@@ -96,6 +115,12 @@ def test_the_kernels_compile_for_hopper_with_tensor_core_dots():
                 divisible_by_16=("N", "K", "stride_xm", "stride_om"),
             )
         )
+    config = choose_config(1, 4096, 4096)
+    config.pop("SPLIT_K")
+    options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
+    mxfp4 = {"GROUP": 32, "E8M0": True, "HAS_ROW_SCALES": False, "FP32": False}
+    cases.append(HopperCompile("fw_fp4.kernels.fp4_linear:fp4_matmul_kernel", matmul, {**mxfp4, **config},
+                               options=options, divisible_by_16=("N", "K", "stride_xm", "stride_om")))
     dequant = {"codes_ptr": "*i32", "scales_ptr": "*u8", "row_scales_ptr": "*fp32", "out_ptr": "*bf16"}
     cases.append(
         HopperCompile(
@@ -106,7 +131,7 @@ def test_the_kernels_compile_for_hopper_with_tensor_core_dots():
     )
     ptx = compile_for_hopper(cases)
     assert all(".target sm_90" in text for text in ptx)
-    assert all("mma" in text for text in ptx[:2])  # the dots run on tensor cores
+    assert all("mma" in text for text in ptx[:3])  # the dots run on tensor cores
 
 
 LLAMA3_8B = {
