@@ -32,8 +32,33 @@ def random_fp4_weight(fmt: str, n: int, k: int, device: str) -> Fp4KernelWeight:
     return to_kernel_layout(packed, scales, None, fmt)  # already rebased (+14)
 
 
+def sweep_settings(rows: int) -> list[dict]:
+    """The grid ``--sweep`` times: ``w4a16_kernels.py``'s tl.dot settings, and for rows up to
+    ``GEMV_MAX_ROWS`` the tensor-core-free GEMV's (output block, K step, split-K, warps)."""
+    import itertools
+
+    from fw_fp4.kernels.fp4_linear import GEMV_MAX_ROWS
+    from w4a16_kernels import sweep_settings as dot_settings
+
+    grid = [{"KIND": "dot", **setting} for setting in dot_settings(rows)]
+    if rows <= 2 * GEMV_MAX_ROWS:
+        for block_n, block_k, split_k, warps in itertools.product(
+            (64, 128, 256), (256, 512, 1024), (1, 2, 4, 8), (4, 8)
+        ):
+            grid.append(
+                {
+                    "KIND": "gemv",
+                    "BLOCK_N": block_n,
+                    "BLOCK_K": block_k,
+                    "SPLIT_K": split_k,
+                    "num_warps": warps,
+                    "num_stages": 3,
+                }
+            )
+    return grid
+
+
 def measure_fp4(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) -> dict:
-    from w4a16_kernels import sweep_settings
 
     device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
     weight = random_fp4_weight(variant, n, k, device)

@@ -54,6 +54,8 @@ CASES = [  # (n, k, rows, forced config or None)
     (64, 256, 130, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1}),  # the fused tile form
     (136, 1024, 1, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SUB_K": 128, "SPLIT_K": 4}),  # split-K
     (48, 48, 2, None),  # K below a slice: masked inputs
+    (136, 1024, 2, {"KIND": "gemv", "BLOCK_N": 128, "BLOCK_K": 256, "SUB_K": 128, "SPLIT_K": 4}),  # GEMV split-K
+    (136, 96, 1, {"KIND": "gemv", "BLOCK_N": 64, "BLOCK_K": 64, "SUB_K": 32, "SPLIT_K": 1}),  # K past a step
 ]
 
 
@@ -70,8 +72,12 @@ def test_interpreted_kernel_matches_dequantize_then_matmul_fp32(convention, n, k
     torch.testing.assert_close(out, reference(x, dense), rtol=1e-5, atol=1e-4)
 
 
-MXFP4_CASES = [(200, 256, 1, None), (64, 512, 17, None), (72, 256, 130, None),
-               (96, 1024, 2, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2})]
+MXFP4_CASES = [
+    (200, 256, 1, None),
+    (64, 512, 17, None),
+    (72, 256, 130, None),
+    (96, 1024, 2, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2}),
+]
 
 
 @interpreted
@@ -84,8 +90,11 @@ def test_interpreted_mxfp4_kernel_matches_dequantize_then_matmul_fp32(n, k, rows
 
 def test_the_rule_splits_k_for_few_output_blocks_and_tiles_prefill():
     gemv = choose_config(1, 1024, 4096)
-    assert gemv["BLOCK_M"] == 16 and gemv["SPLIT_K"] == 4 and gemv["BLOCK_K"] == 512
-    assert choose_config(1, 14336 * 2, 4096)["SPLIT_K"] == 1  # 224 output blocks fill the SMs
+    assert gemv["KIND"] == "gemv" and gemv["SPLIT_K"] == 8 and gemv["BLOCK_K"] == 512
+    assert choose_config(1, 14336 * 2, 4096)["SPLIT_K"] == 4  # 224 output blocks: 4 splits, 6.8 programs an SM
+    dot = choose_config(3, 1024, 4096)
+    assert dot["KIND"] == "dot" and dot["BLOCK_M"] == 16 and dot["SPLIT_K"] == 4
+    assert choose_config(3, 14336 * 2, 4096)["SPLIT_K"] == 1  # 224 output blocks fill the SMs
     assert choose_config(64, 4096, 4096)["BLOCK_M"] == 64
 
 
@@ -98,13 +107,17 @@ def test_layout_and_dequantize_kernel_give_the_table_values(convention):
     torch.testing.assert_close(fp4_dequantize(weight, torch.float32), dense.T, rtol=1e-6, atol=0)
 
 
+#: What a GPU launch sees as multiples of 16 (torch's allocations, Llama's sizes): vectorized loads.
+ALIGNED = ("x_ptr", "codes_ptr", "scales_ptr", "row_scales_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om")
+
+
 def test_the_kernels_compile_for_hopper_with_tensor_core_dots():
     matmul = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": "*u8", "row_scales_ptr": "*fp32", "out_ptr": "*bf16"}
     nvfp4 = {"GROUP": 16, "E8M0": False, "HAS_ROW_SCALES": True, "FP32": False}
     cases = []
-    for rows in (1, 64):
+    for rows in (3, 64):
         config = choose_config(rows, 4096, 4096)
-        config.pop("SPLIT_K")
+        config.pop("SPLIT_K"), config.pop("KIND")
         options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
         cases.append(
             HopperCompile(
@@ -112,15 +125,24 @@ def test_the_kernels_compile_for_hopper_with_tensor_core_dots():
                 matmul,
                 {**nvfp4, **config},
                 options=options,
-                divisible_by_16=("N", "K", "stride_xm", "stride_om"),
+                divisible_by_16=ALIGNED,
             )
         )
-    config = choose_config(1, 4096, 4096)
-    config.pop("SPLIT_K")
-    options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
-    mxfp4 = {"GROUP": 32, "E8M0": True, "HAS_ROW_SCALES": False, "FP32": False}
-    cases.append(HopperCompile("fw_fp4.kernels.fp4_linear:fp4_matmul_kernel", matmul, {**mxfp4, **config},
-                               options=options, divisible_by_16=("N", "K", "stride_xm", "stride_om")))
+    mxfp4 = {"GROUP": 32, "E8M0": True, "HAS_ROW_SCALES": False, "FP32": False}  # its branch: in the GEMV
+    gemv = choose_config(1, 4096, 4096)
+    gemv.pop("SPLIT_K"), gemv.pop("KIND")
+    options = dict(num_warps=gemv.pop("num_warps"), num_stages=gemv.pop("num_stages"))
+    for fmt in (nvfp4, mxfp4):
+        meta = {key: value for key, value in fmt.items() if key != "FP32"}
+        cases.append(
+            HopperCompile(
+                "fw_fp4.kernels.fp4_linear:fp4_gemv_kernel",
+                matmul,
+                {**meta, **gemv},
+                options=options,
+                divisible_by_16=ALIGNED,
+            )
+        )
     dequant = {"codes_ptr": "*i32", "scales_ptr": "*u8", "row_scales_ptr": "*fp32", "out_ptr": "*bf16"}
     cases.append(
         HopperCompile(
@@ -131,7 +153,7 @@ def test_the_kernels_compile_for_hopper_with_tensor_core_dots():
     )
     ptx = compile_for_hopper(cases)
     assert all(".target sm_90" in text for text in ptx)
-    assert all("mma" in text for text in ptx[:3])  # the dots run on tensor cores
+    assert all("mma" in text for text in ptx[:2])  # the dots run on tensor cores
 
 
 LLAMA3_8B = {
