@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fp4_decode import e2m1, scale_factor
 from .layout import GROUP_SIZES, Fp4KernelWeight
 
 #: Streaming multiprocessors assumed where the device cannot be asked (the interpreter): an H200's.
@@ -41,25 +42,6 @@ DOT_GEMV_MAX_ROWS = 16
 #: From this many rows the weight is dequantized once and multiplied by cuBLAS.
 DEQUANT_MIN_ROWS = 128
 @triton.jit
-def _e2m1(codes):
-    """e2m1 codes in the low 4 bits of int32s (higher bits are ignored) -> their values times 2^-14,
-    float32 (the fp16 placement)."""
-    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _scale_factor(sbytes, E8M0: tl.constexpr):
-    """Scale bytes (int32) -> the float32 factor that turns :func:`_e2m1`'s values into ``e2m1 * scale``."""
-    if E8M0:  # rebased by +14 at load: the code's 2^-14 is folded in
-        factor = (sbytes << 23).to(tl.float32, bitcast=True)
-    else:  # e4m3 as fp16 bits is the value times 2^-8; with the code's 2^-14, 2^22 restores it
-        bits = ((sbytes & 0x80) << 8) | ((sbytes & 0x7F) << 7)
-        factor = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0
-    return factor
-
-
-@triton.jit
 def _load_words(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP: tl.constexpr, E8M0: tl.constexpr,
                 SUB_K: tl.constexpr):
     """The code words ``[SUB_K / 8, BLOCK_N]`` of inputs ``ks0 .. ks0 + SUB_K`` (zero past ``K``) and
@@ -68,7 +50,7 @@ def _load_words(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP: tl.cons
     mask = (offs_w[:, None] < K // 8) & mask_n[None, :]
     words = tl.load(codes_ptr + offs_w[:, None] * N + offs_n[None, :], mask=mask, other=0)
     sbytes = tl.load(scales_ptr + (offs_w // (GROUP // 8))[:, None] * N + offs_n[None, :], mask=mask, other=0)
-    return words, _scale_factor(sbytes.to(tl.int32), E8M0)
+    return words, scale_factor(sbytes.to(tl.int32), E8M0)
 
 
 @triton.jit
@@ -77,7 +59,7 @@ def _decoded_slice(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP: tl.c
     """``W^T[ks0 : ks0 + SUB_K, offs_n]`` in float32 without the global scale (zero past ``K``)."""
     words, factor = _load_words(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP, E8M0, SUB_K)
     shifts = tl.arange(0, 8) * 4
-    value = _e2m1(words[:, None, :] >> shifts[None, :, None])  # [SUB_K / 8, 8, BLOCK_N]
+    value = e2m1(words[:, None, :] >> shifts[None, :, None])  # [SUB_K / 8, 8, BLOCK_N]
     return tl.reshape(value * factor[:, None, :], (SUB_K, BLOCK_N))
 
 
@@ -101,7 +83,7 @@ def fp4_gemv_kernel(x_ptr, codes_ptr, scales_ptr, row_scales_ptr, out_ptr, M, N,
             per_word = tl.zeros((SUB_K // 8, BLOCK_N), dtype=tl.float32)
             for i in tl.static_range(8):
                 x = tl.load(x_ptr + row * stride_xm + offs_x + i, mask=offs_x + i < K, other=0.0).to(tl.float32)
-                per_word += _e2m1(words >> (4 * i)) * x[:, None]
+                per_word += e2m1(words >> (4 * i)) * x[:, None]
             acc += per_word * factor
     total = tl.sum(acc, axis=0)
     if HAS_ROW_SCALES:
