@@ -60,3 +60,20 @@ def test_linear_method_passes_the_conformance_kit_through_the_interpreted_kernel
 def test_linear_method_passes_the_conformance_kit_on_cuda(layout):
     cases = check_linear_method(Fp4Scheme(layout), device="cuda", num_rows=(1, 2, 7, 64, 200), tp_sizes=(1, 2))
     assert "qkv_proj tp=2 rank=1 float16" in cases
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_experts_of_the_dense_formats_are_clear_errors(layout):
+    from framework.errors import ConfigError
+    from framework.layers.fused_moe import FusedMoE
+
+    config = Fp4Scheme(layout).quant_config({})
+    with pytest.raises(ConfigError, match="layer.experts: MoE experts in this format are not supported yet"):
+        FusedMoE(8, 2, 64, 128, renormalize=True, quant_config=config, prefix="layer.experts", tp_size=1, tp_rank=0)
+    config.skipped = ["layer.experts"]  # listed as left unquantized: built as 16-bit experts
+    assert (
+        FusedMoE(
+            8, 2, 64, 128, renormalize=True, quant_config=config, prefix="layer.experts", tp_size=1, tp_rank=0
+        ).quant_method
+        is not None
+    )
