@@ -22,7 +22,7 @@ Every result carries ``device``, ``model``, ``dtype``, ``tp``, ``num_gpus``, ``b
 ``input_len``, ``output_len``, ``decode_tokens_per_s``, ``commit`` and ``command``. ``--tp N`` (or
 ``--d 0,1``) runs the engine tensor-parallel, as ``decode.py`` does; the roofline then uses one
 rank's weight bytes. ``--m FOLDER`` times a checkpoint folder (``random_quantized_checkpoint.py``
-writes random GPTQ / AWQ / FP8 ones of the shapes) instead of the shape's random bf16 weights. On a CPU (``--shape tiny``; ``tiny-mla`` for multi-head latent attention, on the torch backend there) the same cases run, for checking the script.
+writes random GPTQ / AWQ / FP8 ones of the shapes, ``random_nvfp4_checkpoint.py`` NVFP4 ones) instead of the shape's random bf16 weights. On a CPU (``--shape tiny``; ``tiny-mla`` for multi-head latent attention, on the torch backend there) the same cases run, for checking the script.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@
     python benchmarks/w4a16_kernels.py --sweep --layers down --rows 1 16 --out sweep.json
     python benchmarks/w4a16_kernels.py --tiny               # the script itself on a CPU (TRITON_INTERPRET=1)
     python benchmarks/w4a16_kernels.py --moe [--tokens 1 8 64 512] [--sweep]   # the MoE kernel: quant_moe_kernels.py
+    python benchmarks/w4a16_kernels.py --variants nvfp4 [--sweep]     # the FP4 dense kernels: fp4_kernels.py
 
-For each variant (4-bit group 128 symmetric: GPTQ; with zero points: AWQ; act-order; 8-bit), layer
+For each variant (4-bit group 128 symmetric: GPTQ; with zero points: AWQ; act-order; 8-bit; NVFP4 and
+MXFP4 through ``fw_fp4``), layer
 (fused qkv, o, fused gate_up, down, LM head) and row count (1..512) it checks the kernel against
 ``x @ W^T`` on the dequantized weight, then times, replayed from a CUDA graph over copies of the
 weight that fill several times the L2 (every call reads HBM, as a decode step does): the kernel at
@@ -47,6 +49,8 @@ VARIANTS = {
     "gptq4-act": (4, 128, False, True),
     "gptq8": (8, 128, False, False),
 }
+#: fw_fp4's formats (``fp4_kernels.py``), timed with the same keys
+FP4_VARIANTS = ("nvfp4", "mxfp4")
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 COLD_BYTES = 512 * 2**20  # weight copies each timing cycles through: several times the H200's L2
 
@@ -84,6 +88,10 @@ def sweep_settings(rows: int) -> list[dict]:
 
 
 def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) -> dict:
+    if variant in FP4_VARIANTS:
+        from fp4_kernels import measure_fp4
+
+        return measure_fp4(variant, n, k, rows, sweep, tiny)
     device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
     bits, group, zeros, act_order = VARIANTS[variant]
     weight = to_kernel_layout(random_weight(n, k, bits, group, zeros, act_order, device, dtype), dtype)
@@ -170,7 +178,8 @@ def int8_gemv(x, weight, copies, time_it, sweep: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    variants = [*VARIANTS, *FP4_VARIANTS]
+    parser.add_argument("--variants", nargs="+", default=variants, choices=variants)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of settings per case")

@@ -326,6 +326,37 @@ def test_w4a16_kernels_checks_and_times_every_case(benchmarks, tmp_path, monkeyp
     assert all(r["check_rel_error"] < 1e-4 and r["kernel_us"] > 0 for r in report["results"])
 
 
+def test_w4a16_kernels_checks_and_times_the_fp4_variants(benchmarks, tmp_path, monkeypatch):
+    """``w4a16_kernels.py --tiny --variants nvfp4 mxfp4``: fw_fp4's dense kernels, same checks and keys."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "fp4.json"
+    benchmarks("w4a16_kernels.py", "--tiny", "--variants", "nvfp4", "mxfp4", "--out", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["layer"], r["rows"]) for r in results] == [
+        (v, layer, rows) for v in ("nvfp4", "mxfp4") for layer in ("qkv", "down") for rows in (1, 3, 17)
+    ]
+    assert all(r["check_rel_error"] < 1e-4 and r["kernel_us"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])
+def test_random_nvfp4_checkpoint_runs_in_fw_bench(benchmarks, tmp_path, monkeypatch, layout):
+    """``random_nvfp4_checkpoint.py --tiny`` writes an NVFP4 folder in either layout that ``fw bench`` runs
+    (on the CPU's torch path: the interpreted kernels have their own tests)."""
+    from typer.testing import CliRunner
+
+    from cli.main import build_app
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    benchmarks("random_nvfp4_checkpoint.py", "--tiny", "--layout", layout, "--dir", str(tmp_path / "m"))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == layout
+    args = ["bench", "--m", str(tmp_path / "m"), "--num-prompts", "1", "--input-len", "8", "--output-len", "2"]
+    args += ["--device", "cpu", "--dtype", "bf16", "--output-json", str(tmp_path / "bench.json")]
+    result = CliRunner().invoke(build_app(), args)
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "bench.json").read_text())["output_tokens"] == 2
+
+
 @pytest.mark.parametrize(("shape", "method"), [("tiny", "gptq"), ("tiny-moe", "awq")])
 def test_random_quantized_checkpoint_runs_in_fw_bench(benchmarks, tmp_path, shape, method):
     """``random_quantized_checkpoint.py`` writes a GPTQ / AWQ folder of a shape (MoE experts per expert) that ``fw bench`` runs."""

@@ -2,8 +2,8 @@
 
 ``config.json`` says ``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}`` (the attention,
 routers, embeddings and head, which stay in 16 bits). Only the FusedMoE experts are MXFP4 here;
-a MXFP4 dense linear layer (compressed-tensors' ``mxfp4``) is not built yet. Settings fw cannot
-serve (another group size or scale format) are refused before any weight is read.
+MXFP4 dense layers come from compressed-tensors checkpoints (``fw_fp4.mxfp4_linear``). Settings fw
+cannot serve (another group size or scale format) are refused before any weight is read.
 """
 
 from __future__ import annotations

@@ -9,27 +9,25 @@ Two checkpoint layouts, with opposite global-scale conventions::
         input_global_scale f32 [1]
 
 Fused layers (QKV, gate/up) keep one global scale per shard (``per_shard`` parameters); after
-loading they become one float32 factor per output row. The activations stay 16-bit (W4A16: the
-input scales are read and unused). ``apply`` dequantizes and multiplies in torch: correct on any
-device, not yet a fused kernel (the MXFP4 MoE kernel's decode is the model for one).
+loading they become one float32 factor per output row, and the weight is repacked into the FP4
+kernels' layout (``fw_fp4.kernels.layout``). The activations stay 16-bit (W4A16: the input scales
+are read and unused). ``apply`` runs the Triton kernels (``fw_fp4.kernels.fp4_linear``) on CUDA and
+under ``TRITON_INTERPRET=1``; elsewhere it dequantizes the packed weight in torch and multiplies.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import re
+import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from framework.errors import ConfigError
-from framework.layers.linear import set_weight_attrs
-from framework.quantization import LinearMethod, QuantConfig, QuantMethodBase
 
-from .config import ACT_DTYPES
-from .formats import NVFP4_GROUP, dequantize_nvfp4, nvfp4_row_scale
+from .formats import NVFP4_GROUP, nvfp4_row_scale
+from .kernels.layout import to_kernel_layout
+from .linear import Fp4LinearConfig, Fp4LinearMethodBase, register_checkpoint_param, register_kernel_weight
 
 #: Per layout: the packed tensor's name, the global scale's, the input scale's, and the convention.
 LAYOUTS = {
@@ -38,10 +36,8 @@ LAYOUTS = {
 }
 
 
-class Nvfp4LinearMethod(LinearMethod):
+class Nvfp4LinearMethod(Fp4LinearMethodBase):
     """One NVFP4 linear layer of ``layout`` (see the module docstring)."""
-
-    supported_act_dtypes = ACT_DTYPES
 
     def __init__(self, layout: str) -> None:
         self.layout = layout
@@ -54,11 +50,7 @@ class Nvfp4LinearMethod(LinearMethod):
                               f"this rank has {input_size_per_partition}")
         rows, shards = sum(output_partition_sizes), len(output_partition_sizes)
 
-        def register(name: str, tensor: Tensor, **attrs: Any) -> None:
-            param = nn.Parameter(tensor, requires_grad=False)
-            set_weight_attrs(param, {"weight_loader": layer.weight_loader, **attrs})
-            layer.register_parameter(name, param)
-
+        register = functools.partial(register_checkpoint_param, layer)
         register(self.packed_name, torch.empty(rows, input_size_per_partition // 2, dtype=torch.uint8),
                  output_dim=0, input_dim=1)
         register("weight_scale", torch.empty(rows, input_size_per_partition // NVFP4_GROUP,
@@ -70,44 +62,20 @@ class Nvfp4LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         shard_scales = nvfp4_row_scale(getattr(layer, self.global_name).data, self.convention)
         rows = torch.tensor(layer.nvfp4_shard_rows, device=shard_scales.device)
-        layer.register_buffer("nvfp4_row_scales", shard_scales.repeat_interleave(rows))
-        layer.nvfp4_packed = getattr(layer, self.packed_name)
-
-    def dequantize(self, layer: nn.Module) -> Tensor:
-        return dequantize_nvfp4(layer.nvfp4_packed.data, layer.weight_scale.data, layer.nvfp4_row_scales,
-                                layer.params_dtype)
-
-    def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        return F.linear(x, self.dequantize(layer).to(x.dtype), bias)
+        weight = to_kernel_layout(getattr(layer, self.packed_name).data, layer.weight_scale.data,
+                                  shard_scales.repeat_interleave(rows), "nvfp4")
+        for name in (self.packed_name, "weight_scale", self.global_name, self.input_name):
+            delattr(layer, name)
+        register_kernel_weight(layer, weight)
 
 
-class Nvfp4Config(QuantConfig):
+class Nvfp4Config(Fp4LinearConfig):
     """NVFP4 linear layers of a modelopt or compressed-tensors checkpoint; ``skipped`` stay 16-bit."""
 
-    supported_act_dtypes = ACT_DTYPES
     layout = "modelopt"
 
-    def __init__(self, skipped: list[str] | None = None) -> None:
-        self.skipped = list(skipped or [])
-
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethodBase | None:
-        from framework.layers.embedding import LMHead, VocabEmbedding
-        from framework.layers.linear import LinearBase
-
-        if not isinstance(layer, LinearBase) or isinstance(layer, VocabEmbedding | LMHead):
-            return None
-        return None if self.is_skipped(prefix) else Nvfp4LinearMethod(self.layout)
-
-    def is_skipped(self, prefix: str) -> bool:
-        """``prefix`` is listed: by name (``lm_head``), a glob (``model.layers.*.mlp.gate``, a module
-        or anything under it) or a regular expression (``re:...``)."""
-        for pattern in self.skipped:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], prefix):
-                    return True
-            elif prefix.endswith(f".{pattern}") or fnmatch.fnmatch(prefix, pattern) or fnmatch.fnmatch(prefix, f"{pattern}.*"):
-                return True
-        return prefix in self.skipped
+    def linear_method(self) -> Nvfp4LinearMethod:
+        return Nvfp4LinearMethod(self.layout)
 
 
 def _check_group(method: str, group_size: Any) -> None:

@@ -1,6 +1,7 @@
 """NVFP4 dense layers in both checkpoint layouts (modelopt: the global scale multiplies;
 compressed-tensors: it divides): a tiny Llama through the whole engine against transformers on the
-packer's exact dequantized weights, the decode against the table reading, and bad settings."""
+packer's exact dequantized weights (logits through the interpreted kernels, greedy ids through the
+CPU's torch path), the decode against the table reading, and bad settings."""
 
 from __future__ import annotations
 
@@ -8,63 +9,31 @@ import json
 
 import pytest
 import torch
-import transformers
 from fw_fp4.formats import dequantize_nvfp4, nvfp4_row_scale
 from mxfp4_packer import dequantize_nvfp4_lut, quantize_nvfp4
-from safetensors.torch import load_file, save_file
+from tiny_fp4_llama import CONVENTIONS, quantization_config, write_fp4_llama
 
 from framework import LLM
 from framework.errors import ConfigError
-from framework.testing import PARITY_PROMPTS, check_greedy_parity, check_logits_parity, write_randomised_model
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CONVENTIONS = {"modelopt": "multiply", "compressed-tensors": "divide"}
-
-
-def quantization_config(layout: str) -> dict:
-    if layout == "modelopt":
-        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
-    weights = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group", "symmetric": True}
-    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
-
-
-def write_nvfp4_llama(path, layout: str):
-    """A tiny random Llama whose decoder linears are NVFP4 in ``layout``; returns transformers' fp32
-    model holding the packed weights' exact values."""
-    config = transformers.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      initializer_range=0.1, tie_word_embeddings=False)
-    model = write_randomised_model(path, config)
-    state = load_file(str(path / "model.safetensors"))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
-                tensors = quantize_nvfp4(param, CONVENTIONS[layout])
-                param.copy_(dequantize_nvfp4_lut(tensors))
-                del state[name]
-                stem = name.removesuffix(".weight")
-                state.update({f"{stem}.{key}": value for key, value in tensors.items()})
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config_json = json.loads((path / "config.json").read_text())
-    config_json["quantization_config"] = quantization_config(layout)
-    (path / "config.json").write_text(json.dumps(config_json))
-    return model
+from framework.testing import PARITY_PROMPTS, check_greedy_parity, check_logits_parity
 
 
 @pytest.fixture(scope="module", params=sorted(CONVENTIONS))
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"llama_nvfp4_{request.param}")
-    return path, write_nvfp4_llama(path, request.param)
+    return path, write_fp4_llama(path, request.param)
 
 
 def test_logits_match_transformers_on_the_dequantized_weights(tiny):
     llm = check_logits_parity(*tiny, PARITY_PROMPTS)
     qkv = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
-    assert type(qkv.quant_method).__name__ == "Nvfp4LinearMethod" and qkv.nvfp4_packed.dtype == torch.uint8
+    assert type(qkv.quant_method).__name__ == "Nvfp4LinearMethod" and qkv.fp4_codes.dtype == torch.int32
 
 
-def test_greedy_tokens_match_transformers_on_the_dequantized_weights(tiny):
+def test_greedy_tokens_match_transformers_on_the_dequantized_weights(tiny, monkeypatch):
+    """Without the interpreter, the CPU's torch path (the packed layout dequantized per forward);
+    the logits test above runs the interpreted kernels."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     check_greedy_parity(*tiny, PARITY_PROMPTS[:2], steps=16)
 
 
@@ -82,7 +51,7 @@ def test_decode_matches_the_table_reading(convention):
 
 @pytest.mark.parametrize("layout", sorted(CONVENTIONS))
 def test_unknown_group_sizes_are_clear_errors(tmp_path, layout):
-    write_nvfp4_llama(tmp_path, layout)
+    write_fp4_llama(tmp_path, layout)
     config = json.loads((tmp_path / "config.json").read_text())
     quant = quantization_config(layout)
     if layout == "modelopt":

@@ -28,14 +28,9 @@ from torch import Tensor
 from framework import ops
 from framework.ops import PLAIN_SWIGLU, MoEActivation, PackedExperts
 
+from .fp4_decode import e2m1
+
 QUANT_TYPE = "mxfp4"
-
-
-@triton.jit
-def _e2m1(code):
-    """4-bit e2m1 codes (int32) -> their values times 2^-14, float32 (the fp16 placement)."""
-    bits = ((code & 8) << 12) | ((code & 7) << 9)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -48,8 +43,8 @@ def _mxfp4_dot(acc, x_ptr, x_rows, x_mask, stride_x, w_ptr, s_ptr, cols, col_mas
     packed = tl.load(w_ptr + cols[None, :] * stride_wn + half[:, None], mask=both, other=0).to(tl.int32)
     scale_bytes = tl.load(s_ptr + cols[None, :] * stride_sn + (half // 16)[:, None], mask=both, other=0)
     scale = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # [BLOCK_K / 2, BLOCK_N]
-    w_even = _e2m1(packed & 15) * scale
-    w_odd = _e2m1(packed >> 4) * scale
+    w_even = e2m1(packed & 15) * scale
+    w_odd = e2m1(packed >> 4) * scale
     x_mask2 = x_mask[:, None] & k_mask[None, :]
     x_even = tl.load(x_ptr + x_rows[:, None] * stride_x + 2 * half[None, :], mask=x_mask2, other=0.0)
     x_odd = tl.load(x_ptr + x_rows[:, None] * stride_x + 2 * half[None, :] + 1, mask=x_mask2, other=0.0)
