@@ -87,8 +87,10 @@ class Fp4LinearConfig(QuantConfig):
         if self.is_skipped(prefix):
             return None
         if isinstance(layer, FusedMoE):
-            raise ConfigError(f"{self.get_name()}: {prefix}: MoE experts in this format are not supported yet; "
-                              f"supported: dense linear layers (gpt-oss's MXFP4 experts: quant_method mxfp4)")
+            raise ConfigError(
+                f"{self.get_name()}: {prefix}: MoE experts in this format are not supported yet; "
+                f"supported: dense linear layers (gpt-oss's MXFP4 experts: quant_method mxfp4)"
+            )
         if not isinstance(layer, LinearBase) or isinstance(layer, VocabEmbedding | LMHead):
             return None
         return self.linear_method()
@@ -100,6 +102,10 @@ class Fp4LinearConfig(QuantConfig):
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], prefix):
                     return True
-            elif prefix.endswith(f".{pattern}") or fnmatch.fnmatch(prefix, pattern) or fnmatch.fnmatch(prefix, f"{pattern}.*"):
+            elif (
+                prefix.endswith(f".{pattern}")
+                or fnmatch.fnmatch(prefix, pattern)
+                or fnmatch.fnmatch(prefix, f"{pattern}.*")
+            ):
                 return True
         return prefix in self.skipped

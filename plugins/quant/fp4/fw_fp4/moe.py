@@ -64,7 +64,10 @@ class Mxfp4FusedMoEMethod(FusedMoEMethod):
         # the dimension along which the intermediate features run: rows of w13, blocks of w2
         feature_dims = {("w13", "blocks"): -3, ("w13", "scales"): -2, ("w2", "blocks"): -2, ("w2", "scales"): -1}
         for projection, (rows, k) in shapes.items():
-            for part, shape in (("blocks", (rows, k // MXFP4_BLOCK, MXFP4_BLOCK_BYTES)), ("scales", (rows, k // MXFP4_BLOCK))):
+            for part, shape in (
+                ("blocks", (rows, k // MXFP4_BLOCK, MXFP4_BLOCK_BYTES)),
+                ("scales", (rows, k // MXFP4_BLOCK)),
+            ):
                 param = nn.Parameter(torch.empty(num_experts, *shape, dtype=torch.uint8), requires_grad=False)
                 attrs = {
                     "weight_loader": layer.weight_loader,

@@ -27,17 +27,28 @@ from .linear import Fp4LinearConfig, Fp4LinearMethodBase, register_checkpoint_pa
 class Mxfp4LinearMethod(Fp4LinearMethodBase):
     """One MXFP4 linear layer (module docstring)."""
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
-                       params_dtype) -> None:
+    def create_weights(
+        self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype
+    ) -> None:
         if input_size_per_partition % MXFP4_BLOCK:
-            raise ConfigError(f"{layer.prefix}: MXFP4 needs input features in whole blocks of {MXFP4_BLOCK}; "
-                              f"this rank has {input_size_per_partition}")
+            raise ConfigError(
+                f"{layer.prefix}: MXFP4 needs input features in whole blocks of {MXFP4_BLOCK}; "
+                f"this rank has {input_size_per_partition}"
+            )
         rows = sum(output_partition_sizes)
         register = functools.partial(register_checkpoint_param, layer)
-        register("weight_packed", torch.empty(rows, input_size_per_partition // 2, dtype=torch.uint8),
-                 output_dim=0, input_dim=1)
-        register("weight_scale", torch.empty(rows, input_size_per_partition // MXFP4_BLOCK, dtype=torch.uint8),
-                 output_dim=0, input_dim=1)
+        register(
+            "weight_packed",
+            torch.empty(rows, input_size_per_partition // 2, dtype=torch.uint8),
+            output_dim=0,
+            input_dim=1,
+        )
+        register(
+            "weight_scale",
+            torch.empty(rows, input_size_per_partition // MXFP4_BLOCK, dtype=torch.uint8),
+            output_dim=0,
+            input_dim=1,
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scales = fold_scale_bias(layer.weight_scale.data, layer.prefix)
@@ -60,11 +71,15 @@ class CompressedTensorsMxfp4Config(Fp4LinearConfig):
             raise ConfigError(f"compressed-tensors mxfp4: {len(groups)} config_groups; fw supports one scheme")
         weights = groups[0].get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 4:
-            raise ConfigError(f"compressed-tensors mxfp4: weights {weights.get('num_bits')}-bit "
-                              f"{weights.get('type')!r}; mxfp4-pack-quantized stores 4-bit float")
+            raise ConfigError(
+                f"compressed-tensors mxfp4: weights {weights.get('num_bits')}-bit "
+                f"{weights.get('type')!r}; mxfp4-pack-quantized stores 4-bit float"
+            )
         if weights.get("group_size") != MXFP4_BLOCK:
-            raise ConfigError(f"compressed-tensors mxfp4: MXFP4 group size {weights.get('group_size')} is not "
-                              f"supported; MXFP4 has one e8m0 scale per {MXFP4_BLOCK} values")
+            raise ConfigError(
+                f"compressed-tensors mxfp4: MXFP4 group size {weights.get('group_size')} is not "
+                f"supported; MXFP4 has one e8m0 scale per {MXFP4_BLOCK} values"
+            )
         return cls(config.get("ignore"))
 
     def linear_method(self) -> Mxfp4LinearMethod:

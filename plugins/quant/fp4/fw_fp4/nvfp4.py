@@ -43,18 +43,29 @@ class Nvfp4LinearMethod(Fp4LinearMethodBase):
         self.layout = layout
         self.packed_name, self.global_name, self.input_name, self.convention = LAYOUTS[layout]
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
-                       params_dtype) -> None:
+    def create_weights(
+        self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype
+    ) -> None:
         if input_size_per_partition % NVFP4_GROUP:
-            raise ConfigError(f"{layer.prefix}: NVFP4 needs input features in whole groups of {NVFP4_GROUP}; "
-                              f"this rank has {input_size_per_partition}")
+            raise ConfigError(
+                f"{layer.prefix}: NVFP4 needs input features in whole groups of {NVFP4_GROUP}; "
+                f"this rank has {input_size_per_partition}"
+            )
         rows, shards = sum(output_partition_sizes), len(output_partition_sizes)
 
         register = functools.partial(register_checkpoint_param, layer)
-        register(self.packed_name, torch.empty(rows, input_size_per_partition // 2, dtype=torch.uint8),
-                 output_dim=0, input_dim=1)
-        register("weight_scale", torch.empty(rows, input_size_per_partition // NVFP4_GROUP,
-                                             dtype=torch.float8_e4m3fn), output_dim=0, input_dim=1)
+        register(
+            self.packed_name,
+            torch.empty(rows, input_size_per_partition // 2, dtype=torch.uint8),
+            output_dim=0,
+            input_dim=1,
+        )
+        register(
+            "weight_scale",
+            torch.empty(rows, input_size_per_partition // NVFP4_GROUP, dtype=torch.float8_e4m3fn),
+            output_dim=0,
+            input_dim=1,
+        )
         register(self.global_name, torch.empty(shards, dtype=torch.float32), per_shard=True)
         register(self.input_name, torch.empty(shards, dtype=torch.float32), per_shard=True)
         layer.nvfp4_shard_rows = list(output_partition_sizes)
@@ -62,8 +73,12 @@ class Nvfp4LinearMethod(Fp4LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         shard_scales = nvfp4_row_scale(getattr(layer, self.global_name).data, self.convention)
         rows = torch.tensor(layer.nvfp4_shard_rows, device=shard_scales.device)
-        weight = to_kernel_layout(getattr(layer, self.packed_name).data, layer.weight_scale.data,
-                                  shard_scales.repeat_interleave(rows), "nvfp4")
+        weight = to_kernel_layout(
+            getattr(layer, self.packed_name).data,
+            layer.weight_scale.data,
+            shard_scales.repeat_interleave(rows),
+            "nvfp4",
+        )
         for name in (self.packed_name, "weight_scale", self.global_name, self.input_name):
             delattr(layer, name)
         register_kernel_weight(layer, weight)
@@ -80,8 +95,10 @@ class Nvfp4Config(Fp4LinearConfig):
 
 def _check_group(method: str, group_size: Any) -> None:
     if group_size != NVFP4_GROUP:
-        raise ConfigError(f"{method}: NVFP4 group size {group_size} is not supported; NVFP4 has one fp8 e4m3 "
-                          f"scale per {NVFP4_GROUP} values")
+        raise ConfigError(
+            f"{method}: NVFP4 group size {group_size} is not supported; NVFP4 has one fp8 e4m3 "
+            f"scale per {NVFP4_GROUP} values"
+        )
 
 
 class ModelOptNvfp4Config(Nvfp4Config):
@@ -119,9 +136,9 @@ class CompressedTensorsNvfp4Config(Nvfp4Config):
             raise ConfigError(f"compressed-tensors nvfp4: {len(groups)} config_groups; fw supports one scheme")
         weights = groups[0].get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 4:
-            raise ConfigError(f"compressed-tensors nvfp4: weights {weights.get('num_bits')}-bit "
-                              f"{weights.get('type')!r}; nvfp4-pack-quantized stores 4-bit float")
+            raise ConfigError(
+                f"compressed-tensors nvfp4: weights {weights.get('num_bits')}-bit "
+                f"{weights.get('type')!r}; nvfp4-pack-quantized stores 4-bit float"
+            )
         _check_group("compressed-tensors nvfp4", weights.get("group_size"))
         return cls(config.get("ignore"))
-
-

@@ -45,10 +45,18 @@ def quantize_nvfp4(weight: torch.Tensor, convention: str) -> dict[str, torch.Ten
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     packed = packed.flatten(-2)
     if convention == "multiply":
-        return {"weight": packed, "weight_scale": scales, "weight_scale_2": global_multiplier.reshape(()),
-                "input_scale": torch.tensor(1.0)}
-    return {"weight_packed": packed, "weight_scale": scales, "weight_global_scale": (1.0 / global_multiplier).reshape(1),
-            "input_global_scale": torch.tensor([1.0])}
+        return {
+            "weight": packed,
+            "weight_scale": scales,
+            "weight_scale_2": global_multiplier.reshape(()),
+            "input_scale": torch.tensor(1.0),
+        }
+    return {
+        "weight_packed": packed,
+        "weight_scale": scales,
+        "weight_global_scale": (1.0 / global_multiplier).reshape(1),
+        "input_global_scale": torch.tensor([1.0]),
+    }
 
 
 def dequantize_nvfp4_lut(tensors: dict[str, torch.Tensor]) -> torch.Tensor:

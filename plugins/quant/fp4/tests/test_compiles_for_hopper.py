@@ -20,19 +20,36 @@ def test_mxfp4_moe_kernels_compile_for_hopper(num_pairs):
     options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
     meta = dict(**config, CAST_FP32=False, PRECISION="tf32")
     gate_up = {
-        "x_ptr": "*bf16", "gate_ptr": "*u8", "up_ptr": "*u8", "gate_s_ptr": "*u8", "up_s_ptr": "*u8",
-        "bias_ptr": "*bf16", "act_ptr": "*bf16", **SHARED,
+        "x_ptr": "*bf16",
+        "gate_ptr": "*u8",
+        "up_ptr": "*u8",
+        "gate_s_ptr": "*u8",
+        "up_s_ptr": "*u8",
+        "bias_ptr": "*bf16",
+        "act_ptr": "*bf16",
+        **SHARED,
     }
     down = {
-        "act_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-        "weights_ptr": "*fp32", **SHARED,
+        "act_ptr": "*bf16",
+        "w_ptr": "*u8",
+        "s_ptr": "*u8",
+        "bias_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "weights_ptr": "*fp32",
+        **SHARED,
     }
     cases = [
-        HopperCompile("fw_fp4.kernels.mxfp4_moe:_mxfp4_gate_up_kernel", gate_up,
-                      {**meta, "HAS_BIAS": gpt_oss, "SWIGLU_OAI": gpt_oss},
-                      float_args=("swiglu_alpha", "swiglu_limit"), options=options)
+        HopperCompile(
+            "fw_fp4.kernels.mxfp4_moe:_mxfp4_gate_up_kernel",
+            gate_up,
+            {**meta, "HAS_BIAS": gpt_oss, "SWIGLU_OAI": gpt_oss},
+            float_args=("swiglu_alpha", "swiglu_limit"),
+            options=options,
+        )
         for gpt_oss in (True, False)
-    ] + [HopperCompile("fw_fp4.kernels.mxfp4_moe:_mxfp4_down_kernel", down, {**meta, "HAS_BIAS": True}, options=options)]
+    ] + [
+        HopperCompile("fw_fp4.kernels.mxfp4_moe:_mxfp4_down_kernel", down, {**meta, "HAS_BIAS": True}, options=options)
+    ]
     ptx = compile_for_hopper(cases)
     assert all(".target sm_90" in text for text in ptx)
     assert all("mma" in text for text in ptx)  # the dots run on tensor cores

@@ -34,8 +34,13 @@ def test_group_sizes_other_than_32_are_clear_errors(tmp_path):
 
 
 def test_mxfp4_pack_quantized_resolves_to_this_plugin():
-    got = plugins.call_first("resolve_quantization_method", model_config=None,
-                             quantization_config=quantization_config(LAYOUT), requested=None, platform=None)
+    got = plugins.call_first(
+        "resolve_quantization_method",
+        model_config=None,
+        quantization_config=quantization_config(LAYOUT),
+        requested=None,
+        platform=None,
+    )
     assert got == "compressed-tensors-mxfp4"
 
 

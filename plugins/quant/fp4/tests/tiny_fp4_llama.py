@@ -23,10 +23,19 @@ def quantization_config(layout: str) -> dict:
     if layout == "modelopt":
         return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
     mxfp4 = layout == "compressed-tensors-mxfp4"
-    weights = {"num_bits": 4, "type": "float", "group_size": 32 if mxfp4 else 16,
-               "strategy": "group" if mxfp4 else "tensor_group", "symmetric": True}
-    return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized" if mxfp4 else "nvfp4-pack-quantized",
-            "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    weights = {
+        "num_bits": 4,
+        "type": "float",
+        "group_size": 32 if mxfp4 else 16,
+        "strategy": "group" if mxfp4 else "tensor_group",
+        "symmetric": True,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized" if mxfp4 else "nvfp4-pack-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
 
 
 def pack(weight: torch.Tensor, layout: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -41,9 +50,17 @@ def pack(weight: torch.Tensor, layout: str) -> tuple[dict[str, torch.Tensor], to
 def write_fp4_llama(path, layout: str):
     """Write the tiny Llama to ``path`` with its decoder linears in ``layout``; returns transformers'
     fp32 model holding the packed weights' exact values."""
-    config = transformers.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      initializer_range=0.1, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
     model = write_randomised_model(path, config)
     state = load_file(str(path / "model.safetensors"))
     with torch.no_grad():

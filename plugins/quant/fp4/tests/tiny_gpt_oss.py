@@ -20,9 +20,19 @@ def tiny_gpt_oss_config(**changes) -> transformers.GptOssConfig:
     """2 layers (sliding, full), 4 query / 2 KV heads of 16, 8 experts of width 64, hidden 64:
     whole MXFP4 blocks of 32 along both projections' inputs."""
     settings = dict(
-        vocab_size=160, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
-        max_position_embeddings=512, initializer_range=0.1, swiglu_limit=3.0,
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        swiglu_limit=3.0,
     )
     return transformers.GptOssConfig(**{**settings, **changes})
 
@@ -55,7 +65,9 @@ def write_mxfp4_gpt_oss(path: Path, config: transformers.GptOssConfig | None = N
     config_json = json.loads((path / "config.json").read_text())
     config_json["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
     (path / "config.json").write_text(json.dumps(config_json))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
     for ours, theirs in zip(model.model.layers, reference.model.layers, strict=True):  # the writer's own check
         assert torch.equal(ours.mlp.experts.gate_up_proj, theirs.mlp.experts.gate_up_proj)
     return reference.eval()

@@ -130,10 +130,11 @@ class Fp8Config(Fp8QuantConfig):
         if block is None:
             return cls(Fp8Scheme("tensor", static_input_scale=activations == "static"), skipped)
         if activations == "static":
-            raise ConfigError("fp8: activation_scheme 'static' with weight_block_size is not supported; "
-                              "supported with block weights: dynamic (per-token groups of 128)")
+            raise ConfigError(
+                "fp8: activation_scheme 'static' with weight_block_size is not supported; "
+                "supported with block weights: dynamic (per-token groups of 128)"
+            )
         return cls(Fp8Scheme("block", check_block_size("fp8", block), scale_name="weight_scale_inv"), skipped)
-
 
     @classmethod
     def for_isq(cls, isq_type: str, model_config: Any, weight_shapes: dict[str, tuple[int, ...]]) -> Fp8Config:
@@ -166,23 +167,34 @@ class CompressedTensorsFp8Config(Fp8QuantConfig):
             raise ConfigError(f"compressed-tensors: {len(groups)} config_groups; fw supports one scheme per checkpoint")
         weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
-            raise ConfigError(f"compressed-tensors-fp8: weights of type {weights.get('type')!r} with "
-                              f"{weights.get('num_bits')} bits are not FP8; supported: type float, num_bits 8")
+            raise ConfigError(
+                f"compressed-tensors-fp8: weights of type {weights.get('type')!r} with "
+                f"{weights.get('num_bits')} bits are not FP8; supported: type float, num_bits 8"
+            )
         strategy = weights.get("strategy", "tensor")
         if strategy not in WEIGHT_GRANULARITIES:
-            raise ConfigError(f"compressed-tensors-fp8: weight strategy {strategy!r} is not supported; supported: "
-                              f"{', '.join(WEIGHT_GRANULARITIES)}")
-        block = check_block_size("compressed-tensors-fp8", weights.get("block_structure")) if strategy == "block" else (
-            128, 128)
+            raise ConfigError(
+                f"compressed-tensors-fp8: weight strategy {strategy!r} is not supported; supported: "
+                f"{', '.join(WEIGHT_GRANULARITIES)}"
+            )
+        block = (
+            check_block_size("compressed-tensors-fp8", weights.get("block_structure"))
+            if strategy == "block"
+            else (128, 128)
+        )
         static = False
         if inputs is not None:
             if inputs.get("type", "float") != "float" or inputs.get("num_bits", 8) != 8:
-                raise ConfigError("compressed-tensors-fp8: input activations must be FP8 (type float, num_bits 8) "
-                                  "or absent (weight-only)")
+                raise ConfigError(
+                    "compressed-tensors-fp8: input activations must be FP8 (type float, num_bits 8) "
+                    "or absent (weight-only)"
+                )
             static = not inputs.get("dynamic", False)
             if static and inputs.get("strategy", "tensor") != "tensor":
-                raise ConfigError(f"compressed-tensors-fp8: static input scales with strategy "
-                                  f"{inputs.get('strategy')!r} are not supported; supported: tensor")
+                raise ConfigError(
+                    f"compressed-tensors-fp8: static input scales with strategy "
+                    f"{inputs.get('strategy')!r} are not supported; supported: tensor"
+                )
             if static and strategy == "block":
                 raise ConfigError("compressed-tensors-fp8: static input scales with block weights are not supported")
         return cls(Fp8Scheme(strategy, block, static_input_scale=static), _skipped(config, "ignore"))
@@ -210,6 +222,8 @@ class ModelOptFp8Config(Fp8QuantConfig):
         if algo != "FP8":
             raise ConfigError(f"modelopt: quant_algo {algo or None!r} is not supported; supported: FP8")
         if quantization.get("kv_cache_quant_algo"):
-            raise ConfigError(f"modelopt: kv_cache_quant_algo {quantization['kv_cache_quant_algo']!r} (an FP8 KV "
-                              "cache) is not supported; supported: none (16-bit KV cache)")
+            raise ConfigError(
+                f"modelopt: kv_cache_quant_algo {quantization['kv_cache_quant_algo']!r} (an FP8 KV "
+                "cache) is not supported; supported: none (16-bit KV cache)"
+            )
         return cls(Fp8Scheme("tensor", static_input_scale=True), _skipped(quantization, "exclude_modules"))

@@ -39,9 +39,11 @@ def new_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.
 def check_input_blocks(where: str, k: int, k_full: int, block_cols: int) -> None:
     """A rank's inputs must be whole scale blocks when the inputs are split over ranks."""
     if k != k_full and k % block_cols:
-        raise ConfigError(f"{where}: block-FP8 weights need each rank's {k} input features (of {k_full}) to be whole "
-                          f"blocks of {block_cols}; use a tensor-parallel size that splits the inputs into "
-                          f"multiples of {block_cols}")
+        raise ConfigError(
+            f"{where}: block-FP8 weights need each rank's {k} input features (of {k_full}) to be whole "
+            f"blocks of {block_cols}; use a tensor-parallel size that splits the inputs into "
+            f"multiples of {block_cols}"
+        )
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -53,8 +55,15 @@ class Fp8LinearMethod(LinearMethod):
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
         n, k, scheme = sum(output_partition_sizes), input_size_per_partition, self.scheme
         split = {"output_dim": 0, "input_dim": 1}
         where = getattr(layer, "prefix", "") or type(layer).__name__
@@ -80,8 +89,9 @@ class Fp8LinearMethod(LinearMethod):
         scheme = self.scheme
         input_scale = None
         if not scheme.serialized:
-            qweight, scale, scale_rows = quantize_shards(layer.weight.data, layer.output_partition_sizes,
-                                                         scheme.block_size)
+            qweight, scale, scale_rows = quantize_shards(
+                layer.weight.data, layer.output_partition_sizes, scheme.block_size
+            )
             scale_cols = scheme.block_size[1]
         else:
             qweight = layer.weight.data

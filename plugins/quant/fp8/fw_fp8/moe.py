@@ -50,13 +50,21 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
 
     def _param(self, layer, name, shape, dtype, projection, feature_dim, **attrs) -> nn.Parameter:
         param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-        set_weight_attrs(param, {"weight_loader": layer.weight_loader, "moe_projection": projection,
-                                 "feature_dim": feature_dim, **attrs})
+        set_weight_attrs(
+            param,
+            {"weight_loader": layer.weight_loader, "moe_projection": projection, "feature_dim": feature_dim, **attrs},
+        )
         layer.register_parameter(name, param)
         return param
 
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+    ) -> None:
         e, h, i, scheme = num_experts, hidden_size, intermediate_size_per_partition, self.scheme
         weight_dtype = FP8_DTYPE if scheme.serialized else params_dtype
         self._param(layer, "w13_weight", (e, 2 * i, h), weight_dtype, "w13", -2)
@@ -64,13 +72,16 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
         if scheme.serialized and scheme.weights == "block":
             block_rows, block_cols = scheme.block_size
             if i != layer.intermediate_size and i % block_cols:
-                raise ConfigError(f"{layer.prefix}: block-FP8 experts need each rank's {i} intermediate features (of "
-                                  f"{layer.intermediate_size}) to be whole blocks of {block_cols}; use a "
-                                  f"tensor-parallel size that splits them into multiples of {block_cols}")
+                raise ConfigError(
+                    f"{layer.prefix}: block-FP8 experts need each rank's {i} intermediate features (of "
+                    f"{layer.intermediate_size}) to be whole blocks of {block_cols}; use a "
+                    f"tensor-parallel size that splits them into multiples of {block_cols}"
+                )
             loader = moe_block_scale_loader(layer, block_rows)
             name = scheme.scale_name
-            self._param(layer, f"w13_{name}", (e, 2 * i, -(-h // block_cols)), torch.float32, "w13", -2,
-                        weight_loader=loader)
+            self._param(
+                layer, f"w13_{name}", (e, 2 * i, -(-h // block_cols)), torch.float32, "w13", -2, weight_loader=loader
+            )
             self._param(layer, f"w2_{name}", (e, h, -(-i // block_cols)), torch.float32, "w2", -1, weight_loader=loader)
         elif scheme.serialized and scheme.weights == "channel":
             self._param(layer, "w13_weight_scale", (e, 2 * i, 1), torch.float32, "w13", -2)
@@ -121,10 +132,16 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
 
     def packed_experts(self, layer: nn.Module) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
         """``(gate, up, down)`` as the ``quantized_fused_moe`` op takes them."""
+
         def packed(shard: str) -> PackedExperts:
             rows, cols, k = layer.fp8_layouts[shard]
-            return PackedExperts(getattr(layer, f"fp8_{shard}"), getattr(layer, f"fp8_scale_{shard}"),
-                                 f"fp8:e4m3:{rows}x{cols}", k, functools.partial(decode_experts, rows, cols))
+            return PackedExperts(
+                getattr(layer, f"fp8_{shard}"),
+                getattr(layer, f"fp8_scale_{shard}"),
+                f"fp8:e4m3:{rows}x{cols}",
+                k,
+                functools.partial(decode_experts, rows, cols),
+            )
 
         return packed("w1"), packed("w3"), packed("w2")
 
@@ -134,8 +151,12 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
         return torch.cat([gate, up], dim=1), down
 
     def apply(self, layer: nn.Module, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-        if not self.graph_safe and topk_ids.numel() > layer.num_experts and hidden.is_cuda \
-                and torch.cuda.is_current_stream_capturing():
+        if (
+            not self.graph_safe
+            and topk_ids.numel() > layer.num_experts
+            and hidden.is_cuda
+            and torch.cuda.is_current_stream_capturing()
+        ):
             w13, w2 = self.dequantize(layer, hidden.dtype)  # the reference's per-expert loop would sync in a graph
             return self.dense_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
         return self.fused_moe(hidden, *self.packed_experts(layer), topk_weights, topk_ids)

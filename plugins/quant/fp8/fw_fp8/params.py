@@ -22,8 +22,10 @@ def expand_block_rows(loaded: Any, rows: int, block_rows: int, where: str) -> Te
     loaded = materialize(loaded)
     expected = -(-rows // block_rows)
     if loaded.dim() < 2 or loaded.shape[-2] != expected:
-        raise ValueError(f"{where}: block scales of shape {tuple(loaded.shape)} do not fit a weight of {rows} rows "
-                         f"in blocks of {block_rows} (expected {expected} scale rows)")
+        raise ValueError(
+            f"{where}: block scales of shape {tuple(loaded.shape)} do not fit a weight of {rows} rows "
+            f"in blocks of {block_rows} (expected {expected} scale rows)"
+        )
     return loaded.repeat_interleave(block_rows, -2)[..., :rows, :]
 
 
@@ -55,8 +57,12 @@ def moe_block_scale_loader(layer: nn.Module, block_rows: int):
     """The ``weight_loader`` of a FusedMoE's per-feature block-scale parameter (``w13_*`` or ``w2_*``)."""
 
     def load(param: Tensor, loaded_weight: Any, shard_id: str, expert_id: int | None = None) -> None:
-        rows = {"w1": layer.intermediate_size, "w3": layer.intermediate_size, "w13": 2 * layer.intermediate_size,
-                "w2": layer.hidden_size}.get(shard_id, 0)
+        rows = {
+            "w1": layer.intermediate_size,
+            "w3": layer.intermediate_size,
+            "w13": 2 * layer.intermediate_size,
+            "w2": layer.hidden_size,
+        }.get(shard_id, 0)
         where = f"{layer.prefix} {shard_id}" + ("" if expert_id is None else f" expert {expert_id}")
         layer.weight_loader(param, expand_block_rows(loaded_weight, rows, block_rows, where), shard_id, expert_id)
 

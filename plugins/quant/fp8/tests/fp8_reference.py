@@ -36,9 +36,9 @@ def quantize_reference(w: torch.Tensor, granularity: str, block: int = 128) -> t
     scale = torch.empty(-(-n // block), -(-k // block))
     for i in range(0, n, block):
         for j in range(0, k, block):
-            tile = w[i:i + block, j:j + block]
+            tile = w[i : i + block, j : j + block]
             scale[i // block, j // block] = _scale_of(tile)
-            q[i:i + block, j:j + block] = (tile / scale[i // block, j // block]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+            q[i : i + block, j : j + block] = (tile / scale[i // block, j // block]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
 
 
@@ -49,7 +49,7 @@ def dequantize_reference(q: torch.Tensor, scale: torch.Tensor, granularity: str,
         return w * scale
     for i in range(0, w.shape[0], block):
         for j in range(0, w.shape[1], block):
-            w[i:i + block, j:j + block] *= scale[i // block, j // block]
+            w[i : i + block, j : j + block] *= scale[i // block, j // block]
     return w
 
 

@@ -13,14 +13,23 @@ from tiny_fp8_checkpoints import compressed_tensors_config
 from framework.errors import ConfigError
 
 
-@pytest.mark.parametrize(("config_cls", "config", "message"), [
-    (Fp8Config, {"quant_method": "fp8", "weight_block_size": [64, 64]},
-     r"weight block size \[64, 64\] is not supported; supported: \[128, 128\]"),
-    (Fp8Config, {"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not supported; supported: e4m3"),
-    (Fp8Config, {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
-     "'static' with weight_block_size is not supported"),
-    (ModelOptFp8Config, {"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo 'NVFP4' is not supported"),
-])
+@pytest.mark.parametrize(
+    ("config_cls", "config", "message"),
+    [
+        (
+            Fp8Config,
+            {"quant_method": "fp8", "weight_block_size": [64, 64]},
+            r"weight block size \[64, 64\] is not supported; supported: \[128, 128\]",
+        ),
+        (Fp8Config, {"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2' is not supported; supported: e4m3"),
+        (
+            Fp8Config,
+            {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+            "'static' with weight_block_size is not supported",
+        ),
+        (ModelOptFp8Config, {"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo 'NVFP4' is not supported"),
+    ],
+)
 def test_unsupported_settings_are_config_errors_naming_what_is_valid(config_cls, config, message):
     with pytest.raises(ConfigError, match=message):
         config_cls.from_config(config)
@@ -40,7 +49,9 @@ def test_w8a8_asked_for_on_a_cpu_without_the_interpreter_is_refused(monkeypatch)
     monkeypatch.setenv("FW_FP8_KERNEL", "w8a8")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     config = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
-    with pytest.raises(ConfigError, match=r"needs FP8 tensor cores \(CUDA sm_89\+.*supported here: FW_FP8_KERNEL=w8a16"):
+    with pytest.raises(
+        ConfigError, match=r"needs FP8 tensor cores \(CUDA sm_89\+.*supported here: FW_FP8_KERNEL=w8a16"
+    ):
         config.verify(Model(), torch.device("cpu"))
     monkeypatch.setenv("FW_FP8_KERNEL", "fast")
     with pytest.raises(ConfigError, match="FW_FP8_KERNEL='fast' is not a choice; valid: auto, w8a16, w8a8"):
@@ -49,8 +60,11 @@ def test_w8a8_asked_for_on_a_cpu_without_the_interpreter_is_refused(monkeypatch)
 
 def test_a_compressed_tensors_fp8_checkpoint_resolves_to_this_plugin():
     assert resolve_quantization_method(compressed_tensors_config("channel", False), None) == "compressed-tensors-fp8"
-    integer = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-               "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}
+    integer = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}},
+    }
     assert resolve_quantization_method(integer, None) is None
 
 

@@ -12,8 +12,16 @@ from safetensors.torch import load_file, save_file
 from framework import LLM, SamplingParams
 from framework.testing import reference_greedy, write_tiny_model
 
-CONFIG = dict(vocab_size=160, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+CONFIG = dict(
+    vocab_size=160,
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

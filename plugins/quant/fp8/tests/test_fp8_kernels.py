@@ -53,8 +53,10 @@ def test_w8a16_equals_dequantize_then_matmul(case):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(w8a16_matmul(x, weight), x @ w.t(), rtol=1e-4, atol=1e-4)
     rule = choose_config(rows, n, k, 128)
-    for forced in ({**rule, "BLOCK_K": 128, "SUB_K": 128, "SPLIT_K": 2},  # split-K partial sums
-                   {**rule, "BLOCK_K": 256, "SUB_K": 128, "SPLIT_K": 1}):  # two scale columns a step
+    for forced in (
+        {**rule, "BLOCK_K": 128, "SUB_K": 128, "SPLIT_K": 2},  # split-K partial sums
+        {**rule, "BLOCK_K": 256, "SUB_K": 128, "SPLIT_K": 1},
+    ):  # two scale columns a step
         torch.testing.assert_close(w8a16_matmul(x, weight, config=forced), x @ w.t(), rtol=1e-4, atol=1e-4)
 
 
@@ -81,8 +83,9 @@ def test_activation_groups_quantize_as_the_torch_reference(shape):
 
 
 @interpreted
-@pytest.mark.parametrize(("n", "k", "granularity", "rows"), [(96, 256, "block", 16), (160, 320, "block", 40),
-                                                              (128, 256, "channel", 20)])
+@pytest.mark.parametrize(
+    ("n", "k", "granularity", "rows"), [(96, 256, "block", 16), (160, 320, "block", 40), (128, 256, "channel", 20)]
+)
 def test_w8a8_block_gemm_equals_the_product_of_quantized_operands(n, k, granularity, rows):
     weight = fp8_weight(n, k, granularity, seed=k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2))
@@ -96,10 +99,18 @@ def _hopper_w8a16(block_m: int, block_n: int, block_k: int, scale_rows: int, sta
     return HopperCompile(
         "fw_fp8.kernels.w8a16:w8a16_matmul_kernel",
         {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"},
-        {"SCALE_ROWS": scale_rows, "SCALE_COLS": 128, "FP32": False, "BLOCK_M": block_m,
-         "BLOCK_N": block_n, "BLOCK_K": block_k, "SUB_K": 128},
+        {
+            "SCALE_ROWS": scale_rows,
+            "SCALE_COLS": 128,
+            "FP32": False,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "SUB_K": 128,
+        },
         options={"num_warps": 4, "num_stages": stages},
-        divisible_by_16=("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om", "k_per_split"))
+        divisible_by_16=("x_ptr", "w_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om", "k_per_split"),
+    )
 
 
 @pytest.mark.slow
@@ -109,7 +120,8 @@ def test_main_kernel_variants_compile_for_sm90():
         {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"},
         {"SCALE_ROWS": 128, "SCALE_COLS": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128},
         options={"num_warps": 4, "num_stages": 3},
-        divisible_by_16=("a_ptr", "w_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_om"))
+        divisible_by_16=("a_ptr", "w_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_om"),
+    )
     ptx = compile_for_hopper([_hopper_w8a16(16, 64, 512, 128, 4), _hopper_w8a16(64, 128, 128, 1, 3), w8a8])
     assert len(ptx) == 3
     assert "mma" in ptx[2] and "e4m3" in ptx[2]  # the W8A8 tiles multiply FP8 on tensor cores

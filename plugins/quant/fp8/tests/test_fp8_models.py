@@ -15,17 +15,55 @@ from framework.testing import interpreted, reference_greedy, write_grouped_moe_m
 
 # 4 heads of 32 and 2 KV heads: q is one 128-row block, k and v 64 rows each (blocks that do not
 # start on 128-row boundaries inside the fused qkv_proj)
-CONFIG = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
-MOE = dict(vocab_size=160, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
-           num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           head_dim=32, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1)
+CONFIG = dict(
+    vocab_size=160,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+MOE = dict(
+    vocab_size=160,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)
 # DeepSeek-V3's layout: MLA projections (kv_b_proj too), dense first layer, routed and shared experts
-DEEPSEEK_V3 = dict(vocab_size=160, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96,
-                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
-                   n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=256,
-                   initializer_range=0.1)
+DEEPSEEK_V3 = dict(
+    vocab_size=160,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=64,
+    q_lora_rank=96,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -48,8 +86,10 @@ def test_block_fp8_llama_matches_transformers_loading_the_same_files(tmp_path):
 
 def test_block_fp8_llama_under_tensor_parallelism_matches_transformers(tmp_path):
     # each of 2 ranks: 128 of o_proj's and 256 of down_proj's inputs (whole blocks), 32 rows of k and v
-    write_tiny_model(tmp_path, transformers.LlamaConfig(**{**CONFIG, "hidden_size": 256, "intermediate_size": 512,
-                                                           "num_attention_heads": 8}))
+    write_tiny_model(
+        tmp_path,
+        transformers.LlamaConfig(**{**CONFIG, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8}),
+    )
     quantize_checkpoint(tmp_path, "block")
     assert greedy(tmp_path, tensor_parallel_size=2) == transformers_greedy(tmp_path)
 

@@ -10,18 +10,53 @@ import torch
 from fp8_reference import dequantize_reference, quantize_reference
 from safetensors.torch import load_file, save_file
 
-LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                 "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the last four: MLA (DeepSeek)
-HF_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+LINEAR_LEAVES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+)  # the last four: MLA (DeepSeek)
+HF_BLOCK_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 def compressed_tensors_config(granularity: str, static_inputs: bool) -> dict:
-    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static_inputs,
-              "strategy": "tensor" if static_inputs else "token"}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": inputs,
-                                          "weights": {"num_bits": 8, "type": "float", "symmetric": True,
-                                                      "dynamic": False, "strategy": granularity}}}}
+    inputs = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": not static_inputs,
+        "strategy": "tensor" if static_inputs else "token",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": inputs,
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": True,
+                    "dynamic": False,
+                    "strategy": granularity,
+                },
+            }
+        },
+    }
 
 
 def is_quantized_weight(name: str) -> bool:
@@ -49,7 +84,8 @@ def quantize_checkpoint(path: Path, granularity: str = "block", static_inputs: b
         dense[name] = dequantize_reference(q, scale, granularity)
     save_file(out, str(path / "model.safetensors"))
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = (HF_BLOCK_CONFIG if granularity == "block"
-                                     else compressed_tensors_config(granularity, static_inputs))
+    config["quantization_config"] = (
+        HF_BLOCK_CONFIG if granularity == "block" else compressed_tensors_config(granularity, static_inputs)
+    )
     (path / "config.json").write_text(json.dumps(config))
     return dense

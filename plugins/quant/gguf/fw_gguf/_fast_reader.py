@@ -91,8 +91,9 @@ class FastGGUFReader(GGUFReader):
             block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
             offset = int(info.parts[5][0])
             if offset % self.alignment:
-                raise CorruptError(f"tensor '{name}' data offset {offset} is not a multiple of the file's "
-                                   f"alignment {self.alignment}")
+                raise CorruptError(
+                    f"tensor '{name}' data offset {offset} is not a multiple of the file's alignment {self.alignment}"
+                )
             start = start_offs + offset
             end = start + int(np.prod(info.parts[3], dtype=object)) * type_size // block_size
             if end > size:

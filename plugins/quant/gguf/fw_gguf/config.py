@@ -118,12 +118,16 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         "model_type": model_type,
         "hidden_size": hidden_size,
         # MoE files may omit the dense width (every layer sparse): the expert width stands in
-        "intermediate_size": key("feed_forward_length", key("expert_feed_forward_length", None) if arch in (*_MOE, *HYBRID_MOE) else KeyError),
+        "intermediate_size": key(
+            "feed_forward_length", key("expert_feed_forward_length", None) if arch in (*_MOE, *HYBRID_MOE) else KeyError
+        ),
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": key("attention.layer_norm_epsilon" if arch == "stablelm" else "attention.layer_norm_rms_epsilon"),
+        "rms_norm_eps": key(
+            "attention.layer_norm_epsilon" if arch == "stablelm" else "attention.layer_norm_rms_epsilon"
+        ),
         "rope_theta": key("rope.freq_base", 10000.0),
         "rope_scaling": _rope_scaling(metadata, arch),
         "max_position_embeddings": key("context_length"),
@@ -263,8 +267,13 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
     if arch in _MOE:
         per_layer.update(_MOE_LAYER_TENSORS)
     if arch == "glm4":  # fused gate_up as Phi-3; two extra norms per layer
-        per_layer.update({"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
-                          "post_ffw_norm": "post_mlp_layernorm"})
+        per_layer.update(
+            {
+                "ffn_up": "mlp.gate_up_proj",
+                "post_attention_norm": "post_self_attn_layernorm",
+                "post_ffw_norm": "post_mlp_layernorm",
+            }
+        )
     if arch == "stablelm":
         per_layer.update({"attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"})
     if arch in GROUPED_MOE_ARCHITECTURES:

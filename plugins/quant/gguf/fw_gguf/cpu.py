@@ -41,8 +41,10 @@ def cpu_packable(types: list[Q]) -> bool:
 
 def _check(code: int, qtype: Q) -> None:
     if code:
-        raise ValueError(f"the GGUF CPU kernels do not decode {qtype.name}; they decode "
-                         f"{', '.join(sorted(t.name for t in CPU_TYPES))}")
+        raise ValueError(
+            f"the GGUF CPU kernels do not decode {qtype.name}; they decode "
+            f"{', '.join(sorted(t.name for t in CPU_TYPES))}"
+        )
 
 
 def matmul_cpu(x2d: torch.Tensor, packed: torch.Tensor, qtype: Q, rows: int, out: torch.Tensor) -> None:
@@ -51,24 +53,44 @@ def matmul_cpu(x2d: torch.Tensor, packed: torch.Tensor, qtype: Q, rows: int, out
     (unit column stride)."""
     lib, (m, k) = load_kernels(), x2d.shape
     if m <= DIRECT_MAX_ROWS:
-        _check(lib.fw_gguf_matmul(int(qtype), x2d.data_ptr(), packed.data_ptr(), rows, k, m, out.data_ptr(),
-                                  out.stride(0), torch.get_num_threads()), qtype)
+        _check(
+            lib.fw_gguf_matmul(
+                int(qtype),
+                x2d.data_ptr(),
+                packed.data_ptr(),
+                rows,
+                k,
+                m,
+                out.data_ptr(),
+                out.stride(0),
+                torch.get_num_threads(),
+            ),
+            qtype,
+        )
         return
     step = max(1, CHUNK_ELEMENTS // k)
     scratch = torch.empty(min(step, rows), k, dtype=torch.float32)
     for first in range(0, rows, step):
         count = min(step, rows - first)
         weight = scratch[:count]
-        _check(lib.fw_gguf_dequantize(int(qtype), packed[first].data_ptr(), count, k, weight.data_ptr(),
-                                      torch.get_num_threads()), qtype)
-        out[:, first:first + count] = x2d @ weight.t()
+        _check(
+            lib.fw_gguf_dequantize(
+                int(qtype), packed[first].data_ptr(), count, k, weight.data_ptr(), torch.get_num_threads()
+            ),
+            qtype,
+        )
+        out[:, first : first + count] = x2d @ weight.t()
 
 
 def dequantize_cpu(packed: torch.Tensor, qtype: Q, rows: int, k: int) -> torch.Tensor:
     """The shard's fp32 ``[rows, k]`` values (bit-exact with ``fw_gguf.dequant.dequantize``)."""
     out = torch.empty(rows, k, dtype=torch.float32)
-    _check(load_kernels().fw_gguf_dequantize(int(qtype), packed.data_ptr(), rows, k, out.data_ptr(),
-                                             torch.get_num_threads()), qtype)
+    _check(
+        load_kernels().fw_gguf_dequantize(
+            int(qtype), packed.data_ptr(), rows, k, out.data_ptr(), torch.get_num_threads()
+        ),
+        qtype,
+    )
     return out
 
 
@@ -86,10 +108,13 @@ def linear_cpu(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = No
     if 0 < m <= DIRECT_MAX_ROWS:
         lib, threads, x_ptr, out_ptr = load_kernels(), torch.get_num_threads(), x2d.data_ptr(), out.data_ptr()
         for qtype, packed, rows, start in plan:
-            _check(lib.fw_gguf_matmul(qtype, x_ptr, packed.data_ptr(), rows, k, m, out_ptr + 4 * start, n, threads), Q(qtype))
+            _check(
+                lib.fw_gguf_matmul(qtype, x_ptr, packed.data_ptr(), rows, k, m, out_ptr + 4 * start, n, threads),
+                Q(qtype),
+            )
     elif m:
         for qtype, packed, rows, start in plan:
-            matmul_cpu(x2d, packed, Q(qtype), rows, out[:, start:start + rows])
+            matmul_cpu(x2d, packed, Q(qtype), rows, out[:, start : start + rows])
     if bias is not None:
         out += bias
     out = out.view(*x.shape[:-1], n)

@@ -27,7 +27,17 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+)
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
@@ -46,8 +56,9 @@ def _cpu_flags() -> str:
 def cache_path() -> Path:
     """Where this machine's build of the current source lives."""
     compiler = os.environ.get("CXX", "g++")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
     root = Path(os.environ.get("FW_CACHE_DIR", Path.home() / ".cache" / "fw"))
     return root / "gguf_cpu" / key / "libfw_gguf_cpu.so"
 
@@ -60,8 +71,9 @@ def _build(target: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so.partial", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300
+        )
         if result.returncode:
             raise RuntimeError(f"{compiler} failed building {SOURCE.name}:\n{result.stderr[-2000:]}")
         os.replace(partial, target)

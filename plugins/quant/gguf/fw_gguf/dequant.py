@@ -177,8 +177,9 @@ IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 
 
 #: IQ4_LEVELS as int8 bytes packed little-endian into four 32-bit words (levels 0-3, 4-7, ...).
-IQ4_LEVEL_WORDS = tuple(int.from_bytes(bytes(level & 0xFF for level in IQ4_LEVELS[i:i + 4]), "little")
-                        for i in range(0, 16, 4))
+IQ4_LEVEL_WORDS = tuple(
+    int.from_bytes(bytes(level & 0xFF for level in IQ4_LEVELS[i : i + 4]), "little") for i in range(0, 16, 4)
+)
 
 
 def _iq4_levels(nibbles: torch.Tensor) -> torch.Tensor:
@@ -338,4 +339,4 @@ def dequantize_slice(
     shape = (*(high - low for low, high in leading), (last - first) * block_size)
     values = dequantize(packed, qtype, shape, dtype)
     offset = start - first * block_size
-    return values[..., offset:offset + end - start]
+    return values[..., offset : offset + end - start]

@@ -64,11 +64,17 @@ class GGUFFormat(WeightFormat):
 
     def _add_longrope_factors(self) -> None:
         """Phi-3 LongRoPE: llama.cpp keeps the short and long factors as tensors, not metadata."""
-        long, short = self.model.tensors.get("rope_factors_long.weight"), self.model.tensors.get("rope_factors_short.weight")
+        long, short = (
+            self.model.tensors.get("rope_factors_long.weight"),
+            self.model.tensors.get("rope_factors_short.weight"),
+        )
         if long is None or short is None:
             return
-        scaling = {"rope_type": "longrope", "long_factor": long.dequantize(torch.float32).tolist(),
-                   "short_factor": short.dequantize(torch.float32).tolist()}
+        scaling = {
+            "rope_type": "longrope",
+            "long_factor": long.dequantize(torch.float32).tolist(),
+            "short_factor": short.dequantize(torch.float32).tolist(),
+        }
         if (factor := self.metadata.get(f"{self.arch}.rope.scaling.attn_factor")) is not None:
             scaling["attention_factor"] = factor
         if (original := self.metadata.get(f"{self.arch}.rope.scaling.original_context_length")) is not None:
@@ -85,8 +91,14 @@ class GGUFFormat(WeightFormat):
         special = special_token_ids(self.metadata)
         backend = tokenizer_from_gguf(self.metadata)
         text = lambda key: None if special.get(key) is None else backend.id_to_token(special[key])  # noqa: E731
-        return Tokenizer(backend, chat_template(self.metadata), bos_token=text("bos"), eos_token=text("eos"),
-                         pad_token=text("pad"), extra_eos_token_ids=frozenset(stop_token_ids(self.metadata)))
+        return Tokenizer(
+            backend,
+            chat_template(self.metadata),
+            bos_token=text("bos"),
+            eos_token=text("eos"),
+            pad_token=text("pad"),
+            extra_eos_token_ids=frozenset(stop_token_ids(self.metadata)),
+        )
 
     def _is_matrix(self, hf_name: str, info: Any) -> bool:
         """Weight matrices stay as GGUF bytes (handled by the gguf LinearMethod); the rest are floats
@@ -158,5 +170,8 @@ class GGUFFormat(WeightFormat):
         return self.arch == "qwen3next" and hf_name.endswith(".linear_attn.in_proj_z.weight")
 
     def num_weights(self) -> int | None:
-        return sum(1 for name in self.model.tensors if name in self._names and ".attn_v_b." not in name
-                   and not self._joins_qkvz(self._names[name]))
+        return sum(
+            1
+            for name in self.model.tensors
+            if name in self._names and ".attn_v_b." not in name and not self._joins_qkvz(self._names[name])
+        )

@@ -81,21 +81,28 @@ def grouped_moe_config(arch: str, key: Callable[..., Any], config: dict[str, Any
         return {**update, "num_hidden_layers": num_layers, "partial_rotary_factor": rotary}
     rope_dim = key("rope.dimension_count")
     qk_head_dim = key("attention.key_length_mla", None) or key("attention.key_length")
-    update.update({
-        "q_lora_rank": key("attention.q_lora_rank", None),
-        "kv_lora_rank": key("attention.kv_lora_rank"),
-        "qk_rope_head_dim": rope_dim,
-        "qk_nope_head_dim": qk_head_dim - rope_dim,
-        "v_head_dim": key("attention.value_length_mla", None) or key("attention.value_length"),
-        "head_dim": rope_dim,  # transformers' DeepSeek configs alias head_dim to the rotary width
-        "num_key_value_heads": config["num_attention_heads"],  # llama.cpp writes 1 (MLA as MQA); HF: the heads
-    })
+    update.update(
+        {
+            "q_lora_rank": key("attention.q_lora_rank", None),
+            "kv_lora_rank": key("attention.kv_lora_rank"),
+            "qk_rope_head_dim": rope_dim,
+            "qk_nope_head_dim": qk_head_dim - rope_dim,
+            "v_head_dim": key("attention.value_length_mla", None) or key("attention.value_length"),
+            "head_dim": rope_dim,  # transformers' DeepSeek configs alias head_dim to the rotary width
+            "num_key_value_heads": config["num_attention_heads"],  # llama.cpp writes 1 (MLA as MQA); HF: the heads
+        }
+    )
     if (scaling := config.get("rope_scaling")) and (log_mul := key("rope.scaling.yarn_log_multiplier", None)):
         update["rope_scaling"] = {**scaling, "mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1}
     if key("expert_gating_func", None) != _GATING_SIGMOID:  # DeepSeek-V2: softmax routing
         grouped = update["n_group"] > 1
-        update.update({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-                       "topk_method": "group_limited_greedy" if grouped else "greedy"})
+        update.update(
+            {
+                "architectures": ["DeepseekV2ForCausalLM"],
+                "model_type": "deepseek_v2",
+                "topk_method": "group_limited_greedy" if grouped else "greedy",
+            }
+        )
     return update
 
 

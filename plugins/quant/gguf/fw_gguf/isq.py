@@ -23,8 +23,16 @@ from typing import Any
 from gguf import GGMLQuantizationType as Q
 
 ISQ_TYPES: dict[str, Q] = {
-    "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q8_0": Q.Q8_0,
-    "q2k": Q.Q2_K, "q3k": Q.Q3_K, "q4k": Q.Q4_K, "q5k": Q.Q5_K, "q6k": Q.Q6_K,
+    "q4_0": Q.Q4_0,
+    "q4_1": Q.Q4_1,
+    "q5_0": Q.Q5_0,
+    "q5_1": Q.Q5_1,
+    "q8_0": Q.Q8_0,
+    "q2k": Q.Q2_K,
+    "q3k": Q.Q3_K,
+    "q4k": Q.Q4_K,
+    "q5k": Q.Q5_K,
+    "q6k": Q.Q6_K,
 }
 _K_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 _K_TYPES = frozenset(_K_FALLBACK)
@@ -39,8 +47,13 @@ def use_more_bits(index: int, count: int) -> bool:
 
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
     """The checkpoint tensors GGUF ISQ quantizes: 2-D weight matrices other than norms, routers and experts."""
-    return (len(shape) == 2 and name.endswith(".weight") and "norm" not in name and ".experts." not in name
-            and not name.endswith(_ROUTERS))
+    return (
+        len(shape) == 2
+        and name.endswith(".weight")
+        and "norm" not in name
+        and ".experts." not in name
+        and not name.endswith(_ROUTERS)
+    )
 
 
 def _fits(qtype: Q, width: int) -> Q | None:
@@ -50,11 +63,16 @@ def _fits(qtype: Q, width: int) -> Q | None:
     return qtype if width % 32 == 0 else None
 
 
-def tensor_types(isq_type: str, weight_shapes: dict[str, tuple[int, ...]], num_layers: int,
-                 tie_word_embeddings: bool) -> dict[str, str]:
+def tensor_types(
+    isq_type: str, weight_shapes: dict[str, tuple[int, ...]], num_layers: int, tie_word_embeddings: bool
+) -> dict[str, str]:
     """HF tensor name -> GGUF type name for every matrix ``--isq isq_type`` quantizes."""
     base = ISQ_TYPES[isq_type]
-    head = "lm_head.weight" if "lm_head.weight" in weight_shapes and not tie_word_embeddings else "model.embed_tokens.weight"
+    head = (
+        "lm_head.weight"
+        if "lm_head.weight" in weight_shapes and not tie_word_embeddings
+        else "model.embed_tokens.weight"
+    )
     types: dict[str, str] = {}
     for name, shape in weight_shapes.items():
         if not is_quantizable(name, shape):

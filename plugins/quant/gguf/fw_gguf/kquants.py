@@ -45,8 +45,9 @@ def _f32(value: float) -> float:
     return float(np.float32(value))
 
 
-def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
-                     use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_qkx2_quants(
+    x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of ``x [B, n]`` (weights ``w``): ``(scale, minus_min, levels)`` minimising the weighted
     error of ``scale * level - minus_min`` over levels ``0..nmax`` (llama.cpp's search over scales)."""
     low, high = x.amin(-1), x.amax(-1)
@@ -146,6 +147,7 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
 
 # --- packing helpers ------------------------------------------------------------------------
 
+
 def _f16(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bytes [B, 2], the float32 value the bytes hold)``."""
     half = value.to(torch.float16)
@@ -167,8 +169,9 @@ def _pack_scale_min_k4(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
     return out.to(torch.uint8)
 
 
-def _requantize(x: torch.Tensor, d: torch.Tensor, dm: torch.Tensor | None, levels: torch.Tensor, low: int,
-                high: int) -> torch.Tensor:
+def _requantize(
+    x: torch.Tensor, d: torch.Tensor, dm: torch.Tensor | None, levels: torch.Tensor, low: int, high: int
+) -> torch.Tensor:
     """Levels from the stored (rounded) scales: ``round((x + dm) / d)`` clamped, where ``d != 0``
     (elsewhere the search's levels stay, as llama.cpp's ``if (!d) continue``)."""
     safe = torch.where(d != 0, d, torch.ones_like(d))
@@ -228,8 +231,9 @@ def q2_k(x: torch.Tensor) -> torch.Tensor:
     packed = torch.where(has_min[:, None], ls | (lm << 4), ls) & 0xFF
     d_bytes, d = _f16(torch.where(has_scale, div(max_scale, 15.0), 0))
     dmin_bytes, dmin = _f16(torch.where(has_min, div(max_min, 15.0), 0))
-    levels = _requantize(x.view(blocks, 16, 16), d[:, None] * (packed & 0xF), dmin[:, None] * (packed >> 4),
-                         levels, 0, 3)
+    levels = _requantize(
+        x.view(blocks, 16, 16), d[:, None] * (packed & 0xF), dmin[:, None] * (packed >> 4), levels, 0, 3
+    )
     qs = _crumbs(levels.reshape(blocks, 256).to(torch.int32))
     return torch.cat([packed.to(torch.uint8), qs, d_bytes, dmin_bytes], dim=1)
 
@@ -266,9 +270,12 @@ def q6_k(x: torch.Tensor) -> torch.Tensor:
     sc = torch.round(iscale[:, None] * scales).clamp(max=127).to(torch.int32)
     levels = _requantize(x.view(blocks, 16, 16), d[:, None] * sc, None, levels - 32, -32, 31) + 32
     q = levels.reshape(blocks, 2, 4, 32).to(torch.int32)  # per 128 values: l, l+32, l+64, l+96
-    ql = torch.cat([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4), (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)],
-                   dim=-1).reshape(blocks, 128)
-    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6))
-    out = torch.cat([ql.to(torch.uint8), qh.reshape(blocks, 64).to(torch.uint8),
-                     sc.to(torch.int8).view(torch.uint8), d_bytes], dim=1)
+    ql = torch.cat(
+        [(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4), (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], dim=-1
+    ).reshape(blocks, 128)
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    out = torch.cat(
+        [ql.to(torch.uint8), qh.reshape(blocks, 64).to(torch.uint8), sc.to(torch.int8).view(torch.uint8), d_bytes],
+        dim=1,
+    )
     return torch.where(zero[:, None], torch.zeros_like(out), out)

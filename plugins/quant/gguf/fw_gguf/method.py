@@ -146,8 +146,15 @@ class GGUFLinearMethod(LinearMethod):
         self.shards = shards
         self.input_order = input_order
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
         rows = output_partition_sizes if len(self.shards) > 1 else [sum(output_partition_sizes)]
         if len(rows) != len(self.shards):
             raise ModelLoadError(f"{layer.prefix}: {len(self.shards)} GGUF tensors for {len(rows)} output shards")
@@ -155,8 +162,10 @@ class GGUFLinearMethod(LinearMethod):
         if getattr(layer, "tp_size", 1) > 1:
             check_shardable(layer, self.shards, layer.gguf_types)
             if self.input_order is not None:
-                raise ConfigError(f"{layer.prefix}: its input columns are in llama.cpp's tiled value-head order, "
-                                  "which tensor parallelism cannot split yet; run this model on one device")
+                raise ConfigError(
+                    f"{layer.prefix}: its input columns are in llama.cpp's tiled value-head order, "
+                    "which tensor parallelism cannot split yet; run this model on one device"
+                )
         layer.gguf_input_index = None  # set after loading, on the weights' device
         layer.gguf_rows = rows
         layer.gguf_in_features = input_size_per_partition
@@ -170,7 +179,9 @@ class GGUFLinearMethod(LinearMethod):
         set_weight_attrs(placeholder, {"weight_loader": functools.partial(self.load_shard, layer)})
         layer.register_parameter("weight", placeholder)
 
-    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def load_shard(
+        self, layer: nn.Module, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
+    ) -> None:
         """Copy one checkpoint tensor's packed rows into its shard buffer."""
         index = next((i for i, (shard, _) in enumerate(self.shards) if shard == shard_id), None)
         if index is None:
@@ -179,16 +190,20 @@ class GGUFLinearMethod(LinearMethod):
         if getattr(layer, "tp_size", 1) > 1:
             loaded_weight = rank_rows(layer, loaded_weight, shard_id, index)
         if loaded_weight.dtype != torch.uint8 or loaded_weight.shape != target.shape:
-            raise ModelLoadError(f"{layer.prefix} shard {shard_id!r}: expected packed {layer.gguf_types[index].name} rows "
-                                 f"{tuple(target.shape)}, got {loaded_weight.dtype} {tuple(loaded_weight.shape)}")
+            raise ModelLoadError(
+                f"{layer.prefix} shard {shard_id!r}: expected packed {layer.gguf_types[index].name} rows "
+                f"{tuple(target.shape)}, got {loaded_weight.dtype} {tuple(loaded_weight.shape)}"
+            )
         target.copy_(loaded_weight)
 
     def dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The full weight ``[out, in]`` in ``dtype`` (every shard dequantized and concatenated)."""
         if layer.gguf_dense is not None:
             return layer.gguf_dense
-        parts = [dequantize(self.file_blocks(layer, i), qtype, (rows, layer.gguf_in_features), dtype)
-                 for i, (qtype, rows) in enumerate(zip(layer.gguf_types, layer.gguf_rows))]
+        parts = [
+            dequantize(self.file_blocks(layer, i), qtype, (rows, layer.gguf_in_features), dtype)
+            for i, (qtype, rows) in enumerate(zip(layer.gguf_types, layer.gguf_rows))
+        ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
@@ -208,7 +223,7 @@ class GGUFLinearMethod(LinearMethod):
         if layer.gguf_planar[index]:
             packed = from_planar(packed.reshape(-1), layer.gguf_types[index]).view(packed.shape)
         first = sum(layer.gguf_rows[start:index])
-        return packed[first:first + layer.gguf_rows[index]]
+        return packed[first : first + layer.gguf_rows[index]]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         keep_packed = os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")
@@ -308,9 +323,13 @@ def _cpu_kernels_wanted() -> bool:
 
 def uses_kernels(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``apply`` runs the Triton kernels: packed shards of kernel types on CUDA, bf16/fp16 ``x``."""
-    return (x.device.type == "cuda" and x.dtype in _KERNEL_DTYPES and x.shape[-1] == layer.gguf_in_features
-            and all(qtype in KERNEL_TYPES for qtype in layer.gguf_types)
-            and not (torch.is_grad_enabled() and x.requires_grad))
+    return (
+        x.device.type == "cuda"
+        and x.dtype in _KERNEL_DTYPES
+        and x.shape[-1] == layer.gguf_in_features
+        and all(qtype in KERNEL_TYPES for qtype in layer.gguf_types)
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
 
 
 def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,14 +347,28 @@ def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     if rows >= DEQUANTIZE_MIN_ROWS:
         weight = torch.empty(n, k, dtype=x.dtype, device=x.device)
         for index, start, group_rows in _group_slices(layer):
-            gguf_dequantize(getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], group_rows, k, x.dtype,
-                            planar=layer.gguf_planar[index], out=weight[start:start + group_rows])
+            gguf_dequantize(
+                getattr(layer, f"gguf_weight_{index}"),
+                layer.gguf_types[index],
+                group_rows,
+                k,
+                x.dtype,
+                planar=layer.gguf_planar[index],
+                out=weight[start : start + group_rows],
+            )
         return F.linear(x, weight, bias)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         for index, start, group_rows in _group_slices(layer):
-            gguf_matmul(x2d, getattr(layer, f"gguf_weight_{index}"), layer.gguf_types[index], group_rows, k,
-                        planar=layer.gguf_planar[index], out=out[:, start:start + group_rows])
+            gguf_matmul(
+                x2d,
+                getattr(layer, f"gguf_weight_{index}"),
+                layer.gguf_types[index],
+                group_rows,
+                k,
+                planar=layer.gguf_planar[index],
+                out=out[:, start : start + group_rows],
+            )
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)
@@ -353,19 +386,24 @@ def _group_slices(layer: nn.Module) -> list[tuple[int, int, int]]:
 # (column-parallel layers, the vocabulary) and its input features a byte range of every row
 # (row-parallel layers: the per-rank width must be a whole number of blocks).
 
+
 def check_shardable(layer: nn.Module, shards: list[tuple[Any, str]], qtypes: list[GGMLQuantizationType]) -> None:
     """Refuse, at start-up, a GGUF layer that cannot be split for tensor parallelism."""
     from framework.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
     if isinstance(layer, MergedColumnParallelLinear | QKVParallelLinear) and len(shards) == 1:
-        raise ConfigError(f"{layer.prefix}: a GGUF tensor holding several fused projections cannot be split for tensor "
-                          "parallelism yet; run this model on one device")
+        raise ConfigError(
+            f"{layer.prefix}: a GGUF tensor holding several fused projections cannot be split for tensor "
+            "parallelism yet; run this model on one device"
+        )
     if isinstance(layer, RowParallelLinear):
         for qtype in qtypes:
             block = gguf.GGML_QUANT_SIZES[qtype][0]
             if layer.input_size_per_partition % block:
-                raise ConfigError(f"{layer.prefix}: {layer.input_size_per_partition} input features per rank is not a "
-                                  f"whole number of {qtype.name} blocks of {block}; use a smaller tensor-parallel size")
+                raise ConfigError(
+                    f"{layer.prefix}: {layer.input_size_per_partition} input features per rank is not a "
+                    f"whole number of {qtype.name} blocks of {block}; use a smaller tensor-parallel size"
+                )
 
 
 def rank_rows(layer: nn.Module, loaded: torch.Tensor, shard_id: Any, index: int) -> torch.Tensor:
@@ -376,15 +414,15 @@ def rank_rows(layer: nn.Module, loaded: torch.Tensor, shard_id: Any, index: int)
     rank, rows = layer.tp_rank, layer.gguf_rows[index]
     if isinstance(layer, RowParallelLinear):
         width = bytes_per_row(layer.gguf_types[index], layer.input_size_per_partition)
-        return loaded[:, rank * width:(rank + 1) * width]
+        return loaded[:, rank * width : (rank + 1) * width]
     if isinstance(layer, VocabEmbedding):  # padded vocabulary: missing rows are zero bytes (dequantize to 0)
-        part = loaded[rank * rows:(rank + 1) * rows]
+        part = loaded[rank * rows : (rank + 1) * rows]
         if part.shape[0] < rows:
             part = torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
         return part
     if isinstance(layer, QKVParallelLinear) and shard_id in ("k", "v"):
         source = layer.kv_shard_rank
-        return loaded[source * rows:(source + 1) * rows]
+        return loaded[source * rows : (source + 1) * rows]
     if isinstance(layer, ColumnParallelLinear):
-        return loaded[rank * rows:(rank + 1) * rows]
+        return loaded[rank * rows : (rank + 1) * rows]
     return loaded  # replicated

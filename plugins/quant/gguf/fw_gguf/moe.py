@@ -66,8 +66,14 @@ def gguf_moe_method(tensor_types: dict[str, str], layer: nn.Module, prefix: str)
 KERNEL_NAME = "triton_gguf"
 
 
-def _dequantize_experts(qtype: GGMLQuantizationType, in_features: int, planar: bool, data: torch.Tensor,
-                        scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_experts(
+    qtype: GGMLQuantizationType,
+    in_features: int,
+    planar: bool,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """``[n, rows, bytes]`` packed expert rows (each expert planar where ``planar``) -> ``[n, rows,
     in_features]`` values (GGUF blocks hold their scales)."""
     num, rows = data.shape[0], data.shape[1]
@@ -86,14 +92,22 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
     def __init__(self, types: dict[str, str]) -> None:
         self.types = {shard: as_quant_type(GGMLQuantizationType[name]) for shard, name in types.items()}
 
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+    ) -> None:
         width = intermediate_size_per_partition
         down_block = gguf.GGML_QUANT_SIZES[self.types["w2"]][0]
         if width % down_block:
-            raise ConfigError(f"{layer.prefix}: {width} intermediate features per rank are not a whole number of "
-                              f"{self.types['w2'].name} blocks of {down_block} (the packed down_proj experts are split "
-                              f"by blocks); use a smaller tensor-parallel size")
+            raise ConfigError(
+                f"{layer.prefix}: {width} intermediate features per rank are not a whole number of "
+                f"{self.types['w2'].name} blocks of {down_block} (the packed down_proj experts are split "
+                f"by blocks); use a smaller tensor-parallel size"
+            )
         shapes = {"w1": (width, hidden_size), "w3": (width, hidden_size), "w2": (hidden_size, width)}
         for shard, (rows, cols) in shapes.items():
             packed = torch.empty(num_experts, rows, bytes_per_row(self.types[shard], cols), dtype=torch.uint8)
@@ -118,13 +132,16 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
             setattr(layer, f"gguf_{shard}", experts_to_planar(getattr(layer, f"gguf_{shard}"), qtype))
         layer.gguf_planar = True
 
-    def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: str,
-                    expert_id: int | None = None) -> None:
+    def load_weight(
+        self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: str, expert_id: int | None = None
+    ) -> None:
         """Copy this rank's part of a checkpoint expert stack's packed bytes (a ``GGUFTensorSlice``
         or a uint8 ``[E, rows, bytes]`` tensor; one expert's ``[rows, bytes]`` with ``expert_id``)."""
         layer.check_expert_shard(param, shard_id, expert_id)
         if shard_id == "w13":
-            raise ModelLoadError(f"{layer.prefix}: GGUF keeps gate and up experts in separate tensors; got a fused gate_up")
+            raise ModelLoadError(
+                f"{layer.prefix}: GGUF keeps gate and up experts in separate tensors; got a fused gate_up"
+            )
         packed = self._packed_bytes(layer, loaded, shard_id)
         width = layer.intermediate_size_per_partition
         if shard_id == "w2":  # whole blocks of every row: this rank's columns
@@ -135,8 +152,10 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
         target = getattr(layer, f"gguf_{shard_id}")
         target = target if expert_id is None else target[expert_id]
         if packed.shape != target.shape:
-            raise ModelLoadError(f"{layer.prefix} {EXPERT_PROJECTIONS[shard_id]}: expected packed {self.types[shard_id].name} "
-                                 f"experts of this rank {tuple(target.shape)}, got {tuple(packed.shape)}")
+            raise ModelLoadError(
+                f"{layer.prefix} {EXPERT_PROJECTIONS[shard_id]}: expected packed {self.types[shard_id].name} "
+                f"experts of this rank {tuple(target.shape)}, got {tuple(packed.shape)}"
+            )
         target.copy_(packed)
         layer.record_loaded(shard_id, expert_id)
 
@@ -146,21 +165,30 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
         if isinstance(loaded, GGUFTensorSlice):
             info = loaded.source
             if as_quant_type(info.qtype) != qtype or tuple(loaded.shape) != tuple(info.shape):
-                raise ModelLoadError(f"{layer.prefix}: {info.name} is {info.qtype.name} {tuple(loaded.shape)}; expected "
-                                     f"the whole {qtype.name} stack")
+                raise ModelLoadError(
+                    f"{layer.prefix}: {info.name} is {info.qtype.name} {tuple(loaded.shape)}; expected "
+                    f"the whole {qtype.name} stack"
+                )
             return info.data
         if not isinstance(loaded, torch.Tensor) or loaded.dtype != torch.uint8:
-            raise ModelLoadError(f"{layer.prefix} {EXPERT_PROJECTIONS[shard_id]}: expected packed {qtype.name} bytes, "
-                                 f"got {getattr(loaded, 'dtype', type(loaded).__name__)}")
+            raise ModelLoadError(
+                f"{layer.prefix} {EXPERT_PROJECTIONS[shard_id]}: expected packed {qtype.name} bytes, "
+                f"got {getattr(loaded, 'dtype', type(loaded).__name__)}"
+            )
         return loaded
 
     def packed_experts(self, layer: nn.Module) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
         """``(gate, up, down)`` as the ``quantized_fused_moe`` op takes them."""
+
         def packed(shard: str) -> PackedExperts:
             qtype, in_features, planar = self.types[shard], layer.gguf_in_features[shard], layer.gguf_planar
-            return PackedExperts(getattr(layer, f"gguf_{shard}"), None,
-                                 f"{'gguf-planar' if planar else 'gguf'}:{qtype.name}", in_features,
-                                 functools.partial(_dequantize_experts, qtype, in_features, planar))
+            return PackedExperts(
+                getattr(layer, f"gguf_{shard}"),
+                None,
+                f"{'gguf-planar' if planar else 'gguf'}:{qtype.name}",
+                in_features,
+                functools.partial(_dequantize_experts, qtype, in_features, planar),
+            )
 
         return packed("w1"), packed("w3"), packed("w2")
 
@@ -169,12 +197,17 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
         gate, up, down = (p.dequantize(p.data, p.scales, dtype) for p in self.packed_experts(layer))
         return torch.cat([gate, up], dim=1), down
 
-    def apply(self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
         packed = self.packed_experts(layer)
         in_kernels = all(p.quant_type in getattr(self.fused_moe, "quant_types", ()) for p in packed)
-        if (not in_kernels and topk_ids.numel() > layer.num_experts and hidden.is_cuda
-                and torch.cuda.is_current_stream_capturing()):
+        if (
+            not in_kernels
+            and topk_ids.numel() > layer.num_experts
+            and hidden.is_cuda
+            and torch.cuda.is_current_stream_capturing()
+        ):
             # many tokens inside a CUDA graph without the Triton kernels: the reference's per-expert
             # loop would sync; every expert dequantized once, then the dense kernel (graph-safe)
             w13, w2 = self.dequantize(layer, hidden.dtype)

@@ -90,8 +90,16 @@ def _q8_0(x: torch.Tensor) -> torch.Tensor:
 
 
 _QUANTIZERS = {
-    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
-    Q.Q2_K: kquants.q2_k, Q.Q3_K: kquants.q3_k, Q.Q4_K: kquants.q4_k, Q.Q5_K: kquants.q5_k, Q.Q6_K: kquants.q6_k,
+    Q.Q4_0: _q4_0,
+    Q.Q4_1: _q4_1,
+    Q.Q5_0: _q5_0,
+    Q.Q5_1: _q5_1,
+    Q.Q8_0: _q8_0,
+    Q.Q2_K: kquants.q2_k,
+    Q.Q3_K: kquants.q3_k,
+    Q.Q4_K: kquants.q4_k,
+    Q.Q5_K: kquants.q5_k,
+    Q.Q6_K: kquants.q6_k,
 }
 #: The GGUF types :func:`quantize` writes.
 QUANTIZABLE_TYPES = tuple(_QUANTIZERS)
@@ -106,8 +114,9 @@ def quantize(weight: torch.Tensor, qtype: Q) -> torch.Tensor:
     """``weight [rows, k]`` (any float dtype and device) as GGUF ``qtype`` blocks: ``[rows, bytes per row]``
     uint8 on the same device. ``k`` must be a whole number of the type's blocks."""
     if qtype not in _QUANTIZERS:
-        raise ValueError(f"fw_gguf cannot quantize to {qtype.name}; it quantizes to "
-                         f"{', '.join(t.name for t in QUANTIZABLE_TYPES)}")
+        raise ValueError(
+            f"fw_gguf cannot quantize to {qtype.name}; it quantizes to {', '.join(t.name for t in QUANTIZABLE_TYPES)}"
+        )
     rows, k = weight.shape
     block, type_size = GGML_QUANT_SIZES[qtype]
     if k % block:
@@ -115,6 +124,6 @@ def quantize(weight: torch.Tensor, qtype: Q) -> torch.Tensor:
     out = torch.empty(rows, k // block * type_size, dtype=torch.uint8, device=weight.device)
     step = max(1, _CHUNK_ELEMENTS.get(weight.device.type, 1 << 24) // k)
     for start in range(0, rows, step):
-        part = weight[start:start + step].float().reshape(-1, block)
-        out[start:start + step] = _QUANTIZERS[qtype](part).reshape(-1, k // block * type_size)
+        part = weight[start : start + step].float().reshape(-1, block)
+        out[start : start + step] = _QUANTIZERS[qtype](part).reshape(-1, k // block * type_size)
     return out

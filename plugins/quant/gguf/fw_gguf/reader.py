@@ -143,8 +143,9 @@ def open_gguf(path: str | Path) -> GGUFFile:
         try:
             raw = t.data.view(np.uint8).reshape(*shape[:-1], bytes_per_row(t.tensor_type, shape[-1]))
         except ValueError as exc:
-            raise GGUFFormatError(f"{path}: tensor '{t.name}' {t.tensor_type.name} {list(shape)}: "
-                                  f"its data does not fit its shape ({exc})") from None
+            raise GGUFFormatError(
+                f"{path}: tensor '{t.name}' {t.tensor_type.name} {list(shape)}: its data does not fit its shape ({exc})"
+            ) from None
         tensors[t.name] = TensorInfo(t.name, t.tensor_type, shape, torch.from_numpy(raw), path, t.data_offset)
     return GGUFFile(path, metadata, tensors)
 

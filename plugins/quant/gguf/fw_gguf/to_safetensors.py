@@ -41,8 +41,16 @@ def write_hf_checkpoint(gguf_file: str | Path, out_dir: str | Path, dtype: torch
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = source.tokenizer()
     tokenizer.backend.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
-        "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token}, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": tokenizer.chat_template,
+                "bos_token": tokenizer.bos_token,
+                "eos_token": tokenizer.eos_token,
+                "pad_token": tokenizer.pad_token,
+            },
+            indent=2,
+        )
+    )
     (out / "generation_config.json").write_text(json.dumps(source.generation_config()))
     return out

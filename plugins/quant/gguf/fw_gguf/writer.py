@@ -25,8 +25,18 @@ from framework.errors import ConfigError
 from .config import qk_unpermute_index, tensor_name_map
 
 #: llama.cpp's ``llama_ftype`` of each ``--isq`` name (``general.file_type``).
-FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2k": 10, "q3k": 11, "q4k": 15, "q5k": 16,
-              "q6k": 18}
+FILE_TYPES = {
+    "q4_0": 2,
+    "q4_1": 3,
+    "q8_0": 7,
+    "q5_0": 8,
+    "q5_1": 9,
+    "q2k": 10,
+    "q3k": 11,
+    "q4k": 15,
+    "q5k": 16,
+    "q6k": 18,
+}
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER = 1, 3, 4
 
 
@@ -39,12 +49,16 @@ def permute_qk(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
 def llama_metadata(writer: gguf.GGUFWriter, hf: dict[str, Any], name: str, isq_type: str) -> None:
     """The ``llama.*`` keys llama.cpp (and fw's reader) need, from a ``config.json``."""
     if hf.get("model_type") not in ("llama", "mistral"):
-        raise ConfigError(f"writing GGUF files supports llama-architecture models (Llama, Mistral, SmolLM); "
-                          f"this one is {hf.get('model_type')!r}")
+        raise ConfigError(
+            f"writing GGUF files supports llama-architecture models (Llama, Mistral, SmolLM); "
+            f"this one is {hf.get('model_type')!r}"
+        )
     scaling = hf.get("rope_scaling") or {}
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default", "linear"):
-        raise ConfigError(f"rope_scaling {scaling.get('rope_type', scaling.get('type'))!r} is not written to GGUF "
-                          "yet; supported: none, linear")
+        raise ConfigError(
+            f"rope_scaling {scaling.get('rope_type', scaling.get('type'))!r} is not written to GGUF "
+            "yet; supported: none, linear"
+        )
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     writer.add_name(name)
@@ -96,8 +110,10 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: Any, generation: dict
     spec = json.loads(tokenizer.backend.to_str())
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
-        raise ConfigError("writing GGUF files supports byte-level BPE tokenizers (GPT-2 style tokenizer.json); "
-                          f"this tokenizer is {model.get('type')!r}")
+        raise ConfigError(
+            "writing GGUF files supports byte-level BPE tokenizers (GPT-2 style tokenizer.json); "
+            f"this tokenizer is {model.get('type')!r}"
+        )
     added = {token["id"]: token for token in spec.get("added_tokens", [])}
     vocab = dict(model["vocab"])
     for token in added.values():
@@ -127,8 +143,9 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: Any, generation: dict
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def write_gguf(dst: Path, source: Any, weights: Iterable[tuple[str, torch.Tensor]], tensor_types: dict[str, str],
-               isq_type: str) -> Path:
+def write_gguf(
+    dst: Path, source: Any, weights: Iterable[tuple[str, torch.Tensor]], tensor_types: dict[str, str], isq_type: str
+) -> Path:
     """Write ``weights`` (ISQ's stream: packed rows for the names in ``tensor_types``, floats for the
     rest) of ``source`` (its config and tokenizer) to the GGUF file ``dst``."""
     if dst.suffix != ".gguf":
@@ -136,8 +153,10 @@ def write_gguf(dst: Path, source: Any, weights: Iterable[tuple[str, torch.Tensor
     hf = source.hf_config()
     names = tensor_name_map("llama", int(hf["num_hidden_layers"]))
     to_gguf = {hf_name: gguf_name for gguf_name, hf_name in names.items()}
-    heads = {"self_attn.q_proj": hf["num_attention_heads"],
-             "self_attn.k_proj": hf.get("num_key_value_heads", hf["num_attention_heads"])}
+    heads = {
+        "self_attn.q_proj": hf["num_attention_heads"],
+        "self_attn.k_proj": hf.get("num_key_value_heads", hf["num_attention_heads"]),
+    }
     writer = gguf.GGUFWriter(str(dst), "llama")
     llama_metadata(writer, hf, Path(str(getattr(source, "path", dst.stem))).name, isq_type)
     tokenizer_metadata(writer, source.tokenizer(), source.generation_config())

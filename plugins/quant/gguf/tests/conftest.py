@@ -86,7 +86,9 @@ F16_FIELDS = {
 }
 
 
-def _random_packed(qtype: Q, rows: int, cols: int, seed: int = 0, scale_exponents: tuple[int, int] = (-8, 2)) -> np.ndarray:
+def _random_packed(
+    qtype: Q, rows: int, cols: int, seed: int = 0, scale_exponents: tuple[int, int] = (-8, 2)
+) -> np.ndarray:
     """Random packed rows `[rows, bytes_per_row]` of `qtype`: random quant bits and finite fp16 scales
     spanning subnormal to large (NaN/inf scales would make bit-exact comparison meaningless); the
     scales are normal samples times 10**e, e drawn from `scale_exponents` ([low, high))."""

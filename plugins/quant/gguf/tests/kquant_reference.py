@@ -144,16 +144,21 @@ def make_q3_quants(n, nmax, x):  # do_rmse = true
 
 
 def _crumbs(L):
-    return bytes(L[j + i] | (L[j + i + 32] << 2) | (L[j + i + 64] << 4) | (L[j + i + 96] << 6)
-                 for j in (0, 128) for i in range(32))
+    return bytes(
+        L[j + i] | (L[j + i + 32] << 2) | (L[j + i + 64] << 4) | (L[j + i + 96] << 6)
+        for j in (0, 128)
+        for i in range(32)
+    )
 
 
 def q2_k_block(x) -> bytes:
     L, scales, mins = [0] * QK_K, [f32(0)] * 16, [f32(0)] * 16
     max_scale = max_min = f32(0)
     for j in range(16):
-        sub = x[16 * j:16 * j + 16]
-        scales[j], mins[j], L[16 * j:16 * j + 16] = make_qkx2_quants(16, 3, sub, [abs(v) for v in sub], -0.5, 0.1, 15, True)
+        sub = x[16 * j : 16 * j + 16]
+        scales[j], mins[j], L[16 * j : 16 * j + 16] = make_qkx2_quants(
+            16, 3, sub, [abs(v) for v in sub], -0.5, 0.1, 15, True
+        )
         max_scale, max_min = max(max_scale, scales[j]), max(max_min, mins[j])
     sc = [0] * 16
     if max_scale > 0:
@@ -182,7 +187,7 @@ def q3_k_block(x) -> bytes:
     L, scales = [0] * QK_K, [f32(0)] * 16
     amax, max_scale = f32(0), f32(0)
     for j in range(16):
-        scales[j], L[16 * j:16 * j + 16] = make_q3_quants(16, 4, x[16 * j:16 * j + 16])
+        scales[j], L[16 * j : 16 * j + 16] = make_q3_quants(16, 4, x[16 * j : 16 * j + 16])
         if abs(scales[j]) > amax:
             amax, max_scale = abs(scales[j]), scales[j]
     sc = [0] * 12
@@ -218,13 +223,13 @@ def _qk_asym(x, nmax, rmin, nstep):
     L, scales, mins = [0] * QK_K, [f32(0)] * 8, [f32(0)] * 8
     max_scale = max_min = f32(0)
     for j in range(8):
-        sub = x[32 * j:32 * j + 32]
+        sub = x[32 * j : 32 * j + 32]
         sum_x2 = f32(0)
         for v in sub:
             sum_x2 = f32(sum_x2 + f32(v * v))
         av_x = np.sqrt(f32(sum_x2 / f32(32)))
         weights = [f32(av_x + abs(v)) for v in sub]
-        scales[j], mins[j], L[32 * j:32 * j + 32] = make_qkx2_quants(32, nmax, sub, weights, rmin, 0.1, nstep, False)
+        scales[j], mins[j], L[32 * j : 32 * j + 32] = make_qkx2_quants(32, nmax, sub, weights, rmin, 0.1, nstep, False)
         max_scale, max_min = max(max_scale, scales[j]), max(max_min, mins[j])
     inv_scale = f32(f32(63) / max_scale) if max_scale > 0 else f32(0)
     inv_min = f32(f32(63) / max_min) if max_min > 0 else f32(0)
@@ -277,7 +282,7 @@ def q6_k_block(x) -> bytes:
     L, scales = [0] * QK_K, [f32(0)] * 16
     max_scale = max_abs = f32(0)
     for ib in range(16):
-        scales[ib], L[16 * ib:16 * ib + 16] = make_qx_quants(16, 32, x[16 * ib:16 * ib + 16])
+        scales[ib], L[16 * ib : 16 * ib + 16] = make_qx_quants(16, 32, x[16 * ib : 16 * ib + 16])
         if abs(scales[ib]) > max_abs:
             max_abs, max_scale = abs(scales[ib]), scales[ib]
     if max_abs < EPS:
@@ -297,7 +302,12 @@ def q6_k_block(x) -> bytes:
             q1, q2, q3, q4 = (L[j + i + 32 * k] & 0xF for k in range(4))
             ql[64 * h + i] = q1 | (q3 << 4)
             ql[64 * h + i + 32] = q2 | (q4 << 4)
-            qh[32 * h + i] = (L[j + i] >> 4) | ((L[j + i + 32] >> 4) << 2) | ((L[j + i + 64] >> 4) << 4) | ((L[j + i + 96] >> 4) << 6)
+            qh[32 * h + i] = (
+                (L[j + i] >> 4)
+                | ((L[j + i + 32] >> 4) << 2)
+                | ((L[j + i + 64] >> 4) << 4)
+                | ((L[j + i + 96] >> 4) << 6)
+            )
     return bytes(ql) + bytes(qh) + np.array(sc, dtype=np.int8).tobytes() + d_b
 
 

@@ -57,7 +57,7 @@ def test_unsupported_ggml_type_names_the_tensor_and_the_supported_types(smollm2_
 
 def _patch(data: bytes, offset: int, fmt: str, value: int) -> bytes:
     patched = bytearray(data)
-    patched[offset:offset + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    patched[offset : offset + struct.calcsize(fmt)] = struct.pack(fmt, value)
     return bytes(patched)
 
 
@@ -75,13 +75,18 @@ def test_corrupt_headers_fail_with_the_file_and_tensor_named(small_gguf_path, tm
     (tensor_count,) = struct.unpack_from("<Q", data, 8)
     cases = {
         "absurd tensor count": (_patch(data, 8, "<Q", 2**62), "header is truncated"),
-        "one tensor more than written": (_patch(data, 8, "<Q", tensor_count + 1), "has 0 dimensions; GGUF tensors have 1 to 4"),
+        "one tensor more than written": (
+            _patch(data, 8, "<Q", tensor_count + 1),
+            "has 0 dimensions; GGUF tensors have 1 to 4",
+        ),
         "absurd key-value count": (_patch(data, 16, "<Q", 2**62), "header is truncated"),
         "absurd dimension count": (_patch(data, n_dims_at, "<I", 2**31), "header is truncated"),
         "absurd dimension": (_patch(data, dim_at, "<Q", 2**62), f"file is truncated: tensor '{name}' ends at byte"),
         "offset past the end": (_patch(data, offset_at, "<Q", 2**40), f"file is truncated: tensor '{name}'"),
-        "unaligned offset": (_patch(data, offset_at, "<Q", offset + 4),
-                             f"tensor '{name}' data offset {offset + 4} is not a multiple of the file's alignment 32"),
+        "unaligned offset": (
+            _patch(data, offset_at, "<Q", offset + 4),
+            f"tensor '{name}' data offset {offset + 4} is not a multiple of the file's alignment 32",
+        ),
         "overlapping tensors": (_patch(data, offset_at, "<Q", 0), f"data overlaps tensor '{name}'"),
         "truncated tensor data": (data[:-100], "file is truncated: tensor 'output.weight' ends at byte"),
     }
@@ -109,8 +114,10 @@ def test_tensor_that_does_not_fit_the_model_frees_the_partly_loaded_one(smollm2_
     path = rewrite(smollm2_gguf_path, tmp_path / "wrong-shape.gguf", {"blk.29.attn_q.weight": (wrong, Q.Q8_0)})
     with pytest.raises(ModelLoadError) as info:
         LLM(str(path), num_blocks=16)
-    assert re.match(rf"{re.escape(str(path))}: model\.layers\.29\.self_attn\.qkv_proj shard 'q': expected packed \w+ rows",
-                    str(info.value)), str(info.value)
+    assert re.match(
+        rf"{re.escape(str(path))}: model\.layers\.29\.self_attn\.qkv_proj shard 'q': expected packed \w+ rows",
+        str(info.value),
+    ), str(info.value)
     gc.collect()
     assert len(built) == 1 and built[0]() is None, "the half-loaded model is still referenced"
     assert info.value.__traceback__ is not None  # the error keeps its traceback, only the frames' locals go
@@ -129,12 +136,29 @@ class OneTensorPerLayer:
 
 
 def test_fused_projection_in_one_gguf_tensor_is_refused_under_tensor_parallelism():
-    with pytest.raises(ConfigError, match="model.layers.0.self_attn.qkv_proj: a GGUF tensor holding several fused "
-                                          "projections cannot be split for tensor parallelism"):
-        QKVParallelLinear(256, 64, 4, 2, quant_config=OneTensorPerLayer(Q.Q8_0), prefix="model.layers.0.self_attn.qkv_proj",
-                          tp_size=2, tp_rank=0)
+    with pytest.raises(
+        ConfigError,
+        match="model.layers.0.self_attn.qkv_proj: a GGUF tensor holding several fused "
+        "projections cannot be split for tensor parallelism",
+    ):
+        QKVParallelLinear(
+            256,
+            64,
+            4,
+            2,
+            quant_config=OneTensorPerLayer(Q.Q8_0),
+            prefix="model.layers.0.self_attn.qkv_proj",
+            tp_size=2,
+            tp_rank=0,
+        )
     with pytest.raises(ConfigError, match="model.layers.0.mlp.gate_up_proj: a GGUF tensor holding several fused"):
-        MergedColumnParallelLinear(256, [512, 512], quant_config=OneTensorPerLayer(Q.Q4_K),
-                                   prefix="model.layers.0.mlp.gate_up_proj", tp_size=2, tp_rank=1)
+        MergedColumnParallelLinear(
+            256,
+            [512, 512],
+            quant_config=OneTensorPerLayer(Q.Q4_K),
+            prefix="model.layers.0.mlp.gate_up_proj",
+            tp_size=2,
+            tp_rank=1,
+        )
     layer = MergedColumnParallelLinear(256, [512, 512], quant_config=OneTensorPerLayer(Q.Q4_K), tp_size=1, tp_rank=0)
     assert layer.gguf_rows == [1024]  # on one device the fused tensor loads whole

@@ -50,9 +50,11 @@ class GGUFScheme:
         return GGUFQuantConfig.from_config({"tensor_types": dict(self.tensor_types)})
 
 
-@pytest.mark.parametrize(("keep_packed", "cpu_packed", "types"),
-                         [("1", "1", LINEAR_TYPES), ("0", "0", LINEAR_TYPES_AT_LOAD), ("0", "1", LINEAR_TYPES_AT_LOAD)],
-                         ids=["packed", "dequantized-at-load", "cpu-kernels"])
+@pytest.mark.parametrize(
+    ("keep_packed", "cpu_packed", "types"),
+    [("1", "1", LINEAR_TYPES), ("0", "0", LINEAR_TYPES_AT_LOAD), ("0", "1", LINEAR_TYPES_AT_LOAD)],
+    ids=["packed", "dequantized-at-load", "cpu-kernels"],
+)
 def test_gguf_linear_method_passes_the_conformance_kit(keep_packed, cpu_packed, types, random_packed, monkeypatch):
     monkeypatch.setenv("FW_GGUF_KEEP_PACKED", keep_packed)
     monkeypatch.setenv("FW_GGUF_CPU_PACKED", cpu_packed)
@@ -71,11 +73,23 @@ def test_gguf_experts_kept_packed_equal_dequantize_then_moe(random_packed, monke
     from framework.layers.fused_moe import FusedMoE
 
     # what the kit checked: the three stacks as the file's bytes, each in its own type
-    layer = FusedMoE(8, 2, 256, 1024, renormalize=True, quant_config=scheme.quant_config({}), prefix="layer.experts",
-                     tp_size=1, tp_rank=0)
+    layer = FusedMoE(
+        8,
+        2,
+        256,
+        1024,
+        renormalize=True,
+        quant_config=scheme.quant_config({}),
+        prefix="layer.experts",
+        tp_size=1,
+        tp_rank=0,
+    )
     assert isinstance(layer.quant_method, GGUFFusedMoEMethod)
     assert [getattr(layer, f"gguf_{s}").shape for s in ("w1", "w3", "w2")] == [
-        (8, 1024, 144), (8, 1024, 272), (8, 256, 840)]  # Q4_K / Q8_0 rows of 256, Q6_K rows of 1024
+        (8, 1024, 144),
+        (8, 1024, 272),
+        (8, 256, 840),
+    ]  # Q4_K / Q8_0 rows of 256, Q6_K rows of 1024
 
 
 def test_packed_down_experts_that_cannot_split_into_whole_blocks_are_refused(monkeypatch):
@@ -84,8 +98,11 @@ def test_packed_down_experts_that_cannot_split_into_whole_blocks_are_refused(mon
 
     monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
     config = GGUFQuantConfig({f"m.experts.{p}.weight": "Q4_K" for p in ("gate_proj", "up_proj", "down_proj")})
-    with pytest.raises(ConfigError, match=r"m\.experts: 384 intermediate features per rank are not a whole number of "
-                                          r"Q4_K blocks of 256"):
+    with pytest.raises(
+        ConfigError,
+        match=r"m\.experts: 384 intermediate features per rank are not a whole number of "
+        r"Q4_K blocks of 256",
+    ):
         FusedMoE(4, 2, 256, 768, renormalize=True, quant_config=config, prefix="m.experts", tp_size=2, tp_rank=0)
 
 

@@ -19,8 +19,9 @@ from fw_gguf.cpu import CPU_TYPES, dequantize_cpu, matmul_cpu
 from gguf import GGMLQuantizationType as Q
 
 # a machine with a compiler must build the kernels (a failed build fails these tests, it is not skipped)
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                                reason="no C++ compiler to build the GGUF CPU kernels")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler to build the GGUF CPU kernels"
+)
 
 TYPES = sorted(CPU_TYPES)
 
@@ -49,10 +50,10 @@ def test_matmul_equals_torch_on_the_dequantized_weight(qtype, rows, random_packe
     weight = torch.from_numpy(gguf.quants.dequantize(packed.numpy(), qtype).astype(np.float32))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     wide = torch.full((rows, n + 7), float("nan"))
-    matmul_cpu(x, packed, qtype, n, wide[:, 3:3 + n])
+    matmul_cpu(x, packed, qtype, n, wide[:, 3 : 3 + n])
     expected = x @ weight.T
-    torch.testing.assert_close(wide[:, 3:3 + n], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert wide[:, :3].isnan().all() and wide[:, 3 + n:].isnan().all()  # nothing written outside the slice
+    torch.testing.assert_close(wide[:, 3 : 3 + n], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert wide[:, :3].isnan().all() and wide[:, 3 + n :].isnan().all()  # nothing written outside the slice
 
 
 def test_many_rows_path_dequantizes_in_chunks(monkeypatch, random_packed):

@@ -29,16 +29,22 @@ def _blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndar
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     for offset, size in _SCALES[qtype]:
         scale = rng.standard_normal((blocks.shape[0], 1)) * size
-        blocks[:, offset:offset + 2] = scale.astype(np.float16).view(np.uint8)
+        blocks[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
 def write_kquant_llama(path) -> None:
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(path, "llama")
-    for key, value in {"context_length": 1024, "embedding_length": HIDDEN, "feed_forward_length": FFN,
-                       "block_count": LAYERS, "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS,
-                       "rope.dimension_count": HIDDEN // HEADS}.items():
+    for key, value in {
+        "context_length": 1024,
+        "embedding_length": HIDDEN,
+        "feed_forward_length": FFN,
+        "block_count": LAYERS,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": KV_HEADS,
+        "rope.dimension_count": HIDDEN // HEADS,
+    }.items():
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.rope.freq_base", 10000.0)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
@@ -63,7 +69,9 @@ def write_kquant_llama(path) -> None:
         matrix(f"blk.{i}.attn_k.weight", Q.Q4_K, KV_HEADS * head_dim, HIDDEN)
         matrix(f"blk.{i}.attn_v.weight", Q.Q6_K, KV_HEADS * head_dim, HIDDEN)
         if i == 1:  # a float tensor among the blocks: a dense bf16 matrix on the GPU
-            writer.add_tensor(f"blk.{i}.attn_output.weight", (rng.standard_normal((HIDDEN, HIDDEN)) * 0.05).astype(np.float16))
+            writer.add_tensor(
+                f"blk.{i}.attn_output.weight", (rng.standard_normal((HIDDEN, HIDDEN)) * 0.05).astype(np.float16)
+            )
         else:
             matrix(f"blk.{i}.attn_output.weight", Q.Q4_K, HIDDEN, HIDDEN)
         matrix(f"blk.{i}.ffn_gate.weight", Q.Q4_K, FFN, HIDDEN)

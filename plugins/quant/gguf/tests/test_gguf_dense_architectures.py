@@ -19,10 +19,22 @@ from safetensors.torch import load_file
 from framework import LLM, SamplingParams
 from framework.testing import randomise_identity_params, reference_greedy, write_tiny_model
 
-SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, pad_token_id=0)
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    pad_token_id=0,
+)
 SHORT, LONG = [1.0, 1.3, 2.1, 3.7], [1.5, 2.9, 6.0, 11.0]
-PROMPTS = [[5, 9, 33, 2, 71], [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))]]
+PROMPTS = [
+    [5, 9, 33, 2, 71],
+    [int(x) for x in torch.randint(2, 160, (29,), generator=torch.Generator().manual_seed(1))],
+]
 STEPS = 32
 
 
@@ -54,7 +66,9 @@ def gguf_metadata(arch: str, config) -> dict:
     return md
 
 
-def write_gguf(hf_dir, path, arch: str, config, matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> None:
+def write_gguf(
+    hf_dir, path, arch: str, config, matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32
+) -> None:
     """Convert the safetensors checkpoint in ``hf_dir`` to a GGUF at ``path``: weight matrices
     as ``matrix_type``, everything else float32."""
     writer = gguf.GGUFWriter(path, arch)
@@ -69,8 +83,9 @@ def write_gguf(hf_dir, path, arch: str, config, matrix_type: gguf.GGMLQuantizati
     writer.add_token_types([1] * config.vocab_size)
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
-    name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
-                                        config.num_hidden_layers)
+    name_map = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
+    )
     tensors = load_file(hf_dir / "model.safetensors")
     stacked: dict[str, list[torch.Tensor]] = {}
     for hf_name, tensor in sorted(tensors.items()):
@@ -87,7 +102,9 @@ def write_gguf(hf_dir, path, arch: str, config, matrix_type: gguf.GGMLQuantizati
         writer.add_tensor(f"{name_map.get_name(base)}.weight", torch.stack(heads).float().numpy())
     if arch == "phi3":
         writer.add_tensor("rope_factors_long.weight", np.array(config.rope_parameters["long_factor"], dtype=np.float32))
-        writer.add_tensor("rope_factors_short.weight", np.array(config.rope_parameters["short_factor"], dtype=np.float32))
+        writer.add_tensor(
+            "rope_factors_short.weight", np.array(config.rope_parameters["short_factor"], dtype=np.float32)
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -97,11 +114,15 @@ def write_gguf(hf_dir, path, arch: str, config, matrix_type: gguf.GGMLQuantizati
 CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32),
     "phi3": lambda: transformers.Phi3Config(
-        **SMALL, partial_rotary_factor=0.5, original_max_position_embeddings=64,
-        rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG}),
+        **SMALL,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG},
+    ),
     "glm4": lambda: transformers.Glm4Config(**SMALL, head_dim=16, partial_rotary_factor=0.5),
     "stablelm": lambda: transformers.StableLmConfig(
-        **SMALL, partial_rotary_factor=0.25, use_qkv_bias=True, use_parallel_residual=True, qk_layernorm=True),
+        **SMALL, partial_rotary_factor=0.25, use_qkv_bias=True, use_parallel_residual=True, qk_layernorm=True
+    ),
 }
 
 
@@ -138,8 +159,16 @@ def test_gguf_config_states_the_variant(converted):
     config = GGUFFormat(path.parent, path.name).hf_config()
     expected = reference.config.to_dict()
     rebuilt = transformers.AutoConfig.for_model(**config).to_dict()
-    for key in ("head_dim", "partial_rotary_factor", "use_qkv_bias", "qk_layernorm", "use_parallel_residual",
-                "original_max_position_embeddings", "layer_norm_eps", "rms_norm_eps"):
+    for key in (
+        "head_dim",
+        "partial_rotary_factor",
+        "use_qkv_bias",
+        "qk_layernorm",
+        "use_parallel_residual",
+        "original_max_position_embeddings",
+        "layer_norm_eps",
+        "rms_norm_eps",
+    ):
         if key in expected:
             assert rebuilt.get(key) == pytest.approx(expected[key]), key
     if arch == "phi3":
@@ -149,8 +178,9 @@ def test_gguf_config_states_the_variant(converted):
 
 
 @pytest.mark.parametrize("arch", ["phi3", "glm4"])
-def test_q8_0_fused_layers_kept_packed_match_transformers_on_the_dequantized_weights(arch, tmp_path, monkeypatch,
-                                                                                   check_kept_packed):
+def test_q8_0_fused_layers_kept_packed_match_transformers_on_the_dequantized_weights(
+    arch, tmp_path, monkeypatch, check_kept_packed
+):
     """Q8_0 matrices, kept packed and dequantized inside the matmul (the GPU path), including
     the fused qkv / gate_up tensors split into shards: the logits equal transformers' on the
     same model with every matrix replaced by its Q8_0 round trip, and every matrix of the engine

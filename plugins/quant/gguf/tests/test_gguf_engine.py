@@ -23,7 +23,9 @@ def hf_model():
     def load(path):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(gguf, "GGUFReader", FastGGUFReader)
-            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32
+            )
             tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         return model.eval(), tokenizer
 
@@ -63,8 +65,9 @@ def test_greedy_ids_match_transformers_on_the_real_files(which, request, hf_mode
 def test_default_model_answers_the_capital_of_france():
     llm = LLM(num_blocks=64)  # no model: the embedded SmolLM2-135M-Instruct
     assert llm.engine.summary["weight_format"] == "gguf" and llm.engine.model_config.architecture == "LlamaForCausalLM"
-    reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                     SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    reply = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32)
+    )[0].outputs[0]
     assert "Paris" in reply.text
     assert reply.finish_reason == "stop"  # <|im_end|> ends the turn
 
@@ -75,7 +78,10 @@ def test_split_gguf_gives_the_same_output_as_the_whole_file(smollm2_gguf_path, s
     whole = LLM(str(smollm2_gguf_path), num_blocks=32).generate(PROMPTS[0], params)[0].outputs[0].token_ids
     for source in (str(shards[0]), str(tmp_path)):
         assert LLM(source, num_blocks=32).generate(PROMPTS[0], params)[0].outputs[0].token_ids == whole
-    assert LLM(str(tmp_path), file=shards[0].name, num_blocks=32).generate(PROMPTS[0], params)[0].outputs[0].token_ids == whole
+    assert (
+        LLM(str(tmp_path), file=shards[0].name, num_blocks=32).generate(PROMPTS[0], params)[0].outputs[0].token_ids
+        == whole
+    )
 
 
 def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_path, monkeypatch, check_kept_packed):
@@ -100,11 +106,14 @@ def test_packed_weights_give_the_same_logits_as_dequantized_ones(smollm2_gguf_pa
             # has no GGUF layer of its own. The norms are plain tensors. So 4 * 30 + 1 = 121 layers.
             per_block = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
             assert len(model.model.layers) == 30 and len(packed) == 4 * 30 + 1
-            assert set(packed) == {"model.embed_tokens"} | {f"model.layers.{i}.{name}" for i in range(30) for name in per_block}
+            assert set(packed) == {"model.embed_tokens"} | {
+                f"model.layers.{i}.{name}" for i in range(30) for name in per_block
+            }
         else:
             layers = [m for m in model.modules() if isinstance(getattr(m, "linear_method", None), GGUFLinearMethod)]
-            assert layers and all(layer.gguf_dense.dtype == torch.float32 and not hasattr(layer, "gguf_weight_0")
-                                  for layer in layers)
+            assert layers and all(
+                layer.gguf_dense.dtype == torch.float32 and not hasattr(layer, "gguf_weight_0") for layer in layers
+            )
         records = capture_logits(llm)
         llm.generate(prompt, SamplingParams(max_tokens=1))
         logits[keep] = torch.stack([records[key] for key in sorted(records)])
@@ -123,7 +132,9 @@ def test_mixed_type_fused_layer_keeps_one_buffer_per_shard(gemma3_gguf_path, mon
 
     tensors = open_gguf(gemma3_gguf_path).tensors
     for index, x in enumerate("qkv"):  # each shard holds the file's own bytes
-        assert torch.equal(getattr(qkv, f"gguf_weight_{index}"), torch.as_tensor(tensors[f"blk.0.attn_{x}.weight"].data))
+        assert torch.equal(
+            getattr(qkv, f"gguf_weight_{index}"), torch.as_tensor(tensors[f"blk.0.attn_{x}.weight"].data)
+        )
     expected = torch.cat([tensors[f"blk.0.attn_{x}.weight"].dequantize() for x in "qkv"])
     assert torch.equal(qkv.linear_method.dequantized(qkv, torch.float32), expected)
 

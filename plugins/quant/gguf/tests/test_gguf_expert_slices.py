@@ -38,8 +38,12 @@ def test_a_slice_dequantizes_to_the_values_of_the_whole_tensor(random_packed, qt
     info = packed_stack(random_packed, qtype, 24, 512, seed=3)
     expected = full_values(info)
     # leading dims sliced, columns inside one block, across blocks, unaligned at both ends, whole
-    for bounds in [((1, 3), (5, 17), (0, 512)), ((0, 4), (0, 24), (40, 300)), ((2, 3), (23, 24), (257, 258)),
-                   ((0, 4), (0, 24), (256, 512))]:
+    for bounds in [
+        ((1, 3), (5, 17), (0, 512)),
+        ((0, 4), (0, 24), (40, 300)),
+        ((2, 3), (23, 24), (257, 258)),
+        ((0, 4), (0, 24), (256, 512)),
+    ]:
         values = dequantize_slice(info.data, info.qtype, bounds, dtype)
         want = expected[tuple(slice(low, high) for low, high in bounds)].to(dtype)
         assert values.dtype == dtype and torch.equal(values, want), bounds
@@ -47,22 +51,37 @@ def test_a_slice_dequantizes_to_the_values_of_the_whole_tensor(random_packed, qt
 
 @pytest.mark.parametrize(("qtype", "width"), [(Q.Q8_0, 96), (Q.Q4_K, 512)])
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_fused_moe_ranks_dequantize_only_their_features_in_the_model_dtype(random_packed, monkeypatch, qtype, width, tp_size):
+def test_fused_moe_ranks_dequantize_only_their_features_in_the_model_dtype(
+    random_packed, monkeypatch, qtype, width, tp_size
+):
     """Every rank's w13 / w2 equal the whole dequantized stacks' slices in bf16; the values a rank
     decodes are its share, the down projection's rows rounded out to whole blocks (96 / 4 = 24
     features of 32-value Q8_0 blocks; 512 / 4 = 128 of 256-value Q4_K blocks)."""
-    gate, up = packed_stack(random_packed, Q.Q8_0, width, HIDDEN, 1), packed_stack(random_packed, qtype, width, HIDDEN, 2)
+    gate, up = (
+        packed_stack(random_packed, Q.Q8_0, width, HIDDEN, 1),
+        packed_stack(random_packed, qtype, width, HIDDEN, 2),
+    )
     down = packed_stack(random_packed, qtype, HIDDEN, width, 4)
     decoded = []
     real_dequantize = dequant.dequantize
-    monkeypatch.setattr(dequant, "dequantize", lambda data, q, shape, dtype=torch.float32:
-                        decoded.append(torch.Size(shape).numel()) or real_dequantize(data, q, shape, dtype))
+    monkeypatch.setattr(
+        dequant,
+        "dequantize",
+        lambda data, q, shape, dtype=torch.float32: (
+            decoded.append(torch.Size(shape).numel()) or real_dequantize(data, q, shape, dtype)
+        ),
+    )
     share, block = width // tp_size, dequant.GGML_QUANT_SIZES[qtype][0]
     for rank in range(tp_size):
-        layer = FusedMoE(EXPERTS, 2, HIDDEN, width, renormalize=True, params_dtype=torch.bfloat16,
-                         tp_size=tp_size, tp_rank=rank)
+        layer = FusedMoE(
+            EXPERTS, 2, HIDDEN, width, renormalize=True, params_dtype=torch.bfloat16, tp_size=tp_size, tp_rank=rank
+        )
         decoded.clear()
-        for param, info, shard in ((layer.w13_weight, gate, "w1"), (layer.w13_weight, up, "w3"), (layer.w2_weight, down, "w2")):
+        for param, info, shard in (
+            (layer.w13_weight, gate, "w1"),
+            (layer.w13_weight, up, "w3"),
+            (layer.w2_weight, down, "w2"),
+        ):
             layer.weight_loader(param, GGUFTensorSlice(info), shard)
         features = slice(rank * share, (rank + 1) * share)
         w13 = torch.cat([full_values(gate)[:, features], full_values(up)[:, features]], dim=1).to(torch.bfloat16)
@@ -79,11 +98,18 @@ def test_fused_moe_ranks_dequantize_only_their_features_in_the_model_dtype(rando
 def test_expert_slices_decode_on_the_parameters_device_bit_exact(random_packed, qtype):
     """On the GPU only the packed bytes of a rank's slice cross to the device, decoded there."""
     width = 512
-    gate, up = packed_stack(random_packed, qtype, width, HIDDEN, 1), packed_stack(random_packed, qtype, width, HIDDEN, 2)
+    gate, up = (
+        packed_stack(random_packed, qtype, width, HIDDEN, 1),
+        packed_stack(random_packed, qtype, width, HIDDEN, 2),
+    )
     down = packed_stack(random_packed, qtype, HIDDEN, width, 4)
     with torch.device("cuda"):
         layer = FusedMoE(EXPERTS, 2, HIDDEN, width, renormalize=True, params_dtype=torch.bfloat16, tp_size=4, tp_rank=1)
-    for param, info, shard in ((layer.w13_weight, gate, "w1"), (layer.w13_weight, up, "w3"), (layer.w2_weight, down, "w2")):
+    for param, info, shard in (
+        (layer.w13_weight, gate, "w1"),
+        (layer.w13_weight, up, "w3"),
+        (layer.w2_weight, down, "w2"),
+    ):
         layer.weight_loader(param, GGUFTensorSlice(info), shard)
     features = slice(128, 256)
     w13 = torch.cat([full_values(gate)[:, features], full_values(up)[:, features]], dim=1).to(torch.bfloat16)

@@ -24,28 +24,89 @@ from framework.testing import PARITY_PROMPTS, check_logits_parity, reference_gre
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MLA = dict(kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=32, qk_rope_head_dim=8, v_head_dim=16,
-           num_key_value_heads=4)
-SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-             num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-             first_k_dense_replace=1, max_position_embeddings=512, initializer_range=0.1)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
-CONFIGS = {
-    "deepseek2_v3": ("deepseek2", lambda: transformers.DeepseekV3Config(
-        **SMALL, **MLA, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=YARN)),
-    "deepseek2_v2": ("deepseek2", lambda: transformers.DeepseekV2Config(
-        **SMALL, **MLA, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.5)),
-    "glm4moe": ("glm4moe", lambda: transformers.Glm4MoeConfig(
-        **SMALL, num_key_value_heads=2, head_dim=16, n_group=1, topk_group=1, norm_topk_prob=True,
-        routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True)),
+MLA = dict(
+    kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=32, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4
+)
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
 }
-_MLA_NAMES = {"q_proj": "attn_q", "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b", "q_a_layernorm": "attn_q_a_norm",
-              "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "o_proj": "attn_output"}
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
-                 "lm_head.weight": "output"}
-_GQA_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-              "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+CONFIGS = {
+    "deepseek2_v3": (
+        "deepseek2",
+        lambda: transformers.DeepseekV3Config(
+            **SMALL,
+            **MLA,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_parameters=YARN,
+        ),
+    ),
+    "deepseek2_v2": (
+        "deepseek2",
+        lambda: transformers.DeepseekV2Config(
+            **SMALL, **MLA, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.5
+        ),
+    ),
+    "glm4moe": (
+        "glm4moe",
+        lambda: transformers.Glm4MoeConfig(
+            **SMALL,
+            num_key_value_heads=2,
+            head_dim=16,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=True,
+        ),
+    ),
+}
+_MLA_NAMES = {
+    "q_proj": "attn_q",
+    "q_a_proj": "attn_q_a",
+    "q_b_proj": "attn_q_b",
+    "q_a_layernorm": "attn_q_a_norm",
+    "kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "kv_a_layernorm": "attn_kv_a_norm",
+    "o_proj": "attn_output",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd",
+    "model.norm.weight": "output_norm",
+    "lm_head.weight": "output",
+}
+_GQA_NAMES = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "q_norm": "attn_q_norm",
+    "k_norm": "attn_k_norm",
+}
 
 
 def gguf_tensors(arch: str, model, sources: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
@@ -84,8 +145,14 @@ def gguf_tensors(arch: str, model, sources: dict[str, str] | None = None) -> dic
     tensors = {name if "." in name else f"{name}.weight": tensor for name, tensor in tensors.items()}
     if sources is not None:
         state = model.state_dict()
-        sources.update({gguf_name: hf_name for gguf_name, tensor in tensors.items() for hf_name, hf in state.items()
-                        if tensor.shape == hf.shape and tensor.data_ptr() == hf.data_ptr()})
+        sources.update(
+            {
+                gguf_name: hf_name
+                for gguf_name, tensor in tensors.items()
+                for hf_name, hf in state.items()
+                if tensor.shape == hf.shape and tensor.data_ptr() == hf.data_ptr()
+            }
+        )
     return tensors
 
 
@@ -96,8 +163,13 @@ def write_gguf(path, arch: str, model, quantized: tuple[str, ...] = ()) -> dict[
     num_layers = config.num_hidden_layers
     writer = gguf.GGUFWriter(path, arch)
     if arch == "glm4moe":  # the MTP block llama.cpp keeps: counted in block_count, skipped by fw
-        tensors.update({name.replace(f"blk.{num_layers - 1}.", f"blk.{num_layers}."): t.clone()
-                        for name, t in tensors.items() if name.startswith(f"blk.{num_layers - 1}.")})
+        tensors.update(
+            {
+                name.replace(f"blk.{num_layers - 1}.", f"blk.{num_layers}."): t.clone()
+                for name, t in tensors.items()
+                if name.startswith(f"blk.{num_layers - 1}.")
+            }
+        )
         tensors[f"blk.{num_layers}.nextn.eh_proj.weight"] = torch.randn(config.hidden_size, 2 * config.hidden_size)
         writer.add_nextn_predict_layers(1)
         num_layers += 1
@@ -187,8 +259,9 @@ def file_values_reference(arch: str, reference, stored: dict[str, torch.Tensor])
     """A transformers model of ``reference``'s config holding the values a GGUF file holds (``stored``)."""
     sources = {}
     gguf_tensors(arch, reference, sources)
-    dequantized = transformers.AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32,
-                                                                attn_implementation="eager").eval()
+    dequantized = transformers.AutoModelForCausalLM.from_config(
+        reference.config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     state = dequantized.state_dict()
     for hf_name, tensor in reference.state_dict().items():
         state[hf_name].copy_(tensor)
@@ -199,14 +272,17 @@ def file_values_reference(arch: str, reference, stored: dict[str, torch.Tensor])
 
         for i in range(reference.config.num_hidden_layers):
             state[f"model.layers.{i}.self_attn.kv_b_proj.weight"].copy_(
-                kv_b_from_split(stored[f"blk.{i}.attn_k_b.weight"], stored[f"blk.{i}.attn_v_b.weight"]))
+                kv_b_from_split(stored[f"blk.{i}.attn_k_b.weight"], stored[f"blk.{i}.attn_v_b.weight"])
+            )
     for i in range(1, reference.config.num_hidden_layers):  # expert stacks: chunks of one HF tensor
         prefix = f"model.layers.{i}.mlp.experts"
-        state[f"{prefix}.gate_up_proj"].copy_(torch.cat([stored[f"blk.{i}.ffn_gate_exps.weight"],
-                                                        stored[f"blk.{i}.ffn_up_exps.weight"]], dim=1))
+        state[f"{prefix}.gate_up_proj"].copy_(
+            torch.cat([stored[f"blk.{i}.ffn_gate_exps.weight"], stored[f"blk.{i}.ffn_up_exps.weight"]], dim=1)
+        )
         state[f"{prefix}.down_proj"].copy_(stored[f"blk.{i}.ffn_down_exps.weight"])
-    assert not torch.equal(state["model.layers.1.mlp.experts.down_proj"],
-                           reference.state_dict()["model.layers.1.mlp.experts.down_proj"])
+    assert not torch.equal(
+        state["model.layers.1.mlp.experts.down_proj"], reference.state_dict()["model.layers.1.mlp.experts.down_proj"]
+    )
     dequantized.load_state_dict(state)
     return dequantized
 

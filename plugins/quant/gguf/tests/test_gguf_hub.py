@@ -14,8 +14,9 @@ from framework import LLM, SamplingParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_split_gguf_repo_named_without_f_downloads_every_shard_and_loads(smollm2_gguf_path, split_gguf, tmp_path,
-                                                                          monkeypatch):
+def test_split_gguf_repo_named_without_f_downloads_every_shard_and_loads(
+    smollm2_gguf_path, split_gguf, tmp_path, monkeypatch
+):
     upload = tmp_path / "upload"
     upload.mkdir()
     shards = split_gguf(smollm2_gguf_path, upload, 2, stem="SmolLM2-135M-Instruct-Q4_1")

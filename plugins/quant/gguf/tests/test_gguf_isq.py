@@ -35,8 +35,18 @@ K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 #: Relative RMS error (of N(0, 1) weights) each type must stay under: llama.cpp's own quantizers
 #: measure about 0.086 (Q4_0), 0.079 (Q4_1), 0.043 (Q5_0), 0.038 (Q5_1), 0.0054 (Q8_0),
 #: 0.30 (Q2_K), 0.15 (Q3_K), 0.072 (Q4_K), 0.036 (Q5_K), 0.018 (Q6_K) on such weights.
-ERROR_BOUNDS = {Q.Q4_0: 0.09, Q.Q4_1: 0.082, Q.Q5_0: 0.045, Q.Q5_1: 0.04, Q.Q8_0: 0.006,
-                Q.Q2_K: 0.31, Q.Q3_K: 0.16, Q.Q4_K: 0.075, Q.Q5_K: 0.038, Q.Q6_K: 0.019}
+ERROR_BOUNDS = {
+    Q.Q4_0: 0.09,
+    Q.Q4_1: 0.082,
+    Q.Q5_0: 0.045,
+    Q.Q5_1: 0.04,
+    Q.Q8_0: 0.006,
+    Q.Q2_K: 0.31,
+    Q.Q3_K: 0.16,
+    Q.Q4_K: 0.075,
+    Q.Q5_K: 0.038,
+    Q.Q6_K: 0.019,
+}
 
 
 def awkward_rows(k: int, seed: int = 0) -> torch.Tensor:
@@ -45,7 +55,7 @@ def awkward_rows(k: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(6, k, generator=g) * 0.02
     rows[0, :32] = 0
-    rows[1, k // 2:] *= 50
+    rows[1, k // 2 :] *= 50
     rows[2] = rows[2].abs()
     rows[3] = -rows[3].abs()
     rows[4, : k // 2] = torch.randint(-3, 4, (k // 2,), generator=g) * 0.01
@@ -83,12 +93,15 @@ def test_use_more_bits_picks_llama_cpps_layers():
 
 
 def test_q4k_recipe_is_q4_k_m():
-    shapes = {"model.embed_tokens.weight": (32000, 4096), "lm_head.weight": (32000, 4096),
-              "model.norm.weight": (4096,)}
+    shapes = {"model.embed_tokens.weight": (32000, 4096), "lm_head.weight": (32000, 4096), "model.norm.weight": (4096,)}
     for i in range(32):
-        for leaf, shape in (("self_attn.q_proj", (4096, 4096)), ("self_attn.v_proj", (1024, 4096)),
-                            ("mlp.down_proj", (4096, 14336)), ("mlp.gate_proj", (14336, 4096)),
-                            ("input_layernorm", (4096,))):
+        for leaf, shape in (
+            ("self_attn.q_proj", (4096, 4096)),
+            ("self_attn.v_proj", (1024, 4096)),
+            ("mlp.down_proj", (4096, 14336)),
+            ("mlp.gate_proj", (14336, 4096)),
+            ("input_layernorm", (4096,)),
+        ):
             shapes[f"model.layers.{i}.{leaf}.weight"] = shape
     types = tensor_types("q4k", shapes, 32, tie_word_embeddings=False)
     assert types["lm_head.weight"] == "Q6_K" and types["model.embed_tokens.weight"] == "Q4_K"
@@ -102,20 +115,34 @@ def test_q4k_recipe_is_q4_k_m():
 
 
 def test_k_quant_fallbacks_for_widths_not_a_multiple_of_256():
-    shapes = {"model.embed_tokens.weight": (1000, 640), "model.layers.0.self_attn.q_proj.weight": (640, 640),
-              "model.layers.0.mlp.down_proj.weight": (640, 2048), "model.layers.0.mlp.up_proj.weight": (2048, 48)}
+    shapes = {
+        "model.embed_tokens.weight": (1000, 640),
+        "model.layers.0.self_attn.q_proj.weight": (640, 640),
+        "model.layers.0.mlp.down_proj.weight": (640, 2048),
+        "model.layers.0.mlp.up_proj.weight": (2048, 48),
+    }
     types = tensor_types("q4k", shapes, 1, tie_word_embeddings=True)
-    assert types == {"model.embed_tokens.weight": "Q8_0",  # the tied head: Q8_0 where Q6_K cannot hold the rows
-                     "model.layers.0.self_attn.q_proj.weight": "Q5_0",  # llama.cpp's Q4_K fallback
-                     "model.layers.0.mlp.down_proj.weight": "Q6_K"}  # 48 wide: no 32-value blocks, stays 16-bit
+    assert types == {
+        "model.embed_tokens.weight": "Q8_0",  # the tied head: Q8_0 where Q6_K cannot hold the rows
+        "model.layers.0.self_attn.q_proj.weight": "Q5_0",  # llama.cpp's Q4_K fallback
+        "model.layers.0.mlp.down_proj.weight": "Q6_K",
+    }  # 48 wide: no 32-value blocks, stays 16-bit
     assert tensor_types("q5k", shapes, 1, True)["model.layers.0.self_attn.q_proj.weight"] == "Q5_1"
     assert tensor_types("q6k", shapes, 1, True)["model.layers.0.self_attn.q_proj.weight"] == "Q8_0"
 
 
 # --- serving a tiny random Llama with --isq -------------------------------------------------
 
-CONFIG = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+CONFIG = dict(
+    vocab_size=160,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -153,6 +180,7 @@ def test_isq_tiny_llama_matches_transformers_on_the_dequantized_weights(isq, tin
 
 # --- the recipe against llama.cpp's own files, and fw quantize --isq writing GGUF ---------------
 
+
 def _file_recipe(path):
     from fw_gguf.format import GGUFFormat
 
@@ -183,8 +211,15 @@ def tiny_llama_bpe(tmp_path_factory, smollm2_gguf_path):
     save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(path / "model.safetensors"))
     tokenizer = GGUFFormat(smollm2_gguf_path).tokenizer()
     tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "chat_template": tokenizer.chat_template}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": tokenizer.bos_token,
+                "eos_token": tokenizer.eos_token,
+                "chat_template": tokenizer.chat_template,
+            }
+        )
+    )
     return path
 
 

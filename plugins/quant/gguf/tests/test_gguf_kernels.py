@@ -74,12 +74,13 @@ def test_dequantize_kernel_is_bit_exact_with_the_torch_reference(qtype, planar, 
     n, k = 19, 3 * _block_size(qtype)  # rows and blocks that do not fill the kernel's tiles
     packed = torch.from_numpy(random_packed(qtype, n, k, seed=int(qtype)))
     expected = dequantize(packed, qtype, (n, k))
-    _assert_bit_exact(gguf_dequantize(_layout(packed, qtype, planar), qtype, n, k, torch.float32, planar=planar),
-                      expected)
+    _assert_bit_exact(
+        gguf_dequantize(_layout(packed, qtype, planar), qtype, n, k, torch.float32, planar=planar), expected
+    )
     out = torch.full((n, k + 5), 7.0)  # into a column slice, as a fused layer's shard
-    gguf_dequantize(_layout(packed, qtype, planar), qtype, n, k, torch.float32, planar=planar, out=out[:, 2:2 + k])
-    _assert_bit_exact(out[:, 2:2 + k], expected)
-    assert (out[:, :2] == 7).all() and (out[:, 2 + k:] == 7).all()
+    gguf_dequantize(_layout(packed, qtype, planar), qtype, n, k, torch.float32, planar=planar, out=out[:, 2 : 2 + k])
+    _assert_bit_exact(out[:, 2 : 2 + k], expected)
+    assert (out[:, :2] == 7).all() and (out[:, 2 + k :] == 7).all()
 
 
 @interpreted
@@ -93,18 +94,33 @@ def test_matmul_tiles_hold_the_reference_values_exactly(qtype, random_packed):
     expected = dequantize(packed, qtype, (n, k)).T
     nb = max(1, 256 // _block_size(qtype))
     weight = to_planar(packed, qtype)
-    tiles = gguf_matmul(torch.eye(k), weight, qtype, n, k, planar=True,
-                        config=GGUFKernelConfig(block_m=64, block_n=16, blocks_per_step=nb))
+    tiles = gguf_matmul(
+        torch.eye(k),
+        weight,
+        qtype,
+        n,
+        k,
+        planar=True,
+        config=GGUFKernelConfig(block_m=64, block_n=16, blocks_per_step=nb),
+    )
     assert expected.abs().max() > 0 and torch.equal(tiles, expected)
-    row = gguf_matmul(torch.eye(k)[5:6], weight, qtype, n, k, planar=True,
-                      config=GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=nb))
+    row = gguf_matmul(
+        torch.eye(k)[5:6],
+        weight,
+        qtype,
+        n,
+        k,
+        planar=True,
+        config=GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=nb),
+    )
     assert torch.equal(row, expected[5:6])
 
 
 def _uses_gemv(qtype, planar, rows, n, k, config) -> bool:
     total_blocks = n * k // _block_size(qtype)
-    return isinstance(config, GemvConfig) or (rows == 1 and planar and config is None
-                                              and gemv_supported(qtype, k, total_blocks))
+    return isinstance(config, GemvConfig) or (
+        rows == 1 and planar and config is None and gemv_supported(qtype, k, total_blocks)
+    )
 
 
 def _check_matmul(qtype, planar, rows, n, k, seed, random_packed, config=None):
@@ -126,8 +142,9 @@ def _check_matmul(qtype, planar, rows, n, k, seed, random_packed, config=None):
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_matmul_matches_dequantize_then_matmul_for_every_row_count(qtype, rows, random_packed):
     # odd N (partial N tile), K = 3 blocks (partial K step for 32-value types)
-    _check_matmul(qtype, True, rows, 37, 3 * _block_size(qtype) if _block_size(qtype) == 256 else 96,
-                  rows, random_packed)
+    _check_matmul(
+        qtype, True, rows, 37, 3 * _block_size(qtype) if _block_size(qtype) == 256 else 96, rows, random_packed
+    )
 
 
 @interpreted
@@ -168,8 +185,16 @@ def test_integer_gemv_in_every_launch_shape(qtype, random_packed):
     splits with an empty split; Q8_0 with a block count that is not a whole step."""
     k = 5 * 256 if qtype != Q.Q8_0 else 18 * 32
     for block_n, nb, split_k in ((16, 1, 1), (32, 2, 3), (16, 4, 1), (64, 4, 8)):
-        _check_matmul(qtype, True, 1, 37, k, block_n + nb + split_k, random_packed,
-                      GemvConfig(block_n=block_n, blocks_per_step=nb, split_k=split_k))
+        _check_matmul(
+            qtype,
+            True,
+            1,
+            37,
+            k,
+            block_n + nb + split_k,
+            random_packed,
+            GemvConfig(block_n=block_n, blocks_per_step=nb, split_k=split_k),
+        )
 
 
 @interpreted
@@ -187,21 +212,25 @@ def test_one_row_runs_the_integer_gemv_by_default_and_the_exact_one_on_request(r
     default = gguf_matmul(x, to_planar(packed, Q.Q4_K), Q.Q4_K, n, k, planar=True).double()
     assert (default - rounded).abs().max() < 1e-5 * scale
     elementwise = GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=1)
-    for got in (gguf_matmul(x, to_planar(packed, Q.Q4_K), Q.Q4_K, n, k, planar=True, config=elementwise),
-                gguf_matmul(x, packed.reshape(-1), Q.Q4_K, n, k)):
+    for got in (
+        gguf_matmul(x, to_planar(packed, Q.Q4_K), Q.Q4_K, n, k, planar=True, config=elementwise),
+        gguf_matmul(x, packed.reshape(-1), Q.Q4_K, n, k),
+    ):
         assert (got.double() - exact).abs().max() < 1e-5 * scale
     assert not gemv_supported(Q.Q8_0, 96, 37 * 3) and gemv_supported(Q.Q8_0, 96, 36 * 3)
 
 
 def test_integer_gemv_refuses_what_it_cannot_multiply():
     with pytest.raises(ValueError, match="integer GEMV multiplies one row"):
-        gguf_matmul(torch.zeros(2, 256), torch.zeros(288, dtype=torch.uint8), Q.Q4_K, 2, 256, planar=True,
-                    config=GemvConfig())
+        gguf_matmul(
+            torch.zeros(2, 256), torch.zeros(288, dtype=torch.uint8), Q.Q4_K, 2, 256, planar=True, config=GemvConfig()
+        )
     with pytest.raises(ValueError, match="GGUF-layout Q4_K"):
         gguf_matmul(torch.zeros(1, 256), torch.zeros(288, dtype=torch.uint8), Q.Q4_K, 2, 256, config=GemvConfig())
     with pytest.raises(ValueError, match="planar Q4_K, Q6_K, Q8_0 matrix; got 1 rows of a planar Q5_K"):
-        gguf_matmul(torch.zeros(1, 256), torch.zeros(176, dtype=torch.uint8), Q.Q5_K, 1, 256, planar=True,
-                    config=GemvConfig())
+        gguf_matmul(
+            torch.zeros(1, 256), torch.zeros(176, dtype=torch.uint8), Q.Q5_K, 1, 256, planar=True, config=GemvConfig()
+        )
 
 
 def test_integer_gemv_rule_splits_k_for_small_n():
@@ -250,22 +279,41 @@ def test_wrong_sizes_and_types_are_refused():
     with pytest.raises(ValueError, match="offsets are 32-bit"):
         gguf_dequantize(head, Q.Q4_K, 262144, 8192, torch.bfloat16)
     with pytest.raises(ValueError, match=r"block_m=1\) multiplies one row"):  # it would read row 0 only
-        gguf_matmul(torch.zeros(3, 256), torch.zeros(144, dtype=torch.uint8), Q.Q4_K, 1, 256,
-                    config=GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=1))
+        gguf_matmul(
+            torch.zeros(3, 256),
+            torch.zeros(144, dtype=torch.uint8),
+            Q.Q4_K,
+            1,
+            256,
+            config=GGUFKernelConfig(block_m=1, block_n=16, blocks_per_step=1),
+        )
 
 
 MATMUL = "fw_gguf.kernels.matmul:_matmul_kernel"
 
 
-def _case(qtype, block_m, block_n, split_k, planar=True, warps=4, stages=3, out="*bf16", divisible_by_16=(),
-          shared_x=False):
+def _case(
+    qtype, block_m, block_n, split_k, planar=True, warps=4, stages=3, out="*bf16", divisible_by_16=(), shared_x=False
+):
     groups, size = GROUPS[qtype]
     nb = max(1, 256 // (groups * size))
-    return HopperCompile(MATMUL, {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32" if split_k > 1 else out},
-                         dict(QTYPE=int(qtype), PLANAR=planar, G=groups, S=size, BLOCK_M=block_m, BLOCK_N=block_n,
-                              NB=nb, SPLIT_K=split_k, SHARED_X=shared_x),
-                         options=dict(num_warps=warps, num_stages=stages),
-                         divisible_by_16=divisible_by_16)
+    return HopperCompile(
+        MATMUL,
+        {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32" if split_k > 1 else out},
+        dict(
+            QTYPE=int(qtype),
+            PLANAR=planar,
+            G=groups,
+            S=size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            NB=nb,
+            SPLIT_K=split_k,
+            SHARED_X=shared_x,
+        ),
+        options=dict(num_warps=warps, num_stages=stages),
+        divisible_by_16=divisible_by_16,
+    )
 
 
 def test_kernels_compile_for_hopper():
@@ -274,19 +322,32 @@ def test_kernels_compile_for_hopper():
         _case(Q.Q8_0, 1, 32, 1),
         _case(Q.Q6_K, 16, 32, 1, planar=False),  # 2-8 rows on tensor cores, the file's layout
         _case(Q.IQ4_XS, 64, 32, 1, warps=8, stages=2),  # batch tiles, as the rule launches them
-        HopperCompile("fw_gguf.kernels.matmul:_dequantize_kernel", {"w_ptr": "*u8", "out_ptr": "*bf16"},
-                      dict(QTYPE=int(Q.Q3_K), PLANAR=True, G=16, S=16, BLOCK_N=16, NB=1),
-                      options=dict(num_warps=4, enable_fp_fusion=False)),
-        HopperCompile("fw_gguf.kernels.matmul:_sum_splits_kernel", {"partial_ptr": "*fp32", "out_ptr": "*bf16"},
-                      dict(SPLIT_K=4, BLOCK=1024), options=dict(num_warps=4)),
+        HopperCompile(
+            "fw_gguf.kernels.matmul:_dequantize_kernel",
+            {"w_ptr": "*u8", "out_ptr": "*bf16"},
+            dict(QTYPE=int(Q.Q3_K), PLANAR=True, G=16, S=16, BLOCK_N=16, NB=1),
+            options=dict(num_warps=4, enable_fp_fusion=False),
+        ),
+        HopperCompile(
+            "fw_gguf.kernels.matmul:_sum_splits_kernel",
+            {"partial_ptr": "*fp32", "out_ptr": "*bf16"},
+            dict(SPLIT_K=4, BLOCK=1024),
+            options=dict(num_warps=4),
+        ),
     ]
     ptx = compile_for_hopper(cases)
-    gemv = compile_for_hopper([
-        HopperCompile("fw_gguf.kernels.gemv:_gemv_kernel", {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*bf16",
-                                                            "partial_ptr": "*fp32", "counter_ptr": "*i32"},
-                      dict(QTYPE=int(qtype), BLOCK_N=32, NB=nb, SPLIT=split, EMULATE=False),
-                      options=dict(num_warps=4, num_stages=2), divisible_by_16=ALIGNED_WEIGHT)
-        for qtype, nb, split in ((Q.Q4_K, 2, False), (Q.Q6_K, 1, True), (Q.Q8_0, 4, True))])
+    gemv = compile_for_hopper(
+        [
+            HopperCompile(
+                "fw_gguf.kernels.gemv:_gemv_kernel",
+                {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"},
+                dict(QTYPE=int(qtype), BLOCK_N=32, NB=nb, SPLIT=split, EMULATE=False),
+                options=dict(num_warps=4, num_stages=2),
+                divisible_by_16=ALIGNED_WEIGHT,
+            )
+            for qtype, nb, split in ((Q.Q4_K, 2, False), (Q.Q6_K, 1, True), (Q.Q8_0, 4, True))
+        ]
+    )
     for text, split in zip(gemv, (False, True, True)):  # integer dot products, 16-byte weight loads
         assert "dp4a" in text and "ld.global.v4.b32" in text, text[:2000]
         assert ("atom.global.gpu.acq_rel.add" in text) == split  # the last split to arrive adds them
@@ -324,8 +385,10 @@ def test_planar_weight_bytes_are_read_with_16_byte_loads():
         gemv_loads, dot_loads = _weight_loads(gemv), _weight_loads(dot)
         assert "ld.global.b8" not in gemv_loads and "ld.global.b8" not in dot_loads, (qtype.name, gemv_loads, dot_loads)
         assert gemv_loads.get("ld.global.v4.b32", 0) >= quant_bytes[qtype] // 128 // 16, (qtype.name, gemv_loads)
-        assert dot_loads.get("cp.async.cg.shared.global 16", 0) >= quant_bytes[qtype] // 2 // 128 // 16, \
-            (qtype.name, dot_loads)
+        assert dot_loads.get("cp.async.cg.shared.global 16", 0) >= quant_bytes[qtype] // 2 // 128 // 16, (
+            qtype.name,
+            dot_loads,
+        )
 
 
 def test_alignment_facts_must_name_kernel_arguments():
@@ -339,8 +402,13 @@ def test_shared_x_gemv_reads_x_once_per_program():
     through shared memory; the weight's 16-byte loads are the same in both."""
     types = (Q.Q8_0, Q.Q4_K, Q.Q6_K)
     aligned = ALIGNED_WEIGHT + ("x_ptr",)
-    ptx = compile_for_hopper([_case(t, 1, 32, 1, divisible_by_16=d, shared_x=shared) for shared, d in
-                              ((False, ALIGNED_WEIGHT), (False, aligned), (True, aligned)) for t in types])
+    ptx = compile_for_hopper(
+        [
+            _case(t, 1, 32, 1, divisible_by_16=d, shared_x=shared)
+            for shared, d in ((False, ALIGNED_WEIGHT), (False, aligned), (True, aligned))
+            for t in types
+        ]
+    )
     for index, qtype in enumerate(types):
         weight_only, per_row, shared = (_weight_loads(ptx[index + 3 * form]) for form in range(3))
         wide = weight_only["ld.global.v4.b32"]
@@ -369,8 +437,11 @@ def test_method_merges_same_type_shards_and_launches_once_per_group(gemma3_gguf_
     tol = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     launches = []
     real = matmul_module.gguf_matmul
-    monkeypatch.setattr(matmul_module, "gguf_matmul", lambda x, w, qtype, n, *a, **kw: launches.append(n) or
-                        real(x, w, qtype, n, *a, **kw))
+    monkeypatch.setattr(
+        matmul_module,
+        "gguf_matmul",
+        lambda x, w, qtype, n, *a, **kw: launches.append(n) or real(x, w, qtype, n, *a, **kw),
+    )
     torch.testing.assert_close(method.linear_packed(qkv, x), expected, **tol)
     assert launches == qkv.gguf_rows  # one per shard in the file's layout
     file_bytes = [getattr(qkv, f"gguf_weight_{i}").clone() for i in range(3)]

@@ -17,17 +17,35 @@ from gguf import GGMLQuantizationType as Q
 from framework import LLM, SamplingParams
 from framework.testing import capture_logits, check_logits_parity, interpreted, reference_greedy, write_tiny_model
 
-SMALL = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False, num_experts=8,
-             num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96, rope_theta=10000.0)
+SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    intermediate_size=96,
+    rope_theta=10000.0,
+)
 CONFIGS = {
     "qwen2moe": lambda: transformers.Qwen2MoeConfig(**SMALL, shared_expert_intermediate_size=64, mlp_only_layers=[1]),
     "qwen3moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=32, norm_topk_prob=True),
 }
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 53))]
 
-_ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-              "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+_ATTENTION = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "q_norm": "attn_q_norm",
+    "k_norm": "attn_k_norm",
+}
 _SHARED = {"gate_proj": "ffn_gate_shexp", "up_proj": "ffn_up_shexp", "down_proj": "ffn_down_shexp"}
 
 
@@ -46,7 +64,11 @@ def gguf_tensors(model) -> dict[str, tuple[str, int | None, torch.Tensor]]:
         else:
             block, kind, rest = f"blk.{parts[2]}", parts[3], parts[4:]
             if kind in ("input_layernorm", "post_attention_layernorm"):
-                tensors[f"{block}.{'attn_norm' if kind == 'input_layernorm' else 'ffn_norm'}.weight"] = (name, None, tensor)
+                tensors[f"{block}.{'attn_norm' if kind == 'input_layernorm' else 'ffn_norm'}.weight"] = (
+                    name,
+                    None,
+                    tensor,
+                )
             elif kind == "self_attn":
                 tensors[f"{block}.{_ATTENTION[rest[0]]}.{rest[1]}"] = (name, None, tensor)
             elif rest[0] == "experts" and rest[1] == "gate_up_proj":  # [E, 2I, H] -> gate and up stacks
@@ -137,7 +159,9 @@ def test_gguf_moe_gives_the_logits_of_the_safetensors_checkpoint(tiny_moe):
     llm = LLM(str(folder / "model-f32.gguf"), num_blocks=16)
     assert llm.engine.model_config.architecture == type(reference).__name__
     layers = llm.engine.core.runner.model.model.layers
-    assert [hasattr(layer.mlp, "experts") for layer in layers] == [hasattr(layer.mlp, "experts") for layer in reference.model.layers]
+    assert [hasattr(layer.mlp, "experts") for layer in layers] == [
+        hasattr(layer.mlp, "experts") for layer in reference.model.layers
+    ]
     from_gguf = engine_logits(folder / "model-f32.gguf", PROMPTS)
     from_safetensors = engine_logits(folder / "safetensors", PROMPTS)
     torch.testing.assert_close(from_gguf, from_safetensors, rtol=1e-5, atol=1e-5)
@@ -153,8 +177,9 @@ def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny
     arch, folder, reference = tiny_moe
     stored = write_gguf(folder / "model-q8.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
     # transformers' model holding exactly the values the file holds
-    dequantized = transformers.AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32,
-                                                                attn_implementation="eager").eval()
+    dequantized = transformers.AutoModelForCausalLM.from_config(
+        reference.config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     state = hf_state_from(reference, stored)
     down = "model.layers.0.mlp.experts.down_proj"
     assert not torch.equal(state[down], reference.state_dict()[down])  # quantization changed the values
@@ -162,12 +187,17 @@ def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny
     monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
     model = check_logits_parity(folder / "model-q8.gguf", dequantized, PROMPTS).engine.core.runner.model
     packed = check_kept_packed(model)
-    quantized = {name for name, module in model.named_modules()
-                 if name in packed and {t.name for t in module.gguf_types} == {"Q8_0"}}
+    quantized = {
+        name
+        for name, module in model.named_modules()
+        if name in packed and {t.name for t in module.gguf_types} == {"Q8_0"}
+    }
     sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
     assert sparse and {f"model.layers.{i}.mlp.gate" for i in sparse} <= quantized
     if arch == "qwen2moe":
-        assert {f"model.layers.{i}.mlp.shared_expert.{p}" for i in sparse for p in ("gate_up_proj", "down_proj")} <= quantized
+        assert {
+            f"model.layers.{i}.mlp.shared_expert.{p}" for i in sparse for p in ("gate_up_proj", "down_proj")
+        } <= quantized
     experts = [module for module in model.modules() if isinstance(module, FusedMoE)]
     assert len(experts) == len(sparse)
     for index, layer in zip(sparse, experts, strict=True):
@@ -177,8 +207,9 @@ def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny
             packed = getattr(layer, f"gguf_{shard}")
             assert packed.dtype == torch.uint8
             values = gguf.quants.dequantize(packed.numpy(), Q.Q8_0)  # gguf-py's own decoding of the kept bytes
-            torch.testing.assert_close(torch.from_numpy(values), stored[f"blk.{index}.ffn_{projection}_exps.weight"],
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                torch.from_numpy(values), stored[f"blk.{index}.ffn_{projection}_exps.weight"], rtol=0, atol=0
+            )
 
 
 def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):
@@ -186,8 +217,9 @@ def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):
     blocks, the dequantized expert stacks sliced along their intermediate features per rank."""
     arch, folder, reference = tiny_moe
     stored = write_gguf(folder / "model-q8-tp.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
-    dequantized = transformers.AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32,
-                                                                attn_implementation="eager").eval()
+    dequantized = transformers.AutoModelForCausalLM.from_config(
+        reference.config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     dequantized.load_state_dict(hf_state_from(reference, stored))
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(str(folder / "model-q8-tp.gguf"), device="cpu", num_blocks=16, tensor_parallel_size=2) as llm:
@@ -207,7 +239,9 @@ def test_quantized_experts_load_lazily_into_the_model_dtype(tiny_moe):
     stored = write_gguf(path, arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
     lazy = {name for name, tensor in GGUFFormat(path).iter_weights() if isinstance(tensor, GGUFTensorSlice)}
     sparse = [i for i, layer in enumerate(reference.model.layers) if hasattr(layer.mlp, "experts")]
-    assert lazy == {f"model.layers.{i}.mlp.experts.{p}.weight" for i in sparse for p in ("gate_proj", "up_proj", "down_proj")}
+    assert lazy == {
+        f"model.layers.{i}.mlp.experts.{p}.weight" for i in sparse for p in ("gate_proj", "up_proj", "down_proj")
+    }
     llm = LLM(str(path), dtype="bf16", num_blocks=16)
     for i in sparse:
         experts = llm.engine.core.runner.model.model.layers[i].mlp.experts
@@ -230,8 +264,9 @@ def test_packed_experts_in_cuda_graphs_give_the_greedy_ids_of_transformers(tiny_
         pytest.skip("needs a CUDA device")
     arch, folder, reference = tiny_moe
     stored = write_gguf(folder / "model-q8-gpu.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
-    dequantized = transformers.AutoModelForCausalLM.from_config(reference.config, dtype=torch.float32,
-                                                                attn_implementation="eager").eval()
+    dequantized = transformers.AutoModelForCausalLM.from_config(
+        reference.config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     dequantized.load_state_dict(hf_state_from(reference, stored))
     prompts = [*PROMPTS, *([3 + i, 17, 29 + i] for i in range(4))]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -39,8 +39,9 @@ GEMV = MoEKernelConfig(block_m=1, block_n_gate_up=256, block_n_down=256)
 DOT = MoEKernelConfig(block_m=16, block_n_gate_up=256, block_n_down=256)
 
 
-def _stack(qtype: Q, experts: int, rows: int, cols: int, seed: int, random_packed, planar: bool = False,
-           device: str = "cpu") -> PackedExperts:
+def _stack(
+    qtype: Q, experts: int, rows: int, cols: int, seed: int, random_packed, planar: bool = False, device: str = "cpu"
+) -> PackedExperts:
     """Random packed experts (small scales: the SwiGLU stays in its interesting range), the file's
     layout or planar per expert, with the reference's decoder of either."""
     data = torch.from_numpy(random_packed(qtype, experts * rows, cols, seed=seed, scale_exponents=(-3, -1)))
@@ -59,14 +60,16 @@ def _stack(qtype: Q, experts: int, rows: int, cols: int, seed: int, random_packe
 def _routing(num_tokens: int, top_k: int, chosen: list[int], seed: int, device: str = "cpu"):
     """Each token's ``top_k`` distinct experts among ``chosen`` (the others get no token) and weights."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.tensor(chosen)[torch.randperm(len(chosen), generator=generator)[:top_k]]
-                       for _ in range(num_tokens)])
+    ids = torch.stack(
+        [torch.tensor(chosen)[torch.randperm(len(chosen), generator=generator)[:top_k]] for _ in range(num_tokens)]
+    )
     weights = torch.rand(num_tokens, top_k, generator=generator)
     return weights.to(device), ids.to(device)
 
 
-def _check(types, hidden_size, inter, experts, num_tokens, top_k, random_packed, config=None, planar=False,
-           chosen=None, seed=0):
+def _check(
+    types, hidden_size, inter, experts, num_tokens, top_k, random_packed, config=None, planar=False, chosen=None, seed=0
+):
     """The kernel against the reference op and against dequantize-then-fused_moe, in fp64 terms."""
     gate, up, down = types
     w1 = _stack(gate, experts, inter, hidden_size, seed + 1, random_packed, planar)
@@ -94,15 +97,20 @@ def _k(qtype: Q) -> int:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_moe_kernel_of_every_type_matches_the_reference(qtype, random_packed):
     # tensor-core blocks; expert 2 of 4 gets no token
-    _check((qtype, qtype, qtype), _k(qtype), _k(qtype), 4, 3, 2, random_packed, DOT, chosen=[0, 1, 3],
-           seed=int(qtype))
+    _check((qtype, qtype, qtype), _k(qtype), _k(qtype), 4, 3, 2, random_packed, DOT, chosen=[0, 1, 3], seed=int(qtype))
 
 
 @interpreted
-@pytest.mark.parametrize(("types", "config", "planar"), [
-    ((Q.Q4_K, Q.Q4_K, Q.Q6_K), GEMV, True), ((Q.Q4_K, Q.Q4_K, Q.Q6_K), DOT, False),
-    ((Q.Q5_K, Q.Q8_0, Q.Q4_0), GEMV, False), ((Q.Q5_K, Q.Q8_0, Q.Q4_0), DOT, True),
-], ids=["Q4_K_M-gemv-planar", "Q4_K_M-dot-gguf", "mixed-gemv-gguf", "mixed-dot-planar"])
+@pytest.mark.parametrize(
+    ("types", "config", "planar"),
+    [
+        ((Q.Q4_K, Q.Q4_K, Q.Q6_K), GEMV, True),
+        ((Q.Q4_K, Q.Q4_K, Q.Q6_K), DOT, False),
+        ((Q.Q5_K, Q.Q8_0, Q.Q4_0), GEMV, False),
+        ((Q.Q5_K, Q.Q8_0, Q.Q4_0), DOT, True),
+    ],
+    ids=["Q4_K_M-gemv-planar", "Q4_K_M-dot-gguf", "mixed-gemv-gguf", "mixed-dot-planar"],
+)
 def test_moe_kernel_with_per_projection_types_in_both_forms_and_layouts(types, config, planar, random_packed):
     """Q4_K_M's experts (Q4_K gate/up, Q6_K down), and gate / up / down of three types (K steps of
     one 256-value block and of eight 32-value blocks side by side)."""
@@ -120,8 +128,19 @@ def test_moe_kernel_from_one_token_to_64_at_top_k_1_to_8(num_tokens, top_k, rand
     config = moe_config(pairs)
     assert config.block_m == (1 if pairs <= 64 else 16 if pairs <= 256 else 32)
     config = dataclasses.replace(config, block_n_gate_up=64, block_n_down=64)
-    _check((Q.Q4_0, Q.Q4_0, Q.Q8_0), 64, 64, 16, num_tokens, top_k, random_packed, config, planar=True,
-           chosen=chosen, seed=num_tokens * 10 + top_k)
+    _check(
+        (Q.Q4_0, Q.Q4_0, Q.Q8_0),
+        64,
+        64,
+        16,
+        num_tokens,
+        top_k,
+        random_packed,
+        config,
+        planar=True,
+        chosen=chosen,
+        seed=num_tokens * 10 + top_k,
+    )
 
 
 def test_planar_experts_round_trip(random_packed):
@@ -141,8 +160,10 @@ def test_other_formats_and_activations_go_to_the_reference(monkeypatch, random_p
     assert quantized_fused_moe(hidden, w, w, other, topk_weights, topk_ids) == "reference"
     biased = MoEActivation(w13_bias=torch.zeros(2, 64))
     assert quantized_fused_moe(hidden, w, w, w, topk_weights, topk_ids, biased) == "reference"
-    assert quantized_fused_moe(hidden, w, w._replace(quant_type="gguf-planar:Q8_0"), w, topk_weights,
-                               topk_ids) == "reference"  # gate and up in two layouts
+    assert (
+        quantized_fused_moe(hidden, w, w._replace(quant_type="gguf-planar:Q8_0"), w, topk_weights, topk_ids)
+        == "reference"
+    )  # gate and up in two layouts
     assert len(calls) == 3
     assert moe_module.parse_quant_type("gguf:Q4_K") == (False, Q.Q4_K)
     assert moe_module.parse_quant_type("gguf-planar:Q6_K") == (True, Q.Q6_K)
@@ -153,8 +174,10 @@ def test_other_formats_and_activations_go_to_the_reference(monkeypatch, random_p
 def test_geglu_experts_are_multiplied_as_geglu(random_packed):
     """The kernels compute SiLU-and-mul only: a GeGLU activation (Gemma 4's experts) gets GeGLU's values."""
     w1, w3, w2 = (_stack(Q.Q8_0, 2, 32, 32, seed, random_packed) for seed in (1, 2, 3))
-    hidden, (topk_weights, topk_ids) = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)), _routing(
-        2, 1, [0, 1], 0)
+    hidden, (topk_weights, topk_ids) = (
+        torch.randn(2, 32, generator=torch.Generator().manual_seed(0)),
+        _routing(2, 1, [0, 1], 0),
+    )
     geglu = MoEActivation(gelu_tanh=True)
     got = quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, geglu, config=GEMV)
     reference = ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, geglu)
@@ -169,8 +192,11 @@ def test_stacks_whose_bytes_do_not_match_their_features_are_refused(random_packe
     with pytest.raises(ValueError, match=r"gguf:Q8_0 experts need contiguous uint8 \[E, rows, 32 // 32 \* 34\]"):
         quantized_fused_moe(hidden, w, w, w._replace(in_features=32), topk_weights, topk_ids)
     down = _stack(Q.Q8_0, 2, 64, 64, 2, random_packed)  # width 64 where the gate/up stacks have 32 rows
-    with pytest.raises(ValueError, match=r"w2: expected 2 experts of \[64, 32\] for hidden 64 and width 32, got 2 of "
-                                         r"\[64, 64\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"w2: expected 2 experts of \[64, 32\] for hidden 64 and width 32, got 2 of "
+        r"\[64, 64\]",
+    ):
         quantized_fused_moe(hidden, w, w, down, topk_weights, topk_ids)
     with pytest.raises(ValueError, match="block_m is 1 .* or a power of two >= 16"):
         MoEKernelConfig(block_m=8, block_n_gate_up=16, block_n_down=16)
@@ -206,26 +232,46 @@ ALIGNED = ("w1_ptr", "w3_ptr", "w2_ptr", "stride_w1e", "stride_w3e", "stride_w2e
 
 def _meta(qtype: Q, suffix: str = "") -> dict:
     groups, size = GROUPS[qtype]
-    return {f"QTYPE{suffix}": int(qtype), f"G{suffix}": groups, f"S{suffix}": size, f"NB{suffix}": 256 // (groups * size)}
+    return {
+        f"QTYPE{suffix}": int(qtype),
+        f"G{suffix}": groups,
+        f"S{suffix}": size,
+        f"NB{suffix}": 256 // (groups * size),
+    }
 
 
 def _gate_up(qtype, block_m, block_n, warps):
-    return HopperCompile("fw_gguf.kernels.moe:_gate_up_kernel",
-                         {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "act_ptr": "*bf16",
-                          "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i64"},
-                         dict(PLANAR=True, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype, "1"),
-                              **_meta(qtype, "3")),
-                         options=dict(num_warps=warps, num_stages=2),
-                         divisible_by_16=tuple(a for a in ALIGNED if a not in ("w2_ptr", "stride_w2e")))
+    return HopperCompile(
+        "fw_gguf.kernels.moe:_gate_up_kernel",
+        {
+            "x_ptr": "*bf16",
+            "w1_ptr": "*u8",
+            "w3_ptr": "*u8",
+            "act_ptr": "*bf16",
+            "sorted_ids_ptr": "*i32",
+            "expert_ids_ptr": "*i64",
+        },
+        dict(PLANAR=True, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype, "1"), **_meta(qtype, "3")),
+        options=dict(num_warps=warps, num_stages=2),
+        divisible_by_16=tuple(a for a in ALIGNED if a not in ("w2_ptr", "stride_w2e")),
+    )
 
 
 def _down(qtype, block_m, block_n, warps):
-    return HopperCompile("fw_gguf.kernels.moe:_down_kernel",
-                         {"act_ptr": "*bf16", "w2_ptr": "*u8", "out_ptr": "*bf16", "weights_ptr": "*fp32",
-                          "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i64"},
-                         dict(PLANAR=True, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype)),
-                         options=dict(num_warps=warps, num_stages=2),
-                         divisible_by_16=("w2_ptr", "stride_w2e", "H", "INTER"))
+    return HopperCompile(
+        "fw_gguf.kernels.moe:_down_kernel",
+        {
+            "act_ptr": "*bf16",
+            "w2_ptr": "*u8",
+            "out_ptr": "*bf16",
+            "weights_ptr": "*fp32",
+            "sorted_ids_ptr": "*i32",
+            "expert_ids_ptr": "*i64",
+        },
+        dict(PLANAR=True, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype)),
+        options=dict(num_warps=warps, num_stages=2),
+        divisible_by_16=("w2_ptr", "stride_w2e", "H", "INTER"),
+    )
 
 
 def _loads(ptx: str) -> dict[str, int]:
@@ -266,8 +312,10 @@ QWEN3_30B_A3B = (128, 8, 2048, 768)
 def _qwen3_stacks(random_packed) -> list[PackedExperts]:
     experts, _, hidden_size, inter = QWEN3_30B_A3B
     shapes = ((Q.Q4_K, inter, hidden_size), (Q.Q4_K, inter, hidden_size), (Q.Q6_K, hidden_size, inter))
-    return [_stack(t, experts, rows, cols, i, random_packed, planar=True, device="cuda")
-            for i, (t, rows, cols) in enumerate(shapes)]
+    return [
+        _stack(t, experts, rows, cols, i, random_packed, planar=True, device="cuda")
+        for i, (t, rows, cols) in enumerate(shapes)
+    ]
 
 
 def _qwen3_routing(num_tokens, seed=0):

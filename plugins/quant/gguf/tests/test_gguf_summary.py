@@ -23,8 +23,13 @@ def test_summary_gives_packed_weight_memory_beside_the_file_size(smollm2_gguf_pa
     rotary = config.max_model_len * config.head_size * 4
     assert summary["weight_bytes"] == packed + norms + rotary
     assert summary["checkpoint_bytes"] == smollm2_gguf_path.stat().st_size
-    ready = Ready(summary=msgspec.json.decode(msgspec.json.encode(summary)), max_model_len=config.max_model_len,
-                  vocab_size=config.vocab_size, eos_token_ids=[], tokenizer=TokenizerSpec(tokenizer_json="{}"))
+    ready = Ready(
+        summary=msgspec.json.decode(msgspec.json.encode(summary)),
+        max_model_len=config.max_model_len,
+        vocab_size=config.vocab_size,
+        eos_token_ids=[],
+        tokenizer=TokenizerSpec(tokenizer_json="{}"),
+    )
     weights = f"{summary['weight_bytes'] / 2**30:.2f} GiB (file {smollm2_gguf_path.stat().st_size / 2**30:.2f} GiB)"
     assert f"  weights    {weights}" in format_summary(ready).splitlines()
     llm.close()

@@ -36,18 +36,24 @@ def dense(tensor: torch.Tensor, qtype: Q, rows: int, cols: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F16])
 def test_qkv_ranks_hold_their_heads_and_the_replicated_kv_head(random_packed, qtype):
     head, hidden = 32, 256  # 4 query heads, 2 KV heads over 4 ranks: each KV head on 2 ranks
-    full = {"q": packed(random_packed, qtype, 4 * head, hidden, 1), "k": packed(random_packed, qtype, 2 * head, hidden, 2),
-            "v": packed(random_packed, qtype, 2 * head, hidden, 3)}
+    full = {
+        "q": packed(random_packed, qtype, 4 * head, hidden, 1),
+        "k": packed(random_packed, qtype, 2 * head, hidden, 2),
+        "v": packed(random_packed, qtype, 2 * head, hidden, 3),
+    }
     whole = {name: dense(t, qtype, t.shape[0], hidden) for name, t in full.items()}
     for rank in range(4):
-        layer = QKVParallelLinear(hidden, head, 4, 2, quant_config=OneMethod([(s, qtype.name) for s in "qkv"]),
-                                  tp_size=4, tp_rank=rank)
+        layer = QKVParallelLinear(
+            hidden, head, 4, 2, quant_config=OneMethod([(s, qtype.name) for s in "qkv"]), tp_size=4, tp_rank=rank
+        )
         for shard, tensor in full.items():
             layer.weight.weight_loader(layer.weight, tensor, shard)
         q, k, v = layer.linear_method.dequantized(layer, torch.float32).split([head, head, head])
         kv = rank // 2
-        assert torch.equal(q, whole["q"][rank * head:(rank + 1) * head])
-        assert torch.equal(k, whole["k"][kv * head:(kv + 1) * head]) and torch.equal(v, whole["v"][kv * head:(kv + 1) * head])
+        assert torch.equal(q, whole["q"][rank * head : (rank + 1) * head])
+        assert torch.equal(k, whole["k"][kv * head : (kv + 1) * head]) and torch.equal(
+            v, whole["v"][kv * head : (kv + 1) * head]
+        )
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.F32])

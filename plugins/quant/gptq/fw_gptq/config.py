@@ -59,15 +59,19 @@ class WNA16Scheme:
         return in_features if self.group_size == -1 else self.group_size
 
 
-def check_bits_and_group(method: str, bits: Any, group_size: Any, valid_bits=SUPPORTED_BITS,
-                         valid_groups=SUPPORTED_GROUP_SIZES) -> tuple[int, int]:
+def check_bits_and_group(
+    method: str, bits: Any, group_size: Any, valid_bits=SUPPORTED_BITS, valid_groups=SUPPORTED_GROUP_SIZES
+) -> tuple[int, int]:
     """``(bits, group_size)`` when fw builds them, else a ConfigError listing what it does."""
     if bits not in valid_bits:
-        raise ConfigError(f"{method}: {bits}-bit weights are not supported; supported bits: "
-                          f"{', '.join(map(str, valid_bits))}")
+        raise ConfigError(
+            f"{method}: {bits}-bit weights are not supported; supported bits: {', '.join(map(str, valid_bits))}"
+        )
     if group_size not in valid_groups:
-        raise ConfigError(f"{method}: group size {group_size} is not supported; supported: "
-                          f"{', '.join(map(str, valid_groups))} (-1: one group per output channel)")
+        raise ConfigError(
+            f"{method}: group size {group_size} is not supported; supported: "
+            f"{', '.join(map(str, valid_groups))} (-1: one group per output channel)"
+        )
     return int(bits), int(group_size)
 
 
@@ -88,8 +92,10 @@ class WNA16Config(QuantConfig):
         dtypes = ACT_DTYPES_CUDA if device_type == "cuda" else ACT_DTYPES
         if model_config.dtype not in dtypes:
             names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-            raise ConfigError(f"{self.get_name()} weights run with activations in {names} on {device_type}, not "
-                              f"{str(model_config.dtype).removeprefix('torch.')} (choose one with --dtype)")
+            raise ConfigError(
+                f"{self.get_name()} weights run with activations in {names} on {device_type}, not "
+                f"{str(model_config.dtype).removeprefix('torch.')} (choose one with --dtype)"
+            )
 
     def is_skipped(self, prefix: str) -> bool:
         leaf = prefix.rpartition(".")[2]
@@ -126,25 +132,30 @@ class GPTQConfig(WNA16Config):
     @classmethod
     def from_config(cls, config: dict[str, Any], model_config: Any = None) -> GPTQConfig:
         bits, group_size = check_bits_and_group("gptq", config.get("bits"), config.get("group_size", -1))
-        checkpoint_format = str(config.get("checkpoint_format", config.get("format", "gptq"))).lower()  # GPTQModel: either
+        checkpoint_format = str(
+            config.get("checkpoint_format", config.get("format", "gptq"))
+        ).lower()  # GPTQModel: either
         if config.get("is_marlin_format"):
             checkpoint_format = "marlin"
         if checkpoint_format not in ("gptq", "gptq_v2", "marlin"):
-            raise ConfigError(f"gptq: checkpoint_format {checkpoint_format!r} is not supported; supported: gptq, "
-                              "gptq_v2, marlin")
+            raise ConfigError(
+                f"gptq: checkpoint_format {checkpoint_format!r} is not supported; supported: gptq, gptq_v2, marlin"
+            )
         desc_act, symmetric = bool(config.get("desc_act", False)), bool(config.get("sym", True))
         if checkpoint_format == "marlin":
             if bits != 4 or group_size not in (128, -1) or desc_act or not symmetric:
-                raise ConfigError(f"gptq marlin format: only 4-bit symmetric weights, group size 128 or -1, without "
-                                  f"desc_act are stored in Marlin's layout; got bits={bits} group_size={group_size} "
-                                  f"desc_act={desc_act} sym={symmetric}")
+                raise ConfigError(
+                    f"gptq marlin format: only 4-bit symmetric weights, group size 128 or -1, without "
+                    f"desc_act are stored in Marlin's layout; got bits={bits} group_size={group_size} "
+                    f"desc_act={desc_act} sym={symmetric}"
+                )
             scheme = WNA16Scheme("marlin", 4, group_size)
         else:
-            scheme = WNA16Scheme("gptq", bits, group_size, symmetric, desc_act,
-                                 zero_offset=0 if checkpoint_format == "gptq_v2" else 1)
+            scheme = WNA16Scheme(
+                "gptq", bits, group_size, symmetric, desc_act, zero_offset=0 if checkpoint_format == "gptq_v2" else 1
+            )
         skipped = list(config.get("modules_to_not_convert") or [])
         return cls(scheme, skipped, lm_head=bool(config.get("lm_head", False)))
-
 
     @classmethod
     def for_isq(cls, isq_type: str, model_config: Any, weight_shapes: dict[str, tuple[int, ...]]) -> GPTQConfig:
@@ -200,25 +211,30 @@ class CompressedTensorsConfig(WNA16Config):
     def from_config(cls, config: dict[str, Any], model_config: Any = None) -> CompressedTensorsConfig:
         fmt = config.get("format", "pack-quantized")
         if fmt != "pack-quantized":
-            raise ConfigError(f"compressed-tensors: format {fmt!r} is not supported; supported: pack-quantized "
-                              "(W4A16 / W8A16)")
+            raise ConfigError(
+                f"compressed-tensors: format {fmt!r} is not supported; supported: pack-quantized (W4A16 / W8A16)"
+            )
         groups = list((config.get("config_groups") or {}).values())
         if len(groups) != 1:
             raise ConfigError(f"compressed-tensors: {len(groups)} config_groups; fw supports one scheme per checkpoint")
         group = groups[0]
         weights = group.get("weights") or {}
         if group.get("input_activations") is not None:
-            raise ConfigError("compressed-tensors: quantized input activations are not supported; supported: "
-                              "weight-only W4A16 / W8A16")
+            raise ConfigError(
+                "compressed-tensors: quantized input activations are not supported; supported: "
+                "weight-only W4A16 / W8A16"
+            )
         if weights.get("type", "int") != "int":
-            raise ConfigError(f"compressed-tensors: weight type {weights.get('type')!r} is not supported; supported: int")
+            raise ConfigError(
+                f"compressed-tensors: weight type {weights.get('type')!r} is not supported; supported: int"
+            )
         strategy = weights.get("strategy", "group")
         if strategy not in ("group", "channel"):
             raise ConfigError(f"compressed-tensors: strategy {strategy!r} is not supported; supported: group, channel")
         group_size = -1 if strategy == "channel" else weights.get("group_size")
         bits, group_size = check_bits_and_group("compressed-tensors", weights.get("num_bits"), group_size)
         actorder = weights.get("actorder")
-        scheme = WNA16Scheme("compressed", bits, group_size, bool(weights.get("symmetric", True)),
-                             desc_act=actorder == "group")  # "weight" order is baked into the weights: no g_idx
+        scheme = WNA16Scheme(
+            "compressed", bits, group_size, bool(weights.get("symmetric", True)), desc_act=actorder == "group"
+        )  # "weight" order is baked into the weights: no g_idx
         return cls(scheme, config.get("ignore"))
-

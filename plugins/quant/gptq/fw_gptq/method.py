@@ -49,15 +49,22 @@ def decode_checkpoint(scheme: WNA16Scheme, tensors: dict[str, Tensor], k: int, w
     group = scheme.group_width(k) if scheme.group_size == -1 else scheme.group_size
     if scheme.format == "gptq":
         g_idx = tensors["g_idx"] if scheme.desc_act else None
-        weight = unpack_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, scheme.bits, group,
-                             scheme.zero_offset)
+        weight = unpack_gptq(
+            tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, scheme.bits, group, scheme.zero_offset
+        )
     elif scheme.format == "awq":
         weight = unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], group)
     elif scheme.format == "marlin":
         weight = unpack_marlin(tensors["B"], tensors["s"], group)
     else:
-        weight = unpack_compressed(tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point"),
-                                   tensors.get("weight_g_idx"), scheme.bits, group)
+        weight = unpack_compressed(
+            tensors["weight_packed"],
+            tensors["weight_scale"],
+            tensors.get("weight_zero_point"),
+            tensors.get("weight_g_idx"),
+            scheme.bits,
+            group,
+        )
     if weight.g_idx is not None:
         check_g_idx(weight.g_idx, weight.scales.shape[0], where)
     return weight
@@ -67,8 +74,10 @@ def check_g_idx(g_idx: Tensor, num_groups: int, where: str) -> None:
     """Refuse a ``g_idx`` naming a group the scales do not have."""
     low, high = int(g_idx.min()), int(g_idx.max())
     if low < 0 or high >= num_groups:
-        raise ConfigError(f"{where}: g_idx names groups {low}..{high} but the weight has {num_groups} groups of "
-                          "scales; the checkpoint's g_idx does not match its scales (desc_act / group_size)")
+        raise ConfigError(
+            f"{where}: g_idx names groups {low}..{high} but the weight has {num_groups} groups of "
+            "scales; the checkpoint's g_idx does not match its scales (desc_act / group_size)"
+        )
 
 
 class WNA16LinearMethod(LinearMethod):
@@ -80,8 +89,15 @@ class WNA16LinearMethod(LinearMethod):
     def __init__(self, scheme: WNA16Scheme) -> None:
         self.scheme = scheme
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
         where = getattr(layer, "prefix", "") or type(layer).__name__
         for size in output_partition_sizes:  # every fused shard must pack on its own
             checkpoint_params(self.scheme, input_size_per_partition, size, input_size, where)
@@ -133,7 +149,9 @@ class WNA16LinearMethod(LinearMethod):
                     shard[name] = tensor
                 else:
                     entries = tensor.shape[spec.out_axis]  # entries per feature: 2 (Marlin), 1 or 1/pf (packed)
-                    shard[name] = tensor.narrow(spec.out_axis, start * entries // sum(sizes), size * entries // sum(sizes))
+                    shard[name] = tensor.narrow(
+                        spec.out_axis, start * entries // sum(sizes), size * entries // sum(sizes)
+                    )
             parts.append(decode_checkpoint(self.scheme, shard, k, f"{layer.prefix} shard {index}"))
             start += size
         return join_columns(parts)
@@ -172,8 +190,14 @@ def join_columns(parts: list[IntWeight]) -> IntWeight:
     zeros = None
     if any(p.zeros is not None for p in parts):
         zeros = torch.cat([p.zero_values().to(torch.uint8) for p in parts], dim=1)
-    return IntWeight(torch.cat([p.q for p in parts], 1), torch.cat([p.scales for p in parts], 1), zeros, first.g_idx,
-                     first.bits, first.group_size)
+    return IntWeight(
+        torch.cat([p.q for p in parts], 1),
+        torch.cat([p.scales for p in parts], 1),
+        zeros,
+        first.g_idx,
+        first.bits,
+        first.group_size,
+    )
 
 
 def _discard(param: Tensor, loaded_weight: Tensor, shard_id=None) -> None:
@@ -192,5 +216,6 @@ def check_weight_shapes(layer: nn.Module, shapes: Tensor) -> None:
     for index, rows in enumerate(expected_rows):
         got = tuple(int(v) for v in shapes[index].tolist())
         if got != (rows, layer.input_size):
-            raise ConfigError(f"{layer.prefix}: weight_shape of shard {index} is {got}, the model expects "
-                              f"{(rows, layer.input_size)}")
+            raise ConfigError(
+                f"{layer.prefix}: weight_shape of shard {index} is {got}, the model expects {(rows, layer.input_size)}"
+            )

@@ -73,16 +73,17 @@ def stack_experts(weights: list[IntWeight]) -> tuple[Tensor, Tensor, str]:
     return data, side, grouping
 
 
-def dequantize_experts(bits: int, k: int, n: int, data: Tensor, side: Tensor, dtype: torch.dtype,
-                       perm_group_size: int | None = None) -> Tensor:
+def dequantize_experts(
+    bits: int, k: int, n: int, data: Tensor, side: Tensor, dtype: torch.dtype, perm_group_size: int | None = None
+) -> Tensor:
     """``[E', K/pf, N]`` words and ``[E', 2GN + K]`` side rows of :func:`stack_experts` -> ``[E', N, K]``
     weights in ``dtype``, in the layer's input order (``perm_group_size``: the group size of side rows
     ending with ``perm``; None: ending with each input's group)."""
     groups = (side.shape[1] - k) // (2 * n)
     q = unpack_along(data, bits, 1).float()  # [E', K, N]
-    scales = side[:, :groups * n].view(-1, groups, n)
-    zeros = side[:, groups * n:2 * groups * n].view(-1, groups, n)
-    last = side[:, 2 * groups * n:].long()  # [E', K]
+    scales = side[:, : groups * n].view(-1, groups, n)
+    zeros = side[:, groups * n : 2 * groups * n].view(-1, groups, n)
+    last = side[:, 2 * groups * n :].long()  # [E', K]
     permuted = perm_group_size is not None
     g = (torch.arange(k, device=side.device) // perm_group_size).expand_as(last) if permuted else last
     index = g.unsqueeze(-1).expand(-1, -1, n)
@@ -101,8 +102,14 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
     def __init__(self, scheme: WNA16Scheme) -> None:
         self.scheme = scheme
 
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+    ) -> None:
         width, full = intermediate_size_per_partition, layer.intermediate_size
         shapes = {"w13": (hidden_size, 2 * width, hidden_size), "w2": (width, hidden_size, full)}
         layer.wna16_names = {}
@@ -157,9 +164,16 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
         halves = {"w1": [], "w3": []}
         for weight in decoded["w13"]:  # the gate columns [0, I), the up columns [I, 2I)
             for shard, columns in (("w1", slice(0, width)), ("w3", slice(width, 2 * width))):
-                halves[shard].append(IntWeight(weight.q[:, columns], weight.scales[:, columns],
-                                               None if weight.zeros is None else weight.zeros[:, columns],
-                                               weight.g_idx, weight.bits, weight.group_size))
+                halves[shard].append(
+                    IntWeight(
+                        weight.q[:, columns],
+                        weight.scales[:, columns],
+                        None if weight.zeros is None else weight.zeros[:, columns],
+                        weight.g_idx,
+                        weight.bits,
+                        weight.group_size,
+                    )
+                )
         layer.wna16_grouping = {}
         for shard, weights in (*halves.items(), ("w2", decoded["w2"])):
             data, side, layer.wna16_grouping[shard] = stack_experts(weights)
@@ -169,13 +183,19 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
 
     def packed_experts(self, layer: nn.Module) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
         """``(gate, up, down)`` as the ``quantized_fused_moe`` op takes them."""
+
         def packed(shard: str) -> PackedExperts:
             k, n = layer.wna16_shapes[shard]
             grouping = layer.wna16_grouping[shard]
             size = int(grouping[4:]) if grouping.startswith("perm") else None
             decode = functools.partial(dequantize_experts, self.scheme.bits, k, n, perm_group_size=size)
-            return PackedExperts(getattr(layer, f"wna16_{shard}"), getattr(layer, f"wna16_side_{shard}"),
-                                 f"wna16:{self.scheme.bits}bit:{grouping}", k, decode)
+            return PackedExperts(
+                getattr(layer, f"wna16_{shard}"),
+                getattr(layer, f"wna16_side_{shard}"),
+                f"wna16:{self.scheme.bits}bit:{grouping}",
+                k,
+                decode,
+            )
 
         return packed("w1"), packed("w3"), packed("w2")
 
@@ -189,8 +209,12 @@ class WNA16FusedMoEMethod(FusedMoEMethod):
     def apply(self, layer: nn.Module, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if not layer.wna16_packed:
             return self.dense_fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        if not self.graph_safe and topk_ids.numel() > layer.num_experts and hidden.is_cuda \
-                and torch.cuda.is_current_stream_capturing():
+        if (
+            not self.graph_safe
+            and topk_ids.numel() > layer.num_experts
+            and hidden.is_cuda
+            and torch.cuda.is_current_stream_capturing()
+        ):
             w13, w2 = self.dequantize(layer, hidden.dtype)  # the reference's per-expert loop would sync in a graph
             return self.dense_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
         return self.fused_moe(hidden, *self.packed_experts(layer), topk_weights, topk_ids)

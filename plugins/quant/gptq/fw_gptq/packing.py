@@ -85,31 +85,43 @@ def unpack_along(words: Tensor, bits: int, dim: int) -> Tensor:
 
 # --- GPTQ ---------------------------------------------------------------------------------------
 
-def unpack_gptq(qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor | None, bits: int,
-                group_size: int, zero_offset: int) -> IntWeight:
+
+def unpack_gptq(
+    qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor | None, bits: int, group_size: int, zero_offset: int
+) -> IntWeight:
     """GPTQ tensors -> :class:`IntWeight`; ``zero_offset`` is 1 for ``checkpoint_format: gptq`` (zeros
     stored minus one) and 0 for ``gptq_v2``."""
     q = unpack_along(qweight, bits, 0)
-    zeros = (unpack_along(qzeros, bits, 1).to(torch.int32) + zero_offset) & ((1 << bits) - 1) \
-        if zero_offset else unpack_along(qzeros, bits, 1)
-    return IntWeight(q, scales.float(), zeros.to(torch.uint8), None if g_idx is None else g_idx.long(), bits,
-                     group_size)
+    zeros = (
+        (unpack_along(qzeros, bits, 1).to(torch.int32) + zero_offset) & ((1 << bits) - 1)
+        if zero_offset
+        else unpack_along(qzeros, bits, 1)
+    )
+    return IntWeight(
+        q, scales.float(), zeros.to(torch.uint8), None if g_idx is None else g_idx.long(), bits, group_size
+    )
 
 
 def pack_gptq(weight: IntWeight, zero_offset: int = 1) -> dict[str, Tensor]:
     """:class:`IntWeight` -> ``{qweight, qzeros, scales (fp16), g_idx}`` (v1 convention for offset 1).
     A zero of 0 has no v1 encoding (it would store -1); such weights need ``gptq_v2``."""
-    zeros = weight.zeros.to(torch.int32) if weight.zeros is not None else torch.full_like(
-        weight.scales, 2 ** (weight.bits - 1), dtype=torch.int32)
+    zeros = (
+        weight.zeros.to(torch.int32)
+        if weight.zeros is not None
+        else torch.full_like(weight.scales, 2 ** (weight.bits - 1), dtype=torch.int32)
+    )
     if zero_offset and bool((zeros == 0).any()):
         raise ValueError("a zero point of 0 cannot be stored in checkpoint_format gptq (v1); use gptq_v2")
-    return {"qweight": pack_along(weight.q, weight.bits, 0),
-            "qzeros": pack_along((zeros - zero_offset).to(torch.uint8), weight.bits, 1),
-            "scales": weight.scales.to(torch.float16),
-            "g_idx": weight.group_of().to(torch.int32)}
+    return {
+        "qweight": pack_along(weight.q, weight.bits, 0),
+        "qzeros": pack_along((zeros - zero_offset).to(torch.uint8), weight.bits, 1),
+        "scales": weight.scales.to(torch.float16),
+        "g_idx": weight.group_of().to(torch.int32),
+    }
 
 
 # --- AWQ ----------------------------------------------------------------------------------------
+
 
 def _awq_columns(values: Tensor, inverse: bool) -> Tensor:
     """Reorder each run of 8 columns into (or, ``inverse``, out of) AWQ's nibble order."""
@@ -130,29 +142,41 @@ def unpack_awq(qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int)
 def pack_awq(weight: IntWeight) -> dict[str, Tensor]:
     """:class:`IntWeight` (4-bit, no g_idx) -> ``{qweight, qzeros, scales (fp16)}``."""
     zeros = weight.zeros if weight.zeros is not None else torch.full_like(weight.scales, 8, dtype=torch.uint8)
-    return {"qweight": pack_along(_awq_columns(weight.q, inverse=False), 4, 1),
-            "qzeros": pack_along(_awq_columns(zeros, inverse=False), 4, 1),
-            "scales": weight.scales.to(torch.float16)}
+    return {
+        "qweight": pack_along(_awq_columns(weight.q, inverse=False), 4, 1),
+        "qzeros": pack_along(_awq_columns(zeros, inverse=False), 4, 1),
+        "scales": weight.scales.to(torch.float16),
+    }
 
 
 # --- compressed-tensors pack-quantized ----------------------------------------------------------
 
-def unpack_compressed(weight_packed: Tensor, weight_scale: Tensor, weight_zero_point: Tensor | None,
-                      g_idx: Tensor | None, bits: int, group_size: int) -> IntWeight:
+
+def unpack_compressed(
+    weight_packed: Tensor,
+    weight_scale: Tensor,
+    weight_zero_point: Tensor | None,
+    g_idx: Tensor | None,
+    bits: int,
+    group_size: int,
+) -> IntWeight:
     """compressed-tensors ``pack-quantized`` tensors -> :class:`IntWeight` (the stored offset
     ``2 ** (bits - 1)`` is the symmetric zero, so the unsigned values are used as stored)."""
     q = unpack_along(weight_packed, bits, 1).t().contiguous()
     zeros = None if weight_zero_point is None else unpack_along(weight_zero_point, bits, 0).t().contiguous()
-    return IntWeight(q, weight_scale.float().t().contiguous(), zeros, None if g_idx is None else g_idx.long(), bits,
-                     group_size)
+    return IntWeight(
+        q, weight_scale.float().t().contiguous(), zeros, None if g_idx is None else g_idx.long(), bits, group_size
+    )
 
 
 def pack_compressed(weight: IntWeight, dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
     """:class:`IntWeight` -> ``{weight_packed, weight_scale, weight_shape[, weight_zero_point]}``."""
     n = weight.q.shape[1]
-    out = {"weight_packed": pack_along(weight.q.t(), weight.bits, 1),
-           "weight_scale": weight.scales.t().contiguous().to(dtype),
-           "weight_shape": torch.tensor([n, weight.q.shape[0]], dtype=torch.int64)}
+    out = {
+        "weight_packed": pack_along(weight.q.t(), weight.bits, 1),
+        "weight_scale": weight.scales.t().contiguous().to(dtype),
+        "weight_shape": torch.tensor([n, weight.q.shape[0]], dtype=torch.int64),
+    }
     if weight.zeros is not None:
         out["weight_zero_point"] = pack_along(weight.zeros.t(), weight.bits, 0)
     return out
@@ -160,13 +184,17 @@ def pack_compressed(weight: IntWeight, dtype: torch.dtype = torch.bfloat16) -> d
 
 # --- Marlin (AutoGPTQ is_marlin_format) ---------------------------------------------------------
 
+
 def marlin_perms() -> tuple[Tensor, Tensor, Tensor]:
     """``(weight perm [1024], scale perm [64], channel-wise scale perm [32])`` of the Marlin layout: the
     order in which one 16x64 block of tiles' values feed its tensor-core fragments."""
     perm = []
     for i in range(32):
-        fragment = [16 * row + i // 4 + 8 * block for block in (0, 1)
-                    for row in (2 * (i % 4), 2 * (i % 4) + 1, 2 * (i % 4 + 4), 2 * (i % 4 + 4) + 1)]
+        fragment = [
+            16 * row + i // 4 + 8 * block
+            for block in (0, 1)
+            for row in (2 * (i % 4), 2 * (i % 4) + 1, 2 * (i % 4 + 4), 2 * (i % 4 + 4) + 1)
+        ]
         for j in range(4):
             perm.extend(p + 256 * j for p in fragment)
     interleave = np.array([0, 2, 4, 6, 1, 3, 5, 7])

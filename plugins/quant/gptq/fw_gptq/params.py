@@ -50,18 +50,30 @@ def checkpoint_params(scheme: WNA16Scheme, k: int, n: int, k_full: int, where: s
     group_axis = None if all_groups or scheme.group_size == -1 else 0
     check_sizes(scheme, k, n, where, k_full)
     if scheme.format == "gptq":
-        return [ParamSpec("qweight", (k // pf, n), i32, 0, 1), ParamSpec("qzeros", (groups, n // pf), i32, group_axis, 1),
-                ParamSpec("scales", (groups, n), torch.float32, group_axis, 1), ParamSpec("g_idx", (k,), i32, 0, None)]
+        return [
+            ParamSpec("qweight", (k // pf, n), i32, 0, 1),
+            ParamSpec("qzeros", (groups, n // pf), i32, group_axis, 1),
+            ParamSpec("scales", (groups, n), torch.float32, group_axis, 1),
+            ParamSpec("g_idx", (k,), i32, 0, None),
+        ]
     if scheme.format == "awq":
-        return [ParamSpec("qweight", (k, n // 8), i32, 0, 1), ParamSpec("qzeros", (groups, n // 8), i32, group_axis, 1),
-                ParamSpec("scales", (groups, n), torch.float32, group_axis, 1)]
+        return [
+            ParamSpec("qweight", (k, n // 8), i32, 0, 1),
+            ParamSpec("qzeros", (groups, n // 8), i32, group_axis, 1),
+            ParamSpec("scales", (groups, n), torch.float32, group_axis, 1),
+        ]
     if scheme.format == "marlin":
-        return [ParamSpec("B", (k // 16, 2 * n), i32, 0, 1), ParamSpec("s", (groups, n), torch.float32, group_axis, 1),
-                ParamSpec("workspace", (0,), i32, None, None, unused=True)]
+        return [
+            ParamSpec("B", (k // 16, 2 * n), i32, 0, 1),
+            ParamSpec("s", (groups, n), torch.float32, group_axis, 1),
+            ParamSpec("workspace", (0,), i32, None, None, unused=True),
+        ]
     ct_group_axis = None if group_axis is None else 1
-    specs = [ParamSpec("weight_packed", (n, k // pf), i32, 1, 0),
-             ParamSpec("weight_scale", (n, groups), torch.float32, ct_group_axis, 0),
-             ParamSpec("weight_shape", (2,), torch.int64, None, None, per_shard=True)]
+    specs = [
+        ParamSpec("weight_packed", (n, k // pf), i32, 1, 0),
+        ParamSpec("weight_scale", (n, groups), torch.float32, ct_group_axis, 0),
+        ParamSpec("weight_shape", (2,), torch.int64, None, None, per_shard=True),
+    ]
     if not scheme.symmetric:
         specs.append(ParamSpec("weight_zero_point", (n // pf, groups), i32, ct_group_axis, 0))
     if scheme.desc_act:
@@ -85,8 +97,12 @@ def check_sizes(scheme: WNA16Scheme, k: int, n: int, where: str, k_full: int | N
     if scheme.format == "compressed" and not scheme.symmetric and n % pf:
         problems.append(f"{n} output features do not fill whole int32 words of zero points ({pf} values)")
     if scheme.format == "marlin" and (k % 16 or n % 16 or (k * n) % 1024):
-        problems.append(f"Marlin tiles need input and output features divisible by 16 and whole blocks of 1024 "
-                        f"values, got {k} x {n}")
+        problems.append(
+            f"Marlin tiles need input and output features divisible by 16 and whole blocks of 1024 "
+            f"values, got {k} x {n}"
+        )
     if problems:
-        raise ConfigError(f"{where}: {scheme.format} {scheme.bits}-bit weights of this rank ({n} x {k}): "
-                          f"{'; '.join(problems)} (a smaller tensor-parallel size may help)")
+        raise ConfigError(
+            f"{where}: {scheme.format} {scheme.bits}-bit weights of this rank ({n} x {k}): "
+            f"{'; '.join(problems)} (a smaller tensor-parallel size may help)"
+        )

@@ -15,8 +15,9 @@ import torch
 AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def random_int_weight(n: int, k: int, bits: int, group_size: int, symmetric: bool, act_order: bool,
-                      generator: torch.Generator):
+def random_int_weight(
+    n: int, k: int, bits: int, group_size: int, symmetric: bool, act_order: bool, generator: torch.Generator
+):
     """``(q [K, N] int64, scales [G, N], zeros [G, N] or None, g_idx [K], W [N, K] float32)``."""
     group = k if group_size == -1 else group_size
     groups = k // group
@@ -62,15 +63,20 @@ def _pack_columns(values: np.ndarray, bits: int, order=None) -> np.ndarray:
 def write_gptq(q, scales, zeros, g_idx, bits: int, v2: bool = False) -> dict[str, torch.Tensor]:
     z = torch.full_like(scales, 2 ** (bits - 1), dtype=torch.int64) if zeros is None else zeros
     stored = (z - (0 if v2 else 1)).numpy()
-    return {"qweight": torch.from_numpy(_pack_rows(q.numpy(), bits)),
-            "qzeros": torch.from_numpy(_pack_columns(stored, bits)),
-            "scales": scales.half(), "g_idx": g_idx.to(torch.int32)}
+    return {
+        "qweight": torch.from_numpy(_pack_rows(q.numpy(), bits)),
+        "qzeros": torch.from_numpy(_pack_columns(stored, bits)),
+        "scales": scales.half(),
+        "g_idx": g_idx.to(torch.int32),
+    }
 
 
 def write_awq(q, scales, zeros) -> dict[str, torch.Tensor]:
-    return {"qweight": torch.from_numpy(_pack_columns(q.numpy(), 4, AWQ_ORDER_MAP)),
-            "qzeros": torch.from_numpy(_pack_columns(zeros.numpy(), 4, AWQ_ORDER_MAP)),
-            "scales": scales.half()}
+    return {
+        "qweight": torch.from_numpy(_pack_columns(q.numpy(), 4, AWQ_ORDER_MAP)),
+        "qzeros": torch.from_numpy(_pack_columns(zeros.numpy(), 4, AWQ_ORDER_MAP)),
+        "scales": scales.half(),
+    }
 
 
 def write_compressed(q, scales, zeros, bits: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -78,9 +84,11 @@ def write_compressed(q, scales, zeros, bits: int, dtype=torch.bfloat16) -> dict[
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     offset = 2 ** (bits - 1)
-    out = {"weight_packed": pack_to_int32((q.t() - offset).to(torch.int8).contiguous(), bits, packed_dim=1),
-           "weight_scale": scales.t().contiguous().to(dtype),
-           "weight_shape": torch.tensor([q.shape[1], q.shape[0]], dtype=torch.int64)}
+    out = {
+        "weight_packed": pack_to_int32((q.t() - offset).to(torch.int8).contiguous(), bits, packed_dim=1),
+        "weight_scale": scales.t().contiguous().to(dtype),
+        "weight_shape": torch.tensor([q.shape[1], q.shape[0]], dtype=torch.int64),
+    }
     if zeros is not None:
         out["weight_zero_point"] = pack_to_int32((zeros.t() - offset).to(torch.int8).contiguous(), bits, packed_dim=0)
     return out
@@ -122,5 +130,8 @@ def write_marlin(q, scales) -> dict[str, torch.Tensor]:
     packed = np.zeros((res.shape[0], res.shape[1] // 8), dtype=np.uint32)
     for i in range(8):
         packed |= res[:, i::8] << 4 * i
-    return {"B": torch.from_numpy(packed.view(np.int32)), "s": torch.from_numpy(s.copy()),
-            "workspace": torch.zeros(n // 128 * 16 if n >= 128 else 16, dtype=torch.int32)}
+    return {
+        "B": torch.from_numpy(packed.view(np.int32)),
+        "s": torch.from_numpy(s.copy()),
+        "workspace": torch.zeros(n // 128 * 16 if n >= 128 else 16, dtype=torch.int32),
+    }

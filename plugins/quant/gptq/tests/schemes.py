@@ -11,19 +11,29 @@ from reference_formats import random_int_weight, write_awq, write_compressed, wr
 class FormatScheme:
     """One format with one setting; ``block_size`` is a multiple of the group size."""
 
-    def __init__(self, fmt: str, bits: int = 4, group_size: int = 128, symmetric: bool = True,
-                 act_order: bool = False, v2: bool = False) -> None:
+    def __init__(
+        self,
+        fmt: str,
+        bits: int = 4,
+        group_size: int = 128,
+        symmetric: bool = True,
+        act_order: bool = False,
+        v2: bool = False,
+    ) -> None:
         self.fmt, self.bits, self.group_size, self.symmetric = fmt, bits, group_size, symmetric
         self.act_order, self.v2 = act_order, v2
         self.block_size = 128 if group_size in (-1, 128) else 2 * group_size
 
     def __repr__(self) -> str:
-        return (f"{self.fmt}-{self.bits}bit-g{self.group_size}-{'sym' if self.symmetric else 'asym'}"
-                f"{'-act' if self.act_order else ''}{'-v2' if self.v2 else ''}")
+        return (
+            f"{self.fmt}-{self.bits}bit-g{self.group_size}-{'sym' if self.symmetric else 'asym'}"
+            f"{'-act' if self.act_order else ''}{'-v2' if self.v2 else ''}"
+        )
 
     def one_weight(self, n: int, k: int, generator: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        q, scales, zeros, g_idx, w = random_int_weight(n, k, self.bits, self.group_size, self.symmetric,
-                                                       self.act_order, generator)
+        q, scales, zeros, g_idx, w = random_int_weight(
+            n, k, self.bits, self.group_size, self.symmetric, self.act_order, generator
+        )
         if self.fmt == "gptq":
             return write_gptq(q, scales, zeros, g_idx, self.bits, v2=self.v2), w
         if self.fmt == "awq":
@@ -50,22 +60,40 @@ class FormatScheme:
 
     def config(self) -> dict:
         if self.fmt in ("gptq", "marlin"):
-            config = {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
-                      "desc_act": self.act_order, "sym": self.symmetric}
+            config = {
+                "quant_method": "gptq",
+                "bits": self.bits,
+                "group_size": self.group_size,
+                "desc_act": self.act_order,
+                "sym": self.symmetric,
+            }
             if self.fmt == "marlin":
                 config["is_marlin_format"] = True
             elif self.v2:
                 config["checkpoint_format"] = "gptq_v2"
             return config
         if self.fmt == "awq":
-            return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True, "version": "gemm"}
-        weights = {"num_bits": self.bits, "type": "int", "symmetric": self.symmetric,
-                   "strategy": "channel" if self.group_size == -1 else "group",
-                   "group_size": None if self.group_size == -1 else self.group_size,
-                   "actorder": "group" if self.act_order else None}
-        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
-                "ignore": ["lm_head"]}
+            return {
+                "quant_method": "awq",
+                "bits": 4,
+                "group_size": self.group_size,
+                "zero_point": True,
+                "version": "gemm",
+            }
+        weights = {
+            "num_bits": self.bits,
+            "type": "int",
+            "symmetric": self.symmetric,
+            "strategy": "channel" if self.group_size == -1 else "group",
+            "group_size": None if self.group_size == -1 else self.group_size,
+            "actorder": "group" if self.act_order else None,
+        }
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+            "ignore": ["lm_head"],
+        }
 
     def quant_config(self, tensors):
         cls = {"gptq": GPTQConfig, "marlin": GPTQConfig, "awq": AWQConfig}.get(self.fmt, CompressedTensorsConfig)

@@ -17,18 +17,31 @@ from framework.errors import ConfigError
 from framework.testing import write_tiny_model
 
 
-@pytest.mark.parametrize(("config_cls", "config", "message"), [
-    (GPTQConfig, {"bits": 3, "group_size": 128}, "3-bit weights are not supported; supported bits: 4, 8"),
-    (GPTQConfig, {"bits": 4, "group_size": 256}, "group size 256 is not supported; supported: 32, 64, 128, -1"),
-    (GPTQConfig, {"bits": 4, "group_size": 128, "checkpoint_format": "exllama"}, "checkpoint_format 'exllama'"),
-    (GPTQConfig, {"bits": 8, "group_size": 128, "is_marlin_format": True}, "only 4-bit symmetric weights"),
-    (AWQConfig, {"bits": 8, "group_size": 128}, "8-bit weights are not supported; supported bits: 4"),
-    (AWQConfig, {"bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
-    (CompressedTensorsConfig, {"format": "float-quantized"}, "format 'float-quantized' is not supported"),
-    (CompressedTensorsConfig, {"format": "pack-quantized", "config_groups": {"g": {
-        "weights": {"num_bits": 4, "strategy": "group", "group_size": 128},
-        "input_activations": {"num_bits": 8}}}}, "quantized input activations are not supported"),
-])
+@pytest.mark.parametrize(
+    ("config_cls", "config", "message"),
+    [
+        (GPTQConfig, {"bits": 3, "group_size": 128}, "3-bit weights are not supported; supported bits: 4, 8"),
+        (GPTQConfig, {"bits": 4, "group_size": 256}, "group size 256 is not supported; supported: 32, 64, 128, -1"),
+        (GPTQConfig, {"bits": 4, "group_size": 128, "checkpoint_format": "exllama"}, "checkpoint_format 'exllama'"),
+        (GPTQConfig, {"bits": 8, "group_size": 128, "is_marlin_format": True}, "only 4-bit symmetric weights"),
+        (AWQConfig, {"bits": 8, "group_size": 128}, "8-bit weights are not supported; supported bits: 4"),
+        (AWQConfig, {"bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
+        (CompressedTensorsConfig, {"format": "float-quantized"}, "format 'float-quantized' is not supported"),
+        (
+            CompressedTensorsConfig,
+            {
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {
+                        "weights": {"num_bits": 4, "strategy": "group", "group_size": 128},
+                        "input_activations": {"num_bits": 8},
+                    }
+                },
+            },
+            "quantized input activations are not supported",
+        ),
+    ],
+)
 def test_unsupported_settings_are_config_errors_naming_what_is_valid(config_cls, config, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         config_cls.from_config(config)
@@ -57,21 +70,39 @@ def test_a_short_last_group_loads_on_one_device(tmp_path):
     from framework import SamplingParams
     from framework.testing import reference_greedy
 
-    reference = write_tiny_model(tmp_path, transformers.LlamaConfig(
-        vocab_size=160, hidden_size=96, intermediate_size=192, num_hidden_layers=1, num_attention_heads=3,
-        num_key_value_heads=1))
+    reference = write_tiny_model(
+        tmp_path,
+        transformers.LlamaConfig(
+            vocab_size=160,
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=1,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+        ),
+    )
     quantize_checkpoint(tmp_path, reference, FormatScheme("gptq", 4, 64))
     with LLM(str(tmp_path), device="cpu", dtype="float32", num_blocks=8) as llm:
-        ids = llm.generate({"prompt_token_ids": [5, 9, 33]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        ids = llm.generate(
+            {"prompt_token_ids": [5, 9, 33]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        )
     assert ids[0].outputs[0].token_ids == reference_greedy(reference, [5, 9, 33], 6)
 
 
 def test_a_g_idx_naming_missing_groups_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    reference = write_tiny_model(tmp_path, transformers.LlamaConfig(
-        vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2))
+    reference = write_tiny_model(
+        tmp_path,
+        transformers.LlamaConfig(
+            vocab_size=160,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+    )
     quantize_checkpoint(tmp_path, reference, FormatScheme("gptq", 4, 32, act_order=True))
     tensors = load_file(str(tmp_path / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj.g_idx"

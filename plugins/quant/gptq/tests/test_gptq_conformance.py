@@ -23,9 +23,16 @@ def test_linear_method_passes_the_conformance_kit(scheme, keep_packed, monkeypat
     assert f"qkv_proj tp={tp_sizes[-1]} rank={tp_sizes[-1] - 1} {str(dtype).removeprefix('torch.')}" in cases
 
 
-@pytest.mark.parametrize("scheme", [FormatScheme("gptq", 4, 128), FormatScheme("awq", 4, 128, symmetric=False),
-                                    FormatScheme("compressed", 8, 32, symmetric=False),
-                                    FormatScheme("gptq", 4, 32, act_order=True)], ids=repr)
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        FormatScheme("gptq", 4, 128),
+        FormatScheme("awq", 4, 128, symmetric=False),
+        FormatScheme("compressed", 8, 32, symmetric=False),
+        FormatScheme("gptq", 4, 32, act_order=True),
+    ],
+    ids=repr,
+)
 def test_experts_kept_packed_equal_dequantize_then_moe(scheme, monkeypatch):
     monkeypatch.setenv("FW_GPTQ_KEEP_PACKED", "1")
     from fw_gptq.moe import WNA16FusedMoEMethod
@@ -34,6 +41,15 @@ def test_experts_kept_packed_equal_dequantize_then_moe(scheme, monkeypatch):
     assert "experts tp=2 rank=1 bfloat16" in cases
     from framework.layers.fused_moe import FusedMoE
 
-    layer = FusedMoE(8, 2, scheme.block_size, 4 * scheme.block_size, renormalize=True,
-                     quant_config=scheme.quant_config({}), prefix="layer.experts", tp_size=1, tp_rank=0)
+    layer = FusedMoE(
+        8,
+        2,
+        scheme.block_size,
+        4 * scheme.block_size,
+        renormalize=True,
+        quant_config=scheme.quant_config({}),
+        prefix="layer.experts",
+        tp_size=1,
+        tp_rank=0,
+    )
     assert isinstance(layer.quant_method, WNA16FusedMoEMethod)

@@ -14,8 +14,12 @@ from framework.testing import check_linear_method, check_moe_method, check_no_sy
 
 pytestmark = pytest.mark.gpu
 
-CUDA_SCHEMES = [FormatScheme("gptq", 4, 128), FormatScheme("gptq", 4, 32, symmetric=False, act_order=True),
-                FormatScheme("awq", 4, 128, symmetric=False), FormatScheme("compressed", 8, -1)]
+CUDA_SCHEMES = [
+    FormatScheme("gptq", 4, 128),
+    FormatScheme("gptq", 4, 32, symmetric=False, act_order=True),
+    FormatScheme("awq", 4, 128, symmetric=False),
+    FormatScheme("compressed", 8, -1),
+]
 
 
 @pytest.mark.parametrize("scheme", CUDA_SCHEMES, ids=repr)
@@ -36,20 +40,30 @@ def test_kernel_makes_no_host_sync_and_replays_from_a_graph(rows):
 
     q, scales, zeros, g_idx, w = random_int_weight(4096, 4096, 4, 128, False, True, torch.Generator().manual_seed(0))
     on_cpu = IntWeight(q.to(torch.uint8), scales, zeros.to(torch.uint8), g_idx, 4, 128)
-    weight = to_kernel_layout(IntWeight(*(t.cuda() if isinstance(t, torch.Tensor) else t for t in on_cpu)), torch.bfloat16)
+    weight = to_kernel_layout(
+        IntWeight(*(t.cuda() if isinstance(t, torch.Tensor) else t for t in on_cpu)), torch.bfloat16
+    )
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     expected = x.float() @ dequantize_kernel_weight(weight, torch.float32).t()
     got = wna16_matmul(x, weight).float()
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 2e-2
-    check_no_sync_and_cuda_graph_replay(lambda a: wna16_matmul(a, weight), [x],
-                                        lambda: [torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)])
+    check_no_sync_and_cuda_graph_replay(
+        lambda a: wna16_matmul(a, weight), [x], lambda: [torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)]
+    )
 
 
 def test_tiny_gptq_model_with_cuda_graphs_gives_the_eager_tokens(tmp_path):
     from framework import LLM, SamplingParams
 
-    config = transformers.LlamaConfig(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+    config = transformers.LlamaConfig(
+        vocab_size=160,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+    )
     from framework.testing import write_tiny_model
 
     reference = write_tiny_model(tmp_path, config)

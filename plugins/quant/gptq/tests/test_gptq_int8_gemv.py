@@ -49,12 +49,27 @@ def test_act_order_groups_out_of_order_are_not_taken():
 def _hopper_case(bits, has_zeros, split):
     return HopperCompile(
         "fw_gptq.kernels.gemv_int8:_int8_gemv_kernel",
-        {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16", "out_ptr": "*bf16",
-         "partial_ptr": "*fp32", "counter_ptr": "*i32"},
-        {"BITS": bits, "GROUP_SIZE": 128, "HAS_ZEROS": has_zeros, "STEP": 128, "BLOCK_N": 64, "SPLIT": split,
-         "EMULATE": False},
+        {
+            "x_ptr": "*bf16",
+            "qweight_ptr": "*i32",
+            "scales_ptr": "*bf16",
+            "zeros_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "partial_ptr": "*fp32",
+            "counter_ptr": "*i32",
+        },
+        {
+            "BITS": bits,
+            "GROUP_SIZE": 128,
+            "HAS_ZEROS": has_zeros,
+            "STEP": 128,
+            "BLOCK_N": 64,
+            "SPLIT": split,
+            "EMULATE": False,
+        },
         options={"num_warps": 4},
-        divisible_by_16=("x_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr", "out_ptr", "partial_ptr", "N", "K"))
+        divisible_by_16=("x_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr", "out_ptr", "partial_ptr", "N", "K"),
+    )
 
 
 def test_int8_gemv_compiles_for_sm90_with_dp4a():

@@ -12,8 +12,16 @@ from safetensors.torch import load_file, save_file
 from framework import LLM, SamplingParams
 from framework.testing import reference_greedy, write_tiny_model
 
-CONFIG = dict(vocab_size=160, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+CONFIG = dict(
+    vocab_size=160,
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -42,6 +50,9 @@ def test_isq_int_tiny_llama_matches_transformers_on_rounded_weights(isq, bits, t
     expected = [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
     with LLM(str(tmp_path), device="cpu", dtype="float32", num_blocks=16, isq=isq) as llm:
         assert llm.engine.summary["isq"].startswith(f"--isq {isq}: quantized 14 tensors")  # 7 linears x 2 layers
-        assert type(llm.engine.core.runner.model.model.layers[0].mlp.down_proj.quant_method).__name__ == "WNA16LinearMethod"
+        assert (
+            type(llm.engine.core.runner.model.model.layers[0].mlp.down_proj.quant_method).__name__
+            == "WNA16LinearMethod"
+        )
         results = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert [r.outputs[0].token_ids for r in results] == expected

@@ -24,8 +24,14 @@ def kernel_weight(n, k, bits, group_size, symmetric, act_order, seed, local_g_id
     if local_g_idx:  # one rank's half of an act-order weight: its groups are not k // group_size
         half = k // 2
         q, g_idx, w = q[:half], g_idx[:half], w[:, :half]
-    weight = IntWeight(q.to(torch.uint8), scales, None if zeros is None else zeros.to(torch.uint8),
-                       g_idx if act_order else None, bits, k if group_size == -1 else group_size)
+    weight = IntWeight(
+        q.to(torch.uint8),
+        scales,
+        None if zeros is None else zeros.to(torch.uint8),
+        g_idx if act_order else None,
+        bits,
+        k if group_size == -1 else group_size,
+    )
     return to_kernel_layout(weight, torch.float32), w
 
 
@@ -51,8 +57,10 @@ def test_kernel_equals_dequantize_then_matmul(case):
     torch.testing.assert_close(wna16_matmul(x, weight), expected, rtol=1e-4, atol=1e-4)
     rule = choose_config(rows, n, k, weight.group_size)
     sub_k = rule["SUB_K"]
-    for forced in ({**rule, "BLOCK_K": sub_k, "SPLIT_K": 4},  # split-K partial sums
-                   {**rule, "BLOCK_K": 2 * sub_k, "SPLIT_K": 1}):  # two slices (two groups) a step
+    for forced in (
+        {**rule, "BLOCK_K": sub_k, "SPLIT_K": 4},  # split-K partial sums
+        {**rule, "BLOCK_K": 2 * sub_k, "SPLIT_K": 1},
+    ):  # two slices (two groups) a step
         torch.testing.assert_close(wna16_matmul(x, weight, config=forced), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -88,27 +96,59 @@ def test_kernel_writes_into_a_column_slice_of_a_wider_output():
 def _hopper_case(bits, block_m, block_n, block_k, has_zeros, scale_per_slice, has_g_idx=False, stages=4):
     return HopperCompile(
         "fw_gptq.kernels.wna16:wna16_matmul_kernel",
-        {"x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16", "g_idx_ptr": "*i32",
-         "out_ptr": "*bf16"},
-        {"BITS": bits, "GROUP_SIZE": 128, "HAS_ZEROS": has_zeros, "HAS_G_IDX": has_g_idx,
-         "SCALE_PER_SLICE": scale_per_slice, "FP32": False, "BLOCK_M": block_m, "BLOCK_N": block_n,
-         "BLOCK_K": block_k, "SUB_K": min(block_k, 128)},
+        {
+            "x_ptr": "*bf16",
+            "qweight_ptr": "*i32",
+            "scales_ptr": "*bf16",
+            "zeros_ptr": "*bf16",
+            "g_idx_ptr": "*i32",
+            "out_ptr": "*bf16",
+        },
+        {
+            "BITS": bits,
+            "GROUP_SIZE": 128,
+            "HAS_ZEROS": has_zeros,
+            "HAS_G_IDX": has_g_idx,
+            "SCALE_PER_SLICE": scale_per_slice,
+            "FP32": False,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "SUB_K": min(block_k, 128),
+        },
         options={"num_warps": 4, "num_stages": stages},
-        divisible_by_16=("x_ptr", "qweight_ptr", "scales_ptr", "zeros_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om",
-                        "k_per_split"))
+        divisible_by_16=(
+            "x_ptr",
+            "qweight_ptr",
+            "scales_ptr",
+            "zeros_ptr",
+            "out_ptr",
+            "N",
+            "K",
+            "stride_xm",
+            "stride_om",
+            "k_per_split",
+        ),
+    )
 
 
 @pytest.mark.slow
 def test_main_kernel_variants_compile_for_sm90():
-    ptx = compile_for_hopper([
-        _hopper_case(4, 16, 128, 512, False, True),  # decode GEMV, symmetric GPTQ
-        _hopper_case(4, 64, 128, 128, True, True, stages=3),  # batch tiles, AWQ / asymmetric
-        _hopper_case(8, 16, 128, 128, False, False, has_g_idx=True),  # act-order lookups, 8-bit
-    ])
+    ptx = compile_for_hopper(
+        [
+            _hopper_case(4, 16, 128, 512, False, True),  # decode GEMV, symmetric GPTQ
+            _hopper_case(4, 64, 128, 128, True, True, stages=3),  # batch tiles, AWQ / asymmetric
+            _hopper_case(8, 16, 128, 128, False, False, has_g_idx=True),  # act-order lookups, 8-bit
+        ]
+    )
     assert len(ptx) == 3
     rules = [choose_config(1, 28672, 4096, 128, bits=bits) for bits in (4, 8)]  # the decode rule fits an SM
-    compile_for_hopper([_hopper_case(bits, r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], False, True, stages=r["num_stages"])
-                        for bits, r in zip((4, 8), rules)])
+    compile_for_hopper(
+        [
+            _hopper_case(bits, r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], False, True, stages=r["num_stages"])
+            for bits, r in zip((4, 8), rules)
+        ]
+    )
     assert all("wgmma" in p for p in ptx)  # every form multiplies on Hopper's tensor cores
     assert "cp.async.cg.shared.global" in ptx[0]  # the GEMV streams its words with 16-byte async copies
     # the unpacked weights go straight into the left operand's registers, not through shared memory,

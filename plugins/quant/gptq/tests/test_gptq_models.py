@@ -13,8 +13,16 @@ from tiny_checkpoints import quantize_checkpoint
 from framework import LLM, SamplingParams
 from framework.testing import interpreted, reference_greedy, write_tiny_model
 
-CONFIG = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+CONFIG = dict(
+    vocab_size=160,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -42,8 +50,11 @@ def test_quantized_tiny_model_matches_transformers_on_dequantized_weights(scheme
     assert greedy(tmp_path) == expected
 
 
-@pytest.mark.parametrize("scheme", [FormatScheme("gptq", 4, 32, symmetric=False, act_order=True),
-                                    FormatScheme("awq", 4, 64, symmetric=False)], ids=repr)
+@pytest.mark.parametrize(
+    "scheme",
+    [FormatScheme("gptq", 4, 32, symmetric=False, act_order=True), FormatScheme("awq", 4, 64, symmetric=False)],
+    ids=repr,
+)
 def test_quantized_tiny_model_under_tensor_parallelism_matches_transformers(scheme, tmp_path):
     reference = write_tiny_model(tmp_path, transformers.LlamaConfig(**CONFIG))
     quantize_checkpoint(tmp_path, reference, scheme)
@@ -62,13 +73,31 @@ def test_a_checkpoint_that_needs_packing_is_kept_packed_on_request(tmp_path, mon
     assert [r.outputs[0].token_ids for r in results] == [reference_greedy(reference, p, 10) for p in PROMPTS]
 
 
-MOE = dict(vocab_size=160, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=8,
-           num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+MOE = dict(
+    vocab_size=160,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 
 
-@pytest.mark.parametrize(("scheme", "tp"), [(FormatScheme("gptq", 4, 32, symmetric=False, act_order=True), 2),
-                                            (FormatScheme("awq", 4, 64, symmetric=False), 1)], ids=repr)
+@pytest.mark.parametrize(
+    ("scheme", "tp"),
+    [
+        (FormatScheme("gptq", 4, 32, symmetric=False, act_order=True), 2),
+        (FormatScheme("awq", 4, 64, symmetric=False), 1),
+    ],
+    ids=repr,
+)
 def test_quantized_moe_experts_load_per_expert_and_match_transformers(scheme, tp, tmp_path, monkeypatch):
     monkeypatch.setenv("FW_GPTQ_KEEP_PACKED", "1")  # experts stay packed, run by quantized_fused_moe, as on the GPU
     reference = write_tiny_model(tmp_path, transformers.Qwen3MoeConfig(**MOE))

@@ -22,22 +22,39 @@ from reference_formats import random_int_weight, write_awq, write_compressed, wr
 
 
 def draw(bits, group, symmetric, act_order=False, n=128, k=256):
-    q, scales, zeros, g_idx, w = random_int_weight(n, k, bits, group, symmetric, act_order, torch.Generator().manual_seed(7))
-    weight = IntWeight(q.to(torch.uint8), scales, None if zeros is None else zeros.to(torch.uint8),
-                       g_idx if act_order else None, bits, k if group == -1 else group)
+    q, scales, zeros, g_idx, w = random_int_weight(
+        n, k, bits, group, symmetric, act_order, torch.Generator().manual_seed(7)
+    )
+    weight = IntWeight(
+        q.to(torch.uint8),
+        scales,
+        None if zeros is None else zeros.to(torch.uint8),
+        g_idx if act_order else None,
+        bits,
+        k if group == -1 else group,
+    )
     return q, scales, zeros, g_idx, w, weight
 
 
-@pytest.mark.parametrize(("bits", "group", "symmetric", "act_order", "v2"),
-                         [(4, 128, True, False, False), (4, 32, False, True, False), (8, 64, False, False, True)])
+@pytest.mark.parametrize(
+    ("bits", "group", "symmetric", "act_order", "v2"),
+    [(4, 128, True, False, False), (4, 32, False, True, False), (8, 64, False, False, True)],
+)
 def test_gptq_packing_matches_the_autogptq_formula(bits, group, symmetric, act_order, v2):
     q, scales, zeros, g_idx, w, weight = draw(bits, group, symmetric, act_order)
     written = write_gptq(q, scales, zeros, g_idx, bits, v2=v2)
     ours = pack_gptq(weight, zero_offset=0 if v2 else 1)
     for name in ("qweight", "qzeros", "g_idx"):
         assert torch.equal(ours[name], written[name]), name
-    back = unpack_gptq(written["qweight"], written["qzeros"], written["scales"], written["g_idx"] if act_order else None,
-                       bits, group, zero_offset=0 if v2 else 1)
+    back = unpack_gptq(
+        written["qweight"],
+        written["qzeros"],
+        written["scales"],
+        written["g_idx"] if act_order else None,
+        bits,
+        group,
+        zero_offset=0 if v2 else 1,
+    )
     torch.testing.assert_close(back.dequantize(), w)
 
 
@@ -46,7 +63,9 @@ def test_awq_packing_matches_the_autoawq_order():
     written = write_awq(q, scales, zeros)
     ours = pack_awq(weight)
     assert torch.equal(ours["qweight"], written["qweight"]) and torch.equal(ours["qzeros"], written["qzeros"])
-    torch.testing.assert_close(unpack_awq(written["qweight"], written["qzeros"], written["scales"], 128).dequantize(), w)
+    torch.testing.assert_close(
+        unpack_awq(written["qweight"], written["qzeros"], written["scales"], 128).dequantize(), w
+    )
 
 
 @pytest.mark.parametrize(("bits", "group", "symmetric"), [(4, 128, True), (4, 32, False), (8, -1, False)])
@@ -59,8 +78,14 @@ def test_compressed_tensors_packing_matches_the_library(bits, group, symmetric):
     assert torch.equal(signed.long() + 2 ** (bits - 1), q.t())  # the library reads our bytes back
     if not symmetric:
         assert torch.equal(ours["weight_zero_point"], written["weight_zero_point"])
-    back = unpack_compressed(written["weight_packed"], written["weight_scale"], written.get("weight_zero_point"), None,
-                             bits, 256 if group == -1 else group)
+    back = unpack_compressed(
+        written["weight_packed"],
+        written["weight_scale"],
+        written.get("weight_zero_point"),
+        None,
+        bits,
+        256 if group == -1 else group,
+    )
     torch.testing.assert_close(back.dequantize(), w)
 
 
@@ -70,7 +95,9 @@ def test_marlin_packing_matches_the_marlin_layer_pack(group):
     written = write_marlin(q, scales)
     ours = pack_marlin(weight)
     assert torch.equal(ours["B"], written["B"]) and torch.equal(ours["s"], written["s"])
-    torch.testing.assert_close(unpack_marlin(written["B"], written["s"].float(), 256 if group == -1 else group).dequantize(), w)
+    torch.testing.assert_close(
+        unpack_marlin(written["B"], written["s"].float(), 256 if group == -1 else group).dequantize(), w
+    )
 
 
 def test_gptq_v1_refuses_a_zero_point_it_cannot_store():

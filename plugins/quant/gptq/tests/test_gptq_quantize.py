@@ -18,8 +18,16 @@ from typer.testing import CliRunner
 from framework import LLM, SamplingParams
 from framework.testing import reference_greedy, write_tiny_model
 
-CONFIG = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+CONFIG = dict(
+    vocab_size=160,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 PROMPTS = [[5, 9, 33, 2, 71], list(range(40, 59))]
 
 
@@ -29,8 +37,9 @@ def correlated_inputs(rows: int, k: int, generator: torch.Generator) -> torch.Te
     return (torch.randn(rows, k, generator=generator) @ mixing) * scales
 
 
-@pytest.mark.parametrize(("bits", "group", "symmetric", "act_order"), [(4, 128, True, False), (4, 32, False, True),
-                                                                       (8, -1, True, False)])
+@pytest.mark.parametrize(
+    ("bits", "group", "symmetric", "act_order"), [(4, 128, True, False), (4, 32, False, True), (8, -1, True, False)]
+)
 def test_gptq_output_error_on_calibration_inputs_is_below_round_to_nearest(bits, group, symmetric, act_order):
     generator = torch.Generator().manual_seed(0)
     x = correlated_inputs(1024, 256, generator)
@@ -52,14 +61,17 @@ def dequantized_reference(src, dst, method):
     for name in tensors:
         stem, _, leaf = name.rpartition(".")
         if method == "gptq" and leaf == "qweight":
-            decoded[f"{stem}.weight"] = unpack_gptq(tensors[name], tensors[f"{stem}.qzeros"], tensors[f"{stem}.scales"],
-                                                    None, 4, 128, 1).dequantize()
+            decoded[f"{stem}.weight"] = unpack_gptq(
+                tensors[name], tensors[f"{stem}.qzeros"], tensors[f"{stem}.scales"], None, 4, 128, 1
+            ).dequantize()
         elif method == "awq" and leaf == "qweight":
-            decoded[f"{stem}.weight"] = unpack_awq(tensors[name], tensors[f"{stem}.qzeros"], tensors[f"{stem}.scales"],
-                                                   128).dequantize()
+            decoded[f"{stem}.weight"] = unpack_awq(
+                tensors[name], tensors[f"{stem}.qzeros"], tensors[f"{stem}.scales"], 128
+            ).dequantize()
         elif method == "rtn" and leaf == "weight_packed":
-            decoded[f"{stem}.weight"] = unpack_compressed(tensors[name], tensors[f"{stem}.weight_scale"], None, None, 4,
-                                                          128).dequantize()
+            decoded[f"{stem}.weight"] = unpack_compressed(
+                tensors[name], tensors[f"{stem}.weight_scale"], None, None, 4, 128
+            ).dequantize()
         elif name in state:
             decoded[name] = tensors[name].float()
     with torch.no_grad():
@@ -72,8 +84,18 @@ def dequantized_reference(src, dst, method):
 @pytest.mark.parametrize("method", ["gptq", "awq", "rtn"])
 def test_quantized_checkpoint_runs_in_the_engine_as_transformers_runs_its_values(method, tmp_path):
     write_tiny_model(tmp_path / "src", transformers.LlamaConfig(**CONFIG))
-    job = QuantizeJob(tmp_path / "src", tmp_path / "dst", method, 4, 128, None, False, default_calibration_text(),
-                      num_samples=4, seq_len=64)
+    job = QuantizeJob(
+        tmp_path / "src",
+        tmp_path / "dst",
+        method,
+        4,
+        128,
+        None,
+        False,
+        default_calibration_text(),
+        num_samples=4,
+        seq_len=64,
+    )
     run_quantize(job, echo=lambda _: None)
     reference = dequantized_reference(tmp_path / "src", tmp_path / "dst", method)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -84,12 +106,15 @@ def test_quantized_checkpoint_runs_in_the_engine_as_transformers_runs_its_values
     assert [r.outputs[0].token_ids for r in results] == [reference_greedy(reference, p, 8) for p in PROMPTS]
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--method", "awq", "--bits", "8"], "8-bit weights are not supported; supported bits: 4"),
-    (["--group-size", "100"], "group size 100 is not supported"),
-    (["--method", "rtn", "--desc-act"], "--desc-act is a GPTQ setting"),
-    (["--method", "squeeze"], "unknown method 'squeeze'; valid: gptq, awq, rtn"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "awq", "--bits", "8"], "8-bit weights are not supported; supported bits: 4"),
+        (["--group-size", "100"], "group size 100 is not supported"),
+        (["--method", "rtn", "--desc-act"], "--desc-act is a GPTQ setting"),
+        (["--method", "squeeze"], "unknown method 'squeeze'; valid: gptq, awq, rtn"),
+    ],
+)
 def test_bad_settings_fail_before_the_model_is_read(args, message, tmp_path):
     from cli.main import build_app
 

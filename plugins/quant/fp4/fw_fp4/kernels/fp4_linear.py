@@ -41,9 +41,12 @@ GEMV_MAX_ROWS = 2
 DOT_GEMV_MAX_ROWS = 16
 #: From this many rows the weight is dequantized once and multiplied by cuBLAS.
 DEQUANT_MIN_ROWS = 128
+
+
 @triton.jit
-def _load_words(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP: tl.constexpr, E8M0: tl.constexpr,
-                SUB_K: tl.constexpr):
+def _load_words(
+    codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP: tl.constexpr, E8M0: tl.constexpr, SUB_K: tl.constexpr
+):
     """The code words ``[SUB_K / 8, BLOCK_N]`` of inputs ``ks0 .. ks0 + SUB_K`` (zero past ``K``) and
     each word's scale factor (a group holds whole words: its byte is read per word)."""
     offs_w = ks0 // 8 + tl.arange(0, SUB_K // 8)
@@ -54,8 +57,19 @@ def _load_words(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP: tl.cons
 
 
 @triton.jit
-def _decoded_slice(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP: tl.constexpr, E8M0: tl.constexpr,
-                   SUB_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _decoded_slice(
+    codes_ptr,
+    scales_ptr,
+    ks0,
+    K,
+    offs_n,
+    mask_n,
+    N,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    SUB_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """``W^T[ks0 : ks0 + SUB_K, offs_n]`` in float32 without the global scale (zero past ``K``)."""
     words, factor = _load_words(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP, E8M0, SUB_K)
     shifts = tl.arange(0, 8) * 4
@@ -64,9 +78,25 @@ def _decoded_slice(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP: tl.c
 
 
 @triton.jit
-def fp4_gemv_kernel(x_ptr, codes_ptr, scales_ptr, row_scales_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-                    k_per_split, GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_ROW_SCALES: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+def fp4_gemv_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    row_scales_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    k_per_split,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    HAS_ROW_SCALES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+):
     """One row of ``x`` times ``BLOCK_N`` outputs over 1/SPLIT_K of K, without tensor cores: each
     thread multiplies the 8 codes of its words by their 8 inputs (all in its registers), then
     scales the word's sum once; the lanes are summed at the end."""
@@ -88,15 +118,33 @@ def fp4_gemv_kernel(x_ptr, codes_ptr, scales_ptr, row_scales_ptr, out_ptr, M, N,
     total = tl.sum(acc, axis=0)
     if HAS_ROW_SCALES:
         total *= tl.load(row_scales_ptr + offs_n, mask=mask_n, other=0.0)
-    tl.store(out_ptr + pid_k * M * stride_om + row * stride_om + offs_n, total.to(out_ptr.dtype.element_ty),
-             mask=mask_n)
+    tl.store(
+        out_ptr + pid_k * M * stride_om + row * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n
+    )
 
 
 @triton.jit
-def fp4_matmul_kernel(x_ptr, codes_ptr, scales_ptr, row_scales_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-                      k_per_split, GROUP: tl.constexpr, E8M0: tl.constexpr, HAS_ROW_SCALES: tl.constexpr,
-                      FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SUB_K: tl.constexpr):
+def fp4_matmul_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    row_scales_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    k_per_split,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    HAS_ROW_SCALES: tl.constexpr,
+    FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,8 +156,11 @@ def fp4_matmul_kernel(x_ptr, codes_ptr, scales_ptr, row_scales_ptr, out_ptr, M, 
             ks0 = k0 + sub * SUB_K
             w = _decoded_slice(codes_ptr, scales_ptr, ks0, K, offs_n, mask_n, N, GROUP, E8M0, SUB_K, BLOCK_N)
             offs_k = ks0 + tl.arange(0, SUB_K)
-            x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                          mask=mask_m[None, :] & (offs_k < K)[:, None], other=0.0)
+            x_t = tl.load(
+                x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                mask=mask_m[None, :] & (offs_k < K)[:, None],
+                other=0.0,
+            )
             if FP32:
                 acc += tl.dot(tl.trans(w), x_t, input_precision="ieee")
             else:
@@ -121,9 +172,19 @@ def fp4_matmul_kernel(x_ptr, codes_ptr, scales_ptr, row_scales_ptr, out_ptr, M, 
 
 
 @triton.jit
-def fp4_dequantize_kernel(codes_ptr, scales_ptr, row_scales_ptr, out_ptr, N, K, GROUP: tl.constexpr,
-                          E8M0: tl.constexpr, HAS_ROW_SCALES: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+def fp4_dequantize_kernel(
+    codes_ptr,
+    scales_ptr,
+    row_scales_ptr,
+    out_ptr,
+    N,
+    K,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    HAS_ROW_SCALES: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """``out [K, N] = W^T`` (global scale included) in ``out``'s dtype; program (block of K, block of N)."""
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,8 +194,11 @@ def fp4_dequantize_kernel(codes_ptr, scales_ptr, row_scales_ptr, out_ptr, N, K, 
     if HAS_ROW_SCALES:
         w *= tl.load(row_scales_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     offs_k = ks0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=(offs_k < K)[:, None] & mask_n[None, :])
+    tl.store(
+        out_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
+        w.to(out_ptr.dtype.element_ty),
+        mask=(offs_k < K)[:, None] & mask_n[None, :],
+    )
 
 
 def choose_config(rows: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> dict:
@@ -151,8 +215,15 @@ def choose_config(rows: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> 
         programs, split_k = triton.cdiv(n, 128) * rows, 1
         while programs * split_k < 4 * num_sms and k // (split_k * 2) >= block_k and split_k < 8:
             split_k *= 2
-        return {"KIND": "gemv", "BLOCK_N": 128, "BLOCK_K": block_k, "SUB_K": sub_k, "SPLIT_K": split_k,
-                "num_warps": 4, "num_stages": 3}
+        return {
+            "KIND": "gemv",
+            "BLOCK_N": 128,
+            "BLOCK_K": block_k,
+            "SUB_K": sub_k,
+            "SPLIT_K": split_k,
+            "num_warps": 4,
+            "num_stages": 3,
+        }
     if rows <= DOT_GEMV_MAX_ROWS:
         block_m, block_k, stages, fill = 16, 512, 4, num_sms // 2
     else:
@@ -161,8 +232,16 @@ def choose_config(rows: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> 
     programs, split_k = triton.cdiv(n, 128) * triton.cdiv(rows, block_m), 1
     while programs * split_k < fill and k // (split_k * 2) >= max(block_k, 4 * sub_k) and split_k < 4:
         split_k *= 2
-    return {"KIND": "dot", "BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": block_k, "SUB_K": sub_k,
-            "SPLIT_K": split_k, "num_warps": 4, "num_stages": stages}
+    return {
+        "KIND": "dot",
+        "BLOCK_M": block_m,
+        "BLOCK_N": 128,
+        "BLOCK_K": block_k,
+        "SUB_K": sub_k,
+        "SPLIT_K": split_k,
+        "num_warps": 4,
+        "num_stages": stages,
+    }
 
 
 def _format_args(weight: Fp4KernelWeight) -> dict:
@@ -178,8 +257,17 @@ def fp4_dequantize(weight: Fp4KernelWeight, dtype: torch.dtype, block_k: int = 6
     k, n = weight.in_features, weight.out_features
     out = torch.empty(k, n, dtype=dtype, device=weight.codes.device)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
-    fp4_dequantize_kernel[grid](weight.codes, weight.scales, _row_scales(weight), out, n, k, BLOCK_K=block_k,
-                                BLOCK_N=block_n, **_format_args(weight))
+    fp4_dequantize_kernel[grid](
+        weight.codes,
+        weight.scales,
+        _row_scales(weight),
+        out,
+        n,
+        k,
+        BLOCK_K=block_k,
+        BLOCK_N=block_n,
+        **_format_args(weight),
+    )
     return out
 
 

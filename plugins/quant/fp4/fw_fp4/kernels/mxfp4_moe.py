@@ -34,8 +34,24 @@ QUANT_TYPE = "mxfp4"
 
 
 @triton.jit
-def _mxfp4_dot(acc, x_ptr, x_rows, x_mask, stride_x, w_ptr, s_ptr, cols, col_mask, stride_wn, stride_sn, k0, K,
-               BLOCK_K: tl.constexpr, CAST_FP32: tl.constexpr, PRECISION: tl.constexpr):
+def _mxfp4_dot(
+    acc,
+    x_ptr,
+    x_rows,
+    x_mask,
+    stride_x,
+    w_ptr,
+    s_ptr,
+    cols,
+    col_mask,
+    stride_wn,
+    stride_sn,
+    k0,
+    K,
+    BLOCK_K: tl.constexpr,
+    CAST_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """``acc += x[rows, k0:k0+BLOCK_K] @ W[cols, k0:k0+BLOCK_K].T`` with W's rows of MXFP4 bytes."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index along the row
     k_mask = half < K // 2
@@ -59,11 +75,33 @@ def _mxfp4_dot(acc, x_ptr, x_rows, x_mask, stride_x, w_ptr, s_ptr, cols, col_mas
 
 @triton.jit
 def _mxfp4_gate_up_kernel(
-    x_ptr, gate_ptr, up_ptr, gate_s_ptr, up_s_ptr, bias_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
-    num_pairs, top_k, HIDDEN, INTER, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-    swiglu_alpha, swiglu_limit,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CAST_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU_OAI: tl.constexpr,
+    x_ptr,
+    gate_ptr,
+    up_ptr,
+    gate_s_ptr,
+    up_s_ptr,
+    bias_ptr,
+    act_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    top_k,
+    HIDDEN,
+    INTER,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    swiglu_alpha,
+    swiglu_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU_OAI: tl.constexpr,
 ):
     expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -74,25 +112,85 @@ def _mxfp4_gate_up_kernel(
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
-        acc_gate = _mxfp4_dot(acc_gate, x_ptr, tokens, valid, stride_xm, gate_ptr + expert * stride_we,
-                              gate_s_ptr + expert * stride_se, cols, col_mask, stride_wn, stride_sn, k0, HIDDEN,
-                              BLOCK_K, CAST_FP32, PRECISION)
-        acc_up = _mxfp4_dot(acc_up, x_ptr, tokens, valid, stride_xm, up_ptr + expert * stride_we,
-                            up_s_ptr + expert * stride_se, cols, col_mask, stride_wn, stride_sn, k0, HIDDEN,
-                            BLOCK_K, CAST_FP32, PRECISION)
+        acc_gate = _mxfp4_dot(
+            acc_gate,
+            x_ptr,
+            tokens,
+            valid,
+            stride_xm,
+            gate_ptr + expert * stride_we,
+            gate_s_ptr + expert * stride_se,
+            cols,
+            col_mask,
+            stride_wn,
+            stride_sn,
+            k0,
+            HIDDEN,
+            BLOCK_K,
+            CAST_FP32,
+            PRECISION,
+        )
+        acc_up = _mxfp4_dot(
+            acc_up,
+            x_ptr,
+            tokens,
+            valid,
+            stride_xm,
+            up_ptr + expert * stride_we,
+            up_s_ptr + expert * stride_se,
+            cols,
+            col_mask,
+            stride_wn,
+            stride_sn,
+            k0,
+            HIDDEN,
+            BLOCK_K,
+            CAST_FP32,
+            PRECISION,
+        )
     out_dtype = act_ptr.dtype.element_ty
-    act = gate_up_activation(acc_gate, acc_up, bias_ptr, expert, cols, col_mask, INTER, out_dtype, swiglu_alpha,
-                             swiglu_limit, HAS_BIAS, SWIGLU_OAI)
-    tl.store(act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype),
-             mask=valid[:, None] & col_mask[None, :])
+    act = gate_up_activation(
+        acc_gate,
+        acc_up,
+        bias_ptr,
+        expert,
+        cols,
+        col_mask,
+        INTER,
+        out_dtype,
+        swiglu_alpha,
+        swiglu_limit,
+        HAS_BIAS,
+        SWIGLU_OAI,
+    )
+    tl.store(
+        act_ptr + pairs[:, None] * INTER + cols[None, :], act.to(out_dtype), mask=valid[:, None] & col_mask[None, :]
+    )
 
 
 @triton.jit
 def _mxfp4_down_kernel(
-    act_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
-    num_pairs, HIDDEN, INTER, stride_we, stride_wn, stride_se, stride_sn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CAST_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    act_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    HIDDEN,
+    INTER,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -101,15 +199,32 @@ def _mxfp4_down_kernel(
     col_mask = cols < HIDDEN
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        acc = _mxfp4_dot(acc, act_ptr, pairs, valid, INTER, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                         cols, col_mask, stride_wn, stride_sn, k0, INTER, BLOCK_K, CAST_FP32, PRECISION)
+        acc = _mxfp4_dot(
+            acc,
+            act_ptr,
+            pairs,
+            valid,
+            INTER,
+            w_ptr + expert * stride_we,
+            s_ptr + expert * stride_se,
+            cols,
+            col_mask,
+            stride_wn,
+            stride_sn,
+            k0,
+            INTER,
+            BLOCK_K,
+            CAST_FP32,
+            PRECISION,
+        )
     out_dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * HIDDEN + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     out = acc.to(out_dtype).to(tl.float32) * routing[:, None]
-    tl.store(out_ptr + pairs[:, None] * HIDDEN + cols[None, :], out.to(out_dtype),
-             mask=valid[:, None] & col_mask[None, :])
+    tl.store(
+        out_ptr + pairs[:, None] * HIDDEN + cols[None, :], out.to(out_dtype), mask=valid[:, None] & col_mask[None, :]
+    )
 
 
 def _runs_here(hidden: Tensor) -> bool:
@@ -140,17 +255,48 @@ def quantized_fused_moe(
     w13_bias, w2_bias = activation.w13_bias, activation.w2_bias
     act = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     _mxfp4_gate_up_kernel[(num_blocks, triton.cdiv(intermediate_size, block_n))](
-        hidden, w1.data, w3.data, w1.scales, w3.scales, w1.data if w13_bias is None else w13_bias.contiguous(), act,
-        sorted_pair_ids, block_expert_ids, num_pairs, top_k, hidden_size, intermediate_size, hidden.stride(0),
-        w1.data.stride(0), w1.data.stride(1), w1.scales.stride(0), w1.scales.stride(1),
-        activation.swiglu_alpha, activation.swiglu_limit or 0.0,
-        HAS_BIAS=w13_bias is not None, SWIGLU_OAI=activation.swiglu_limit is not None, **meta,
+        hidden,
+        w1.data,
+        w3.data,
+        w1.scales,
+        w3.scales,
+        w1.data if w13_bias is None else w13_bias.contiguous(),
+        act,
+        sorted_pair_ids,
+        block_expert_ids,
+        num_pairs,
+        top_k,
+        hidden_size,
+        intermediate_size,
+        hidden.stride(0),
+        w1.data.stride(0),
+        w1.data.stride(1),
+        w1.scales.stride(0),
+        w1.scales.stride(1),
+        activation.swiglu_alpha,
+        activation.swiglu_limit or 0.0,
+        HAS_BIAS=w13_bias is not None,
+        SWIGLU_OAI=activation.swiglu_limit is not None,
+        **meta,
     )
     per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _mxfp4_down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        act, w2.data, w2.scales, w2.data if w2_bias is None else w2_bias.contiguous(), per_pair,
-        topk_weights.reshape(-1).float(), sorted_pair_ids, block_expert_ids, num_pairs, hidden_size,
-        intermediate_size, w2.data.stride(0), w2.data.stride(1), w2.scales.stride(0), w2.scales.stride(1),
-        HAS_BIAS=w2_bias is not None, **meta,
+        act,
+        w2.data,
+        w2.scales,
+        w2.data if w2_bias is None else w2_bias.contiguous(),
+        per_pair,
+        topk_weights.reshape(-1).float(),
+        sorted_pair_ids,
+        block_expert_ids,
+        num_pairs,
+        hidden_size,
+        intermediate_size,
+        w2.data.stride(0),
+        w2.data.stride(1),
+        w2.scales.stride(0),
+        w2.scales.stride(1),
+        HAS_BIAS=w2_bias is not None,
+        **meta,
     )
     return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

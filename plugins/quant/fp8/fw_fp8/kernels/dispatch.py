@@ -58,10 +58,15 @@ def can_run_w8a8(device: torch.device) -> bool:
 def check_requested_kernel(device: torch.device) -> None:
     """Refuse ``FW_FP8_KERNEL=w8a8`` where no FP8 tensor cores are, naming what runs there."""
     if requested_kernel() == "w8a8" and not can_run_w8a8(device):
-        where = (f"this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-                 if device.type == "cuda" else f"{device.type} has no FP8 tensor cores (TRITON_INTERPRET=1 emulates them)")
-        raise ConfigError(f"FW_FP8_KERNEL=w8a8 needs FP8 tensor cores (CUDA sm_89+: Ada, Hopper, Blackwell); {where}; "
-                          "supported here: FW_FP8_KERNEL=w8a16 or auto (FP8 weights, 16-bit activations)")
+        where = (
+            f"this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+            if device.type == "cuda"
+            else f"{device.type} has no FP8 tensor cores (TRITON_INTERPRET=1 emulates them)"
+        )
+        raise ConfigError(
+            f"FW_FP8_KERNEL=w8a8 needs FP8 tensor cores (CUDA sm_89+: Ada, Hopper, Blackwell); {where}; "
+            "supported here: FW_FP8_KERNEL=w8a16 or auto (FP8 weights, 16-bit activations)"
+        )
 
 
 class Fp8Paths(NamedTuple):

@@ -37,9 +37,26 @@ GEMV_MAX_ROWS = 16
 
 
 @triton.jit
-def w8a16_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_sn, k_per_split,
-                        SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, FP32: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+def w8a16_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_sn,
+    k_per_split,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,11 +70,13 @@ def w8a16_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, st
         for sub in tl.static_range(BLOCK_K // SUB_K):
             offs_k = k0 + sub * SUB_K + tl.arange(0, SUB_K)
             mask_k = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                        other=0.0)
+            w = tl.load(
+                w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0
+            )
             scale = tl.load(scale_row + (k0 + sub * SUB_K) // SCALE_COLS, mask=mask_n, other=0.0)
-            x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                          mask=mask_m[None, :] & mask_k[:, None], other=0.0)
+            x_t = tl.load(
+                x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=mask_m[None, :] & mask_k[:, None], other=0.0
+            )
             if FP32:
                 part = tl.dot(w.to(tl.float32), x_t, input_precision="ieee")
             else:
@@ -82,14 +101,28 @@ def choose_config(rows: int, n: int, k: int, scale_cols: int, num_sms: int = DEF
         split_k = 1
         while triton.cdiv(n, block_n) * split_k < num_sms // 2 and k // (split_k * 2) >= block_k and split_k < 4:
             split_k *= 2
-        return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SUB_K": sub_k, "SPLIT_K": split_k,
-                "num_warps": 4, "num_stages": 4}
+        return {
+            "BLOCK_M": 16,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "SUB_K": sub_k,
+            "SPLIT_K": split_k,
+            "num_warps": 4,
+            "num_stages": 4,
+        }
     block_m, block_n = (32, 64) if rows <= 32 else (64, 128)
     programs, split_k = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m), 1
     while programs * split_k < num_sms and k // (split_k * 2) >= 4 * sub_k and split_k < 4:
         split_k *= 2
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": sub_k, "SUB_K": sub_k, "SPLIT_K": split_k,
-            "num_warps": 4, "num_stages": 3}
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": sub_k,
+        "SUB_K": sub_k,
+        "SPLIT_K": split_k,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
 
 
 def w8a16_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = None) -> torch.Tensor:
@@ -112,9 +145,25 @@ def w8a16_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
-    w8a16_matmul_kernel[grid](x, weight.qweight, weight.scale, partial, m, n, k, x.stride(0), n, weight.scale.stride(0),
-                              k_per_split, SCALE_ROWS=weight.scale_rows, SCALE_COLS=scale_cols,
-                              FP32=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages, **cfg)
+    w8a16_matmul_kernel[grid](
+        x,
+        weight.qweight,
+        weight.scale,
+        partial,
+        m,
+        n,
+        k,
+        x.stride(0),
+        n,
+        weight.scale.stride(0),
+        k_per_split,
+        SCALE_ROWS=weight.scale_rows,
+        SCALE_COLS=scale_cols,
+        FP32=x.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **cfg,
+    )
     if split_k > 1:
         torch.sum(partial, 0, out=out) if out.dtype == torch.float32 else out.copy_(partial.sum(0))
     return out

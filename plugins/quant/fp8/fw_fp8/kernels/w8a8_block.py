@@ -28,8 +28,9 @@ MIN_AMAX = 1e-10
 
 
 @triton.jit
-def quantize_activations_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, num_groups, GROUP: tl.constexpr,
-                                FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+def quantize_activations_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, num_groups, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr
+):
     row, group = tl.program_id(0), tl.program_id(1)
     offs = group * GROUP + tl.arange(0, GROUP)
     mask = offs < K
@@ -52,8 +53,9 @@ def quantize_activations(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Ten
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m:
-        quantize_activations_kernel[(m, groups)](x, q, s, k, x.stride(0), groups, GROUP=group, FP8_MAX=FP8_MAX,
-                                                 MIN_AMAX=MIN_AMAX)
+        quantize_activations_kernel[(m, groups)](
+            x, q, s, k, x.stride(0), groups, GROUP=group, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX
+        )
     return q, s
 
 
@@ -70,9 +72,24 @@ def quantize_activations_reference(x: torch.Tensor, group: int = GROUP) -> tuple
 
 
 @triton.jit
-def w8a8_block_matmul_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_om, stride_sn,
-                             num_groups, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def w8a8_block_matmul_kernel(
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_om,
+    stride_sn,
+    num_groups,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,8 +111,12 @@ def w8a8_block_matmul_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, M, N
 def choose_config(rows: int, n: int) -> dict[str, int]:
     """Tile sizes for ``rows`` x ``n`` outputs (a heuristic; ``benchmarks/fp8_kernels.py`` sweeps it)."""
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    return {"BLOCK_M": block_m, "BLOCK_N": 128 if block_m >= 64 else 64, "num_warps": 8 if block_m >= 128 else 4,
-            "num_stages": 3}
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": 128 if block_m >= 64 else 64,
+        "num_warps": 8 if block_m >= 128 else 4,
+        "num_stages": 3,
+    }
 
 
 def w8a8_block_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = None) -> torch.Tensor:
@@ -111,8 +132,23 @@ def w8a8_block_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = 
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
-    w8a8_block_matmul_kernel[grid](q, s, weight.qweight, weight.scale, out, m, n, k, out.stride(0),
-                                   weight.scale.stride(0), s.shape[1], SCALE_ROWS=weight.scale_rows,
-                                   SCALE_COLS=scale_cols, BLOCK_K=GROUP, num_warps=num_warps, num_stages=num_stages,
-                                   **cfg)
+    w8a8_block_matmul_kernel[grid](
+        q,
+        s,
+        weight.qweight,
+        weight.scale,
+        out,
+        m,
+        n,
+        k,
+        out.stride(0),
+        weight.scale.stride(0),
+        s.shape[1],
+        SCALE_ROWS=weight.scale_rows,
+        SCALE_COLS=scale_cols,
+        BLOCK_K=GROUP,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **cfg,
+    )
     return out

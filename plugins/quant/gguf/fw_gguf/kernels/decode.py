@@ -52,6 +52,7 @@ Q6_K: tl.constexpr = tl.constexpr(int(Q.Q6_K))
 IQ4_NL: tl.constexpr = tl.constexpr(int(Q.IQ4_NL))
 IQ4_XS: tl.constexpr = tl.constexpr(int(Q.IQ4_XS))
 
+
 def _signed_words() -> tuple[int, ...]:
     from fw_gguf.dequant import IQ4_LEVEL_WORDS
 
@@ -198,7 +199,9 @@ def _decode_int(w_ptr, blk, T, g, s, mask, QTYPE: tl.constexpr, PLANAR: tl.const
         e = g * 16 + s
         r = e % 128
         low = (_u8(_field(w_ptr, blk, T, 0, 128, 210, PLANAR) + (e // 128) * 64 + r % 64, mask) >> ((r // 64) * 4)) & 15
-        high = (_u8(_field(w_ptr, blk, T, 128, 64, 210, PLANAR) + (e // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+        high = (
+            _u8(_field(w_ptr, blk, T, 128, 64, 210, PLANAR) + (e // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)
+        ) & 3
         q = (low | (high << 4)) - 32
         sc = _signed8(_u8(_field(w_ptr, blk, T, 192, 16, 210, PLANAR) + g, mask))
         d = _f16(_field(w_ptr, blk, T, 208, 2, 210, PLANAR), mask)
@@ -207,7 +210,7 @@ def _decode_int(w_ptr, blk, T, g, s, mask, QTYPE: tl.constexpr, PLANAR: tl.const
         tl.static_assert(QTYPE == IQ4_XS, "decode: unsupported GGUF type")
         d = _f16(_field(w_ptr, blk, T, 0, 2, 136, PLANAR), mask)
         high_bits = _field(w_ptr, blk, T, 2, 2, 136, PLANAR)
-        top = (((_u8(high_bits, mask) | (_u8(high_bits + 1, mask) << 8)) >> (g * 2)) & 3)
+        top = ((_u8(high_bits, mask) | (_u8(high_bits + 1, mask) << 8)) >> (g * 2)) & 3
         low = (_u8(_field(w_ptr, blk, T, 4, 4, 136, PLANAR) + g // 2, mask) >> ((g % 2) * 4)) & 15
         nibble = (_u8(_field(w_ptr, blk, T, 8, 128, 136, PLANAR) + g * 16 + s % 16, mask) >> ((s // 16) * 4)) & 15
         q = _iq4_level(nibble)

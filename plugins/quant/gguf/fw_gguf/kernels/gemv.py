@@ -71,11 +71,13 @@ def _dp4a(w, x, SIGNED_W: tl.constexpr, EMULATE: tl.constexpr):
             total += wb * ((((x >> (8 * i)) & 255) ^ 128) - 128)
         return total
     elif SIGNED_W:
-        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [w, x], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [w, x], dtype=tl.int32, is_pure=True, pack=1
+        )
     else:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [w, x], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [w, x], dtype=tl.int32, is_pure=True, pack=1
+        )
 
 
 @triton.jit
@@ -101,8 +103,22 @@ def _quantize_x(x_ptr, k0, K, GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, N, K, T, split_k, QTYPE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, EMULATE: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    N,
+    K,
+    T,
+    split_k,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     """Program (block of ``BLOCK_N`` rows, split of K out of ``split_k``); each step is ``NB`` x 256
     values of K of every row (``NB`` superblocks, or 8 ``NB`` Q8_0 blocks). ``T``: GGUF blocks in the
     whole matrix (the planes' lengths).
@@ -147,8 +163,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, N, K, T, split
             qs = (w_ptr + 16 * T).to(words) + first[:, None, None, None] * 32 + u4 * 8 + m4
             wq = tl.load(qs, mask=live4[:, :, None, None], other=0)  # [BN, 4 NB, 1, 8]
             nibbles = (wq >> (half * 4)) & 0x0F0F0F0F  # [BN, 4 NB, 2, 8]
-            sums = tl.reshape(tl.sum(_dp4a(nibbles, tl.reshape(xw, (4 * NB, 2, 8))[None], False, EMULATE), axis=3),
-                              (BLOCK_N, G))
+            sums = tl.reshape(
+                tl.sum(_dp4a(nibbles, tl.reshape(xw, (4 * NB, 2, 8))[None], False, EMULATE), axis=3), (BLOCK_N, G)
+            )
             scales = (w_ptr + 4 * T).to(words) + blk[:, :, None] * 3
             a = tl.load(scales, mask=live[:, :, None], other=0)
             bw = tl.load(scales + 1, mask=live[:, :, None], other=0)
@@ -185,8 +202,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, N, K, T, split
             products = _dp4a(quants, tl.reshape(xw, (2 * NB, 2, 2, 8))[None], False, EMULATE)
             sums = tl.sum(tl.reshape(products, (BLOCK_N, 2 * G, 4)), axis=2)  # [BN, 16 NB]
             g16 = tl.arange(0, 16)[None, None, :]
-            sc = tl.load((w_ptr + 192 * T).to(tl.pointer_type(tl.int8)) + blk[:, :, None] * 16 + g16,
-                         mask=live[:, :, None], other=0).to(tl.float32)
+            sc = tl.load(
+                (w_ptr + 192 * T).to(tl.pointer_type(tl.int8)) + blk[:, :, None] * 16 + g16,
+                mask=live[:, :, None],
+                other=0,
+            ).to(tl.float32)
             d = _f16(w_ptr + 208 * T + blk * 2, live)[:, :, None]
             centred = (sums - 32 * sxq16[None, :]).to(tl.float32) * tl.reshape(d * sc, (BLOCK_N, 2 * G))
             acc += tl.sum(tl.reshape(centred, (BLOCK_N, G, 2)), axis=2) * dx[None, :]  # quants are stored + 32
@@ -233,21 +253,21 @@ def gemv_config(qtype: GGMLQuantizationType, n: int, k: int, num_sms: int) -> Ge
 #: Settings measured per GPU model (``benchmarks/gguf_kernels.py --rows 1 --sweep`` prints entries):
 #: ``(device name, type name, N, K) -> setting``; other shapes use :func:`gemv_config`'s rule.
 GEMV_TUNED: dict[tuple[str, str, int, int], GemvConfig] = {
-    ('NVIDIA H200', 'Q4_K', 6144, 4096): GemvConfig(block_n=32, blocks_per_step=4, split_k=4),
-    ('NVIDIA H200', 'Q4_K', 4096, 4096): GemvConfig(block_n=32, blocks_per_step=4, split_k=4),
-    ('NVIDIA H200', 'Q4_K', 28672, 4096): GemvConfig(block_n=64, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q4_K', 4096, 14336): GemvConfig(block_n=32, blocks_per_step=4, split_k=4),
-    ('NVIDIA H200', 'Q4_K', 128256, 4096): GemvConfig(block_n=64, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q6_K', 6144, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q6_K', 4096, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q6_K', 28672, 4096): GemvConfig(block_n=32, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q6_K', 4096, 14336): GemvConfig(block_n=16, blocks_per_step=4, split_k=2, num_warps=8),
-    ('NVIDIA H200', 'Q6_K', 128256, 4096): GemvConfig(block_n=16, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q8_0', 6144, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q8_0', 4096, 4096): GemvConfig(block_n=8, blocks_per_step=2, split_k=4),
-    ('NVIDIA H200', 'Q8_0', 28672, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
-    ('NVIDIA H200', 'Q8_0', 4096, 14336): GemvConfig(block_n=8, blocks_per_step=2, split_k=4),
-    ('NVIDIA H200', 'Q8_0', 128256, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
+    ("NVIDIA H200", "Q4_K", 6144, 4096): GemvConfig(block_n=32, blocks_per_step=4, split_k=4),
+    ("NVIDIA H200", "Q4_K", 4096, 4096): GemvConfig(block_n=32, blocks_per_step=4, split_k=4),
+    ("NVIDIA H200", "Q4_K", 28672, 4096): GemvConfig(block_n=64, blocks_per_step=4, split_k=1),
+    ("NVIDIA H200", "Q4_K", 4096, 14336): GemvConfig(block_n=32, blocks_per_step=4, split_k=4),
+    ("NVIDIA H200", "Q4_K", 128256, 4096): GemvConfig(block_n=64, blocks_per_step=4, split_k=1),
+    ("NVIDIA H200", "Q6_K", 6144, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
+    ("NVIDIA H200", "Q6_K", 4096, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
+    ("NVIDIA H200", "Q6_K", 28672, 4096): GemvConfig(block_n=32, blocks_per_step=4, split_k=1),
+    ("NVIDIA H200", "Q6_K", 4096, 14336): GemvConfig(block_n=16, blocks_per_step=4, split_k=2, num_warps=8),
+    ("NVIDIA H200", "Q6_K", 128256, 4096): GemvConfig(block_n=16, blocks_per_step=4, split_k=1),
+    ("NVIDIA H200", "Q8_0", 6144, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
+    ("NVIDIA H200", "Q8_0", 4096, 4096): GemvConfig(block_n=8, blocks_per_step=2, split_k=4),
+    ("NVIDIA H200", "Q8_0", 28672, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
+    ("NVIDIA H200", "Q8_0", 4096, 14336): GemvConfig(block_n=8, blocks_per_step=2, split_k=4),
+    ("NVIDIA H200", "Q8_0", 128256, 4096): GemvConfig(block_n=8, blocks_per_step=4, split_k=1),
 }
 
 
@@ -267,28 +287,48 @@ def reserve_counters(device: torch.device) -> torch.Tensor:
     device = torch.device(device)
     if device not in _counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fw_gguf: the GEMV's split counters must be reserved before CUDA-graph capture "
-                               "(fw_gguf.kernels.gemv.reserve_counters)")
+            raise RuntimeError(
+                "fw_gguf: the GEMV's split counters must be reserved before CUDA-graph capture "
+                "(fw_gguf.kernels.gemv.reserve_counters)"
+            )
         _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return _counters[device]
 
 
-def gguf_gemv(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, total_blocks: int,
-              out: torch.Tensor, config: GemvConfig) -> torch.Tensor:
+def gguf_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    n: int,
+    k: int,
+    total_blocks: int,
+    out: torch.Tensor,
+    config: GemvConfig,
+) -> torch.Tensor:
     """``out[1, n] = x[1, k] @ W^T`` for planar ``weight`` (checked by the caller,
     :func:`fw_gguf.kernels.matmul.gguf_matmul`), in one launch (K splits included)."""
     emulate = os.environ.get("TRITON_INTERPRET") == "1"
     blocks = triton.cdiv(n, config.block_n)
     split = config.split_k > 1
     if blocks > COUNTERS and split:
-        raise ValueError(f"a split GEMV over {blocks} blocks of rows needs more than the {COUNTERS} counters; use "
-                         f"split_k=1 or larger blocks")
+        raise ValueError(
+            f"a split GEMV over {blocks} blocks of rows needs more than the {COUNTERS} counters; use "
+            f"split_k=1 or larger blocks"
+        )
     counters = reserve_counters(x.device)
     partial = torch.empty(config.split_k, n, dtype=torch.float32, device=x.device) if split else out
-    meta = dict(QTYPE=int(qtype), BLOCK_N=config.block_n, NB=config.blocks_per_step, SPLIT=split, EMULATE=emulate,
-                num_warps=config.num_warps, num_stages=config.num_stages)
-    _gemv_kernel[(blocks, config.split_k)](x, weight, out, partial, counters, n, k, total_blocks, config.split_k,
-                                           **meta)
+    meta = dict(
+        QTYPE=int(qtype),
+        BLOCK_N=config.block_n,
+        NB=config.blocks_per_step,
+        SPLIT=split,
+        EMULATE=emulate,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    _gemv_kernel[(blocks, config.split_k)](
+        x, weight, out, partial, counters, n, k, total_blocks, config.split_k, **meta
+    )
     return out
 
 

@@ -26,8 +26,18 @@ FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int], ...]] = {
 
 #: Types the kernels decode: ``(groups G, group size S)`` per block.
 GROUPS: dict[GGMLQuantizationType, tuple[int, int]] = {
-    Q.Q4_0: (1, 32), Q.Q4_1: (1, 32), Q.Q5_0: (1, 32), Q.Q5_1: (1, 32), Q.Q8_0: (1, 32), Q.IQ4_NL: (1, 32),
-    Q.Q2_K: (16, 16), Q.Q3_K: (16, 16), Q.Q6_K: (16, 16), Q.Q4_K: (8, 32), Q.Q5_K: (8, 32), Q.IQ4_XS: (8, 32),
+    Q.Q4_0: (1, 32),
+    Q.Q4_1: (1, 32),
+    Q.Q5_0: (1, 32),
+    Q.Q5_1: (1, 32),
+    Q.Q8_0: (1, 32),
+    Q.IQ4_NL: (1, 32),
+    Q.Q2_K: (16, 16),
+    Q.Q3_K: (16, 16),
+    Q.Q6_K: (16, 16),
+    Q.Q4_K: (8, 32),
+    Q.Q5_K: (8, 32),
+    Q.IQ4_XS: (8, 32),
 }
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(GROUPS)
 
@@ -36,23 +46,25 @@ def to_planar(packed: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor
     """GGUF bytes (any shape, whole blocks) -> the planar layout, flat uint8 of the same size."""
     type_size = GGML_QUANT_SIZES[qtype][1]
     blocks = packed.reshape(-1, type_size)
-    return torch.cat([blocks[:, start:start + size].reshape(-1) for start, size in FIELDS[qtype]])
+    return torch.cat([blocks[:, start : start + size].reshape(-1) for start, size in FIELDS[qtype]])
 
 
 def from_planar(planar: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """The inverse of :func:`to_planar`: GGUF blocks ``[T, type_size]``."""
     type_size = GGML_QUANT_SIZES[qtype][1]
     total = planar.numel() // type_size
-    return torch.cat([planar[total * start:total * (start + size)].view(total, size) for start, size in FIELDS[qtype]],
-                     dim=1)
+    return torch.cat(
+        [planar[total * start : total * (start + size)].view(total, size) for start, size in FIELDS[qtype]], dim=1
+    )
 
 
 def experts_to_planar(stack: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """An expert stack ``[E, rows, bytes_per_row]`` -> each expert's matrix in the planar layout, same shape."""
     experts, type_size = stack.shape[0], GGML_QUANT_SIZES[qtype][1]
     blocks = stack.reshape(experts, -1, type_size)
-    return torch.cat([blocks[:, :, start:start + size].reshape(experts, -1) for start, size in FIELDS[qtype]],
-                     dim=1).view(stack.shape)
+    return torch.cat(
+        [blocks[:, :, start : start + size].reshape(experts, -1) for start, size in FIELDS[qtype]], dim=1
+    ).view(stack.shape)
 
 
 def experts_from_planar(stack: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -60,5 +72,10 @@ def experts_from_planar(stack: torch.Tensor, qtype: GGMLQuantizationType) -> tor
     experts, type_size = stack.shape[0], GGML_QUANT_SIZES[qtype][1]
     flat = stack.reshape(experts, -1)
     total = flat.shape[1] // type_size
-    return torch.cat([flat[:, total * start:total * (start + size)].reshape(experts, total, size)
-                      for start, size in FIELDS[qtype]], dim=2).view(stack.shape)
+    return torch.cat(
+        [
+            flat[:, total * start : total * (start + size)].reshape(experts, total, size)
+            for start, size in FIELDS[qtype]
+        ],
+        dim=2,
+    ).view(stack.shape)

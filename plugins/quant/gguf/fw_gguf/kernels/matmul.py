@@ -76,10 +76,27 @@ class GGUFKernelConfig:
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, T, stride_xm, stride_om, stride_os,
-                   QTYPE: tl.constexpr, PLANAR: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr,
-                   SHARED_X: tl.constexpr):
+def _matmul_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    T,
+    stride_xm,
+    stride_om,
+    stride_os,
+    QTYPE: tl.constexpr,
+    PLANAR: tl.constexpr,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SHARED_X: tl.constexpr,
+):
     """Program (block of N, split of K, block of M); each K step is ``NB`` GGUF blocks of every row.
     ``SHARED_X`` (``BLOCK_M == 1`` only): x loaded as ``[1, NB, G, S]`` and broadcast over the rows."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -112,8 +129,11 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, T, stride_xm, stride_om, stri
             tiles += w * x
         else:
             ks = kb0 * QK + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                        mask=(rows[:, None] < M) & (ks[None, :] < kb_hi * QK), other=0.0)
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                mask=(rows[:, None] < M) & (ks[None, :] < kb_hi * QK),
+                other=0.0,
+            )
             # rounded to x's dtype in the decoding layout, so a layout change moves 16-bit values
             acc += tl.dot(x, tl.trans(tl.reshape(w.to(x.dtype), (BLOCK_N, BLOCK_K))))
     if BLOCK_M == 1:
@@ -127,8 +147,9 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, T, stride_xm, stride_om, stri
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, N, stride_ps, stride_pm, stride_om, SPLIT_K: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    partial_ptr, out_ptr, N, stride_ps, stride_pm, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
+):
     """``out[m, n] = sum_s partial[s, m, n]``, splits added in order; program (row, block of N)."""
     row, pid = tl.program_id(0), tl.program_id(1)
     cols = pid * BLOCK + tl.arange(0, BLOCK)
@@ -140,8 +161,20 @@ def _sum_splits_kernel(partial_ptr, out_ptr, N, stride_ps, stride_pm, stride_om,
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, out_ptr, N, K, T, stride_on, QTYPE: tl.constexpr, PLANAR: tl.constexpr,
-                       G: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+def _dequantize_kernel(
+    w_ptr,
+    out_ptr,
+    N,
+    K,
+    T,
+    stride_on,
+    QTYPE: tl.constexpr,
+    PLANAR: tl.constexpr,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+):
     """Program (block of rows, ``NB`` blocks of K): ``out[n, k] = q * scale - offset`` (launched unfused)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     QK: tl.constexpr = G * S
@@ -156,8 +189,9 @@ def _dequantize_kernel(w_ptr, out_ptr, N, K, T, stride_on, QTYPE: tl.constexpr, 
     tl.store(out_ptr + n4 * stride_on + kb * QK + g4 * S + s4, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def matmul_config(qtype: GGMLQuantizationType, n: int, k: int, rows: int,
-                  num_sms: int = DEFAULT_NUM_SMS) -> GGUFKernelConfig:
+def matmul_config(
+    qtype: GGMLQuantizationType, n: int, k: int, rows: int, num_sms: int = DEFAULT_NUM_SMS
+) -> GGUFKernelConfig:
     """The static rule: what :func:`gguf_matmul` launches for ``[rows, k] @ [n, k]^T`` of ``qtype``.
 
     * 1 row: elementwise GEMV, 32 weight rows and 256 values of K per step, K split until the
@@ -179,16 +213,28 @@ def matmul_config(qtype: GGMLQuantizationType, n: int, k: int, rows: int,
         programs = triton.cdiv(n, block_n)
         while split_k < 8 and programs * split_k < 2 * num_sms and steps // (2 * split_k) >= 4:
             split_k *= 2
-        return GGUFKernelConfig(block_m=1 if rows == 1 else 16, block_n=block_n, blocks_per_step=per_step,
-                                split_k=split_k, num_warps=4, num_stages=3)
+        return GGUFKernelConfig(
+            block_m=1 if rows == 1 else 16,
+            block_n=block_n,
+            blocks_per_step=per_step,
+            split_k=split_k,
+            num_warps=4,
+            num_stages=3,
+        )
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = 64 if rows <= 16 else 32
     split_k = 1
     programs = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
     while split_k < 4 and programs * split_k < num_sms and steps // (2 * split_k) >= 4:
         split_k *= 2
-    return GGUFKernelConfig(block_m=block_m, block_n=block_n, blocks_per_step=per_step, split_k=split_k,
-                            num_warps=4 if rows <= 16 else 8, num_stages=2)
+    return GGUFKernelConfig(
+        block_m=block_m,
+        block_n=block_n,
+        blocks_per_step=per_step,
+        split_k=split_k,
+        num_warps=4 if rows <= 16 else 8,
+        num_stages=2,
+    )
 
 
 #: Settings measured on a GPU model (``benchmarks/gguf_kernels.py --sweep`` prints entries to paste):
@@ -220,17 +266,29 @@ def _check(weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) ->
         raise ValueError(f"{qtype.name}: K={k} is not a whole number of {block_size}-value blocks")
     total_blocks = n * (k // block_size)
     if weight.dtype != torch.uint8 or weight.numel() != total_blocks * type_size:
-        raise ValueError(f"{qtype.name} [{n}, {k}] needs {total_blocks * type_size} packed bytes (uint8), got "
-                         f"{weight.numel()} {weight.dtype}")
+        raise ValueError(
+            f"{qtype.name} [{n}, {k}] needs {total_blocks * type_size} packed bytes (uint8), got "
+            f"{weight.numel()} {weight.dtype}"
+        )
     if weight.numel() >= 2**31 or n * k >= 2**31:
-        raise ValueError(f"{qtype.name} [{n}, {k}]: the kernels' offsets are 32-bit; {weight.numel()} bytes and "
-                         f"{n * k} values must each stay below 2**31")
+        raise ValueError(
+            f"{qtype.name} [{n}, {k}]: the kernels' offsets are 32-bit; {weight.numel()} bytes and "
+            f"{n * k} values must each stay below 2**31"
+        )
     return total_blocks, block_size
 
 
-def gguf_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, *,
-                planar: bool = False, out: torch.Tensor | None = None,
-                config: GGUFKernelConfig | GemvConfig | None = None) -> torch.Tensor:
+def gguf_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    n: int,
+    k: int,
+    *,
+    planar: bool = False,
+    out: torch.Tensor | None = None,
+    config: GGUFKernelConfig | GemvConfig | None = None,
+) -> torch.Tensor:
     """``x @ W^T`` for a 2-D ``x`` ``[rows, k]`` (unit column stride) and ``W`` ``[n, k]`` packed as
     ``qtype`` (contiguous uint8, GGUF or planar layout). Writes into ``out`` (``[rows, n]`` of x's
     dtype, unit column stride: a column slice of a fused layer's output works) or a new tensor,
@@ -240,27 +298,49 @@ def gguf_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationTy
     rows = x.shape[0]
     if out is None:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    if isinstance(config, GemvConfig) or (rows == 1 and planar and config is None
-                                           and gemv_supported(qtype, k, total_blocks)):
+    if isinstance(config, GemvConfig) or (
+        rows == 1 and planar and config is None and gemv_supported(qtype, k, total_blocks)
+    ):
         if rows != 1 or not planar or not gemv_supported(qtype, k, total_blocks):
-            raise ValueError(f"the integer GEMV multiplies one row of x by a planar {', '.join(sorted(t.name for t in GEMV_TYPES))} "
-                             f"matrix; got {rows} rows of a {'planar' if planar else 'GGUF-layout'} {qtype.name} [{n}, {k}]")
-        return gguf_gemv(x, weight, qtype, n, k, total_blocks, out,
-                         config or gemv_setting(qtype, n, k, _device_name(x.device), _num_sms(x.device)))
+            raise ValueError(
+                f"the integer GEMV multiplies one row of x by a planar {', '.join(sorted(t.name for t in GEMV_TYPES))} "
+                f"matrix; got {rows} rows of a {'planar' if planar else 'GGUF-layout'} {qtype.name} [{n}, {k}]"
+            )
+        return gguf_gemv(
+            x,
+            weight,
+            qtype,
+            n,
+            k,
+            total_blocks,
+            out,
+            config or gemv_setting(qtype, n, k, _device_name(x.device), _num_sms(x.device)),
+        )
     config = config or kernel_config(qtype, n, k, rows, x.device)
     if config.block_m == 1 and rows > 1:  # the elementwise form reads one row of x
         raise ValueError(f"GGUFKernelConfig(block_m=1) multiplies one row of x; got {rows} rows (use block_m >= 16)")
     groups, size = GROUPS[qtype]
     grid = (triton.cdiv(n, config.block_n), config.split_k, triton.cdiv(rows, config.block_m))
-    meta = dict(QTYPE=int(qtype), PLANAR=planar, G=groups, S=size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                NB=config.blocks_per_step, SPLIT_K=config.split_k, SHARED_X=config.shared_x, num_warps=config.num_warps,
-                num_stages=config.num_stages)
+    meta = dict(
+        QTYPE=int(qtype),
+        PLANAR=planar,
+        G=groups,
+        S=size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        NB=config.blocks_per_step,
+        SPLIT_K=config.split_k,
+        SHARED_X=config.shared_x,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     if config.split_k == 1:
         _matmul_kernel[grid](x, weight, out, rows, n, k, total_blocks, x.stride(0), out.stride(0), 0, **meta)
         return out
     partial = torch.empty(config.split_k, rows, n, dtype=torch.float32, device=x.device)
-    _matmul_kernel[grid](x, weight, partial, rows, n, k, total_blocks, x.stride(0), partial.stride(1),
-                         partial.stride(0), **meta)
+    _matmul_kernel[grid](
+        x, weight, partial, rows, n, k, total_blocks, x.stride(0), partial.stride(1), partial.stride(0), **meta
+    )
     return _sum_splits(partial, out)
 
 
@@ -268,13 +348,22 @@ def _sum_splits(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = partial.sum(0)`` (``partial`` ``[splits, rows, n]`` fp32, contiguous), splits added in order."""
     splits, rows, n = partial.shape
     block = min(1024, triton.next_power_of_2(n))
-    _sum_splits_kernel[(rows, triton.cdiv(n, block))](partial, out, n, partial.stride(0), partial.stride(1),
-                                                      out.stride(0), SPLIT_K=splits, BLOCK=block, num_warps=4)
+    _sum_splits_kernel[(rows, triton.cdiv(n, block))](
+        partial, out, n, partial.stride(0), partial.stride(1), out.stride(0), SPLIT_K=splits, BLOCK=block, num_warps=4
+    )
     return out
 
 
-def gguf_dequantize(weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, dtype: torch.dtype, *,
-                    planar: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_dequantize(
+    weight: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    *,
+    planar: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``W`` ``[n, k]`` packed as ``qtype`` -> values in ``dtype`` (into ``out``, ``[n, k]`` with unit
     column stride, when given), computed in fp32 bit-exactly as :func:`fw_gguf.dequant.dequantize`
     and then cast. Same errors as :func:`gguf_matmul`."""
@@ -285,8 +374,22 @@ def gguf_dequantize(weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k
     per_step = max(1, 256 // block_size)
     block_n = 16
     grid = (triton.cdiv(n, block_n), triton.cdiv(k // block_size, per_step))
-    _dequantize_kernel[grid](weight, out, n, k, total_blocks, out.stride(0), QTYPE=int(qtype), PLANAR=planar,
-                             G=groups, S=size, BLOCK_N=block_n, NB=per_step, num_warps=4, enable_fp_fusion=False)
+    _dequantize_kernel[grid](
+        weight,
+        out,
+        n,
+        k,
+        total_blocks,
+        out.stride(0),
+        QTYPE=int(qtype),
+        PLANAR=planar,
+        G=groups,
+        S=size,
+        BLOCK_N=block_n,
+        NB=per_step,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
     return out
 
 

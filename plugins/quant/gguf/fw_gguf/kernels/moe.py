@@ -62,7 +62,9 @@ class MoEKernelConfig:
         if self.block_m != 1 and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
             raise ValueError(f"block_m is 1 (per-pair GEMV) or a power of two >= 16, not {self.block_m}")
         if self.k_step % 256 or self.k_step & (self.k_step - 1):
-            raise ValueError(f"k_step is a power-of-two multiple of 256 (whole blocks of every type), not {self.k_step}")
+            raise ValueError(
+                f"k_step is a power-of-two multiple of 256 (whole blocks of every type), not {self.k_step}"
+            )
 
 
 def moe_config(num_pairs: int) -> MoEKernelConfig:
@@ -90,9 +92,25 @@ def pair_bucket(num_pairs: int) -> int:
 
 
 @triton.jit
-def _step(acc, x_ptr, x_off, x_mask, k0, w_ptr, n4, N, K, QTYPE: tl.constexpr, PLANAR: tl.constexpr,
-          G: tl.constexpr, S: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          PRECISION: tl.constexpr):
+def _step(
+    acc,
+    x_ptr,
+    x_off,
+    x_mask,
+    k0,
+    w_ptr,
+    n4,
+    N,
+    K,
+    QTYPE: tl.constexpr,
+    PLANAR: tl.constexpr,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    NB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One K step (``NB`` blocks of every row) of ``acc += x @ W^T``, ``W`` ``[N, K]`` at ``w_ptr``.
     ``BLOCK_M == 1``: ``acc`` ``[BLOCK_N, NB, G, S]`` (elementwise), ``x_off`` the offset of x's row;
     else ``acc`` ``[BLOCK_M, BLOCK_N]``, ``x_off`` / ``x_mask`` ``[BLOCK_M]`` rows."""
@@ -135,11 +153,33 @@ def _reduced(acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, top_k, H, INTER,
-                    stride_xm, stride_w1e, stride_w3e,
-                    QTYPE1: tl.constexpr, G1: tl.constexpr, S1: tl.constexpr, NB1: tl.constexpr,
-                    QTYPE3: tl.constexpr, G3: tl.constexpr, S3: tl.constexpr, NB3: tl.constexpr,
-                    PLANAR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def _gate_up_kernel(
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    act_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_pairs,
+    top_k,
+    H,
+    INTER,
+    stride_xm,
+    stride_w1e,
+    stride_w3e,
+    QTYPE1: tl.constexpr,
+    G1: tl.constexpr,
+    S1: tl.constexpr,
+    NB1: tl.constexpr,
+    QTYPE3: tl.constexpr,
+    G3: tl.constexpr,
+    S3: tl.constexpr,
+    NB3: tl.constexpr,
+    PLANAR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Program (block of pairs, block of ``BLOCK_N`` intermediate features): ``act = silu(gate) * up``."""
     tl.static_assert(NB1 * G1 * S1 == NB3 * G3 * S3, "gate and up step over the same K values")
     BLOCK_K: tl.constexpr = NB1 * G1 * S1
@@ -160,10 +200,12 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, act_ptr, sorted_ids_ptr, expert_ids_p
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        acc1 = _step(acc1, x_ptr, x_off, valid, k0, w1, n4, INTER, H, QTYPE1, PLANAR, G1, S1, NB1, BLOCK_M, BLOCK_N,
-                     PRECISION)
-        acc3 = _step(acc3, x_ptr, x_off, valid, k0, w3, n4, INTER, H, QTYPE3, PLANAR, G3, S3, NB3, BLOCK_M, BLOCK_N,
-                     PRECISION)
+        acc1 = _step(
+            acc1, x_ptr, x_off, valid, k0, w1, n4, INTER, H, QTYPE1, PLANAR, G1, S1, NB1, BLOCK_M, BLOCK_N, PRECISION
+        )
+        acc3 = _step(
+            acc3, x_ptr, x_off, valid, k0, w3, n4, INTER, H, QTYPE3, PLANAR, G3, S3, NB3, BLOCK_M, BLOCK_N, PRECISION
+        )
     out_dtype = act_ptr.dtype.element_ty
     gate = _reduced(acc1, BLOCK_M).to(out_dtype).to(tl.float32)
     up = _reduced(acc3, BLOCK_M).to(out_dtype).to(tl.float32)
@@ -171,14 +213,32 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, act_ptr, sorted_ids_ptr, expert_ids_p
     e = tl.exp(-tl.abs(gate))  # exp of a non-positive argument only: no overflow
     sigmoid = tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     act = (gate * sigmoid).to(out_dtype).to(tl.float32) * up
-    tl.store(act_ptr + rows[:, None] * INTER + n[None, :], act.to(out_dtype),
-             mask=valid[:, None] & (n[None, :] < INTER))
+    tl.store(
+        act_ptr + rows[:, None] * INTER + n[None, :], act.to(out_dtype), mask=valid[:, None] & (n[None, :] < INTER)
+    )
 
 
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, H, INTER,
-                 stride_w2e, QTYPE: tl.constexpr, G: tl.constexpr, S: tl.constexpr, NB: tl.constexpr,
-                 PLANAR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def _down_kernel(
+    act_ptr,
+    w2_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_pairs,
+    H,
+    INTER,
+    stride_w2e,
+    QTYPE: tl.constexpr,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    NB: tl.constexpr,
+    PLANAR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Program (block of pairs, block of ``BLOCK_N`` hidden features): ``out = (act @ w2^T) * weight``."""
     BLOCK_K: tl.constexpr = NB * G * S
     expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
@@ -195,8 +255,9 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_i
         x_off = rows * INTER
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        acc = _step(acc, act_ptr, x_off, valid, k0, w2, n4, H, INTER, QTYPE, PLANAR, G, S, NB, BLOCK_M, BLOCK_N,
-                    PRECISION)
+        acc = _step(
+            acc, act_ptr, x_off, valid, k0, w2, n4, H, INTER, QTYPE, PLANAR, G, S, NB, BLOCK_M, BLOCK_N, PRECISION
+        )
     out_dtype = out_ptr.dtype.element_ty
     routing = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     out = _reduced(acc, BLOCK_M).to(out_dtype).to(tl.float32) * routing[:, None]
@@ -212,8 +273,9 @@ def parse_quant_type(quant_type: str) -> tuple[bool, GGMLQuantizationType] | Non
     return (LAYOUTS[layout], qtype) if qtype in KERNEL_TYPES else None
 
 
-def supports(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
-             activation: MoEActivation = PLAIN_SWIGLU) -> bool:
+def supports(
+    hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts, activation: MoEActivation = PLAIN_SWIGLU
+) -> bool:
     """Whether :func:`quantized_fused_moe` runs these in its kernels (else it calls the reference):
     GGUF stacks of kernel types, gate and up in one layout, and what
     :func:`framework.quantized_moe.kernel_can_run` takes (plain SwiGLU without biases, float
@@ -228,8 +290,15 @@ def launch_setting(w1: PackedExperts, w2: PackedExperts, num_pairs: int, device:
         from fw_gguf.kernels.matmul import _device_name
 
         experts, inter = w1.data.shape[0], w1.data.shape[1]
-        key = (_device_name(device), w1.quant_type.partition(":")[2], w2.quant_type.partition(":")[2], experts,
-               w1.in_features, inter, pair_bucket(num_pairs))
+        key = (
+            _device_name(device),
+            w1.quant_type.partition(":")[2],
+            w2.quant_type.partition(":")[2],
+            experts,
+            w1.in_features,
+            inter,
+            pair_bucket(num_pairs),
+        )
         tuned = MOE_TUNED.get(key)
         if tuned is not None:
             return tuned
@@ -239,24 +308,44 @@ def launch_setting(w1: PackedExperts, w2: PackedExperts, num_pairs: int, device:
 def _check_stack(packed: PackedExperts, qtype: GGMLQuantizationType) -> None:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     experts, rows, row_bytes = packed.data.shape
-    if packed.data.dtype != torch.uint8 or not packed.data.is_contiguous() or \
-            packed.in_features % block_size or row_bytes != packed.in_features // block_size * type_size:
-        raise ValueError(f"{packed.quant_type} experts need contiguous uint8 [E, rows, {packed.in_features} // "
-                         f"{block_size} * {type_size}] bytes; got {packed.data.dtype} {tuple(packed.data.shape)}")
+    if (
+        packed.data.dtype != torch.uint8
+        or not packed.data.is_contiguous()
+        or packed.in_features % block_size
+        or row_bytes != packed.in_features // block_size * type_size
+    ):
+        raise ValueError(
+            f"{packed.quant_type} experts need contiguous uint8 [E, rows, {packed.in_features} // "
+            f"{block_size} * {type_size}] bytes; got {packed.data.dtype} {tuple(packed.data.shape)}"
+        )
     if rows * row_bytes >= 2**31 or rows * packed.in_features >= 2**31:
-        raise ValueError(f"{packed.quant_type} [{rows}, {packed.in_features}] per expert: the kernels' offsets "
-                         "are 32-bit within an expert")
+        raise ValueError(
+            f"{packed.quant_type} [{rows}, {packed.in_features}] per expert: the kernels' offsets "
+            "are 32-bit within an expert"
+        )
 
 
 def _type_meta(qtype: GGMLQuantizationType, k_step: int, suffix: str = "") -> dict[str, int]:
     groups, size = GROUPS[qtype]
-    return {f"QTYPE{suffix}": int(qtype), f"G{suffix}": groups, f"S{suffix}": size,
-            f"NB{suffix}": k_step // (groups * size)}
+    return {
+        f"QTYPE{suffix}": int(qtype),
+        f"G{suffix}": groups,
+        f"S{suffix}": size,
+        f"NB{suffix}": k_step // (groups * size),
+    }
 
 
-def quantized_fused_moe(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
-                        topk_weights: Tensor, topk_ids: Tensor, activation: MoEActivation = PLAIN_SWIGLU,
-                        *, config: MoEKernelConfig | None = None) -> Tensor:
+def quantized_fused_moe(
+    hidden: Tensor,
+    w1: PackedExperts,
+    w3: PackedExperts,
+    w2: PackedExperts,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    activation: MoEActivation = PLAIN_SWIGLU,
+    *,
+    config: MoEKernelConfig | None = None,
+) -> Tensor:
     """:func:`framework.ops.quantized_fused_moe` for GGUF stacks (:func:`supports`); anything else
     by the reference. ``config`` overrides :func:`launch_setting` (benchmarks, tests). Returns a new
     ``[T, H]`` tensor of ``hidden.dtype``; raises ``ValueError`` for stacks whose bytes do not match
@@ -269,33 +358,67 @@ def quantized_fused_moe(hidden: Tensor, w1: PackedExperts, w3: PackedExperts, w2
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w1.data.shape[0], w1.data.shape[1]
     top_k = topk_ids.shape[1]
-    expected = {"w1": (num_experts, inter, hidden_size), "w3": (num_experts, inter, hidden_size),
-                "w2": (num_experts, hidden_size, inter)}
+    expected = {
+        "w1": (num_experts, inter, hidden_size),
+        "w3": (num_experts, inter, hidden_size),
+        "w2": (num_experts, hidden_size, inter),
+    }
     for name, packed in (("w1", w1), ("w3", w3), ("w2", w2)):
         if (*packed.data.shape[:2], packed.in_features) != expected[name]:
-            raise ValueError(f"{name}: expected {expected[name][0]} experts of [{expected[name][1]}, "
-                             f"{expected[name][2]}] for hidden {hidden_size} and width {inter}, got "
-                             f"{packed.data.shape[0]} of [{packed.data.shape[1]}, {packed.in_features}]")
+            raise ValueError(
+                f"{name}: expected {expected[name][0]} experts of [{expected[name][1]}, "
+                f"{expected[name][2]}] for hidden {hidden_size} and width {inter}, got "
+                f"{packed.data.shape[0]} of [{packed.data.shape[1]}, {packed.in_features}]"
+            )
     if num_tokens == 0:
         return torch.empty_like(hidden)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     config = config or launch_setting(w1, w2, num_tokens * top_k, hidden.device)
     pairs = pair_blocks(topk_ids, num_experts, config.block_m, sorted=config.block_m != 1)
-    common = dict(BLOCK_M=config.block_m, PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+    common = dict(
+        BLOCK_M=config.block_m,
+        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
 
     def gate_up(act: Tensor) -> None:
         _gate_up_kernel[(pairs.num_programs, triton.cdiv(inter, config.block_n_gate_up))](
-            hidden, w1.data, w3.data, act, pairs.sorted_ids, pairs.expert_ids, pairs.num_pairs, top_k, hidden_size,
-            inter, hidden.stride(0), w1.data.stride(0), w3.data.stride(0), PLANAR=planar13,
-            BLOCK_N=config.block_n_gate_up, **_type_meta(type1, config.k_step, "1"),
-            **_type_meta(type3, config.k_step, "3"), **common,
+            hidden,
+            w1.data,
+            w3.data,
+            act,
+            pairs.sorted_ids,
+            pairs.expert_ids,
+            pairs.num_pairs,
+            top_k,
+            hidden_size,
+            inter,
+            hidden.stride(0),
+            w1.data.stride(0),
+            w3.data.stride(0),
+            PLANAR=planar13,
+            BLOCK_N=config.block_n_gate_up,
+            **_type_meta(type1, config.k_step, "1"),
+            **_type_meta(type3, config.k_step, "3"),
+            **common,
         )
 
     def down(act: Tensor, per_pair: Tensor, weights: Tensor) -> None:
         _down_kernel[(pairs.num_programs, triton.cdiv(hidden_size, config.block_n_down))](
-            act, w2.data, per_pair, weights, pairs.sorted_ids, pairs.expert_ids, pairs.num_pairs, hidden_size,
-            inter, w2.data.stride(0), PLANAR=planar2, BLOCK_N=config.block_n_down, **_type_meta(type2, config.k_step),
+            act,
+            w2.data,
+            per_pair,
+            weights,
+            pairs.sorted_ids,
+            pairs.expert_ids,
+            pairs.num_pairs,
+            hidden_size,
+            inter,
+            w2.data.stride(0),
+            PLANAR=planar2,
+            BLOCK_N=config.block_n_down,
+            **_type_meta(type2, config.k_step),
             **common,
         )
 

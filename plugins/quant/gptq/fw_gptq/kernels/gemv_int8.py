@@ -47,8 +47,9 @@ def _dp4a(w, x, EMULATE: tl.constexpr):
             total += ((w >> (8 * i)) & 255) * ((((x >> (8 * i)) & 255) ^ 128) - 128)
         return total
     else:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [w, x], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [w, x], dtype=tl.int32, is_pure=True, pack=1
+        )
 
 
 @triton.jit
@@ -59,9 +60,25 @@ def _pack_bytes(quants):
 
 
 @triton.jit
-def _int8_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partial_ptr, counter_ptr, N, K, split_k,
-                      BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, STEP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EMULATE: tl.constexpr):
+def _int8_gemv_kernel(
+    x_ptr,
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    N,
+    K,
+    split_k,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    STEP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     """Program (block of ``BLOCK_N`` columns, split of K out of ``split_k``); each step is ``STEP``
     inputs (one group or a part of one). ``SPLIT``: as ``fw_gguf``'s GEMV, partial sums in
     ``partial [split_k, N]``, the last split to count itself in ``counter[pid_n]`` adds them in order."""
@@ -88,8 +105,9 @@ def _int8_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, partia
         words = tl.load(qweight_ptr + rows[:, None] * N + n[None, :], mask=live[None, :], other=0)  # [WORDS, BN]
         if BITS == 4:
             even, odd = tl.split(tl.reshape(quants, (WORDS, 4, 2)))  # inputs 8w + 2i and 8w + 2i + 1
-            products = (_dp4a(words & 0x0F0F0F0F, _pack_bytes(even)[:, None], EMULATE)
-                        + _dp4a((words >> 4) & 0x0F0F0F0F, _pack_bytes(odd)[:, None], EMULATE))
+            products = _dp4a(words & 0x0F0F0F0F, _pack_bytes(even)[:, None], EMULATE) + _dp4a(
+                (words >> 4) & 0x0F0F0F0F, _pack_bytes(odd)[:, None], EMULATE
+            )
         else:
             tl.static_assert(BITS == 8, "_int8_gemv_kernel: 4 or 8 bits")
             products = _dp4a(words, _pack_bytes(tl.reshape(quants, (WORDS, 4)))[:, None], EMULATE)
@@ -151,8 +169,14 @@ def gemv_config(n: int, k: int, step: int, num_sms: int) -> tuple[int, int]:
     return block_n, split_k
 
 
-def int8_gemv(x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None = None,
-              block_n: int | None = None, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+def int8_gemv(
+    x: torch.Tensor,
+    weight: KernelWeight,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    split_k: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """``x [1, K] @ W.T -> [1, N]`` in ``x.dtype``; ``x`` in the kernel's input order (act-order
     already applied by the caller), contiguous. ``block_n`` / ``split_k`` override the rule."""
     assert x.shape[0] == 1 and int8_gemv_supported(weight), "int8_gemv: one row of a supported weight"
@@ -170,9 +194,25 @@ def int8_gemv(x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None = 
     partial = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split else target
     zeros = weight.zeros if weight.zeros is not None else weight.scales
     _int8_gemv_kernel[(blocks, split_k)](
-        x, weight.qweight, weight.scales, zeros, target, partial, reserve_counters(x.device), n, k, split_k,
-        BITS=weight.bits, GROUP_SIZE=weight.group_size, HAS_ZEROS=weight.zeros is not None, STEP=step,
-        BLOCK_N=block_n, SPLIT=split, EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps)
+        x,
+        weight.qweight,
+        weight.scales,
+        zeros,
+        target,
+        partial,
+        reserve_counters(x.device),
+        n,
+        k,
+        split_k,
+        BITS=weight.bits,
+        GROUP_SIZE=weight.group_size,
+        HAS_ZEROS=weight.zeros is not None,
+        STEP=step,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=num_warps,
+    )
     return target
 
 

@@ -58,17 +58,26 @@ def to_kernel_layout(weight: IntWeight, dtype: torch.dtype) -> KernelWeight:
     zeros = weight.zeros
     if zeros is not None and bool((zeros == 2 ** (weight.bits - 1)).all()):
         zeros = None
-    return KernelWeight(pack_along(q, weight.bits, 0), weight.scales.to(dtype).contiguous(),
-                        None if zeros is None else zeros.to(dtype).contiguous(),
-                        g_idx.contiguous() if g_idx is not None else None, perm, weight.bits, weight.group_size)
+    return KernelWeight(
+        pack_along(q, weight.bits, 0),
+        weight.scales.to(dtype).contiguous(),
+        None if zeros is None else zeros.to(dtype).contiguous(),
+        g_idx.contiguous() if g_idx is not None else None,
+        perm,
+        weight.bits,
+        weight.group_size,
+    )
 
 
 def dequantize_kernel_weight(weight: KernelWeight, dtype: torch.dtype, *, permuted: bool = False) -> Tensor:
     """``W`` ``[N, K]`` in ``dtype`` from the kernel layout: the torch reference of the kernel. With
     ``permuted`` the columns stay in the kernel's (act-order) input order."""
     q = unpack_along(weight.qweight, weight.bits, 0)
-    groups = weight.g_idx.long() if weight.g_idx is not None else (
-        torch.arange(q.shape[0], device=q.device) // weight.group_size)
+    groups = (
+        weight.g_idx.long()
+        if weight.g_idx is not None
+        else (torch.arange(q.shape[0], device=q.device) // weight.group_size)
+    )
     zeros = weight.zeros.float() if weight.zeros is not None else float(2 ** (weight.bits - 1))
     scales = weight.scales.float()
     w = (q.float() - (zeros[groups] if isinstance(zeros, Tensor) else zeros)) * scales[groups]  # [K, N]

@@ -44,10 +44,24 @@ DEQUANT_MIN_ROWS = 128
 
 
 @triton.jit
-def _dequantized_slice(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ks0, k_end, offs_n, mask_n, N,
-                       BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                       HAS_G_IDX: tl.constexpr, SCALE_PER_SLICE: tl.constexpr, SUB_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+def _dequantized_slice(
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    g_idx_ptr,
+    ks0,
+    k_end,
+    offs_n,
+    mask_n,
+    N,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    SCALE_PER_SLICE: tl.constexpr,
+    SUB_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """``W^T[ks0 : ks0 + SUB_K, offs_n]`` in float32, ``(q - zero) * scale`` exactly (zero where
     ``k >= k_end`` or masked out): the reference's values before the cast to the activations' dtype.
 
@@ -61,8 +75,11 @@ def _dequantized_slice(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ks0, k_end
     MASK: tl.constexpr = (1 << BITS) - 1
     BIASED_ZERO: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
     offs_w = ks0 // PACK + tl.arange(0, SUB_K // PACK)
-    words = tl.load(qweight_ptr + offs_w[:, None] * N + offs_n[None, :],
-                    mask=(offs_w[:, None] < k_end // PACK) & mask_n[None, :], other=0)
+    words = tl.load(
+        qweight_ptr + offs_w[:, None] * N + offs_n[None, :],
+        mask=(offs_w[:, None] < k_end // PACK) & mask_n[None, :],
+        other=0,
+    )
     shifts = tl.arange(0, PACK) * BITS
     q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (SUB_K, BLOCK_N))
     biased = (q | 0x4B000000).to(tl.float32, bitcast=True)
@@ -91,11 +108,30 @@ def _dequantized_slice(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ks0, k_end
 
 
 @triton.jit
-def wna16_matmul_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr,
-                        M, N, K, stride_xm, stride_om, k_per_split,
-                        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                        HAS_G_IDX: tl.constexpr, SCALE_PER_SLICE: tl.constexpr, FP32: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+def wna16_matmul_kernel(
+    x_ptr,
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    g_idx_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    k_per_split,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    SCALE_PER_SLICE: tl.constexpr,
+    FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
+):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,11 +143,30 @@ def wna16_matmul_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ou
     for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
         for sub in tl.static_range(BLOCK_K // SUB_K):
             ks0 = k0 + sub * SUB_K
-            w = _dequantized_slice(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ks0, K, offs_n, mask_n, N,
-                                   BITS, GROUP_SIZE, HAS_ZEROS, HAS_G_IDX, SCALE_PER_SLICE, SUB_K, BLOCK_N)
+            w = _dequantized_slice(
+                qweight_ptr,
+                scales_ptr,
+                zeros_ptr,
+                g_idx_ptr,
+                ks0,
+                K,
+                offs_n,
+                mask_n,
+                N,
+                BITS,
+                GROUP_SIZE,
+                HAS_ZEROS,
+                HAS_G_IDX,
+                SCALE_PER_SLICE,
+                SUB_K,
+                BLOCK_N,
+            )
             offs_k = ks0 + tl.arange(0, SUB_K)
-            x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                          mask=mask_m[None, :] & (offs_k < K)[:, None], other=0.0)
+            x_t = tl.load(
+                x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                mask=mask_m[None, :] & (offs_k < K)[:, None],
+                other=0.0,
+            )
             if FP32:
                 acc += tl.dot(tl.trans(w), x_t, input_precision="ieee")
             else:
@@ -121,24 +176,56 @@ def wna16_matmul_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ou
 
 
 @triton.jit
-def wna16_dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K,
-                            BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                            HAS_G_IDX: tl.constexpr, SCALE_PER_SLICE: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def wna16_dequantize_kernel(
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    g_idx_ptr,
+    out_ptr,
+    N,
+    K,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    SCALE_PER_SLICE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """``out [K, N] = W^T`` in ``out``'s dtype; program (block of K, block of N)."""
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     ks0 = pid_k * BLOCK_K
-    w = _dequantized_slice(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, ks0, K, offs_n, mask_n, N,
-                           BITS, GROUP_SIZE, HAS_ZEROS, HAS_G_IDX, SCALE_PER_SLICE, BLOCK_K, BLOCK_N)
+    w = _dequantized_slice(
+        qweight_ptr,
+        scales_ptr,
+        zeros_ptr,
+        g_idx_ptr,
+        ks0,
+        K,
+        offs_n,
+        mask_n,
+        N,
+        BITS,
+        GROUP_SIZE,
+        HAS_ZEROS,
+        HAS_G_IDX,
+        SCALE_PER_SLICE,
+        BLOCK_K,
+        BLOCK_N,
+    )
     offs_k = ks0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=(offs_k < K)[:, None] & mask_n[None, :])
+    tl.store(
+        out_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
+        w.to(out_ptr.dtype.element_ty),
+        mask=(offs_k < K)[:, None] & mask_n[None, :],
+    )
 
 
-def choose_config(rows: int, n: int, k: int, group_size: int, num_sms: int = DEFAULT_NUM_SMS, bits: int = 4
-                  ) -> dict[str, int]:
+def choose_config(
+    rows: int, n: int, k: int, group_size: int, num_sms: int = DEFAULT_NUM_SMS, bits: int = 4
+) -> dict[str, int]:
     """Tile sizes, K step, split-K, warps and stages for ``rows`` x ``[n, k]`` (a rule; the sweep in
     ``benchmarks/w4a16_kernels.py`` times it beside the best of a grid).
 
@@ -157,8 +244,15 @@ def choose_config(rows: int, n: int, k: int, group_size: int, num_sms: int = DEF
     programs, split_k = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m), 1
     while programs * split_k < fill and k // (split_k * 2) >= max(block_k, 4 * sub_k) and split_k < 4:
         split_k *= 2
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SUB_K": sub_k, "SPLIT_K": split_k,
-            "num_warps": 4, "num_stages": stages}
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "SUB_K": sub_k,
+        "SPLIT_K": split_k,
+        "num_warps": 4,
+        "num_stages": stages,
+    }
 
 
 def _scale_per_slice(weight: KernelWeight, sub_k: int) -> bool:
@@ -166,13 +260,22 @@ def _scale_per_slice(weight: KernelWeight, sub_k: int) -> bool:
 
 
 def _launch_args(weight: KernelWeight, sub_k: int) -> dict:
-    return dict(BITS=weight.bits, GROUP_SIZE=weight.group_size, HAS_ZEROS=weight.zeros is not None,
-                HAS_G_IDX=weight.g_idx is not None, SCALE_PER_SLICE=_scale_per_slice(weight, sub_k))
+    return dict(
+        BITS=weight.bits,
+        GROUP_SIZE=weight.group_size,
+        HAS_ZEROS=weight.zeros is not None,
+        HAS_G_IDX=weight.g_idx is not None,
+        SCALE_PER_SLICE=_scale_per_slice(weight, sub_k),
+    )
 
 
 def _pointers(weight: KernelWeight) -> tuple:
-    return (weight.qweight, weight.scales, weight.zeros if weight.zeros is not None else weight.scales,
-            weight.g_idx if weight.g_idx is not None else weight.qweight)
+    return (
+        weight.qweight,
+        weight.scales,
+        weight.zeros if weight.zeros is not None else weight.scales,
+        weight.g_idx if weight.g_idx is not None else weight.qweight,
+    )
 
 
 def wna16_dequantize(weight: KernelWeight, dtype: torch.dtype, block_k: int = 64, block_n: int = 128) -> torch.Tensor:
@@ -181,13 +284,15 @@ def wna16_dequantize(weight: KernelWeight, dtype: torch.dtype, block_k: int = 64
     k, n = weight.in_features, weight.out_features
     out = torch.empty(k, n, dtype=dtype, device=weight.qweight.device)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
-    wna16_dequantize_kernel[grid](*_pointers(weight), out, n, k, BLOCK_K=block_k, BLOCK_N=block_n,
-                                  **_launch_args(weight, block_k))
+    wna16_dequantize_kernel[grid](
+        *_pointers(weight), out, n, k, BLOCK_K=block_k, BLOCK_N=block_n, **_launch_args(weight, block_k)
+    )
     return out
 
 
-def wna16_matmul(x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None = None,
-                 config: dict | None = None) -> torch.Tensor:
+def wna16_matmul(
+    x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None = None, config: dict | None = None
+) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, N]`` in ``x.dtype`` (``out``: where to write it); ``x`` in the layer's
     input order (the act-order permutation is applied here). ``config`` (keys of :func:`choose_config`;
     a missing ``SUB_K`` is ``min(BLOCK_K, 128)``) forces the fused kernel with that setting; without
@@ -220,9 +325,21 @@ def wna16_matmul(x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None
     partial = target if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split_k)
     wna16_matmul_kernel[grid](
-        x, *_pointers(weight), partial, m, n, k, x.stride(0), n if split_k > 1 else target.stride(0), k_per_split,
-        FP32=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages, **_launch_args(weight, sub_k),
-        **cfg)
+        x,
+        *_pointers(weight),
+        partial,
+        m,
+        n,
+        k,
+        x.stride(0),
+        n if split_k > 1 else target.stride(0),
+        k_per_split,
+        FP32=x.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **_launch_args(weight, sub_k),
+        **cfg,
+    )
     if split_k > 1:
         target.copy_(partial.sum(0))
     return target

@@ -31,7 +31,7 @@ class InputStats:
         kept = sum(s.shape[0] for s in self.sample)
         if kept < MAX_SAMPLE_ROWS:
             step = max(1, x.shape[0] // 64)
-            self.sample.append(x[::step][:MAX_SAMPLE_ROWS - kept].clone())
+            self.sample.append(x[::step][: MAX_SAMPLE_ROWS - kept].clone())
 
     @property
     def mean_abs(self) -> Tensor:
@@ -48,16 +48,22 @@ def calibration_chunks(tokenizer, text: str, num_samples: int, seq_len: int) -> 
     if ids.numel() < seq_len:
         ids = ids.repeat(seq_len // max(1, ids.numel()) + 1)
     stride = max(1, (ids.numel() - seq_len) // max(1, num_samples - 1))
-    return [ids[i * stride:i * stride + seq_len].unsqueeze(0) for i in range(num_samples)
-            if i * stride + seq_len <= ids.numel()]
+    return [
+        ids[i * stride : i * stride + seq_len].unsqueeze(0)
+        for i in range(num_samples)
+        if i * stride + seq_len <= ids.numel()
+    ]
 
 
-def collect_input_stats(model: nn.Module, linears: dict[str, nn.Linear], chunks: list[Tensor], want_hessian: bool,
-                        progress=None) -> dict[str, InputStats]:
+def collect_input_stats(
+    model: nn.Module, linears: dict[str, nn.Linear], chunks: list[Tensor], want_hessian: bool, progress=None
+) -> dict[str, InputStats]:
     """Run ``chunks`` through ``model`` and return every layer of ``linears``' input statistics."""
     stats = {name: InputStats() for name in linears}
-    hooks = [module.register_forward_pre_hook(lambda _m, args, name=name: stats[name].add(args[0], want_hessian))
-             for name, module in linears.items()]
+    hooks = [
+        module.register_forward_pre_hook(lambda _m, args, name=name: stats[name].add(args[0], want_hessian))
+        for name, module in linears.items()
+    ]
     try:
         with torch.no_grad():
             for chunk in chunks:

@@ -12,8 +12,9 @@ from .rtn import group_params, quantize_values
 BLOCK = 128  # columns updated together (the lazy batch update of the paper)
 
 
-def gptq_quantize(w: Tensor, hessian: Tensor, bits: int, group_size: int, symmetric: bool, act_order: bool = False,
-                  damp: float = 0.01) -> IntWeight:
+def gptq_quantize(
+    w: Tensor, hessian: Tensor, bits: int, group_size: int, symmetric: bool, act_order: bool = False, damp: float = 0.01
+) -> IntWeight:
     """GPTQ of ``w [N, K]`` given ``hessian = sum x x^T [K, K]`` of its calibration inputs.
 
     With ``act_order`` the columns are quantized in order of decreasing Hessian diagonal; the groups
@@ -53,5 +54,11 @@ def gptq_quantize(w: Tensor, hessian: Tensor, bits: int, group_size: int, symmet
     if act_order:
         g_idx = torch.empty(k, dtype=torch.int64)
         g_idx[perm] = torch.arange(k) // group
-    return IntWeight(unpermuted.t().to(torch.uint8).contiguous(), scales, None if symmetric else zeros.to(torch.uint8),
-                     g_idx, bits, group)
+    return IntWeight(
+        unpermuted.t().to(torch.uint8).contiguous(),
+        scales,
+        None if symmetric else zeros.to(torch.uint8),
+        g_idx,
+        bits,
+        group,
+    )

@@ -34,8 +34,12 @@ class QuantizeJob:
         """Refuse settings the written checkpoint could not hold, before loading anything."""
         if self.method not in ("gptq", "awq", "rtn"):
             raise ConfigError(f"unknown method {self.method!r}; valid: gptq, awq, rtn")
-        check_bits_and_group(f"fw quantize --method {self.method}", self.bits, self.group_size,
-                             valid_bits=(4,) if self.method == "awq" else (4, 8))
+        check_bits_and_group(
+            f"fw quantize --method {self.method}",
+            self.bits,
+            self.group_size,
+            valid_bits=(4,) if self.method == "awq" else (4, 8),
+        )
         if self.desc_act and self.method != "gptq":
             raise ConfigError("--desc-act is a GPTQ setting; use it with --method gptq")
         if not (self.src / "config.json").exists():
@@ -86,14 +90,17 @@ def run_quantize(job: QuantizeJob, echo: Callable[[str], None] = print) -> list[
         for index, layer in enumerate(tqdm(decoder.layers, desc="awq scales", unit="layer")):
             for previous, names in scaling_groups(layer):
                 full = [f"model.layers.{index}.{n}" for n in names]
-                scale = search_scale([linears[n].weight.data for n in full], stats[full[0]], job.bits, job.group_size,
-                                     job.symmetric)
+                scale = search_scale(
+                    [linears[n].weight.data for n in full], stats[full[0]], job.bits, job.group_size, job.symmetric
+                )
                 fold_scale(previous, [linears[n] for n in full], scale, offset)
     quantized: dict[str, IntWeight] = {}
     for name, linear in tqdm(linears.items(), desc=f"{job.method} {job.bits}-bit", unit="layer"):
         w = linear.weight.data.float()
         if job.method == "gptq":
-            quantized[name] = gptq_quantize(w, stats[name].hessian, job.bits, job.group_size, job.symmetric, job.desc_act)
+            quantized[name] = gptq_quantize(
+                w, stats[name].hessian, job.bits, job.group_size, job.symmetric, job.desc_act
+            )
         else:
             quantized[name] = round_to_nearest(w, job.bits, job.group_size, job.symmetric)
     tensors = dict(model.state_dict())

@@ -15,24 +15,56 @@ from torch import Tensor
 from ..packing import IntWeight, pack_awq, pack_compressed, pack_gptq
 
 SHARD_BYTES = 4 * 2**30
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def quantization_config(fmt: str, bits: int, group_size: int, symmetric: bool, desc_act: bool) -> dict:
     """The ``quantization_config`` of ``fmt`` (gptq | awq | compressed-tensors) as its tools write it."""
     if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": symmetric,
-                "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": False}
+        return {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group_size,
+            "desc_act": desc_act,
+            "sym": symmetric,
+            "checkpoint_format": "gptq",
+            "damp_percent": 0.01,
+            "true_sequential": False,
+        }
     if fmt == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
-    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric,
-               "strategy": "channel" if group_size == -1 else "group",
-               "group_size": None if group_size == -1 else group_size, "actorder": None, "dynamic": False}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                          "output_activations": None}},
-            "ignore": ["lm_head"]}
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": symmetric,
+        "strategy": "channel" if group_size == -1 else "group",
+        "group_size": None if group_size == -1 else group_size,
+        "actorder": None,
+        "dynamic": False,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
 
 
 def pack(fmt: str, weight: IntWeight, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -45,8 +77,15 @@ def pack(fmt: str, weight: IntWeight, dtype: torch.dtype) -> dict[str, Tensor]:
     raise ValueError(f"unknown checkpoint format {fmt!r}; valid: gptq, awq, compressed-tensors")
 
 
-def write_checkpoint(src: Path, dst: Path, tensors: dict[str, Tensor], quantized: dict[str, IntWeight], fmt: str,
-                     config_update: dict, dtype: torch.dtype) -> list[Path]:
+def write_checkpoint(
+    src: Path,
+    dst: Path,
+    tensors: dict[str, Tensor],
+    quantized: dict[str, IntWeight],
+    fmt: str,
+    config_update: dict,
+    dtype: torch.dtype,
+) -> list[Path]:
     """Write ``tensors`` (float; cast to ``dtype``) with every ``name`` of ``quantized`` (a layer
     prefix) stored as its packed tensors instead of ``name.weight``; returns the files written."""
     dst.mkdir(parents=True, exist_ok=True)
@@ -54,7 +93,9 @@ def write_checkpoint(src: Path, dst: Path, tensors: dict[str, Tensor], quantized
     for name, tensor in tensors.items():
         stem = name.removesuffix(".weight")
         if name.endswith(".weight") and stem in quantized:
-            out.update({f"{stem}.{key}": value.contiguous() for key, value in pack(fmt, quantized[stem], dtype).items()})
+            out.update(
+                {f"{stem}.{key}": value.contiguous() for key, value in pack(fmt, quantized[stem], dtype).items()}
+            )
         else:
             out[name] = tensor.to(dtype).contiguous() if tensor.is_floating_point() else tensor.contiguous()
     shards, current, size = [], {}, 0
@@ -76,7 +117,9 @@ def write_checkpoint(src: Path, dst: Path, tensors: dict[str, Tensor], quantized
             save_file(shard, str(path), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, path.name))
             files.append(path)
-        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        (dst / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+        )
     config = json.loads((src / "config.json").read_text())
     config.update(config_update)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
