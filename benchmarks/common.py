@@ -485,6 +485,27 @@ def graph_time(fn, repeats: int = 20, rounds: int = 5) -> float:
     return best
 
 
+def time_kernel_settings(run, settings, expected, copies, time_it, packed_bytes: int) -> dict:
+    """A kernel benchmark's ``--sweep``: ``run(weight, config)`` at each of ``settings``, checked against
+    ``expected`` (a setting that fails to compile or launch, or is off by more than 5 % of the largest
+    output, is reported in ``refused``, not timed), the rest timed with ``time_it`` over ``copies``.
+    Returns ``best``, ``best_gb_s`` (``packed_bytes`` at the best time), ``settings`` and ``refused``."""
+    timed, refused = [], []
+    for config in settings:
+        try:  # a setting may need more shared memory than an SM has: report it, time the rest
+            got = run(copies[0], config).double()
+        except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
+            refused.append({**config, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        if (got - expected).abs().max() > 0.05 * expected.abs().max():
+            refused.append({**config, "error": "wrong result"})
+            continue
+        seconds = time_it(lambda w, config=config: run(w, config), copies)
+        timed.append({**config, "us": seconds * 1e6})
+    best = min(timed, key=lambda s: s["us"])
+    return {"best": best, "best_gb_s": packed_bytes / (best["us"] / 1e6) / 1e9, "settings": timed, "refused": refused}
+
+
 def copies_timer(on_cpu: bool):
     """``time(fn, copies) -> seconds per call of fn(copy)`` for the kernel benchmarks: on the GPU
     :func:`graph_time` cycling through ``copies`` (weight copies that overflow the L2, so every call

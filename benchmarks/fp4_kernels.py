@@ -12,7 +12,7 @@ with the result keys of ``w4a16_kernels.py``. Weights are random codes with scal
 from __future__ import annotations
 
 import torch
-from common import copies_timer
+from common import copies_timer, time_kernel_settings
 from fw_fp4.kernels.fp4_linear import choose_config, fp4_matmul
 from fw_fp4.kernels.layout import GROUP_SIZES, Fp4KernelWeight, dequantize_kernel_weight, to_kernel_layout
 
@@ -89,18 +89,6 @@ def measure_fp4(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool
         "speedup_vs_bf16": cublas_s / kernel_s,
     }
     if sweep:
-        settings, refused = [], []
-        for config in sweep_settings(rows):
-            try:  # a setting may need more shared memory than an SM has: report it, time the rest
-                got = fp4_matmul(x, weight, config=config).double()
-            except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
-                refused.append({**config, "error": f"{type(exc).__name__}: {exc}"[:200]})
-                continue
-            if (got - expected).abs().max() > 0.05 * expected.abs().max():
-                refused.append({**config, "error": "wrong result"})
-                continue
-            seconds = time_it(lambda w, config=config: fp4_matmul(x, w, config=config), copies)
-            settings.append({**config, "us": seconds * 1e6})
-        best = min(settings, key=lambda s: s["us"])
-        result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings, refused=refused)
+        run = lambda w, config: fp4_matmul(x, w, config=config)  # noqa: E731
+        result.update(time_kernel_settings(run, sweep_settings(rows), expected, copies, time_it, packed_bytes))
     return result

@@ -27,7 +27,7 @@ import torch
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from common import copies_timer, write_kernel_report  # noqa: E402
+from common import copies_timer, time_kernel_settings, write_kernel_report  # noqa: E402
 from fw_gptq.kernels.gemv_int8 import int8_gemv as int8_gemv_kernel  # noqa: E402
 from fw_gptq.kernels.gemv_int8 import int8_gemv_supported, quantize_x_reference  # noqa: E402
 from fw_gptq.kernels.layout import dequantize_kernel_weight, to_kernel_layout  # noqa: E402
@@ -127,20 +127,8 @@ def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) ->
     if rows == 1 and int8_gemv_supported(weight):  # the integer GEMV (FW_GPTQ_GEMV=int8), its own rounding
         result.update(int8_gemv(x, weight, copies, time_it, sweep))
     if sweep:
-        settings, refused = [], []
-        for config in sweep_settings(rows):
-            try:  # a setting may need more shared memory than an SM has: report it, time the rest
-                got = wna16_matmul(x, weight, config=config).double()
-            except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
-                refused.append({**config, "error": f"{type(exc).__name__}: {exc}"[:200]})
-                continue
-            if (got - expected).abs().max() > 0.05 * expected.abs().max():
-                refused.append({**config, "error": "wrong result"})
-                continue
-            seconds = time_it(lambda w, config=config: wna16_matmul(x, w, config=config), copies)
-            settings.append({**config, "us": seconds * 1e6})
-        best = min(settings, key=lambda s: s["us"])
-        result.update(best=best, best_gb_s=packed_bytes / (best["us"] / 1e6) / 1e9, settings=settings, refused=refused)
+        run = lambda w, config: wna16_matmul(x, w, config=config)  # noqa: E731
+        result.update(time_kernel_settings(run, sweep_settings(rows), expected, copies, time_it, packed_bytes))
     return result
 
 
