@@ -128,7 +128,8 @@ def main() -> None:
     rows = []
     for isq in args.types:
         at_load = measure(args, source, isq)
-        from_file = measure(args, file_of(args, isq, source), None)
+        file = file_of(args, isq, source)
+        from_file = measure(args, file, None)
         rows.append(
             {
                 "isq": isq,
@@ -139,8 +140,7 @@ def main() -> None:
             }
         )
         if not args.keep:
-            path = file_of(args, isq, source) if isq in CHECKPOINT_FILES else args.workdir / f"fw-{isq}.gguf"
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            shutil.rmtree(file) if file.is_dir() else file.unlink(missing_ok=True)
     print(f"\nbf16: load {bf16['load_s']:.1f} s, {bf16['decode_tokens_per_s']:,.1f} tok/s")
     print("| --isq | load s (x bf16) | tok/s at load | tok/s from file | at load / file |")
     print("| --- | --- | --- | --- | --- |")
