@@ -202,6 +202,8 @@ def main() -> None:
             result = run_nano(llm, *numbers)
         results.append(shared | result)
         shown = result.get("decode_tokens_per_s") or result.get("prefill_tokens_per_s")
+        if not shown:  # the engine gives up a failed step's requests: nothing was timed
+            raise SystemExit(f"{kind}:{':'.join(map(str, numbers))} produced no tokens; the engine's error is above")
         print(
             f"{args.model or args.shape} {shared['attention_backend']} {kind}:{':'.join(map(str, numbers))} -> {shown:,.1f} tok/s"
             + (f" ({result['roofline_fraction']:.0%} of roofline)" if result.get("roofline_fraction") else ""),

@@ -231,8 +231,10 @@ def chunked_gated_delta_rule(
         BLOCK_DV=max(16, triton.next_power_of_2(v_dim)), **shared,
     )  # fmt: skip
     block_v = min(32, max(16, triton.next_power_of_2(v_dim)))
+    # two stages of the chunk loop's loads: Triton's default three need 287 KB of shared memory at
+    # 128 x 128 states with 16-byte aligned rows (an H200 SM has 227 KB); two need 197 KB
     _chunk_state_kernel[(num_seqs, num_v, triton.cdiv(v_dim, block_v))](
         q, k, gcum, w, u, aqk, states, out, table,
         q.stride(0), k.stride(0), out.stride(0), scale,
-        BLOCK_V=block_v, **shared,
+        BLOCK_V=block_v, num_stages=2, **shared,
     )  # fmt: skip

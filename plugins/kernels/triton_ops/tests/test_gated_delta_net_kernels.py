@@ -106,6 +106,8 @@ def test_kernels_compile_for_hopper():
             dict(chunk, BLOCK_DV=128),
             float_args=("scale",),
             options=dict(num_warps=4),
+            divisible_by_16=("q_ptr", "k_ptr", "v_ptr", "beta_ptr", "gcum_ptr", "w_ptr", "u_ptr", "aqk_ptr")
+            + ("stride_q", "stride_k", "stride_v"),
         ),
         HopperCompile(
             "fw_triton_ops.gated_delta_chunk:_chunk_state_kernel",
@@ -116,7 +118,10 @@ def test_kernels_compile_for_hopper():
             },
             dict(chunk, BLOCK_V=32),
             float_args=("scale",),
-            options=dict(num_warps=4),
+            options=dict(num_warps=4, num_stages=2),
+            # as launched: aligned rows let Triton pipeline the chunk loop's loads through shared memory
+            divisible_by_16=("q_ptr", "k_ptr", "out_ptr", "gcum_ptr", "w_ptr", "u_ptr", "aqk_ptr", "states_ptr")
+            + ("stride_q", "stride_k", "stride_o"),
         ),
         HopperCompile(
             "fw_triton_ops.gated_delta_net:_conv_step_kernel",
