@@ -60,7 +60,6 @@ class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
             raise ValueError(
                 f"Qwen3_5ForConditionalGeneration serves {', '.join(VISION_ARCHITECTURES)}; got {config.architecture!r}"
             )
-        super().__init__(config, quant_config, prefix)
         vision = config.hf_config.get("vision_config") or {}
         out_hidden = int(vision.get("out_hidden_size", 3584))
         if out_hidden != config.hidden_size:
@@ -68,6 +67,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
                 f"vision_config.out_hidden_size {out_hidden} must equal the text model's hidden_size "
                 f"{config.hidden_size}: the tower's output is the image tokens' embedding"
             )
+        super().__init__(config, quant_config, prefix)
         self.visual = Qwen3VisionTransformer({**vision, "deepstack_visual_indexes": []})
         self.image_token_id = int(config.hf_config["image_token_id"])
         section = mrope_section(config, DEFAULT_MROPE_SECTION)
