@@ -4,7 +4,8 @@ hybrid models: DeltaNet, gated attention, DeltaNet; Qwen3-VL's tower without Dee
 Logits at every computed position and greedy ids of a batch of two chats (two images of different
 sizes, and one image) with prefill chunks of 8 that split the first image's tokens, so the
 DeltaNet state slots carry across image rows mid-image and the attention layer's interleaved
-M-RoPE positions arrive chunk by chunk; preemption, after which a request rebuilds its state from
+M-RoPE positions arrive chunk by chunk; a text-only decode beside an image prefill under async
+scheduling; preemption, after which a request rebuilds its state from
 token 0 with the image embeddings it already has; and the prefix-cache rule of hybrid models
 (off: a repeated image prompt is recomputed, with the same ids).
 
@@ -67,8 +68,11 @@ def conversation(*images, text="t5 t6"):
 
 
 def reference_inputs(processor, ids: list[int], images) -> dict:
-    processed = [processor.preprocess(image) for image in images]
+    """transformers' inputs for ``ids`` (image tokens expanded) and ``images`` (none: text only)."""
     tensor = torch.tensor([ids])
+    if not images:
+        return dict(input_ids=tensor)
+    processed = [processor.preprocess(image) for image in images]
     return dict(
         input_ids=tensor,
         pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
@@ -113,6 +117,19 @@ def test_logits_and_greedy_ids_match_transformers_with_images_split_by_chunked_p
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 3  # each image once per request, across chunks
     assert llm.engine.summary["state_slots"] > 0
     assert llm.engine.summary["vision"]["image_processor"] == "Qwen2VLImageProcessor"
+
+
+def test_async_scheduling_mixes_a_text_decode_and_an_image_prefill_with_the_same_ids(dense):
+    path, reference, processor = dense
+    llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8, async_scheduling=True)
+    assert llm.engine.core.async_scheduling
+    logits = capture_logits(llm)
+    image = random_image(*IMAGES[1])
+    # the short text-only prompt decodes (plain positions, its input on the device) while the image
+    # prompt's chunks prefill ([3, T] positions), each on its own state slot
+    results = llm.chat([[{"role": "user", "content": "t5"}], conversation(image)], GREEDY)
+    for index, (result, used) in enumerate(zip(results, [[], [image]], strict=True)):
+        check_against_transformers(reference, processor, logits, f"{index}-0", result, used)
 
 
 def test_preempted_requests_with_images_rebuild_their_state_without_encoding_again(dense):
