@@ -25,6 +25,7 @@ hybrid model's unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -46,6 +47,12 @@ from .model import Qwen3NextForCausalLM
 
 #: transformers' ``mrope_section`` when the checkpoint's ``rope_parameters`` give none
 DEFAULT_MROPE_SECTION = (11, 11, 10)
+#: transformers' ``image_token_id`` of Qwen3.5 (``<|image_pad|>``) when the config gives none
+DEFAULT_IMAGE_TOKEN_ID = 248056
+
+
+def image_token_id(config: ModelConfig) -> int:
+    return int(config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
@@ -69,7 +76,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
             )
         super().__init__(config, quant_config, prefix)
         self.visual = Qwen3VisionTransformer({**vision, "deepstack_visual_indexes": []})
-        self.image_token_id = int(config.hf_config["image_token_id"])
+        self.image_token_id = image_token_id(config)
         section = mrope_section(config, DEFAULT_MROPE_SECTION)
         for layer in self.model.layers:
             if not layer.is_linear:
@@ -79,6 +86,10 @@ class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
     @classmethod
     def vision_spec(cls, config: ModelConfig, preprocessor_config: dict[str, Any]) -> VisionSpec:
         """Qwen2-VL's processor with the tower's patch and merge sizes (Qwen3-VL's 16-pixel patches)."""
+        if config.get("image_token_id") is None:
+            config = dataclasses.replace(
+                config, hf_config={**config.hf_config, "image_token_id": image_token_id(config)}
+            )
         return Qwen2_5_VLForConditionalGeneration.vision_spec(config, preprocessor_config)
 
     @staticmethod

@@ -176,6 +176,19 @@ def test_a_tower_whose_output_is_not_the_text_width_is_refused_naming_both(dense
         Qwen3_5ForConditionalGeneration(config)
 
 
+def test_a_config_without_an_image_token_id_takes_transformers_default(dense):
+    """transformers' Qwen3_5Config defaults ``image_token_id`` to 248056 (``<|image_pad|>``)."""
+    from fw_qwen3_next.qwen3_5_vl import Qwen3_5ForConditionalGeneration
+
+    from framework.config import ModelConfig
+
+    hf = json.loads((dense[0] / "config.json").read_text())
+    del hf["image_token_id"]
+    spec = Qwen3_5ForConditionalGeneration.vision_spec(ModelConfig.from_hf_config(hf, dtype=torch.float32), {})
+    assert spec.image_token_id == 248056
+    assert spec.processor_config["patch_size"] == 16 and spec.processor_config["merge_size"] == 2  # the tower's
+
+
 @pytest.mark.gpu
 def test_greedy_ids_match_transformers_on_cuda_with_graphs_and_async_scheduling(tiny):
     path, reference, processor = tiny
