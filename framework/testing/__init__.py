@@ -95,6 +95,7 @@ from framework.testing.vision import (
     random_image,
     write_tiny_mistral3,
     write_tiny_qwen2_5_vl,
+    write_tiny_qwen3_5_vl,
     write_tiny_qwen3_vl,
 )
 
@@ -154,6 +155,7 @@ __all__ = [
     "random_image",
     "write_tiny_qwen2_5_vl",
     "write_tiny_mistral3",
+    "write_tiny_qwen3_5_vl",
     "write_tiny_qwen3_vl",
     "QuantScheme",
     "check_linear_method",

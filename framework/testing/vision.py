@@ -1,5 +1,5 @@
 """Tiny vision-language checkpoints and images for tests (no download): a random Qwen2.5-VL,
-Qwen3-VL (dense or MoE) or Mistral 3 with a word-level tokenizer, a chat template of the family's
+Qwen3-VL (dense or MoE), Qwen3.5 (dense or MoE) or Mistral 3 with a word-level tokenizer, a chat template of the family's
 shape and a ``preprocessor_config.json``.
 
 The tokenizer's ids: ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and the specials of :data:`VISION_SPECIALS`
@@ -200,6 +200,76 @@ def write_tiny_qwen3_vl(path, seed: int = 0, moe: bool = False):
     torch.manual_seed(seed)
     model_class = (
         transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+    )
+    model = model_class(config).eval()
+    randomise_identity_params(model)
+    _write_checkpoint(path, model, _TINY_QWEN3_PREPROCESSOR)
+    return model
+
+
+def write_tiny_qwen3_5_vl(path, seed: int = 0, moe: bool = False):
+    """A random Qwen3.5 (text: the hybrid decoder, hidden 64, layers DeltaNet / gated attention /
+    DeltaNet, head_dim 32 with 8 rotated features, interleaved M-RoPE sections [2, 1, 1] over
+    rope_theta 100 so that positions move the logits; with ``moe`` Qwen3.5-MoE, 4 experts of
+    width 32, top 2, a shared expert; vision: Qwen3-VL's tower without DeepStack, hidden 32, 2
+    blocks, 16-pixel patches, a 4x4 learned position grid) written to ``path``; returns the
+    transformers ``Qwen3_5(Moe)ForConditionalGeneration`` (fp32, eval mode, norms and biases randomised)."""
+    import torch
+    import transformers
+
+    from framework.testing.model_writers import randomise_identity_params
+
+    path = Path(path)
+    text = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 100.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40)
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+    )
+    config = (transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config)(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=IMAGE_TOKEN_ID + 1,
+        vision_start_token_id=VISION_SPECIALS["<|vision_start|>"],
+        vision_end_token_id=VISION_SPECIALS["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model_class = (
+        transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
     )
     model = model_class(config).eval()
     randomise_identity_params(model)

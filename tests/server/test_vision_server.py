@@ -1,5 +1,5 @@
-"""Images through the HTTP API: a real ``fw serve`` of the tiny random Qwen2.5-VL answers the openai
-client's ``image_url`` parts with transformers' greedy ids, Qwen3-VL's parts reach the engine in its
+"""Images through the HTTP API: a real ``fw serve`` of the tiny random Qwen2.5-VL (and of the hybrid
+Qwen3.5) answers the openai client's ``image_url`` parts with transformers' greedy ids, Qwen3-VL's parts reach the engine in its
 own patches, Mistral 3's with their ``[IMG_BREAK]`` / ``[IMG_END]`` spans, and every bad image is a 400 naming its content part before anything reaches the
 engine (the app with a stand-in engine client)."""
 
@@ -18,7 +18,14 @@ from framework.multimodal.inputs import load_processor
 from framework.multimodal.prompt import vision_prompt
 from framework.server.app import create_app
 from framework.server.state import ServerConfig
-from framework.testing import data_url, random_image, write_tiny_mistral3, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
+from framework.testing import (
+    data_url,
+    random_image,
+    write_tiny_mistral3,
+    write_tiny_qwen2_5_vl,
+    write_tiny_qwen3_5_vl,
+    write_tiny_qwen3_vl,
+)
 from framework.testing.vision import IMAGE_TOKEN_ID, MISTRAL3_SPECIALS
 from framework.tokenizer import Tokenizer
 
@@ -61,7 +68,18 @@ def vision_spec(tiny_vlm):
 
 
 def test_openai_client_images_get_transformers_greedy_ids(tiny_vlm, vision_spec, serve_on_free_port):
-    path, reference = tiny_vlm
+    check_served_images_get_transformers_greedy_ids(*tiny_vlm, vision_spec, serve_on_free_port)
+
+
+def test_openai_client_images_on_the_hybrid_qwen3_5_get_transformers_greedy_ids(tmp_path, serve_on_free_port):
+    """Qwen3.5: DeltaNet state slots and interleaved M-RoPE behind the same API."""
+    reference = write_tiny_qwen3_5_vl(tmp_path)
+    check_served_images_get_transformers_greedy_ids(tmp_path, reference, spec_of(tmp_path), serve_on_free_port)
+
+
+def check_served_images_get_transformers_greedy_ids(path, reference, vision_spec, serve_on_free_port) -> None:
+    """A real ``fw serve`` of the tiny VLM at ``path`` answers :data:`IMAGES` in chat (one reply,
+    one stream) with transformers' greedy ids (EOS not stopping either, as ``ignore_eos``)."""
     tokenizer = Tokenizer.from_directory(path)
     messages = chat_messages(*IMAGES)
     processor = load_processor(vision_spec)
@@ -79,6 +97,7 @@ def test_openai_client_images_get_transformers_greedy_ids(tiny_vlm, vision_spec,
             mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
             max_new_tokens=10,
             do_sample=False,
+            eos_token_id=None,
         )[0, len(prompt_ids) :].tolist()
     args = ["--m", str(path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
     with serve_on_free_port(args) as server:

@@ -114,6 +114,27 @@ def mrope_section(config: ModelConfig, default: tuple[int, ...] = (16, 24, 24)) 
     return list(default)
 
 
+def prompt_mrope_positions(
+    num_tokens: int, spans: list[tuple[int, int, list[int]]], merge: int
+) -> tuple[torch.Tensor, int]:
+    """The ``[3, num_tokens]`` M-RoPE positions of a prompt whose images take the ``(offset,
+    length, grid)`` spans (the module docstring's layout, ``merge`` the tower's spatial merge),
+    and the delta that later tokens add to their index."""
+    parts, position, previous = [], 0, 0
+    for offset, length, (t, h, w) in spans:
+        parts.append(torch.arange(offset - previous).expand(3, -1) + position)
+        position += offset - previous
+        grid = torch.stack(
+            torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij")
+        )
+        parts.append(grid.reshape(3, -1) + position)
+        position += max(h, w) // merge
+        previous = offset + length
+    parts.append(torch.arange(num_tokens - previous).expand(3, -1) + position)
+    positions = torch.cat(parts, dim=1)
+    return positions, int(positions.max()) + 1 - num_tokens
+
+
 class Qwen2_5_VLForConditionalGeneration(CausalLM):
     """``Qwen2_5_VLForConditionalGeneration`` checkpoints: ``model.language_model.*`` (or the older
     ``model.*``), ``model.visual.*`` (or ``visual.*``) and ``lm_head``.
@@ -189,19 +210,5 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         return self.model(input_ids, positions, inputs_embeds)
 
     def rope_positions(self, num_tokens: int, spans: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, int]:
-        """The ``[3, num_tokens]`` M-RoPE positions of a prompt whose images take the ``(offset,
-        length, grid)`` spans, and the delta that later tokens add to their index."""
-        merge = self.visual.merge
-        parts, position, previous = [], 0, 0
-        for offset, length, (t, h, w) in spans:
-            parts.append(torch.arange(offset - previous).expand(3, -1) + position)
-            position += offset - previous
-            grid = torch.stack(
-                torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij")
-            )
-            parts.append(grid.reshape(3, -1) + position)
-            position += max(h, w) // merge
-            previous = offset + length
-        parts.append(torch.arange(num_tokens - previous).expand(3, -1) + position)
-        positions = torch.cat(parts, dim=1)
-        return positions, int(positions.max()) + 1 - num_tokens
+        """:func:`prompt_mrope_positions` of this model's tower (its ``merge``)."""
+        return prompt_mrope_positions(num_tokens, spans, self.visual.merge)

@@ -22,7 +22,8 @@ are split over the ranks; each rank keeps the state of its own DeltaNet heads.
 Attention layers are numbered 0, 1, ... among themselves (their KV caches), GDN layers likewise
 (their state caches). The multi-token-prediction weights (``mtp.*``) are not used. The Hub's
 Qwen3.5 checkpoints are ``*ForConditionalGeneration``: their language model (``model.language_model.*``,
-settings in ``text_config``) is served; the vision tower (``model.visual.*``) is not loaded.
+settings in ``text_config``) is this decoder, and ``qwen3_5_vl.py`` adds their vision tower
+(``model.visual.*``, which a text-only ``*ForCausalLM`` checkpoint may carry and this class skips).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from framework.layers.mlp import dense_mlp
 from framework.quantization import QuantConfig
 
 from .gdn import GatedDeltaNet
-from .hooks import ARCHITECTURES
+from .hooks import ARCHITECTURES, VISION_ARCHITECTURES
 
 FUSED_QKVZ_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 
@@ -231,8 +232,9 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        if config.architecture not in ARCHITECTURES:
-            raise ValueError(f"Qwen3NextForCausalLM serves {', '.join(ARCHITECTURES)}; got {config.architecture!r}")
+        served = {**ARCHITECTURES, **VISION_ARCHITECTURES}  # the latter through Qwen3_5ForConditionalGeneration
+        if config.architecture not in served:
+            raise ValueError(f"Qwen3NextForCausalLM serves {', '.join(served)}; got {config.architecture!r}")
         self.config = config
         self.model = HybridModel(config, quant_config, "model")
         self.init_lm_head(config, quant_config, tie_by_default=False)

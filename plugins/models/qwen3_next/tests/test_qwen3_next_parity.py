@@ -217,7 +217,9 @@ def test_decode_graph_buffers_carry_the_state_slots_replayed_eagerly(tmp_path):
 
 
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
-TEXT_OF_MULTIMODAL = {k: v for k, v in SMALL.items() if k != "tie_word_embeddings"}
+#: M-RoPE sections over the 2 rotary frequencies of a head (transformers' default [11, 11, 10] fits 32)
+MROPE = {"rope_type": "default", "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+TEXT_OF_MULTIMODAL = {**{k: v for k, v in SMALL.items() if k != "tie_word_embeddings"}, "rope_parameters": MROPE}
 MULTIMODAL = {
     "qwen3_5_vl": lambda: transformers.Qwen3_5Config(
         text_config={**TEXT_OF_MULTIMODAL, "intermediate_size": 96}, vision_config=VISION, tie_word_embeddings=False
