@@ -282,8 +282,8 @@ def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monke
 
 
 @pytest.mark.gpu
-def test_gpu_long_prompts_through_the_chunked_deltanet_kernel_match_transformers(qwen3_5):
-    """On CUDA (fp32, the triton_ops DeltaNet kernels by default): prompts of 150 and 70 tokens in
+def test_gpu_long_prompts_through_the_chunked_deltanet_kernel_match_transformers(qwen3_5, monkeypatch):
+    """On CUDA (fp32, the triton_ops DeltaNet kernels, forced: they are opt-in): prompts of 150 and 70 tokens in
     prefill chunks of 100 (the chunked kernel's 64-token chunks, then a chunk resuming the state):
     every position's logits within 1e-4 of transformers' and the greedy ids equal."""
     import torch
@@ -291,6 +291,7 @@ def test_gpu_long_prompts_through_the_chunked_deltanet_kernel_match_transformers
     from framework.testing import capture_logits, check_kernels_used, count_kernel_calls, reference_logits
 
     path, reference = qwen3_5
+    monkeypatch.setenv("FW_KERNELS", "gated_delta_rule=triton,causal_conv1d=triton")
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 160, (n,), generator=generator).tolist() for n in (150, 70)]
     with count_kernel_calls() as calls:
