@@ -6,8 +6,9 @@ it. Each image is attached with the button's file picker, pasted or dropped (a d
 no image is refused); the request body the
 server got is read back (an ASGI recorder in front of the app), and each ``image_url`` part must
 hold the file's very bytes, and the engine the processor's pixels of them. An image over the
-server's limits (a low ``--max-request-bytes``) is scaled down to fit; after a reload the
-conversation shows the thumbnails it kept, and a follow-up sends those. A text-only model's card
+server's limits (a low ``--max-request-bytes``) is scaled down to fit. After a reload a follow-up
+sends the same images again (kept in IndexedDB); with that store cleared the conversation shows
+the thumbnails it kept in localStorage, says so, and a follow-up sends those. A text-only model's card
 has no ``vision``, and the UI disables attaching with the reason. Screenshots go to
 ``test-artifacts/webui/`` (git-ignored).
 """
@@ -43,6 +44,18 @@ pytestmark = pytest.mark.skipif(
 
 #: The UI keeps thumbnails of at most this side (ui/src/images.js THUMBNAIL_SIDE).
 THUMBNAIL_SIDE = 384
+#: Where the UI keeps conversations (localStorage) and full images (IndexedDB): ui/src/store.js, imageStore.js.
+CONVERSATIONS = "fw.conversations.v1"
+CLEAR_IMAGE_STORE = """() => new Promise((resolve, reject) => {
+    const request = indexedDB.open('fw.images');
+    request.onerror = () => reject(request.error);
+    request.onsuccess = () => {
+        const tx = request.result.transaction('images', 'readwrite');
+        tx.objectStore('images').clear();
+        tx.oncomplete = () => { request.result.close(); resolve(); };
+        tx.onerror = () => reject(tx.error);
+    };
+})"""
 
 
 class BodyRecorder:
@@ -81,6 +94,17 @@ def data_url_bytes(part: dict) -> tuple[str, bytes]:
     mime = re.fullmatch(r"data:(image/[a-z]+);base64", header)
     assert mime, header
     return mime.group(1), base64.b64decode(payload)
+
+
+def image_urls(body: dict) -> list[str]:
+    """The ``data:`` URLs of every image part of a chat request's messages, in order."""
+    return [
+        part["image_url"]["url"]
+        for message in body["messages"]
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part["type"] == "image_url"
+    ]
 
 
 def with_files(page, files: list[tuple[str, str, bytes]]):
@@ -210,20 +234,28 @@ def test_attached_pasted_and_dropped_images_reach_the_model_byte_for_byte(browse
         assert mime == "image/jpeg" and sent.format == "JPEG" and len(data) <= budget
         assert sent.width < 640 and abs(sent.width / sent.height - 640 / 480) < 0.02
 
-        # A reload keeps the conversations, their images as thumbnails (and says so); a follow-up sends those.
+        # A reload keeps the conversations, and their full images (in IndexedDB): a follow-up sends them as sent.
+        sent = image_urls(app.bodies[-1])
+        page.wait_for_function(
+            f'() => (localStorage.getItem({CONVERSATIONS!r}).match(/"stored":true/g) || []).length === 4'
+        )
         page.reload()
         expect(page.get_by_test_id("conversation")).to_have_count(2)
         expect(page.get_by_test_id("message-image")).to_have_count(3)
-        expect(page.get_by_test_id("thumbnail-note").first).to_be_visible()
-        page.screenshot(path=str(ARTIFACTS / "image-after-reload.png"))
         send(page, "And now?")
         expect(page.get_by_test_id("assistant-message")).to_have_count(3)
         expect(page.get_by_test_id("assistant-message").last).to_contain_text("I see 3 image(s)")
-        user_contents = [m["content"] for m in app.bodies[-1]["messages"] if m["role"] == "user"]
-        assert user_contents[-1] == "And now?"
-        kept = [
-            data_url_bytes(part) for content in user_contents[:-1] for part in content if part["type"] == "image_url"
-        ]
+        assert image_urls(app.bodies[-1]) == sent and len(sent) == 3
+        expect(page.get_by_test_id("thumbnail-note")).to_have_count(0)
+
+        # Without the full copies (the store cleared, or a browser without IndexedDB): the thumbnails, and a note.
+        page.evaluate(CLEAR_IMAGE_STORE)
+        page.reload()
+        expect(page.get_by_test_id("thumbnail-note")).to_have_count(2)
+        page.screenshot(path=str(ARTIFACTS / "image-after-reload.png"))
+        send(page, "And without them?")
+        expect(page.get_by_test_id("assistant-message")).to_have_count(4)
+        kept = [data_url_bytes({"type": "image_url", "image_url": {"url": url}}) for url in image_urls(app.bodies[-1])]
         sizes = [Image.open(io.BytesIO(data)).size for _, data in kept]
         assert {mime for mime, _ in kept} == {"image/jpeg"}
         assert sizes == [(80, 120), (120, 72), (THUMBNAIL_SIDE, THUMBNAIL_SIDE * 3 // 4)]

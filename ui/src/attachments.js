@@ -1,6 +1,7 @@
 // The composer's attached images: from the file picker, a paste or a drop, read within the server's limits.
 import { useCallback, useState } from 'preact/hooks';
 import { dragHasFiles, readImage } from './images.js';
+import { newId } from './store.js';
 
 /** Why `model` takes no image (the attach button's tooltip, and the notice for a paste or a drop). */
 export const noImagesReason = (model) => `${model || 'This model'} does not take images (a text-only model)`;
@@ -33,7 +34,7 @@ export function useAttachments({ model, limits, imagesInChat }) {
     await Promise.all(accepted.map(async (file) => {
       try {
         const image = await readImage(file, limits);
-        setItems((list) => [...list, image]);
+        setItems((list) => [...list, { ...image, id: newId() }]); // the id keeps its full copy (imageStore.js)
       } catch (error) {
         setNotice(error.message);
       } finally {

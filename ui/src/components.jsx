@@ -53,7 +53,7 @@ export function Sidebar({ conversations, currentId, onSelect, onNew, onRename, o
             </div>
           ))}
         </nav>
-        <p class="sidebar-foot">Chats are kept in this browser only (their images as thumbnails).</p>
+        <p class="sidebar-foot">Chats are kept in this browser only.</p>
       </aside>
     </>
   );

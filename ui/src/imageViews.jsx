@@ -1,5 +1,5 @@
 // Images on the page: the composer's attachments, a user message's images, the drop target.
-import { imageTitle } from './images.js';
+import { imageTitle, isThumbnailOnly } from './images.js';
 import { ImageIcon, XIcon } from './icons.jsx';
 
 /** The composer's attached images (each removable) and a placeholder per image still being read. */
@@ -23,11 +23,11 @@ export function AttachmentTiles({ items, pending, onRemove }) {
 }
 
 /**
- * A user message's images. After a reload only their thumbnails are left (the browser's storage
- * is too small for full images): the note says so, and that a follow-up sends those copies.
+ * A user message's images, shown by their thumbnails. Where the full image could not be kept in
+ * the browser (no IndexedDB, or its quota), a note says so and that a follow-up sends the thumbnail.
  */
 export function MessageImages({ images }) {
-  const thumbnailsOnly = images.some((image) => !image.url);
+  const thumbnailsOnly = images.some(isThumbnailOnly);
   return (
     <div class="msg-images">
       <div class="msg-images-row">
@@ -37,7 +37,7 @@ export function MessageImages({ images }) {
       </div>
       {thumbnailsOnly && (
         <p class="kept-note" data-testid="thumbnail-note">
-          Only thumbnails are kept in this browser; a follow-up sends the model these smaller copies.
+          This browser kept only thumbnails of these images; a follow-up sends the model these smaller copies.
         </p>
       )}
     </div>

@@ -103,19 +103,25 @@ export async function readImage(file, limits) {
   }
 }
 
-/** A user message's images as OpenAI `image_url` content parts (after a reload: the kept thumbnails). */
+/** A user message's images as OpenAI `image_url` content parts (an image whose full copy is lost: its thumbnail). */
 export const imageParts = (images) => images.map((image) => ({ type: 'image_url', image_url: { url: image.url || image.thumb } }));
 
-/** The images as kept in the browser's storage: thumbnails only (full images would fill it at once). */
+/**
+ * The images as kept in localStorage: without their full `url` (it would fill the few MB at once;
+ * imageStore.js keeps it in IndexedDB), with their thumbnails.
+ */
 export const storedImages = (images) => images.map(({ url, ...kept }) => kept);
 
 /** An image's tooltip: its name and size, and whether it was scaled down or only its thumbnail is kept. */
 export function imageTitle(image) {
   let title = `${image.name} · ${image.width}×${image.height}`;
   if (image.original) title += ` (scaled down from ${image.original.width}×${image.original.height} to fit the server's limits)`;
-  if (!image.url) title += ' · only a thumbnail is kept in this browser';
+  if (isThumbnailOnly(image)) title += ' · only a thumbnail is kept in this browser';
   return title;
 }
+
+/** Whether only the image's thumbnail is left (its full copy could not be kept in this browser). */
+export const isThumbnailOnly = (image) => !image.url && !image.stored;
 
 /** How many images the messages hold. */
 export const countImages = (messages) => messages.reduce((n, m) => n + (m.images ? m.images.length : 0), 0);

@@ -8,6 +8,7 @@ import { KeyDialog, McpMenu, Message, SettingsPanel, Sidebar } from './component
 import { Composer } from './composer.jsx';
 import { ImageIcon, KeyIcon, MenuIcon, MoonIcon, SlidersIcon, SunIcon } from './icons.jsx';
 import { countImages, visionLimits } from './images.js';
+import { useKeptImages } from './imageStore.js';
 import { DropOverlay } from './imageViews.jsx';
 import {
   loadApiKey, loadConversations, loadCurrentId, loadModel, loadTheme, newConversation, saveApiKey, saveConversations,
@@ -23,6 +24,7 @@ const SUGGESTIONS = [
 
 function App() {
   const [conversations, setConversations] = useState(loadConversations);
+  const keepImages = useKeptImages(conversations, setConversations); // full images across reloads
   const [currentId, setCurrentId] = useState(loadCurrentId);
   const [models, setModels] = useState([]);
   const [visionOf, setVisionOf] = useState({}); // model id -> its card's `vision` field (null: text only)
@@ -187,6 +189,7 @@ function App() {
       messages: [...base.messages, { role: 'user', content: text, ...(images.length ? { images } : {}) }],
     };
     setConversations((list) => list.map((c) => (c.id === conversation.id ? conversation : c)));
+    if (images.length) keepImages(images);
     generate(conversation);
   };
 

@@ -26,7 +26,8 @@ export function loadConversations() {
 
 /**
  * Save the conversations; false when the browser refused (its storage is full). localStorage holds
- * a few MB per site, so a message's images are kept as their thumbnails only (storedImages).
+ * a few MB per site, so a message's images keep their thumbnails here, and their full copies in
+ * IndexedDB (imageStore.js).
  */
 export function saveConversations(list) {
   const kept = list.map((c) => (c.messages.some((m) => m.images) ? {
