@@ -8,12 +8,12 @@ export const noImagesReason = (model) => `${model || 'This model'} does not take
 
 /**
  * Attachments for the next message to `model`, which takes images within `limits` (visionLimits;
- * null: a text-only model). `imagesInChat`: images the conversation holds already (they count
+ * null: it takes none, for the reason `refusal`, shown when images come anyway). `imagesInChat`: images the conversation holds already (they count
  * against `limits.max_images`). Returns `{items, pending, notice, add(files), remove(index), take()}` (`add` takes
  * any files and refuses those that are not images):
  * `take` hands the items over for sending and empties the composer.
  */
-export function useAttachments({ model, limits, imagesInChat }) {
+export function useAttachments({ model, limits, refusal, imagesInChat }) {
   const [items, setItems] = useState([]);
   const [pending, setPending] = useState(0);
   const [notice, setNotice] = useState(null);
@@ -21,7 +21,7 @@ export function useAttachments({ model, limits, imagesInChat }) {
   const add = useCallback(async (files) => {
     if (!files.length) return;
     if (!limits) {
-      setNotice(noImagesReason(model));
+      setNotice(refusal);
       return;
     }
     const images = files.filter((file) => file.type.startsWith('image/'));
@@ -41,7 +41,7 @@ export function useAttachments({ model, limits, imagesInChat }) {
         setPending((n) => n - 1);
       }
     }));
-  }, [model, limits, imagesInChat, items.length, pending]);
+  }, [model, limits, refusal, imagesInChat, items.length, pending]);
 
   const remove = useCallback((index) => setItems((list) => list.filter((_, i) => i !== index)), []);
   const take = useCallback(() => {

@@ -228,8 +228,8 @@ function App() {
   const isStreamingHere = streaming && current && streaming.id === current.id;
   const model = (current?.model && models.includes(current.model) ? current.model : defaultModel) || '';
   const limits = visionLimits(visionOf[model]);
-  const attachReason = !models.length ? 'No model yet' : !limits ? noImagesReason(model) : null;
-  const attachments = useAttachments({ model, limits, imagesInChat: countImages(current?.messages || []) });
+  const attachReason = !models.length ? 'No model is served yet' : !limits ? noImagesReason(model) : null;
+  const attachments = useAttachments({ model, limits, refusal: attachReason, imagesInChat: countImages(current?.messages || []) });
   const drop = useDropTarget(attachments.add); // files dropped on the chat are attached
 
   return (
