@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import framework
 from framework import plugins
 from framework.engine.messages import Ready
+from framework.multimodal.images import FORMATS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from framework.server.chat_images import chat_prompt_with_images, prepare_images_off_loop
 from framework.server.chat_prompt import chat_prompt_ids, template_messages
 from framework.server.engine_client import AsyncEngineClient
@@ -53,6 +54,7 @@ from framework.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VisionInfo,
 )
 from framework.server.serving_chat import create_chat_completion
 from framework.server.serving_completion import create_completion
@@ -269,6 +271,20 @@ def _model_card(state: ServerState, name: str) -> ModelCard:
         max_model_len=state.max_model_len,
         root=state.config.model_root,
         tool_calling=tool_calling,
+        vision=_vision_info(state),
+    )
+
+
+def _vision_info(state: ServerState) -> VisionInfo | None:
+    """The ``vision`` field of a model card: how many images, of which formats and sizes, it takes."""
+    if state.vision is None:
+        return None
+    return VisionInfo(
+        max_images=state.vision.max_images,
+        formats=sorted({f"image/{subtype}" for subtype in FORMATS}),
+        max_image_bytes=MAX_IMAGE_BYTES,
+        max_image_pixels=MAX_IMAGE_PIXELS,
+        max_request_bytes=state.config.max_request_bytes,
     )
 
 

@@ -354,6 +354,23 @@ class ToolCallingInfo(msgspec.Struct, kw_only=True):
     description: str
 
 
+class VisionInfo(msgspec.Struct, kw_only=True):
+    """fw extension of a model card: the model takes images (``image_url`` content parts of chat
+    completions) within these bounds; ``null`` on a text-only model's card.
+
+    ``max_images``: per prompt (a conversation's images all count); ``formats``: the MIME types a
+    ``data:`` URL may name; ``max_image_bytes`` / ``max_image_pixels``: one image, encoded /
+    decoded; ``max_request_bytes``: the server's body cap (``--max-request-bytes``), which a
+    conversation's images share, base64-encoded, with its text.
+    """
+
+    max_images: int
+    formats: list[str]
+    max_image_bytes: int
+    max_image_pixels: int
+    max_request_bytes: int
+
+
 class ModelCard(msgspec.Struct, kw_only=True):
     id: str
     created: int
@@ -362,6 +379,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     owned_by: str = "fw"
     root: str | None = None
     tool_calling: ToolCallingInfo | None = None
+    vision: VisionInfo | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -1,4 +1,5 @@
-"""Fixtures that run a real ``fw serve`` process on the tiny random-weight Llama.
+"""Fixtures that run a real ``fw serve`` process on the tiny random-weight Llama, and the headless
+Chromium of the web UI's browser tests.
 
 ``start_server(args, base_url)`` starts ``python -m cli.main serve ...``; ``serving(args)`` does that on a free
 loopback port, waits for the ready line and stops it on exit. Servers are module-scoped: starting one costs seconds.
@@ -23,6 +24,20 @@ import pytest
 from framework.distributed.config import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+#: The web UI's browser tests drive Debian's Chromium (Playwright's own browser download is not used).
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+#: Where the browser tests save their screenshots (git-ignored).
+WEBUI_ARTIFACTS = REPO / "test-artifacts" / "webui"
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}assistant{% endif %}"
@@ -152,3 +167,16 @@ def write_tiny_llama_fixture():
 def serve_on_free_port():
     """``with serve_on_free_port(args[, port]) as proc:`` a ready ``fw serve`` on a loopback port (see :func:`serving`)."""
     return serving
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium (:data:`CHROMIUM`) through Playwright, one per test module."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -3,7 +3,8 @@ something specific (call a tool, use its result) deterministically.
 
 The tokenizer is a real byte-level BPE, so replies travel as token ids through the server's
 incremental detokenizer and parsers exactly as a model's would. ``reply(prompt_text)`` picks the
-reply for a prompt.
+reply for a prompt. :func:`scripted_vision_engine` makes one that takes images as Qwen2-VL does
+(its image processor at tiny sizes; the images each request brought are kept in ``images``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from types import SimpleNamespace
 import uvicorn
 
 from framework.engine.outputs import RequestOutput
+from framework.multimodal.inputs import VisionSpec
+from framework.testing.vision import TINY_PREPROCESSOR
 from framework.tokenizer import Tokenizer
 
 TEMPLATE = (
@@ -26,8 +29,17 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+#: TEMPLATE with content parts: an image part is Qwen2-VL's vision start, image token, vision end
+VISION_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+VISION_SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 
-def byte_level_tokenizer() -> Tokenizer:
+
+def byte_level_tokenizer(chat_template: str = TEMPLATE, specials: tuple[str, ...] = ()) -> Tokenizer:
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers
 
@@ -35,8 +47,8 @@ def byte_level_tokenizer() -> Tokenizer:
     backend = tokenizers.Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<eos>"])
-    return Tokenizer(backend, chat_template=TEMPLATE, eos_token="<eos>")
+    backend.add_special_tokens(["<eos>", *specials])
+    return Tokenizer(backend, chat_template=chat_template, eos_token="<eos>")
 
 
 class ScriptedEngineClient:
@@ -50,6 +62,8 @@ class ScriptedEngineClient:
         self.prompts: list[str] = []
         self.prompt_lengths: list[int] = []
         self.prompt_ids: list[list[int]] = []
+        #: each request's preprocessed images (``ImageInput``s; None for a prompt without any)
+        self.images: list[list | None] = []
         #: ids of the requests generating now (a request the server left running would stay here)
         self.active: set[str] = set()
         #: the prefix-cache hit each request reports, from its prompt length (none by default)
@@ -66,6 +80,7 @@ class ScriptedEngineClient:
         self.prompts.append(prompt)
         self.prompt_lengths.append(len(prompt_token_ids))
         self.prompt_ids.append(list(prompt_token_ids))
+        self.images.append(images)
         ids = self.tokenizer.encode(self.reply(prompt), add_special_tokens=False)[: params.max_tokens]
         self.active.add(request_id)
         try:
@@ -97,6 +112,21 @@ class ScriptedEngineClient:
 
     async def shutdown(self):
         pass
+
+
+def scripted_vision_engine(reply: Callable[[str], str]) -> ScriptedEngineClient:
+    """A scripted engine client of a vision model: ``ready.vision`` names Qwen2-VL's image processor
+    with :data:`~framework.testing.vision.TINY_PREPROCESSOR` (4 to 64 image tokens an image), so the
+    server decodes, preprocesses and places images exactly as for a real vision model."""
+    engine = ScriptedEngineClient(reply)
+    engine.tokenizer = byte_level_tokenizer(VISION_TEMPLATE, tuple(VISION_SPECIALS))
+    spec = VisionSpec(
+        processor="fw_llama.qwen2_vl_processor:Qwen2VLImageProcessor",
+        processor_config=dict(TINY_PREPROCESSOR),
+        image_token_id=engine.tokenizer.token_to_id("<|image_pad|>"),
+    )
+    engine.ready = SimpleNamespace(max_model_len=4096, vocab_size=engine.tokenizer.vocab_size, vision=spec)
+    return engine
 
 
 class ThreadedServer:

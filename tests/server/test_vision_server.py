@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import openai
 import pytest
 import torch
 from litestar.testing import TestClient
 
+from framework.multimodal.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from framework.multimodal.inputs import load_processor
 from framework.multimodal.prompt import vision_prompt
 from framework.server.app import create_app
@@ -29,7 +31,7 @@ from framework.testing import (
 from framework.testing.vision import IMAGE_TOKEN_ID, MISTRAL3_SPECIALS
 from framework.tokenizer import Tokenizer
 
-from .scripted_engine import ScriptedEngineClient
+from .scripted_engine import ScriptedEngineClient, scripted_vision_engine
 
 IMAGES = [random_image(84, 56, 1), random_image(100, 120, 2)]
 
@@ -246,6 +248,25 @@ def test_an_image_for_a_text_only_model_is_a_400_naming_the_part():
     error = response.json()["error"]
     assert error["param"] == "messages[0].content[1]" and "does not take images" in error["message"]
     assert engine.prompts == []
+
+
+def test_model_cards_say_whether_and_within_which_limits_the_model_takes_images():
+    """fw's ``vision`` key of ``GET /v1/models``: the spec's image count, the formats and sizes the
+    decoder takes and the server's body cap; null on a text-only model's card."""
+    vision = scripted_vision_engine(lambda prompt: "hi")
+    vision.ready.vision = msgspec.structs.replace(vision.ready.vision, max_images=3)
+    expected = {
+        "max_images": 3,
+        "formats": ["image/bmp", "image/gif", "image/jpeg", "image/jpg", "image/png", "image/webp"],
+        "max_image_bytes": MAX_IMAGE_BYTES,
+        "max_image_pixels": MAX_IMAGE_PIXELS,
+        "max_request_bytes": 3 << 20,
+    }
+    for engine, card in ((vision, expected), (ScriptedEngineClient(lambda prompt: "hi"), None)):
+        config = ServerConfig(served_model_names=["m"], max_request_bytes=3 << 20)
+        with TestClient(create_app(engine, config, start_engine=False), base_url="http://127.0.0.1:2000") as http:
+            assert http.get("/v1/models").json()["data"][0]["vision"] == card
+            assert http.get("/v1/models/m").json()["vision"] == card
 
 
 def test_images_are_decoded_and_preprocessed_off_the_event_loop(vision_app, monkeypatch):

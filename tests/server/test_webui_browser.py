@@ -34,23 +34,13 @@ from framework.server.state import ServerConfig
 from framework.server.webui import WebUIApp
 from framework.testing import metric_value
 
+from .conftest import CHROMIUM
+from .conftest import WEBUI_ARTIFACTS as ARTIFACTS
 from .scripted_engine import ScriptedEngineClient, ThreadedServer
 from .test_mcp_server import FIXTURE as MCP_FIXTURE
 from .test_mcp_server import scripted_reply
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "webui"
 
 pytestmark = [
     pytest.mark.skipif(
@@ -223,18 +213,6 @@ def fw_ui(serve_on_free_port):
     with serve_on_free_port(["--device", "cpu", "--max-model-len", "2048", "--mem", "64", "--ui-server"], port) as proc:
         assert f"fw: web UI at http://127.0.0.1:{port - 1}" in proc.lines
         yield f"http://127.0.0.1:{port - 1}", proc.base_url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def _metric(api_url: str, name: str) -> float:

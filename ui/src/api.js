@@ -29,12 +29,15 @@ async function raiseFor(response) {
   throw new ApiError(response.status, message, code);
 }
 
-/** The served model ids (GET /v1/models). */
+/**
+ * The served models (GET /v1/models): `[{id, vision}]`, `vision` being fw's extension field (the
+ * model takes images, within its limits) or null (a text-only model, or a server that does not say).
+ */
 export async function listModels(apiKey) {
   const response = await fetch('/v1/models', { headers: headers(apiKey) });
   if (!response.ok) await raiseFor(response);
   const body = await response.json();
-  return body.data.map((m) => m.id);
+  return body.data.map((m) => ({ id: m.id, vision: m.vision ?? null }));
 }
 
 /**

@@ -1,7 +1,10 @@
 // Turning a conversation into a request, and stream deltas into an assistant message.
+import { imageParts } from './images.js';
 
 /**
- * The request body for `conversation` (its settings, its model, its messages so far). With `mcp`
+ * The request body for `conversation` (its settings, its model, its messages so far): a user
+ * message with `images` is sent as content parts, its images (as `image_url` parts) before its
+ * text. With `mcp`
  * (the server has MCP tools) it asks the server to run the model's MCP tool calls (`mcp_execute`).
  */
 export function chatRequest(conversation, { mcp = false } = {}) {
@@ -10,7 +13,12 @@ export function chatRequest(conversation, { mcp = false } = {}) {
   if (settings.system && settings.system.trim()) messages.push({ role: 'system', content: settings.system });
   for (const message of conversation.messages) {
     if (message.role === 'assistant' && !message.content) continue; // a failed or empty reply
-    messages.push({ role: message.role, content: message.content });
+    if (message.images && message.images.length) {
+      const text = message.content ? [{ type: 'text', text: message.content }] : [];
+      messages.push({ role: message.role, content: [...imageParts(message.images), ...text] });
+    } else {
+      messages.push({ role: message.role, content: message.content });
+    }
   }
   const body = { model: conversation.model, messages };
   for (const name of ['temperature', 'top_p', 'max_tokens']) {

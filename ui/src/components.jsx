@@ -1,9 +1,10 @@
-// The pieces of the page: sidebar, messages, composer, settings and API-key dialogs.
-import { useEffect, useMemo, useRef, useState } from 'preact/hooks';
+// The pieces of the page: sidebar, messages, settings and API-key dialogs (composer.jsx: the message box).
+import { useMemo, useState } from 'preact/hooks';
 import { copyText, renderMarkdown } from './markdown.js';
 import { prettyJson, replyParts } from './chat.js';
+import { MessageImages } from './imageViews.jsx';
 import {
-  CopyIcon, KeyIcon, PencilIcon, PlugIcon, PlusIcon, RefreshIcon, SearchIcon, SendIcon, StopIcon, TrashIcon,
+  CopyIcon, KeyIcon, PencilIcon, PlugIcon, PlusIcon, RefreshIcon, SearchIcon, TrashIcon,
 } from './icons.jsx';
 
 export function Sidebar({ conversations, currentId, onSelect, onNew, onRename, onDelete, open, onClose, streamingId }) {
@@ -129,7 +130,10 @@ export function Message({ message, index, isLast, isStreaming, onEdit, onRegener
           </div>
         ) : (
           <>
-            <div class="bubble">{message.content}</div>
+            <div class="user-content">
+              {message.images?.length > 0 && <MessageImages images={message.images} />}
+              {message.content && <div class="bubble">{message.content}</div>}
+            </div>
             {canAct && (
               <div class="actions">
                 <button type="button" class="icon" title="Edit and resend" aria-label="Edit and resend" data-testid="edit"
@@ -176,39 +180,6 @@ export function Message({ message, index, isLast, isStreaming, onEdit, onRegener
         </div>
       )}
     </div>
-  );
-}
-
-export function Composer({ onSend, onStop, isStreaming, disabled }) {
-  const [text, setText] = useState('');
-  const area = useRef(null);
-  useEffect(() => {
-    const el = area.current;
-    if (!el) return;
-    el.style.height = 'auto';
-    el.style.height = `${Math.min(el.scrollHeight, 220)}px`;
-  }, [text]);
-  useEffect(() => { area.current?.focus(); }, []);
-
-  const send = () => {
-    if (isStreaming || disabled || !text.trim()) return;
-    onSend(text);
-    setText('');
-  };
-  return (
-    <form class="composer" onSubmit={(e) => { e.preventDefault(); send(); }}>
-      <textarea ref={area} rows={1} value={text} placeholder="Message fw…"
-        aria-label="Message" data-testid="composer"
-        onInput={(e) => setText(e.currentTarget.value)}
-        onKeyDown={(e) => {
-          if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
-        }} />
-      {isStreaming ? (
-        <button type="button" class="send stop" onClick={onStop} title="Stop (Esc)" aria-label="Stop" data-testid="stop"><StopIcon /></button>
-      ) : (
-        <button type="submit" class="send" disabled={disabled || !text.trim()} title="Send (Enter)" aria-label="Send" data-testid="send"><SendIcon /></button>
-      )}
-    </form>
   );
 }
 

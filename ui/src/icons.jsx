@@ -20,3 +20,5 @@ export const SlidersIcon = icon(<path d="M4 21v-7M4 10V3M12 21v-9M12 8V3M20 21v-
 export const KeyIcon = icon(<path d="M21 2l-2 2m-7.6 7.6a5.5 5.5 0 1 1-7.8 7.8 5.5 5.5 0 0 1 7.8-7.8zm0 0L15.5 7.5m0 0l3 3L22 7l-3-3m-3.5 3.5L19 4" />);
 export const SearchIcon = icon(<><circle cx="11" cy="11" r="7" /><path d="M21 21l-4.3-4.3" /></>);
 export const PlugIcon = icon(<path d="M9 2v6M15 2v6M6 8h12v4a6 6 0 0 1-12 0zM12 18v4" />);
+export const ImageIcon = icon(<><rect x="3" y="3" width="18" height="18" rx="2" /><circle cx="9" cy="9" r="2" /><path d="M21 15l-5-5L5 21" /></>);
+export const XIcon = icon(<path d="M18 6L6 18M6 6l12 12" />);

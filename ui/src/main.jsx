@@ -2,9 +2,14 @@
 import { render } from 'preact';
 import { useCallback, useEffect, useRef, useState } from 'preact/hooks';
 import { ApiError, listMcpServers, listModels, streamChat } from './api.js';
+import { noImagesReason, useAttachments, useDropTarget } from './attachments.js';
 import { applyDelta, chatRequest, emptyReply, titleFrom, usableMcpServers } from './chat.js';
-import { Composer, KeyDialog, McpMenu, Message, SettingsPanel, Sidebar } from './components.jsx';
-import { KeyIcon, MenuIcon, MoonIcon, SlidersIcon, SunIcon } from './icons.jsx';
+import { KeyDialog, McpMenu, Message, SettingsPanel, Sidebar } from './components.jsx';
+import { Composer } from './composer.jsx';
+import { ImageIcon, KeyIcon, MenuIcon, MoonIcon, SlidersIcon, SunIcon } from './icons.jsx';
+import { countImages, visionLimits } from './images.js';
+import { useKeptImages } from './imageStore.js';
+import { DropOverlay } from './imageViews.jsx';
 import {
   loadApiKey, loadConversations, loadCurrentId, loadModel, loadTheme, newConversation, saveApiKey, saveConversations,
   saveCurrentId, saveModel, saveTheme,
@@ -19,8 +24,10 @@ const SUGGESTIONS = [
 
 function App() {
   const [conversations, setConversations] = useState(loadConversations);
+  const keepImages = useKeptImages(conversations, setConversations); // full images across reloads
   const [currentId, setCurrentId] = useState(loadCurrentId);
   const [models, setModels] = useState([]);
+  const [visionOf, setVisionOf] = useState({}); // model id -> its card's `vision` field (null: text only)
   const [mcpServers, setMcpServers] = useState([]);
   const [preferredModel, setPreferredModel] = useState(loadModel);
   const [theme, setTheme] = useState(loadTheme);
@@ -45,7 +52,9 @@ function App() {
   useEffect(() => {
     const now = Date.now();
     if (!streaming || now - lastSave.current > 1000) {
-      saveConversations(conversations);
+      if (!saveConversations(conversations)) {
+        setBanner("This browser's storage is full: the newest changes are not saved (delete old chats to make room).");
+      }
       lastSave.current = now;
     }
   }, [conversations, streaming]);
@@ -59,7 +68,8 @@ function App() {
         const served = await listModels(apiKey);
         // Without the list (an older or another server) the UI just does not ask for MCP tools.
         setMcpServers(await listMcpServers(apiKey).catch(() => []));
-        setModels(served);
+        setModels(served.map((m) => m.id));
+        setVisionOf(Object.fromEntries(served.map((m) => [m.id, m.vision])));
         setBanner(null);
         setKeyPrompt(null);
       } catch (error) {
@@ -170,21 +180,23 @@ function App() {
     return conversation;
   };
 
-  const send = (text) => {
+  const send = (text, images = []) => {
     const base = ensureConversation();
     const conversation = {
       ...base,
       model: base.model && models.includes(base.model) ? base.model : defaultModel,
-      title: base.messages.length === 0 ? titleFrom(text) : base.title,
-      messages: [...base.messages, { role: 'user', content: text }],
+      title: base.messages.length === 0 ? titleFrom(text.trim() ? text : images.map((i) => i.name).join(', ')) : base.title,
+      messages: [...base.messages, { role: 'user', content: text, ...(images.length ? { images } : {}) }],
     };
     setConversations((list) => list.map((c) => (c.id === conversation.id ? conversation : c)));
+    if (images.length) keepImages(images);
     generate(conversation);
   };
 
   const editAndResend = (index, text) => {
-    if (!current || !text.trim()) return;
-    const conversation = { ...current, messages: [...current.messages.slice(0, index), { role: 'user', content: text }] };
+    const edited = current && { ...current.messages[index], content: text }; // its images stay
+    if (!edited || (!text.trim() && !edited.images)) return;
+    const conversation = { ...current, messages: [...current.messages.slice(0, index), edited] };
     if (index === 0) conversation.title = titleFrom(text);
     generate(conversation);
   };
@@ -215,6 +227,10 @@ function App() {
 
   const isStreamingHere = streaming && current && streaming.id === current.id;
   const model = (current?.model && models.includes(current.model) ? current.model : defaultModel) || '';
+  const limits = visionLimits(visionOf[model]);
+  const attachReason = !models.length ? 'No model is served yet' : !limits ? noImagesReason(model) : null;
+  const attachments = useAttachments({ model, limits, refusal: attachReason, imagesInChat: countImages(current?.messages || []) });
+  const drop = useDropTarget(attachments.add); // files dropped on the chat are attached
 
   return (
     <div class="app">
@@ -223,7 +239,8 @@ function App() {
         onSelect={(id) => { setCurrentId(id); setSidebarOpen(false); }}
         onRename={(id, title) => update(id, (c) => ({ ...c, title: title.trim() || c.title }))}
         onDelete={deleteChat} />
-      <main class="main">
+      <main class="main" {...drop.handlers}>
+        {drop.dragging && <DropOverlay reason={attachReason} />}
         <header class="topbar">
           <button type="button" class="icon menu" aria-label="Show chats" onClick={() => setSidebarOpen(true)}><MenuIcon /></button>
           <select class="model-picker" value={model} aria-label="Model" data-testid="model-picker"
@@ -236,6 +253,12 @@ function App() {
             {models.length === 0 && <option value="">no model</option>}
             {models.map((m) => <option key={m} value={m}>{m}</option>)}
           </select>
+          {models.length > 0 && (
+            <span class={`model-caps ${limits ? 'vision' : ''}`} data-testid="model-vision"
+              title={limits ? `${model} takes images: up to ${limits.max_images} in a conversation` : noImagesReason(model)}>
+              {limits ? <><ImageIcon width="14" height="14" /> images</> : 'text only'}
+            </span>
+          )}
           <span class="spacer" />
           <McpMenu servers={mcpServers} />
           <button type="button" class={`icon ${settingsOpen ? 'on' : ''}`} title="Chat settings" aria-label="Chat settings"
@@ -278,7 +301,9 @@ function App() {
           )}
         </div>
         <div class="composer-wrap">
-          <Composer onSend={send} onStop={stop} isStreaming={!!isStreamingHere} disabled={!models.length || !!streaming} />
+          {attachments.notice && <p class="attach-notice" role="status" data-testid="attach-notice">{attachments.notice}</p>}
+          <Composer onSend={send} onStop={stop} isStreaming={!!isStreamingHere} disabled={!models.length || !!streaming}
+            attachments={attachments} attachReason={attachReason} />
           <p class="hint">Enter to send · Shift+Enter for a new line · Esc to stop · replies can be wrong</p>
         </div>
       </main>

@@ -1,4 +1,5 @@
 // Conversations, settings, theme and API key, kept in the browser (localStorage).
+import { storedImages } from './images.js';
 
 const KEY = 'fw.conversations.v1';
 const CURRENT = 'fw.current';
@@ -23,11 +24,21 @@ export function loadConversations() {
   }
 }
 
+/**
+ * Save the conversations; false when the browser refused (its storage is full). localStorage holds
+ * a few MB per site, so a message's images keep their thumbnails here, and their full copies in
+ * IndexedDB (imageStore.js).
+ */
 export function saveConversations(list) {
+  const kept = list.map((c) => (c.messages.some((m) => m.images) ? {
+    ...c, messages: c.messages.map((m) => (m.images ? { ...m, images: storedImages(m.images) } : m)),
+  } : c));
   try {
-    localStorage.setItem(KEY, JSON.stringify(list));
+    localStorage.setItem(KEY, JSON.stringify(kept));
+    return true;
   } catch (error) {
     console.warn('could not save the conversations', error);
+    return false;
   }
 }
 
