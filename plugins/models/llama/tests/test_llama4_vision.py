@@ -250,6 +250,23 @@ def test_preempted_requests_with_images_resume_without_encoding_again(tiny, proc
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 3
 
 
+def test_engine_refuses_a_span_without_its_layout_and_tiles_that_are_not_its_canvas(tiny, processor):
+    from framework.errors import ConfigError
+    from framework.multimodal.inputs import ImageInput
+
+    llm = LLM(str(tiny[0]), dtype="float32", device="cpu")
+
+    processed = processor.preprocess(image("wide"))  # 1 x 2 tiles + the thumbnail: 17 span tokens
+    tiles = processed.pixel_values
+    item = ImageInput(pixel_values=tiles.tobytes(), shape=list(tiles.shape), grid=processed.grid, offset=1, length=17)
+    core = llm.engine.core
+    with pytest.raises(ConfigError, match=rf"image 0: its span is not the image token {IMAGE_TOKEN_ID} laid out"):
+        core.add_request("plain", [5] + [IMAGE_TOKEN_ID] * 17 + [6], GREEDY, images=[item])
+    with pytest.raises(ConfigError, match=r"pixels of shape \[3, 3, 32, 32\] are not the 5 tiles .* canvas \[2, 2\]"):
+        llm.engine.core.runner.model.embed_image(torch.from_numpy(tiles), [2, 2])
+    core.add_request("ok", [5, *processed.span_ids, 6], GREEDY, images=[item])  # the laid-out span is taken
+
+
 def test_text_only_prompt_matches_transformers(tiny, llm):
     _, reference = tiny
     prompt = [290, 5, 6, 7, 291, 8]
