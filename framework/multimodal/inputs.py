@@ -22,13 +22,16 @@ class VisionSpec(msgspec.Struct, frozen=True, kw_only=True):
     the model's defaults); ``image_token_id``: the token the chat template writes once per image,
     which the prompt repeats once per image embedding; ``layout_token_ids``: the other tokens an
     image's span may hold (Pixtral's row break and image end), which keep their token embeddings;
-    ``max_images``: per prompt.
+    ``placeholder_token_id``: for a model whose template writes another token than its image
+    token (Llama 4: ``<|image|>``, its embeddings going to ``<|patch|>`` tokens), that token, which
+    the span replaces (and may hold again as a layout token); ``max_images``: per prompt.
     """
 
     processor: str
     processor_config: dict[str, Any] = {}
     image_token_id: int
     layout_token_ids: list[int] = []
+    placeholder_token_id: int | None = None
     max_images: int = DEFAULT_MAX_IMAGES
 
 

@@ -14,6 +14,11 @@ count), or the processor's ``span_ids`` where the model lays its image tokens ou
 
     template ids:  ... [IMG] ...
     prompt ids:    ... [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END] ...   (span_ids, 2 x 2 embeddings)
+
+A model may name a placeholder other than its image token (``VisionSpec.placeholder_token_id``)::
+
+    template ids:  ... <|image|> ...
+    prompt ids:    ... <|image_start|> <|image|> <|patch|> x num_embeddings <|image_end|> ...   (Llama 4)
 """
 
 from __future__ import annotations
@@ -135,11 +140,14 @@ def expand_placeholders(
     processed: list[ProcessedImage],
     image_token_id: int,
     layout_token_ids: tuple[int, ...] | list[int] = (),
+    placeholder_token_id: int | None = None,
 ) -> tuple[list[int], list[ImageInput]]:
-    """``prompt_ids`` with the i-th ``image_token_id`` replaced by image i's span
-    (:func:`image_span`), and the images' :class:`ImageInput` (their spans in the new ids). Raises
-    ImageError when the template wrote a different number of image tokens than there are images."""
-    where = [index for index, token in enumerate(prompt_ids) if token == image_token_id]
+    """``prompt_ids`` with the i-th placeholder (``placeholder_token_id``, else ``image_token_id``)
+    replaced by image i's span (:func:`image_span`), and the images' :class:`ImageInput` (their
+    spans in the new ids). Raises ImageError when the template wrote a different number of
+    placeholders than there are images."""
+    placeholder = image_token_id if placeholder_token_id is None else placeholder_token_id
+    where = [index for index, token in enumerate(prompt_ids) if token == placeholder]
     if len(where) != len(processed):
         raise ImageError(
             f"the chat template wrote {len(where)} image tokens for {len(processed)} images; "
@@ -177,4 +185,6 @@ def vision_prompt(
     preprocessed and placed; raises :class:`ContentImageError` / ImageError for bad images."""
     shaped, images = take_images(messages, spec.max_images)
     processed = process_images(images, processor, max_tokens)
-    return expand_placeholders(encode(shaped), processed, spec.image_token_id, spec.layout_token_ids)
+    return expand_placeholders(
+        encode(shaped), processed, spec.image_token_id, spec.layout_token_ids, spec.placeholder_token_id
+    )

@@ -62,7 +62,10 @@ def chat_prompt_with_images(
         raise bad_request("the conversation's images changed between rounds", "messages")
     text, ids = chat_prompt(state.client.tokenizer, body, tools, without_images(messages))
     try:
-        ids, inputs = expand_placeholders(ids, processed, state.vision.image_token_id, state.vision.layout_token_ids)
+        vision = state.vision
+        ids, inputs = expand_placeholders(
+            ids, processed, vision.image_token_id, vision.layout_token_ids, vision.placeholder_token_id
+        )
     except ImageError as error:
         raise bad_request(str(error), "messages") from None
     return text, ids, inputs, processed

@@ -11,7 +11,7 @@ Fixtures:
   make them many times slower); the previous setting is restored after the module.
 
 The helpers live in modules by kind (``fixtures``, ``model_writers``, ``attention``, ``parsers``,
-``parity``, ``gpu``, ``metrics``, ``quant``, ``vision``, ``sparse_mla``) and are all importable from here.
+``parity``, ``gpu``, ``metrics``, ``quant``, ``vision``, ``vision_llama4``, ``sparse_mla``) and are all importable from here.
 
 Conformance kits for plugin authors: attention backends (``check_attention_backend``, also on a
 quantized KV dtype against attention over the dequantized cache; sparse MLA,
@@ -97,7 +97,9 @@ from framework.testing.vision import (
     write_tiny_qwen2_5_vl,
     write_tiny_qwen3_5_vl,
     write_tiny_qwen3_vl,
+    write_vision_checkpoint,
 )
+from framework.testing.vision_llama4 import LLAMA4_SPECIALS, write_tiny_llama4
 
 #: everything here, importable as ``framework.testing.NAME`` (the fixtures are also seen by pytest here)
 __all__ = [
@@ -147,6 +149,7 @@ __all__ = [
     "random_chunks",
     "IMAGE_TOKEN",
     "IMAGE_TOKEN_ID",
+    "LLAMA4_SPECIALS",
     "MISTRAL3_SPECIALS",
     "TINY_PREPROCESSOR",
     "VISION_CHAT_TEMPLATE",
@@ -154,9 +157,11 @@ __all__ = [
     "data_url",
     "random_image",
     "write_tiny_qwen2_5_vl",
+    "write_tiny_llama4",
     "write_tiny_mistral3",
     "write_tiny_qwen3_5_vl",
     "write_tiny_qwen3_vl",
+    "write_vision_checkpoint",
     "QuantScheme",
     "check_linear_method",
     "check_moe_method",

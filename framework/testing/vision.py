@@ -1,9 +1,9 @@
 """Tiny vision-language checkpoints and images for tests (no download): a random Qwen2.5-VL,
-Qwen3-VL (dense or MoE), Qwen3.5 (dense or MoE) or Mistral 3 with a word-level tokenizer, a chat template of the family's
-shape and a ``preprocessor_config.json``.
+Qwen3-VL (dense or MoE), Qwen3.5 (dense or MoE), Mistral 3 or Llama 4 with a word-level tokenizer,
+a chat template of the family's shape and a ``preprocessor_config.json``.
 
 The tokenizer's ids: ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and the specials of :data:`VISION_SPECIALS`
-(Mistral 3: of :data:`MISTRAL3_SPECIALS`).
+(Mistral 3: of :data:`MISTRAL3_SPECIALS`; Llama 4: :mod:`framework.testing.vision_llama4`'s).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def write_tiny_mistral3(path, seed: int = 0):
             layer.attention.k_proj.weight.mul_(12)
     specials = {k: v for k, v in MISTRAL3_SPECIALS.items() if k != "[IMG]"}
     image_token = ("[IMG]", IMAGE_TOKEN_ID)
-    _write_checkpoint(
+    write_vision_checkpoint(
         path,
         model,
         _TINY_MISTRAL3_PREPROCESSOR,
@@ -147,7 +147,7 @@ def write_tiny_qwen2_5_vl(path, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
     randomise_identity_params(model)
-    _write_checkpoint(path, model, TINY_PREPROCESSOR)
+    write_vision_checkpoint(path, model, TINY_PREPROCESSOR)
     return model
 
 
@@ -203,7 +203,7 @@ def write_tiny_qwen3_vl(path, seed: int = 0, moe: bool = False):
     )
     model = model_class(config).eval()
     randomise_identity_params(model)
-    _write_checkpoint(path, model, _TINY_QWEN3_PREPROCESSOR)
+    write_vision_checkpoint(path, model, _TINY_QWEN3_PREPROCESSOR)
     return model
 
 
@@ -273,11 +273,11 @@ def write_tiny_qwen3_5_vl(path, seed: int = 0, moe: bool = False):
     )
     model = model_class(config).eval()
     randomise_identity_params(model)
-    _write_checkpoint(path, model, _TINY_QWEN3_PREPROCESSOR)
+    write_vision_checkpoint(path, model, _TINY_QWEN3_PREPROCESSOR)
     return model
 
 
-def _write_checkpoint(
+def write_vision_checkpoint(
     path: Path,
     model,
     preprocessor: dict,

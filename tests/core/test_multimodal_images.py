@@ -77,6 +77,21 @@ def test_a_span_with_layout_tokens_is_written_as_the_processor_laid_it_out():
         expand_placeholders([5, 9], [ProcessedImage(pixels, [2, 2], 3, [9, 11])], 9, (10, 11))
 
 
+def test_a_placeholder_other_than_the_image_token_is_replaced_by_the_span_that_may_hold_it():
+    """Llama 4: the template writes ``<|image|>`` (12); the span holds it again before the
+    thumbnail's ``<|patch|>`` (9) tokens."""
+    pixels = np.zeros((1, 3, 4, 4), dtype=np.float32)
+    span = [10, 12, 9, 9, 11]  # <|image_start|> <|image|> <|patch|> x 2 <|image_end|>
+    processed = [ProcessedImage(pixels, [1, 1], 5, span), ProcessedImage(pixels, [1, 1], 5, span)]
+    ids, inputs = expand_placeholders(
+        [5, 12, 6, 12], processed, image_token_id=9, layout_token_ids=(10, 11, 12), placeholder_token_id=12
+    )
+    assert ids == [5, *span, 6, *span]
+    assert [(i.offset, i.length) for i in inputs] == [(1, 5), (7, 5)]
+    with pytest.raises(ImageError, match="the chat template wrote 0 image tokens for 2 images"):
+        expand_placeholders([5, 9, 9], processed, 9, (10, 11, 12), placeholder_token_id=12)
+
+
 def test_request_image_rows_skip_layout_tokens():
     import torch
 

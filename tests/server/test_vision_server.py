@@ -1,7 +1,9 @@
 """Images through the HTTP API: a real ``fw serve`` of the tiny random Qwen2.5-VL (and of the hybrid
-Qwen3.5) answers the openai client's ``image_url`` parts with transformers' greedy ids, Qwen3-VL's parts reach the engine in its
-own patches, Mistral 3's with their ``[IMG_BREAK]`` / ``[IMG_END]`` spans, and every bad image is a 400 naming its content part before anything reaches the
-engine (the app with a stand-in engine client)."""
+Qwen3.5, and of Llama 4) answers the openai client's ``image_url`` parts with transformers' greedy
+ids, Qwen3-VL's parts reach the engine in its own patches, Mistral 3's with their ``[IMG_BREAK]`` /
+``[IMG_END]`` spans, Llama 4's as tiles with their tile-separated spans, and every bad image is a
+400 naming its content part before anything reaches the engine (the app with a stand-in engine
+client)."""
 
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ from framework.server.state import ServerConfig
 from framework.testing import (
     data_url,
     random_image,
+    write_tiny_llama4,
     write_tiny_mistral3,
     write_tiny_qwen2_5_vl,
     write_tiny_qwen3_5_vl,
     write_tiny_qwen3_vl,
 )
 from framework.testing.vision import IMAGE_TOKEN_ID, MISTRAL3_SPECIALS
+from framework.testing.vision_llama4 import LLAMA4_SPECIALS
 from framework.tokenizer import Tokenizer
 
 from .scripted_engine import ScriptedEngineClient, scripted_vision_engine
@@ -190,6 +194,67 @@ def test_mistral3_image_parts_reach_the_engine_as_whole_images_with_laid_out_spa
         for image, (rows, cols) in zip(images, [(2, 3), (4, 4)], strict=True):
             span = ([IMAGE_TOKEN_ID] * cols + [breaks]) * rows
             assert prompt[image.offset : image.offset + image.length] == span[:-1] + [end]
+
+
+def test_llama4_openai_client_images_get_transformers_greedy_ids(tmp_path, serve_on_free_port, monkeypatch):
+    """A one-tile image and one on 2 x 2 tiles (+ the thumbnail), through ``fw serve``."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    # transformers 5.24's Llama 4 forward reads image_outputs from its language model's output,
+    # which has none (5.23 did not): give that output class the attribute, for the reference only
+    monkeypatch.setattr(MoeCausalLMOutputWithPast, "image_outputs", None, raising=False)
+    reference = write_tiny_llama4(tmp_path)
+    spec = spec_of(tmp_path)
+    tokenizer = Tokenizer.from_directory(tmp_path)
+    images = [random_image(30, 20, 1), random_image(70, 40, 3)]
+    messages = chat_messages(*images)
+    processor = load_processor(spec)
+    prompt_ids, inputs = vision_prompt(
+        messages, spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
+    )
+    assert [image.shape[0] for image in inputs] == [1, 5]
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        expected = reference.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.from_numpy(np.concatenate([processor.preprocess(i).pixel_values for i in images])),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=-1,
+        )[0, len(prompt_ids) :].tolist()
+    args = ["--m", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
+    with serve_on_free_port(args) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(
+            model=str(tmp_path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.choices[0].message.content == tokenizer.decode(expected)
+
+
+def test_llama4_image_parts_reach_the_engine_as_tiles_with_tile_separated_spans(tmp_path):
+    write_tiny_llama4(tmp_path)
+    ids = {name: LLAMA4_SPECIALS[f"<|{name}|>"] for name in ("image_start", "image_end", "image")}
+    tile_x, tile_y = LLAMA4_SPECIALS["<|tile_x_separator|>"], LLAMA4_SPECIALS["<|tile_y_separator|>"]
+    for http, engine, received in scripted_app(tmp_path, spec_of(tmp_path)):
+        messages = chat_messages(random_image(60, 30, 1), IMAGES[1])
+        tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        (images,) = received
+        prompt = engine.prompt_ids[0]
+        assert tokens == prompt and ids["image"] not in prompt[: images[0].offset]  # placeholders replaced
+        # 60x30 -> 1 x 2 tiles of 32 (padded), 100x120 -> 2 x 2 (downscaled); each + a thumbnail
+        assert [(image.shape, image.grid, image.length) for image in images] == [
+            ([3, 3, 32, 32], [1, 2], 17),
+            ([5, 3, 32, 32], [2, 2], 27),
+        ]
+        patches = [IMAGE_TOKEN_ID] * 4
+        for image, (rows, cols) in zip(images, [(1, 2), (2, 2)], strict=True):
+            row = (patches + [tile_x]) * cols
+            span = [ids["image_start"], *(row[:-1] + [tile_y]) * rows, ids["image"], *patches, ids["image_end"]]
+            assert prompt[image.offset : image.offset + image.length] == span
 
 
 def _bad(url: str) -> list[dict]:

@@ -43,7 +43,6 @@ GPT_OSS_ARCHITECTURES = {
 #: Llama 4 text: chunked / NoPE attention layers, a top-1 MoE scaled on its input (``llama4.py``).
 LLAMA4_ARCHITECTURES = {
     "Llama4ForCausalLM": "Llama 4 Scout / Maverick text (chunked attention, NoPE layers, shared-expert top-1 MoE)",
-    "Llama4ForConditionalGeneration": "Llama 4 Scout / Maverick checkpoints: the text model (vision model skipped at load)",
 }
 
 
@@ -62,6 +61,8 @@ VISION_ARCHITECTURES = {
     "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL MoE, e.g. Qwen3-VL-30B-A3B (Qwen3-VL's tower, Qwen3-MoE text)",
     "Mistral3ForConditionalGeneration": "Mistral Small 3.1 / 3.2 (image input: Pixtral tower with 2-D RoPE, "
     "2x2 patch merger, [IMG_BREAK] / [IMG_END] layout tokens; Mistral text)",
+    "Llama4ForConditionalGeneration": "Llama 4 Scout / Maverick (image input: tiles of a best-fit canvas and a "
+    "global thumbnail, ViT with 2-D RoPE, pixel-shuffle adapter; Llama 4 text)",
 }
 
 #: the module of each vision architecture's class
@@ -70,6 +71,7 @@ VISION_MODULES = {
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
     "Mistral3ForConditionalGeneration": "mistral3",
+    "Llama4ForConditionalGeneration": "llama4_vl",
 }
 
 

@@ -14,8 +14,8 @@ Checkpoints store the experts stacked and transposed against FusedMoE's layout::
     feed_forward.experts.down_proj    [E, I, H]                            -> w2_weight  [E, H, I]
 
 Per-expert tensors (``experts.{e}.gate_proj.weight`` ...) load as in the other MoE models.
-``Llama4ForConditionalGeneration`` (the released Scout / Maverick checkpoints) serves the same
-text model from under ``language_model.``; its vision model's tensors are skipped unread.
+``Llama4ForConditionalGeneration`` (the released Scout / Maverick checkpoints, with images) is
+:mod:`fw_llama.llama4_vl`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from framework.layers.linear import tensor_parallel_all_reduce
 from framework.layers.rotary import get_rope
 from framework.loader.checkpoint_slice import materialize
 from framework.loader.model_loader import load_parameters
-from framework.loader.text_only import text_model_weights
 from framework.quantization import QuantConfig
 
 from .model import rope_scaling
@@ -257,14 +256,3 @@ class Llama4ForCausalLM(CausalLM):
                 yield to_fused_moe_layout(name, tensor)
 
         return load_parameters(self, relaid())
-
-
-#: The vision model and projector of Llama 4 multimodal checkpoints (not served yet).
-VISION_PREFIXES = ("vision_model.", "multi_modal_projector.", "model.vision_model.", "model.multi_modal_projector.")
-
-
-class Llama4ForConditionalGeneration(Llama4ForCausalLM):
-    """Llama 4 Scout / Maverick as released, text only: the text model under ``language_model.``."""
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(text_model_weights(weights, VISION_PREFIXES, self.config.architecture))

@@ -138,17 +138,16 @@ def test_gpu_fast_path_matches_transformers_with_cuda_graphs(tmp_path):
     check_kernels_used(calls, {"attention": "triton", "fused_moe": "triton"})
 
 
-def test_multimodal_checkpoint_serves_its_text_model(tmp_path, caplog):
-    """Llama4ForConditionalGeneration (how Scout and Maverick are released): the text model under
-    ``language_model.`` gives transformers' logits on token prompts; the vision model's tensors
-    are skipped with one log line."""
+def test_multimodal_checkpoint_gives_its_text_models_logits_on_token_prompts(tmp_path):
+    """Llama4ForConditionalGeneration (how Scout and Maverick are released; images are
+    ``test_llama4_vision.py``'s): the text model under ``language_model.`` gives transformers'
+    logits on token prompts, and the vision model's tensors load beside it."""
     import json
-    import logging
 
     from framework.testing import PARITY_PROMPTS, check_logits_parity, make_tiny_tokenizer
 
     vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+        hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
     )
     vision.update(vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
     config = transformers.Llama4Config(text_config=CONFIGS["llama4_chunked_nope_moe"]().to_dict(), vision_config=vision)
@@ -159,8 +158,7 @@ def test_multimodal_checkpoint_serves_its_text_model(tmp_path, caplog):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     # transformers 5.24's multimodal forward fails on text alone (it reads outputs.image_outputs), so
     # the reference is its language model: the very module its text path runs
-    with caplog.at_level(logging.INFO, logger="fw.loader"):
-        check_logits_parity(tmp_path, reference.language_model, PARITY_PROMPTS[:2])
-    num_vision = sum(1 for name, _ in reference.state_dict().items() if not name.startswith("language_model."))
-    skipped = [record.getMessage() for record in caplog.records if "encoder" in record.getMessage()]
-    assert len(skipped) == 1 and f"skipped {num_vision} vision/audio" in skipped[0]
+    llm = check_logits_parity(tmp_path, reference.language_model, PARITY_PROMPTS[:2])
+    model = llm.engine.core.runner.model
+    assert torch.equal(model.vision_model.positional_embedding_vlm, reference.vision_model.positional_embedding_vlm)
+    assert torch.equal(model.multi_modal_projector.linear_1.weight, reference.multi_modal_projector.linear_1.weight)
