@@ -64,6 +64,10 @@ class AttentionMetadata:
     graph_batch_size: int | None = None
     #: hybrid models: where each request keeps its linear-attention state (:mod:`framework.engine.state_cache`)
     state_indices: StateIndices | None = None
+    #: ``[T]`` int32, set when the step computes tokens of a bidirectional span (Gemma 3's image
+    #: tokens): one past the last position each query token may attend to, its own position + 1
+    #: for a causal token, the end of its span for a token inside one (see ``AttentionBackend.forward``)
+    span_ends: torch.Tensor | None = None
 
     def linear_attention_indices(self) -> StateIndices:
         """:attr:`state_indices`; a ValueError if the step has none (the engine sets them for models
@@ -137,6 +141,9 @@ class AttentionLayerConfig:
     #: chunked local attention (Llama 4): a query attends only to keys of its own chunk of this
     #: many positions, ``k // chunk == q // chunk`` (besides ``k <= q``)
     attention_chunk_size: int | None = None
+    #: the layer's steps may carry bidirectional spans (``AttentionMetadata.span_ends``: Gemma 3's
+    #: image tokens see every token of their image); only backends with ``supports_bidirectional_spans``
+    has_bidirectional_spans: bool = False
 
     @property
     def kv_cache_layout(self) -> str:
@@ -173,6 +180,9 @@ class AttentionBackend(ABC):
     #: True if ``forward`` takes ``topk_indices`` for sparse MLA layers (``MLAConfig.is_sparse``,
     #: the cache row widened by ``index_head_dim``); others are refused for them.
     supports_sparse_mla: bool = False
+    #: True if ``forward`` honours ``metadata.span_ends`` (layers with ``has_bidirectional_spans``
+    #: are refused otherwise).
+    supports_bidirectional_spans: bool = False
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -254,6 +264,16 @@ class AttentionBackend(ABC):
         position ``p = seq_len - query_len + j``) attends to positions ``<= p`` of its own
         sequence (and ``> p - sliding_window`` when set; and ``>= p // C * C``, its own chunk, when
         ``attention_chunk_size`` ``C`` is set, for a backend with ``supports_chunked_attention``).
+
+        Bidirectional spans (``metadata.span_ends`` set; a backend with
+        ``supports_bidirectional_spans``): query token ``t`` at position ``p`` attends to positions
+        ``< span_ends[t]`` instead of ``<= p`` (the sliding window's lower bound stays ``p - window``).
+        A token inside a span (Gemma 3: the image tokens of one image) so sees the whole span, later
+        tokens of it included; the engine never splits a span across steps, so those keys are this
+        step's::
+
+            positions     0  1  2 [3  4  5] 6        span 3..5 (one image)
+            span_ends     1  2  3  6  6  6  7        token 3 sees 0..5, token 6 sees 0..6
 
         ``sinks`` (only for a layer with ``has_sinks``; a backend that cannot use them refuses such
         layers in :meth:`validate`): ``[num_heads]`` float logits, one per head, appended to every

@@ -46,6 +46,8 @@ def refusal_reasons(
             and not backend_cls.supports_sparse_mla
         ):
             reasons.append("DeepSeek sparse attention (MLA with a lightning indexer's top-k) unsupported")
+        if any(layer.has_bidirectional_spans for layer in layers) and not backend_cls.supports_bidirectional_spans:
+            reasons.append("bidirectional attention over an image's tokens (Gemma 3 vision) unsupported")
         reasons += backend_cls.validate(layers, cache_dtype, platform)
     return reasons
 

@@ -39,6 +39,8 @@ class Attention(nn.Module):
     backend adds to the softmax (see :meth:`framework.attention_backend.AttentionBackend.forward`).
     With ``attention_chunk_size`` (Llama 4) a token attends only within its own chunk of that many
     positions; only backends with ``supports_chunked_attention`` are chosen for such layers.
+    With ``has_bidirectional_spans`` (Gemma 3 with images) a step's ``span_ends`` let the tokens of one
+    image see each other; only backends with ``supports_bidirectional_spans`` are chosen.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class Attention(nn.Module):
         *,
         has_sinks: bool = False,
         attention_chunk_size: int | None = None,
+        has_bidirectional_spans: bool = False,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -74,6 +77,7 @@ class Attention(nn.Module):
             mla,
             has_sinks,
             attention_chunk_size,
+            has_bidirectional_spans,
         )
         self.prefix = prefix
         self.quant_method: QuantMethodBase | None = quant_method_for(

@@ -26,6 +26,7 @@ from typing import Any
 
 from framework.testing.attention import (
     ATTENTION_CASES,
+    BIDIRECTIONAL_SPAN_CASES,
     CHUNKED_ATTENTION_CASES,
     MLA_ATTENTION_CASES,
     allocate_test_cache,
@@ -33,6 +34,7 @@ from framework.testing.attention import (
     check_attention_backend,
     check_mla_attention_backend,
     dense_attention,
+    span_ends,
 )
 from framework.testing.fixtures import (
     fresh_plugins,
@@ -106,6 +108,7 @@ __all__ = [
     "SPARSE_MLA_CASES",
     "check_sparse_mla_attention_backend",
     "ATTENTION_CASES",
+    "BIDIRECTIONAL_SPAN_CASES",
     "CHUNKED_ATTENTION_CASES",
     "MLA_ATTENTION_CASES",
     "allocate_test_cache",
@@ -113,6 +116,7 @@ __all__ = [
     "check_attention_backend",
     "check_mla_attention_backend",
     "dense_attention",
+    "span_ends",
     "fresh_plugins",
     "one_thread",
     "register_fw_plugin",

@@ -23,13 +23,35 @@ CHUNKED_ATTENTION_CASES = [
     ("chunked_decode", [1, 1, 1, 1], [16, 23, 5, 40], 4, 1, 32, None, None, 8),
 ]
 
+#: Bidirectional spans (Gemma 3's image tokens), for backends with ``supports_bidirectional_spans``:
+#: the cases' nine fields then, per sequence, its spans ``(first, end)`` among the step's positions.
+#: Spans after a cached prefix, two in one sequence, one longer than the sliding window, a decode beside.
+BIDIRECTIONAL_SPAN_CASES = [
+    ("spans_prefill", [12, 1, 9], [0, 30, 5], 4, 2, 32, None, None, None, [[(2, 7)], [], [(5, 9), (10, 14)]]),
+    ("spans_window", [20, 6], [3, 0], 4, 1, 32, 4, None, None, [[(5, 15), (16, 22)], [(0, 6)]]),
+    ("spans_long", [150, 1], [10, 40], 4, 2, 32, None, None, None, [[(12, 150)], []]),
+]
 
-def dense_attention(query, key, value, scale: float, sliding_window=None, soft_cap=None, sinks=None, chunk_size=None):
+
+def span_ends(first: int, end: int, spans: list[tuple[int, int]]) -> list[int]:
+    """Each position ``first .. end - 1``'s key end (:attr:`AttentionMetadata.span_ends`): ``p + 1``,
+    or the end of the span ``(s, e)`` that holds ``p``."""
+    ends = list(range(first + 1, end + 1))
+    for start, stop in spans:
+        for p in range(max(start, first), min(stop, end)):
+            ends[p - first] = stop
+    return ends
+
+
+def dense_attention(
+    query, key, value, scale: float, sliding_window=None, soft_cap=None, sinks=None, chunk_size=None, key_ends=None
+):
     """Unpaged causal attention of one sequence: query ``[q, H, D]`` at the last ``q`` positions
     of ``key``/``value`` ``[k, H_kv, D]``. The oracle for paged backends (float64). ``sinks``
     ``[H]``: per-head logits joining each softmax's denominator (gpt-oss), as
     ``exp(sink) / (exp(sink) + sum exp(scores))`` taken from the keys' weights. ``chunk_size``:
-    chunked local attention, keys of the query's own chunk of positions only (Llama 4)."""
+    chunked local attention, keys of the query's own chunk of positions only (Llama 4).
+    ``key_ends`` ``[q]`` (bidirectional spans): each query sees keys before its end, not up to itself."""
     import torch
 
     group = query.shape[1] // key.shape[1]
@@ -41,7 +63,7 @@ def dense_attention(query, key, value, scale: float, sliding_window=None, soft_c
         scores = torch.tanh(scores / soft_cap) * soft_cap
     q_pos = torch.arange(k.shape[1] - q.shape[1], k.shape[1])[:, None]
     k_pos = torch.arange(k.shape[1])[None, :]
-    allowed = k_pos <= q_pos
+    allowed = k_pos <= q_pos if key_ends is None else k_pos < torch.as_tensor(key_ends)[:, None]
     if sliding_window:
         allowed &= k_pos > q_pos - sliding_window
     if chunk_size:
@@ -132,6 +154,7 @@ def _check_attention_case(
 
     name, query_lens, context_lens, num_heads, num_kv_heads, head_size, window, cap, *rest = case
     chunk = rest[0] if rest else None  # CHUNKED_ATTENTION_CASES
+    bidirectional = rest[1] if len(rest) > 1 else None  # BIDIRECTIONAL_SPAN_CASES
     layer = AttentionLayerConfig(
         num_heads,
         num_kv_heads,
@@ -141,6 +164,7 @@ def _check_attention_case(
         cap,
         has_sinks=with_sinks,
         attention_chunk_size=chunk,
+        has_bidirectional_spans=bidirectional is not None,
     )
     # sinks around the scores' scale (|q.k| * scale ~ 1), some far above, so they take real weight
     sinks = torch.randn(num_heads, generator=generator) * 2.0 if with_sinks else None
@@ -157,6 +181,9 @@ def _check_attention_case(
     def run(spans: dict[int, tuple[int, int]]) -> torch.Tensor:
         """One backend call computing positions ``spans[r] = (first, end)`` of sequences ``r``."""
         rows, metadata = _step_metadata(spans, tables, block_size, device)
+        if bidirectional is not None:
+            ends = [end for r in rows for end in span_ends(*spans[r], bidirectional[r])]
+            metadata.span_ends = torch.tensor(ends, dtype=torch.int32, device=device)
         take = lambda xs: torch.cat([xs[r][slice(*spans[r])] for r in rows]).to(device).flatten(1)  # noqa: E731
         backend.prepare(metadata)
         out = backend.forward(layer, take(queries), take(keys), take(values), kv_cache, metadata, **extra)
@@ -170,7 +197,15 @@ def _check_attention_case(
         seq_lens,
         atol,
         lambda r, c, s: dense_attention(
-            queries[r][c:s], cached[r][0][:s], cached[r][1][:s], layer.scale, window, cap, sinks, chunk
+            queries[r][c:s],
+            cached[r][0][:s],
+            cached[r][1][:s],
+            layer.scale,
+            window,
+            cap,
+            sinks,
+            chunk,
+            None if bidirectional is None else span_ends(c, s, bidirectional[r]),
         ),
     )
 

@@ -49,13 +49,15 @@ def attend(
     query_start: int,
     sinks: torch.Tensor | None = None,
     selected: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries at absolute positions ``query_start..`` over keys ``0..``.
 
     ``query`` ``[q, H, D]``, ``key`` ``[k, H_kv, D]``, ``value`` ``[k, H_kv, D_v]`` (``D_v`` may differ
     from ``D``, as in MLA); computed in float32. ``sinks`` ``[H]``: one extra logit per head in the
     softmax, dropped after it. ``selected`` ``[q, k]`` bool (sparse MLA): a query attends only to
-    its selected keys (within the causal rule).
+    its selected keys (within the causal rule). ``key_ends`` ``[q]`` (bidirectional spans): each
+    query attends to keys before its end instead of up to its own position.
     """
     group = layer.num_heads // layer.num_kv_heads
     q = query.float().transpose(0, 1)  # [H, q, D]
@@ -66,7 +68,7 @@ def attend(
         scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
     q_pos = torch.arange(query_start, query_start + q.shape[1], device=q.device)[:, None]
     k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
-    allowed = k_pos <= q_pos
+    allowed = k_pos <= q_pos if key_ends is None else k_pos < key_ends.to(q.device)[:, None]
     if layer.sliding_window:
         allowed &= k_pos > q_pos - layer.sliding_window
     if layer.attention_chunk_size:  # chunked local attention: keys of the query's own chunk only
@@ -110,13 +112,15 @@ class TorchAttentionBackend(AttentionBackend):
     latents, whose first ``kv_lora_rank`` features are also the values), and every KV dtype of
     :mod:`framework.kv_quant` (dequantized per request; scores and values in the rotated space for turbo);
     standard layers may have attention sinks and chunked local attention (Llama 4); sparse MLA
-    layers (DeepSeek-V3.2, GLM-5) attend to their ``topk_indices`` only.
+    layers (DeepSeek-V3.2, GLM-5) attend to their ``topk_indices`` only; a step's bidirectional
+    spans (``metadata.span_ends``) widen each query's keys to its span's end.
     """
 
     name = "torch"
     supports_sinks = True
     supports_chunked_attention = True
     supports_sparse_mla = True
+    supports_bidirectional_spans = True
 
     def forward(
         self,
@@ -147,7 +151,9 @@ class TorchAttentionBackend(AttentionBackend):
             num_blocks = -(-seq_len // block_size)
             keys, values = gather_kv(kv_cache, metadata.block_table[r, :num_blocks], seq_len)
             query_start = seq_len - (end - start)
-            output[start:end] = attend(rotated[start:end], keys, values, layer, query_start, sinks).to(query.dtype)
+            key_ends = None if metadata.span_ends is None else metadata.span_ends[start:end]
+            out = attend(rotated[start:end], keys, values, layer, query_start, sinks, key_ends=key_ends)
+            output[start:end] = out.to(query.dtype)
         return kv_quant.output_space(kv_cache, output).view(num_tokens, layer.num_heads * layer.head_size)
 
     @staticmethod

@@ -7,7 +7,7 @@ request's keys and values from the paged cache at once, padded to the longest se
 one ``F.scaled_dot_product_attention`` over ``[requests, heads, 1, head_size]`` queries with a
 mask for each request's length (and sliding window or attention chunk); grouped-query heads share their KV head
 (``enable_gqa``), nothing is repeated. Steps with prefills, soft-capped logits and the MLA layout
-take the reference path, as do layers with attention sinks. Computed in float32, as the reference.
+take the reference path, as do layers with attention sinks and steps with bidirectional spans. Computed in float32, as the reference.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class BatchedTorchAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         num_reqs = metadata.num_reqs
         is_plain = sinks is None and layer.mla is None and not layer.logits_soft_cap
-        if not is_plain or not metadata.is_decode_only or query.shape[0] != num_reqs:
+        if not is_plain or not metadata.is_decode_only or metadata.span_ends is not None or query.shape[0] != num_reqs:
             return super().forward(layer, query, key, value, kv_cache, metadata, sinks=sinks, topk_indices=topk_indices)
         heads, kv_heads, head_size = layer.num_heads, layer.num_kv_heads, layer.head_size
         store_cache(

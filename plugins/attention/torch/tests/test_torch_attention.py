@@ -189,6 +189,54 @@ def test_torch_backends_keep_chunked_attention_within_each_chunk(backend_name):
     check_attention_backend(backend, atol=1e-5, cases=CHUNKED_ATTENTION_CASES)
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "torch_sdpa"])
+def test_torch_backends_let_the_tokens_of_a_bidirectional_span_see_each_other(backend_name):
+    """Gemma 3's image tokens: spans after a cached prefix, two in a sequence, one longer than the
+    sliding window, decodes beside them (torch_sdpa takes the reference path for such steps)."""
+    from framework import registries
+    from framework.testing import BIDIRECTIONAL_SPAN_CASES
+
+    backend = registries.attention_backends().get(backend_name).load()()
+    check_attention_backend(backend, atol=1e-5, cases=BIDIRECTIONAL_SPAN_CASES)
+
+
+def test_bidirectional_span_mask_differs_from_plain_causal():
+    """The spans' oracle really widens the mask: a span's first token attends to its later ones."""
+    from framework.testing import dense_attention, span_ends
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, 2, 16, generator=generator) for _ in range(3))
+    ends = span_ends(0, 8, [(2, 6)])
+    assert ends == [1, 2, 6, 6, 6, 6, 7, 8]
+    causal, spans = dense_attention(q, k, v, 0.25), dense_attention(q, k, v, 0.25, key_ends=ends)
+    assert torch.equal(causal[:2], spans[:2]) and torch.equal(causal[6:], spans[6:])
+    assert (causal[2:5] - spans[2:5]).abs().amax() > 1e-2 and torch.allclose(causal[5], spans[5])
+
+
+def test_backends_without_bidirectional_spans_are_refused_for_layers_that_need_them():
+    from framework import registries
+    from framework.attention_backend import AttentionBackend, AttentionLayerConfig
+    from framework.engine.attention_choice import refusal_reasons
+    from framework.platform import Platform
+    from framework.specs import AttentionBackendSpec
+
+    class NoSpans(AttentionBackend):
+        def forward(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    globals()["NoSpans"] = NoSpans
+    spec = AttentionBackendSpec(name="no_spans", impl=f"{__name__}:NoSpans")
+    layer = AttentionLayerConfig(4, 2, 32, 0.2, has_bidirectional_spans=True)
+    cpu = Platform("cpu")
+    reasons = refusal_reasons(spec, [layer], "standard", "auto", torch.float32, cpu)
+    assert reasons == ["bidirectional attention over an image's tokens (Gemma 3 vision) unsupported"]
+    for name in ("torch", "torch_sdpa"):
+        assert (
+            refusal_reasons(registries.attention_backends().get(name), [layer], "standard", "auto", torch.float32, cpu)
+            == []
+        )
+
+
 def test_chunked_attention_mask_differs_from_plain_causal():
     """The chunked cases' oracle really masks: the same inputs without the chunk rule differ."""
     from framework.testing import dense_attention

@@ -47,6 +47,8 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True  # no host reads or syncs in forward; grids come from host ints
     supports_sinks = True
     supports_chunked_attention = True
+    #: the prefill kernel's per-token key end; a one-token query never sees past itself
+    supports_bidirectional_spans = True
 
     def __init__(self, num_sms: int | None = None) -> None:
         self.num_sms = num_sms
@@ -147,6 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.block_table,
                 num_reqs=metadata.num_reqs,
                 max_query_len=metadata.max_query_len,
+                span_ends=metadata.span_ends,
                 **common,
             )
         return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)
@@ -234,6 +237,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.block_table,
                 num_reqs=metadata.num_reqs,
                 max_query_len=metadata.max_query_len,
+                span_ends=metadata.span_ends,
                 **common,
             )
         return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)

@@ -13,7 +13,7 @@ were cached before this step), so query token ``j`` is at absolute position ``co
 
     positions  0 ............ context-1 | context ........ seq_len-1
                cached prefix            | this step's queries (their K/V already stored)
-    keys seen by query j:  max(0, pos_j - window + 1) .. pos_j
+    keys seen by query j:  max(0, pos_j - window + 1) .. pos_j      (.. span_end_j - 1 in a bidirectional span)
 
 The program walks KV tiles of ``BLOCK_N`` positions from the window start of its first query to
 its last query, looking up each position's page in the block table, with an online softmax.
@@ -40,6 +40,7 @@ def _prefill_attention_kernel(
     seq_lens_ptr,
     block_table_ptr,
     sinks_ptr,
+    span_ends_ptr,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -68,6 +69,7 @@ def _prefill_attention_kernel(
     USE_CHUNK: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_SPANS: tl.constexpr,
     FP32: tl.constexpr,
     KEY_FORMAT: tl.constexpr,
     VALUE_FORMAT: tl.constexpr,
@@ -101,8 +103,11 @@ def _prefill_attention_kernel(
     elif KEY_FORMAT == 0:
         q = q.to(cache_ptr.dtype.element_ty)  # a quantized cache's tiles are dequantized to q's dtype
     q_pos = context_len + q_tok
-
+    key_end = q_pos + 1  # one past each row's last key
     kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # one past the last query's position
+    if USE_SPANS:  # a row inside a bidirectional span sees up to the span's end (within this step)
+        key_end = tl.load(span_ends_ptr + token, mask=row_mask, other=0)
+        kv_end = tl.maximum(kv_end, tl.max(key_end, axis=0))
     kv_start = 0
     if USE_WINDOW:
         first_pos = context_len + q_block * BLOCK_Q
@@ -145,7 +150,7 @@ def _prefill_attention_kernel(
             KEY_BYTES,
             VALUE_BYTES,
         )
-        allowed = (kv_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
+        allowed = (kv_pos[None, :] < key_end[:, None]) & kv_mask[None, :]
         if USE_WINDOW:
             allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
         if USE_CHUNK:
@@ -188,13 +193,16 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    span_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[T, H, D]`` (requests' new tokens, contiguous per request) over the cache.
 
     ``max_query_len`` (a host int) sizes the grid, so nothing syncs with the device. A quantized
     :class:`~framework.kv_cache.KVCache` is read from its packed rows, as in ``decode_attention``.
     ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``). ``chunk_size``:
-    chunked local attention, keys of the query's own chunk only (Llama 4).
+    chunked local attention, keys of the query's own chunk only (Llama 4). ``span_ends`` ``[T]``
+    int32: bidirectional spans, each token's keys end there instead of at its own position
+    (``AttentionMetadata.span_ends``; a span lies within its request's step).
     """
     num_tokens, num_heads, head_size = query.shape
     cache = cache_geometry(kv_cache)
@@ -214,6 +222,7 @@ def prefill_attention(
         seq_lens,
         block_table,
         block_table if sinks is None else sinks,
+        block_table if span_ends is None else span_ends,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -237,6 +246,7 @@ def prefill_attention(
         USE_CHUNK=bool(chunk_size),
         USE_SOFT_CAP=bool(soft_cap),
         USE_SINKS=sinks is not None,
+        USE_SPANS=span_ends is not None,
         FP32=INTERPRET or query.dtype == torch.float32,
         **cache.constexprs,
         num_warps=num_warps,

@@ -12,6 +12,7 @@ from framework.platform import Platform
 from framework.specs import AttentionBackendSpec
 from framework.testing import (
     ATTENTION_CASES,
+    BIDIRECTIONAL_SPAN_CASES,
     CHUNKED_ATTENTION_CASES,
     PARITY_PROMPTS,
     check_attention_backend,
@@ -106,6 +107,17 @@ def test_interpreted_kernels_keep_chunked_attention_within_each_chunk():
         dtype=torch.float32,
         atol=1e-4,
         cases=CHUNKED_CPU_CASES,
+    )
+
+
+@interpreted
+def test_interpreted_kernels_let_the_tokens_of_a_bidirectional_span_see_each_other():
+    check_attention_backend(
+        TritonAttentionBackend(num_sms=CPU_NUM_SMS),
+        device="cpu",
+        dtype=torch.float32,
+        atol=1e-4,
+        cases=BIDIRECTIONAL_SPAN_CASES,
     )
 
 
@@ -419,6 +431,13 @@ LONG_DECODE = ("decode_32k_gqa4", [1] * 8, [32767, 20000, 32767, 8191, 32767, 10
 def test_compiled_kernels_add_attention_sinks_on_cuda_bf16():
     check_attention_backend(
         TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=CPU_CASES, with_sinks=True
+    )
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_let_bidirectional_spans_see_each_other_on_cuda_bf16():
+    check_attention_backend(
+        TritonAttentionBackend(), device="cuda", dtype=torch.bfloat16, atol=2e-2, cases=BIDIRECTIONAL_SPAN_CASES
     )
 
 
