@@ -21,7 +21,7 @@ import torch
 from framework.config import EngineConfig
 from framework.engine.kv_cache_manager import KVCacheManager
 from framework.engine.model_runner import LaunchedStep, ModelRunner
-from framework.engine.multimodal_step import attach_images, request_images
+from framework.engine.multimodal_step import attach_images, longest_bidirectional_span, request_images
 from framework.engine.outputs import GRAMMAR_FAILED, OUT_OF_MEMORY, STEP_FAILED, EngineStats, RequestOutput
 from framework.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus
 from framework.engine.sampler import make_generator
@@ -153,9 +153,14 @@ class EngineCore:
                 raise ConfigError(
                     "images are not supported with tensor parallelism yet; serve this model on one device"
                 )
-            attach_images(
-                self.runner.model, request, request_images(self.runner.model, request.prompt_token_ids, images)
-            )
+            placed = request_images(self.runner.model, request.prompt_token_ids, images)
+            longest, budget = longest_bidirectional_span(placed), self.scheduler.config.max_num_batched_tokens
+            if longest > budget:
+                raise ConfigError(
+                    f"an image takes {longest} tokens that one step must compute together; "
+                    f"max_num_batched_tokens is {budget}: raise it to at least {longest}"
+                )
+            attach_images(self.runner.model, request, placed)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.runner.device)
         if params.structured_outputs is not None and not pooling:

@@ -11,8 +11,8 @@ Input preparation for ``R`` requests (request ``r`` computes ``n_r`` tokens from
 
 A request samples when its computed tokens reach ``num_tokens`` (the end of its prompt, or
 its last generated token); requests in the middle of a chunked prompt do not. A vision model's
-steps also get the image embeddings of the image tokens they cover and its M-RoPE positions
-(:class:`~framework.engine.multimodal_step.MultiModalStep`).
+steps also get the image embeddings of the image tokens they cover, its M-RoPE positions and
+the key ends of bidirectional image spans (:class:`~framework.engine.multimodal_step.MultiModalStep`).
 
 Tensor parallelism: on rank 0 ``broadcast`` sends each step's :class:`StepMessage` (the new
 tokens, first position and not yet sent block ids per request, and the hidden rows of every
@@ -273,6 +273,7 @@ class ModelRunner:
         :meth:`execute_message`); tests wrap it to see the logits (:func:`framework.testing.capture_logits`)."""
         input_ids, positions, metadata = self.prepare_inputs(inputs if inputs is not None else self.step_inputs(batch))
         if self.multimodal is not None and self.multimodal.applies(batch):
+            metadata.span_ends = self.multimodal.span_ends(batch)
             positions, embeds = self.multimodal.prepare(batch, input_ids, positions)
             if embeds is not None:
                 return self.run_model(input_ids, positions, metadata, embeds)

@@ -30,6 +30,16 @@ With layout tokens in the span, embedding ``k`` belongs to the span's ``k``-th i
 
 An image is encoded once per request (``Request.image_embeds``): a chunked prefill that splits
 its tokens, a prefix-cache hit that covers part of them, or a preemption reuse the same output.
+
+A model with ``bidirectional_image_attention = True`` (Gemma 3) lets the image tokens of one image
+(its first to its last, ``RequestImage.bidirectional``) attend to each other. Such a span is never
+split across steps (:func:`whole_span_tokens`: a chunk ends before the span, or runs to its end),
+so the step that computes any of its tokens holds all the later ones, and the step's
+``AttentionMetadata.span_ends`` (:meth:`MultiModalStep.span_ends`) widens their keys to the span's end::
+
+    request tokens   [ t t <boi> i i i i <eoi> t ]      bidirectional span 3..7
+    chunk of 5       [ t t <boi> ) [ i i i i <eoi> t ... ]      not [ t t <boi> i i ) [ i i ...
+    span_ends        1 2 3         7 7 7 7 8 9
 """
 
 from __future__ import annotations
@@ -62,6 +72,8 @@ class RequestImage:
     length: int
     image_hash: int
     embed_positions: np.ndarray | None = None
+    #: request positions ``(first, end)`` of the image tokens that attend to each other, or None (causal)
+    bidirectional: tuple[int, int] | None = None
 
     def covered(self, start: int, end: int) -> tuple[np.ndarray, slice] | None:
         """The request rows ``start:end`` that hold this image's embeddings (request positions),
@@ -117,7 +129,15 @@ def request_images(model: nn.Module, prompt_token_ids: list[int], inputs: list[I
         pixels = torch.from_numpy(item.array().copy())
         is_image = np.asarray(span) == model.image_token_id
         positions = None if is_image.all() else np.flatnonzero(is_image)
-        images.append(RequestImage(pixels, list(item.grid), item.offset, item.length, hasher.intdigest(), positions))
+        bidirectional = None
+        if getattr(model, "bidirectional_image_attention", False):
+            first, last = (0, item.length - 1) if positions is None else (int(positions[0]), int(positions[-1]))
+            bidirectional = (item.offset + first, item.offset + last + 1)
+        images.append(
+            RequestImage(
+                pixels, list(item.grid), item.offset, item.length, hasher.intdigest(), positions, bidirectional
+            )
+        )
         previous_end = end
     return images
 
@@ -128,6 +148,28 @@ def attach_images(model: nn.Module, request: Request, images: list[RequestImage]
     if hasattr(model, "rope_positions"):
         spans = [(image.offset, image.length, image.grid) for image in images]
         request.rope_positions, request.rope_delta = model.rope_positions(request.num_prompt_tokens, spans)
+
+
+def longest_bidirectional_span(images: list[RequestImage]) -> int:
+    """The most tokens of one bidirectional span among ``images`` (0: none); a step must hold it whole."""
+    return max((image.bidirectional[1] - image.bidirectional[0] for image in images if image.bidirectional), default=0)
+
+
+def whole_span_tokens(request: Request, num_new: int, budget: int) -> int:
+    """``num_new`` tokens from ``request.num_computed_tokens`` adjusted so the step splits no
+    bidirectional span: cut back to a span's start, or, for a step that starts at or inside one,
+    run to its end (past the prefill chunk size, within ``budget``; 0 when the budget is short)."""
+    start = request.num_computed_tokens
+    end = start + num_new
+    for image in request.images:
+        if image.bidirectional is None:
+            continue
+        first, last = image.bidirectional
+        if first < end < last:
+            if first > start:
+                return first - start
+            return last - start if last - start <= budget else 0
+    return num_new
 
 
 def image_keys(request: Request, start: int, end: int) -> tuple[int, ...]:
@@ -148,6 +190,26 @@ class MultiModalStep:
 
     def applies(self, batch: ScheduledBatch) -> bool:
         return any(request.images or request.rope_delta for request in batch.requests)
+
+    def span_ends(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """The step's ``AttentionMetadata.span_ends`` (``[T]`` int32 on the device), or None when it
+        computes no token of a bidirectional span."""
+        ends, touched = [], False
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            own = np.arange(start + 1, end + 1, dtype=np.int32)
+            for image in request.images:
+                if image.bidirectional is None:
+                    continue
+                first, last = image.bidirectional
+                if first < end and last > start:
+                    assert last <= end, "a bidirectional span was split across steps"
+                    own[max(first, start) - start : last - start] = last
+                    touched = True
+            ends.append(own)
+        if not touched:
+            return None
+        return to_device(torch.from_numpy(np.concatenate(ends)), self.device)
 
     def prepare(
         self, batch: ScheduledBatch, input_ids: torch.Tensor, positions: torch.Tensor

@@ -4,7 +4,8 @@ There is no prefill or decode phase: each step, every running request gets the t
 needs (``num_tokens - num_computed_tokens``), capped by the prefill chunk size and the step's
 token budget; then waiting requests are admitted while budget, sequence slots and blocks last.
 When a running request cannot get a block, the newest running request is preempted (its blocks
-freed, to be recomputed later — usually from the prefix cache).
+freed, to be recomputed later — usually from the prefix cache). A bidirectional image span
+(Gemma 3) is never split across steps (:func:`~framework.engine.multimodal_step.whole_span_tokens`).
 
 Hybrid models (linear-attention layers beside paged attention) also give each running request a
 state slot (:class:`~framework.engine.state_cache.StateSlotManager`): taken on admission, given
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from framework.config import SchedulerConfig
 from framework.engine.kv_cache_manager import KVCacheManager
+from framework.engine.multimodal_step import whole_span_tokens
 from framework.engine.request import FinishReason, Request, RequestStatus
 from framework.engine.state_cache import StateSlotManager
 
@@ -59,7 +61,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _tokens_wanted(self, request: Request, budget: int) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, budget)
+        num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, budget)
+        return whole_span_tokens(request, num_new, budget) if request.images else num_new
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's batch and allocate its blocks."""
@@ -72,6 +75,9 @@ class Scheduler:
                 index += 1  # its last token is in flight (async scheduling): nothing more to compute
                 continue
             num_new = self._tokens_wanted(request, budget)
+            if num_new == 0:
+                index += 1  # a bidirectional image span that this step's budget cannot hold whole
+                continue
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -97,7 +103,7 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = request.num_computed_tokens
             num_new = self._tokens_wanted(request, budget)
-            if not self.kv_cache.allocate(request, num_new):
+            if num_new == 0 or not self.kv_cache.allocate(request, num_new):
                 break  # keep FCFS order: the head waits for blocks, cached blocks stay attached
             self.waiting.popleft()
             if self.state_slots is not None:
