@@ -101,6 +101,7 @@ from framework.testing.vision import (
     write_tiny_qwen3_vl,
     write_vision_checkpoint,
 )
+from framework.testing.vision_gemma3 import GEMMA3_SPECIALS, write_tiny_gemma3
 from framework.testing.vision_llama4 import LLAMA4_SPECIALS, write_tiny_llama4
 
 #: everything here, importable as ``framework.testing.NAME`` (the fixtures are also seen by pytest here)
@@ -154,6 +155,7 @@ __all__ = [
     "IMAGE_TOKEN",
     "IMAGE_TOKEN_ID",
     "LLAMA4_SPECIALS",
+    "GEMMA3_SPECIALS",
     "MISTRAL3_SPECIALS",
     "TINY_PREPROCESSOR",
     "VISION_CHAT_TEMPLATE",
@@ -162,6 +164,7 @@ __all__ = [
     "random_image",
     "write_tiny_qwen2_5_vl",
     "write_tiny_llama4",
+    "write_tiny_gemma3",
     "write_tiny_mistral3",
     "write_tiny_qwen3_5_vl",
     "write_tiny_qwen3_vl",

@@ -1,9 +1,10 @@
 """Tiny vision-language checkpoints and images for tests (no download): a random Qwen2.5-VL,
-Qwen3-VL (dense or MoE), Qwen3.5 (dense or MoE), Mistral 3 or Llama 4 with a word-level tokenizer,
-a chat template of the family's shape and a ``preprocessor_config.json``.
+Qwen3-VL (dense or MoE), Qwen3.5 (dense or MoE), Mistral 3, Llama 4 or Gemma 3 with a word-level
+tokenizer, a chat template of the family's shape and a ``preprocessor_config.json``.
 
 The tokenizer's ids: ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and the specials of :data:`VISION_SPECIALS`
-(Mistral 3: of :data:`MISTRAL3_SPECIALS`; Llama 4: :mod:`framework.testing.vision_llama4`'s).
+(Mistral 3: of :data:`MISTRAL3_SPECIALS`; Llama 4 and Gemma 3: those of
+:mod:`framework.testing.vision_llama4` and :mod:`framework.testing.vision_gemma3`).
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ GEMMA4_ARCHITECTURES = {
     "Gemma4ForCausalLM": "Gemma 4 text: per-layer inputs, shared KV layers, proportional RoPE on global layers, GeGLU-experts MoE",
 }
 
-#: Multimodal checkpoints whose text model is served (images are not yet).
+#: Gemma 3 with images (``gemma3_vl.py``): the SigLIP tower, its projector and the Gemma 3 decoder.
 MULTIMODAL_ARCHITECTURES = {
-    "Gemma3ForConditionalGeneration": "Gemma 3 4B / 12B / 27B: the text model (vision tower skipped at load)",
+    "Gemma3ForConditionalGeneration": "Gemma 3 4B / 12B / 27B (image input: SigLIP tower, avg-pooled projector, "
+    "bidirectional attention among an image's tokens; no pan-and-scan)",
 }
 #: Gemma 4 multimodal checkpoints: the text model of ``gemma4.py`` (vision / audio towers skipped).
 GEMMA4_MULTIMODAL_ARCHITECTURES = {
@@ -61,7 +62,7 @@ def register_model_architectures():
         + [
             ModelSpec(
                 name=name,
-                impl="fw_gemma.multimodal:Gemma3ForConditionalGeneration",
+                impl="fw_gemma.gemma3_vl:Gemma3ForConditionalGeneration",
                 description=description,
                 supports_tensor_parallel=True,
                 config_defaults=GEMMA3_TEXT_DEFAULTS,

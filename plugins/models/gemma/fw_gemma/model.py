@@ -40,7 +40,7 @@ GENERATIONS = {
     "GemmaForCausalLM": 1,
     "Gemma2ForCausalLM": 2,
     "Gemma3ForCausalLM": 3,
-    "Gemma3ForConditionalGeneration": 3,  # its text model (``multimodal.py``)
+    "Gemma3ForConditionalGeneration": 3,  # its decoder (``gemma3_vl.py``)
 }
 SLIDING, FULL = "sliding_attention", "full_attention"
 TANH_GELUS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -94,6 +94,7 @@ class GemmaAttention(nn.Module):
         layer_type: str,
         quant_config: QuantConfig | None,
         prefix: str,
+        has_bidirectional_spans: bool = False,
     ) -> None:
         super().__init__()
         hidden, head_size = config.hidden_size, config.head_size
@@ -128,6 +129,7 @@ class GemmaAttention(nn.Module):
             float(scalar or head_size) ** -0.5,
             sliding_window=window,
             logits_soft_cap=soft_cap,
+            has_bidirectional_spans=has_bidirectional_spans,
             quant_config=quant_config,
             prefix=f"{prefix}.attn",
         )
@@ -174,11 +176,12 @@ class GemmaDecoderLayer(nn.Module):
         layer_type: str,
         quant_config: QuantConfig | None,
         prefix: str,
+        has_bidirectional_spans: bool = False,
     ) -> None:
         super().__init__()
         eps, hidden = float(config.get("rms_norm_eps", 1e-6)), config.hidden_size
         self.self_attn = GemmaAttention(
-            config, generation, layer_index, layer_type, quant_config, f"{prefix}.self_attn"
+            config, generation, layer_index, layer_type, quant_config, f"{prefix}.self_attn", has_bidirectional_spans
         )
         self.mlp = GemmaMLP(config, generation, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(hidden, eps, offset=1.0)
@@ -199,7 +202,16 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(DecoderStack):
-    def __init__(self, config: ModelConfig, generation: int, quant_config: QuantConfig | None, prefix: str) -> None:
+    """``has_bidirectional_spans``: the attention layers take a step's bidirectional spans (Gemma 3's images)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        generation: int,
+        quant_config: QuantConfig | None,
+        prefix: str,
+        has_bidirectional_spans: bool = False,
+    ) -> None:
         super().__init__()
         if config.get("use_bidirectional_attention"):
             raise ValueError(
@@ -212,7 +224,9 @@ class GemmaModel(DecoderStack):
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, device="cpu").to(torch.get_default_dtype()))
         types = layer_types(config, generation)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, generation, i, types[i], quant_config, f"{prefix}.layers.{i}")
+            GemmaDecoderLayer(
+                config, generation, i, types[i], quant_config, f"{prefix}.layers.{i}", has_bidirectional_spans
+            )
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, float(config.get("rms_norm_eps", 1e-6)), offset=1.0)
@@ -224,11 +238,14 @@ class GemmaModel(DecoderStack):
 class GemmaForCausalLM(CausalLM):
     """``forward(input_ids, positions) -> hidden``; ``compute_logits(hidden) -> logits``."""
 
+    #: the image tokens of one image attend to each other (a vision subclass sets it)
+    bidirectional_image_attention = False
+
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.config = config
         generation = gemma_generation(config)
-        self.model = GemmaModel(config, generation, quant_config, "model")
+        self.model = GemmaModel(config, generation, quant_config, "model", self.bidirectional_image_attention)
         self.init_lm_head(config, quant_config, tie_by_default=True)  # every released Gemma ties them
         self.final_logit_softcapping = config.get("final_logit_softcapping") if generation >= 2 else None
 

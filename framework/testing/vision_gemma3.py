@@ -1,0 +1,95 @@
+"""A tiny random Gemma 3 with images for tests (no download), written as
+:mod:`framework.testing.vision` writes the other vision-language models: the word-level tokenizer's
+ids are ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and :data:`GEMMA3_SPECIALS`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from framework.testing.vision import IMAGE_TOKEN_ID, write_vision_checkpoint
+
+#: Gemma 3's turn markers, image begin / end and image (soft) token; its template writes ``<start_of_image>``
+GEMMA3_SPECIALS = {
+    "<start_of_turn>": 290,
+    "<end_of_turn>": 291,
+    "<start_of_image>": 292,
+    "<end_of_image>": 293,
+    "<image_soft_token>": IMAGE_TOKEN_ID,
+}
+_GEMMA3_CHAT_TEMPLATE = (
+    "<s> {% for m in messages %}<start_of_turn> {% if m.content is string %}{{ m.content }} {% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<start_of_image> {% else %}{{ p.text }} {% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn> {% endif %}"
+)
+#: 56-pixel images: 8 x 8 patches of 7 pixels, pooled 2 x 2 into 16 image tokens
+_TINY_GEMMA3_PREPROCESSOR = {
+    "size": {"height": 56, "width": 56},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "resample": 2,
+    "rescale_factor": 1 / 255,
+    "do_resize": True,
+    "do_rescale": True,
+    "do_normalize": True,
+    "do_convert_rgb": None,
+    "do_pan_and_scan": None,
+}
+
+
+def write_tiny_gemma3(path, seed: int = 0):
+    """A random Gemma 3 with images (text: hidden 64, 2 layers, head_dim 16, a sliding layer of
+    window 6 then a global one; vision: SigLIP hidden 32, 2 blocks, 56-pixel images of 7-pixel
+    patches; 16 image tokens per image, so each image's span is 18 tokens) written to ``path``.
+    Returns the transformers model (fp32, eval, norms and the projection randomised)."""
+    import torch
+    import transformers
+
+    from framework.testing.model_writers import randomise_identity_params
+
+    path = Path(path)
+    config = transformers.Gemma3Config(
+        text_config=dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            query_pre_attn_scalar=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=7,
+            vision_use_head=False,
+        ),
+        mm_tokens_per_image=16,
+        image_token_index=IMAGE_TOKEN_ID,
+        boi_token_index=GEMMA3_SPECIALS["<start_of_image>"],
+        eoi_token_index=GEMMA3_SPECIALS["<end_of_image>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    randomise_identity_params(model)
+    with torch.no_grad():  # initialised to zeros; scaled so image embeddings weigh like token embeddings
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
+        for layer in model.model.vision_tower.encoder.layers:  # sharper attention among patches
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    specials = {k: v for k, v in GEMMA3_SPECIALS.items() if k != "<image_soft_token>"}
+    image_token = ("<image_soft_token>", IMAGE_TOKEN_ID)
+    write_vision_checkpoint(
+        path, model, _TINY_GEMMA3_PREPROCESSOR, specials, image_token, _GEMMA3_CHAT_TEMPLATE, "Gemma3ImageProcessor"
+    )
+    return model
