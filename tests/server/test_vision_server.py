@@ -1,9 +1,9 @@
 """Images through the HTTP API: a real ``fw serve`` of the tiny random Qwen2.5-VL (and of the hybrid
-Qwen3.5, and of Llama 4) answers the openai client's ``image_url`` parts with transformers' greedy
-ids, Qwen3-VL's parts reach the engine in its own patches, Mistral 3's with their ``[IMG_BREAK]`` /
-``[IMG_END]`` spans, Llama 4's as tiles with their tile-separated spans, and every bad image is a
-400 naming its content part before anything reaches the engine (the app with a stand-in engine
-client)."""
+Qwen3.5, of Llama 4 and of Gemma 3, whose image tokens attend to each other) answers the openai
+client's ``image_url`` parts with transformers' greedy ids, Qwen3-VL's parts reach the engine in its
+own patches, Mistral 3's with their ``[IMG_BREAK]`` / ``[IMG_END]`` spans, Llama 4's as tiles with
+their tile-separated spans, and every bad image is a 400 naming its content part before anything
+reaches the engine (the app with a stand-in engine client)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from framework.server.state import ServerConfig
 from framework.testing import (
     data_url,
     random_image,
+    write_tiny_gemma3,
     write_tiny_llama4,
     write_tiny_mistral3,
     write_tiny_qwen2_5_vl,
@@ -32,6 +33,7 @@ from framework.testing import (
     write_tiny_qwen3_vl,
 )
 from framework.testing.vision import IMAGE_TOKEN_ID, MISTRAL3_SPECIALS
+from framework.testing.vision_gemma3 import GEMMA3_SPECIALS
 from framework.testing.vision_llama4 import LLAMA4_SPECIALS
 from framework.tokenizer import Tokenizer
 
@@ -123,6 +125,38 @@ def check_served_images_get_transformers_greedy_ids(path, reference, vision_spec
     assert any("images     up to 8 per prompt (Qwen2VLImageProcessor)" in line for line in server.lines)
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == tokenizer.decode(expected) == streamed
+
+
+def test_openai_client_gemma3_images_get_transformers_greedy_ids(tmp_path, serve_on_free_port):
+    reference = write_tiny_gemma3(tmp_path)
+    spec, tokenizer = spec_of(tmp_path), Tokenizer.from_directory(tmp_path)
+    messages = chat_messages(*IMAGES)
+    processor = load_processor(spec)
+    prompt_ids, inputs = vision_prompt(
+        messages, spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
+    )
+    boi, eoi = GEMMA3_SPECIALS["<start_of_image>"], GEMMA3_SPECIALS["<end_of_image>"]
+    assert [prompt_ids[i.offset : i.offset + i.length] for i in inputs] == [[boi] + [IMAGE_TOKEN_ID] * 16 + [eoi]] * 2
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        expected = reference.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.from_numpy(np.stack([processor.preprocess(image).pixel_values for image in IMAGES])),
+            token_type_ids=(ids == IMAGE_TOKEN_ID).long(),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=-1,
+        )[0, len(prompt_ids) :].tolist()
+    args = ["--m", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
+    with serve_on_free_port(args) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(
+            model=str(tmp_path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+    assert any("(Gemma3ImageProcessor)" in line for line in server.lines)
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.choices[0].message.content == tokenizer.decode(expected)
 
 
 @pytest.fixture
