@@ -123,7 +123,7 @@ def test_quantized_cache_kernels_compile_for_hopper():
     prefill = [
         HopperCompile(
             "fw_triton_attention.prefill:_prefill_attention_kernel",
-            {**quantized, "cu_seqlens_q_ptr": "*i32"},
+            {**quantized, "cu_seqlens_q_ptr": "*i32", "span_ends_ptr": "*i32"},
             dict(
                 GROUP=4,
                 GROUP_P2=4,
@@ -135,6 +135,7 @@ def test_quantized_cache_kernels_compile_for_hopper():
                 USE_CHUNK=False,
                 USE_SOFT_CAP=False,
                 USE_SINKS=False,
+                USE_SPANS=False,
                 FP32=False,
                 KEY_FORMAT=key,
                 VALUE_FORMAT=value,
@@ -180,7 +181,7 @@ def test_quantized_cache_kernels_compile_for_hopper():
 def test_kernels_with_attention_sinks_compile_for_hopper():
     """gpt-oss's shapes (8 query heads per KV head, head 64): the sink in the unsplit decode, the
     split decode's reduce and the prefill, where it seeds the running softmax; with a window and
-    a chunk bound (Llama 4) on the keys, so those branches compile too."""
+    a chunk bound (Llama 4) and bidirectional spans (Gemma 3) on the keys, so those branches compile too."""
     decode = dict(
         BLOCK_H=16,
         BLOCK_N=64,
@@ -217,6 +218,7 @@ def test_kernels_with_attention_sinks_compile_for_hopper():
         "seq_lens_ptr": "*i32",
         "block_table_ptr": "*i32",
         "sinks_ptr": "*bf16",
+        "span_ends_ptr": "*i32",
         "scales_ptr": "*u8",
     }
     cases.append(
@@ -234,6 +236,7 @@ def test_kernels_with_attention_sinks_compile_for_hopper():
                 USE_CHUNK=True,
                 USE_SOFT_CAP=False,
                 USE_SINKS=True,
+                USE_SPANS=True,  # Gemma 3's bidirectional image spans widen the keys too
                 FP32=False,
                 **MODEL_DTYPE_CACHE,
             ),
