@@ -37,9 +37,10 @@ split across steps (:func:`whole_span_tokens`: a chunk ends before the span, or 
 so the step that computes any of its tokens holds all the later ones, and the step's
 ``AttentionMetadata.span_ends`` (:meth:`MultiModalStep.span_ends`) widens their keys to the span's end::
 
-    request tokens   [ t t <boi> i i i i <eoi> t ]      bidirectional span 3..7
-    chunk of 5       [ t t <boi> ) [ i i i i <eoi> t ... ]      not [ t t <boi> i i ) [ i i ...
-    span_ends        1 2 3         7 7 7 7 8 9
+    positions        0 1 2     3 4 5 6 7     8         bidirectional span 3..6 (first, end 7)
+    request tokens   t t <boi> i i i i <eoi> t
+    chunks of 5      [t t <boi>) [i i i i <eoi>) [t ...     not [t t <boi> i i) [i i ...
+    span_ends        1 2 3       7 7 7 7 8       9
 """
 
 from __future__ import annotations
