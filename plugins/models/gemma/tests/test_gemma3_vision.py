@@ -85,15 +85,17 @@ def engine_logits(logits, request_id, positions):
     return torch.stack([logits[(request_id, position)] for position in positions])
 
 
-def record_steps(llm):
-    """Every scheduled ``(request id, first position, tokens)``, in order."""
+def record_steps(llm, numbered=False):
+    """Every scheduled ``(request id, first position, tokens)`` (``numbered``: with its step's
+    index first), in order."""
     scheduler = llm.engine.core.scheduler
-    schedule, steps = scheduler.schedule, []
+    schedule, steps, count = scheduler.schedule, [], iter(range(10**6))
 
     def recording():
-        batch = schedule()
+        batch, index = schedule(), next(count)
         steps.extend(
-            (r.request_id, r.num_computed_tokens, n) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+            (index,) * numbered + (r.request_id, r.num_computed_tokens, n)
+            for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
         )
         return batch
 
@@ -148,6 +150,27 @@ def test_two_images_in_prefill_chunks_of_8_match_transformers_and_no_chunk_split
     with torch.no_grad():  # the mask matters: a causal one gives other logits
         causal = reference(**{**reference_inputs(processor, sequence, images), "token_type_ids": None}).logits[0]
     assert (causal - expected).abs().amax() > 1e-2
+
+
+def test_an_image_the_budget_cannot_hold_whole_waits_and_both_requests_match_transformers(tiny, processor):
+    path, reference = tiny
+    llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8, max_num_batched_tokens=18)
+    steps = record_steps(llm, numbered=True)
+    images = [random_image(84, 56, 1), random_image(40, 120, 2)]
+    results = llm.chat([conversation(*images), conversation(images[1], text="t9")], GREEDY)
+    second = [(index, start, n) for index, request, start, n in steps if request == "1-0"]
+    # steps 1-4 leave less than 16 of the budget beside the first request's chunks (16, 3, 16, 4
+    # tokens): the second's image waits, running, until step 5's decode leaves it 17
+    assert second[:2] == [(0, 0, 4), (5, 4, 16)]
+    assert [(i, start, n) for i, request, start, n in steps if request == "0-0" and 1 <= i <= 5] == [
+        (1, 5, 16),
+        (2, 21, 3),
+        (3, 24, 16),
+        (4, 40, 4),
+        (5, 44, 1),
+    ]
+    for result, used in zip(results, (images, images[1:]), strict=True):
+        assert result.outputs[0].token_ids == reference_greedy(reference, processor, result.prompt_token_ids, used)
 
 
 def test_a_prefix_hit_inside_an_image_continues_to_its_end_and_matches_transformers(tiny, processor):
