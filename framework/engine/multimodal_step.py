@@ -194,23 +194,24 @@ class MultiModalStep:
 
     def span_ends(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The step's ``AttentionMetadata.span_ends`` (``[T]`` int32 on the device), or None when it
-        computes no token of a bidirectional span."""
-        ends, touched = [], False
+        computes no token of a bidirectional span (every decode step: no array is built then)."""
+        touched, row = [], 0  # (row of the span's first computed token, its first and end positions)
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-            own = np.arange(start + 1, end + 1, dtype=np.int32)
             for image in request.images:
-                if image.bidirectional is None:
-                    continue
-                first, last = image.bidirectional
-                if first < end and last > start:
+                if image.bidirectional is not None and image.bidirectional[0] < end and image.bidirectional[1] > start:
+                    first, last = image.bidirectional
                     assert last <= end, "a bidirectional span was split across steps"
-                    own[max(first, start) - start : last - start] = last
-                    touched = True
-            ends.append(own)
+                    touched.append((row + max(first, start) - start, max(first, start), last))
+            row += num_new
         if not touched:
             return None
-        return to_device(torch.from_numpy(np.concatenate(ends)), self.device)
+        starts = np.repeat([r.num_computed_tokens for r in batch.requests], batch.num_new_tokens)
+        offsets = np.arange(row) - np.repeat(np.cumsum([0, *batch.num_new_tokens[:-1]]), batch.num_new_tokens)
+        ends = (starts + offsets + 1).astype(np.int32)  # causal: own position + 1
+        for at, first, last in touched:
+            ends[at : at + last - first] = last
+        return to_device(torch.from_numpy(ends), self.device)
 
     def prepare(
         self, batch: ScheduledBatch, input_ids: torch.Tensor, positions: torch.Tensor
