@@ -106,3 +106,26 @@ def test_request_image_rows_skip_layout_tokens():
     whole = RequestImage(torch.zeros(1), [1, 2, 2], 10, 4, 0)
     at, rows = whole.covered(12, 30)
     assert at.tolist() == [12, 13] and (rows.start, rows.stop) == (2, 4)
+
+
+def test_a_step_never_ends_inside_a_bidirectional_span():
+    """Gemma 3's image tokens 5..20: a chunk stops before them, or runs through them (past the
+    chunk size, within the budget; none when the budget is short); causal images are cut anywhere."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from framework.engine.multimodal_step import RequestImage, whole_span_tokens
+
+    image = RequestImage(torch.zeros(1), [8, 8], 4, 18, 0, np.arange(1, 17), bidirectional=(5, 21))
+
+    def wanted(start, num_new, budget=64, images=(image,)):
+        return whole_span_tokens(SimpleNamespace(num_computed_tokens=start, images=list(images)), num_new, budget)
+
+    assert wanted(0, 8) == 5  # stops before the span
+    assert wanted(0, 5) == 5 and wanted(0, 3) == 3  # ends at or before its start: unchanged
+    assert wanted(5, 8) == 16 and wanted(12, 4) == 9  # from its start, or a prefix hit inside it, to its end
+    assert wanted(5, 8, budget=15) == 0  # the budget cannot hold it whole: wait
+    assert wanted(0, 30) == 30 and wanted(21, 8) == 8  # past it: unchanged
+    causal = RequestImage(torch.zeros(1), [8, 8], 4, 18, 0)
+    assert wanted(0, 8, images=(causal,)) == 8
