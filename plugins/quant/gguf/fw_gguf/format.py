@@ -21,6 +21,7 @@ from .config import (
     unpermute_qk,
 )
 from .dequant import UnsupportedQuantTypeError, as_quant_type
+from .gemma4 import GEMMA4_ARCHITECTURES, complete_gemma4_config, gemma4_tensor_types, split_gate_up
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, kv_b_from_split, loads_as_float
 from .hybrid import HYBRID_ARCHITECTURES, HybridLayout, fuse_qkvz, norm_is_shifted, to_hf_layout
 from .lazy import GGUFTensorSlice
@@ -53,6 +54,8 @@ class GGUFFormat(WeightFormat):
             self._config = hf_config_from_gguf(self.metadata, self.model.tensors.keys())
             self._names = tensor_name_map(self.arch, int(self._config["num_hidden_layers"]))
             self._add_longrope_factors()
+            if self.arch in GEMMA4_ARCHITECTURES:
+                complete_gemma4_config(self._config, self.model.tensors)
             self._hybrid = HybridLayout(self.arch, self._config) if self.arch in HYBRID_ARCHITECTURES else None
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{self.files[0]}: cannot build a model config from its metadata: {exc}") from None
@@ -121,6 +124,8 @@ class GGUFFormat(WeightFormat):
             hf_name = self._names.get(name)
             if hf_name and (self._is_matrix(hf_name, info) or len(info.shape) == 3 and ".experts." in hf_name):
                 types[hf_name] = as_quant_type(info.qtype).name
+        if self.arch in GEMMA4_ARCHITECTURES:
+            types = gemma4_tensor_types(types)
         orders = self._hybrid.input_orders(list(types)) if self._hybrid is not None else {}
         return {"quant_method": "gguf", "tensor_types": types, "input_orders": orders}
 
@@ -148,6 +153,9 @@ class GGUFFormat(WeightFormat):
                 yield hf_name, fuse_qkvz(self._hybrid, *parts)
                 continue
             if len(info.shape) == 3:  # an expert stack
+                if hf_name.endswith(".gate_up_proj.weight"):  # Gemma 4: gate and up in one stack
+                    yield from split_gate_up(hf_name, GGUFTensorSlice(info))
+                    continue
                 yield hf_name, GGUFTensorSlice(info)
                 continue
             tensor = info.data if self._is_matrix(hf_name, info) else info.dequantize(torch.float32)
@@ -171,7 +179,7 @@ class GGUFFormat(WeightFormat):
 
     def num_weights(self) -> int | None:
         return sum(
-            1
+            2 if name.endswith(".ffn_gate_up_exps.weight") else 1
             for name in self.model.tensors
             if name in self._names and ".attn_v_b." not in name and not self._joins_qkvz(self._names[name])
         )
