@@ -56,7 +56,7 @@ def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
     """`{arch}.rope.scaling.*` -> HF `rope_scaling`, or None when the file states no scaling.
 
     llama3-style scaling is not metadata in GGUF but a `rope_freqs.weight` tensor of per-dimension
-    factors; it is left to the model to read that tensor.
+    factors; the weight format rebuilds it from that tensor (``fw_gguf.rope_freqs``).
     """
     p = f"{arch}.rope.scaling."
     kind = md.get(p + "type")

@@ -26,6 +26,7 @@ from .grouped_moe import GROUPED_MOE_ARCHITECTURES, kv_b_from_split, loads_as_fl
 from .hybrid import HYBRID_ARCHITECTURES, HybridLayout, fuse_qkvz, norm_is_shifted, to_hf_layout
 from .lazy import GGUFTensorSlice
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
+from .rope_freqs import llama3_scaling_from_factors
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
 
 
@@ -54,6 +55,7 @@ class GGUFFormat(WeightFormat):
             self._config = hf_config_from_gguf(self.metadata, self.model.tensors.keys())
             self._names = tensor_name_map(self.arch, int(self._config["num_hidden_layers"]))
             self._add_longrope_factors()
+            self._add_llama3_factors()
             if self.arch in GEMMA4_ARCHITECTURES:
                 complete_gemma4_config(self._config, self.model.tensors)
             self._hybrid = HybridLayout(self.arch, self._config) if self.arch in HYBRID_ARCHITECTURES else None
@@ -83,6 +85,17 @@ class GGUFFormat(WeightFormat):
         if (original := self.metadata.get(f"{self.arch}.rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = original
         self._config["rope_scaling"] = scaling
+
+    def _add_llama3_factors(self) -> None:
+        """Llama 3.1+ and Llama 4: llama.cpp keeps `llama3` RoPE scaling as ``rope_freqs`` factors."""
+        freqs = self.model.tensors.get("rope_freqs.weight")
+        if freqs is None or self.arch not in ("llama", "llama4"):
+            return
+        rotary_dim = self.metadata.get(f"{self.arch}.rope.dimension_count") or self._config["head_dim"]
+        factors = freqs.dequantize(torch.float32).tolist()
+        scaling = llama3_scaling_from_factors(factors, self._config["rope_theta"], rotary_dim)
+        if scaling is not None:
+            self._config["rope_scaling"] = scaling
 
     def hf_config(self) -> dict[str, Any]:
         return dict(self._config)

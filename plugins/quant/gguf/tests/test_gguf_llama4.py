@@ -11,6 +11,7 @@ transformers'; a Q8_0 file gives the greedy ids of transformers holding the file
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -48,6 +49,15 @@ CONFIG = dict(
     attention_chunk_size=8192,
     floor_scale=8192,
     attn_scale=0.1,
+    # Scout's llama3 RoPE scaling (low == high), stored by the converter as rope_freqs factors
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 1.0,
+        "original_max_position_embeddings": 64,
+    },
 )
 _GLOBAL = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
 _LAYER = {
@@ -67,9 +77,17 @@ _LAYER = {
 }
 
 
+def rope_freqs(config) -> torch.Tensor:
+    """The converter's ``rope_freqs`` for a llama3 scaling whose ``low_freq_factor == high_freq_factor``:
+    1 for the pairs of wavelength below ``original_max_position_embeddings``, ``factor`` above."""
+    params, dim = config.rope_parameters, config.head_dim
+    wavelengths = 2 * math.pi * params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    return torch.where(wavelengths < params["original_max_position_embeddings"], 1.0, params["factor"]).float()
+
+
 def gguf_tensors(model) -> dict[str, torch.Tensor]:
     """transformers' state dict under llama.cpp's names and layouts (its ``Llama4Model`` converter)."""
-    tensors = {}
+    tensors = {"rope_freqs.weight": rope_freqs(model.config)}
     for name, tensor in model.state_dict().items():
         if name in _GLOBAL:
             tensors[f"{_GLOBAL[name]}.weight"] = tensor
@@ -151,6 +169,8 @@ def test_f32_gguf_gives_the_logits_of_transformers(reference, tmp_path):
     assert [layer.self_attn.rotary_emb is not None for layer in layers] == [True, True, True, False]
     assert {layer.self_attn.attn.config.attention_chunk_size for layer in layers[:3]} == {8192}
     assert all(layer.self_attn.use_qk_norm for layer in layers[:3])
+    assert set(rope_freqs(reference.config).tolist()) == {1.0, 16.0}  # both kinds of pairs in the file
+    assert layers[0].self_attn.rotary_emb.factor == 16.0
 
 
 #: What the Q8_0 file quantizes: experts, shared expert, router, dense MLP and attention output.
