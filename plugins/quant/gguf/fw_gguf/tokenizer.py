@@ -32,6 +32,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's (o200k) split, which Llama 4's tokenizer.json uses (llama.cpp: pre "llama4" / "gpt-4o")
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 # `tokenizer.ggml.pre` -> split regex applied before the byte-level mapping. Absent values
 # (gpt2, smollm, default, ...) use ByteLevel's own GPT-2 regex. SmolLM's vocabulary has no merge
 # touching a digit, so llama.cpp's per-digit split for `smollm` gives the same ids.
@@ -45,6 +52,8 @@ PRE_TOKENIZER_SPLITS = {
     "stablelm2": _QWEN2_SPLIT,
     "glm4": _LLAMA3_SPLIT,  # llama.cpp's CHATGLM4 pre-tokenizer: the Llama 3 regex
     "chatglm-bpe": _LLAMA3_SPLIT,
+    "gpt-4o": _GPT4O_SPLIT,
+    "llama4": _GPT4O_SPLIT,
 }
 
 

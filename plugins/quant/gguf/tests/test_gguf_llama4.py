@@ -226,3 +226,31 @@ class _KeyRecorder:
         self.md[key] = value
 
     add_float32 = add_uint32
+
+
+#: Llama 4's tokenizer.json split (GPT-4o's o200k regex, as llama.cpp's llama-vocab.cpp quotes it)
+O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def test_llama4_pre_tokenizer_splits_as_gpt_4o():
+    """`tokenizer.ggml.pre` "llama4": the text splits as the o200k regex splits it (Python's
+    ``regex``), before the byte-level mapping."""
+    import regex
+    from fw_gguf.tokenizer import _byte_to_unicode, tokenizer_from_gguf
+
+    tokens = ["<s>", "</s>", "a", "b", "ab"]
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "llama4",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": ["a b"],
+    }
+    pre_tokenizer = tokenizer_from_gguf(metadata).pre_tokenizer
+    spell = _byte_to_unicode()
+    for text in ["Hello World's DON'T stop 12345\n\n  x", "CamelCaseWord über-Straße /path/\n", "a\u0301b ÉCOLE 3.14"]:
+        expected = ["".join(spell[b] for b in piece.encode()) for piece in regex.findall(O200K, text)]
+        assert [piece for piece, _ in pre_tokenizer.pre_tokenize_str(text)] == expected, text
