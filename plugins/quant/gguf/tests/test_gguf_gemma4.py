@@ -222,3 +222,23 @@ def test_missing_required_metadata_is_named(reference, tmp_path, skip):
     write(tmp_path / "bad.gguf", reference, skip=skip)
     with pytest.raises(ModelLoadError, match=f"gemma4.{skip}"):
         LLM(str(tmp_path / "bad.gguf"), num_blocks=16)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_geglu_experts_in_cuda_graphs_give_the_greedy_ids_of_the_files_values(reference, tmp_path):
+    """On the GPU the Q8_0 GeGLU experts stay packed (GGUFFusedMoEMethod) through CUDA-graphed
+    decode steps; one sequence and six at once."""
+    from fw_gguf.moe import GGUFFusedMoEMethod
+
+    path = tmp_path / "model-q8.gguf"
+    stored = write(path, reference, QUANTIZED)
+    dequantized = model_holding(reference, {hf: stored[gguf] for hf, gguf in gguf_names(reference).items()})
+    prompts = [*PARITY_PROMPTS[:2], *([3 + i, 17, 29 + i] for i in range(4))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(path), device="cuda", dtype="f32", num_blocks=64)
+    assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+    layers = llm.engine.core.runner.model.model.layers
+    assert all(isinstance(layer.moe.experts.quant_method, GGUFFusedMoEMethod) for layer in layers)
+    for batch in ([prompts[0]], prompts):
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in batch], greedy)]
+        assert ids == [reference_greedy(dequantized, p, greedy.max_tokens) for p in batch]

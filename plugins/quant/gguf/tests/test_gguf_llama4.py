@@ -254,3 +254,23 @@ def test_llama4_pre_tokenizer_splits_as_gpt_4o():
     for text in ["Hello World's DON'T stop 12345\n\n  x", "CamelCaseWord über-Straße /path/\n", "a\u0301b ÉCOLE 3.14"]:
         expected = ["".join(spell[b] for b in piece.encode()) for piece in regex.findall(O200K, text)]
         assert [piece for piece, _ in pre_tokenizer.pre_tokenize_str(text)] == expected, text
+
+
+@pytest.mark.gpu
+def test_gpu_packed_experts_in_cuda_graphs_give_the_greedy_ids_of_the_files_values(reference, tmp_path):
+    """On the GPU the Q8_0 experts stay packed (GGUFFusedMoEMethod, each top-k choice its own call
+    on its scaled input) through CUDA-graphed decode steps; one sequence and six at once."""
+    from fw_gguf.moe import GGUFFusedMoEMethod
+
+    config, path = reference.config, tmp_path / "model-q8.gguf"
+    stored = write_gguf(path, "llama4", gguf_tensors(reference), metadata(config), config.vocab_size, QUANTIZED)
+    dequantized = model_holding(reference, hf_values(stored, config.num_hidden_layers))
+    prompts = [*PARITY_PROMPTS[:2], *([3 + i, 17, 29 + i] for i in range(4))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(path), device="cuda", dtype="f32", num_blocks=64)
+    assert "decode graphs" in llm.engine.summary["cuda_graphs"]
+    experts = llm.engine.core.runner.model.model.layers[1].feed_forward.experts
+    assert isinstance(experts.quant_method, GGUFFusedMoEMethod)
+    for batch in ([prompts[0]], prompts):
+        ids = [r.outputs[0].token_ids for r in llm.generate([{"prompt_token_ids": p} for p in batch], greedy)]
+        assert ids == [reference_greedy(dequantized, p, greedy.max_tokens) for p in batch]
