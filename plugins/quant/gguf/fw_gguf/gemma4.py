@@ -6,8 +6,8 @@ Metadata -> Hugging Face config (llama.cpp keys, `gemma4.` prefixed):
 | GGUF (`gemma4.`) | HF | note |
 | --- | --- | --- |
 | `attention.sliding_window_pattern` | `layer_types` | per-layer bools (or a period) |
-| `attention.key_length_swa` / `key_length` | `head_dim` / the full layers' head size | `per_layer_config` |
-| `attention.head_count_kv` (per layer) | `num_key_value_heads` / the full layers' count | `per_layer_config` |
+| `attention.key_length_swa` / `key_length` | `head_dim` / `global_head_dim` | both per layer in `per_layer_config` |
+| `attention.head_count_kv` (per layer) | `num_key_value_heads` (the first sliding layer's) | per layer in `per_layer_config` |
 | `attention.shared_kv_layers` | `num_kv_shared_layers` | default 0 |
 | `feed_forward_length` (per layer) | `intermediate_size`, `use_double_wide_mlp` | doubled on the shared-KV layers |
 | `embedding_length_per_layer_input` | `hidden_size_per_layer_input` | 0: no per-layer inputs |
@@ -114,10 +114,9 @@ def gemma4_config(key: Callable[..., Any], config: dict[str, Any], names: set[st
         "head_dim": swa_head_dim,
         "num_key_value_heads": swa_kv[0],
         "global_head_dim": full_head_dim,
-        "per_layer_config": {
-            i: {"head_dim": full_head_dim, "num_key_value_heads": kv_heads[i]}
-            for i in range(num_layers)
-            if types[i] == FULL
+        "per_layer_config": {  # every layer's shape as the file states it
+            i: {"head_dim": swa_head_dim if swa else full_head_dim, "num_key_value_heads": kv_heads[i]}
+            for i, swa in enumerate(is_swa)
         },
         "attention_k_eq_v": k_eq_v,
         "num_kv_shared_layers": num_shared,
@@ -149,7 +148,7 @@ def proportional_rotary_factor(freq_factors: list[float], head_dim: int) -> floa
     if len(freq_factors) != head_dim // 2:
         raise ValueError(f"rope_freqs has {len(freq_factors)} factors for heads of {head_dim}")
     rotated = sum(1 for f in freq_factors if f == 1.0)
-    if any(f not in (1.0,) and f < 1e20 for f in freq_factors) or freq_factors[:rotated] != [1.0] * rotated:
+    if any(f != 1.0 and f < 1e20 for f in freq_factors) or freq_factors[:rotated] != [1.0] * rotated:
         raise ValueError("rope_freqs is not a proportional-RoPE mask (ones, then 1e30s)")
     return 2 * rotated / head_dim
 

@@ -224,6 +224,16 @@ def test_missing_required_metadata_is_named(reference, tmp_path, skip):
         LLM(str(tmp_path / "bad.gguf"), num_blocks=16)
 
 
+def test_rope_freqs_mask_gives_the_partial_rotary_factor():
+    from fw_gguf.gemma4 import proportional_rotary_factor
+
+    assert proportional_rotary_factor([1.0] * 4 + [1e30] * 12, 32) == 0.25
+    assert proportional_rotary_factor([1.0] * 16, 32) == 1.0
+    for factors in ([1e30] * 4 + [1.0] * 12, [1.0] * 4 + [8.0] * 12, [1.0] * 8):
+        with pytest.raises(ValueError, match="rope_freqs"):
+            proportional_rotary_factor(factors, 32)
+
+
 @pytest.mark.gpu
 def test_gpu_packed_geglu_experts_in_cuda_graphs_give_the_greedy_ids_of_the_files_values(reference, tmp_path):
     """On the GPU the Q8_0 GeGLU experts stay packed (GGUFFusedMoEMethod) through CUDA-graphed
