@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from .gemma4 import GEMMA4_ARCHITECTURES, gemma4_config, gemma4_names, gemma4_tensors
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, correction_bias_names, grouped_moe_config, grouped_moe_tensors
 from .hybrid import HYBRID_ARCHITECTURES, HYBRID_MOE, hybrid_config, hybrid_layer_names, hybrid_tensors
+from .llama4 import LLAMA4_ARCHITECTURES, llama4_config, llama4_tensors
 
 # GGUF `general.architecture` -> (HF model_type, HF architectures[0])
 HF_ARCHITECTURES = {
@@ -34,6 +36,8 @@ HF_ARCHITECTURES = {
     "glm4": ("glm4", "Glm4ForCausalLM"),
     **GROUPED_MOE_ARCHITECTURES,  # deepseek2 (softmax-routed files: DeepseekV2ForCausalLM), glm4moe
     **HYBRID_ARCHITECTURES,  # qwen35, qwen35moe, qwen3next (Gated DeltaNet hybrids)
+    **LLAMA4_ARCHITECTURES,  # llama4 (text)
+    **GEMMA4_ARCHITECTURES,  # gemma4 (text)
 }
 
 _GEMMA = ("gemma2", "gemma3")
@@ -52,7 +56,7 @@ def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
     """`{arch}.rope.scaling.*` -> HF `rope_scaling`, or None when the file states no scaling.
 
     llama3-style scaling is not metadata in GGUF but a `rope_freqs.weight` tensor of per-dimension
-    factors; it is left to the model to read that tensor.
+    factors; the weight format rebuilds it from that tensor (``fw_gguf.rope_freqs``).
     """
     p = f"{arch}.rope.scaling."
     kind = md.get(p + "type")
@@ -87,7 +91,8 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
 
     Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3, qwen2moe, qwen3moe, gemma2,
     gemma3 (text), phi3, stablelm, glm4, deepseek2 and glm4moe (``fw_gguf.grouped_moe``), qwen35,
-    qwen35moe and qwen3next (``fw_gguf.hybrid``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
+    qwen35moe and qwen3next (``fw_gguf.hybrid``), llama4 (``fw_gguf.llama4``) and gemma4
+    (``fw_gguf.gemma4``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
     missing required key. Keys follow transformers' config classes; RoPE is stated the
     `config.json` way (`rope_theta`, `rope_scaling`, plus `rope_local_base_freq` for Gemma 3),
     which transformers converts to `rope_parameters`. `tie_word_embeddings` needs `tensor_names`
@@ -152,6 +157,16 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         config.update(_moe_config(arch, key, num_layers, names))
     elif arch in HYBRID_ARCHITECTURES:
         config.update(hybrid_config(arch, key, config))
+    elif arch in GEMMA4_ARCHITECTURES:
+        for name in ("hidden_act", "rope_theta", "rope_scaling"):  # Gemma 4 states RoPE per layer type
+            del config[name]
+        config.update(gemma4_config(key, config, names))
+        if names is not None:
+            config["attention_bias"] = "blk.0.attn_q.bias" in names
+    elif arch in LLAMA4_ARCHITECTURES:
+        config.update(llama4_config(key, config, names))
+        if names is not None:
+            config["attention_bias"] = "blk.0.attn_q.bias" in names
     elif arch in GROUPED_MOE_ARCHITECTURES:
         config.update(grouped_moe_config(arch, key, config))
         if arch == "glm4moe" and names is not None:
@@ -278,6 +293,10 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
         per_layer.update({"attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"})
     if arch in GROUPED_MOE_ARCHITECTURES:
         per_layer.update(grouped_moe_tensors(arch))
+    if arch in LLAMA4_ARCHITECTURES:
+        per_layer.update(llama4_tensors())
+    if arch in GEMMA4_ARCHITECTURES:
+        per_layer.update(gemma4_tensors())
     if arch in HYBRID_ARCHITECTURES:
         per_layer.update({**(_MOE_LAYER_TENSORS if arch in HYBRID_MOE else {}), **hybrid_tensors(arch)})
     names = {
@@ -294,6 +313,8 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
         names.update(correction_bias_names(num_layers))
     if arch in HYBRID_ARCHITECTURES:
         names.update(hybrid_layer_names(num_layers))
+    if arch in GEMMA4_ARCHITECTURES:
+        names.update(gemma4_names(num_layers))
     return names
 
 

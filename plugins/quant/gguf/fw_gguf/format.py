@@ -21,10 +21,12 @@ from .config import (
     unpermute_qk,
 )
 from .dequant import UnsupportedQuantTypeError, as_quant_type
+from .gemma4 import GEMMA4_ARCHITECTURES, complete_gemma4_config, gemma4_tensor_types, split_gate_up
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, kv_b_from_split, loads_as_float
 from .hybrid import HYBRID_ARCHITECTURES, HybridLayout, fuse_qkvz, norm_is_shifted, to_hf_layout
 from .lazy import GGUFTensorSlice
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
+from .rope_freqs import llama3_scaling_from_factors
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
 
 
@@ -53,6 +55,9 @@ class GGUFFormat(WeightFormat):
             self._config = hf_config_from_gguf(self.metadata, self.model.tensors.keys())
             self._names = tensor_name_map(self.arch, int(self._config["num_hidden_layers"]))
             self._add_longrope_factors()
+            self._add_llama3_factors()
+            if self.arch in GEMMA4_ARCHITECTURES:
+                complete_gemma4_config(self._config, self.model.tensors)
             self._hybrid = HybridLayout(self.arch, self._config) if self.arch in HYBRID_ARCHITECTURES else None
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{self.files[0]}: cannot build a model config from its metadata: {exc}") from None
@@ -80,6 +85,17 @@ class GGUFFormat(WeightFormat):
         if (original := self.metadata.get(f"{self.arch}.rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = original
         self._config["rope_scaling"] = scaling
+
+    def _add_llama3_factors(self) -> None:
+        """Llama 3.1+ and Llama 4: llama.cpp keeps `llama3` RoPE scaling as ``rope_freqs`` factors."""
+        freqs = self.model.tensors.get("rope_freqs.weight")
+        if freqs is None or self.arch not in ("llama", "llama4"):
+            return
+        rotary_dim = self.metadata.get(f"{self.arch}.rope.dimension_count") or self._config["head_dim"]
+        factors = freqs.dequantize(torch.float32).tolist()
+        scaling = llama3_scaling_from_factors(factors, self._config["rope_theta"], rotary_dim)
+        if scaling is not None:
+            self._config["rope_scaling"] = scaling
 
     def hf_config(self) -> dict[str, Any]:
         return dict(self._config)
@@ -121,6 +137,8 @@ class GGUFFormat(WeightFormat):
             hf_name = self._names.get(name)
             if hf_name and (self._is_matrix(hf_name, info) or len(info.shape) == 3 and ".experts." in hf_name):
                 types[hf_name] = as_quant_type(info.qtype).name
+        if self.arch in GEMMA4_ARCHITECTURES:
+            types = gemma4_tensor_types(types)
         orders = self._hybrid.input_orders(list(types)) if self._hybrid is not None else {}
         return {"quant_method": "gguf", "tensor_types": types, "input_orders": orders}
 
@@ -148,6 +166,9 @@ class GGUFFormat(WeightFormat):
                 yield hf_name, fuse_qkvz(self._hybrid, *parts)
                 continue
             if len(info.shape) == 3:  # an expert stack
+                if hf_name.endswith(".gate_up_proj.weight"):  # Gemma 4: gate and up in one stack
+                    yield from split_gate_up(hf_name, GGUFTensorSlice(info))
+                    continue
                 yield hf_name, GGUFTensorSlice(info)
                 continue
             tensor = info.data if self._is_matrix(hf_name, info) else info.dequantize(torch.float32)
@@ -171,7 +192,7 @@ class GGUFFormat(WeightFormat):
 
     def num_weights(self) -> int | None:
         return sum(
-            1
+            2 if name.endswith(".ffn_gate_up_exps.weight") else 1
             for name in self.model.tensors
             if name in self._names and ".attn_v_b." not in name and not self._joins_qkvz(self._names[name])
         )

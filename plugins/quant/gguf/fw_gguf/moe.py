@@ -53,6 +53,8 @@ def gguf_moe_method(tensor_types: dict[str, str], layer: nn.Module, prefix: str)
     """The packed method for the FusedMoE ``layer`` at ``prefix`` when the file holds its three stacks
     in quantized types and the layer will run where packed experts pay (not the CPU, unless
     ``FW_GGUF_KEEP_PACKED=1``); None otherwise (plain weights, dequantized at load)."""
+    if layer.has_bias or layer.swiglu_limit is not None:  # gpt-oss style experts: not a GGUF layout
+        return None
     names = {shard: f"{prefix}.{projection}.weight" for shard, projection in EXPERT_PROJECTIONS.items()}
     if any(name not in tensor_types or tensor_types[name] in _FLOAT_TYPES for name in names.values()):
         return None
@@ -84,8 +86,10 @@ def _dequantize_experts(
 
 class GGUFFusedMoEMethod(FusedMoEMethod):
     """A FusedMoE's three GGUF expert stacks, packed; ``w13_weight`` / ``w2_weight`` are empty
-    placeholders whose loader copies the stacks' bytes into ``gguf_w1`` / ``gguf_w3`` / ``gguf_w2``."""
+    placeholders whose loader copies the stacks' bytes into ``gguf_w1`` / ``gguf_w3`` / ``gguf_w2``.
+    SwiGLU or GeGLU experts (Gemma 4), without biases (:func:`gguf_moe_method` leaves those plain)."""
 
+    supports_moe_activation = True
     supported_act_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     supported_device_types = frozenset({"cpu", "cuda"})
 
@@ -160,16 +164,19 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
         layer.record_loaded(shard_id, expert_id)
 
     def _packed_bytes(self, layer: nn.Module, loaded: Any, shard_id: str) -> torch.Tensor:
-        """The uint8 bytes behind ``loaded``, refusing a tensor of another type or already narrowed."""
+        """The uint8 bytes behind ``loaded``, refusing a tensor of another type or narrowed within rows."""
         qtype = self.types[shard_id]
-        if isinstance(loaded, GGUFTensorSlice):
+        if isinstance(loaded, GGUFTensorSlice):  # whole rows of the stack (Gemma 4: half a gate_up stack)
             info = loaded.source
-            if as_quant_type(info.qtype) != qtype or tuple(loaded.shape) != tuple(info.shape):
+            if as_quant_type(info.qtype) != qtype or loaded.bounds[-1] != (0, info.shape[-1]):
                 raise ModelLoadError(
                     f"{layer.prefix}: {info.name} is {info.qtype.name} {tuple(loaded.shape)}; expected "
-                    f"the whole {qtype.name} stack"
+                    f"whole {qtype.name} rows of every expert"
                 )
-            return info.data
+            data = info.data
+            for dim, (start, end) in enumerate(loaded.bounds[:-1]):
+                data = data.narrow(dim, start, end - start)
+            return data
         if not isinstance(loaded, torch.Tensor) or loaded.dtype != torch.uint8:
             raise ModelLoadError(
                 f"{layer.prefix} {EXPERT_PROJECTIONS[shard_id]}: expected packed {qtype.name} bytes, "
@@ -201,6 +208,7 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
         self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         packed = self.packed_experts(layer)
+        activation = () if layer.is_plain_swiglu else (layer.activation(),)  # GeGLU: Gemma 4
         in_kernels = all(p.quant_type in getattr(self.fused_moe, "quant_types", ()) for p in packed)
         if (
             not in_kernels
@@ -211,5 +219,5 @@ class GGUFFusedMoEMethod(FusedMoEMethod):
             # many tokens inside a CUDA graph without the Triton kernels: the reference's per-expert
             # loop would sync; every expert dequantized once, then the dense kernel (graph-safe)
             w13, w2 = self.dequantize(layer, hidden.dtype)
-            return self.dense_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-        return self.fused_moe(hidden, *packed, topk_weights, topk_ids)
+            return self.dense_fused_moe(hidden, w13, w2, topk_weights, topk_ids, *activation)
+        return self.fused_moe(hidden, *packed, topk_weights, topk_ids, *activation)

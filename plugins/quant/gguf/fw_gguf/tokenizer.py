@@ -32,6 +32,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's (o200k) split, which Llama 4's tokenizer.json uses (llama.cpp: pre "llama4" / "gpt-4o")
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 # `tokenizer.ggml.pre` -> split regex applied before the byte-level mapping. Absent values
 # (gpt2, smollm, default, ...) use ByteLevel's own GPT-2 regex. SmolLM's vocabulary has no merge
 # touching a digit, so llama.cpp's per-digit split for `smollm` gives the same ids.
@@ -45,6 +52,8 @@ PRE_TOKENIZER_SPLITS = {
     "stablelm2": _QWEN2_SPLIT,
     "glm4": _LLAMA3_SPLIT,  # llama.cpp's CHATGLM4 pre-tokenizer: the Llama 3 regex
     "chatglm-bpe": _LLAMA3_SPLIT,
+    "gpt-4o": _GPT4O_SPLIT,
+    "llama4": _GPT4O_SPLIT,
 }
 
 
@@ -152,13 +161,7 @@ def _sentencepiece(metadata: dict[str, Any]) -> Tokenizer:
     merges = _merges_from_vocab(tokens, ranks)
     replace_then_bytes = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if is_gemma:
-        unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-        unk = metadata["tokenizer.ggml.tokens"][unk_id] if unk_id is not None else "<unk>"
-        tok = Tokenizer(BPE(vocab, merges, fuse_unk=True, unk_token=unk, dropout=None, byte_fallback=True))
-        tok.normalizer = normalizers.Replace(" ", "▁")
-        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-        tok.decoder = decoders.Sequence(replace_then_bytes)
-        return tok
+        return _gemma_bpe(metadata, vocab, merges)
     tok = Tokenizer(BPE(vocab, merges, fuse_unk=True, byte_fallback=True, dropout=None))
     if arch == "phi3":  # the prefix "▁" comes from a normalizer, so leading spaces are kept as is
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
@@ -168,7 +171,27 @@ def _sentencepiece(metadata: dict[str, Any]) -> Tokenizer:
     return tok
 
 
-_MODELS = {"gpt2": _byte_level, "llama": _sentencepiece}
+def _gemma_bpe(metadata: dict[str, Any], vocab: dict[str, int], merges: list[tuple[str, str]]) -> Tokenizer:
+    """Gemma's BPE: spaces spelled "▁" by the normalizer (transformers' GemmaTokenizer), bytes as ``<0xXX>`` fallback tokens."""
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = metadata["tokenizer.ggml.tokens"][unk_id] if unk_id is not None else "<unk>"
+    tok = Tokenizer(BPE(vocab, merges, fuse_unk=True, unk_token=unk, dropout=None, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _gemma4(metadata: dict[str, Any]) -> Tokenizer:
+    """Gemma 4 (`tokenizer.ggml.model` "gemma4"): Gemma's BPE with the file's own merges (llama.cpp's
+    converter copies the vocabulary and merges of the model's ``tokenizer.json`` as they are; a
+    merge splits at its first space after the first character, as llama.cpp reads it)."""
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in metadata["tokenizer.ggml.merges"]]
+    return _gemma_bpe(metadata, {t: i for i, t in enumerate(tokens)}, merges)
+
+
+_MODELS = {"gpt2": _byte_level, "llama": _sentencepiece, "gemma4": _gemma4}
 
 
 def _add_special_tokens(tok: Tokenizer, metadata: dict[str, Any]) -> None:
@@ -217,7 +240,7 @@ def _post_processor(metadata: dict[str, Any]) -> processors.TemplateProcessing:
 def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
     """A `tokenizers.Tokenizer` equivalent to transformers' tokenizer for this GGUF.
 
-    Handles `tokenizer.ggml.model` `gpt2` and `llama`; raises `ValueError` naming the model and
+    Handles `tokenizer.ggml.model` `gpt2`, `llama` and `gemma4`; raises `ValueError` naming the model and
     the supported ones otherwise. `encode(text)` adds bos/eos per `tokenizer.ggml.add_bos_token` /
     `add_eos_token` (bos defaults to on for `llama`, off for `gpt2`); `encode(text,
     add_special_tokens=False)` adds neither. Special-token text in the input ("<|im_start|>")

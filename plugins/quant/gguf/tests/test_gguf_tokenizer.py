@@ -190,5 +190,7 @@ def test_special_tokens_of_gemma3(gemma3_gguf, fw_tokenizer):
 
 
 def test_unsupported_tokenizer_model_is_named():
-    with pytest.raises(ValueError, match="tokenizer model 'rwkv' is not supported by fw; supported: gpt2, llama"):
+    with pytest.raises(
+        ValueError, match="tokenizer model 'rwkv' is not supported by fw; supported: gpt2, llama, gemma4"
+    ):
         tokenizer_from_gguf({"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": []})
