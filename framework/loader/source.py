@@ -4,7 +4,8 @@ Hub access goes through ``huggingface_hub`` (its cache, ``HF_HUB_OFFLINE``, toke
 cannot be reached and is not cached fails with a message naming it. A repo of GGUF files named
 without ``--f`` is listed first: its one model (one file, or one split's shards) is downloaded,
 and a repo of several fails with their names and quant types. A split GGUF (``--f`` its first
-shard, or picked so) downloads every shard.
+shard, or picked so) downloads every shard. A GGUF model file comes with the vision projector
+(``mmproj*.gguf``) of its folder in the repo, where there is one (:func:`pick_projector`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from framework.errors import ModelLoadError
-from framework.loader.gguf_names import gguf_models, quant_name, split_shard_names
+from framework.loader.gguf_names import gguf_models, pick_projector, quant_name, split_shard_names
 
 #: Files a model needs besides its weights.
 _META_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken"]
@@ -76,6 +77,8 @@ def _download(repo_id: str, file: str | None, revision: str | None) -> Path:
             return _download_gguf(repo_id, file, revision)
         if file:
             patterns = [file, f"{file}/*", *_META_PATTERNS]
+            if file.endswith(".gguf") and (projector := _hub_projector(repo_id, file, revision)) is not None:
+                patterns.append(projector)
         else:
             patterns = [*_META_PATTERNS, "*.safetensors"]
         return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
@@ -131,12 +134,50 @@ def _pick_gguf(repo_id: str, revision: str | None) -> str | None:
     )
 
 
+def _hub_projector(repo_id: str, model_file: str, revision: str | None) -> str | None:
+    """The repo's ``mmproj*.gguf`` in ``model_file``'s folder (:func:`pick_projector`), or None;
+    None too when the Hub cannot list the repo (offline: a cached projector is found beside the model)."""
+    import huggingface_hub
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        return pick_projector(huggingface_hub.list_repo_files(repo_id, revision=revision), model_file)
+    except Exception:  # noqa: BLE001 - no listing: the model itself still downloads (or fails, named)
+        return None
+
+
+def resolve_projector_path(mmproj: str, model: str | None, revision: str | None = None) -> Path:
+    """``--mmproj``: a local file, or a file of the ``--m`` Hub repo (downloaded)."""
+    path = Path(mmproj).expanduser()
+    if path.is_file():
+        return path
+    is_repo = model and not Path(model).expanduser().exists() and model.count("/") == 1
+    if not is_repo or mmproj.startswith((".", "/", "~")):
+        raise ModelLoadError(f"vision projector {mmproj!r} (--mmproj) is no file")
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return Path(huggingface_hub.hf_hub_download(model, mmproj, revision=revision))
+    except EntryNotFoundError:
+        raise ModelLoadError(f"vision projector {mmproj!r} (--mmproj) is neither a file nor in {model!r}") from None
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(
+            f"vision projector {mmproj!r} of {model!r} is not in the local Hugging Face cache and the Hub "
+            "cannot be reached: pass a local path with --mmproj"
+        ) from None
+
+
 def _download_gguf(repo_id: str, file: str, revision: str | None) -> Path:
-    """Download the GGUF ``file`` (a split's shard: every shard of the split); the snapshot folder."""
+    """Download the GGUF ``file`` (a split's shard: every shard of the split), and the vision
+    projector beside it in the repo if there is one; the snapshot folder."""
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     names = split_shard_names(file) or [file]
+    if (projector := _hub_projector(repo_id, file, revision)) is not None:
+        names.append(projector)
     snapshot = None
     for name in names:
         try:
