@@ -31,7 +31,7 @@ from framework.engine.args import EngineArgs
 from framework.errors import ConfigError, ModelLoadError
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
-from framework.loader.source import resolve_local_path, resolve_projector_path
+from framework.loader.source import hub_projector, is_hub_repo, resolve_local_path, resolve_projector_path
 from framework.multimodal.inputs import VisionSpec
 from framework.platform import Platform, platform_for_device
 from framework.quantization import QuantConfig, verify_quant_methods
@@ -54,21 +54,27 @@ class ModelSetup(NamedTuple):
 
 
 def open_source(args: EngineArgs) -> OpenedSource:
-    """Load the plugins, resolve ``args``'s model to a local path and open its weight format; with
-    ``--mmproj``, hand the format that vision projector (``none``: serve the text model)."""
+    """Load the plugins, resolve ``args``'s model to a local path and open its weight format.
+
+    A format that takes a vision projector (a GGUF's ``use_projector``) gets ``--mmproj``'s
+    (``none``: serve the text model); without the flag, one that ``wants_projector`` (a vision
+    GGUF with none beside it) from a Hub repo gets the projector of the model's repo folder."""
     plugins.load_plugins()
     path = resolve_local_path(args.model, args.weights, args.file, args.revision)
     source = model_loader.open_model_source(Path(path), args.file, args.load_format)
-    if args.mmproj is not None:
-        use_projector = getattr(source, "use_projector", None)
-        if use_projector is None:
-            raise ConfigError(
-                f"--mmproj names a llama.cpp vision projector for a GGUF model; this model's weights are {source.name}"
-            )
-        if args.mmproj == "none":
-            use_projector(None, "file, and --mmproj none turned it off")
-        else:
-            use_projector(resolve_projector_path(args.mmproj, args.model, args.revision))
+    use_projector = getattr(source, "use_projector", None)
+    if args.mmproj is not None and use_projector is None:
+        raise ConfigError(
+            f"--mmproj names a llama.cpp vision projector for a GGUF model; this model's weights are {source.name}"
+        )
+    if args.mmproj == "none":
+        use_projector(None, "file, and --mmproj none turned it off")
+    elif args.mmproj is not None:
+        use_projector(resolve_projector_path(args.mmproj, args.model, args.revision))
+    elif getattr(source, "wants_projector", False) and is_hub_repo(args.model) and not args.weights:
+        # a vision GGUF from the Hub with no projector beside it: its repo folder's, on demand
+        if (projector := hub_projector(args.model, source.files[0], args.revision)) is not None:
+            use_projector(projector)
     return OpenedSource(path, source)
 
 

@@ -4,8 +4,8 @@ Hub access goes through ``huggingface_hub`` (its cache, ``HF_HUB_OFFLINE``, toke
 cannot be reached and is not cached fails with a message naming it. A repo of GGUF files named
 without ``--f`` is listed first: its one model (one file, or one split's shards) is downloaded,
 and a repo of several fails with their names and quant types. A split GGUF (``--f`` its first
-shard, or picked so) downloads every shard. A GGUF model file comes with the vision projector
-(``mmproj*.gguf``) of its folder in the repo, where there is one (:func:`pick_projector`).
+shard, or picked so) downloads every shard. A vision GGUF's projector (``mmproj*.gguf``) is
+downloaded on demand, once the opened model asks for one (:func:`hub_projector`).
 """
 
 from __future__ import annotations
@@ -77,8 +77,6 @@ def _download(repo_id: str, file: str | None, revision: str | None) -> Path:
             return _download_gguf(repo_id, file, revision)
         if file:
             patterns = [file, f"{file}/*", *_META_PATTERNS]
-            if file.endswith(".gguf") and (projector := _hub_projector(repo_id, file, revision)) is not None:
-                patterns.append(projector)
         else:
             patterns = [*_META_PATTERNS, "*.safetensors"]
         return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
@@ -134,17 +132,27 @@ def _pick_gguf(repo_id: str, revision: str | None) -> str | None:
     )
 
 
-def _hub_projector(repo_id: str, model_file: str, revision: str | None) -> str | None:
-    """The repo's ``mmproj*.gguf`` in ``model_file``'s folder (:func:`pick_projector`), or None;
-    None too when the Hub cannot list the repo (offline: a cached projector is found beside the model)."""
+def is_hub_repo(model: str | None) -> bool:
+    """Whether ``--m`` names a Hub repo (``owner/name``, no such local path)."""
+    return bool(model) and not Path(model).expanduser().exists() and model.count("/") == 1
+
+
+def hub_projector(repo_id: str, model_file: Path, revision: str | None = None) -> Path | None:
+    """The vision projector of the Hub repo's folder that holds the downloaded ``model_file``
+    (:func:`pick_projector`), downloaded; None when the folder has none or the Hub cannot list the
+    repo (offline, a cached projector already lies beside the cached model)."""
     import huggingface_hub
 
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         return None
     try:
-        return pick_projector(huggingface_hub.list_repo_files(repo_id, revision=revision), model_file)
-    except Exception:  # noqa: BLE001 - no listing: the model itself still downloads (or fails, named)
+        names = huggingface_hub.list_repo_files(repo_id, revision=revision)
+    except Exception:  # noqa: BLE001 - no listing: served without images, and the reason says where fw looked
         return None
+    local = model_file.as_posix()
+    matches = [name for name in names if local.endswith("/" + name)]
+    picked = pick_projector(names, max(matches, key=len)) if matches else None
+    return None if picked is None else Path(huggingface_hub.hf_hub_download(repo_id, picked, revision=revision))
 
 
 def resolve_projector_path(mmproj: str, model: str | None, revision: str | None = None) -> Path:
@@ -152,8 +160,7 @@ def resolve_projector_path(mmproj: str, model: str | None, revision: str | None 
     path = Path(mmproj).expanduser()
     if path.is_file():
         return path
-    is_repo = model and not Path(model).expanduser().exists() and model.count("/") == 1
-    if not is_repo or mmproj.startswith((".", "/", "~")):
+    if not is_hub_repo(model) or mmproj.startswith((".", "/", "~")):
         raise ModelLoadError(f"vision projector {mmproj!r} (--mmproj) is no file")
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
@@ -170,14 +177,11 @@ def resolve_projector_path(mmproj: str, model: str | None, revision: str | None 
 
 
 def _download_gguf(repo_id: str, file: str, revision: str | None) -> Path:
-    """Download the GGUF ``file`` (a split's shard: every shard of the split), and the vision
-    projector beside it in the repo if there is one; the snapshot folder."""
+    """Download the GGUF ``file`` (a split's shard: every shard of the split); the snapshot folder."""
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     names = split_shard_names(file) or [file]
-    if (projector := _hub_projector(repo_id, file, revision)) is not None:
-        names.append(projector)
     snapshot = None
     for name in names:
         try:

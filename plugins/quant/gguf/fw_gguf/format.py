@@ -109,6 +109,12 @@ class GGUFFormat(WeightFormat):
                 raise ModelLoadError(f"{path}: tensor {info.name}: {exc}") from None
         self.projector, self._text_only_reason = projector, None
 
+    @property
+    def wants_projector(self) -> bool:
+        """Whether this is a vision model's text GGUF with no projector found beside it (the engine
+        then looks in its Hub repo, :func:`framework.loader.source.hub_projector`)."""
+        return self.arch in VISION_TEXT_ARCHITECTURES and self.projector is None and self._projector_error is None
+
     def text_only_reason(self) -> str | None:
         return self._text_only_reason
 

@@ -195,11 +195,20 @@ def test_a_hub_repo_brings_the_preferred_projector_of_the_models_folder(checkpoi
         (snapshot / filename).parent.mkdir(parents=True, exist_ok=True)
         return str(shutil.copy(files[filename], snapshot / filename))
 
+    def snapshot_download(repo_id, *, revision=None, allow_patterns=None, **_):
+        hf_hub_download(repo_id, allow_patterns[0])  # --f's file
+        return str(snapshot)
+
     monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo_id, **_: ["README.md", *files])
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     llm = LLM("someone/Qwen-VL-GGUF", dtype="float32", device="cpu", num_blocks=8)
-    assert downloaded == ["Q/model-F32.gguf", "Q/mmproj-F16.gguf"]
+    assert downloaded == ["Q/model-F32.gguf", "Q/mmproj-F16.gguf"]  # the projector once the model asks for it
     assert llm.engine.vision is not None and llm.engine.vision.image_token_id == IMAGE_TOKEN_ID
+    shutil.rmtree(snapshot)
+    downloaded.clear()
+    llm = LLM("someone/Qwen-VL-GGUF", file="Q/model-F32.gguf", dtype="float32", device="cpu", num_blocks=8)
+    assert downloaded == ["Q/model-F32.gguf", "Q/mmproj-F16.gguf"] and llm.engine.vision is not None
 
 
 def test_a_projector_fw_cannot_use_is_refused_naming_the_valid_ones(checkpoint, tmp_path):
