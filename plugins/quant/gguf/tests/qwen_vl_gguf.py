@@ -54,8 +54,9 @@ def _vocabulary(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def write_text_gguf(hf_dir: Path, path: Path) -> Path:
-    """The text GGUF of the VL checkpoint in ``hf_dir``."""
+def write_text_gguf(hf_dir: Path, path: Path, matrix_type: Q = Q.F32) -> Path:
+    """The text GGUF of the VL checkpoint in ``hf_dir``: weight matrices as ``matrix_type``
+    (``llama-quantize``'s job after the converter), norms f32."""
     config = json.loads((hf_dir / "config.json").read_text())
     text, arch = config["text_config"], _ARCHES[config["model_type"]]
     writer = gguf.GGUFWriter(str(path), arch)
@@ -91,7 +92,13 @@ def write_text_gguf(hf_dir: Path, path: Path) -> Path:
         if name.startswith(("model.visual.", "visual.")):
             continue  # the projector's
         base, suffix = name.rsplit(".", 1)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
+        values = tensor.float().numpy()
+        if tensor.dim() == 2 and matrix_type != Q.F32:
+            writer.add_tensor(
+                f"{names.get_name(base)}.{suffix}", gguf.quants.quantize(values, matrix_type), raw_dtype=matrix_type
+            )
+        else:
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", values)
     _finish(writer)
     return path
 

@@ -132,6 +132,40 @@ def test_logits_and_greedy_ids_match_transformers_with_the_projector_beside_the_
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_quantized_text_gguf_keeps_its_blocks_packed_beside_the_float_tower(checkpoint, tmp_path, check_kept_packed):
+    """Q8_0 text matrices: the logits and greedy ids of transformers with those matrices dequantized."""
+    import copy
+
+    import gguf
+
+    hf, root, reference = checkpoint
+    write_text_gguf(hf, tmp_path / "model-Q8_0.gguf", Q.Q8_0)
+    shutil.copy(root / "F32" / "mmproj-F32.gguf", tmp_path)
+    llm = LLM(str(tmp_path / "model-Q8_0.gguf"), dtype="float32", device="cpu", num_blocks=16)
+    model = llm.engine.core.runner.model
+    assert check_kept_packed(model.model, Q.Q8_0)
+    assert not any(name.startswith("visual.") for name in check_kept_packed(model, Q.Q8_0))
+    dequantized = copy.deepcopy(reference)
+    with torch.no_grad():
+        for name, param in dequantized.named_parameters():
+            if param.dim() == 2 and "visual" not in name:
+                values = gguf.quants.quantize(param.numpy(), Q.Q8_0)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(values, Q.Q8_0)))
+    logits = capture_logits(llm)
+    images = [random_image(*IMAGES[0])]
+    result = llm.chat(conversation(*images), GREEDY)[0]
+    prompt = result.prompt_token_ids
+    inputs = reference_inputs(llm, prompt, images)
+    with torch.no_grad():
+        expected = dequantized.generate(
+            **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=6, do_sample=False
+        )[0, len(prompt) :].tolist()
+        want = dequantized(**inputs).logits[0]
+    assert result.outputs[0].token_ids == expected
+    got = torch.stack([logits[("0-0", position)] for position in range(len(prompt))])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # unquantized weights differ by ~5e-3
+
+
 def test_the_tower_loads_the_checkpoints_weights_and_the_files_processor_settings(checkpoint, tmp_path):
     hf, root, reference = checkpoint
     llm = LLM(str(served(root, "F32", tmp_path)), dtype="float32", device="cpu", num_blocks=8)
@@ -243,3 +277,19 @@ def test_a_projector_fw_cannot_use_is_refused_naming_the_valid_ones(checkpoint, 
     with pytest.raises(ModelLoadError, match="type 'gemma3' is not supported"):
         LLM(str(model), dtype="float32", device="cpu")
     assert LLM(str(model), mmproj="none", dtype="float32", device="cpu", num_blocks=8).engine.vision is None
+
+
+@pytest.mark.gpu
+def test_greedy_ids_match_transformers_on_cuda_with_an_f16_projector(checkpoint, tmp_path):
+    hf, root, reference = checkpoint
+    reference = rounded_tower(reference, "F16")
+    llm = LLM(str(served(root, "F16", tmp_path)), dtype="float32", device="cuda", prefill_chunk_size=16)
+    images = [random_image(*size) for size in IMAGES]
+    results = llm.chat([conversation(*images), conversation(images[1])], GREEDY)
+    for result, shown in zip(results, (images, images[1:]), strict=True):
+        inputs = reference_inputs(llm, result.prompt_token_ids, shown)
+        with torch.no_grad():
+            expected = reference.generate(
+                **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=6, do_sample=False
+            )[0, len(result.prompt_token_ids) :].tolist()
+        assert result.outputs[0].token_ids == expected
