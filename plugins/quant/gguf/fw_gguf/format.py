@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from .lazy import GGUFTensorSlice
 from .mmproj import VISION_TEXT_ARCHITECTURES, Projector, ProjectorError, find_projector, vision_hf_config
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
+
+log = logging.getLogger("fw.loader")
 
 
 class GGUFFormat(WeightFormat):
@@ -74,8 +77,10 @@ class GGUFFormat(WeightFormat):
         if self.arch in VISION_TEXT_ARCHITECTURES:
             try:
                 self.use_projector(find_projector(self.files[0]))
-            except ModelLoadError as exc:
-                self._projector_error = exc
+            except ModelLoadError as exc:  # raised by hf_config unless --mmproj names another
+                self._projector_error = ModelLoadError(
+                    f"{exc} (found beside the model; --mmproj PATH names another, --mmproj none serves the text model)"
+                )
 
     def use_projector(self, path: Path | None, why: str | None = None) -> None:
         """Take images through the vision projector at ``path`` (an ``mmproj*.gguf``), or serve the
@@ -108,6 +113,7 @@ class GGUFFormat(WeightFormat):
             except UnsupportedQuantTypeError as exc:
                 raise ModelLoadError(f"{path}: tensor {info.name}: {exc}") from None
         self.projector, self._text_only_reason = projector, None
+        log.info("vision projector: %s (%s)", path, projector.projector_type)
 
     @property
     def wants_projector(self) -> bool:
