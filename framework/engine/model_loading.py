@@ -73,8 +73,14 @@ def open_source(args: EngineArgs) -> OpenedSource:
         use_projector(resolve_projector_path(args.mmproj, args.model, args.revision))
     elif getattr(source, "wants_projector", False) and is_hub_repo(args.model) and not args.weights:
         # a vision GGUF from the Hub with no projector beside it: its repo folder's, on demand
-        if (projector := hub_projector(args.model, source.files[0], args.revision)) is not None:
-            use_projector(projector)
+        projector = hub_projector(args.model, source.files[0], args.revision)
+        use_projector(
+            projector,
+            None
+            if projector
+            else f"file, and fw found none beside {source.files[0].name} in the Hub repo {args.model} "
+            "(name one with --mmproj PATH)",
+        )
     return OpenedSource(path, source)
 
 

@@ -161,7 +161,7 @@ def resolve_projector_path(mmproj: str, model: str | None, revision: str | None 
     if path.is_file():
         return path
     if not is_hub_repo(model) or mmproj.startswith((".", "/", "~")):
-        raise ModelLoadError(f"vision projector {mmproj!r} (--mmproj) is no file")
+        raise ModelLoadError(f"vision projector {mmproj!r} (--mmproj) does not exist")
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 

@@ -243,6 +243,11 @@ def test_a_hub_repo_brings_the_preferred_projector_of_the_models_folder(checkpoi
     downloaded.clear()
     llm = LLM("someone/Qwen-VL-GGUF", file="Q/model-F32.gguf", dtype="float32", device="cpu", num_blocks=8)
     assert downloaded == ["Q/model-F32.gguf", "Q/mmproj-F16.gguf"] and llm.engine.vision is not None
+    del files["Q/mmproj-F32.gguf"], files["Q/mmproj-F16.gguf"]
+    shutil.rmtree(snapshot)
+    llm = LLM("someone/Qwen-VL-GGUF", dtype="float32", device="cpu", num_blocks=8)
+    reason = "found none beside model-F32.gguf in the Hub repo someone/Qwen-VL-GGUF (name one with --mmproj PATH)"
+    assert llm.engine.vision is None and llm.engine.summary["text_only_reason"].endswith(reason)
 
 
 def test_a_projector_fw_cannot_use_is_refused_naming_the_valid_ones(checkpoint, tmp_path):
