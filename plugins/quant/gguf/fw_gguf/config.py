@@ -28,6 +28,7 @@ HF_ARCHITECTURES = {
     # Qwen2.5-VL / Qwen3-VL text: served as the VL model with an mmproj file (``fw_gguf.mmproj``), else as text
     "qwen2vl": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3vl": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3vlmoe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
@@ -40,7 +41,7 @@ HF_ARCHITECTURES = {
 }
 
 _GEMMA = ("gemma2", "gemma3")
-_MOE = ("qwen2moe", "qwen3moe")
+_MOE = ("qwen2moe", "qwen3moe", "qwen3vlmoe")
 # block counts of the 27B Gemmas, the only sizes llama.cpp scales queries by hidden/heads
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -89,7 +90,7 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
     """The Hugging Face `config.json` dict for a GGUF model with this metadata.
 
     Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3 (and their VL text models
-    qwen2vl and qwen3vl, as text: ``fw_gguf.mmproj`` adds the vision tower), qwen2moe, qwen3moe, gemma2,
+    qwen2vl, qwen3vl and qwen3vlmoe, as text: ``fw_gguf.mmproj`` adds the vision tower), qwen2moe, qwen3moe, gemma2,
     gemma3 (text), phi3, stablelm, glm4, deepseek2 and glm4moe (``fw_gguf.grouped_moe``), qwen35,
     qwen35moe and qwen3next (``fw_gguf.hybrid``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
     missing required key. Keys follow transformers' config classes; RoPE is stated the
@@ -205,7 +206,7 @@ def _moe_config(arch: str, key, num_layers: int, names: set[str] | None) -> dict
         "num_experts": key("expert_count"),
         "num_experts_per_tok": key("expert_used_count"),
         "moe_intermediate_size": key("expert_feed_forward_length"),
-        "norm_topk_prob": bool(key("expert_weights_norm", arch == "qwen3moe")),
+        "norm_topk_prob": bool(key("expert_weights_norm", arch in ("qwen3moe", "qwen3vlmoe"))),
         "decoder_sparse_step": 1,
         "use_sliding_window": False,
     }

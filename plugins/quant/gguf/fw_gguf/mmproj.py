@@ -28,13 +28,18 @@ from framework.loader.gguf_names import pick_projector
 
 from .reader import GGUFFile, open_gguf
 
-#: ``clip.projector_type`` -> (the HF architecture whose tower it is, the text GGUF architecture it goes with)
+#: ``clip.projector_type`` -> {text GGUF architecture it goes with: the HF architecture of the two}
 PROJECTORS = {
-    "qwen2.5vl_merger": ("Qwen2_5_VLForConditionalGeneration", "qwen2vl"),
-    "qwen3vl_merger": ("Qwen3VLForConditionalGeneration", "qwen3vl"),
+    "qwen2.5vl_merger": {"qwen2vl": "Qwen2_5_VLForConditionalGeneration"},
+    "qwen3vl_merger": {
+        "qwen3vl": "Qwen3VLForConditionalGeneration",
+        "qwen3vlmoe": "Qwen3VLMoeForConditionalGeneration",
+    },
 }
 #: text GGUF architectures whose model takes images through a projector
-VISION_TEXT_ARCHITECTURES = {text: architecture for architecture, text in PROJECTORS.values()}
+VISION_TEXT_ARCHITECTURES = {
+    text: architecture for texts in PROJECTORS.values() for text, architecture in texts.items()
+}
 
 #: The released checkpoints' pixel bounds (``preprocessor_config.json``), for a file that states none.
 _PIXEL_BOUNDS = {
@@ -103,7 +108,7 @@ class Projector:
                 f"{self.path}: vision projector type {self.projector_type!r} is not supported; "
                 f"supported: {', '.join(PROJECTORS)}"
             )
-        self.architecture, self.text_architecture = PROJECTORS[self.projector_type]
+        self.text_architectures = PROJECTORS[self.projector_type]
         self.tensors = self.file.tensors
 
     def _key(self, name: str, default: Any = KeyError) -> Any:
@@ -213,7 +218,11 @@ _VISION_TOKENS = {
     "vision_start_token_id": "<|vision_start|>",
     "vision_end_token_id": "<|vision_end|>",
 }
-_MODEL_TYPES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+_MODEL_TYPES = {
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+}
 
 
 def vision_hf_config(text: dict[str, Any], metadata: dict[str, Any], projector: Projector) -> dict[str, Any]:
@@ -222,11 +231,12 @@ def vision_hf_config(text: dict[str, Any], metadata: dict[str, Any], projector: 
     the ids of the image tokens, looked up in the vocabulary. Raises :class:`ProjectorError` for a
     projector of another family, or a vocabulary without ``<|image_pad|>``."""
     arch = metadata["general.architecture"]
-    if projector.text_architecture != arch:
+    if arch not in projector.text_architectures:
         raise ProjectorError(
-            f"{projector.path}: a {projector.projector_type} projector goes with a {projector.text_architecture} "
-            f"text GGUF; this model is {arch}"
+            f"{projector.path}: a {projector.projector_type} projector goes with a "
+            f"{' or '.join(projector.text_architectures)} text GGUF; this model is {arch}"
         )
+    architecture = projector.text_architectures[arch]
     vision = projector.vision_config()
     deepstack = metadata.get(f"{arch}.n_deepstack_layers")
     if deepstack is not None and int(deepstack) != len(vision.get("deepstack_visual_indexes", [])):
@@ -242,8 +252,8 @@ def vision_hf_config(text: dict[str, Any], metadata: dict[str, Any], projector: 
         )
     config = dict(text)
     config.update(
-        architectures=[projector.architecture],
-        model_type=_MODEL_TYPES[projector.architecture],
+        architectures=[architecture],
+        model_type=_MODEL_TYPES[architecture],
         vision_config=vision,
         **{key: ids[token] for key, token in _VISION_TOKENS.items() if token in ids},
     )

@@ -33,7 +33,7 @@ from framework.testing.vision import VISION_CHAT_TEMPLATE
 
 #: ids the byte-level characters of the words take (their words are absent from the GGUF vocabulary)
 _CHARACTERS = {270 + i: c for i, c in enumerate(["Ġ", "t", "Ġt", *"0123456789"])}
-_ARCHES = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl"}
+_ARCHES = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}
 _PROJECTORS = {"qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger"}
 
 
@@ -69,7 +69,11 @@ def write_text_gguf(hf_dir: Path, path: Path, matrix_type: Q = Q.F32) -> Path:
     writer.add_head_count_kv(text["num_key_value_heads"])
     writer.add_rope_freq_base(float(text["rope_parameters"].get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(text["rms_norm_eps"])
-    if arch == "qwen3vl":
+    if arch == "qwen3vlmoe":
+        writer.add_expert_count(text.get("num_experts", text.get("num_local_experts")))
+        writer.add_expert_used_count(text["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(text["moe_intermediate_size"])
+    if arch in ("qwen3vl", "qwen3vlmoe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_num_deepstack_layers(len(config["vision_config"]["deepstack_visual_indexes"]))
@@ -91,6 +95,10 @@ def write_text_gguf(hf_dir: Path, path: Path, matrix_type: Q = Q.F32) -> Path:
         name = name.replace("language_model.", "")
         if name.startswith(("model.visual.", "visual.")):
             continue  # the projector's
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            for stack_name, stack in _expert_stacks(name, tensor, text["hidden_size"]):
+                writer.add_tensor(f"{names.get_name(stack_name)}.weight", stack.float().numpy())
+            continue
         base, suffix = name.rsplit(".", 1)
         values = tensor.float().numpy()
         if tensor.dim() == 2 and matrix_type != Q.F32:
@@ -103,12 +111,25 @@ def write_text_gguf(hf_dir: Path, path: Path, matrix_type: Q = Q.F32) -> Path:
     return path
 
 
+def _expert_stacks(name: str, tensor: torch.Tensor, hidden: int) -> list[tuple[str, torch.Tensor]]:
+    """``Qwen3VLMoeTextModel.modify_tensors``: the released ``gate_up_proj [E, H, 2I]`` split into
+    gate and up ``[E, I, H]``, ``down_proj [E, I, H]`` transposed to ``[E, H, I]`` (a checkpoint in
+    transformers 5's ``[E, 2I, H]`` / ``[E, H, I]`` is first put in the released layout)."""
+    base = name.rsplit(".", 1)[0]
+    if name.endswith("gate_up_proj"):
+        released = tensor if tensor.shape[1] == hidden else tensor.transpose(1, 2)
+        gate, up = released.chunk(2, dim=-1)
+        return [(f"{base}.gate_proj", gate.transpose(1, 2)), (f"{base}.up_proj", up.transpose(1, 2))]
+    released = tensor if tensor.shape[2] == hidden else tensor.transpose(1, 2)
+    return [(f"{base}.down_proj", released.transpose(1, 2))]
+
+
 def write_mmproj(hf_dir: Path, path: Path, outtype: Q = Q.F32) -> Path:
     """The vision projector of the VL checkpoint in ``hf_dir`` (``outtype`` F32 or F16)."""
     from fw_llama.qwen2_vl_processor import processor_settings
 
     config = json.loads((hf_dir / "config.json").read_text())
-    vision, kind = config["vision_config"], config["model_type"]
+    vision, kind = config["vision_config"], config["model_type"].removesuffix("_moe")
     preprocessor = processor_settings(json.loads((hf_dir / "preprocessor_config.json").read_text()))
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)

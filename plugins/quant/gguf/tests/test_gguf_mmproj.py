@@ -46,7 +46,7 @@ def conversation(*images):
     return [{"role": "user", "content": parts}]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def checkpoint(request, tmp_path_factory):
     """``(hf dir, gguf dir, transformers model)``: the text GGUF and an F32 and F16 projector, apart."""
     root = tmp_path_factory.mktemp(request.param)
@@ -54,7 +54,7 @@ def checkpoint(request, tmp_path_factory):
     if request.param == "qwen2_5_vl":
         reference = write_tiny_qwen2_5_vl(hf, window_size=112)  # llama.cpp's windows: files do not state them
     else:
-        reference = write_tiny_qwen3_vl(hf)
+        reference = write_tiny_qwen3_vl(hf, moe=request.param == "qwen3_vl_moe")
     sharpen_tower_attention(reference, hf)
     write_text_gguf(hf, root / "model-F32.gguf")
     for outtype in (Q.F32, Q.F16):
@@ -175,7 +175,7 @@ def test_the_tower_loads_the_checkpoints_weights_and_the_files_processor_setting
     for name, value in expected.items():
         assert torch.equal(tower[name], value), name
     settings = llm.engine.vision.processor_config
-    qwen3 = reference.config.model_type == "qwen3_vl"
+    qwen3 = reference.config.model_type.startswith("qwen3_vl")
     assert settings["patch_size"] == (16 if qwen3 else 14) and settings["merge_size"] == 2
     assert settings["image_mean"] == pytest.approx([0.5] * 3 if qwen3 else [0.48145466, 0.4578275, 0.40821073])
     assert (settings["min_pixels"], settings["max_pixels"]) == ((256 * 256, 4096**2) if qwen3 else (3136, 12845056))
@@ -185,7 +185,7 @@ def test_without_a_projector_the_text_model_answers_and_an_image_names_where_fw_
     hf, root, reference = checkpoint
     llm = LLM(str(served(root, "", tmp_path)), dtype="float32", device="cpu", num_blocks=8)
     assert llm.engine.vision is None
-    assert llm.engine.model_config.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    assert llm.engine.model_config.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     prompt = [290, 5, 6, 7, 291, 290, 8]
     got = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
     with torch.no_grad():
@@ -271,11 +271,8 @@ def test_a_projector_fw_cannot_use_is_refused_naming_the_valid_ones(checkpoint, 
         ModelLoadError, match="type 'gemma3' is not supported; supported: qwen2.5vl_merger, qwen3vl_merger"
     ):
         LLM(str(model), mmproj=projector("gemma3"), dtype="float32", device="cpu")
-    other, arch = (
-        ("qwen3vl_merger", "qwen2vl")
-        if reference.config.model_type == "qwen2_5_vl"
-        else ("qwen2.5vl_merger", "qwen3vl")
-    )
+    arch = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}[reference.config.model_type]
+    other = "qwen3vl_merger" if arch == "qwen2vl" else "qwen2.5vl_merger"
     with pytest.raises(ModelLoadError, match=f"a {other} projector goes with a .* text GGUF; this model is {arch}"):
         LLM(str(model), mmproj=projector(other), dtype="float32", device="cpu")
     shutil.copy(projector("gemma3"), tmp_path)  # beside the model: refused, unless --mmproj names another
