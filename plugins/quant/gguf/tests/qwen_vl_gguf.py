@@ -6,16 +6,18 @@ What the converter does, and this writer repeats (``Qwen2VLModel``, ``Qwen3VLTex
 
 - text: ``model.language_model.*`` renamed ``model.*`` and mapped by gguf-py's table; the vision
   tensors skipped; ``{arch}.rope.dimension_sections`` (M-RoPE, padded to 4); Qwen3-VL's
-  ``{arch}.n_deepstack_layers``;
+  ``{arch}.n_deepstack_layers``; Qwen3-VL-MoE's fused expert stacks split per projection
+  (``Qwen3VLMoeTextModel``);
 - projector (``general.architecture`` ``clip``): ``clip.vision.*`` hyper-parameters, the
   preprocessor's mean and std, Qwen2.5-VL's ``n_wa_pattern`` (full-attention block period) and
   its q/k/v split out of ``qkv``, Qwen3-VL's merge size, DeepStack flags and ``v.deepstack.{block}``
   tensors, the Conv3D patch embedding split into one Conv2D weight per frame; with f16, tensors of
   two or more dimensions in f16 (Qwen2.5-VL's position table excepted), the rest f32.
 
-The tokenizer is the test checkpoint's word vocabulary as a byte-level BPE: ``tK`` is spelled
-``Ġt``+digits with merges that rebuild it from its characters, and thirteen ids near the end of the
-word range hold those characters instead, so ``" t5"`` is id 5 as in the word-level tokenizer.
+The tokenizer is a byte-level BPE over the checkpoint's ids: its specials where the word-level
+tokenizer has them, and ids 270..282 holding ``Ġ``, ``t``, ``Ġt`` and the digits, which is what the
+Qwen 2 split makes of a prompt's words (``" t5"`` -> ``Ġt`` ``5``; other letters are dropped). The
+prompt ids therefore differ from the word-level tokenizer's: tests hand fw's ids to transformers.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from safetensors.torch import load_file
 
 from framework.testing.vision import VISION_CHAT_TEMPLATE
 
-#: ids the byte-level characters of the words take (their words are absent from the GGUF vocabulary)
+#: ids that hold the byte-level pieces of the prompts' words instead of the words
 _CHARACTERS = {270 + i: c for i, c in enumerate(["Ġ", "t", "Ġt", *"0123456789"])}
 _ARCHES = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}
 _PROJECTORS = {"qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger"}
@@ -45,13 +47,7 @@ def _vocabulary(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     for index, text in _CHARACTERS.items():
         tokens[index] = text
     types = [3 if t in ("<s>", "</s>", *specials) else 1 for t in tokens]
-    known = set(tokens)
-    merges = ["Ġ t"] + [
-        f"{word[:-1]} {word[-1]}"
-        for word in sorted((t for t in tokens if t.startswith("Ġt") and len(t) > 2), key=len)
-        if word[:-1] in known
-    ]
-    return tokens, types, merges
+    return tokens, types, ["Ġ t"]
 
 
 def write_text_gguf(hf_dir: Path, path: Path, matrix_type: Q = Q.F32) -> Path:
