@@ -197,7 +197,11 @@ class LLM:
                 continue
             vision = self.engine.vision
             if vision is None:
-                raise ConfigError(f"{part}: this model ({self.engine.model_config.architecture}) does not take images")
+                reason = self.engine.summary.get("text_only_reason")
+                raise ConfigError(
+                    f"{part}: this model ({self.engine.model_config.architecture}) does not take images"
+                    + (f": {reason}" if reason else "")
+                )
             if self._image_processor is None:
                 self._image_processor = load_processor(vision)
             max_tokens = self.engine.model_config.max_model_len

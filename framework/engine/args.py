@@ -53,6 +53,14 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Annotated[str | None, _opt("Hugging Face repo id, local directory or .gguf file.", "--m", "--model")] = None
     weights: Annotated[str | None, _opt("Local weight directory (overrides --m's files).", "--w", "--weights")] = None
     file: Annotated[str | None, _opt("A file or subfolder of GGUFs inside --m.", "--f", "--file")] = None
+    mmproj: Annotated[
+        str | None,
+        _opt(
+            "llama.cpp vision projector (mmproj*.gguf) of a Qwen2.5-VL / Qwen3-VL GGUF: a local file or a file of "
+            "the --m Hub repo; default: the mmproj*.gguf beside the model file; none: text only.",
+            "--mmproj",
+        ),
+    ] = None
     revision: Annotated[str | None, _opt("Hub revision (branch, tag or commit).", "--revision")] = None
     load_format: Annotated[
         str,

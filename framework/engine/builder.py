@@ -103,7 +103,7 @@ class EngineBuilder:
             model_cls, config, quant_config, self.source, self.device, self.args.seed, self.isq_report
         )
         self.load_seconds = time.perf_counter() - started
-        self.vision = model_loading.vision_spec(model_cls, config, self.source_path)
+        self.vision = model_loading.vision_spec(model_cls, config, self.source_path, self.source)
         return self.torch_model
 
     def release_model(self, error: BaseException | None = None) -> None:

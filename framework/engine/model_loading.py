@@ -28,10 +28,10 @@ import torch
 from framework import isq, plugins, registries
 from framework.config import ModelConfig, resolve_dtype, with_yarn_scaling
 from framework.engine.args import EngineArgs
-from framework.errors import ModelLoadError
+from framework.errors import ConfigError, ModelLoadError
 from framework.loader import model_loader
 from framework.loader.format import WeightFormat
-from framework.loader.source import resolve_local_path
+from framework.loader.source import hub_projector, is_hub_repo, resolve_local_path, resolve_projector_path
 from framework.multimodal.inputs import VisionSpec
 from framework.platform import Platform, platform_for_device
 from framework.quantization import QuantConfig, verify_quant_methods
@@ -54,10 +54,34 @@ class ModelSetup(NamedTuple):
 
 
 def open_source(args: EngineArgs) -> OpenedSource:
-    """Load the plugins, resolve ``args``'s model to a local path and open its weight format."""
+    """Load the plugins, resolve ``args``'s model to a local path and open its weight format.
+
+    A format that takes a vision projector (a GGUF's ``use_projector``) gets ``--mmproj``'s
+    (``none``: serve the text model); without the flag, one that ``wants_projector`` (a vision
+    GGUF with none beside it) from a Hub repo gets the projector of the model's repo folder."""
     plugins.load_plugins()
     path = resolve_local_path(args.model, args.weights, args.file, args.revision)
-    return OpenedSource(path, model_loader.open_model_source(Path(path), args.file, args.load_format))
+    source = model_loader.open_model_source(Path(path), args.file, args.load_format)
+    use_projector = getattr(source, "use_projector", None)
+    if args.mmproj is not None and use_projector is None:
+        raise ConfigError(
+            f"--mmproj names a llama.cpp vision projector for a GGUF model; this model's weights are {source.name}"
+        )
+    if args.mmproj == "none":
+        use_projector(None, "file, and --mmproj none turned it off")
+    elif args.mmproj is not None:
+        use_projector(resolve_projector_path(args.mmproj, args.model, args.revision))
+    elif getattr(source, "wants_projector", False) and is_hub_repo(args.model) and not args.weights:
+        # a vision GGUF from the Hub with no projector beside it: its repo folder's, on demand
+        projector = hub_projector(args.model, source.files[0], args.revision)
+        use_projector(
+            projector,
+            None
+            if projector
+            else f"file, and fw found none beside {source.files[0].name} in the Hub repo {args.model} "
+            "(name one with --mmproj PATH)",
+        )
+    return OpenedSource(path, source)
 
 
 def with_config_defaults(hf_config: dict[str, Any], platform: Platform) -> dict[str, Any]:
@@ -140,13 +164,19 @@ def load_model(
     return model.eval()
 
 
-def vision_spec(model_cls: type[torch.nn.Module], config: ModelConfig, source_path: str) -> VisionSpec | None:
+def vision_spec(
+    model_cls: type[torch.nn.Module], config: ModelConfig, source_path: str, source: WeightFormat | None = None
+) -> VisionSpec | None:
     """How a vision model takes images (its ``vision_spec`` with the checkpoint's
-    ``preprocessor_config.json``, if the source directory has one); None for a text model."""
+    ``preprocessor_config.json`` if the source directory has one, else what ``source`` states:
+    :meth:`~framework.loader.format.WeightFormat.preprocessor_config`); None for a text model."""
     if not hasattr(model_cls, "vision_spec"):
         return None
     file = Path(source_path) / "preprocessor_config.json"
-    preprocessor = json.loads(file.read_text()) if file.is_file() else {}
+    if file.is_file():
+        preprocessor = json.loads(file.read_text())
+    else:
+        preprocessor = source.preprocessor_config() if source is not None else {}
     return model_cls.vision_spec(config, preprocessor)
 
 

@@ -49,6 +49,8 @@ def engine_summary(builder: EngineBuilder, core: EngineCore) -> dict[str, Any]:
             "image_token_id": self.vision.image_token_id,
             "max_images": self.vision.max_images,
         }
+    elif (reason := self.source.text_only_reason()) is not None:  # a vision family's model served as text
+        summary["text_only_reason"] = reason
     if getattr(self, "isq_report", None) is not None:
         summary["isq"] = self.isq_report.describe()
     if self.parallel.is_parallel:

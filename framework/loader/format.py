@@ -56,6 +56,17 @@ class WeightFormat(ABC):
         loading. The default reads the stream once; formats with an index override it."""
         return {name: tuple(tensor.shape) for name, tensor in self.iter_weights()}
 
+    def preprocessor_config(self) -> dict[str, Any]:
+        """The image processor settings of a vision model whose source has no
+        ``preprocessor_config.json`` (a GGUF's vision projector states them), in that file's keys;
+        empty by default (the file, where present, is read instead)."""
+        return {}
+
+    def text_only_reason(self) -> str | None:
+        """Why a model of a vision family is served without images (a GGUF without its vision
+        projector: where fw looked), for the refusal of an image part; None otherwise."""
+        return None
+
     def num_weights(self) -> int | None:
         """How many tensors ``iter_weights`` yields, for the progress bar (None if unknown)."""
         return None

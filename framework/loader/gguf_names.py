@@ -32,6 +32,23 @@ def is_projector(name: str) -> bool:
     return "mmproj" in PurePosixPath(name).name.lower()
 
 
+#: Projector precisions in order of preference, when a folder holds several (F16, BF16, F32 exports...)
+_PROJECTOR_PREFERENCE = ("F16", "BF16", "F32", "Q8_0")
+
+
+def pick_projector(names: Iterable[str], model_file: str) -> str | None:
+    """The projector (``mmproj*.gguf``) among ``names`` in ``model_file``'s folder, or None; of
+    several, the first by the quant name in the file name (F16, BF16, F32, Q8_0), then by name."""
+    folder = PurePosixPath(model_file).parent
+    found = sorted(n for n in names if n.endswith(".gguf") and is_projector(n) and PurePosixPath(n).parent == folder)
+
+    def rank(name: str) -> int:
+        quant = quant_name(name)
+        return _PROJECTOR_PREFERENCE.index(quant) if quant in _PROJECTOR_PREFERENCE else len(_PROJECTOR_PREFERENCE)
+
+    return min(found, key=rank) if found else None
+
+
 def gguf_models(names: Iterable[str]) -> list[list[str]]:
     """The distinct GGUF models among ``names`` (sorted), each the list of its files, first shard
     first; projectors and non-GGUF names are left out. A split's shards count as one model even

@@ -4,7 +4,8 @@ Hub access goes through ``huggingface_hub`` (its cache, ``HF_HUB_OFFLINE``, toke
 cannot be reached and is not cached fails with a message naming it. A repo of GGUF files named
 without ``--f`` is listed first: its one model (one file, or one split's shards) is downloaded,
 and a repo of several fails with their names and quant types. A split GGUF (``--f`` its first
-shard, or picked so) downloads every shard.
+shard, or picked so) downloads every shard. A vision GGUF's projector (``mmproj*.gguf``) is
+downloaded on demand, once the opened model asks for one (:func:`hub_projector`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from framework.errors import ModelLoadError
-from framework.loader.gguf_names import gguf_models, quant_name, split_shard_names
+from framework.loader.gguf_names import gguf_models, pick_projector, quant_name, split_shard_names
 
 #: Files a model needs besides its weights.
 _META_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken"]
@@ -129,6 +130,50 @@ def _pick_gguf(repo_id: str, revision: str | None) -> str | None:
         + "; pick one with --f:\n  "
         + "\n  ".join(lines)
     )
+
+
+def is_hub_repo(model: str | None) -> bool:
+    """Whether ``--m`` names a Hub repo (``owner/name``, no such local path)."""
+    return bool(model) and not Path(model).expanduser().exists() and model.count("/") == 1
+
+
+def hub_projector(repo_id: str, model_file: Path, revision: str | None = None) -> Path | None:
+    """The vision projector of the Hub repo's folder that holds the downloaded ``model_file``
+    (:func:`pick_projector`), downloaded; None when the folder has none or the Hub cannot list the
+    repo (offline, a cached projector already lies beside the cached model)."""
+    import huggingface_hub
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        names = huggingface_hub.list_repo_files(repo_id, revision=revision)
+    except Exception:  # noqa: BLE001 - no listing: served without images, and the reason says where fw looked
+        return None
+    local = model_file.as_posix()
+    matches = [name for name in names if local.endswith("/" + name)]
+    picked = pick_projector(names, max(matches, key=len)) if matches else None
+    return None if picked is None else Path(huggingface_hub.hf_hub_download(repo_id, picked, revision=revision))
+
+
+def resolve_projector_path(mmproj: str, model: str | None, revision: str | None = None) -> Path:
+    """``--mmproj``: a local file, or a file of the ``--m`` Hub repo (downloaded)."""
+    path = Path(mmproj).expanduser()
+    if path.is_file():
+        return path
+    if not is_hub_repo(model) or mmproj.startswith((".", "/", "~")):
+        raise ModelLoadError(f"vision projector {mmproj!r} (--mmproj) does not exist")
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return Path(huggingface_hub.hf_hub_download(model, mmproj, revision=revision))
+    except EntryNotFoundError:
+        raise ModelLoadError(f"vision projector {mmproj!r} (--mmproj) is neither a file nor in {model!r}") from None
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(
+            f"vision projector {mmproj!r} of {model!r} is not in the local Hugging Face cache and the Hub "
+            "cannot be reached: pass a local path with --mmproj"
+        ) from None
 
 
 def _download_gguf(repo_id: str, file: str, revision: str | None) -> Path:

@@ -71,7 +71,9 @@ def reject_unsupported(body: Any, names: tuple[str, ...]) -> None:
         )
 
 
-def template_messages(messages: list[ChatMessage], allow_images: bool = False) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[ChatMessage], allow_images: bool = False, text_only_reason: str | None = None
+) -> list[dict[str, Any]]:
     """Messages as the chat template expects them; text-only content parts are joined text. With
     ``allow_images`` (a vision model's chat completion) a content with ``image_url`` parts stays a
     list of parts (:func:`framework.server.chat_images.chat_prompt_with_images` takes them)."""
@@ -86,7 +88,7 @@ def template_messages(messages: list[ChatMessage], allow_images: bool = False) -
             )
         content = message.content
         if isinstance(content, list) and any(part.get("type") == "image_url" for part in content):
-            content = image_parts(content, i, allow_images)
+            content = image_parts(content, i, allow_images, text_only_reason)
         elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -111,16 +113,23 @@ def template_messages(messages: list[ChatMessage], allow_images: bool = False) -
     return result
 
 
-def image_parts(content: list[dict[str, Any]], index: int, allow_images: bool) -> list[dict[str, Any]]:
+def image_parts(
+    content: list[dict[str, Any]], index: int, allow_images: bool, text_only_reason: str | None = None
+) -> list[dict[str, Any]]:
     """A content list with images, checked: only ``text`` and ``image_url`` parts, and images only
-    where ``allow_images`` (else a 400 naming the first image part)."""
+    where ``allow_images`` (else a 400 naming the first image part, and ``text_only_reason`` where
+    the model is a vision model served without its vision tower)."""
     for j, part in enumerate(content):
         param = f"messages[{index}].content[{j}]"
         if part.get("type") == "image_url" and not allow_images:
+            why = (
+                f": {text_only_reason}"
+                if text_only_reason
+                else " (image_url parts need a vision model, through /v1/chat/completions)"
+            )
             raise APIError(
                 400,
-                f"{param} is an image, and this model does not take images (image_url parts need a vision "
-                "model, through /v1/chat/completions)",
+                f"{param} is an image, and this model does not take images{why}",
                 param=param,
                 code="unsupported_parameter",
             )

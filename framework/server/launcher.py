@@ -94,6 +94,8 @@ def format_summary(ready: Ready) -> str:
         *(
             [f"  images     up to {s['vision']['max_images']} per prompt ({s['vision']['image_processor']})"]
             if s.get("vision")
+            else [f"  images     none: {s['text_only_reason']}"]
+            if s.get("text_only_reason")
             else []
         ),
         f"  KV cache   {s.get('kv_cache_dtype', 'auto')}: {s.get('kv_blocks')} blocks, {s.get('kv_tokens')} tokens, "

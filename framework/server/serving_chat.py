@@ -92,7 +92,9 @@ def start_chat(
         )
     release = state.admit(max(body.n, 1))
     try:
-        messages = template_messages(body.messages, allow_images=state.vision is not None)
+        messages = template_messages(
+            body.messages, allow_images=state.vision is not None, text_only_reason=state.text_only_reason
+        )
         turn = ChatTurn(state, body, setup, messages, processed_images)
         release.add_tokens(len(turn.prompt_ids) * max(body.n, 1))
     except BaseException:

@@ -138,6 +138,12 @@ class ServerState:
         """How the model takes images (:class:`~framework.multimodal.inputs.VisionSpec`), or None."""
         return getattr(self.client.ready, "vision", None)
 
+    @property
+    def text_only_reason(self) -> str | None:
+        """Why a model of a vision family takes no images (a GGUF without its vision projector), or None."""
+        summary = getattr(self.client.ready, "summary", None) or {}
+        return summary.get("text_only_reason")
+
     def image_processor(self) -> Any:
         """The vision model's image processor, built on first use (for the served engine's spec)."""
         spec = self.vision

@@ -105,9 +105,10 @@ def write_tiny_mistral3(path, seed: int = 0):
     return model
 
 
-def write_tiny_qwen2_5_vl(path, seed: int = 0):
+def write_tiny_qwen2_5_vl(path, seed: int = 0, window_size: int = 56):
     """A random Qwen2.5-VL (text: hidden 64, 2 layers, M-RoPE sections [2, 3, 3]; vision: hidden 32,
-    2 blocks, the second with full attention, 2x2-block windows) written to ``path``; returns the
+    2 blocks, the second with full attention, windows of ``window_size`` pixels: 2x2 merged blocks;
+    112, the released checkpoints' and llama.cpp's, 4x4) written to ``path``; returns the
     transformers model (fp32, eval mode, norms and biases randomised) as the reference."""
     import torch
     import transformers
@@ -137,7 +138,7 @@ def write_tiny_qwen2_5_vl(path, seed: int = 0):
             patch_size=14,
             spatial_merge_size=2,
             temporal_patch_size=2,
-            window_size=56,
+            window_size=window_size,
             fullatt_block_indexes=[1],
         ),
         image_token_id=IMAGE_TOKEN_ID,

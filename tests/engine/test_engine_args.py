@@ -26,6 +26,7 @@ SAMPLES: dict[str, tuple[object, dict]] = {
     "model": ("some/repo", {}),
     "weights": ("/some/dir", {}),
     "file": ("x.gguf", {}),
+    "mmproj": ("mmproj-F16.gguf", {}),
     "revision": ("main", {}),
     "load_format": ("safetensors", {}),
     "quantization": ("gguf", {}),

@@ -31,6 +31,7 @@ from framework.config import ModelConfig
 from framework.layers import residual_norm
 from framework.layers.fused_moe import map_expert_weight_name
 from framework.layers.mlp import MLPFactory, dense_mlp
+from framework.loader.checkpoint_slice import materialize
 from framework.loader.model_loader import load_parameters
 from framework.quantization import QuantConfig
 from fw_llama.model import LlamaModel
@@ -115,16 +116,19 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
         name, args = Qwen2_5_VLForConditionalGeneration.map_weight_name(name)
         return (name, args) if args is not None else map_expert_weight_name(name)
 
+    #: lazy slices go on to the layers (a GGUF's packed expert stacks); only a stack to transpose is read whole
+    reads_checkpoint_slices = True
+
     def load_weights(self, weights) -> set[str]:
         params = dict(self.named_parameters())
 
         def laid_out(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            if ".mlp.experts." not in name:
-                return tensor
+            if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                return tensor  # not a fused HF stack (a GGUF's per-projection stacks are laid out already)
             target, _ = self.map_weight_name(name)
             param = params.get(target)
-            if param is None or tensor.ndim != 3 or tensor.shape == param.shape:
+            if param is None or len(tensor.shape) != 3 or tuple(tensor.shape) == tuple(param.shape):
                 return tensor
-            return tensor.transpose(1, 2)  # the released checkpoints' [E, in, out]
+            return materialize(tensor).transpose(1, 2)  # the released checkpoints' [E, in, out]
 
         return load_parameters(self, ((name, laid_out(name, tensor)) for name, tensor in weights))

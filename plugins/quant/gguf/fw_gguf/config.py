@@ -27,6 +27,10 @@ HF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    # Qwen2.5-VL / Qwen3-VL text: served as the VL model with an mmproj file (``fw_gguf.mmproj``), else as text
+    "qwen2vl": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3vl": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3vlmoe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
@@ -41,7 +45,7 @@ HF_ARCHITECTURES = {
 }
 
 _GEMMA = ("gemma2", "gemma3")
-_MOE = ("qwen2moe", "qwen3moe")
+_MOE = ("qwen2moe", "qwen3moe", "qwen3vlmoe")
 # block counts of the 27B Gemmas, the only sizes llama.cpp scales queries by hidden/heads
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -89,7 +93,8 @@ def _layer_types(md: dict[str, Any], arch: str, num_layers: int) -> list[str]:
 def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` dict for a GGUF model with this metadata.
 
-    Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3, qwen2moe, qwen3moe, gemma2,
+    Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3 (and their VL text models
+    qwen2vl, qwen3vl and qwen3vlmoe, as text: ``fw_gguf.mmproj`` adds the vision tower), qwen2moe, qwen3moe, gemma2,
     gemma3 (text), phi3, stablelm, glm4, deepseek2 and glm4moe (``fw_gguf.grouped_moe``), qwen35,
     qwen35moe and qwen3next (``fw_gguf.hybrid``), llama4 (``fw_gguf.llama4``) and gemma4
     (``fw_gguf.gemma4``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
@@ -151,7 +156,7 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
 
     if arch == "llama" and names is not None:
         config["attention_bias"] = "blk.0.attn_q.bias" in names
-    elif arch == "qwen2":
+    elif arch in ("qwen2", "qwen2vl"):
         config["use_sliding_window"] = False
     elif arch in _MOE:
         config.update(_moe_config(arch, key, num_layers, names))
@@ -216,7 +221,7 @@ def _moe_config(arch: str, key, num_layers: int, names: set[str] | None) -> dict
         "num_experts": key("expert_count"),
         "num_experts_per_tok": key("expert_used_count"),
         "moe_intermediate_size": key("expert_feed_forward_length"),
-        "norm_topk_prob": bool(key("expert_weights_norm", arch == "qwen3moe")),
+        "norm_topk_prob": bool(key("expert_weights_norm", arch in ("qwen3moe", "qwen3vlmoe"))),
         "decoder_sparse_step": 1,
         "use_sliding_window": False,
     }

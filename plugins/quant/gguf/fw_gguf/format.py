@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,22 @@ from .gemma4 import GEMMA4_ARCHITECTURES, complete_gemma4_config, gemma4_tensor_
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, kv_b_from_split, loads_as_float
 from .hybrid import HYBRID_ARCHITECTURES, HybridLayout, fuse_qkvz, norm_is_shifted, to_hf_layout
 from .lazy import GGUFTensorSlice
+from .mmproj import VISION_TEXT_ARCHITECTURES, Projector, ProjectorError, find_projector, vision_hf_config
 from .reader import GGUFError, open_gguf_model, resolve_gguf_files
 from .rope_freqs import llama3_scaling_from_factors
 from .tokenizer import chat_template, special_token_ids, stop_token_ids, tokenizer_from_gguf
 
+log = logging.getLogger("fw.loader")
+
 
 class GGUFFormat(WeightFormat):
-    """A GGUF model: a ``.gguf`` file, the first shard of a split, or a directory holding one."""
+    """A GGUF model: a ``.gguf`` file, the first shard of a split, or a directory holding one.
+
+    A Qwen2.5-VL / Qwen3-VL text GGUF (``qwen2vl``, ``qwen3vl``, ``qwen3vlmoe``) takes images through its llama.cpp
+    vision projector: the ``mmproj*.gguf`` beside it (:func:`~fw_gguf.mmproj.find_projector`), or
+    the file :meth:`use_projector` names (``--mmproj``). Without one it is served as its text model
+    and :meth:`text_only_reason` says where fw looked.
+    """
 
     name = "gguf"
 
@@ -52,7 +62,7 @@ class GGUFFormat(WeightFormat):
         self.metadata = self.model.metadata
         self.arch = self.model.architecture
         try:
-            self._config = hf_config_from_gguf(self.metadata, self.model.tensors.keys())
+            self._text_config = self._config = hf_config_from_gguf(self.metadata, self.model.tensors.keys())
             self._names = tensor_name_map(self.arch, int(self._config["num_hidden_layers"]))
             self._add_longrope_factors()
             self._add_llama3_factors()
@@ -66,6 +76,61 @@ class GGUFFormat(WeightFormat):
                 as_quant_type(info.qtype)
             except UnsupportedQuantTypeError as exc:
                 raise ModelLoadError(f"{self.files[0]}: tensor {info.name}: {exc}") from None
+        self.projector: Projector | None = None
+        self._text_only_reason: str | None = None
+        self._projector_error: ModelLoadError | None = None  # the found projector's, unless --mmproj replaces it
+        if self.arch in VISION_TEXT_ARCHITECTURES:
+            try:
+                self.use_projector(find_projector(self.files[0]))
+            except ModelLoadError as exc:  # raised by hf_config unless --mmproj names another
+                self._projector_error = ModelLoadError(
+                    f"{exc} (found beside the model; --mmproj PATH names another, --mmproj none serves the text model)"
+                )
+
+    def use_projector(self, path: Path | None, why: str | None = None) -> None:
+        """Take images through the vision projector at ``path`` (an ``mmproj*.gguf``), or serve the
+        text model (None; ``why`` says why, else that none was found beside the model). Raises
+        ModelLoadError for a file that is not a projector this model takes."""
+        self.projector, self._config, self._projector_error = None, self._text_config, None
+        if path is None:
+            if self.arch in VISION_TEXT_ARCHITECTURES:
+                self._text_only_reason = (
+                    f"this {self.arch} GGUF takes images through its llama.cpp vision projector, an mmproj*.gguf "
+                    + (
+                        why
+                        or f"file, and fw found none beside it in {self.files[0].parent} (name one with --mmproj PATH)"
+                    )
+                )
+            return
+        if self.arch not in VISION_TEXT_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{path}: a vision projector (--mmproj) needs a vision model's text GGUF "
+                f"({', '.join(VISION_TEXT_ARCHITECTURES)}); {self.files[0].name} is {self.arch!r}"
+            )
+        try:
+            projector = Projector(path)
+            self._config = vision_hf_config(self._text_config, self.metadata, projector)
+        except (GGUFError, ProjectorError) as exc:
+            raise ModelLoadError(str(exc)) from None
+        for info in projector.tensors.values():
+            try:
+                as_quant_type(info.qtype)
+            except UnsupportedQuantTypeError as exc:
+                raise ModelLoadError(f"{path}: tensor {info.name}: {exc}") from None
+        self.projector, self._text_only_reason = projector, None
+        log.info("vision projector: %s (%s)", path, projector.projector_type)
+
+    @property
+    def wants_projector(self) -> bool:
+        """Whether this is a vision model's text GGUF with no projector found beside it (the engine
+        then looks in its Hub repo, :func:`framework.loader.source.hub_projector`)."""
+        return self.arch in VISION_TEXT_ARCHITECTURES and self.projector is None and self._projector_error is None
+
+    def text_only_reason(self) -> str | None:
+        return self._text_only_reason
+
+    def preprocessor_config(self) -> dict[str, Any]:
+        return self.projector.preprocessor_config() if self.projector is not None else {}
 
     def _add_longrope_factors(self) -> None:
         """Phi-3 LongRoPE: llama.cpp keeps the short and long factors as tensors, not metadata."""
@@ -98,6 +163,8 @@ class GGUFFormat(WeightFormat):
             self._config["rope_scaling"] = scaling
 
     def hf_config(self) -> dict[str, Any]:
+        if self._projector_error is not None:
+            raise self._projector_error
         return dict(self._config)
 
     def generation_config(self) -> dict[str, Any]:
@@ -185,14 +252,25 @@ class GGUFFormat(WeightFormat):
                 yield from split_per_head_norm(hf_name, tensor)
                 continue
             yield hf_name, tensor
+        if self.projector is not None:
+            yield from self.projector.iter_weights()
 
     def _joins_qkvz(self, hf_name: str) -> bool:
         """Qwen3-Next's ``attn_gate`` (``in_proj_z``), read with ``attn_qkv`` into ``in_proj_qkvz``."""
         return self.arch == "qwen3next" and hf_name.endswith(".linear_attn.in_proj_z.weight")
 
     def num_weights(self) -> int | None:
+<<<<<<< HEAD
         return sum(
             2 if name.endswith(".ffn_gate_up_exps.weight") else 1
+=======
+        return (self.projector.num_weights() if self.projector is not None else 0) + sum(
+            1
+>>>>>>> mmproj
             for name in self.model.tensors
             if name in self._names and ".attn_v_b." not in name and not self._joins_qkvz(self._names[name])
         )
+
+    def checkpoint_bytes(self) -> int | None:
+        text = super().checkpoint_bytes()
+        return text + self.projector.path.stat().st_size if self.projector is not None and text else text
