@@ -645,16 +645,18 @@ def tensor_parallel_size(args: argparse.Namespace) -> int:
 
 def report_header(device: str | None = None) -> dict[str, str]:
     """The keys every results JSON starts with: date, device (default :func:`device_name`), commit,
-    command and the torch version."""
+    command and the torch version; ``FW_KERNELS`` too where it forces kernels (part of the command)."""
+    import os
     import time
 
+    forced = {"FW_KERNELS": os.environ["FW_KERNELS"]} if os.environ.get("FW_KERNELS") else {}
     return {
         "date": time.strftime("%Y-%m-%d"),
         "device": device or device_name(),
         "commit": git_commit(),
         "command": command_line(),
         "torch": torch.__version__,
-    }
+    } | forced
 
 
 def write_kernel_report(path: str, results: list, **extra: Any) -> None:
