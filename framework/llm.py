@@ -185,15 +185,16 @@ class LLM:
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
 
-        def encode(conversation: list[dict]) -> list[int]:
-            return self.tokenizer.encode_chat(
+        def render(conversation: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(
                 conversation, tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
             )
 
         prompts = []
         for conversation in conversations:
             if (part := first_image_part(conversation)) is None:
-                prompts.append({"prompt_token_ids": encode(conversation)})
+                ids = self.tokenizer.encode(render(conversation), add_special_tokens=False)
+                prompts.append({"prompt_token_ids": ids})
                 continue
             vision = self.engine.vision
             if vision is None:
@@ -205,6 +206,6 @@ class LLM:
             if self._image_processor is None:
                 self._image_processor = load_processor(vision)
             max_tokens = self.engine.model_config.max_model_len
-            ids, images = vision_prompt(conversation, vision, self._image_processor, encode, max_tokens)
+            ids, images = vision_prompt(conversation, vision, self._image_processor, self.tokenizer, render, max_tokens)
             prompts.append({"prompt_token_ids": ids, "images": images})
         return self.generate(prompts, sampling_params)

@@ -24,7 +24,11 @@ class VisionSpec(msgspec.Struct, frozen=True, kw_only=True):
     image's span may hold (Pixtral's row break and image end), which keep their token embeddings;
     ``placeholder_token_id``: for a model whose template writes another token than its image
     token (Llama 4: ``<|image|>``, its embeddings going to ``<|patch|>`` tokens), that token, which
-    the span replaces (and may hold again as a layout token); ``max_images``: per prompt.
+    the span replaces (and may hold again as a layout token); ``text_around_placeholder``: the
+    text put before and after each placeholder the template writes, in the prompt text, before it
+    is tokenized (Gemma 3: a blank line each side, as its processor writes them; they merge with
+    neighbouring newlines into one token, so they cannot be added as ids afterwards);
+    ``max_images``: per prompt.
     """
 
     processor: str
@@ -32,6 +36,7 @@ class VisionSpec(msgspec.Struct, frozen=True, kw_only=True):
     image_token_id: int
     layout_token_ids: list[int] = []
     placeholder_token_id: int | None = None
+    text_around_placeholder: tuple[str, str] = ("", "")
     max_images: int = DEFAULT_MAX_IMAGES
 
 

@@ -19,15 +19,27 @@ A model may name a placeholder other than its image token (``VisionSpec.placehol
 
     template ids:  ... <|image|> ...
     prompt ids:    ... <|image_start|> <|image|> <|patch|> x num_embeddings <|image_end|> ...   (Llama 4)
+
+A model whose processor also writes text around each image (``VisionSpec.text_around_placeholder``)
+gets it in the template's text before tokenizing, where it merges with the text beside it as the
+processor's does (:func:`add_text_around_placeholders`); the span itself is still placed by id::
+
+    template text: ...user\n<start_of_image>look<end_of_turn>...
+    prompt text:   ...user\n\n\n<start_of_image>\n\nlook<end_of_turn>...             (Gemma 3)
+    prompt ids:    ... "user" "\n\n\n" <start_of_image> <image_soft_token> x 256 <end_of_image> "\n\n" "look" ...
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from framework.errors import ConfigError
 from framework.multimodal.images import ImageError, decode_image_url, image_url_of, to_rgb
 from framework.multimodal.inputs import ImageInput, ImageProcessor, ProcessedImage, VisionSpec
+
+if TYPE_CHECKING:
+    from framework.tokenizer import Tokenizer
 
 IMAGE_PART_TYPES = ("image_url", "image")
 
@@ -174,17 +186,42 @@ def expand_placeholders(
     return ids, inputs
 
 
+def add_text_around_placeholders(text: str, spec: VisionSpec, tokenizer: Tokenizer) -> str:
+    """``text`` with ``spec.text_around_placeholder`` around each placeholder token's text in it.
+
+    For the template's own text only (a client's text that spells the placeholder is not an image:
+    :func:`framework.server.chat_tokens.encode_chat` keeps it out). Raises ConfigError where the
+    tokenizer has no text for the placeholder token (a spec that does not fit its tokenizer)."""
+    before, after = spec.text_around_placeholder
+    if not (before or after):
+        return text
+    placeholder = spec.image_token_id if spec.placeholder_token_id is None else spec.placeholder_token_id
+    marker = tokenizer.id_to_token(placeholder)
+    if not marker:
+        raise ConfigError(f"the tokenizer has no token {placeholder}, which the model names as its image placeholder")
+    return text.replace(marker, before + marker + after)
+
+
 def vision_prompt(
     messages: list[dict[str, Any]],
     spec: VisionSpec,
     processor: ImageProcessor,
-    encode: Callable[[list[dict[str, Any]]], list[int]],
+    tokenizer: Tokenizer,
+    render: Callable[[list[dict[str, Any]]], str],
     max_tokens: int | None = None,
 ) -> tuple[list[int], list[ImageInput]]:
-    """The prompt ids of ``messages`` (``encode`` renders and tokenizes them) with their images
-    preprocessed and placed; raises :class:`ContentImageError` / ImageError for bad images."""
+    """The prompt ids of ``messages`` with their images preprocessed and placed; raises
+    :class:`ContentImageError` / ImageError for bad images. ``render`` renders messages with the
+    chat template; the text, with the model's text around its placeholders, is tokenized with
+    special-token text as control tokens (an in-process caller's text is its own; the API process
+    keeps a client's text out of them: :mod:`framework.server.chat_images`)."""
     shaped, images = take_images(messages, spec.max_images)
     processed = process_images(images, processor, max_tokens)
+    text = add_text_around_placeholders(render(shaped), spec, tokenizer)
     return expand_placeholders(
-        encode(shaped), processed, spec.image_token_id, spec.layout_token_ids, spec.placeholder_token_id
+        tokenizer.encode(text, add_special_tokens=False),
+        processed,
+        spec.image_token_id,
+        spec.layout_token_ids,
+        spec.placeholder_token_id,
     )

@@ -16,6 +16,7 @@ from framework.multimodal.images import ImageError
 from framework.multimodal.inputs import ImageInput, ProcessedImage
 from framework.multimodal.prompt import (
     ContentImageError,
+    add_text_around_placeholders,
     expand_placeholders,
     image_parts,
     process_images,
@@ -53,16 +54,23 @@ def chat_prompt_with_images(
     messages: list[dict[str, Any]],
     processed: list[ProcessedImage] | None = None,
 ) -> tuple[str, list[int], list[ImageInput], list[ProcessedImage]]:
-    """The prompt text (one image token per image), its ids (each image token replaced by its
-    image's span), the images placed in them, and the preprocessed images (``processed``: those of
-    :func:`prepare_images_off_loop`, else they are prepared here)."""
+    """The prompt text (one placeholder per image, with the model's text around it), its ids
+    (each placeholder replaced by its image's span), the images placed in them, and the
+    preprocessed images (``processed``: those of :func:`prepare_images_off_loop`, else they are
+    prepared here)."""
     if processed is None:
         processed = prepare_images(state, messages)
     if len(processed) != len(image_parts(messages)):
         raise bad_request("the conversation's images changed between rounds", "messages")
-    text, ids = chat_prompt(state.client.tokenizer, body, tools, without_images(messages))
+    vision, tokenizer = state.vision, state.client.tokenizer
+    text, ids = chat_prompt(
+        tokenizer,
+        body,
+        tools,
+        without_images(messages),
+        lambda rendered: add_text_around_placeholders(rendered, vision, tokenizer),
+    )
     try:
-        vision = state.vision
         ids, inputs = expand_placeholders(
             ids, processed, vision.image_token_id, vision.layout_token_ids, vision.placeholder_token_id
         )

@@ -6,6 +6,7 @@ messages, /tokenize): they all build a :class:`~framework.server.protocol.ChatCo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from framework.engine.outputs import LogprobEntry
@@ -171,15 +172,18 @@ def chat_prompt(
     body: ChatCompletionRequest,
     tools: list[dict[str, Any]] | None = None,
     messages: list[dict[str, Any]] | None = None,
+    template_text: Callable[[str], str] | None = None,
 ) -> tuple[str, list[int]]:
     """The rendered prompt and its token ids, the client's text kept out of the control tokens
-    (:func:`framework.server.chat_tokens.encode_chat`)."""
+    (:func:`framework.server.chat_tokens.encode_chat`, ``template_text`` its rewrite of the
+    template's text)."""
     messages = template_messages(body.messages) if messages is None else messages
     return encode_chat(
         tokenizer,
         messages,
         lambda shaped: chat_prompt_text(tokenizer, body, tools, shaped),
         {"tools": tools, "chat_template_kwargs": template_kwargs(body)},
+        template_text,
     )
 
 

@@ -13,6 +13,11 @@ special-token parsing off and only the template's own markup with it on:
 4. split the prompt at the template's special tokens; each piece between two of them (template
    text and client text together, as the tokenizer itself splits) is tokenized as plain text.
 
+A vision model's text around its image placeholders (``template_text``) goes into the rendered
+prompt before it is tokenized: in step 4 into the rendering of step 3, whose client texts are
+placeholders, so only the template's own image placeholders get it, never a client's text that
+spells one.
+
 Other client strings that reach the template (names, tool-call arguments, tool definitions,
 ``chat_template_kwargs``) may not hold special-token text at all: that is a 400 naming the field.
 """
@@ -39,16 +44,21 @@ def encode_chat(
     messages: list[dict[str, Any]],
     render: Callable[[list[dict[str, Any]]], str],
     extras: dict[str, Any] | None = None,
+    template_text: Callable[[str], str] | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and its token ids; ``render`` turns messages into the template's text.
 
     ``extras`` (field name -> value) are the other client values the template sees
     (``tools``, ``chat_template_kwargs``): special-token text in them is a 400 naming the field.
+    ``template_text`` rewrites the template's text before tokenizing (it sees the client's text
+    only where that holds no special-token text); the prompt text returned is the rewritten one.
     """
     _check_extras(tokenizer, messages, extras or {})
     text = render(messages)
     shaped_messages, literals = _placeholders(tokenizer, messages)
+    rewrite = template_text or (lambda rendered: rendered)
     if not literals:
+        text = rewrite(text)
         return text, tokenizer.encode(text, add_special_tokens=False)
     shaped = render(shaped_messages)
     placeholder = re.compile("|".join(map(re.escape, literals)))
@@ -60,6 +70,8 @@ def encode_chat(
             "that text, so it cannot be kept out of the control tokens; remove it",
             f"messages[{index}].{key}",
         )
+    shaped = rewrite(shaped)
+    text = placeholder.sub(lambda m: literals[m.group()][0], shaped)
     return text, _encode_pieces(tokenizer, shaped, placeholder, literals)
 
 

@@ -1,6 +1,8 @@
 """A tiny random Gemma 3 with images for tests (no download), written as
 :mod:`framework.testing.vision` writes the other vision-language models: the word-level tokenizer's
-ids are ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and :data:`GEMMA3_SPECIALS`."""
+ids are ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and :data:`GEMMA3_SPECIALS`.
+:func:`write_gemma3_tokenizer` swaps in a Gemma-shaped BPE tokenizer and Gemma 3's own chat
+template, for prompts whose newlines must tokenize as transformers' ``Gemma3Processor`` does."""
 
 from __future__ import annotations
 
@@ -93,3 +95,92 @@ def write_tiny_gemma3(path, seed: int = 0):
         path, model, _TINY_GEMMA3_PREPROCESSOR, specials, image_token, _GEMMA3_CHAT_TEMPLATE, "Gemma3ImageProcessor"
     )
     return model
+
+
+#: Gemma 3's own chat template (gemma-3-4b-it): a system message's text and a blank line open the
+#: first user turn; text parts are trimmed; each image part is ``<start_of_image>``
+GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\\n'}}
+{%- endif -%}
+"""
+#: the words :func:`write_gemma3_tokenizer` merges into one token each (beside runs of newlines)
+_GEMMA3_WORDS = ("user", "model", "Look", "▁at", "▁this", "▁and", "▁image", "▁one", "Be", "▁brief.")
+
+
+def write_gemma3_tokenizer(path) -> None:
+    """Replace the word-level tokenizer of :func:`write_tiny_gemma3`'s checkpoint at ``path`` with
+    one built as transformers' ``GemmaTokenizer`` builds Gemma's (BPE over "▁"-spelled text, the
+    specials of :data:`GEMMA3_SPECIALS` at their ids, ``<bos>`` 0 and ``<eos>`` 1) and
+    :data:`GEMMA3_CHAT_TEMPLATE`. Its vocabulary has single characters, runs of two to five
+    newlines as one token each (as Gemma's has), and :data:`_GEMMA3_WORDS`; everything fits below
+    the model's 300 ids. ``AutoTokenizer.from_pretrained(path)`` gives the tokenizer that
+    ``transformers.Gemma3Processor`` takes (its image, begin and end of image tokens named)."""
+    import string
+
+    from transformers import GemmaTokenizer
+
+    vocab = {"<bos>": 0, "<eos>": 1, "<pad>": 2, "<unk>": 3, "<mask>": 4}
+    for ch in ["\n", "▁", *string.ascii_letters, *".,:;!?'<>_/-"]:
+        vocab[ch] = len(vocab)
+    merges: list[tuple[str, str]] = []
+
+    def merge(left: str, right: str) -> None:
+        vocab.setdefault(left + right, len(vocab))
+        merges.append((left, right))
+
+    for left, right in (("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n"), ("\n\n\n\n", "\n")):
+        merge(left, right)
+    for word in _GEMMA3_WORDS:
+        for end in range(1, len(word)):
+            if (word[:end], word[end]) not in merges:
+                merge(word[:end], word[end])
+    assert len(vocab) < min(GEMMA3_SPECIALS.values())
+    tokenizer = GemmaTokenizer(
+        vocab={**vocab, **GEMMA3_SPECIALS},
+        merges=merges,
+        extra_special_tokens={
+            "image_token": "<image_soft_token>",
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+        },
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)

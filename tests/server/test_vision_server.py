@@ -92,7 +92,11 @@ def check_served_images_get_transformers_greedy_ids(path, reference, vision_spec
     messages = chat_messages(*IMAGES)
     processor = load_processor(vision_spec)
     prompt_ids, _ = vision_prompt(
-        messages, vision_spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
+        messages,
+        vision_spec,
+        processor,
+        tokenizer,
+        lambda shaped: tokenizer.apply_chat_template(shaped, add_generation_prompt=True),
     )
     processed = [processor.preprocess(image) for image in IMAGES]
     ids = torch.tensor([prompt_ids])
@@ -133,7 +137,11 @@ def test_openai_client_gemma3_images_get_transformers_greedy_ids(tmp_path, serve
     messages = chat_messages(*IMAGES)
     processor = load_processor(spec)
     prompt_ids, inputs = vision_prompt(
-        messages, spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
+        messages,
+        spec,
+        processor,
+        tokenizer,
+        lambda shaped: tokenizer.apply_chat_template(shaped, add_generation_prompt=True),
     )
     boi, eoi = GEMMA3_SPECIALS["<start_of_image>"], GEMMA3_SPECIALS["<end_of_image>"]
     assert [prompt_ids[i.offset : i.offset + i.length] for i in inputs] == [[boi] + [IMAGE_TOKEN_ID] * 16 + [eoi]] * 2
@@ -244,7 +252,11 @@ def test_llama4_openai_client_images_get_transformers_greedy_ids(tmp_path, serve
     messages = chat_messages(*images)
     processor = load_processor(spec)
     prompt_ids, inputs = vision_prompt(
-        messages, spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
+        messages,
+        spec,
+        processor,
+        tokenizer,
+        lambda shaped: tokenizer.apply_chat_template(shaped, add_generation_prompt=True),
     )
     assert [image.shape[0] for image in inputs] == [1, 5]
     ids = torch.tensor([prompt_ids])

@@ -6,13 +6,12 @@ default, on the uint8 image), rescale by 1/255 and normalize. One image is one `
 whatever its size; every image becomes ``mm_tokens_per_image`` embeddings.
 
 Its span in the prompt replaces the ``<start_of_image>`` the chat template writes, as
-``Gemma3Processor`` lays it out::
+``Gemma3Processor`` lays it out, blank lines (:data:`BLANK_LINES`) around it in the text before
+tokenizing, where they merge with the newlines beside them (``"\n" + "\n\n"`` is one token)::
 
-    template:  ... <start_of_image> ...
-    prompt:    ... <start_of_image> <image_soft_token> x mm_tokens_per_image <end_of_image> ...
-
-(``Gemma3Processor`` also wraps that sequence in blank lines in the text before tokenizing, where
-they merge with neighbouring newlines; fw places spans by token id and leaves them out.)
+    template text:  ...user\n<start_of_image>Describe...
+    prompt text:    ...user\n\n\n<start_of_image>\n\nDescribe...
+    prompt ids:     ... "\n\n\n" <start_of_image> <image_soft_token> x mm_tokens_per_image <end_of_image> "\n\n" ...
 """
 
 from __future__ import annotations
@@ -36,6 +35,9 @@ DEFAULTS = {
     "boi_token_id": 255_999,
     "eoi_token_id": 256_000,
 }
+
+#: the text ``Gemma3Processor`` writes before and after each image's tokens
+BLANK_LINES = ("\n\n", "\n\n")
 
 
 def processor_settings(preprocessor_config: dict[str, Any]) -> dict[str, Any]:

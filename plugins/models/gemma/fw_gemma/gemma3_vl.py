@@ -4,9 +4,10 @@ tower (``siglip_vision``), the multi-modal projector, and the Gemma 3 decoder of
 The multimodal contract is :mod:`framework.engine.multimodal_step`'s. The chat template writes
 ``<start_of_image>`` per image (``VisionSpec.placeholder_token_id``); its span is that token,
 ``mm_tokens_per_image`` image tokens and ``<end_of_image>`` (:mod:`fw_gemma.gemma3_processor`),
-the two layout tokens keeping their token embeddings. The image tokens of one image attend to
-each other (``bidirectional_image_attention``: transformers' ``token_type_ids`` mask), text stays
-causal; positions are plain 1-D RoPE.
+the two layout tokens keeping their token embeddings; a blank line each side of it goes into
+the prompt text before tokenizing (``VisionSpec.text_around_placeholder``). The image tokens of
+one image attend to each other (``bidirectional_image_attention``: transformers'
+``token_type_ids`` mask), text stays causal; positions are plain 1-D RoPE.
 
 The projector, for a tower of ``P x P`` patches of width ``d`` and ``n x n = mm_tokens_per_image``::
 
@@ -32,7 +33,7 @@ from framework.loader.text_only import text_model_name
 from framework.multimodal.inputs import VisionSpec
 from framework.quantization import QuantConfig
 
-from .gemma3_processor import processor_settings, span_ids
+from .gemma3_processor import BLANK_LINES, processor_settings, span_ids
 from .model import GemmaForCausalLM
 from .siglip_vision import SiglipVisionTransformer
 
@@ -129,6 +130,7 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
             image_token_id=settings["image_token_id"],
             layout_token_ids=[settings["boi_token_id"], settings["eoi_token_id"]],
             placeholder_token_id=settings["boi_token_id"],
+            text_around_placeholder=BLANK_LINES,
         )
 
     @staticmethod
