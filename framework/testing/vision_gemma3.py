@@ -38,9 +38,9 @@ _TINY_GEMMA3_PREPROCESSOR = {
 }
 
 
-def write_tiny_gemma3(path, seed: int = 0):
-    """A random Gemma 3 with images (text: hidden 64, 2 layers, head_dim 16, a sliding layer of
-    window 6 then a global one; vision: SigLIP hidden 32, 2 blocks, 56-pixel images of 7-pixel
+def write_tiny_gemma3(path, seed: int = 0, layer_types: list[str] | None = None):
+    """A random Gemma 3 with images (text: hidden 64, head_dim 16, sliding windows of 6 tokens,
+    ``layer_types`` else a sliding layer then a global one; vision: SigLIP hidden 32, 2 blocks, 56-pixel images of 7-pixel
     patches; 16 image tokens per image, so each image's span is 18 tokens) written to ``path``.
     Returns the transformers model (fp32, eval, norms and the projection randomised)."""
     import torch
@@ -49,19 +49,20 @@ def write_tiny_gemma3(path, seed: int = 0):
     from framework.testing.model_writers import randomise_identity_params
 
     path = Path(path)
+    layer_types = layer_types or ["sliding_attention", "full_attention"]
     config = transformers.Gemma3Config(
         text_config=dict(
             vocab_size=300,
             hidden_size=64,
             intermediate_size=128,
-            num_hidden_layers=2,
+            num_hidden_layers=len(layer_types),
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=16,
             max_position_embeddings=512,
             query_pre_attn_scalar=16,
             sliding_window=6,
-            layer_types=["sliding_attention", "full_attention"],
+            layer_types=list(layer_types),
             bos_token_id=0,
             eos_token_id=1,
             pad_token_id=1,

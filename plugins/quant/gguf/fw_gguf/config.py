@@ -95,7 +95,7 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
 
     Covers llama (also Mistral/SmolLM stored as llama), qwen2, qwen3 (and their VL text models
     qwen2vl, qwen3vl and qwen3vlmoe, as text: ``fw_gguf.mmproj`` adds the vision tower), qwen2moe, qwen3moe, gemma2,
-    gemma3 (text), phi3, stablelm, glm4, deepseek2 and glm4moe (``fw_gguf.grouped_moe``), qwen35,
+    gemma3 (text: ``fw_gguf.mmproj`` adds Gemma 3's vision tower), phi3, stablelm, glm4, deepseek2 and glm4moe (``fw_gguf.grouped_moe``), qwen35,
     qwen35moe and qwen3next (``fw_gguf.hybrid``), llama4 (``fw_gguf.llama4``) and gemma4
     (``fw_gguf.gemma4``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
     missing required key. Keys follow transformers' config classes; RoPE is stated the

@@ -37,8 +37,8 @@ log = logging.getLogger("fw.loader")
 class GGUFFormat(WeightFormat):
     """A GGUF model: a ``.gguf`` file, the first shard of a split, or a directory holding one.
 
-    A Qwen2.5-VL / Qwen3-VL text GGUF (``qwen2vl``, ``qwen3vl``, ``qwen3vlmoe``) takes images through its llama.cpp
-    vision projector: the ``mmproj*.gguf`` beside it (:func:`~fw_gguf.mmproj.find_projector`), or
+    A Qwen2.5-VL / Qwen3-VL / Gemma 3 text GGUF (``qwen2vl``, ``qwen3vl``, ``qwen3vlmoe``, ``gemma3``) takes
+    images through its llama.cpp vision projector: the ``mmproj*.gguf`` beside it (:func:`~fw_gguf.mmproj.find_projector`), or
     the file :meth:`use_projector` names (``--mmproj``). Without one it is served as its text model
     and :meth:`text_only_reason` says where fw looked.
     """

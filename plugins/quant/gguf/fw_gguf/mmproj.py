@@ -1,4 +1,4 @@
-"""llama.cpp vision projectors (``mmproj*.gguf``) as the vision towers of fw's Qwen-VL models.
+"""llama.cpp vision projectors (``mmproj*.gguf``) as the vision towers of fw's Qwen-VL and Gemma 3 models.
 
 llama.cpp ships a vision model's tower apart from its text GGUF: a file of architecture ``clip``
 with ``clip.*`` metadata and ``v.*`` / ``mm.*`` tensors, written by ``convert_hf_to_gguf.py
@@ -12,7 +12,7 @@ with ``clip.*`` metadata and ``v.*`` / ``mm.*`` tensors, written by ``convert_hf
     v.blk.N.attn_qkv (3-VL)                                           ->  blocks.N.attn.qkv
     v.deepstack.I.*  (I: the ViT block)                               ->  deepstack_merger_list.J.*  (J: its rank)
 
-Every tensor is dequantized to float32 (fw's towers hold plain weights). The projector types read
+Gemma 3's SigLIP tower and projector (``gemma3``) are :mod:`fw_gguf.mmproj_gemma3`'s. Every tensor is dequantized to float32 (fw's towers hold plain weights). The projector types read
 are :data:`PROJECTORS`; :func:`find_projector` picks the file beside a model.
 """
 
@@ -26,6 +26,14 @@ import torch
 
 from framework.loader.gguf_names import pick_projector
 
+from .mmproj_gemma3 import (
+    GEMMA3_TOKENS,
+    SHIFTED,
+    gemma3_hf_config,
+    gemma3_preprocessor_config,
+    gemma3_vision_config,
+    gemma3_weight_name,
+)
 from .reader import GGUFFile, open_gguf
 
 #: ``clip.projector_type`` -> {text GGUF architecture it goes with: the HF architecture of the two}
@@ -35,6 +43,7 @@ PROJECTORS = {
         "qwen3vl": "Qwen3VLForConditionalGeneration",
         "qwen3vlmoe": "Qwen3VLMoeForConditionalGeneration",
     },
+    "gemma3": {"gemma3": "Gemma3ForConditionalGeneration"},
 }
 #: text GGUF architectures whose model takes images through a projector
 VISION_TEXT_ARCHITECTURES = {
@@ -126,6 +135,8 @@ class Projector:
 
     def vision_config(self) -> dict[str, Any]:
         """The ``vision_config`` (transformers' keys) of the tower this file holds."""
+        if self.projector_type == "gemma3":
+            return gemma3_vision_config(self._key, int(self.tensors[self._patch_frames()[0]].shape[1]))
         depth = int(self._key("block_count"))
         patch = self.tensors[self._patch_frames()[0]]
         config: dict[str, Any] = {
@@ -152,9 +163,11 @@ class Projector:
         return config
 
     def preprocessor_config(self) -> dict[str, Any]:
-        """The Qwen2-VL image processor's settings (:mod:`fw_llama.qwen2_vl_processor` keys): the
+        """The image processor's settings. Qwen-VL (:mod:`fw_llama.qwen2_vl_processor` keys): the
         file's mean, std, patch and merge sizes, and its pixel bounds where it states them (else
-        the released checkpoints')."""
+        the released checkpoints'); Gemma 3: :func:`~fw_gguf.mmproj_gemma3.gemma3_preprocessor_config`."""
+        if self.projector_type == "gemma3":
+            return gemma3_preprocessor_config(self._key)
         min_pixels, max_pixels = _PIXEL_BOUNDS[self.projector_type]
         return {
             "image_mean": [float(x) for x in self._key("image_mean")],
@@ -171,6 +184,9 @@ class Projector:
 
     def _names(self) -> Iterator[tuple[str, list[str]]]:
         """``(fw name, [GGUF tensors joined into it])`` for every tensor of the tower."""
+        if self.projector_type == "gemma3":
+            yield from self._gemma3_names()
+            return
         frames = self._patch_frames()
         yield "visual.patch_embed.proj.weight", frames
         blocks, merger = _TOWER_NAMES[self.projector_type], _MERGER_NAMES[self.projector_type]
@@ -201,12 +217,21 @@ class Projector:
                     f"{self.path}: tensor {name!r} has no place in the {self.projector_type} tower fw builds"
                 )
 
+    def _gemma3_names(self) -> Iterator[tuple[str, list[str]]]:
+        for name in self.tensors:
+            fw_name = gemma3_weight_name(name)
+            if fw_name is None:
+                raise ProjectorError(f"{self.path}: tensor {name!r} has no place in the gemma3 tower fw builds")
+            yield fw_name, [name]
+
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(fw tower name, float32 tensor)`` for every tensor of the tower (see the module docstring)."""
         for hf_name, sources in self._names():
             values = [self.tensors[name].dequantize(torch.float32) for name in sources]
             if hf_name == "visual.patch_embed.proj.weight":
                 yield hf_name, torch.stack(values, dim=2)  # the converter's per-frame Conv2Ds back into one Conv3D
+            elif hf_name in SHIFTED:
+                yield hf_name, values[0] - 1.0  # the converter stored Gemma's 1 + w
             else:
                 yield hf_name, values[0] if len(values) == 1 else torch.cat(values, dim=0)
 
@@ -228,8 +253,9 @@ _MODEL_TYPES = {
 def vision_hf_config(text: dict[str, Any], metadata: dict[str, Any], projector: Projector) -> dict[str, Any]:
     """The vision model's HF config: the text GGUF's ``text`` config (``hf_config_from_gguf``) with
     the projector's ``vision_config``, the M-RoPE sections (``{arch}.rope.dimension_sections``) and
-    the ids of the image tokens, looked up in the vocabulary. Raises :class:`ProjectorError` for a
-    projector of another family, or a vocabulary without ``<|image_pad|>``."""
+    the ids of the image tokens, looked up in the vocabulary (Gemma 3:
+    :func:`~fw_gguf.mmproj_gemma3.gemma3_hf_config`). Raises :class:`ProjectorError` for a
+    projector of another family, or a vocabulary without the image tokens."""
     arch = metadata["general.architecture"]
     if arch not in projector.text_architectures:
         raise ProjectorError(
@@ -237,6 +263,8 @@ def vision_hf_config(text: dict[str, Any], metadata: dict[str, Any], projector: 
             f"{' or '.join(projector.text_architectures)} text GGUF; this model is {arch}"
         )
     architecture = projector.text_architectures[arch]
+    if projector.projector_type == "gemma3":
+        return gemma3_hf_config(text, projector.vision_config(), projector._key, _token_ids(metadata, GEMMA3_TOKENS))
     vision = projector.vision_config()
     deepstack = metadata.get(f"{arch}.n_deepstack_layers")
     if deepstack is not None and int(deepstack) != len(vision.get("deepstack_visual_indexes", [])):
@@ -244,12 +272,7 @@ def vision_hf_config(text: dict[str, Any], metadata: dict[str, Any], projector: 
             f"{projector.path}: its {len(vision['deepstack_visual_indexes'])} DeepStack layers do not match the "
             f"text model's {arch}.n_deepstack_layers = {deepstack}"
         )
-    wanted = set(_VISION_TOKENS.values())
-    ids = {token: i for i, token in enumerate(metadata.get("tokenizer.ggml.tokens") or ()) if token in wanted}
-    if _VISION_TOKENS["image_token_id"] not in ids:
-        raise ProjectorError(
-            f"the text GGUF's vocabulary has no {_VISION_TOKENS['image_token_id']} token to place images"
-        )
+    ids = _token_ids(metadata, {"image_token_id": _VISION_TOKENS["image_token_id"]}, _VISION_TOKENS)
     config = dict(text)
     config.update(
         architectures=[architecture],
@@ -261,3 +284,16 @@ def vision_hf_config(text: dict[str, Any], metadata: dict[str, Any], projector: 
     if sections:
         config["rope_scaling"] = {"rope_type": "default", "mrope_section": sections}
     return config
+
+
+def _token_ids(
+    metadata: dict[str, Any], required: dict[str, str], optional: dict[str, str] | None = None
+) -> dict[str, int]:
+    """token -> id in the text GGUF's vocabulary for the ``required`` and ``optional`` tokens
+    (config key -> token); raises :class:`ProjectorError` naming a required token it lacks."""
+    wanted = set(required.values()) | set((optional or {}).values())
+    ids = {token: i for i, token in enumerate(metadata.get("tokenizer.ggml.tokens") or ()) if token in wanted}
+    missing = [token for token in required.values() if token not in ids]
+    if missing:
+        raise ProjectorError(f"the text GGUF's vocabulary has no {', '.join(missing)} token to place images")
+    return ids

@@ -268,15 +268,15 @@ def test_a_projector_fw_cannot_use_is_refused_naming_the_valid_ones(checkpoint, 
         return str(path)
 
     with pytest.raises(
-        ModelLoadError, match="type 'gemma3' is not supported; supported: qwen2.5vl_merger, qwen3vl_merger"
+        ModelLoadError, match="type 'pixtral' is not supported; supported: qwen2.5vl_merger, qwen3vl_merger, gemma3"
     ):
-        LLM(str(model), mmproj=projector("gemma3"), dtype="float32", device="cpu")
+        LLM(str(model), mmproj=projector("pixtral"), dtype="float32", device="cpu")
     arch = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}[reference.config.model_type]
-    other = "qwen3vl_merger" if arch == "qwen2vl" else "qwen2.5vl_merger"
-    with pytest.raises(ModelLoadError, match=f"a {other} projector goes with a .* text GGUF; this model is {arch}"):
-        LLM(str(model), mmproj=projector(other), dtype="float32", device="cpu")
-    shutil.copy(projector("gemma3"), tmp_path)  # beside the model: refused, unless --mmproj names another
-    with pytest.raises(ModelLoadError, match="type 'gemma3' is not supported"):
+    for other in ("qwen3vl_merger" if arch == "qwen2vl" else "qwen2.5vl_merger", "gemma3"):
+        with pytest.raises(ModelLoadError, match=f"a {other} projector goes with a .* text GGUF; this model is {arch}"):
+            LLM(str(model), mmproj=projector(other), dtype="float32", device="cpu")
+    shutil.copy(projector("pixtral"), tmp_path)  # beside the model: refused, unless --mmproj names another
+    with pytest.raises(ModelLoadError, match="type 'pixtral' is not supported"):
         LLM(str(model), dtype="float32", device="cpu")
     assert LLM(str(model), mmproj="none", dtype="float32", device="cpu", num_blocks=8).engine.vision is None
 
