@@ -56,7 +56,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mmproj: Annotated[
         str | None,
         _opt(
-            "llama.cpp vision projector (mmproj*.gguf) of a Qwen2.5-VL / Qwen3-VL GGUF: a local file or a file of "
+            "llama.cpp vision projector (mmproj*.gguf) of a Qwen2.5-VL / Qwen3-VL / Gemma 3 GGUF: a local file or a file of "
             "the --m Hub repo; default: the mmproj*.gguf beside the model file; none: text only.",
             "--mmproj",
         ),
