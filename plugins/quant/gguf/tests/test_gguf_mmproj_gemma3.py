@@ -158,6 +158,22 @@ def test_a_qwen_projector_for_the_gemma3_model_is_refused_naming_the_one_it_take
         LLM(str(model), mmproj=str(path), dtype="float32", device="cpu")
 
 
+def test_a_vocabulary_without_gemmas_image_tokens_is_refused_naming_them(checkpoint):
+    from fw_gguf.config import hf_config_from_gguf
+    from fw_gguf.mmproj import Projector, ProjectorError, vision_hf_config
+    from fw_gguf.reader import open_gguf
+
+    hf, root, reference = checkpoint
+    metadata = dict(open_gguf(root / "model-F32.gguf").metadata)
+    projector = Projector(root / "F32" / "mmproj-F32.gguf")
+    config = vision_hf_config(hf_config_from_gguf(metadata), metadata, projector)
+    assert (config["image_token_index"], config["boi_token_index"], config["eoi_token_index"]) == (294, 292, 293)
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    tokens[292], tokens[294] = "<unused292>", "<unused294>"
+    with pytest.raises(ProjectorError, match="vocabulary has no <image_soft_token>, <start_of_image> token"):
+        vision_hf_config(hf_config_from_gguf(metadata), {**metadata, "tokenizer.ggml.tokens": tokens}, projector)
+
+
 @pytest.mark.gpu
 def test_greedy_ids_match_transformers_on_cuda_with_an_f16_projector(checkpoint, tmp_path):
     hf, root, reference = checkpoint
