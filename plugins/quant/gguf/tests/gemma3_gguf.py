@@ -16,9 +16,10 @@ What the converter does, and this writer repeats (``Gemma3Model``, ``Gemma3Visio
 The tokenizer is a SentencePiece-style vocabulary (``tokenizer.ggml.model`` ``llama``, as Gemma 3
 files have) over the checkpoint's ids: its specials where the word-level tokenizer has them, and
 ``▁t2 .. ▁t289`` with ids 270..282 holding ``▁``, ``t``, ``▁t`` and the digits, from which Gemma's
-merges rebuild the words (``" t5"`` -> ``▁t5``). fw's prompt ids can still differ from the
-word-level tokenizer's (a space before a special token is a ``▁`` of its own): tests hand fw's ids
-to transformers.
+merges rebuild the words (``" t5"`` -> ``▁t5``), 283..286 runs of one to four newlines (the blank
+lines Gemma 3 puts around an image) and 287 ``<unk>``. fw's prompt ids differ from the word-level
+tokenizer's (a space before a special token is a ``▁`` of its own): tests hand fw's ids to
+transformers.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-#: ids that hold the pieces the words are merged from instead of words
-_CHARACTERS = {270 + i: c for i, c in enumerate(["▁", "t", "▁t", *"0123456789"])}
+#: ids that hold the pieces the words are merged from, and newline runs, instead of words
+_CHARACTERS = {270 + i: c for i, c in enumerate(["▁", "t", "▁t", *"0123456789", "\n", "\n\n", "\n\n\n", "\n\n\n\n"])}
+_UNK = 287
 
 
 def _vocabulary(config: dict) -> tuple[list[str], list[int]]:
@@ -46,10 +48,11 @@ def _vocabulary(config: dict) -> tuple[list[str], list[int]]:
         291: "<end_of_turn>",
         0: "<s>",
         1: "</s>",
+        _UNK: "<unk>",
     }
     words = [f"▁t{i}" if i < 295 else f"<unused{i}>" for i in range(config["text_config"]["vocab_size"])]
     tokens = [specials.get(i, _CHARACTERS.get(i, word)) for i, word in enumerate(words)]
-    return tokens, [3 if i in specials else 1 for i in range(len(tokens))]
+    return tokens, [2 if i == _UNK else 3 if i in specials else 1 for i in range(len(tokens))]
 
 
 def write_text_gguf(hf_dir: Path, path: Path, matrix_type: Q = Q.F32) -> Path:
@@ -77,6 +80,7 @@ def write_text_gguf(hf_dir: Path, path: Path, matrix_type: Q = Q.F32) -> Path:
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     writer.add_pad_token_id(1)
+    writer.add_unk_token_id(_UNK)
     writer.add_add_bos_token(False)
     writer.add_add_space_prefix(False)
     writer.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
