@@ -349,7 +349,6 @@ def test_an_image_for_a_text_only_model_is_a_400_naming_the_part():
     assert engine.prompts == []
 
 
-<<<<<<< HEAD
 def test_model_cards_say_whether_and_within_which_limits_the_model_takes_images():
     """fw's ``vision`` key of ``GET /v1/models``: the spec's image count, the formats and sizes the
     decoder takes and the server's body cap; null on a text-only model's card."""
@@ -367,7 +366,8 @@ def test_model_cards_say_whether_and_within_which_limits_the_model_takes_images(
         with TestClient(create_app(engine, config, start_engine=False), base_url="http://127.0.0.1:2000") as http:
             assert http.get("/v1/models").json()["data"][0]["vision"] == card
             assert http.get("/v1/models/m").json()["vision"] == card
-=======
+
+
 def test_an_image_for_a_vision_model_served_as_text_is_a_400_saying_why():
     """A GGUF without its vision projector: the engine's summary says where fw looked, and the 400 repeats it."""
     engine = ScriptedEngineClient(lambda prompt: "hi")
@@ -381,7 +381,6 @@ def test_an_image_for_a_vision_model_served_as_text_is_a_400_saying_why():
     assert error["param"] == "messages[0].content[1]"
     assert error["message"] == f"messages[0].content[1] is an image, and this model does not take images: {reason}"
     assert engine.prompts == []
->>>>>>> mmproj
 
 
 def test_images_are_decoded_and_preprocessed_off_the_event_loop(vision_app, monkeypatch):
