@@ -12,7 +12,7 @@ Fixtures:
 
 The helpers live in modules by kind (``fixtures``, ``model_writers``, ``tiny_configs``,
 ``attention``, ``parsers``, ``parity``, ``gpu``, ``metrics``, ``quant``, ``vision``,
-``vision_llama4``, ``vision_gemma3``, ``sparse_mla``) and are all importable from here.
+``vision_checks``, ``vision_llama4``, ``vision_gemma3``, ``sparse_mla``) and are all importable from here.
 
 Conformance kits for plugin authors: attention backends (``check_attention_backend``, also on a
 quantized KV dtype against attention over the dequantized cache; sparse MLA,
@@ -104,6 +104,16 @@ from framework.testing.vision import (
     write_tiny_qwen3_vl,
     write_vision_checkpoint,
 )
+from framework.testing.vision_checks import (
+    VisionReference,
+    check_image_request,
+    check_preempted_image_requests,
+    check_prefix_hit_inside_an_image,
+    check_text_only_prompt,
+    engine_logits,
+    image_chat,
+    qwen_vl_inputs,
+)
 from framework.testing.vision_gemma3 import GEMMA3_SPECIALS, write_tiny_gemma3
 from framework.testing.vision_llama4 import LLAMA4_SPECIALS, write_tiny_llama4
 
@@ -174,6 +184,14 @@ __all__ = [
     "write_tiny_qwen3_vl",
     "write_vision_checkpoint",
     "tiny_gemma4_text",
+    "VisionReference",
+    "check_image_request",
+    "check_preempted_image_requests",
+    "check_prefix_hit_inside_an_image",
+    "check_text_only_prompt",
+    "engine_logits",
+    "image_chat",
+    "qwen_vl_inputs",
     "tiny_llama4_text",
     "QuantScheme",
     "check_linear_method",
