@@ -78,44 +78,48 @@ def test_openai_client_images_on_the_hybrid_qwen3_5_get_transformers_greedy_ids(
     check_served_images_get_transformers_greedy_ids(tmp_path, reference, spec_of(tmp_path), serve_on_free_port)
 
 
+def api_prompt(path, spec, messages):
+    """``(tokenizer, processor, prompt ids, image inputs)``: what the API process makes of
+    ``messages`` for the model at ``path`` whose vision spec is ``spec``."""
+    tokenizer, processor = Tokenizer.from_directory(path), load_processor(spec)
+    prompt_ids, inputs = vision_prompt(
+        messages, spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
+    )
+    return tokenizer, processor, prompt_ids, inputs
+
+
+def served_chat(path, messages, serve_on_free_port, stream: bool = False):
+    """A real ``fw serve`` of ``path`` (fp32, prefill chunks of 8) asked through the openai client
+    for 10 greedy tokens of ``messages`` (EOS ignored): ``(reply, the streamed reply's text when
+    ``stream``, the server's log lines)``."""
+    args = ["--m", str(path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
+    request = dict(model=str(path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    streamed = None
+    with serve_on_free_port(args) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(**request)
+        if stream:
+            chunks = client.chat.completions.create(**request, stream=True)
+            streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    return reply, streamed, server.lines
+
+
 def check_served_images_get_transformers_greedy_ids(path, reference, vision_spec, serve_on_free_port) -> None:
     """A real ``fw serve`` of the tiny VLM at ``path`` answers :data:`IMAGES` in chat (one reply,
     one stream) with transformers' greedy ids (EOS not stopping either, as ``ignore_eos``)."""
-    tokenizer = Tokenizer.from_directory(path)
     messages = image_chat(*IMAGES)
-    processor = load_processor(vision_spec)
-    prompt_ids, _ = vision_prompt(
-        messages, vision_spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
-    )
+    tokenizer, processor, prompt_ids, _ = api_prompt(path, vision_spec, messages)
     expected = VisionReference(reference, functools.partial(qwen_vl_inputs, processor)).greedy(prompt_ids, IMAGES, 10)
-    args = ["--m", str(path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
-    with serve_on_free_port(args) as server:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-        reply = client.chat.completions.create(
-            model=str(path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
-        )
-        stream = client.chat.completions.create(
-            model=str(path),
-            messages=messages,
-            max_tokens=10,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    assert any("images     up to 8 per prompt (Qwen2VLImageProcessor)" in line for line in server.lines)
+    reply, streamed, lines = served_chat(path, messages, serve_on_free_port, stream=True)
+    assert any("images     up to 8 per prompt (Qwen2VLImageProcessor)" in line for line in lines)
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == tokenizer.decode(expected) == streamed
 
 
 def test_openai_client_gemma3_images_get_transformers_greedy_ids(tmp_path, serve_on_free_port):
     reference = write_tiny_gemma3(tmp_path)
-    spec, tokenizer = spec_of(tmp_path), Tokenizer.from_directory(tmp_path)
     messages = image_chat(*IMAGES)
-    processor = load_processor(spec)
-    prompt_ids, inputs = vision_prompt(
-        messages, spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
-    )
+    tokenizer, processor, prompt_ids, inputs = api_prompt(tmp_path, spec_of(tmp_path), messages)
     boi, eoi = GEMMA3_SPECIALS["<start_of_image>"], GEMMA3_SPECIALS["<end_of_image>"]
     assert [prompt_ids[i.offset : i.offset + i.length] for i in inputs] == [[boi] + [IMAGE_TOKEN_ID] * 16 + [eoi]] * 2
 
@@ -125,13 +129,8 @@ def test_openai_client_gemma3_images_get_transformers_greedy_ids(tmp_path, serve
         return dict(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE_TOKEN_ID).long())
 
     expected = VisionReference(reference, gemma3_inputs).greedy(prompt_ids, IMAGES, 10)
-    args = ["--m", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
-    with serve_on_free_port(args) as server:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-        reply = client.chat.completions.create(
-            model=str(tmp_path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
-        )
-    assert any("(Gemma3ImageProcessor)" in line for line in server.lines)
+    reply, _, lines = served_chat(tmp_path, messages, serve_on_free_port)
+    assert any("(Gemma3ImageProcessor)" in line for line in lines)
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == tokenizer.decode(expected)
 
@@ -215,14 +214,9 @@ def test_llama4_openai_client_images_get_transformers_greedy_ids(tmp_path, serve
     # which has none (5.23 did not): give that output class the attribute, for the reference only
     monkeypatch.setattr(MoeCausalLMOutputWithPast, "image_outputs", None, raising=False)
     reference = write_tiny_llama4(tmp_path)
-    spec = spec_of(tmp_path)
-    tokenizer = Tokenizer.from_directory(tmp_path)
     images = [random_image(30, 20, 1), random_image(70, 40, 3)]
     messages = image_chat(*images)
-    processor = load_processor(spec)
-    prompt_ids, inputs = vision_prompt(
-        messages, spec, processor, lambda shaped: tokenizer.encode_chat(shaped, add_generation_prompt=True)
-    )
+    tokenizer, processor, prompt_ids, inputs = api_prompt(tmp_path, spec_of(tmp_path), messages)
     assert [image.shape[0] for image in inputs] == [1, 5]
 
     def llama4_inputs(ids, images):
@@ -230,12 +224,7 @@ def test_llama4_openai_client_images_get_transformers_greedy_ids(tmp_path, serve
         return dict(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixels))
 
     expected = VisionReference(reference, llama4_inputs).greedy(prompt_ids, images, 10)
-    args = ["--m", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
-    with serve_on_free_port(args) as server:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-        reply = client.chat.completions.create(
-            model=str(tmp_path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
-        )
+    reply, _, _ = served_chat(tmp_path, messages, serve_on_free_port)
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == tokenizer.decode(expected)
 
