@@ -16,6 +16,9 @@ A vision model class provides, besides ``forward(input_ids, positions, inputs_em
   prompt's positions, ``spans`` being each image's ``(offset, length, grid)``; a token past the
   prompt at index ``i`` has position ``i + delta`` in every section.
 
+:class:`framework.multimodal.model.VisionLanguageModel` gives ``forward``, ``embed_input_ids`` and
+``num_image_tokens`` over the class's text decoder.
+
 A step whose tokens cover part of an image takes those rows of its embeddings::
 
     request tokens   [ text | image 0 (offset, length) | text ... ]

@@ -10,8 +10,9 @@ Fixtures:
   (threads only add synchronisation there, and on a busy 2-core runner OpenMP's spinning threads
   make them many times slower); the previous setting is restored after the module.
 
-The helpers live in modules by kind (``fixtures``, ``model_writers``, ``attention``, ``parsers``,
-``parity``, ``gpu``, ``metrics``, ``quant``, ``vision``, ``vision_llama4``, ``sparse_mla``) and are all importable from here.
+The helpers live in modules by kind (``fixtures``, ``model_writers``, ``tiny_configs``,
+``attention``, ``parsers``, ``parity``, ``gpu``, ``metrics``, ``quant``, ``vision``,
+``vision_checks``, ``vision_llama4``, ``vision_gemma3``, ``sparse_mla``) and are all importable from here.
 
 Conformance kits for plugin authors: attention backends (``check_attention_backend``, also on a
 quantized KV dtype against attention over the dequantized cache; sparse MLA,
@@ -57,6 +58,7 @@ from framework.testing.metrics import (
 )
 from framework.testing.model_writers import (
     make_tiny_tokenizer,
+    random_causal_lm,
     randomise_identity_params,
     write_grouped_moe_model,
     write_randomised_model,
@@ -86,6 +88,7 @@ from framework.testing.sparse_mla import (
     SPARSE_MLA_CASES,
     check_sparse_mla_attention_backend,
 )
+from framework.testing.tiny_configs import tiny_gemma4_text, tiny_llama4_text
 from framework.testing.vision import (
     IMAGE_TOKEN,
     IMAGE_TOKEN_ID,
@@ -100,6 +103,16 @@ from framework.testing.vision import (
     write_tiny_qwen3_5_vl,
     write_tiny_qwen3_vl,
     write_vision_checkpoint,
+)
+from framework.testing.vision_checks import (
+    VisionReference,
+    check_image_request,
+    check_preempted_image_requests,
+    check_prefix_hit_inside_an_image,
+    check_text_only_prompt,
+    engine_logits,
+    image_chat,
+    qwen_vl_inputs,
 )
 from framework.testing.vision_gemma3 import GEMMA3_SPECIALS, write_tiny_gemma3
 from framework.testing.vision_llama4 import LLAMA4_SPECIALS, write_tiny_llama4
@@ -132,6 +145,7 @@ __all__ = [
     "require_triton",
     "metric_value",
     "make_tiny_tokenizer",
+    "random_causal_lm",
     "randomise_identity_params",
     "write_grouped_moe_model",
     "write_randomised_model",
@@ -169,6 +183,16 @@ __all__ = [
     "write_tiny_qwen3_5_vl",
     "write_tiny_qwen3_vl",
     "write_vision_checkpoint",
+    "tiny_gemma4_text",
+    "VisionReference",
+    "check_image_request",
+    "check_preempted_image_requests",
+    "check_prefix_hit_inside_an_image",
+    "check_text_only_prompt",
+    "engine_logits",
+    "image_chat",
+    "qwen_vl_inputs",
+    "tiny_llama4_text",
     "QuantScheme",
     "check_linear_method",
     "check_moe_method",

@@ -35,6 +35,21 @@ def randomise_identity_params(model, seed: int = 2) -> None:
                 param.copy_(noise)
 
 
+def random_causal_lm(hf_config, seed: int = 0, *, randomise_norms_and_biases: bool = True):
+    """A random-weight transformers causal LM of ``hf_config`` (fp32, eager attention, eval mode;
+    torch seeded with ``seed``), with :func:`randomise_identity_params` applied unless
+    ``randomise_norms_and_biases`` is false: the reference of a test that writes its own files."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    if randomise_norms_and_biases:
+        randomise_identity_params(model)
+    return model
+
+
 def write_randomised_model(path, hf_config):
     """:func:`write_tiny_model` with :func:`randomise_identity_params` applied before the one write;
     returns the reference."""
@@ -53,15 +68,8 @@ def write_tiny_model(
     import json
     from pathlib import Path
 
-    import torch
-    import transformers
-
     path = Path(path)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-    if randomise_norms_and_biases:
-        randomise_identity_params(model)
+    model = random_causal_lm(hf_config, seed, randomise_norms_and_biases=randomise_norms_and_biases)
     model.save_pretrained(path, safe_serialization=True)
     make_tiny_tokenizer(hf_config.get_text_config().vocab_size).save(str(path / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>"}

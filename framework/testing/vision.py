@@ -35,6 +35,17 @@ _TINY_QWEN3_PREPROCESSOR = {
     "image_std": [0.5, 0.5, 0.5],
 }
 
+#: Qwen3-VL's tower, small: hidden 32, 16-pixel patches merged 2x2, a 4x4 learned position grid
+_TINY_QWEN3_TOWER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+)
 
 #: Mistral 3's image token and layout tokens (its template writes ``[IMG]`` once per image)
 MISTRAL3_SPECIALS = {"[INST]": 290, "[/INST]": 291, "[IMG_BREAK]": 292, "[IMG_END]": 293, "[IMG]": IMAGE_TOKEN_ID}
@@ -110,13 +121,13 @@ def write_tiny_qwen2_5_vl(path, seed: int = 0, window_size: int = 56):
     2 blocks, the second with full attention, windows of ``window_size`` pixels: 2x2 merged blocks;
     112, the released checkpoints' and llama.cpp's, 4x4) written to ``path``; returns the
     transformers model (fp32, eval mode, norms and biases randomised) as the reference."""
-    import torch
     import transformers
 
-    from framework.testing.model_writers import randomise_identity_params
-
-    path = Path(path)
-    config = transformers.Qwen2_5_VLConfig(
+    return _write_qwen_vl(
+        Path(path),
+        (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
+        seed,
+        TINY_PREPROCESSOR,
         text_config=dict(
             vocab_size=300,
             hidden_size=64,
@@ -141,16 +152,7 @@ def write_tiny_qwen2_5_vl(path, seed: int = 0, window_size: int = 56):
             window_size=window_size,
             fullatt_block_indexes=[1],
         ),
-        image_token_id=IMAGE_TOKEN_ID,
-        video_token_id=IMAGE_TOKEN_ID + 1,
-        vision_start_token_id=VISION_SPECIALS["<|vision_start|>"],
-        vision_end_token_id=VISION_SPECIALS["<|vision_end|>"],
     )
-    torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    randomise_identity_params(model)
-    write_vision_checkpoint(path, model, TINY_PREPROCESSOR)
-    return model
 
 
 def write_tiny_qwen3_vl(path, seed: int = 0, moe: bool = False):
@@ -158,10 +160,7 @@ def write_tiny_qwen3_vl(path, seed: int = 0, moe: bool = False):
     [2, 3, 3]; with ``moe`` Qwen3-MoE, 4 experts of width 48, top 2; vision: hidden 32, 3 blocks,
     16-pixel patches, a 4x4 learned position grid, DeepStack from blocks 0 and 1) written to
     ``path``; returns the transformers model (fp32, eval mode, norms and biases randomised)."""
-    import torch
     import transformers
-
-    from framework.testing.model_writers import randomise_identity_params
 
     path = Path(path)
     text = dict(
@@ -179,34 +178,13 @@ def write_tiny_qwen3_vl(path, seed: int = 0, moe: bool = False):
     )
     if moe:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
-    vision = dict(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=16,
-        deepstack_visual_indexes=[0, 1],
+    vision = dict(_TINY_QWEN3_TOWER, depth=3, deepstack_visual_indexes=[0, 1])
+    classes = (
+        (transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration)
+        if moe
+        else (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration)
     )
-    config = (transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig)(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=IMAGE_TOKEN_ID,
-        video_token_id=IMAGE_TOKEN_ID + 1,
-        vision_start_token_id=VISION_SPECIALS["<|vision_start|>"],
-        vision_end_token_id=VISION_SPECIALS["<|vision_end|>"],
-    )
-    torch.manual_seed(seed)
-    model_class = (
-        transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
-    )
-    model = model_class(config).eval()
-    randomise_identity_params(model)
-    write_vision_checkpoint(path, model, _TINY_QWEN3_PREPROCESSOR)
-    return model
+    return _write_qwen_vl(path, classes, seed, _TINY_QWEN3_PREPROCESSOR, text_config=text, vision_config=vision)
 
 
 def write_tiny_qwen3_5_vl(path, seed: int = 0, moe: bool = False):
@@ -216,10 +194,7 @@ def write_tiny_qwen3_5_vl(path, seed: int = 0, moe: bool = False):
     width 32, top 2, a shared expert; vision: Qwen3-VL's tower without DeepStack, hidden 32, 2
     blocks, 16-pixel patches, a 4x4 learned position grid) written to ``path``; returns the
     transformers ``Qwen3_5(Moe)ForConditionalGeneration`` (fp32, eval mode, norms and biases randomised)."""
-    import torch
     import transformers
-
-    from framework.testing.model_writers import randomise_identity_params
 
     path = Path(path)
     text = dict(
@@ -249,33 +224,37 @@ def write_tiny_qwen3_5_vl(path, seed: int = 0, moe: bool = False):
     )
     if moe:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40)
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=16,
+    classes = (
+        (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)
+        if moe
+        else (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration)
     )
-    config = (transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config)(
-        text_config=text,
-        vision_config=vision,
+    vision = dict(_TINY_QWEN3_TOWER, depth=2)
+    return _write_qwen_vl(
+        path, classes, seed, _TINY_QWEN3_PREPROCESSOR, text_config=text, vision_config=vision, tie_word_embeddings=False
+    )
+
+
+def _write_qwen_vl(path: Path, classes: tuple, seed: int, preprocessor: dict, **config):
+    """A random model of ``classes`` (config class, model class; ``config`` its keywords, with the
+    Qwen-VL ids of :data:`VISION_SPECIALS`), fp32, eval mode, norms and biases randomised,
+    written to ``path`` with ``preprocessor``; returns it."""
+    import torch
+
+    from framework.testing.model_writers import randomise_identity_params
+
+    config_class, model_class = classes
+    config = config_class(
         image_token_id=IMAGE_TOKEN_ID,
         video_token_id=IMAGE_TOKEN_ID + 1,
         vision_start_token_id=VISION_SPECIALS["<|vision_start|>"],
         vision_end_token_id=VISION_SPECIALS["<|vision_end|>"],
-        tie_word_embeddings=False,
+        **config,
     )
     torch.manual_seed(seed)
-    model_class = (
-        transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
-    )
     model = model_class(config).eval()
     randomise_identity_params(model)
-    write_vision_checkpoint(path, model, _TINY_QWEN3_PREPROCESSOR)
+    write_vision_checkpoint(path, model, preprocessor)
     return model
 
 

@@ -42,29 +42,10 @@ def write_tiny_llama4(path, seed: int = 0):
     import transformers
 
     from framework.testing.model_writers import randomise_identity_params
+    from framework.testing.tiny_configs import tiny_llama4_text
 
     path = Path(path)
-    text = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=32,
-        intermediate_size_mlp=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        num_local_experts=4,
-        num_experts_per_tok=1,
-        interleave_moe_layer_step=2,
-        no_rope_layer_interval=2,
-        attention_chunk_size=8,
-        floor_scale=4,
-        attn_scale=0.5,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
+    text = tiny_llama4_text(vocab_size=300, num_hidden_layers=2, bos_token_id=0, eos_token_id=1)
     vision = dict(
         hidden_size=32,
         intermediate_size=128,

@@ -7,6 +7,7 @@ reaches the engine (the app with a stand-in engine client)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from types import SimpleNamespace
 
@@ -23,7 +24,9 @@ from framework.multimodal.prompt import vision_prompt
 from framework.server.app import create_app
 from framework.server.state import ServerConfig
 from framework.testing import (
-    data_url,
+    VisionReference,
+    image_chat,
+    qwen_vl_inputs,
     random_image,
     write_tiny_gemma3,
     write_tiny_llama4,
@@ -40,16 +43,6 @@ from framework.tokenizer import Tokenizer
 from .scripted_engine import ScriptedEngineClient, scripted_vision_engine
 
 IMAGES = [random_image(84, 56, 1), random_image(100, 120, 2)]
-
-
-def chat_messages(*images, text="t5 t6"):
-    parts = [{"type": "text", "text": text}]
-    for index, image in enumerate(images):
-        parts += [
-            {"type": "image_url", "image_url": {"url": data_url(image)}},
-            {"type": "text", "text": f"t{20 + index}"},
-        ]
-    return [{"role": "user", "content": parts}]
 
 
 @pytest.fixture(scope="module")
@@ -85,57 +78,10 @@ def test_openai_client_images_on_the_hybrid_qwen3_5_get_transformers_greedy_ids(
     check_served_images_get_transformers_greedy_ids(tmp_path, reference, spec_of(tmp_path), serve_on_free_port)
 
 
-def check_served_images_get_transformers_greedy_ids(path, reference, vision_spec, serve_on_free_port) -> None:
-    """A real ``fw serve`` of the tiny VLM at ``path`` answers :data:`IMAGES` in chat (one reply,
-    one stream) with transformers' greedy ids (EOS not stopping either, as ``ignore_eos``)."""
-    tokenizer = Tokenizer.from_directory(path)
-    messages = chat_messages(*IMAGES)
-    processor = load_processor(vision_spec)
-    prompt_ids, _ = vision_prompt(
-        messages,
-        vision_spec,
-        processor,
-        tokenizer,
-        lambda shaped: tokenizer.apply_chat_template(shaped, add_generation_prompt=True),
-    )
-    processed = [processor.preprocess(image) for image in IMAGES]
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        expected = reference.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
-            image_grid_thw=torch.tensor([p.grid for p in processed]),
-            mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
-            max_new_tokens=10,
-            do_sample=False,
-            eos_token_id=None,
-        )[0, len(prompt_ids) :].tolist()
-    args = ["--m", str(path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
-    with serve_on_free_port(args) as server:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-        reply = client.chat.completions.create(
-            model=str(path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
-        )
-        stream = client.chat.completions.create(
-            model=str(path),
-            messages=messages,
-            max_tokens=10,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    assert any("images     up to 8 per prompt (Qwen2VLImageProcessor)" in line for line in server.lines)
-    assert reply.usage.prompt_tokens == len(prompt_ids)
-    assert reply.choices[0].message.content == tokenizer.decode(expected) == streamed
-
-
-def test_openai_client_gemma3_images_get_transformers_greedy_ids(tmp_path, serve_on_free_port):
-    reference = write_tiny_gemma3(tmp_path)
-    spec, tokenizer = spec_of(tmp_path), Tokenizer.from_directory(tmp_path)
-    messages = chat_messages(*IMAGES)
-    processor = load_processor(spec)
+def api_prompt(path, spec, messages):
+    """``(tokenizer, processor, prompt ids, image inputs)``: what the API process makes of
+    ``messages`` for the model at ``path`` whose vision spec is ``spec``."""
+    tokenizer, processor = Tokenizer.from_directory(path), load_processor(spec)
     prompt_ids, inputs = vision_prompt(
         messages,
         spec,
@@ -143,26 +89,52 @@ def test_openai_client_gemma3_images_get_transformers_greedy_ids(tmp_path, serve
         tokenizer,
         lambda shaped: tokenizer.apply_chat_template(shaped, add_generation_prompt=True),
     )
-    boi, eoi = GEMMA3_SPECIALS["<start_of_image>"], GEMMA3_SPECIALS["<end_of_image>"]
-    assert [prompt_ids[i.offset : i.offset + i.length] for i in inputs] == [[boi] + [IMAGE_TOKEN_ID] * 16 + [eoi]] * 2
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        expected = reference.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=torch.from_numpy(np.stack([processor.preprocess(image).pixel_values for image in IMAGES])),
-            token_type_ids=(ids == IMAGE_TOKEN_ID).long(),
-            max_new_tokens=10,
-            do_sample=False,
-            eos_token_id=-1,
-        )[0, len(prompt_ids) :].tolist()
-    args = ["--m", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
+    return tokenizer, processor, prompt_ids, inputs
+
+
+def served_chat(path, messages, serve_on_free_port, stream: bool = False):
+    """A real ``fw serve`` of ``path`` (fp32, prefill chunks of 8) asked through the openai client
+    for 10 greedy tokens of ``messages`` (EOS ignored): ``(reply, the streamed reply's text when
+    ``stream``, the server's log lines)``."""
+    args = ["--m", str(path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
+    request = dict(model=str(path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    streamed = None
     with serve_on_free_port(args) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-        reply = client.chat.completions.create(
-            model=str(tmp_path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
-        )
-    assert any("(Gemma3ImageProcessor)" in line for line in server.lines)
+        reply = client.chat.completions.create(**request)
+        if stream:
+            chunks = client.chat.completions.create(**request, stream=True)
+            streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    return reply, streamed, server.lines
+
+
+def check_served_images_get_transformers_greedy_ids(path, reference, vision_spec, serve_on_free_port) -> None:
+    """A real ``fw serve`` of the tiny VLM at ``path`` answers :data:`IMAGES` in chat (one reply,
+    one stream) with transformers' greedy ids (EOS not stopping either, as ``ignore_eos``)."""
+    messages = image_chat(*IMAGES)
+    tokenizer, processor, prompt_ids, _ = api_prompt(path, vision_spec, messages)
+    expected = VisionReference(reference, functools.partial(qwen_vl_inputs, processor)).greedy(prompt_ids, IMAGES, 10)
+    reply, streamed, lines = served_chat(path, messages, serve_on_free_port, stream=True)
+    assert any("images     up to 8 per prompt (Qwen2VLImageProcessor)" in line for line in lines)
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.choices[0].message.content == tokenizer.decode(expected) == streamed
+
+
+def test_openai_client_gemma3_images_get_transformers_greedy_ids(tmp_path, serve_on_free_port):
+    reference = write_tiny_gemma3(tmp_path)
+    messages = image_chat(*IMAGES)
+    tokenizer, processor, prompt_ids, inputs = api_prompt(tmp_path, spec_of(tmp_path), messages)
+    boi, eoi = GEMMA3_SPECIALS["<start_of_image>"], GEMMA3_SPECIALS["<end_of_image>"]
+    assert [prompt_ids[i.offset : i.offset + i.length] for i in inputs] == [[boi] + [IMAGE_TOKEN_ID] * 16 + [eoi]] * 2
+
+    def gemma3_inputs(ids, images):
+        ids = torch.tensor([ids])
+        pixels = torch.from_numpy(np.stack([processor.preprocess(image).pixel_values for image in images]))
+        return dict(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE_TOKEN_ID).long())
+
+    expected = VisionReference(reference, gemma3_inputs).greedy(prompt_ids, IMAGES, 10)
+    reply, _, lines = served_chat(tmp_path, messages, serve_on_free_port)
+    assert any("(Gemma3ImageProcessor)" in line for line in lines)
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == tokenizer.decode(expected)
 
@@ -192,7 +164,7 @@ def scripted_app(path, vision_spec):
 
 def test_image_parts_reach_the_engine_as_pixels_with_their_spans(vision_app):
     http, engine, received = vision_app
-    response = http.post("/v1/chat/completions", json={"messages": chat_messages(*IMAGES), "max_tokens": 2})
+    response = http.post("/v1/chat/completions", json={"messages": image_chat(*IMAGES), "max_tokens": 2})
     assert response.status_code == 200, response.text
     (images,) = received
     prompt = engine.prompt_ids[0]
@@ -206,7 +178,7 @@ def test_image_parts_reach_the_engine_as_pixels_with_their_spans(vision_app):
 def test_qwen3_vl_image_parts_reach_the_engine_in_its_16_pixel_patches(tmp_path):
     write_tiny_qwen3_vl(tmp_path)
     for http, engine, received in scripted_app(tmp_path, spec_of(tmp_path)):
-        response = http.post("/v1/chat/completions", json={"messages": chat_messages(*IMAGES), "max_tokens": 2})
+        response = http.post("/v1/chat/completions", json={"messages": image_chat(*IMAGES), "max_tokens": 2})
         assert response.status_code == 200, response.text
         (images,) = received
         prompt = engine.prompt_ids[0]
@@ -221,7 +193,7 @@ def test_mistral3_image_parts_reach_the_engine_as_whole_images_with_laid_out_spa
     write_tiny_mistral3(tmp_path)
     breaks, end = MISTRAL3_SPECIALS["[IMG_BREAK]"], MISTRAL3_SPECIALS["[IMG_END]"]
     for http, engine, received in scripted_app(tmp_path, spec_of(tmp_path)):
-        messages = chat_messages(*IMAGES)
+        messages = image_chat(*IMAGES)
         tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
         response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
         assert response.status_code == 200, response.text
@@ -246,35 +218,17 @@ def test_llama4_openai_client_images_get_transformers_greedy_ids(tmp_path, serve
     # which has none (5.23 did not): give that output class the attribute, for the reference only
     monkeypatch.setattr(MoeCausalLMOutputWithPast, "image_outputs", None, raising=False)
     reference = write_tiny_llama4(tmp_path)
-    spec = spec_of(tmp_path)
-    tokenizer = Tokenizer.from_directory(tmp_path)
     images = [random_image(30, 20, 1), random_image(70, 40, 3)]
-    messages = chat_messages(*images)
-    processor = load_processor(spec)
-    prompt_ids, inputs = vision_prompt(
-        messages,
-        spec,
-        processor,
-        tokenizer,
-        lambda shaped: tokenizer.apply_chat_template(shaped, add_generation_prompt=True),
-    )
+    messages = image_chat(*images)
+    tokenizer, processor, prompt_ids, inputs = api_prompt(tmp_path, spec_of(tmp_path), messages)
     assert [image.shape[0] for image in inputs] == [1, 5]
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        expected = reference.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=torch.from_numpy(np.concatenate([processor.preprocess(i).pixel_values for i in images])),
-            max_new_tokens=10,
-            do_sample=False,
-            eos_token_id=-1,
-        )[0, len(prompt_ids) :].tolist()
-    args = ["--m", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--prefill-chunk-size", "8"]
-    with serve_on_free_port(args) as server:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-        reply = client.chat.completions.create(
-            model=str(tmp_path), messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
-        )
+
+    def llama4_inputs(ids, images):
+        pixels = np.concatenate([processor.preprocess(image).pixel_values for image in images])
+        return dict(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixels))
+
+    expected = VisionReference(reference, llama4_inputs).greedy(prompt_ids, images, 10)
+    reply, _, _ = served_chat(tmp_path, messages, serve_on_free_port)
     assert reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == tokenizer.decode(expected)
 
@@ -284,7 +238,7 @@ def test_llama4_image_parts_reach_the_engine_as_tiles_with_tile_separated_spans(
     ids = {name: LLAMA4_SPECIALS[f"<|{name}|>"] for name in ("image_start", "image_end", "image")}
     tile_x, tile_y = LLAMA4_SPECIALS["<|tile_x_separator|>"], LLAMA4_SPECIALS["<|tile_y_separator|>"]
     for http, engine, received in scripted_app(tmp_path, spec_of(tmp_path)):
-        messages = chat_messages(random_image(60, 30, 1), IMAGES[1])
+        messages = image_chat(random_image(60, 30, 1), IMAGES[1])
         tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
         response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
         assert response.status_code == 200, response.text
@@ -342,7 +296,7 @@ def test_bad_images_are_400s_naming_the_part_and_reach_no_engine(vision_app, mes
 def test_too_many_images_is_a_400_naming_the_first_extra_part(vision_app):
     http, engine, _ = vision_app
     response = http.post(
-        "/v1/chat/completions", json={"messages": chat_messages(*[random_image(56, 56, i) for i in range(9)])}
+        "/v1/chat/completions", json={"messages": image_chat(*[random_image(56, 56, i) for i in range(9)])}
     )
     assert response.status_code == 400
     error = response.json()["error"]
@@ -354,7 +308,7 @@ def test_an_image_for_a_text_only_model_is_a_400_naming_the_part():
     engine = ScriptedEngineClient(lambda prompt: "hi")
     app = create_app(engine, ServerConfig(served_model_names=["text"]), start_engine=False)
     with TestClient(app, base_url="http://127.0.0.1:2000") as http:
-        response = http.post("/v1/chat/completions", json={"messages": chat_messages(IMAGES[0])})
+        response = http.post("/v1/chat/completions", json={"messages": image_chat(IMAGES[0])})
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages[0].content[1]" and "does not take images" in error["message"]
@@ -387,7 +341,7 @@ def test_an_image_for_a_vision_model_served_as_text_is_a_400_saying_why():
     engine.ready.summary = {"text_only_reason": reason}
     app = create_app(engine, ServerConfig(served_model_names=["qwen"]), start_engine=False)
     with TestClient(app, base_url="http://127.0.0.1:2000") as http:
-        response = http.post("/v1/chat/completions", json={"messages": chat_messages(IMAGES[0])})
+        response = http.post("/v1/chat/completions", json={"messages": image_chat(IMAGES[0])})
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages[0].content[1]"
@@ -413,14 +367,14 @@ def test_images_are_decoded_and_preprocessed_off_the_event_loop(vision_app, monk
         return process(images, processor, max_tokens)
 
     monkeypatch.setattr(chat_images, "process_images", recording)
-    response = http.post("/v1/chat/completions", json={"messages": chat_messages(IMAGES[0]), "max_tokens": 2})
+    response = http.post("/v1/chat/completions", json={"messages": image_chat(IMAGES[0]), "max_tokens": 2})
     assert response.status_code == 200, response.text
     assert on_loop == [False] and len(received[0]) == 1
 
 
 def test_tokenize_counts_the_image_tokens_generation_sees(vision_app):
     http, engine, _ = vision_app
-    messages = chat_messages(*IMAGES)
+    messages = image_chat(*IMAGES)
     tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
     assert http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).status_code == 200
     assert tokens == engine.prompt_ids[0] and tokens.count(IMAGE_TOKEN_ID) == 22
@@ -430,7 +384,7 @@ def test_images_past_the_context_length_are_a_400_before_their_pixels_are_made(v
     http, engine, _ = vision_app
     monkeypatch.setattr(engine.ready, "max_model_len", 40)
     images = [random_image(112, 112, i) for i in range(3)]  # 16 image tokens each
-    response = http.post("/v1/chat/completions", json={"messages": chat_messages(*images)})
+    response = http.post("/v1/chat/completions", json={"messages": image_chat(*images)})
     assert response.status_code == 400
     error = response.json()["error"]
     assert (

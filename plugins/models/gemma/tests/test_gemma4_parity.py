@@ -14,38 +14,16 @@ import torch
 import transformers
 
 from framework import LLM
-from framework.testing import ModelParityTests, tiny_model_fixture, write_tiny_model
+from framework.testing import ModelParityTests, tiny_gemma4_text, tiny_model_fixture, write_tiny_model
 from framework.testing.model_writers import randomise_identity_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    sliding_window=6,
-    final_logit_softcapping=3.0,
-)
+SMALL = tiny_gemma4_text()
 
 CONFIGS = {
     # E2B-like: shared KV on the last two layers (double-wide MLPs), per-layer inputs, k = v on global layers
-    "gemma4_shared_kv_per_layer_inputs": lambda: transformers.Gemma4TextConfig(
-        **SMALL,
-        num_hidden_layers=5,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        num_kv_shared_layers=2,
-        use_double_wide_mlp=True,
-        vocab_size_per_layer_input=160,
-        hidden_size_per_layer_input=8,
-    ),
+    "gemma4_shared_kv_per_layer_inputs": lambda: transformers.Gemma4TextConfig(**tiny_gemma4_text(shared_kv=True)),
     # 26B-A4B-like: no sharing, no per-layer inputs, separate v projections, a GeGLU-experts branch
     # (top-2 of 4) beside every layer's MLP
     "gemma4_moe": lambda: transformers.Gemma4TextConfig(

@@ -22,6 +22,7 @@ from framework.config import ModelConfig
 from framework.errors import ConfigError
 from framework.loader.checkpoint_slice import materialize
 from framework.multimodal.inputs import VisionSpec
+from framework.multimodal.model import VisionLanguageModel
 from framework.quantization import QuantConfig
 from fw_llama.llama4 import Llama4ForCausalLM
 from fw_llama.llama4_processor import DEFAULTS, Llama4ImageProcessor, processor_settings
@@ -60,7 +61,7 @@ def token_ids(config: ModelConfig) -> dict[str, int]:
     return ids
 
 
-class Llama4ForConditionalGeneration(Llama4ForCausalLM):
+class Llama4ForConditionalGeneration(VisionLanguageModel, Llama4ForCausalLM):
     """``vision_model.*``, ``multi_modal_projector.*``, ``language_model.model.*`` and
     ``language_model.lm_head.*`` (or transformers 5's ``model.``-prefixed spelling)."""
 
@@ -140,9 +141,6 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
         """``grid`` ``[rows, cols]`` in tiles: the processor's span (its module docstring)."""
         return self.layout.span_ids(*grid)
 
-    def num_image_tokens(self, grid: list[int]) -> int:
-        return len(self.image_span_ids(grid))
-
     def embed_image(self, pixel_values: torch.Tensor, grid: list[int]) -> torch.Tensor:
         """``[tiles * n, hidden]``: one image's ``[tiles, 3, S, S]`` (its canvas's tiles, then the
         thumbnail when there are several) through the vision model and the projector."""
@@ -156,11 +154,3 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
             )
         features = self.vision_model(pixel_values)  # [tiles, n, projector_output_dim]
         return self.multi_modal_projector.linear_1(features.flatten(0, 1))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)

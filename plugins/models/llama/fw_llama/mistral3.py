@@ -27,6 +27,7 @@ from framework.errors import ConfigError
 from framework.layers import RMSNorm
 from framework.layers.causal_lm import CausalLM
 from framework.multimodal.inputs import VisionSpec
+from framework.multimodal.model import VisionLanguageModel
 from framework.quantization import QuantConfig
 from fw_llama.model import LlamaModel
 from fw_llama.pixtral_processor import DEFAULTS, processor_settings
@@ -79,7 +80,7 @@ class Mistral3Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(self.patch_merger.merging_layer(blocks))))
 
 
-class Mistral3ForConditionalGeneration(CausalLM):
+class Mistral3ForConditionalGeneration(VisionLanguageModel, CausalLM):
     """``Mistral3ForConditionalGeneration`` checkpoints: ``model.vision_tower.*``,
     ``model.multi_modal_projector.*``, ``model.language_model.*`` and ``lm_head`` (transformers
     5), or the older ``vision_tower.*``, ``multi_modal_projector.*``, ``language_model.model.*``
@@ -151,9 +152,6 @@ class Mistral3ForConditionalGeneration(CausalLM):
         ids[-1] = self.end_token_id
         return ids
 
-    def num_image_tokens(self, grid: list[int]) -> int:
-        return len(self.image_span_ids(grid))
-
     def embed_image(self, pixel_values: torch.Tensor, grid: list[int]) -> torch.Tensor:
         """``[h/m * w/m, hidden]``: one ``[3, H, W]`` image through the tower and the projector."""
         rows, cols = grid
@@ -169,11 +167,3 @@ class Mistral3ForConditionalGeneration(CausalLM):
             raise ConfigError(f"pixels of shape {list(pixel_values.shape)} do not make the patch grid {grid}")
         features = self.vision_tower(pixel_values, self.num_vision_layers)
         return self.multi_modal_projector(features, rows, cols)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)

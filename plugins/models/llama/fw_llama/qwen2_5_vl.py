@@ -26,6 +26,7 @@ from framework.layers import norm_per_head
 from framework.layers.causal_lm import CausalLM
 from framework.layers.rotary import RotaryEmbedding
 from framework.multimodal.inputs import VisionSpec
+from framework.multimodal.model import VisionLanguageModel
 from framework.quantization import QuantConfig
 from fw_llama.model import LlamaModel
 from fw_llama.qwen2_5_vision import Qwen2_5VisionTransformer
@@ -135,7 +136,24 @@ def prompt_mrope_positions(
     return positions, int(positions.max()) + 1 - num_tokens
 
 
-class Qwen2_5_VLForConditionalGeneration(CausalLM):
+class QwenVisionLanguageModel(VisionLanguageModel):
+    """The Qwen-VL family's image side (Qwen2.5-VL, Qwen3-VL, Qwen3.5): the tower ``self.visual``
+    gives an image's tokens and embeddings; the prompt's positions are M-RoPE's."""
+
+    def num_image_tokens(self, grid: list[int]) -> int:
+        return self.visual.num_tokens(grid)
+
+    def embed_image(self, pixel_values: torch.Tensor, grid: list[int]) -> torch.Tensor:
+        """``[num_image_tokens(grid), hidden]``: one image through the tower."""
+        return self.visual(pixel_values, grid)
+
+    def rope_positions(self, num_tokens: int, spans: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, int]:
+        """The prompt's ``[3, num_tokens]`` M-RoPE positions and the delta of later tokens
+        (:func:`prompt_mrope_positions` of this model's tower, its ``merge``)."""
+        return prompt_mrope_positions(num_tokens, spans, self.visual.merge)
+
+
+class Qwen2_5_VLForConditionalGeneration(QwenVisionLanguageModel, CausalLM):
     """``Qwen2_5_VLForConditionalGeneration`` checkpoints: ``model.language_model.*`` (or the older
     ``model.*``), ``model.visual.*`` (or ``visual.*``) and ``lm_head``.
 
@@ -193,22 +211,3 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         elif name.startswith("model.visual."):
             name = name.removeprefix("model.")
         return name, (() if name.startswith("visual.") else None)
-
-    def num_image_tokens(self, grid: list[int]) -> int:
-        return self.visual.num_tokens(grid)
-
-    def embed_image(self, pixel_values: torch.Tensor, grid: list[int]) -> torch.Tensor:
-        """``[num_image_tokens(grid), hidden]``: one image through the tower."""
-        return self.visual(pixel_values, grid)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def rope_positions(self, num_tokens: int, spans: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, int]:
-        """:func:`prompt_mrope_positions` of this model's tower (its ``merge``)."""
-        return prompt_mrope_positions(num_tokens, spans, self.visual.merge)

@@ -13,29 +13,11 @@ import torch
 import transformers
 
 from framework import LLM
-from framework.testing import ModelParityTests, reference_logits, tiny_model_fixture
+from framework.testing import ModelParityTests, reference_logits, tiny_llama4_text, tiny_model_fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=32,
-    intermediate_size_mlp=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    num_local_experts=4,
-    num_experts_per_tok=1,
-    interleave_moe_layer_step=2,
-    no_rope_layer_interval=2,
-    attention_chunk_size=8,
-    floor_scale=4,
-    attn_scale=0.5,
-)
+SMALL = tiny_llama4_text()
 
 CONFIGS = {
     "llama4_chunked_nope_moe": lambda: transformers.Llama4TextConfig(**SMALL),

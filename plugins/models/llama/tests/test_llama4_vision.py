@@ -23,7 +23,18 @@ import torch
 from fw_llama.llama4_processor import Llama4ImageProcessor
 
 from framework import LLM, SamplingParams
-from framework.testing import LLAMA4_SPECIALS, capture_logits, data_url, random_image, write_tiny_llama4
+from framework.testing import (
+    LLAMA4_SPECIALS,
+    VisionReference,
+    capture_logits,
+    check_image_request,
+    check_preempted_image_requests,
+    check_prefix_hit_inside_an_image,
+    check_text_only_prompt,
+    image_chat,
+    random_image,
+    write_tiny_llama4,
+)
 from framework.testing.vision import IMAGE_TOKEN_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread", "reference_forward")
@@ -62,38 +73,16 @@ def image(name):
     return random_image(*IMAGES[name])
 
 
-def conversation(*images, text="t5 t6"):
-    parts = [{"type": "text", "text": text}]
-    for index, picture in enumerate(images):
-        parts += [
-            {"type": "image_url", "image_url": {"url": data_url(picture)}},
-            {"type": "text", "text": f"t{20 + index}"},
-        ]
-    return [{"role": "user", "content": parts}]
-
-
 def pixels(processor, images):
     """transformers' ``pixel_values``: every image's tiles, concatenated."""
     return torch.from_numpy(np.concatenate([processor.preprocess(picture).pixel_values for picture in images]))
 
 
-def reference_logits(model, processor, ids, images):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids]), pixel_values=pixels(processor, images)).logits[0]
-
-
-def reference_greedy(model, processor, prompt_ids, images, steps=8):
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=pixels(processor, images),
-            max_new_tokens=steps,
-            do_sample=False,
-            eos_token_id=-1,  # fw's requests ignore EOS; so does the reference (no such token)
-        )
-    return out[0, len(prompt_ids) :].tolist()
+@pytest.fixture(scope="module")
+def reference(tiny, processor):
+    return VisionReference(
+        tiny[1], lambda ids, images: dict(input_ids=torch.tensor([ids]), pixel_values=pixels(processor, images))
+    )
 
 
 def transformers_image_processor(monkeypatch):
@@ -184,12 +173,12 @@ def test_vision_model_and_projector_match_transformers_on_four_tiles_and_a_thumb
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunked_prefill(tiny, processor):
-    path, reference = tiny
+def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunked_prefill(tiny, reference):
+    path, _ = tiny
     llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8)
     logits = capture_logits(llm)
     images = [image("one"), image("four")]
-    result = llm.chat(conversation(*images), GREEDY)[0]
+    result = llm.chat(image_chat(*images), GREEDY)[0]
     prompt = result.prompt_token_ids
     first = prompt.index(START)
     assert prompt[first : first + 7] == [START, IMAGE, *[IMAGE_TOKEN_ID] * 4, END]
@@ -200,54 +189,22 @@ def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunk
     )
     assert second // 8 != (second + 26) // 8  # the four-tile span crosses chunk boundaries
     assert prompt.count(IMAGE_TOKEN_ID) == 4 + 5 * 4
-    sequence = prompt + result.outputs[0].token_ids[:-1]
-    got = torch.stack([logits[("0-0", position)] for position in range(len(sequence))])
-    torch.testing.assert_close(got, reference_logits(reference, processor, sequence, images), rtol=1e-4, atol=1e-4)
-    assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, images)
+    check_image_request(logits, "0-0", result, reference, images, GREEDY.max_tokens)
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2  # each image once, though split over steps
 
 
-def test_a_prefix_hit_inside_a_span_matches_transformers(tiny, processor):
-    path, reference = tiny
+def test_a_prefix_hit_inside_a_span_matches_transformers(tiny, reference):
     # blocks and chunks of 4; the hit covers tokens 0..11, inside the 17-token span of the wide image
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, prefill_chunk_size=4, prefix_cache_max_tokens=12)
-    logits = capture_logits(llm)
-    picture = image("wide")
-    llm.chat(conversation(picture), GREEDY)
-    second = llm.chat(conversation(picture), GREEDY)[0]
-    prompt = second.prompt_token_ids
-    start = prompt.index(START)
-    assert start < second.num_cached_tokens == 12 < start + 17
-    expected = reference_logits(reference, processor, prompt, [picture])
-    got = torch.stack([logits[("1-0", position)] for position in range(12, len(prompt))])
-    torch.testing.assert_close(got, expected[12:], rtol=1e-4, atol=1e-4)
-    assert second.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [picture])
+    llm, _ = check_prefix_hit_inside_an_image(
+        tiny[0], reference, image("wide"), GREEDY, (START, 17), 12, prefill_chunk_size=4
+    )
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2  # once per request
 
 
-def test_preempted_requests_with_images_resume_without_encoding_again(tiny, processor):
-    path, reference = tiny
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        device="cpu",
-        num_blocks=8,
-        block_size=16,
-        max_num_seqs=3,
-        enable_prefix_caching=False,
-    )
-    logits = capture_logits(llm)  # a recomputed position keeps its last logits
+def test_preempted_requests_with_images_resume_without_encoding_again(tiny, reference):
     # prompts of 17, 27 and 37 tokens that grow to 3, 3 and 4 blocks; 8 blocks do not hold all three
     images = [image("one"), image("wide"), image("four")]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    results = llm.chat([conversation(picture) for picture in images], params)
-    assert llm.engine.core.stats().num_preemptions > 0
-    for index, (picture, result) in enumerate(zip(images, results, strict=True)):
-        prompt = result.prompt_token_ids
-        got = torch.stack([logits[(f"{index}-0", position)] for position in range(len(prompt))])
-        torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [picture]), rtol=1e-4, atol=1e-4)
-        assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [picture], 16)
-    assert llm.engine.core.runner.multimodal.num_encoder_runs == 3
+    check_preempted_image_requests(tiny[0], reference, images, num_blocks=8, max_tokens=16)
 
 
 def test_engine_refuses_a_span_without_its_layout_and_tiles_that_are_not_its_canvas(tiny, processor):
@@ -267,13 +224,8 @@ def test_engine_refuses_a_span_without_its_layout_and_tiles_that_are_not_its_can
     core.add_request("ok", [5, *processed.span_ids, 6], GREEDY, images=[item])  # the laid-out span is taken
 
 
-def test_text_only_prompt_matches_transformers(tiny, llm):
-    _, reference = tiny
-    prompt = [290, 5, 6, 7, 291, 8]
-    got = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
-    with torch.no_grad():
-        expected = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
-    assert got == expected[0, len(prompt) :].tolist()
+def test_text_only_prompt_matches_transformers(llm, reference):
+    check_text_only_prompt(llm, reference, [290, 5, 6, 7, 291, 8], GREEDY)
 
 
 def test_a_released_config_takes_llama_4s_tokenizer_ids_and_its_tile_size(tiny):
@@ -309,15 +261,11 @@ def test_engine_summary_names_the_llama4_processor(llm):
 
 
 @pytest.mark.gpu
-def test_greedy_ids_match_transformers_on_cuda_with_graphs(tiny, processor):
-    path, reference = tiny
+def test_greedy_ids_match_transformers_on_cuda_with_graphs(tiny, reference):
+    path, _ = tiny
     llm = LLM(str(path), dtype="float32", device="cuda", prefill_chunk_size=8, async_scheduling=True)
     images = [image("one"), image("four")]
-    results = llm.chat([conversation(*images), conversation(images[1], text="t9")], GREEDY)
-    assert results[0].outputs[0].token_ids == reference_greedy(
-        reference, processor, results[0].prompt_token_ids, images
-    )
-    assert results[1].outputs[0].token_ids == reference_greedy(
-        reference, processor, results[1].prompt_token_ids, images[1:]
-    )
+    results = llm.chat([image_chat(*images), image_chat(images[1], text="t9")], GREEDY)
+    for result, used in zip(results, [images, images[1:]], strict=True):
+        assert result.outputs[0].token_ids == reference.greedy(result.prompt_token_ids, used, GREEDY.max_tokens)
     assert llm.engine.core.runner.graph_runner is not None

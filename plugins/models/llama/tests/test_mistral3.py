@@ -10,6 +10,7 @@ zero-padded to one batch with their ``image_sizes``, as its processor sends them
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -20,7 +21,18 @@ from fw_llama.pixtral_processor import PixtralImageProcessor, processor_settings
 from framework import LLM, SamplingParams
 from framework.errors import ConfigError
 from framework.multimodal.inputs import ImageInput
-from framework.testing import capture_logits, data_url, random_image, write_tiny_mistral3
+from framework.testing import (
+    VisionReference,
+    capture_logits,
+    check_image_request,
+    check_preempted_image_requests,
+    check_prefix_hit_inside_an_image,
+    check_text_only_prompt,
+    engine_logits,
+    image_chat,
+    random_image,
+    write_tiny_mistral3,
+)
 from framework.testing.vision import IMAGE_TOKEN_ID, MISTRAL3_SPECIALS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,44 +54,21 @@ def processor(tiny):
     return PixtralImageProcessor(settings)
 
 
-def conversation(*images, text="t5 t6"):
-    parts = [{"type": "text", "text": text}]
-    for index, image in enumerate(images):
-        parts += [
-            {"type": "image_url", "image_url": {"url": data_url(image)}},
-            {"type": "text", "text": f"t{20 + index}"},
-        ]
-    return [{"role": "user", "content": parts}]
-
-
-def reference_inputs(processor, images):
-    """transformers' ``pixel_values`` (padded to the largest image) and ``image_sizes``."""
+def reference_inputs(processor, ids, images) -> dict:
+    """transformers' inputs: ``pixel_values`` (padded to the largest image) and ``image_sizes``."""
     processed = [processor.preprocess(image).pixel_values for image in images]
     height, width = max(p.shape[1] for p in processed), max(p.shape[2] for p in processed)
     padded = [np.pad(p, ((0, 0), (0, height - p.shape[1]), (0, width - p.shape[2]))) for p in processed]
-    return torch.from_numpy(np.stack(padded)), torch.tensor([list(p.shape[1:]) for p in processed])
+    return dict(
+        input_ids=torch.tensor([ids]),
+        pixel_values=torch.from_numpy(np.stack(padded)),
+        image_sizes=torch.tensor([list(p.shape[1:]) for p in processed]),
+    )
 
 
-def reference_logits(model, processor, ids, images):
-    pixels, sizes = reference_inputs(processor, images)
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids]), pixel_values=pixels, image_sizes=sizes).logits[0]
-
-
-def reference_greedy(model, processor, prompt_ids, images, steps=10):
-    pixels, sizes = reference_inputs(processor, images)
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=pixels,
-            image_sizes=sizes,
-            max_new_tokens=steps,
-            do_sample=False,
-            eos_token_id=-1,  # fw's requests ignore EOS; so does the reference (no such token)
-        )
-    return out[0, len(prompt_ids) :].tolist()
+@pytest.fixture(scope="module")
+def reference(tiny, processor):
+    return VisionReference(tiny[1], functools.partial(reference_inputs, processor))
 
 
 def test_image_processor_matches_transformers_pil_processor(processor, tiny):
@@ -113,86 +102,51 @@ def test_vision_tower_and_projector_match_transformers_at_a_non_square_grid(tiny
     torch.testing.assert_close(got, expected.pooler_output[0], rtol=1e-5, atol=1e-5)
 
 
-def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunked_prefill(tiny, processor):
-    path, reference = tiny
+def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunked_prefill(tiny, reference):
+    path, _ = tiny
     llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8)
     logits = capture_logits(llm)
     images = [random_image(84, 56, 1), random_image(60, 100, 2)]  # 2 x 3 and 4 x 3 merged blocks
-    result = llm.chat(conversation(*images), GREEDY)[0]
+    result = llm.chat(image_chat(*images), GREEDY)[0]
     prompt = result.prompt_token_ids
     first = prompt.index(IMAGE_TOKEN_ID)
     span = prompt[first : first + 8]
     assert span == [IMAGE_TOKEN_ID] * 3 + [BREAK] + [IMAGE_TOKEN_ID] * 3 + [END]
     assert first // 8 != (first + 7) // 8  # the first image's span crosses a chunk boundary
     assert prompt.count(IMAGE_TOKEN_ID) == 6 + 12 and prompt.count(BREAK) == 1 + 3 and prompt.count(END) == 2
-    sequence = prompt + result.outputs[0].token_ids[:-1]
-    got = torch.stack([logits[("0-0", position)] for position in range(len(sequence))])
-    torch.testing.assert_close(got, reference_logits(reference, processor, sequence, images), rtol=1e-4, atol=1e-4)
-    assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, images)
+    check_image_request(logits, "0-0", result, reference, images, GREEDY.max_tokens)
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2  # each image once, though split over steps
 
 
-def test_a_prefix_hit_inside_the_span_and_a_chunk_holding_only_its_end_token_match_transformers(tiny, processor):
-    path, reference = tiny
+def test_a_prefix_hit_inside_the_span_and_a_chunk_holding_only_its_end_token_match_transformers(tiny, reference):
     # blocks and chunks of 4; the hit covers tokens 0..7; the 4 x 4 image's 20-token span starts at 5
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, prefill_chunk_size=4, prefix_cache_max_tokens=8)
-    logits = capture_logits(llm)
-    image = random_image(112, 112, 5)
-    llm.chat(conversation(image, text="t5 t6 t7 t8"), GREEDY)
-    second = llm.chat(conversation(image, text="t5 t6 t7 t8"), GREEDY)[0]
-    prompt = second.prompt_token_ids
-    start = prompt.index(IMAGE_TOKEN_ID)
-    assert start < second.num_cached_tokens == 8 < start + 20
-    assert prompt[start + 19] == END and (start + 19) % 4 == 0  # the chunk from the end token has no image token
-    expected = reference_logits(reference, processor, prompt, [image])
-    got = torch.stack([logits[("1-0", position)] for position in range(8, len(prompt))])
-    torch.testing.assert_close(got, expected[8:], rtol=1e-4, atol=1e-4)
-    assert second.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image])
-
-
-def test_preempted_requests_with_images_resume_without_encoding_again(tiny, processor):
-    path, reference = tiny
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        device="cpu",
-        num_blocks=6,
-        block_size=16,
-        max_num_seqs=3,
-        enable_prefix_caching=False,
+    image, span = random_image(112, 112, 5), (IMAGE_TOKEN_ID, 20)
+    _, second = check_prefix_hit_inside_an_image(
+        tiny[0], reference, image, GREEDY, span, 8, text="t5 t6 t7 t8", prefill_chunk_size=4
     )
-    logits = capture_logits(llm)  # a recomputed position keeps its last logits
+    start = second.prompt_token_ids.index(IMAGE_TOKEN_ID)
+    assert second.prompt_token_ids[start + 19] == END and (start + 19) % 4 == 0  # its chunk has no image token
+
+
+def test_preempted_requests_with_images_resume_without_encoding_again(tiny, reference):
     # spans of 6, 8 and 10 tokens: prompts of 11, 13 and 15 tokens that grow past 2 blocks each
     images = [random_image(56 + 28 * i, 56, 10 + i) for i in range(3)]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    results = llm.chat([conversation(image) for image in images], params)
-    assert llm.engine.core.stats().num_preemptions > 0
-    for index, (image, result) in enumerate(zip(images, results, strict=True)):
-        prompt = result.prompt_token_ids
-        got = torch.stack([logits[(f"{index}-0", position)] for position in range(len(prompt))])
-        torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [image]), rtol=1e-4, atol=1e-4)
-        assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image], 20)
-    assert llm.engine.core.runner.multimodal.num_encoder_runs == 3
+    check_preempted_image_requests(tiny[0], reference, images, num_blocks=6, max_tokens=20)
 
 
-def test_text_only_prompt_matches_transformers(tiny):
-    path, reference = tiny
-    llm = LLM(str(path), dtype="float32", device="cpu")
-    prompt = [290, 5, 6, 7, 291, 8]
-    got = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
-    with torch.no_grad():
-        expected = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
-    assert got == expected[0, len(prompt) :].tolist()
+def test_text_only_prompt_matches_transformers(tiny, reference):
+    llm = LLM(str(tiny[0]), dtype="float32", device="cpu")
+    check_text_only_prompt(llm, reference, [290, 5, 6, 7, 291, 8], GREEDY)
 
 
-def test_checkpoints_with_the_older_tensor_names_load_the_same_model(tiny, processor, tmp_path):
+def test_checkpoints_with_the_older_tensor_names_load_the_same_model(tiny, reference, tmp_path):
     """``language_model.model.*``, ``language_model.lm_head``, ``vision_tower.*`` and
     ``multi_modal_projector.*`` (Mistral Small 3.1's files) give the same logits."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    path, reference = tiny
+    path, _ = tiny
     for file in path.iterdir():
         if file.suffix != ".safetensors":
             shutil.copy(file, tmp_path / file.name)
@@ -212,9 +166,9 @@ def test_checkpoints_with_the_older_tensor_names_load_the_same_model(tiny, proce
     llm = LLM(str(tmp_path), dtype="float32", device="cpu")
     logits = capture_logits(llm)
     image = random_image(84, 56, 1)
-    prompt = llm.chat(conversation(image), SamplingParams(temperature=0, max_tokens=1))[0].prompt_token_ids
-    got = torch.stack([logits[("0-0", position)] for position in range(len(prompt))])
-    torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [image]), rtol=1e-4, atol=1e-4)
+    prompt = llm.chat(image_chat(image), SamplingParams(temperature=0, max_tokens=1))[0].prompt_token_ids
+    got = engine_logits(logits, "0-0", range(len(prompt)))
+    torch.testing.assert_close(got, reference.logits(prompt, [image]), rtol=1e-4, atol=1e-4)
 
 
 def test_engine_refuses_a_span_without_its_layout_tokens(tiny, processor):
@@ -268,15 +222,11 @@ def test_engine_summary_names_the_pixtral_processor(tiny):
 
 
 @pytest.mark.gpu
-def test_greedy_ids_match_transformers_on_cuda_with_graphs(tiny, processor):
-    path, reference = tiny
+def test_greedy_ids_match_transformers_on_cuda_with_graphs(tiny, reference):
+    path, _ = tiny
     llm = LLM(str(path), dtype="float32", device="cuda", prefill_chunk_size=8, async_scheduling=True)
     images = [random_image(84, 56, 1), random_image(60, 100, 2)]
-    results = llm.chat([conversation(*images), conversation(images[1], text="t9")], GREEDY)
-    assert results[0].outputs[0].token_ids == reference_greedy(
-        reference, processor, results[0].prompt_token_ids, images
-    )
-    assert results[1].outputs[0].token_ids == reference_greedy(
-        reference, processor, results[1].prompt_token_ids, images[1:]
-    )
+    results = llm.chat([image_chat(*images), image_chat(images[1], text="t9")], GREEDY)
+    for result, used in zip(results, [images, images[1:]], strict=True):
+        assert result.outputs[0].token_ids == reference.greedy(result.prompt_token_ids, used, GREEDY.max_tokens)
     assert llm.engine.core.runner.graph_runner is not None

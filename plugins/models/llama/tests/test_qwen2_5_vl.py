@@ -7,6 +7,7 @@ transformers gets the pixels fw's processor made (which equal its own ``Qwen2VLI
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -18,7 +19,19 @@ from framework import LLM, SamplingParams
 from framework.errors import ConfigError
 from framework.multimodal.images import ImageError
 from framework.multimodal.inputs import ImageInput
-from framework.testing import capture_logits, data_url, random_image, randomise_identity_params, write_tiny_qwen2_5_vl
+from framework.testing import (
+    VisionReference,
+    capture_logits,
+    check_image_request,
+    check_preempted_image_requests,
+    check_prefix_hit_inside_an_image,
+    check_text_only_prompt,
+    image_chat,
+    qwen_vl_inputs,
+    random_image,
+    randomise_identity_params,
+    write_tiny_qwen2_5_vl,
+)
 from framework.testing.vision import IMAGE_TOKEN_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,45 +50,10 @@ def processor(tiny):
     return Qwen2VLImageProcessor(processor_settings(json.loads((tiny[0] / "preprocessor_config.json").read_text())))
 
 
-def conversation(*images, text="t5 t6"):
-    """A user turn: ``text``, then each image (a data URL) followed by a word."""
-    parts = [{"type": "text", "text": text}]
-    for index, image in enumerate(images):
-        parts += [
-            {"type": "image_url", "image_url": {"url": data_url(image)}},
-            {"type": "text", "text": f"t{20 + index}"},
-        ]
-    return [{"role": "user", "content": parts}]
-
-
-def reference_greedy(model, processor, prompt_ids, images, steps=12):
-    """transformers' greedy ids for ``prompt_ids`` (image tokens already expanded) and ``images``."""
-    processed = [processor.preprocess(image) for image in images]
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
-            image_grid_thw=torch.tensor([p.grid for p in processed]),
-            mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
-            max_new_tokens=steps,
-            do_sample=False,
-        )
-    return out[0, len(prompt_ids) :].tolist()
-
-
-def reference_logits(model, processor, prompt_ids, images):
-    """transformers' logits at every position of ``prompt_ids`` with ``images``."""
-    processed = [processor.preprocess(image) for image in images]
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        return model(
-            input_ids=ids,
-            pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
-            image_grid_thw=torch.tensor([p.grid for p in processed]),
-            mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
-        ).logits[0]
+@pytest.fixture(scope="module")
+def reference(tiny, processor):
+    """transformers' model, given the pixels fw's processor makes."""
+    return VisionReference(tiny[1], functools.partial(qwen_vl_inputs, processor))
 
 
 def test_image_processor_matches_transformers_pil_processor(processor, tiny):
@@ -98,107 +76,62 @@ def _rgb_on_white(image):
     return to_rgb(image)
 
 
-def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunked_prefill(tiny, processor):
-    path, reference = tiny
+def test_logits_and_greedy_ids_match_transformers_with_two_images_split_by_chunked_prefill(tiny, reference):
+    path, _ = tiny
     llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8)
     logits = capture_logits(llm)
     images = [random_image(84, 56, 1), random_image(100, 120, 2)]
-    result = llm.chat(conversation(*images), GREEDY)[0]
+    result = llm.chat(image_chat(*images), GREEDY)[0]
     prompt = result.prompt_token_ids
     first = prompt.index(IMAGE_TOKEN_ID)
     assert first // 8 != (first + 5) // 8  # the first image's 6 tokens cross a chunk boundary
     assert prompt.count(IMAGE_TOKEN_ID) == 6 + 16
     # every position the engine computed, decode steps (M-RoPE index + delta) included
-    sequence = prompt + result.outputs[0].token_ids[:-1]
-    got = torch.stack([logits[("0-0", position)] for position in range(len(sequence))])
-    torch.testing.assert_close(got, reference_logits(reference, processor, sequence, images), rtol=1e-4, atol=1e-4)
-    assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, images)
+    check_image_request(logits, "0-0", result, reference, images, GREEDY.max_tokens)
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2  # each image once, though split over steps
 
 
-def test_async_scheduling_mixes_decode_and_image_prefill_with_the_same_ids(tiny, processor):
-    path, reference = tiny
+def test_async_scheduling_mixes_decode_and_image_prefill_with_the_same_ids(tiny, reference):
+    path, _ = tiny
     llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8, async_scheduling=True)
     logits = capture_logits(llm)
     images = [random_image(100, 120, 2)]
     # the short text-only prompt decodes (its input on the device) while the image prompt's chunks prefill
-    results = llm.chat([[{"role": "user", "content": "t5"}], conversation(*images)], GREEDY)
-    with torch.no_grad():
-        short = torch.tensor([results[0].prompt_token_ids])
-        expected = reference.generate(input_ids=short, max_new_tokens=12, do_sample=False)[0, short.shape[1] :]
-    assert results[0].outputs[0].token_ids == expected.tolist()
-    prompt = results[1].prompt_token_ids
-    sequence = prompt + results[1].outputs[0].token_ids[:-1]  # decode positions (index + delta) too
-    got = torch.stack([logits[("1-0", position)] for position in range(len(sequence))])
-    torch.testing.assert_close(got, reference_logits(reference, processor, sequence, images), rtol=1e-4, atol=1e-4)
-    assert results[1].outputs[0].token_ids == reference_greedy(reference, processor, prompt, images)
+    results = llm.chat([[{"role": "user", "content": "t5"}], image_chat(*images)], GREEDY)
+    assert results[0].outputs[0].token_ids == reference.greedy(results[0].prompt_token_ids, [], GREEDY.max_tokens)
+    check_image_request(logits, "1-0", results[1], reference, images, GREEDY.max_tokens)  # decode positions too
 
 
-def test_text_only_prompt_of_the_vision_model_matches_transformers(tiny, processor):
-    path, reference = tiny
-    llm = LLM(str(path), dtype="float32", device="cpu")
-    prompt = [290, 5, 6, 7, 291, 290, 8]
-    got = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
-    with torch.no_grad():
-        expected = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-    assert got == expected[0, len(prompt) :].tolist()
+def test_text_only_prompt_of_the_vision_model_matches_transformers(tiny, reference):
+    llm = LLM(str(tiny[0]), dtype="float32", device="cpu")
+    check_text_only_prompt(llm, reference, [290, 5, 6, 7, 291, 290, 8], GREEDY)
 
 
-def test_different_images_with_the_same_text_share_no_prefix_blocks(tiny, processor):
-    path, reference = tiny
+def test_different_images_with_the_same_text_share_no_prefix_blocks(tiny, reference):
+    path, _ = tiny
     llm = LLM(str(path), dtype="float32", device="cpu", block_size=4)
     red, noise = random_image(56, 56, 7), random_image(56, 56, 8)
-    first = llm.chat(conversation(red, text="t5 t6 t7 t8 t9"), GREEDY)[0]
+    first = llm.chat(image_chat(red, text="t5 t6 t7 t8 t9"), GREEDY)[0]
     image_at = first.prompt_token_ids.index(IMAGE_TOKEN_ID)
-    other = llm.chat(conversation(noise, text="t5 t6 t7 t8 t9"), GREEDY)[0]
+    other = llm.chat(image_chat(noise, text="t5 t6 t7 t8 t9"), GREEDY)[0]
     assert other.prompt_token_ids == first.prompt_token_ids  # the same ids: only the pixels differ
     assert other.num_cached_tokens == image_at // 4 * 4  # the text blocks before the image, no more
-    assert other.outputs[0].token_ids == reference_greedy(reference, processor, other.prompt_token_ids, [noise])
-    again = llm.chat(conversation(red, text="t5 t6 t7 t8 t9"), GREEDY)[0]
+    assert other.outputs[0].token_ids == reference.greedy(other.prompt_token_ids, [noise], GREEDY.max_tokens)
+    again = llm.chat(image_chat(red, text="t5 t6 t7 t8 t9"), GREEDY)[0]
     assert again.num_cached_tokens > image_at + 4  # the same image hits the blocks that hold it
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2  # a hit past the image needs no encoder run
 
 
-def test_a_prefix_cache_hit_that_ends_inside_an_image_continues_from_its_embeddings(tiny, processor):
-    path, reference = tiny
+def test_a_prefix_cache_hit_that_ends_inside_an_image_continues_from_its_embeddings(tiny, reference):
     # two keyed blocks of 4: the hit covers tokens 0..7, and the image's 16 tokens start at 3
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, prefix_cache_max_tokens=8)
-    logits = capture_logits(llm)
-    image = random_image(112, 112, 5)
-    llm.chat(conversation(image), GREEDY)
-    second = llm.chat(conversation(image), GREEDY)[0]
-    prompt = second.prompt_token_ids
-    start = prompt.index(IMAGE_TOKEN_ID)
-    assert start < second.num_cached_tokens == 8 < start + 16
-    got = torch.stack([logits[("1-0", position)] for position in range(8, len(prompt))])
-    torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [image])[8:], rtol=1e-4, atol=1e-4)
-    assert second.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image])
+    check_prefix_hit_inside_an_image(tiny[0], reference, random_image(112, 112, 5), GREEDY, (IMAGE_TOKEN_ID, 16), 8)
 
 
-def test_preempted_requests_with_images_resume_without_encoding_again(tiny, processor):
-    path, reference = tiny
+def test_preempted_requests_with_images_resume_without_encoding_again(tiny, reference):
     # no prefix cache: a resumed request recomputes its image tokens, from the encoder cache
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        device="cpu",
-        num_blocks=7,
-        block_size=16,
-        max_num_seqs=3,
-        enable_prefix_caching=False,
-    )
-    logits = capture_logits(llm)  # a recomputed position keeps its last logits
     images = [random_image(56 + 28 * i, 56, 10 + i) for i in range(3)]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    results = llm.chat([conversation(image) for image in images], params)
-    assert llm.engine.core.stats().num_preemptions > 0
-    for index, (image, result) in enumerate(zip(images, results, strict=True)):
-        prompt = result.prompt_token_ids
-        got = torch.stack([logits[(f"{index}-0", position)] for position in range(len(prompt))])
-        torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [image]), rtol=1e-4, atol=1e-4)
-        assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image], 20)
-    assert llm.engine.core.runner.multimodal.num_encoder_runs == 3
+    check_preempted_image_requests(tiny[0], reference, images, num_blocks=7, max_tokens=20)
 
 
 def test_bad_image_input_is_refused_naming_the_part(tiny):
@@ -219,7 +152,7 @@ def test_bad_image_input_is_refused_naming_the_part(tiny):
     with pytest.raises(ImageError, match=r"messages\[0\]\.content\[0\]: image URLs over http\(s\) are not fetched"):
         llm.chat(web, GREEDY)
     with pytest.raises(ImageError, match=r"content\[17\]: too many images: this model takes at most 8"):
-        llm.chat(conversation(*[random_image(56, 56, i) for i in range(9)]), GREEDY)
+        llm.chat(image_chat(*[random_image(56, 56, i) for i in range(9)]), GREEDY)
     assert not llm.engine.core.requests and llm.engine.core.runner.multimodal.num_encoder_runs == 0
 
 
@@ -246,21 +179,17 @@ def test_text_model_refuses_images(tmp_path):
     with pytest.raises(
         ConfigError, match=r"messages\[0\]\.content\[1\]: this model \(LlamaForCausalLM\) does not take images"
     ):
-        llm.chat(conversation(random_image(56, 56, 1)), GREEDY)
+        llm.chat(image_chat(random_image(56, 56, 1)), GREEDY)
 
 
 @pytest.mark.gpu
-def test_greedy_ids_match_transformers_on_cuda_with_graphs_and_async_scheduling(tiny, processor):
-    path, reference = tiny
+def test_greedy_ids_match_transformers_on_cuda_with_graphs_and_async_scheduling(tiny, reference):
+    path, _ = tiny
     llm = LLM(str(path), dtype="float32", device="cuda", prefill_chunk_size=8, async_scheduling=True)
     images = [random_image(84, 56, 1), random_image(100, 120, 2)]
-    results = llm.chat([conversation(*images), conversation(images[1], text="t9")], GREEDY)
-    assert results[0].outputs[0].token_ids == reference_greedy(
-        reference, processor, results[0].prompt_token_ids, images
-    )
-    assert results[1].outputs[0].token_ids == reference_greedy(
-        reference, processor, results[1].prompt_token_ids, images[1:]
-    )
+    results = llm.chat([image_chat(*images), image_chat(images[1], text="t9")], GREEDY)
+    for result, used in zip(results, [images, images[1:]], strict=True):
+        assert result.outputs[0].token_ids == reference.greedy(result.prompt_token_ids, used, GREEDY.max_tokens)
     assert llm.engine.core.runner.graph_runner is not None  # decode ran in CUDA graphs (M-RoPE positions + delta)
 
 

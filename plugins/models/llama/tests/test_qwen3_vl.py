@@ -9,16 +9,25 @@ experts in the released checkpoints' ``[E, in, out]`` layout, which transformers
 
 from __future__ import annotations
 
+import functools
 import json
 
-import numpy as np
 import pytest
 import torch
 from fw_llama.qwen2_5_vl import frequency_sections
 from fw_llama.qwen2_vl_processor import Qwen2VLImageProcessor, processor_settings
 
 from framework import LLM, SamplingParams
-from framework.testing import capture_logits, data_url, random_image, write_tiny_qwen3_vl
+from framework.testing import (
+    VisionReference,
+    capture_logits,
+    check_image_request,
+    check_prefix_hit_inside_an_image,
+    image_chat,
+    qwen_vl_inputs,
+    random_image,
+    write_tiny_qwen3_vl,
+)
 from framework.testing.vision import IMAGE_TOKEN_ID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,28 +55,7 @@ def tiny(request, tmp_path_factory):
     if request.param == "moe":
         released_expert_layout(path)
     processor = Qwen2VLImageProcessor(processor_settings(json.loads((path / "preprocessor_config.json").read_text())))
-    return path, reference, processor
-
-
-def conversation(*images, text="t5 t6"):
-    parts = [{"type": "text", "text": text}]
-    for index, image in enumerate(images):
-        parts += [
-            {"type": "image_url", "image_url": {"url": data_url(image)}},
-            {"type": "text", "text": f"t{20 + index}"},
-        ]
-    return [{"role": "user", "content": parts}]
-
-
-def reference_inputs(processor, prompt_ids, images) -> dict:
-    processed = [processor.preprocess(image) for image in images]
-    ids = torch.tensor([prompt_ids])
-    return dict(
-        input_ids=ids,
-        pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
-        image_grid_thw=torch.tensor([p.grid for p in processed]),
-        mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
-    )
+    return path, VisionReference(reference, functools.partial(qwen_vl_inputs, processor))
 
 
 def test_interleaved_sections_alternate_until_height_and_width_run_out():
@@ -77,46 +65,25 @@ def test_interleaved_sections_alternate_until_height_and_width_run_out():
 
 
 def test_logits_and_greedy_ids_match_transformers_with_three_images_split_by_chunked_prefill(tiny):
-    path, reference, processor = tiny
+    path, reference = tiny
     llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8)
     logits = capture_logits(llm)
     images = [random_image(*size) for size in IMAGES]
-    result = llm.chat(conversation(*images), GREEDY)[0]
+    result = llm.chat(image_chat(*images), GREEDY)[0]
     prompt = result.prompt_token_ids
     first = prompt.index(IMAGE_TOKEN_ID)
     assert first // 8 != (first + 5) // 8  # the first image's 6 tokens cross a chunk boundary
     assert prompt.count(IMAGE_TOKEN_ID) == 6 + 12 + 4
-    inputs = reference_inputs(processor, prompt, images)
-    with torch.no_grad():
-        expected = reference.generate(
-            **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=10, do_sample=False
-        )[0, len(prompt) :].tolist()
-    assert result.outputs[0].token_ids == expected
     # every position the engine computed: the prompt's (M-RoPE, DeepStack) and decode's (index + delta)
-    sequence = prompt + expected[:-1]
-    with torch.no_grad():
-        want = reference(**reference_inputs(processor, sequence, images)).logits[0]
-    got = torch.stack([logits[("0-0", position)] for position in range(len(sequence))])
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    check_image_request(logits, "0-0", result, reference, images, GREEDY.max_tokens)
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 3  # each image once, though split over steps
     assert llm.engine.summary["vision"]["image_processor"] == "Qwen2VLImageProcessor"
 
 
 def test_a_prefix_cache_hit_that_ends_inside_an_image_continues_with_its_deepstack_rows(tiny):
-    path, reference, processor = tiny
+    path, reference = tiny
     # two keyed blocks of 4: the hit covers tokens 0..7, and the image's 16 tokens start at 3
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, prefix_cache_max_tokens=8)
-    logits = capture_logits(llm)
-    image = random_image(128, 128, 5)
-    llm.chat(conversation(image), GREEDY)
-    second = llm.chat(conversation(image), GREEDY)[0]
-    prompt = second.prompt_token_ids
-    start = prompt.index(IMAGE_TOKEN_ID)
-    assert start < second.num_cached_tokens == 8 < start + 16
-    with torch.no_grad():
-        want = reference(**reference_inputs(processor, prompt, [image])).logits[0, 8:]
-    got = torch.stack([logits[("1-0", position)] for position in range(8, len(prompt))])
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    check_prefix_hit_inside_an_image(path, reference, random_image(128, 128, 5), GREEDY, (IMAGE_TOKEN_ID, 16), 8)
 
 
 def test_vision_tower_with_a_checkpoint_sized_position_grid_matches_transformers():
@@ -147,16 +114,10 @@ def test_vision_tower_with_a_checkpoint_sized_position_grid_matches_transformers
 
 @pytest.mark.gpu
 def test_greedy_ids_match_transformers_on_cuda_with_graphs_and_async_scheduling(tiny):
-    path, reference, processor = tiny
+    path, reference = tiny
     llm = LLM(str(path), dtype="float32", device="cuda", prefill_chunk_size=8, async_scheduling=True)
     images = [random_image(*size) for size in IMAGES]
-    conversations = [conversation(*images), conversation(images[1], text="t9")]
-    results = llm.chat(conversations, GREEDY)
+    results = llm.chat([image_chat(*images), image_chat(images[1], text="t9")], GREEDY)
     for result, used in zip(results, [images, images[1:2]], strict=True):
-        inputs = reference_inputs(processor, result.prompt_token_ids, used)
-        with torch.no_grad():
-            expected = reference.generate(
-                **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=10, do_sample=False
-            )
-        assert result.outputs[0].token_ids == expected[0, len(result.prompt_token_ids) :].tolist()
+        assert result.outputs[0].token_ids == reference.greedy(result.prompt_token_ids, used, GREEDY.max_tokens)
     assert llm.engine.core.runner.graph_runner is not None  # decode ran in CUDA graphs (M-RoPE positions + delta)

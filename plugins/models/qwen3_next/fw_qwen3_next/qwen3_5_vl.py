@@ -28,12 +28,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from fw_llama.qwen2_5_vl import (
     MRotaryEmbedding,
     Qwen2_5_VLForConditionalGeneration,
+    QwenVisionLanguageModel,
     mrope_section,
-    prompt_mrope_positions,
 )
 from fw_llama.qwen3_vision import Qwen3VisionTransformer
 
@@ -55,10 +54,11 @@ def image_token_id(config: ModelConfig) -> int:
     return int(config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
+class Qwen3_5ForConditionalGeneration(QwenVisionLanguageModel, Qwen3NextForCausalLM):
     """Qwen3.5 checkpoints with their vision tower: the multimodal contract of
     :mod:`framework.engine.multimodal_step` (``vision_spec``, ``embed_image``,
-    ``embed_input_ids``, ``rope_positions``) over :class:`Qwen3NextForCausalLM`."""
+    ``embed_input_ids``, ``rope_positions``: the Qwen-VL family's, from
+    :class:`~fw_llama.qwen2_5_vl.QwenVisionLanguageModel`) over :class:`Qwen3NextForCausalLM`."""
 
     ignored_weight_patterns = (*CausalLM.ignored_weight_patterns, "mtp.")
 
@@ -99,26 +99,3 @@ class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
         if name.startswith("model.visual."):
             return name.removeprefix("model."), ()
         return Qwen3NextForCausalLM.map_weight_name(name)
-
-    def num_image_tokens(self, grid: list[int]) -> int:
-        return self.visual.num_tokens(grid)
-
-    def embed_image(self, pixel_values: torch.Tensor, grid: list[int]) -> torch.Tensor:
-        """``[num_image_tokens(grid), hidden]``: one image through the tower."""
-        return self.visual(pixel_values, grid)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``positions``: ``[T]``, or ``[3, T]`` M-RoPE positions in a step over prompt tokens of a
-        prompt with images (:meth:`rope_positions`); ``inputs_embeds``: the token embeddings with
-        the image rows (a step over image tokens)."""
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def rope_positions(self, num_tokens: int, spans: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, int]:
-        """The prompt's ``[3, num_tokens]`` M-RoPE positions and the delta of later tokens
-        (:func:`~fw_llama.qwen2_5_vl.prompt_mrope_positions`)."""
-        return prompt_mrope_positions(num_tokens, spans, self.visual.merge)

@@ -21,40 +21,23 @@ import transformers
 
 from framework import LLM, SamplingParams
 from framework.errors import ModelLoadError
-from framework.testing import PARITY_PROMPTS, check_logits_parity, reference_greedy
-from framework.testing.model_writers import randomise_identity_params
+from framework.testing import (
+    PARITY_PROMPTS,
+    check_logits_parity,
+    random_causal_lm,
+    reference_greedy,
+    tiny_gemma4_text,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gguf_files import model_holding, write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
-CONFIG = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=5,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    sliding_window=6,
-    final_logit_softcapping=3.0,
-    layer_types=TYPES,
-    global_head_dim=32,
-    num_global_key_value_heads=1,
-    attention_k_eq_v=True,
-    num_kv_shared_layers=2,
-    use_double_wide_mlp=True,
-    vocab_size_per_layer_input=160,
-    hidden_size_per_layer_input=8,
-    enable_moe_block=True,
-    num_experts=4,
-    top_k_experts=2,
-    moe_intermediate_size=32,
+CONFIG = tiny_gemma4_text(
+    shared_kv=True, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32
 )
+TYPES = CONFIG["layer_types"]
 _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -164,10 +147,7 @@ def metadata(config, skip: str | None = None):
 @pytest.fixture(scope="module")
 def reference():
     """Random norms, and ``layer_scalar``s and the routers' scales in [0.5, 1.5] (ones in a fresh model)."""
-    torch.manual_seed(0)
-    config = transformers.Gemma4TextConfig(**CONFIG)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    randomise_identity_params(model.eval())
+    model = random_causal_lm(transformers.Gemma4TextConfig(**CONFIG))
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for layer in model.model.layers:

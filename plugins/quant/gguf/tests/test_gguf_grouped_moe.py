@@ -12,15 +12,19 @@ greedy ids of transformers holding the file's values.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType as Q
 
 from framework import LLM, SamplingParams
 from framework.testing import PARITY_PROMPTS, check_logits_parity, reference_greedy, write_grouped_moe_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gguf_files  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -161,7 +165,6 @@ def write_gguf(path, arch: str, model, quantized: tuple[str, ...] = ()) -> dict[
     returns the values the file holds under the GGUF names."""
     config, tensors = model.config, gguf_tensors(arch, model)
     num_layers = config.num_hidden_layers
-    writer = gguf.GGUFWriter(path, arch)
     if arch == "glm4moe":  # the MTP block llama.cpp keeps: counted in block_count, skipped by fw
         tensors.update(
             {
@@ -171,69 +174,53 @@ def write_gguf(path, arch: str, model, quantized: tuple[str, ...] = ()) -> dict[
             }
         )
         tensors[f"blk.{num_layers}.nextn.eh_proj.weight"] = torch.randn(config.hidden_size, 2 * config.hidden_size)
-        writer.add_nextn_predict_layers(1)
         num_layers += 1
-    writer.add_block_count(num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_expert_count(config.n_routed_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_shared_count(config.n_shared_experts)
-    writer.add_leading_dense_block_count(config.first_k_dense_replace)
-    writer.add_expert_weights_scale(config.routed_scaling_factor)
-    if config.norm_topk_prob:
-        writer.add_expert_weights_norm(True)
-    if arch == "glm4moe":
-        writer.add_head_count_kv(config.num_key_value_heads)
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
-        writer.add_rope_dimension_count(config.head_dim // 2)
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    else:  # MLA written as llama.cpp writes it: one KV head of the latent
-        writer.add_head_count_kv(1)
-        writer.add_q_lora_rank(config.q_lora_rank)
-        writer.add_kv_lora_rank(config.kv_lora_rank)
-        writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
-        writer.add_value_length(config.kv_lora_rank)
-        writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
-        writer.add_value_length_mla(config.v_head_dim)
-        writer.add_rope_dimension_count(config.qk_rope_head_dim)
-        if isinstance(config, transformers.DeepseekV3Config):
+
+    def metadata(writer: gguf.GGUFWriter) -> None:
+        if arch == "glm4moe":
+            writer.add_nextn_predict_layers(1)
+        writer.add_block_count(num_layers)
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_expert_count(config.n_routed_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        if config.norm_topk_prob:
+            writer.add_expert_weights_norm(True)
+        if arch == "glm4moe":
+            writer.add_head_count_kv(config.num_key_value_heads)
+            writer.add_key_length(config.head_dim)
+            writer.add_value_length(config.head_dim)
+            writer.add_rope_dimension_count(config.head_dim // 2)
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-            writer.add_expert_group_count(config.n_group)
-            writer.add_expert_group_used_count(config.topk_group)
-            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            writer.add_rope_scaling_factor(YARN["factor"])
-            writer.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
-            writer.add_rope_scaling_yarn_beta_fast(YARN["beta_fast"])
-            writer.add_rope_scaling_yarn_beta_slow(YARN["beta_slow"])
-            writer.add_rope_scaling_yarn_log_mul(0.1 * YARN["mscale_all_dim"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["<s>", "</s>", "a", "b", "ab", *(f"t{i}" for i in range(5, config.vocab_size))])
-    writer.add_token_types([3, 3, *([1] * (config.vocab_size - 2))])
-    writer.add_token_merges(["a b"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
-    stored = {}
-    for name, tensor in tensors.items():
-        array = tensor.float().contiguous().numpy()
-        if any(part in name for part in quantized):
-            packed = gguf.quants.quantize(array, Q.Q8_0)
-            writer.add_tensor(name, packed, raw_dtype=Q.Q8_0)
-            array = gguf.quants.dequantize(packed, Q.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(array))
-        stored[name] = torch.from_numpy(np.array(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return stored
+        else:  # MLA written as llama.cpp writes it: one KV head of the latent
+            writer.add_head_count_kv(1)
+            writer.add_q_lora_rank(config.q_lora_rank)
+            writer.add_kv_lora_rank(config.kv_lora_rank)
+            writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+            writer.add_value_length(config.kv_lora_rank)
+            writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+            writer.add_value_length_mla(config.v_head_dim)
+            writer.add_rope_dimension_count(config.qk_rope_head_dim)
+            if isinstance(config, transformers.DeepseekV3Config):
+                writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+                writer.add_expert_group_count(config.n_group)
+                writer.add_expert_group_used_count(config.topk_group)
+                writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+                writer.add_rope_scaling_factor(YARN["factor"])
+                writer.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
+                writer.add_rope_scaling_yarn_beta_fast(YARN["beta_fast"])
+                writer.add_rope_scaling_yarn_beta_slow(YARN["beta_slow"])
+                writer.add_rope_scaling_yarn_log_mul(0.1 * YARN["mscale_all_dim"])
+
+    return gguf_files.write_gguf(path, arch, tensors, metadata, config.vocab_size, quantized)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -22,28 +22,20 @@ from fw_gguf.config import hf_config_from_gguf
 
 from framework import LLM, SamplingParams
 from framework.errors import ModelLoadError
-from framework.testing import PARITY_PROMPTS, check_logits_parity, reference_greedy
-from framework.testing.model_writers import randomise_identity_params
+from framework.testing import (
+    PARITY_PROMPTS,
+    check_logits_parity,
+    random_causal_lm,
+    reference_greedy,
+    tiny_llama4_text,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gguf_files import model_holding, write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CONFIG = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=32,
-    intermediate_size_mlp=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    num_local_experts=4,
-    num_experts_per_tok=1,
-    interleave_moe_layer_step=2,
+CONFIG = tiny_llama4_text(
     # what llama.cpp hard-codes for llama4 files
     no_rope_layer_interval=4,
     attention_chunk_size=8192,
@@ -151,11 +143,7 @@ def metadata(config, skip: str | None = None):
 
 @pytest.fixture(scope="module")
 def reference():
-    torch.manual_seed(0)
-    config = transformers.Llama4TextConfig(**CONFIG)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    randomise_identity_params(model.eval())
-    return model
+    return random_causal_lm(transformers.Llama4TextConfig(**CONFIG))
 
 
 def test_f32_gguf_gives_the_logits_of_transformers(reference, tmp_path):

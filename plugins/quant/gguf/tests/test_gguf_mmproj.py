@@ -22,7 +22,14 @@ from gguf import GGMLQuantizationType as Q
 
 from framework import LLM, SamplingParams
 from framework.errors import ConfigError, ModelLoadError
-from framework.testing import capture_logits, data_url, random_image, write_tiny_qwen2_5_vl, write_tiny_qwen3_vl
+from framework.testing import (
+    capture_logits,
+    data_url,
+    qwen_vl_inputs,
+    random_image,
+    write_tiny_qwen2_5_vl,
+    write_tiny_qwen3_vl,
+)
 from framework.testing.vision import IMAGE_TOKEN_ID
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -99,15 +106,7 @@ def rounded_tower(reference, outtype: str):
 def reference_inputs(llm, prompt_ids, images) -> dict:
     from framework.multimodal.inputs import load_processor
 
-    processor = load_processor(llm.engine.vision)
-    processed = [processor.preprocess(image) for image in images]
-    ids = torch.tensor([prompt_ids])
-    return dict(
-        input_ids=ids,
-        pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
-        image_grid_thw=torch.tensor([p.grid for p in processed]),
-        mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int(),
-    )
+    return qwen_vl_inputs(load_processor(llm.engine.vision), prompt_ids, images)
 
 
 @pytest.mark.parametrize("outtype", ["F32", "F16"])

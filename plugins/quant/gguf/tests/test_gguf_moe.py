@@ -7,8 +7,10 @@ GGUF laid out like llama.cpp's converter output (``ffn_gate_exps`` ``[experts, w
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -16,6 +18,9 @@ from gguf import GGMLQuantizationType as Q
 
 from framework import LLM, SamplingParams
 from framework.testing import capture_logits, check_logits_parity, interpreted, reference_greedy, write_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gguf_files  # noqa: E402
 
 SMALL = dict(
     vocab_size=160,
@@ -101,42 +106,25 @@ def write_gguf(path, arch: str, model, quantized: tuple[str, ...] = ()) -> dict[
     """Write ``model`` as a GGUF of ``arch``; tensors whose name contains one of ``quantized`` as
     Q8_0. Returns the values the file holds (dequantized), under the GGUF names."""
     config = model.config
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_expert_count(config.num_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if arch == "qwen2moe":
-        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["<s>", "</s>", "a", "b", "ab", *(f"t{i}" for i in range(5, config.vocab_size))])
-    writer.add_token_types([3, 3, *([1] * (config.vocab_size - 2))])
-    writer.add_token_merges(["a b"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
-    stored = {}
-    for name, (_, _, tensor) in gguf_tensors(model).items():
-        array = tensor.float().numpy()
-        if any(part in name for part in quantized):
-            packed = gguf.quants.quantize(array, Q.Q8_0)
-            writer.add_tensor(name, packed, raw_dtype=Q.Q8_0)
-            array = gguf.quants.dequantize(packed, Q.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(array))
-        stored[name] = torch.from_numpy(np.array(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return stored
+
+    def metadata(writer: gguf.GGUFWriter) -> None:
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+    tensors = {name: tensor for name, (_, _, tensor) in gguf_tensors(model).items()}
+    return gguf_files.write_gguf(path, arch, tensors, metadata, config.vocab_size, quantized)
 
 
 def engine_logits(path, prompts) -> torch.Tensor:
@@ -176,14 +164,10 @@ def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny
 
     arch, folder, reference = tiny_moe
     stored = write_gguf(folder / "model-q8.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
-    # transformers' model holding exactly the values the file holds
-    dequantized = transformers.AutoModelForCausalLM.from_config(
-        reference.config, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
     state = hf_state_from(reference, stored)
     down = "model.layers.0.mlp.experts.down_proj"
     assert not torch.equal(state[down], reference.state_dict()[down])  # quantization changed the values
-    dequantized.load_state_dict(state)
+    dequantized = gguf_files.model_holding(reference, state)  # transformers holding exactly the file's values
     monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
     model = check_logits_parity(folder / "model-q8.gguf", dequantized, PROMPTS).engine.core.runner.model
     packed = check_kept_packed(model)
@@ -217,10 +201,7 @@ def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):
     blocks, the dequantized expert stacks sliced along their intermediate features per rank."""
     arch, folder, reference = tiny_moe
     stored = write_gguf(folder / "model-q8-tp.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
-    dequantized = transformers.AutoModelForCausalLM.from_config(
-        reference.config, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    dequantized.load_state_dict(hf_state_from(reference, stored))
+    dequantized = gguf_files.model_holding(reference, hf_state_from(reference, stored))
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(str(folder / "model-q8-tp.gguf"), device="cpu", num_blocks=16, tensor_parallel_size=2) as llm:
         assert llm.engine.summary["tensor_parallel_size"] == 2
@@ -264,10 +245,7 @@ def test_packed_experts_in_cuda_graphs_give_the_greedy_ids_of_transformers(tiny_
         pytest.skip("needs a CUDA device")
     arch, folder, reference = tiny_moe
     stored = write_gguf(folder / "model-q8-gpu.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
-    dequantized = transformers.AutoModelForCausalLM.from_config(
-        reference.config, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    dequantized.load_state_dict(hf_state_from(reference, stored))
+    dequantized = gguf_files.model_holding(reference, hf_state_from(reference, stored))
     prompts = [*PROMPTS, *([3 + i, 17, 29 + i] for i in range(4))]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm = LLM(str(folder / "model-q8-gpu.gguf"), device="cuda", dtype="f32", num_blocks=64)
