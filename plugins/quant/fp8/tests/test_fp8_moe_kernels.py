@@ -240,7 +240,10 @@ def _qwen3(num_tokens, seed=0):
     generator = torch.Generator("cuda").manual_seed(seed)
     stacks = []
     for rows, cols in ((inter, hidden_size), (inter, hidden_size), (hidden_size, inter)):
-        data = (torch.randn(experts, rows, cols, device="cuda", generator=generator) * 100).to(torch.float8_e4m3fn)
+        # clamped: torch < 2.12 casts |x| > 464 to NaN in float8_e4m3fn (later ones saturate at 448); a few
+        # hundred of these draws a stack lie beyond, and one NaN byte makes every output of its expert NaN
+        values = torch.randn(experts, rows, cols, device="cuda", generator=generator) * 100
+        data = values.clamp(-448, 448).to(torch.float8_e4m3fn)
         scales = torch.rand(experts, rows // 128, cols // 128, device="cuda", generator=generator) * 1e-4 + 1e-4
         stacks.append(
             PackedExperts(
