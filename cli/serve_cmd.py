@@ -78,6 +78,23 @@ def serve(
     max_request_bytes: Annotated[
         int, typer.Option("--max-request-bytes", help="Largest request body accepted (413 above).")
     ] = 8 << 20,
+    allowed_local_media_path: Annotated[
+        str | None,
+        typer.Option(
+            "--allowed-local-media-path",
+            help="Directory whose files image_url parts may name (local paths, file: URLs); default: none.",
+        ),
+    ] = None,
+    allowed_media_domains: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-media-domains",
+            help="Hosts whose http(s) image URLs are fetched (repeat or separate with commas; * any); default: none.",
+        ),
+    ] = None,
+    media_fetch_timeout: Annotated[
+        float, typer.Option("--media-fetch-timeout", help="Seconds one image download may take.")
+    ] = 10.0,
     max_n: Annotated[
         int, typer.Option("--max-n", help="Largest n (choices per prompt) of a request (400 above).")
     ] = 128,
@@ -271,6 +288,7 @@ def serve(
             max_queued_requests=max_queued_requests,
             max_queued_tokens=max_queued_tokens,
             max_request_bytes=max_request_bytes,
+            media_sources=media_sources(allowed_local_media_path, allowed_media_domains, media_fetch_timeout),
             max_n=max_n,
             max_prompts=max_prompts,
             max_embedding_inputs=max_embedding_inputs,
@@ -374,3 +392,15 @@ def read_chat_template(value: str | None) -> str | None:
 def _split(values: list[str] | None) -> list[str]:
     """Repeated and comma-separated flag values, as one list."""
     return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+
+
+def media_sources(local_path: str | None, domains: list[str] | None, fetch_timeout: float):
+    """The image sources ``--allowed-local-media-path`` / ``--allowed-media-domains`` open (a
+    :class:`~framework.errors.ConfigError` for a directory that does not exist or a bad timeout)."""
+    from framework.errors import ConfigError
+    from framework.multimodal.sources import MediaSources
+
+    try:
+        return MediaSources.from_flags(local_path, domains, fetch_timeout)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None

@@ -1,9 +1,9 @@
 """Decoding the images of ``image_url`` content parts (API process; Pillow, no torch).
 
-Accepted: ``data:image/<format>;base64,...`` URLs in the formats of :data:`FORMATS`. Refused,
-each with an :class:`ImageError` whose message names what is accepted: ``http(s)`` URLs (fetching
-needs an operator flag with size and time limits, not built yet), local paths and ``file:`` URLs,
-other formats, corrupt data, and images over :data:`MAX_IMAGE_BYTES` or :data:`MAX_IMAGE_PIXELS`.
+Accepted: ``data:image/<format>;base64,...`` URLs in the formats of :data:`FORMATS`, and the
+``http(s)`` URLs and local paths an operator allows (:mod:`framework.multimodal.sources`). Refused,
+each with an :class:`ImageError` whose message names what is accepted: other sources, other
+formats, corrupt data, and images over :data:`MAX_IMAGE_BYTES` or :data:`MAX_IMAGE_PIXELS`.
 """
 
 from __future__ import annotations
@@ -34,17 +34,14 @@ def image_url_of(part: dict[str, Any]) -> str:
     return url
 
 
-def decode_image_url(url: str):
-    """The RGB ``PIL.Image.Image`` of a ``data:`` URL (transparency composited on white)."""
-    if url.startswith(("http://", "https://")):
-        raise ImageError(
-            "image URLs over http(s) are not fetched by this server; send the image inline as a "
-            "data URL (data:image/png;base64,...)"
-        )
+def decode_image_url(url: str, sources: Any = None):
+    """The RGB ``PIL.Image.Image`` of a ``data:`` URL (transparency composited on white), or of an
+    ``http(s)`` URL / local path where ``sources`` (a :class:`~framework.multimodal.sources.MediaSources`,
+    default: data URLs only) allow it."""
     if not url.startswith("data:"):
-        raise ImageError(
-            "only data URLs are accepted (data:image/png;base64,...); local paths and file: URLs are refused"
-        )
+        from framework.multimodal.sources import DATA_URLS_ONLY, read_image_source
+
+        return decode_image_bytes(read_image_source(url, sources or DATA_URLS_ONLY))
     header, comma, payload = url[5:].partition(",")
     mime, _, encoding = header.partition(";")
     if not comma or encoding != "base64":

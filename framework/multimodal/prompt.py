@@ -87,8 +87,11 @@ def without_images(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def take_images(messages: list[dict[str, Any]], max_images: int) -> tuple[list[dict[str, Any]], list[PromptImage]]:
-    """:func:`without_images` of the messages, and the decoded images in order. Raises
+def take_images(
+    messages: list[dict[str, Any]], max_images: int, sources: Any = None
+) -> tuple[list[dict[str, Any]], list[PromptImage]]:
+    """:func:`without_images` of the messages, and the decoded images in order (``sources``: the
+    :class:`~framework.multimodal.sources.MediaSources` beyond data URLs). Raises
     :class:`ContentImageError` for an image that cannot be decoded or one past ``max_images``."""
     from PIL import Image
 
@@ -103,7 +106,7 @@ def take_images(messages: list[dict[str, Any]], max_images: int) -> tuple[list[d
             elif part["type"] == "image":
                 raise ImageError("an image part holds a PIL image under 'image'; send image_url parts over HTTP")
             else:
-                image = decode_image_url(image_url_of(part))
+                image = decode_image_url(image_url_of(part), sources)
         except ImageError as error:
             raise ContentImageError(param, str(error)) from None
         images.append(PromptImage(param, image))

@@ -1,8 +1,9 @@
 """A vision model's chat prompt: the request's ``image_url`` parts decoded, preprocessed and placed.
 
 Every refusal is a 400 naming the content part (``messages[0].content[1]``) and happens before
-anything reaches the engine: an http(s) URL or a local path, a corrupt image or an unsupported
-format, more images than the model takes. Decoding and preprocessing (Pillow and the model's
+anything reaches the engine: an http(s) URL or a local path the operator did not allow
+(:mod:`framework.multimodal.sources`), a corrupt image or an unsupported format, more images than
+the model takes. Decoding and preprocessing (Pillow and the model's
 numpy image processor, :mod:`framework.multimodal`) run in a worker thread
 (:func:`prepare_images_off_loop`), so a large image does not stall the event loop's other streams.
 """
@@ -31,7 +32,7 @@ from framework.server.protocol import ChatCompletionRequest
 def prepare_images(state: Any, messages: list[dict[str, Any]]) -> list[ProcessedImage]:
     """The messages' images decoded and preprocessed, in order (a 400 naming the part for a bad one)."""
     try:
-        _, images = take_images(messages, state.vision.max_images)
+        _, images = take_images(messages, state.vision.max_images, state.config.media_sources)
         return process_images(images, state.image_processor(), state.max_model_len)
     except ContentImageError as error:
         raise APIError(400, str(error), param=error.param, code="invalid_image") from None

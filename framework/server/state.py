@@ -14,6 +14,7 @@ from litestar import Request
 from litestar.background_tasks import BackgroundTask
 
 from framework.errors import ConfigError, RequestFailedError
+from framework.multimodal.sources import MediaSources
 from framework.server.engine_client import AsyncEngineClient, EngineDeadError
 from framework.server.errors import APIError, error_event
 from framework.server.metrics import ServerMetrics
@@ -34,6 +35,9 @@ class ServerConfig:
     #: Prompt tokens in flight at which new requests get 429; None = unlimited.
     max_queued_tokens: int | None = 1 << 20
     max_request_bytes: int = 8 << 20
+    #: Where ``image_url`` parts may point beyond data URLs (``--allowed-local-media-path``,
+    #: ``--allowed-media-domains``, ``--media-fetch-timeout``).
+    media_sources: MediaSources = field(default_factory=MediaSources)
     #: Seconds a client may take to send its request body (408 after); None = no deadline.
     request_body_timeout_s: float | None = 30.0
     #: The largest ``n`` (choices per prompt) of a chat or completions request.

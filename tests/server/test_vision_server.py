@@ -279,9 +279,9 @@ def _tiff_url() -> str:
         (_bad(_tiff_url()), "the data is not an image in a supported format"),
         (_bad("data:image/svg+xml;base64,PHN2Zz4="), "unsupported image type 'image/svg+xml'"),
         (_bad("data:image/png;base64,@@@"), "not valid base64"),
-        (_bad("https://example.com/cat.png"), "image URLs over http(s) are not fetched"),
-        (_bad("/etc/passwd"), "local paths and file: URLs are refused"),
-        (_bad("file:///etc/passwd"), "local paths and file: URLs are refused"),
+        (_bad("https://example.com/cat.png"), "image URLs over http(s) are fetched only from the hosts"),
+        (_bad("/etc/passwd"), "local paths and file: URLs are read only under"),
+        (_bad("file:///etc/passwd"), "local paths and file: URLs are read only under"),
     ],
 )
 def test_bad_images_are_400s_naming_the_part_and_reach_no_engine(vision_app, messages, message):
