@@ -78,6 +78,33 @@ def test_openai_client_images_on_the_hybrid_qwen3_5_get_transformers_greedy_ids(
     check_served_images_get_transformers_greedy_ids(tmp_path, reference, spec_of(tmp_path), serve_on_free_port)
 
 
+def test_openai_client_images_on_qwen3_vl_get_transformers_greedy_ids(tmp_path, serve_on_free_port):
+    """Qwen3-VL: the DeepStack features and interleaved M-RoPE behind the same API."""
+    reference = write_tiny_qwen3_vl(tmp_path)
+    check_served_images_get_transformers_greedy_ids(tmp_path, reference, spec_of(tmp_path), serve_on_free_port)
+
+
+def test_openai_client_mistral3_images_get_transformers_greedy_ids(tmp_path, serve_on_free_port):
+    """Mistral 3: whole images with their [IMG_BREAK] / [IMG_END] spans behind the same API."""
+    reference = write_tiny_mistral3(tmp_path)
+    messages = image_chat(*IMAGES)
+    tokenizer, processor, prompt_ids, _ = api_prompt(tmp_path, spec_of(tmp_path), messages)
+
+    def mistral3_inputs(
+        ids, images
+    ):  # the images zero-padded to one batch with their sizes, as its processor sends them
+        pixels = [processor.preprocess(image).pixel_values for image in images]
+        height, width = max(p.shape[1] for p in pixels), max(p.shape[2] for p in pixels)
+        padded = [np.pad(p, ((0, 0), (0, height - p.shape[1]), (0, width - p.shape[2]))) for p in pixels]
+        sizes = torch.tensor([list(p.shape[1:]) for p in pixels])
+        return dict(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(np.stack(padded)), image_sizes=sizes)
+
+    expected = VisionReference(reference, mistral3_inputs).greedy(prompt_ids, IMAGES, 10)
+    reply, _, _ = served_chat(tmp_path, messages, serve_on_free_port)
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.choices[0].message.content == tokenizer.decode(expected)
+
+
 def api_prompt(path, spec, messages):
     """``(tokenizer, processor, prompt ids, image inputs)``: what the API process makes of
     ``messages`` for the model at ``path`` whose vision spec is ``spec``."""
