@@ -260,13 +260,8 @@ class GGUFFormat(WeightFormat):
         return self.arch == "qwen3next" and hf_name.endswith(".linear_attn.in_proj_z.weight")
 
     def num_weights(self) -> int | None:
-<<<<<<< HEAD
-        return sum(
-            2 if name.endswith(".ffn_gate_up_exps.weight") else 1
-=======
         return (self.projector.num_weights() if self.projector is not None else 0) + sum(
-            1
->>>>>>> mmproj
+            2 if name.endswith(".ffn_gate_up_exps.weight") else 1
             for name in self.model.tensors
             if name in self._names and ".attn_v_b." not in name and not self._joins_qkvz(self._names[name])
         )
