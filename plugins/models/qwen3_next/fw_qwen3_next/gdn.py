@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from framework.config import ModelConfig
@@ -41,10 +40,10 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self._rms_norm = get_kernel("rms_norm")
+        self._rms_norm_gated = get_kernel("rms_norm_gated")
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return (self._rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)
+        return self._rms_norm_gated(x, self.weight, gate, self.eps)
 
 
 class DepthwiseConvWeight(KeepsWeightAttrs):
@@ -108,6 +107,7 @@ class GatedDeltaNet(KeepsWeightAttrs):
             set_weight_attrs(param, {"weight_loader": loader, "output_dim": 0})
         self.norm = GatedRMSNorm(dv, float(config.get("rms_norm_eps") or 1e-6))
         self.out_proj = RowParallelLinear(value_dim, hidden, quant_config=quant_config, prefix=f"{prefix}.out_proj")
+        self._gating = get_kernel("gdn_gating")
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])`` from either layout."""
@@ -124,6 +124,6 @@ class GatedDeltaNet(KeepsWeightAttrs):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         mixed, z, b, a = self._project(hidden)
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        out = self.core(mixed, self.conv1d.weight[:, 0, :], g, b.sigmoid())
+        g, beta = self._gating(a, b, self.A_log, self.dt_bias)
+        out = self.core(mixed, self.conv1d.weight[:, 0, :], g, beta)
         return self.out_proj(self.norm(out, z).reshape(hidden.shape[0], -1))
