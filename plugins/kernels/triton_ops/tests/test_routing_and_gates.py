@@ -38,17 +38,23 @@ def randn(*shape, seed=0, scale=1.0, device="cpu", dtype=torch.float32):
 
 # --- select_experts -----------------------------------------------------------------------------------------------
 
-#: (tokens, experts, top_k): decode at Qwen3.5-35B-A3B's router, ragged expert counts (masks), many
-#: tokens (several per program), top_k = experts.
-ROUTER_SHAPES = [(1, 256, 8), (5, 60, 4), (300, 16, 2), (3, 8, 8)]
-ROUTERS = [("softmax", True, False), ("softmax", False, False), ("sigmoid", True, True), ("sigmoid", False, False)]
+#: (tokens, experts, top_k, scoring, renormalize, correction bias): decode at Qwen3.5-35B-A3B's router,
+#: ragged expert counts (masks), many tokens (several per program), top_k = experts, MiniMax-M2's router.
+ROUTER_CASES = [
+    (1, 256, 8, "softmax", True, False),
+    (5, 60, 4, "softmax", False, False),
+    (300, 16, 2, "softmax", True, False),
+    (3, 8, 8, "sigmoid", False, False),
+    (300, 16, 2, "sigmoid", True, True),
+    (2, 256, 8, "sigmoid", True, True),
+]
+ROUTERS = [("softmax", True, False), ("sigmoid", True, True)]
 
 
 @interpreted
-@pytest.mark.parametrize("shape", ROUTER_SHAPES, ids=lambda s: "T{}_E{}_k{}".format(*s))
-@pytest.mark.parametrize("scoring, renormalize, has_bias", ROUTERS, ids=lambda r: str(r))
-def test_select_experts_matches_reference_ids_exactly_and_weights_in_fp32(shape, scoring, renormalize, has_bias):
-    num_tokens, num_experts, top_k = shape
+@pytest.mark.parametrize("case", ROUTER_CASES, ids=lambda c: "T{}_E{}_k{}_{}_renorm{}_bias{}".format(*c))
+def test_select_experts_matches_reference_ids_exactly_and_weights_in_fp32(case):
+    num_tokens, num_experts, top_k, scoring, renormalize, has_bias = case
     logits = randn(num_tokens, num_experts, seed=num_experts, scale=2.0)
     bias = randn(num_experts, seed=1, scale=0.5) if has_bias else None
     weights, ids = select_experts(logits, top_k, renormalize, scoring, bias)
@@ -174,13 +180,7 @@ def test_routing_gate_and_norm_kernels_compile_for_hopper():
         HopperCompile(
             "fw_triton_ops.gates:_sigmoid_gate_mul_kernel",
             {"x_ptr": "*bf16", "gate_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16"},
-            dict(GATE_HEAD=256, BROADCAST=False, HAS_RESIDUAL=False, BLOCK_N=1024),
-            options=dict(num_warps=4),
-        ),
-        HopperCompile(
-            "fw_triton_ops.gates:_sigmoid_gate_mul_kernel",
-            {"x_ptr": "*bf16", "gate_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16"},
-            dict(GATE_HEAD=1, BROADCAST=True, HAS_RESIDUAL=True, BLOCK_N=1024),
+            dict(GATE_HEAD=256, BROADCAST=False, HAS_RESIDUAL=True, BLOCK_N=1024),
             options=dict(num_warps=4),
         ),
         HopperCompile(
@@ -211,7 +211,7 @@ def test_routing_gate_and_norm_kernels_compile_for_hopper():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 4, 64, 1000])
-@pytest.mark.parametrize("scoring, renormalize, has_bias", ROUTERS[:1] + ROUTERS[2:3], ids=lambda r: str(r))
+@pytest.mark.parametrize("scoring, renormalize, has_bias", ROUTERS, ids=["softmax", "sigmoid_bias"])
 def test_select_experts_matches_reference_on_cuda_without_sync_and_in_a_graph(
     num_tokens, scoring, renormalize, has_bias
 ):
