@@ -1,7 +1,7 @@
 """A Qwen3.5-MoE decoder layer computes only through kernel-registry ops: every router softmax,
 top-k, sigmoid gate, gated norm and DeltaNet gate is one op (one launch on a GPU, where the torch
-chains they replace took two to seven launches each), and no other torch op runs between them
-except views and the one copy named below.
+chains they replace took two to seven launches each), a DeltaNet layer's four input projections
+are one matmul, and no other torch op runs between them except views and the one copy named below.
 
 Checked on the CPU on a tiny random Qwen3.5-MoE (dummy weights) through the engine: a dispatch
 mode records the aten ops that run inside the decoder layers but outside the registry ops and
@@ -146,3 +146,6 @@ def test_decoder_layers_run_no_torch_op_between_registry_kernels(tiny_moe, monke
     assert per_step["select_experts"] == per_step["fused_moe"] == moe_layers
     assert per_step["sigmoid_gate_mul"] == moe_layers + attention_layers  # shared experts, attention gates
     assert per_step["gdn_gating"] == per_step["rms_norm_gated"] == per_step["gated_delta_rule"] == deltanet_layers
+    # matmuls: a DeltaNet layer's four input projections are one (GatedDeltaNet.init_buffers), out_proj;
+    # attention qkv and o; per MoE the router, the shared expert's gate_up, down and gate; the LM head
+    assert per_step["linear"] == 2 * deltanet_layers + 2 * attention_layers + 4 * moe_layers + 1
