@@ -24,6 +24,10 @@ REFERENCE_KERNELS = {
     "linear": "framework.ops:linear",
     "causal_conv1d": "framework.ops_linear_attention:causal_conv1d",
     "gated_delta_rule": "framework.ops_linear_attention:gated_delta_rule",
+    "gdn_gating": "framework.ops_linear_attention:gdn_gating",
+    "select_experts": "framework.ops_fused:select_experts",
+    "sigmoid_gate_mul": "framework.ops_fused:sigmoid_gate_mul",
+    "rms_norm_gated": "framework.ops_fused:rms_norm_gated",
 }
 
 

@@ -227,3 +227,11 @@ def gated_delta_rule(
             q[rows], k[rows], v[rows], g[rows], beta[rows], states[slot] if resume else None, use_qk_l2norm
         )
     return out
+
+
+def gdn_gating(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:  # noqa: N803
+    """A GDN layer's per-token gates from its projections ``a``, ``b`` ``[T, Hv]`` and its per-head
+    ``A_log``, ``dt_bias`` ``[Hv]`` (float32): ``(g, beta)`` for :func:`gated_delta_rule`, with
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (the decay in log space, <= 0) and
+    ``beta = sigmoid(b)`` in ``b.dtype``, exactly as transformers computes them."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float()), b.sigmoid()

@@ -6,8 +6,9 @@ The experts of a layer are stacked into two tensors, so one kernel launch serves
     w2_weight   [E, H, I]       expert e's down projection                           (down_proj)
 
 ``forward(hidden, router_logits)`` routes each token to ``top_k`` experts with a routing function
-(:func:`select_experts`: softmax then top-k, optionally renormalised; others such as DeepSeek's
-grouped top-k or sigmoid scoring plug in by passing their own ``topk_weights, topk_ids``) and
+(the kernel registry's ``select_experts`` op, :func:`framework.ops_fused.select_experts`: softmax
+then top-k, optionally renormalised, in one launch on GPUs; others such as DeepSeek's grouped
+top-k plug in by passing their own ``topk_weights, topk_ids``) and
 runs the kernel registry's ``fused_moe`` op (the torch reference in ``framework.ops`` on CPU, a
 Triton grouped GEMM on GPUs). The router itself (a ``ReplicatedLinear``) and any shared expert
 belong to the model's MoE block.
@@ -38,7 +39,7 @@ quant method (:class:`~framework.quantization.FusedMoEMethod`).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +55,7 @@ from framework.layers.linear import (
 )
 from framework.loader.checkpoint_slice import materialize
 from framework.ops import MoEActivation
+from framework.ops_fused import RoutedExperts, select_experts  # noqa: F401  (re-exported)
 from framework.quantization import FusedMoEMethod, quant_method_for
 
 if TYPE_CHECKING:
@@ -70,24 +72,6 @@ _PER_EXPERT = re.compile(
 _STACKED = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj|gate_proj|up_proj)(?:\.(?P<suffix>\w+))?$"
 )
-
-
-class RoutedExperts(NamedTuple):
-    """What a routing function returns: per token, ``top_k`` expert ids and their weights."""
-
-    topk_weights: Tensor  # [T, k] float32
-    topk_ids: Tensor  # [T, k] int32
-
-
-def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> RoutedExperts:
-    """Softmax routing (Mixtral, Qwen-MoE): softmax over experts in float32, keep the ``top_k``
-    largest, and when ``renormalize`` rescale them to sum to one (Mixtral always; Qwen when
-    ``norm_topk_prob``). ``router_logits`` is ``[T, E]``."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return RoutedExperts(topk_weights, topk_ids.to(torch.int32))
 
 
 def expert_weight_target(name: str) -> tuple[str, tuple[str, int | None]] | None:
@@ -255,6 +239,7 @@ class FusedMoE(KeepsWeightAttrs):
                 "SwiGLU (gpt-oss) or GeGLU (Gemma 4); use an unquantized or MXFP4 checkpoint"
             )
         self.quant_method.create_weights(self, num_experts, hidden_size, width, self.params_dtype)
+        self._select_experts = get_kernel("select_experts")
         self._loaded_experts: dict[str, set[int]] = {"w1": set(), "w3": set(), "w2": set()}
         #: (parameter id, expert) of gate/up values loaded into a parameter they share (not per_shard)
         self._shared_loaded: set[tuple[int, int | None]] = set()
@@ -386,7 +371,7 @@ class FusedMoE(KeepsWeightAttrs):
         if topk_ids is None:
             if router_logits is None:
                 raise ValueError("FusedMoE.forward needs router_logits or precomputed topk_weights and topk_ids")
-            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+            topk_weights, topk_ids = self._select_experts(router_logits, self.top_k, self.renormalize)
         out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         if self.tp_size > 1 and self.reduce_results:
             out = tensor_parallel_all_reduce(out)

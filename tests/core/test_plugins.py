@@ -75,6 +75,10 @@ def test_all_entry_points_load_and_broken_plugin_is_reported_by_name(three_plugi
             "linear/torch",
             "causal_conv1d/torch",
             "gated_delta_rule/torch",
+            "gdn_gating/torch",
+            "select_experts/torch",
+            "sigmoid_gate_mul/torch",
+            "rms_norm_gated/torch",
         ]
     )
 

@@ -10,7 +10,7 @@ sorted by expert and each expert's group padded to a multiple of ``BLOCK_M``, so
 Kernel 1 (one launch): rows of ``hidden`` gathered by token, times expert e's gate and up rows
 of ``w13`` (two accumulators), SiLU-and-mul fused, written per pair: ``act [P, I]``.
 Kernel 2 (one launch): ``act`` times ``w2[e]``, scaled by the pair's routing weight: ``[P, H]``.
-The ``top_k`` rows of each token are then summed in float32.
+Kernel 3 (one launch): the ``top_k`` rows of each token summed in float32, in order, rounded once.
 
 Grids are sized from shapes only (``cdiv(P, BLOCK_M) + min(P, E)`` blocks bound the padded
 groups), the sort runs on the device (one Triton program for a decode batch, torch's sort for
@@ -245,6 +245,29 @@ def _align_one_program_kernel(
     tl.store(block_expert_ptr + b, tl.where(block_expert < num_experts, block_expert, -1), mask=b < num_blocks)
 
 
+@triton.jit
+def _sum_top_k_kernel(per_pair_ptr, out_ptr, HIDDEN, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < HIDDEN
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(per_pair_ptr + (token * TOP_K + j) * HIDDEN + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_top_k(per_pair: Tensor, num_tokens: int, top_k: int) -> Tensor:
+    """``per_pair [T * top_k, H]`` (pair ``p = token * top_k + j``) summed over ``j`` in float32,
+    rounded once to its dtype: ``[T, H]``, one launch (torch's sum and cast took two)."""
+    hidden_size = per_pair.shape[-1]
+    out = torch.empty(num_tokens, hidden_size, dtype=per_pair.dtype, device=per_pair.device)
+    block_n = min(512, triton.next_power_of_2(hidden_size))
+    _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        per_pair, out, hidden_size, TOP_K=top_k, BLOCK_N=block_n, num_warps=4
+    )
+    return out
+
+
 def launch_config(num_pairs: int) -> dict[str, int]:
     """Tile sizes: small ``BLOCK_M`` for decode (few rows per expert), larger tiles for prefill."""
     if num_pairs <= 256:
@@ -256,7 +279,7 @@ def align_pairs_to_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> t
     """:func:`framework.ops.moe_align_block_size` (the ``moe_align_block_size`` op): one Triton
     program for a decode batch (up to :data:`MAX_PAIRS_ONE_PROGRAM` pairs), the reference's device
     sort for more. ``(sorted_pair_ids [num_blocks * block_m], block_expert_ids [num_blocks])``."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = topk_ids.reshape(-1)  # int32 or int64: the kernel reads either (no conversion launch)
     num_pairs, device = flat.numel(), flat.device
     if num_pairs > MAX_PAIRS_ONE_PROGRAM:
         return moe_align_block_size(topk_ids, num_experts, block_m)
@@ -365,4 +388,4 @@ def fused_moe(
         HAS_BIAS=w2_bias is not None,
         **meta,
     )
-    return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return sum_top_k(per_pair, num_tokens, top_k)

@@ -1,4 +1,4 @@
-"""RMS norm, alone and fused with the residual add: one program normalises one row.
+"""RMS norm, alone, fused with the residual add, or gated by ``silu(gate)``: one program normalises one row.
 
 Results match :func:`framework.ops.rms_norm` rounding for rounding: arithmetic in float32 (loads
 are cast first; the interpreter computes bf16 wrongly), and the casts to the activation dtype
@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from fw_triton_ops.activation import _sigmoid
 
 #: A whole row lives in registers; wider rows than this would spill (the widest models are 16k).
 MAX_HIDDEN_SIZE = 65536
@@ -67,6 +69,22 @@ def _fused_add_rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = _normalise(s.to(tl.float32), w, eps, offset, N, out_dtype, HAS_OFFSET)
     tl.store(out_ptr + row * N + cols, y.to(out_dtype), mask=mask)
+
+
+@triton.jit
+def _rms_norm_gated_kernel(
+    x_ptr, w_ptr, gate_ptr, out_ptr, x_row_stride, gate_row_stride, N, eps, BLOCK_N: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    out_dtype = out_ptr.dtype.element_ty
+    # the weighted norm is rounded as rms_norm returns it, then gated in float32 and rounded once
+    y = _normalise(x, w, eps, 0.0, N, out_dtype, False).to(out_dtype).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (y * (gate * _sigmoid(gate))).to(out_dtype), mask=mask)
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -137,3 +155,27 @@ def fused_add_rms_norm(
         num_warps=num_warps,
     )
     return out, residual_out
+
+
+def rms_norm_gated(x: Tensor, weight: Tensor, gate: Tensor, eps: float) -> Tensor:
+    """:func:`framework.ops_fused.rms_norm_gated` in one kernel; a new contiguous tensor shaped as ``x``."""
+    if gate.shape != x.shape:
+        raise ValueError(f"rms_norm_gated needs a gate shaped as x {tuple(x.shape)}, got {tuple(gate.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows, gate_rows, hidden_size = _rows(x), _rows(gate), x.shape[-1]
+    if rows.numel() == 0:
+        return out
+    block_n, num_warps = _launch_config(hidden_size)
+    _rms_norm_gated_kernel[(rows.shape[0],)](
+        rows,
+        weight,
+        gate_rows,
+        out,
+        rows.stride(0),
+        gate_rows.stride(0),
+        hidden_size,
+        eps,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    return out

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from framework.config import ModelConfig
+from framework.kernels import get_kernel
 from framework.layers import ReplicatedLinear, SiluAndMul
 from framework.layers.causal_lm import CausalLM
 from framework.layers.fused_moe import FusedMoE, map_expert_weight_name
@@ -91,12 +92,13 @@ class SparseMoeBlock(nn.Module):
             )
         else:
             self.shared_expert = self.shared_expert_gate = None
+        self._gate_mul = get_kernel("sigmoid_gate_mul")
         self.reduce_results = True  # False: return this rank's partial sum (the next norm all-reduces it)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, self.gate(hidden))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+            out = self._gate_mul(self.shared_expert(hidden), self.shared_expert_gate(hidden), out)
         if self.experts.tp_size > 1 and self.reduce_results:
             out = tensor_parallel_all_reduce(out)
         return out
@@ -111,13 +113,13 @@ class BiasCorrectedSigmoidMoeBlock(SparseMoeBlock):
         self.e_score_correction_bias = nn.Parameter(
             torch.empty(self.experts.num_experts, dtype=torch.float32), requires_grad=False
         )
+        self._select_experts = get_kernel("select_experts")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = torch.sigmoid(self.gate(hidden).float())
-        ids = torch.topk(scores + self.e_score_correction_bias, self.experts.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.experts(hidden, topk_weights=weights, topk_ids=ids.to(torch.int32))
+        weights, ids = self._select_experts(
+            self.gate(hidden), self.experts.top_k, True, "sigmoid", self.e_score_correction_bias
+        )
+        out = self.experts(hidden, topk_weights=weights, topk_ids=ids)
         if self.experts.tp_size > 1 and self.reduce_results:
             out = tensor_parallel_all_reduce(out)
         return out

@@ -14,6 +14,9 @@ value heads they serve, the matching conv channels of q, k and v, and its rows o
 | --- | --- | --- |
 | Qwen3-Next | ``in_proj_qkvz``, ``in_proj_ba`` | per key head: ``q, k, v, z`` (``Hv / Hk`` value heads each), then ``b, a`` |
 | Qwen3.5 | ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` | ``q`` of all heads, ``k``, ``v`` |
+
+Unquantized, the input projections of either layout run as one matmul over their concatenated
+weights (:meth:`GatedDeltaNet.init_buffers`).
 """
 
 from __future__ import annotations
@@ -21,14 +24,19 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from framework.config import ModelConfig
 from framework.distributed import get_tp_rank, get_tp_size
 from framework.kernels import get_kernel
 from framework.layers import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, set_weight_attrs
-from framework.layers.linear import KeepsWeightAttrs, copy_weight, divide, load_column_shard
+from framework.layers.linear import (
+    KeepsWeightAttrs,
+    UnquantizedLinearMethod,
+    copy_weight,
+    divide,
+    load_column_shard,
+)
 from framework.layers.linear_attention import GatedDeltaNetAttention
 from framework.quantization import QuantConfig
 
@@ -41,10 +49,10 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self._rms_norm = get_kernel("rms_norm")
+        self._rms_norm_gated = get_kernel("rms_norm_gated")
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return (self._rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)
+        return self._rms_norm_gated(x, self.weight, gate, self.eps)
 
 
 class DepthwiseConvWeight(KeepsWeightAttrs):
@@ -108,22 +116,52 @@ class GatedDeltaNet(KeepsWeightAttrs):
             set_weight_attrs(param, {"weight_loader": loader, "output_dim": 0})
         self.norm = GatedRMSNorm(dv, float(config.get("rms_norm_eps") or 1e-6))
         self.out_proj = RowParallelLinear(value_dim, hidden, quant_config=quant_config, prefix=f"{prefix}.out_proj")
+        self._gating = get_kernel("gdn_gating")
+        self._in_proj_weight: torch.Tensor | None = None  # the input projections in one (init_buffers)
+        self._in_proj_sizes: list[int] = []
+
+    def _in_proj_layers(self) -> tuple[nn.Module, ...]:
+        if self.fused_qkvz:
+            return self.in_proj_qkvz, self.in_proj_ba
+        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def init_buffers(self, device: torch.device) -> None:
+        """After loading: the input projections (Qwen3.5's four, Qwen3-Next's two), when all are
+        unquantized and unbiased, get one weight (their rows concatenated) and each layer's weight
+        becomes its row range of it (a view: no copy is kept), so a step runs one matmul (one GEMV
+        at decode) for all of them."""
+        layers = self._in_proj_layers()
+        if any(type(layer.linear_method) is not UnquantizedLinearMethod or layer.bias is not None for layer in layers):
+            return
+        weights = [layer.weight for layer in layers]
+        if len({(weight.dtype, weight.device) for weight in weights}) != 1:
+            return
+        merged, start = torch.cat([weight.data for weight in weights]), 0
+        for weight in weights:
+            weight.data = merged[start : start + weight.shape[0]]
+            start += weight.shape[0]
+        self._in_proj_weight, self._in_proj_sizes = merged, [weight.shape[0] for weight in weights]
+        self._in_proj_linear = layers[0].linear_method.linear
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])`` from either layout."""
         tokens = hidden.shape[0]
+        if self._in_proj_weight is not None:
+            outputs = self._in_proj_linear(hidden, self._in_proj_weight).split(self._in_proj_sizes, dim=-1)
+        else:
+            outputs = [layer(hidden) for layer in self._in_proj_layers()]
         if not self.fused_qkvz:
-            z = self.in_proj_z(hidden).view(tokens, self.num_v, self.dv)
-            return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
+            mixed, z, b, a = outputs
+            return mixed, z.view(tokens, self.num_v, self.dv), b, a
         per_key = self.num_v // self.num_k  # value heads per key head
-        qkvz = self.in_proj_qkvz(hidden).view(tokens, self.num_k, -1)
+        qkvz, ba = outputs[0].view(tokens, self.num_k, -1), outputs[1].view(tokens, self.num_k, 2 * per_key)
         q, k, v, z = qkvz.split([self.dk, self.dk, per_key * self.dv, per_key * self.dv], dim=-1)
         mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
-        b, a = self.in_proj_ba(hidden).view(tokens, self.num_k, 2 * per_key).split([per_key, per_key], dim=-1)
+        b, a = ba.split([per_key, per_key], dim=-1)
         return mixed, z.reshape(tokens, self.num_v, self.dv), b.reshape(tokens, -1), a.reshape(tokens, -1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         mixed, z, b, a = self._project(hidden)
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        out = self.core(mixed, self.conv1d.weight[:, 0, :], g, b.sigmoid())
+        g, beta = self._gating(a, b, self.A_log, self.dt_bias)
+        out = self.core(mixed, self.conv1d.weight[:, 0, :], g, beta)
         return self.out_proj(self.norm(out, z).reshape(hidden.shape[0], -1))

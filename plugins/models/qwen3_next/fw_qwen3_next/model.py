@@ -33,6 +33,7 @@ from torch import nn
 
 from framework.config import ModelConfig
 from framework.distributed import get_tp_size
+from framework.kernels import get_kernel
 from framework.layers import (
     FusedMoE,
     GatedMLP,
@@ -119,14 +120,14 @@ class GatedAttention(nn.Module):
             prefix=f"{prefix}.attn",
         )
         self.q_norm, self.k_norm = RMSNorm(head_size, eps, offset=1.0), RMSNorm(head_size, eps, offset=1.0)
+        self._gate_mul = get_kernel("sigmoid_gate_mul")
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         tokens = hidden.shape[0]
         query_gate, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = query_gate.view(tokens, self.num_heads, 2 * self.head_size).chunk(2, dim=-1)
         q, k = self.rotary_emb.forward_with_qk_norm(positions, q.reshape(tokens, -1), k, self.q_norm, self.k_norm)
-        out = self.attn(q, k, v) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        return self.o_proj(self._gate_mul(self.attn(q, k, v), gate))  # gate: a [T, H, D] view
 
 
 class SparseMoeBlock(nn.Module):
@@ -153,10 +154,11 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(
             hidden, 1, quant_config=quant_config, prefix=f"{prefix}.shared_expert_gate"
         )
+        self._gate_mul = get_kernel("sigmoid_gate_mul")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return self.experts(hidden, self.gate(hidden)) + shared
+        routed = self.experts(hidden, self.gate(hidden))
+        return self._gate_mul(self.shared_expert(hidden), self.shared_expert_gate(hidden), routed)
 
 
 class HybridDecoderLayer(nn.Module):

@@ -70,6 +70,9 @@ def qwen3_5(tmp_path_factory):
     return _written("qwen3_5", tmp_path_factory)
 
 
+#: Ops of these layers whose Triton kernels are opt-in (forced with the DeltaNet ones on CUDA).
+OPT_IN_LAYER_OPS = ("gdn_gating", "sigmoid_gate_mul", "rms_norm_gated")
+
 STEPS = 8  # greedy tokens per prompt: the reference is a full transformers forward per token
 GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
 _REFERENCE_IDS: dict[tuple, list[int]] = {}
@@ -257,15 +260,16 @@ def test_text_path_of_the_hub_multimodal_checkpoints_matches_transformers(name, 
 @pytest.mark.parametrize("deltanet_kernels", ["torch", "triton"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monkeypatch):
-    """On CUDA (fp32; Triton attention and kernels, decode in CUDA graphs; the DeltaNet ops' torch
-    references or triton_ops' kernels, forced): every prompt position's logits within
-    1e-4 of transformers' (CPU) and the greedy ids equal, prompts split into prefill chunks of 8,
-    async scheduling on."""
+    """On CUDA (fp32; Triton attention and kernels, decode in CUDA graphs; the DeltaNet ops and the
+    opt-in gate / gated-norm ops as torch references or triton_ops' kernels, forced): every
+    prompt position's logits within 1e-4 of transformers' (CPU) and the greedy ids equal, prompts
+    split into prefill chunks of 8, async scheduling on."""
     import torch
 
     from framework.testing import capture_logits, check_kernels_used, count_kernel_calls, reference_logits
 
-    monkeypatch.setenv("FW_KERNELS", f"gated_delta_rule={deltanet_kernels},causal_conv1d={deltanet_kernels}")
+    forced = {op: deltanet_kernels for op in ("gated_delta_rule", "causal_conv1d", *OPT_IN_LAYER_OPS)}
+    monkeypatch.setenv("FW_KERNELS", ",".join(f"{op}={impl}" for op, impl in forced.items()))
     reference = write_randomised_model(tmp_path, CONFIGS[name]())
     with count_kernel_calls() as calls:
         llm = LLM(str(tmp_path), device="cuda", dtype="f32", num_blocks=64, prefill_chunk_size=8)
@@ -273,7 +277,8 @@ def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monke
         assert "decode graphs" in llm.engine.summary["cuda_graphs"]  # the state slots ride in the graphs
         records = capture_logits(llm)
         results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], GREEDY)
-    check_kernels_used(calls, {"gated_delta_rule": deltanet_kernels, "causal_conv1d": deltanet_kernels})
+    # the MoE models route with triton_ops' router, the default on CUDA
+    check_kernels_used(calls, {**forced, **({"select_experts": "triton"} if name != "qwen3_5" else {})})
     for index, (prompt, result) in enumerate(zip(PARITY_PROMPTS, results, strict=True)):
         expected = reference_logits(reference, prompt)
         got = torch.stack([records[(f"{index}-0", pos)].cpu() for pos in range(len(prompt))])
