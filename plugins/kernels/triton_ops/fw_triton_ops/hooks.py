@@ -19,10 +19,6 @@ TRITON_KERNELS = {
         "fw_triton_ops.fused_moe:align_pairs_to_blocks",
         "MoE pairs sorted into blocks of one expert: one program for a decode batch, a device sort beyond",
     ),
-    "select_experts": (
-        "fw_triton_ops.routing:select_experts",
-        "MoE router: softmax or sigmoid scores, top-k, renormalised, in one program per token",
-    ),
     "linear": (
         "fw_triton_ops.gemv:linear",
         "split-K GEMV for one row (bf16/fp16, Hopper+, at the shapes measured faster than cuBLAS); F.linear otherwise",
@@ -40,6 +36,10 @@ OPT_IN_KERNELS: dict[str, tuple[str, str]] = {
     "causal_conv1d": (
         "fw_triton_ops.gated_delta_net:causal_conv1d",
         "decodes shift their state in one program; prefill chunks by token blocks, then their new states",
+    ),
+    "select_experts": (
+        "fw_triton_ops.routing:select_experts",
+        "MoE router: softmax or sigmoid scores, top-k, renormalised, in one program per token",
     ),
     "gdn_gating": ("fw_triton_ops.gates:gdn_gating", "a GDN layer's g and beta from a and b in one launch"),
     "sigmoid_gate_mul": (

@@ -261,14 +261,15 @@ def test_text_path_of_the_hub_multimodal_checkpoints_matches_transformers(name, 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monkeypatch):
     """On CUDA (fp32; Triton attention and kernels, decode in CUDA graphs; the DeltaNet ops and the
-    opt-in gate / gated-norm ops as torch references or triton_ops' kernels, forced): every
+    opt-in gate / gated-norm / router ops as torch references or triton_ops' kernels, forced): every
     prompt position's logits within 1e-4 of transformers' (CPU) and the greedy ids equal, prompts
     split into prefill chunks of 8, async scheduling on."""
     import torch
 
     from framework.testing import capture_logits, check_kernels_used, count_kernel_calls, reference_logits
 
-    forced = {op: deltanet_kernels for op in ("gated_delta_rule", "causal_conv1d", *OPT_IN_LAYER_OPS)}
+    routed = ("select_experts",) if name != "qwen3_5" else ()  # the MoE models' router
+    forced = {op: deltanet_kernels for op in ("gated_delta_rule", "causal_conv1d", *OPT_IN_LAYER_OPS, *routed)}
     monkeypatch.setenv("FW_KERNELS", ",".join(f"{op}={impl}" for op, impl in forced.items()))
     reference = write_randomised_model(tmp_path, CONFIGS[name]())
     with count_kernel_calls() as calls:
@@ -277,8 +278,7 @@ def test_gpu_engine_matches_transformers(name, deltanet_kernels, tmp_path, monke
         assert "decode graphs" in llm.engine.summary["cuda_graphs"]  # the state slots ride in the graphs
         records = capture_logits(llm)
         results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], GREEDY)
-    # the MoE models route with triton_ops' router, the default on CUDA
-    check_kernels_used(calls, {**forced, **({"select_experts": "triton"} if name != "qwen3_5" else {})})
+    check_kernels_used(calls, forced)
     for index, (prompt, result) in enumerate(zip(PARITY_PROMPTS, results, strict=True)):
         expected = reference_logits(reference, prompt)
         got = torch.stack([records[(f"{index}-0", pos)].cpu() for pos in range(len(prompt))])
