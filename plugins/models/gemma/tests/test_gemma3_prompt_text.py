@@ -136,10 +136,15 @@ def api_prompt(tokenizer: Tokenizer, spec, processor, messages):
     from framework.server.chat_images import chat_prompt_with_images
     from framework.server.chat_prompt import template_messages
     from framework.server.protocol import ChatCompletionRequest
+    from framework.server.state import ServerConfig
 
     body = msgspec.convert({"messages": messages}, ChatCompletionRequest)
     state = SimpleNamespace(
-        vision=spec, client=SimpleNamespace(tokenizer=tokenizer), image_processor=lambda: processor, max_model_len=512
+        vision=spec,
+        client=SimpleNamespace(tokenizer=tokenizer),
+        image_processor=lambda: processor,
+        max_model_len=512,
+        config=ServerConfig(),  # data URLs only, as a server started without media flags
     )
     text, ids, inputs, _ = chat_prompt_with_images(state, body, None, template_messages(body.messages, True))
     return text, ids, inputs
