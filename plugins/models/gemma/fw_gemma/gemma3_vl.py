@@ -31,6 +31,7 @@ from framework.layers import RMSNorm
 from framework.loader.model_loader import load_parameters
 from framework.loader.text_only import text_model_name
 from framework.multimodal.inputs import VisionSpec
+from framework.multimodal.model import VisionLanguageModel
 from framework.quantization import QuantConfig
 
 from .gemma3_processor import BLANK_LINES, processor_settings, span_ids
@@ -96,11 +97,11 @@ def vision_settings(config: ModelConfig, preprocessor_config: dict[str, Any]) ->
     return settings
 
 
-class Gemma3ForConditionalGeneration(GemmaForCausalLM):
+class Gemma3ForConditionalGeneration(VisionLanguageModel, GemmaForCausalLM):
     """``Gemma3ForConditionalGeneration`` checkpoints: ``vision_tower.vision_model.*``,
     ``multi_modal_projector.*`` and ``language_model.model.*`` (transformers 4), or the same under
-    ``model.`` with ``model.language_model.*`` (transformers 5); ``forward(input_ids, positions,
-    inputs_embeds=None)``."""
+    ``model.`` with ``model.language_model.*`` (transformers 5); ``forward``, ``embed_input_ids`` and
+    ``num_image_tokens`` are :class:`~framework.multimodal.model.VisionLanguageModel`'s."""
 
     #: the text layers read checkpoint slices; tower and projector tensors are read whole
     reads_checkpoint_slices = True
@@ -159,18 +160,7 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
             raise ConfigError(f"a Gemma 3 image has the grid [{side}, {side}] (patches); got {grid}")
         return list(self.span)
 
-    def num_image_tokens(self, grid: list[int]) -> int:
-        return len(self.image_span_ids(grid))
-
     def embed_image(self, pixel_values: torch.Tensor, grid: list[int]) -> torch.Tensor:
         """``[mm_tokens_per_image, hidden]``: one ``[3, S, S]`` image through the tower and the projector."""
         self.image_span_ids(grid)
         return self.multi_modal_projector(self.vision_tower(pixel_values))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
