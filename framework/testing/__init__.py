@@ -114,7 +114,7 @@ from framework.testing.vision_checks import (
     image_chat,
     qwen_vl_inputs,
 )
-from framework.testing.vision_gemma3 import GEMMA3_SPECIALS, write_tiny_gemma3
+from framework.testing.vision_gemma3 import GEMMA3_SPECIALS, gemma3_inputs, write_tiny_gemma3
 from framework.testing.vision_llama4 import LLAMA4_SPECIALS, write_tiny_llama4
 
 #: everything here, importable as ``framework.testing.NAME`` (the fixtures are also seen by pytest here)
@@ -192,6 +192,7 @@ __all__ = [
     "engine_logits",
     "image_chat",
     "qwen_vl_inputs",
+    "gemma3_inputs",
     "tiny_llama4_text",
     "QuantScheme",
     "check_linear_method",

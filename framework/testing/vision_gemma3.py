@@ -2,11 +2,13 @@
 :mod:`framework.testing.vision` writes the other vision-language models: the word-level tokenizer's
 ids are ``<s>`` 0, ``</s>`` 1, ``t2 .. t289`` and :data:`GEMMA3_SPECIALS`.
 :func:`write_gemma3_tokenizer` swaps in a Gemma-shaped BPE tokenizer and Gemma 3's own chat
-template, for prompts whose newlines must tokenize as transformers' ``Gemma3Processor`` does."""
+template, for prompts whose newlines must tokenize as transformers' ``Gemma3Processor`` does;
+:func:`gemma3_inputs` gives transformers the inputs its processor would for fw's pixels."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from framework.testing.vision import IMAGE_TOKEN_ID, write_vision_checkpoint
 
@@ -96,6 +98,20 @@ def write_tiny_gemma3(path, seed: int = 0, layer_types: list[str] | None = None)
         path, model, _TINY_GEMMA3_PREPROCESSOR, specials, image_token, _GEMMA3_CHAT_TEMPLATE, "Gemma3ImageProcessor"
     )
     return model
+
+
+def gemma3_inputs(processor, ids: list[int], images) -> dict[str, Any]:
+    """transformers' ``Gemma3ForConditionalGeneration`` inputs (a
+    :class:`~framework.testing.vision_checks.VisionReference`'s) for ``ids`` (image tokens
+    expanded) and ``images`` through fw's ``processor`` (a ``Gemma3ImageProcessor``): the stacked
+    pixels and the ``token_type_ids`` its processor sends (1 on image tokens), which switch on its
+    mask of bidirectional attention among an image's tokens."""
+    import numpy as np
+    import torch
+
+    tensor = torch.tensor([ids])
+    pixels = torch.from_numpy(np.stack([processor.preprocess(image).pixel_values for image in images]))
+    return dict(input_ids=tensor, pixel_values=pixels, token_type_ids=(tensor == IMAGE_TOKEN_ID).long())
 
 
 #: Gemma 3's own chat template (gemma-3-4b-it): a system message's text and a blank line open the

@@ -9,6 +9,7 @@ and the ``token_type_ids`` its processor sends (1 on image tokens), which switch
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -18,7 +19,16 @@ from fw_gemma.gemma3_processor import Gemma3ImageProcessor
 
 from framework import LLM, SamplingParams
 from framework.errors import ConfigError
-from framework.testing import capture_logits, data_url, random_image, write_tiny_gemma3
+from framework.testing import (
+    VisionReference,
+    capture_logits,
+    check_image_request,
+    check_preempted_image_requests,
+    gemma3_inputs,
+    image_chat,
+    random_image,
+    write_tiny_gemma3,
+)
 from framework.testing.vision import IMAGE_TOKEN_ID
 from framework.testing.vision_gemma3 import GEMMA3_SPECIALS
 
@@ -47,42 +57,9 @@ def processor(tiny):
     return Gemma3ImageProcessor(Gemma3ForConditionalGeneration.vision_spec(config, preprocessor).processor_config)
 
 
-def conversation(*images, text="t5 t6"):
-    parts = [{"type": "text", "text": text}]
-    for index, image in enumerate(images):
-        parts += [
-            {"type": "image_url", "image_url": {"url": data_url(image)}},
-            {"type": "text", "text": f"t{20 + index}"},
-        ]
-    return [{"role": "user", "content": parts}]
-
-
-def reference_inputs(processor, ids, images):
-    ids = torch.tensor([ids])
-    pixels = torch.from_numpy(np.stack([processor.preprocess(image).pixel_values for image in images]))
-    return dict(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE_TOKEN_ID).long())
-
-
-def reference_logits(model, processor, ids, images):
-    with torch.no_grad():
-        return model(**reference_inputs(processor, ids, images)).logits[0]
-
-
-def reference_greedy(model, processor, prompt_ids, images, steps=8):
-    inputs = reference_inputs(processor, prompt_ids, images)
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            attention_mask=torch.ones_like(inputs["input_ids"]),
-            max_new_tokens=steps,
-            do_sample=False,
-            eos_token_id=-1,  # fw's requests ignore EOS; so does the reference (no such token)
-        )
-    return out[0, len(prompt_ids) :].tolist()
-
-
-def engine_logits(logits, request_id, positions):
-    return torch.stack([logits[(request_id, position)] for position in positions])
+@pytest.fixture(scope="module")
+def reference(tiny, processor):
+    return VisionReference(tiny[1], functools.partial(gemma3_inputs, processor))
 
 
 def record_steps(llm, numbered=False):
@@ -119,22 +96,21 @@ def test_image_processor_matches_transformers_pil_processor(processor, tiny):
 
 
 def test_vision_tower_and_projector_match_transformers(tiny, processor):
-    path, reference = tiny
+    path, hf_model = tiny
     model = LLM(str(path), dtype="float32", device="cpu", num_blocks=8).engine.core.runner.model
     pixels = torch.from_numpy(processor.preprocess(random_image(84, 56, 1)).pixel_values)
     with torch.no_grad():
         got = model.embed_image(pixels, [8, 8])
-        expected = reference.model.get_image_features(pixels[None]).pooler_output[0]
+        expected = hf_model.model.get_image_features(pixels[None]).pooler_output[0]
     assert got.shape == (16, 64)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_two_images_in_prefill_chunks_of_8_match_transformers_and_no_chunk_splits_an_image(tiny, processor):
-    path, reference = tiny
-    llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8)
+def test_two_images_in_prefill_chunks_of_8_match_transformers_and_no_chunk_splits_an_image(tiny, reference):
+    llm = LLM(str(tiny[0]), dtype="float32", device="cpu", prefill_chunk_size=8)
     logits, steps = capture_logits(llm), record_steps(llm)
     images = [random_image(84, 56, 1), random_image(40, 120, 2)]
-    result = llm.chat(conversation(*images), GREEDY)[0]
+    result = llm.chat(image_chat(*images), GREEDY)[0]
     prompt = result.prompt_token_ids
     first = prompt.index(BOI)
     assert prompt[first : first + 18] == SPAN and prompt.count(IMAGE_TOKEN_ID) == 32
@@ -142,22 +118,19 @@ def test_two_images_in_prefill_chunks_of_8_match_transformers_and_no_chunk_split
     assert (first, prompt.index(BOI, first + 1)) == (4, 23)
     prefill = [(start, n) for request, start, n in steps if start < len(prompt)]
     assert prefill == [(0, 5), (5, 16), (21, 3), (24, 16), (40, 4)]
-    sequence = prompt + result.outputs[0].token_ids[:-1]
-    expected = reference_logits(reference, processor, sequence, images)
-    torch.testing.assert_close(engine_logits(logits, "0-0", range(len(sequence))), expected, rtol=1e-4, atol=1e-4)
-    assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, images)
+    check_image_request(logits, "0-0", result, reference, images, GREEDY.max_tokens)
     assert llm.engine.core.runner.multimodal.num_encoder_runs == 2
+    sequence = prompt + result.outputs[0].token_ids[:-1]
     with torch.no_grad():  # the mask matters: a causal one gives other logits
-        causal = reference(**{**reference_inputs(processor, sequence, images), "token_type_ids": None}).logits[0]
-    assert (causal - expected).abs().amax() > 1e-2
+        causal = reference.model(**{**reference.inputs(sequence, images), "token_type_ids": None}).logits[0]
+    assert (causal - reference.logits(sequence, images)).abs().amax() > 1e-2
 
 
-def test_an_image_the_budget_cannot_hold_whole_waits_and_both_requests_match_transformers(tiny, processor):
-    path, reference = tiny
-    llm = LLM(str(path), dtype="float32", device="cpu", prefill_chunk_size=8, max_num_batched_tokens=18)
+def test_an_image_the_budget_cannot_hold_whole_waits_and_both_requests_match_transformers(tiny, reference):
+    llm = LLM(str(tiny[0]), dtype="float32", device="cpu", prefill_chunk_size=8, max_num_batched_tokens=18)
     steps = record_steps(llm, numbered=True)
     images = [random_image(84, 56, 1), random_image(40, 120, 2)]
-    results = llm.chat([conversation(*images), conversation(images[1], text="t9")], GREEDY)
+    results = llm.chat([image_chat(*images), image_chat(images[1], text="t9")], GREEDY)
     second = [(index, start, n) for index, request, start, n in steps if request == "1-0"]
     # steps 1-4 leave less than 16 of the budget beside the first request's chunks (16, 3, 16, 4
     # tokens): the second's image waits, running, until step 5's decode leaves it 17
@@ -170,55 +143,33 @@ def test_an_image_the_budget_cannot_hold_whole_waits_and_both_requests_match_tra
         (5, 44, 1),
     ]
     for result, used in zip(results, (images, images[1:]), strict=True):
-        assert result.outputs[0].token_ids == reference_greedy(reference, processor, result.prompt_token_ids, used)
+        assert result.outputs[0].token_ids == reference.greedy(result.prompt_token_ids, used, GREEDY.max_tokens)
 
 
-def test_a_prefix_hit_inside_an_image_continues_to_its_end_and_matches_transformers(tiny, processor):
-    path, reference = tiny
-    # blocks and chunks of 4; the hit covers tokens 0..11, inside the image tokens 7..22
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, prefill_chunk_size=4, prefix_cache_max_tokens=12)
+def test_a_prefix_hit_inside_an_image_continues_to_its_end_and_matches_transformers(tiny, reference):
+    # blocks and chunks of 4; the hit covers tokens 0..11, inside the image tokens 7..22. Not
+    # check_prefix_hit_inside_an_image, which builds its engine inside, where no steps are recorded
+    llm = LLM(
+        str(tiny[0]), dtype="float32", device="cpu", block_size=4, prefill_chunk_size=4, prefix_cache_max_tokens=12
+    )
     logits, steps = capture_logits(llm), record_steps(llm)
     image = random_image(64, 64, 5)
-    llm.chat(conversation(image, text="t5 t6 t7 t8"), GREEDY)
-    second = llm.chat(conversation(image, text="t5 t6 t7 t8"), GREEDY)[0]
-    prompt = second.prompt_token_ids
-    assert prompt.index(BOI) == 6 and second.num_cached_tokens == 12
+    llm.chat(image_chat(image, text="t5 t6 t7 t8"), GREEDY)
+    second = llm.chat(image_chat(image, text="t5 t6 t7 t8"), GREEDY)[0]
+    assert second.prompt_token_ids.index(BOI) == 6 and second.num_cached_tokens == 12
     assert ("1-0", 12, 11) in steps  # from the hit to the image's end in one step, past the chunk size
-    got = engine_logits(logits, "1-0", range(12, len(prompt)))
-    torch.testing.assert_close(got, reference_logits(reference, processor, prompt, [image])[12:], rtol=1e-4, atol=1e-4)
-    assert second.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image])
+    check_image_request(logits, "1-0", second, reference, [image], GREEDY.max_tokens, decoded=False, first=12)
 
 
-def test_preempted_requests_with_images_resume_without_encoding_again(tiny, processor):
-    path, reference = tiny
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        device="cpu",
-        num_blocks=6,
-        block_size=16,
-        max_num_seqs=3,
-        enable_prefix_caching=False,
-    )
-    logits = capture_logits(llm)  # a recomputed position keeps its last logits
+def test_preempted_requests_with_images_resume_without_encoding_again(tiny, reference):
     images = [random_image(40 + 30 * i, 56, 10 + i) for i in range(3)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    results = llm.chat([conversation(image) for image in images], params)
-    assert llm.engine.core.stats().num_preemptions > 0
-    for index, (image, result) in enumerate(zip(images, results, strict=True)):
-        prompt = result.prompt_token_ids
-        expected = reference_logits(reference, processor, prompt, [image])
-        torch.testing.assert_close(
-            engine_logits(logits, f"{index}-0", range(len(prompt))), expected, rtol=1e-4, atol=1e-4
-        )
-        assert result.outputs[0].token_ids == reference_greedy(reference, processor, prompt, [image], 16)
-    assert llm.engine.core.runner.multimodal.num_encoder_runs == 3
+    check_preempted_image_requests(tiny[0], reference, images, num_blocks=6, max_tokens=16)
 
 
 def test_an_image_longer_than_the_token_budget_is_refused_naming_the_setting(tiny, processor):
     llm = LLM(str(tiny[0]), dtype="float32", device="cpu", max_num_batched_tokens=12, prefill_chunk_size=12)
     with pytest.raises(ConfigError, match="an image takes 16 tokens .* max_num_batched_tokens is 12"):
-        llm.chat(conversation(random_image(56, 56, 1)), GREEDY)
+        llm.chat(image_chat(random_image(56, 56, 1)), GREEDY)
 
 
 def test_engine_summary_and_spec_name_the_gemma3_processor_and_placeholder(tiny):
@@ -245,10 +196,9 @@ def test_pan_and_scan_is_refused_with_the_setting_to_change(tiny):
 
 
 @pytest.mark.gpu
-def test_greedy_ids_match_transformers_on_cuda_with_the_triton_backend(tiny, processor):
-    path, reference = tiny
-    llm = LLM(str(path), dtype="float32", device="cuda", prefill_chunk_size=8, attention_backend="triton")
+def test_greedy_ids_match_transformers_on_cuda_with_the_triton_backend(tiny, reference):
+    llm = LLM(str(tiny[0]), dtype="float32", device="cuda", prefill_chunk_size=8, attention_backend="triton")
     images = [random_image(84, 56, 1), random_image(40, 120, 2)]
-    results = llm.chat([conversation(*images), conversation(images[1], text="t9")], GREEDY)
+    results = llm.chat([image_chat(*images), image_chat(images[1], text="t9")], GREEDY)
     for result, used in zip(results, (images, images[1:]), strict=True):
-        assert result.outputs[0].token_ids == reference_greedy(reference, processor, result.prompt_token_ids, used)
+        assert result.outputs[0].token_ids == reference.greedy(result.prompt_token_ids, used, GREEDY.max_tokens)
