@@ -13,11 +13,11 @@ input projection is f16 in every file; with F16 the tower's matrices too).
 
 from __future__ import annotations
 
+import functools
 import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -25,7 +25,15 @@ from gguf import GGMLQuantizationType as Q
 from framework import LLM, SamplingParams
 from framework.errors import ConfigError, ModelLoadError
 from framework.multimodal.inputs import load_processor
-from framework.testing import capture_logits, data_url, random_image, write_tiny_gemma3
+from framework.testing import (
+    VisionReference,
+    capture_logits,
+    check_image_request,
+    gemma3_inputs,
+    image_chat,
+    random_image,
+    write_tiny_gemma3,
+)
 from framework.testing.vision import IMAGE_TOKEN_ID
 from framework.testing.vision_gemma3 import GEMMA3_SPECIALS
 
@@ -38,16 +46,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 BOI, EOI = GEMMA3_SPECIALS["<start_of_image>"], GEMMA3_SPECIALS["<end_of_image>"]
 SPAN = [BOI] + [IMAGE_TOKEN_ID] * 16 + [EOI]
 LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
-
-
-def conversation(*images):
-    parts = [{"type": "text", "text": "t5 t6"}]
-    for index, image in enumerate(images):
-        parts += [
-            {"type": "image_url", "image_url": {"url": data_url(image)}},
-            {"type": "text", "text": f"t{20 + index}"},
-        ]
-    return [{"role": "user", "content": parts}]
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +68,9 @@ def served(root: Path, outtype: str, tmp_path: Path) -> Path:
     return tmp_path / "model-F32.gguf"
 
 
-def reference_inputs(llm, ids, images) -> dict:
-    processor = load_processor(llm.engine.vision)
-    ids = torch.tensor([ids])
-    pixels = torch.from_numpy(np.stack([processor.preprocess(image).pixel_values for image in images]))
-    return dict(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE_TOKEN_ID).long())
+def vision_reference(model, llm) -> VisionReference:
+    """``model`` fed the pixels of ``llm``'s processor (the one the GGUF's projector configures)."""
+    return VisionReference(model, functools.partial(gemma3_inputs, load_processor(llm.engine.vision)))
 
 
 @pytest.mark.parametrize("outtype", ["F32", "F16"])
@@ -85,19 +81,11 @@ def test_logits_and_greedy_ids_match_transformers_with_the_projector_beside_the_
     assert llm.engine.model_config.architecture == "Gemma3ForConditionalGeneration"
     logits = capture_logits(llm)
     images = [random_image(84, 56, 1), random_image(40, 120, 2)]
-    result = llm.chat(conversation(*images), GREEDY)[0]
+    result = llm.chat(image_chat(*images), GREEDY)[0]
     prompt = result.prompt_token_ids
     first = prompt.index(BOI)
     assert prompt[first : first + 18] == SPAN and prompt.count(IMAGE_TOKEN_ID) == 32
-    inputs = reference_inputs(llm, prompt, images)
-    with torch.no_grad():
-        expected = reference.generate(
-            **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=6, do_sample=False
-        )[0, len(prompt) :].tolist()
-        want = reference(**reference_inputs(llm, prompt + expected[:-1], images)).logits[0]
-    assert result.outputs[0].token_ids == expected
-    got = torch.stack([logits[("0-0", position)] for position in range(len(prompt) + len(expected) - 1)])
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    check_image_request(logits, "0-0", result, vision_reference(reference, llm), images, GREEDY.max_tokens)
 
 
 def test_the_tower_holds_the_files_weights_and_the_files_settings_and_token_ids(checkpoint, tmp_path):
@@ -136,7 +124,7 @@ def test_without_the_projector_the_text_model_answers_and_an_image_is_refused(ch
     assert got == expected[0, len(prompt) :].tolist()
     assert "mmproj*.gguf" in llm.engine.summary["text_only_reason"]
     with pytest.raises(ConfigError, match=r"messages\[0\]\.content\[1\]: this model .* does not take images: .*mmproj"):
-        llm.chat(conversation(random_image(56, 56, 1)), GREEDY)
+        llm.chat(image_chat(random_image(56, 56, 1)), GREEDY)
 
 
 def test_a_qwen_projector_for_the_gemma3_model_is_refused_naming_the_one_it_takes(checkpoint, tmp_path):
@@ -180,11 +168,7 @@ def test_greedy_ids_match_transformers_on_cuda_with_an_f16_projector(checkpoint,
     reference = rounded_reference(reference, "F16")
     llm = LLM(str(served(root, "F16", tmp_path)), dtype="float32", device="cuda", prefill_chunk_size=8)
     images = [random_image(84, 56, 1), random_image(40, 120, 2)]
-    results = llm.chat([conversation(*images), conversation(images[1])], GREEDY)
+    results = llm.chat([image_chat(*images), image_chat(images[1])], GREEDY)
+    vision = vision_reference(reference, llm)
     for result, shown in zip(results, (images, images[1:]), strict=True):
-        inputs = reference_inputs(llm, result.prompt_token_ids, shown)
-        with torch.no_grad():
-            expected = reference.generate(
-                **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=6, do_sample=False
-            )[0, len(result.prompt_token_ids) :].tolist()
-        assert result.outputs[0].token_ids == expected
+        assert result.outputs[0].token_ids == vision.greedy(result.prompt_token_ids, shown, GREEDY.max_tokens)
