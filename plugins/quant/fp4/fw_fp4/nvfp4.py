@@ -89,6 +89,10 @@ class Nvfp4Config(Fp4LinearConfig):
 
     layout = "modelopt"
 
+    @property
+    def experts_layout(self) -> str:
+        return self.layout
+
     def linear_method(self) -> Nvfp4LinearMethod:
         return Nvfp4LinearMethod(self.layout)
 
