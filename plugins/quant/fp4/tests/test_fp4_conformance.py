@@ -1,7 +1,9 @@
 """The FP4 dense methods through framework.testing's conformance kit (every linear layer kind,
 tensor-parallel ranks, fused shards with their own global scales) against the test packer's
 table reading: the CPU's torch path (bf16), the Triton kernels interpreted (fp32) and on the GPU
-(bf16, fp16, with CUDA-graph replay)."""
+(bf16, fp16, with CUDA-graph replay); and the MoE experts of every layout (gate, up and down of
+each expert with their own NVFP4 global scales) through the MoE kit, interpreted and on the GPU
+(their CPU path: test_fp4_moe_qwen3)."""
 
 from __future__ import annotations
 
@@ -66,15 +68,6 @@ def test_linear_method_passes_the_conformance_kit_through_the_interpreted_kernel
 def test_linear_method_passes_the_conformance_kit_on_cuda(layout):
     cases = check_linear_method(Fp4Scheme(layout), device="cuda", num_rows=(1, 2, 7, 64, 200), tp_sizes=(1, 2))
     assert "qkv_proj tp=2 rank=1 float16" in cases
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_moe_method_passes_the_conformance_kit_on_the_cpu_path(layout, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch reference on the packed experts
-    cases = check_moe_method(
-        Fp4Scheme(layout), num_experts=8, num_tokens=(1, 40), tp_sizes=(1, 2), dtypes=(torch.bfloat16,)
-    )
-    assert "experts tp=2 rank=1 bfloat16" in cases
 
 
 @interpreted
