@@ -1,4 +1,5 @@
-"""NVFP4 dense layers (e2m1 values, an fp8 e4m3 scale per 16 inputs, an fp32 global scale per tensor).
+"""NVFP4 dense layers (e2m1 values, an fp8 e4m3 scale per 16 inputs, an fp32 global scale per tensor);
+the configs here hand MoE experts to ``fw_fp4.experts``.
 
 Two checkpoint layouts, with opposite global-scale conventions::
 
