@@ -36,7 +36,7 @@ from framework.ops import PackedExperts
 from framework.quantization import FusedMoEMethod
 
 from .config import ACT_DTYPES
-from .formats import FP16_PLACEMENT_EXPONENT, MXFP4_BLOCK, NVFP4_GROUP, decode_e2m1, fold_scale_bias, nvfp4_row_scale
+from .formats import MXFP4_BLOCK, NVFP4_GROUP, dequantize_nvfp4, fold_scale_bias, nvfp4_row_scale
 from .moe import dequantize_rows as dequantize_mxfp4_rows
 from .nvfp4 import LAYOUTS as NVFP4_LAYOUTS
 
@@ -51,10 +51,7 @@ FORMATS = {
 def dequantize_nvfp4_rows(data: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     """``[n, rows, K/2]`` bytes (low nibble first) and ``[n, rows, K/16]`` e4m3 scale bytes ->
     ``[n, rows, K]`` values ``e2m1 * scale`` (without the global scale: ``PackedExperts.global_scales``)."""
-    codes = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2)
-    values = decode_e2m1(codes).float().unflatten(-1, (-1, NVFP4_GROUP))  # times 2^-14
-    factor = scales.view(torch.float8_e4m3fn).float() * 2.0**FP16_PLACEMENT_EXPONENT
-    return (values * factor.unsqueeze(-1)).flatten(-2).to(dtype)
+    return dequantize_nvfp4(data, scales.view(torch.float8_e4m3fn), None, dtype)
 
 
 class Fp4ExpertsMethod(FusedMoEMethod):
