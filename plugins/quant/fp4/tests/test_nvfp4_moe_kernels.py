@@ -77,16 +77,18 @@ def test_global_scales_on_some_projections_only_are_refused():
         quantized_fused_moe(hidden, w1, w3, w2._replace(global_scales=None), topk_weights, topk_ids)
 
 
+@pytest.fixture(scope="module")
+def qwen3_30b_experts():
+    """Qwen3-30B-A3B's expert shapes (hidden 2048, width 768), 32 of its 128 experts, packed once."""
+    return nvfp4_experts(32, 2048, 768, "divide", torch.Generator().manual_seed(0), "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
-def test_compiled_kernel_matches_the_reference_on_cuda_bf16(num_tokens):
-    """Qwen3-30B-A3B's expert shapes (hidden 2048, width 768, top-8), 32 of its 128 experts."""
+def test_compiled_kernel_matches_the_reference_on_cuda_bf16(num_tokens, qwen3_30b_experts):
+    (w1, w3, w2), (gate, up, down) = qwen3_30b_experts
     generator = torch.Generator().manual_seed(num_tokens)
-    num_experts, hidden_size, width = 32, 2048, 768
-    (w1, w3, w2), (gate, up, down) = nvfp4_experts(num_experts, hidden_size, width, "divide", generator, "cuda")
-    hidden, topk_weights, topk_ids = routed_inputs(
-        num_tokens, num_experts, 8, hidden_size, generator, torch.bfloat16, "cuda"
-    )
+    hidden, topk_weights, topk_ids = routed_inputs(num_tokens, 32, 8, 2048, generator, torch.bfloat16, "cuda")
     out = quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids)
     w13 = torch.cat([gate, up], 1).to("cuda", torch.bfloat16)
     expected = ops.fused_moe(hidden, w13, down.to("cuda", torch.bfloat16), topk_weights, topk_ids)
