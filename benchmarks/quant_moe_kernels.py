@@ -6,7 +6,7 @@
     python benchmarks/fp8_kernels.py --moe --out $OUT/fp8_moe.json              # block FP8
     python benchmarks/w4a16_kernels.py --moe --tokens 1 8 --sweep --out $OUT/w4a16_moe_sweep.json
     python benchmarks/fp8_kernels.py --moe --tiny     # the script itself on a CPU (TRITON_INTERPRET=1)
-    python benchmarks/w4a16_kernels.py --moe --variants nvfp4 mxfp4 --out $OUT/fp4_moe.json   # no --sweep
+    python benchmarks/w4a16_kernels.py --moe --variants nvfp4 mxfp4 [--tokens 1 8] [--sweep] --out $OUT/fp4_moe.json
 
 One MoE layer of the Qwen3-30B-A3B shape (128 experts, 8 per token, hidden 2048, expert width 768)
 with random experts in the format's kernel layout (4-bit group 128: symmetric, with zero points,
@@ -109,6 +109,11 @@ def _module(fmt: str):
 
 
 def sweep_settings(fmt: str, num_pairs: int) -> list:
+    if fmt == "fp4":  # fw_fp4's kernel: tiles as a dict (BLOCK_M stays the pairs' block)
+        return [
+            {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
+            for n, k, w, st in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
+        ]
     config = _module(fmt).MoEKernelConfig
     sorted_ = num_pairs > 64
     return [
@@ -151,10 +156,10 @@ def measure(fmt: str, variant: str, tokens: int, shape, sweep: bool, tiny: bool,
     ]
 
     def run(copy, config=None):
-        if fmt == "fp4":  # one tile rule (fw_triton_ops.fused_moe.launch_config), nothing to set
+        if fmt == "fp4":  # the tile rule (fw_triton_ops.fused_moe.launch_config), or a swept setting
             from fw_fp4.kernels.fp4_moe import quantized_fused_moe
 
-            return quantized_fused_moe(hidden, *copy, topk_weights, topk_ids)
+            return quantized_fused_moe(hidden, *copy, topk_weights, topk_ids, tiles=config)
         if tiny and config is None:  # the rule's form, tiles as wide as the tiny shape (interpreter time)
             config = dataclasses.replace(moe.moe_config(tokens * top_k), block_n=128)
         return moe.quantized_fused_moe(hidden, *copy, topk_weights, topk_ids, config=config)
@@ -196,15 +201,19 @@ def measure(fmt: str, variant: str, tokens: int, shape, sweep: bool, tiny: bool,
             try:
                 error = ((run(stacks, config).float() - got).abs().max() / got.abs().max()).item()
             except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
-                refused.append({**config.__dict__, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                refused.append({**_setting(config), "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
             if not error <= 0.05:  # NaN fails too
-                refused.append({**config.__dict__, "error": f"wrong result, relative error {error:.3g}"})
+                refused.append({**_setting(config), "error": f"wrong result, relative error {error:.3g}"})
                 continue
-            settings.append({**config.__dict__, "us": time_it(lambda c, config=config: run(c, config), copies) * 1e6})
+            settings.append({**_setting(config), "us": time_it(lambda c, config=config: run(c, config), copies) * 1e6})
         best = min(settings, key=lambda s: s["us"])
         result.update(best=best, best_gb_s=touched / (best["us"] / 1e6) / 1e9, settings=settings, refused=refused)
     return result
+
+
+def _setting(config) -> dict:
+    return dict(config) if isinstance(config, dict) else dict(config.__dict__)
 
 
 def run_moe(args, fmt: str) -> None:
@@ -213,8 +222,6 @@ def run_moe(args, fmt: str) -> None:
     device = "cpu" if tiny else "cuda"
     shape = TINY if tiny else QWEN3_30B_A3B
     token_counts = [1, 40] if tiny else args.tokens  # per pair, and sorted 16-row blocks
-    if fmt == "fp4" and args.sweep:
-        raise SystemExit("--sweep: the FP4 MoE kernel has no settings to sweep (its tiles follow launch_config)")
     if fmt == "fp4":
         variants = list(args.variants)
     else:

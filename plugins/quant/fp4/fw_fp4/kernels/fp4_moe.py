@@ -268,9 +268,12 @@ def quantized_fused_moe(
     topk_weights: Tensor,
     topk_ids: Tensor,
     activation: MoEActivation = PLAIN_SWIGLU,
+    tiles: dict | None = None,
 ) -> Tensor:
     """:func:`framework.ops.quantized_fused_moe`; MXFP4 or NVFP4 experts (all three projections of
-    one type) here, any other type by the reference."""
+    one type) here, any other type by the reference. ``tiles`` overrides the launch rule's
+    ``BLOCK_N`` / ``BLOCK_K`` / ``num_warps`` / ``num_stages`` (benchmark sweeps; ``BLOCK_M`` stays
+    the pairs' block size)."""
     fmt = w1.quant_type
     # GeGLU experts (Gemma 4) take the reference: this kernel's epilogue is SwiGLU's
     if (
@@ -293,6 +296,12 @@ def quantized_fused_moe(
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     num_pairs = num_tokens * top_k
     sorted_pair_ids, block_expert_ids, num_blocks, block_n, meta = plan_grouped_launch(hidden, topk_ids, num_experts)
+    if tiles:
+        unknown = set(tiles) - {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+        if unknown:
+            raise ValueError(f"tiles {sorted(unknown)}; valid: BLOCK_N, BLOCK_K, num_warps, num_stages")
+        meta = {**meta, **tiles}
+        block_n = meta["BLOCK_N"]
     w13_bias, w2_bias = activation.w13_bias, activation.w2_bias
     act = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
     _fp4_gate_up_kernel[(num_blocks, triton.cdiv(intermediate_size, block_n))](
