@@ -1,14 +1,17 @@
-"""The W4A16 and FP8 MoE kernels (``fw_gptq.kernels.moe``, ``fw_fp8.kernels.moe``) on the GPU:
-``python benchmarks/w4a16_kernels.py --moe`` / ``python benchmarks/fp8_kernels.py --moe``.
+"""The W4A16, FP8 and FP4 MoE kernels (``fw_gptq.kernels.moe``, ``fw_fp8.kernels.moe``,
+``fw_fp4.kernels.fp4_moe``) on the GPU: ``python benchmarks/w4a16_kernels.py --moe`` /
+``python benchmarks/fp8_kernels.py --moe`` / ``python benchmarks/w4a16_kernels.py --moe --variants nvfp4 mxfp4``.
 
     python benchmarks/w4a16_kernels.py --moe --out $OUT/w4a16_moe.json          # gptq, awq, act-order
     python benchmarks/fp8_kernels.py --moe --out $OUT/fp8_moe.json              # block FP8
     python benchmarks/w4a16_kernels.py --moe --tokens 1 8 --sweep --out $OUT/w4a16_moe_sweep.json
     python benchmarks/fp8_kernels.py --moe --tiny     # the script itself on a CPU (TRITON_INTERPRET=1)
+    python benchmarks/w4a16_kernels.py --moe --variants nvfp4 mxfp4 [--tokens 1 8] [--sweep] --out $OUT/fp4_moe.json
 
 One MoE layer of the Qwen3-30B-A3B shape (128 experts, 8 per token, hidden 2048, expert width 768)
 with random experts in the format's kernel layout (4-bit group 128: symmetric, with zero points,
-act-order sorted by group, or groups looked up per input; block FP8 128x128). Per token count it checks the kernel against the torch reference op
+act-order sorted by group, or groups looked up per input; block FP8 128x128; NVFP4 with a global
+scale per expert, MXFP4 with rebased e8m0 scales). Per token count it checks the kernel against the torch reference op
 in float32 (within bf16 tolerance), then times, replayed from a CUDA graph over copies of the stacks
 that overflow the L2 (every call reads HBM): the kernel at its rule's setting, the bf16 Triton
 ``fused_moe`` on the dequantized stacks (what a bf16 model runs) and, where it is graph-safe (pairs
@@ -80,6 +83,23 @@ def fp8_stack(experts, rows, cols, device, generator) -> PackedExperts:
     )
 
 
+def fp4_stack(variant, experts, rows, cols, device, generator) -> PackedExperts:
+    """Random FP4 experts ``[E, rows, cols]`` in fw_fp4's MoE layout: NVFP4 (``variant`` "nvfp4": e4m3
+    scales in 64..128, a global scale of 1e-4 per expert) or MXFP4 (e8m0 scales around 2^-7, rebased)."""
+    from fw_fp4.experts import dequantize_nvfp4_rows
+    from fw_fp4.moe import dequantize_rows
+
+    data = torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, device=device, generator=generator)
+    if variant == "mxfp4":
+        scales = torch.randint(118 + 14, 123 + 14, (experts, rows, cols // 32), device=device, generator=generator)
+        return PackedExperts(data, scales.to(torch.uint8), "mxfp4", cols, dequantize_rows)
+    scales = (64 + 64 * torch.rand(experts, rows, cols // 16, device=device, generator=generator)).to(
+        torch.float8_e4m3fn
+    )
+    global_scales = torch.full((experts,), 1e-4, device=device)
+    return PackedExperts(data, scales.view(torch.uint8), "nvfp4", cols, dequantize_nvfp4_rows, global_scales)
+
+
 def _module(fmt: str):
     if fmt == "fp8":
         from fw_fp8.kernels import moe
@@ -89,6 +109,11 @@ def _module(fmt: str):
 
 
 def sweep_settings(fmt: str, num_pairs: int) -> list:
+    if fmt == "fp4":  # fw_fp4's kernel: tiles as a dict (BLOCK_M stays the pairs' block)
+        return [
+            {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
+            for n, k, w, st in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
+        ]
     config = _module(fmt).MoEKernelConfig
     sorted_ = num_pairs > 64
     return [
@@ -109,11 +134,13 @@ def sweep_settings(fmt: str, num_pairs: int) -> list:
 
 
 def measure(fmt: str, variant: str, tokens: int, shape, sweep: bool, tiny: bool, device: str, generator) -> dict:
-    moe = _module(fmt)
+    moe = None if fmt == "fp4" else _module(fmt)
     experts, top_k, hidden_size, inter = shape
     dims = {"w1": (inter, hidden_size), "w3": (inter, hidden_size), "w2": (hidden_size, inter)}
     if fmt == "fp8":
         stacks = [fp8_stack(experts, r, c, device, generator) for r, c in dims.values()]
+    elif fmt == "fp4":
+        stacks = [fp4_stack(variant, experts, r, c, device, generator) for r, c in dims.values()]
     else:
         stacks = [wna16_stack(experts, r, c, *WNA16_VARIANTS[variant], device, generator) for r, c in dims.values()]
     stack_bytes = sum(s.data.nbytes + s.scales.nbytes for s in stacks)
@@ -129,6 +156,10 @@ def measure(fmt: str, variant: str, tokens: int, shape, sweep: bool, tiny: bool,
     ]
 
     def run(copy, config=None):
+        if fmt == "fp4":  # the tile rule (fw_triton_ops.fused_moe.launch_config), or a swept setting
+            from fw_fp4.kernels.fp4_moe import quantized_fused_moe
+
+            return quantized_fused_moe(hidden, *copy, topk_weights, topk_ids, tiles=config)
         if tiny and config is None:  # the rule's form, tiles as wide as the tiny shape (interpreter time)
             config = dataclasses.replace(moe.moe_config(tokens * top_k), block_n=128)
         return moe.quantized_fused_moe(hidden, *copy, topk_weights, topk_ids, config=config)
@@ -170,15 +201,19 @@ def measure(fmt: str, variant: str, tokens: int, shape, sweep: bool, tiny: bool,
             try:
                 error = ((run(stacks, config).float() - got).abs().max() / got.abs().max()).item()
             except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
-                refused.append({**config.__dict__, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                refused.append({**_setting(config), "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
             if not error <= 0.05:  # NaN fails too
-                refused.append({**config.__dict__, "error": f"wrong result, relative error {error:.3g}"})
+                refused.append({**_setting(config), "error": f"wrong result, relative error {error:.3g}"})
                 continue
-            settings.append({**config.__dict__, "us": time_it(lambda c, config=config: run(c, config), copies) * 1e6})
+            settings.append({**_setting(config), "us": time_it(lambda c, config=config: run(c, config), copies) * 1e6})
         best = min(settings, key=lambda s: s["us"])
         result.update(best=best, best_gb_s=touched / (best["us"] / 1e6) / 1e9, settings=settings, refused=refused)
     return result
+
+
+def _setting(config) -> dict:
+    return dict(config) if isinstance(config, dict) else dict(config.__dict__)
 
 
 def run_moe(args, fmt: str) -> None:
@@ -187,7 +222,10 @@ def run_moe(args, fmt: str) -> None:
     device = "cpu" if tiny else "cuda"
     shape = TINY if tiny else QWEN3_30B_A3B
     token_counts = [1, 40] if tiny else args.tokens  # per pair, and sorted 16-row blocks
-    variants = ["block"] if fmt == "fp8" else (["awq"] if tiny else list(WNA16_VARIANTS))
+    if fmt == "fp4":
+        variants = list(args.variants)
+    else:
+        variants = ["block"] if fmt == "fp8" else (["awq"] if tiny else list(WNA16_VARIANTS))
     generator = torch.Generator(device).manual_seed(0)
     experts, top_k, hidden_size, inter = shape
     print(f"MoE {experts} experts, top-{top_k}, hidden {hidden_size}, width {inter}; {fmt}")

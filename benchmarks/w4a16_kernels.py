@@ -4,6 +4,7 @@
     python benchmarks/w4a16_kernels.py --sweep --layers down --rows 1 16 --out sweep.json
     python benchmarks/w4a16_kernels.py --tiny               # the script itself on a CPU (TRITON_INTERPRET=1)
     python benchmarks/w4a16_kernels.py --moe [--tokens 1 8 64 512] [--sweep]   # the MoE kernel: quant_moe_kernels.py
+    python benchmarks/w4a16_kernels.py --moe --variants nvfp4 mxfp4          # the FP4 MoE kernel (fw_fp4)
     python benchmarks/w4a16_kernels.py --variants nvfp4 [--sweep]     # the FP4 dense kernels: fp4_kernels.py
 
 For each variant (4-bit group 128 symmetric: GPTQ; with zero points: AWQ; act-order; 8-bit; NVFP4 and
@@ -181,7 +182,7 @@ def main() -> None:
     if args.moe:
         from quant_moe_kernels import run_moe
 
-        return run_moe(args, "wna16")
+        return run_moe(args, "fp4" if set(args.variants) <= set(FP4_VARIANTS) else "wna16")
     tiny = args.tiny or not torch.cuda.is_available()
     layers = TINY_LAYERS if tiny else {name: LAYERS[name] for name in args.layers}
     rows_list = [1, 3, 17] if tiny else args.rows

@@ -258,7 +258,9 @@ class PackedExperts(NamedTuple):
     ``quant_type``: the layout, ``"<format>:<type>"`` (``"gguf:Q4_K"``), which a kernel reads to
     know whether it can decode it; ``in_features``: the inputs of each row; ``dequantize(data,
     scales, dtype) -> [n, rows, in_features]``: the format's decoder of ``n`` experts' tensors
-    (selected along dim 0), which the torch reference calls and a kernel replaces.
+    (selected along dim 0), which the torch reference calls and a kernel replaces;
+    ``global_scales``: optional float32 ``[E]``, one factor per expert multiplying what
+    ``dequantize`` returns (NVFP4's per-tensor global scale), None where the format has none.
     """
 
     data: Tensor
@@ -266,11 +268,15 @@ class PackedExperts(NamedTuple):
     quant_type: str
     in_features: int
     dequantize: Callable[[Tensor, Tensor | None, torch.dtype], Tensor]
+    global_scales: Tensor | None = None
 
     def experts(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """The dense weights ``[len(ids), rows, in_features]`` of experts ``ids`` (any order, repeats allowed)."""
         scales = None if self.scales is None else self.scales.index_select(0, ids)
-        return self.dequantize(self.data.index_select(0, ids), scales, dtype)
+        if self.global_scales is None:
+            return self.dequantize(self.data.index_select(0, ids), scales, dtype)
+        weights = self.dequantize(self.data.index_select(0, ids), scales, torch.float32)
+        return (weights * self.global_scales.index_select(0, ids).float()[:, None, None]).to(dtype)
 
 
 def quantized_fused_moe(

@@ -78,13 +78,16 @@ def dequantize_mxfp4(blocks: Tensor, folded_scales: Tensor, dtype: torch.dtype) 
 NVFP4_GROUP = 16
 
 
-def dequantize_nvfp4(packed: Tensor, scales: Tensor, row_scales: Tensor, dtype: torch.dtype) -> Tensor:
-    """NVFP4 rows -> ``[rows, K]`` in ``dtype``: ``packed`` uint8 ``[rows, K/2]`` (low nibble first),
-    ``scales`` float8_e4m3fn ``[rows, K/16]``, ``row_scales`` float32 ``[rows]`` (the global scale of
-    each row's shard, in the multiplying convention: :func:`nvfp4_row_scale`)."""
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # [rows, K]
+def dequantize_nvfp4(packed: Tensor, scales: Tensor, row_scales: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """NVFP4 rows -> ``[..., rows, K]`` in ``dtype``: ``packed`` uint8 ``[..., rows, K/2]`` (low nibble
+    first), ``scales`` float8_e4m3fn ``[..., rows, K/16]``, ``row_scales`` float32 ``[..., rows]`` (the
+    global scale of each row's shard, in the multiplying convention: :func:`nvfp4_row_scale`), or
+    None for ``e2m1 * scale`` alone (MoE experts multiply their global scale apart)."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # [..., rows, K]
     values = decode_e2m1(codes).float().unflatten(-1, (-1, NVFP4_GROUP))  # times 2^-14
-    factor = scales.float() * (row_scales.float() * 2.0**FP16_PLACEMENT_EXPONENT)[:, None]
+    factor = scales.float() * 2.0**FP16_PLACEMENT_EXPONENT
+    if row_scales is not None:
+        factor = factor * row_scales.float()[..., None]
     return (values * factor.unsqueeze(-1)).flatten(-2).to(dtype)
 
 

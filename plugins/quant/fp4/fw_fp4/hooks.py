@@ -52,9 +52,9 @@ def register_kernels():
     return [
         KernelSpec(
             op="quantized_fused_moe",
-            name="triton_mxfp4",
-            impl="fw_fp4.kernels.mxfp4_moe:quantized_fused_moe",
-            description="MXFP4 experts as two grouped GEMMs, FP4 decoded by bit manipulation; other types: reference",
+            name="triton_fp4",
+            impl="fw_fp4.kernels.fp4_moe:quantized_fused_moe",
+            description="MXFP4 and NVFP4 experts as two grouped GEMMs, FP4 decoded by bit manipulation; other types: reference",
             priority=10,
             devices=("cuda",),
             requires=("triton",),

@@ -1,7 +1,7 @@
 """What the FP4 dense formats share: the kernel-layout buffers of a linear layer, the multiply
 (Triton on CUDA and under ``TRITON_INTERPRET=1``, torch on the dequantized weight elsewhere) and
 the base config that hands every linear layer but the skipped ones (and the embeddings and the
-head) to its format's method, refusing MoE experts it has no method for."""
+head) to its format's method, and MoE experts to ``fw_fp4.experts``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from framework.errors import ConfigError
 from framework.layers.linear import set_weight_attrs
 from framework.quantization import LinearMethod, QuantConfig, QuantMethodBase
 
@@ -76,6 +75,9 @@ class Fp4LinearConfig(QuantConfig):
     def __init__(self, skipped: list[str] | None = None) -> None:
         self.skipped = list(skipped or [])
 
+    #: The checkpoint layout of this format's MoE experts (``fw_fp4.experts.FORMATS``).
+    experts_layout = ""
+
     def linear_method(self) -> LinearMethod:
         raise NotImplementedError
 
@@ -87,10 +89,9 @@ class Fp4LinearConfig(QuantConfig):
         if self.is_skipped(prefix):
             return None
         if isinstance(layer, FusedMoE):
-            raise ConfigError(
-                f"{self.get_name()}: {prefix}: MoE experts in this format are not supported yet; "
-                f"supported: dense linear layers (gpt-oss's MXFP4 experts: quant_method mxfp4)"
-            )
+            from .experts import Fp4ExpertsMethod
+
+            return Fp4ExpertsMethod(self.experts_layout)
         if not isinstance(layer, LinearBase) or isinstance(layer, VocabEmbedding | LMHead):
             return None
         return self.linear_method()

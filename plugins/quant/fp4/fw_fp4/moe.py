@@ -78,7 +78,7 @@ class Mxfp4FusedMoEMethod(FusedMoEMethod):
                 layer.register_parameter(f"{projection}_{part}", param)
         create_expert_biases(layer, num_experts, hidden_size, width, params_dtype)
         layer.mxfp4_in_features = {"w13": hidden_size, "w2": width}
-        self.fused_moe = get_kernel("quantized_fused_moe")
+        self.fused_moe = get_kernel("quantized_fused_moe", prefer="triton_fp4")
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         for projection in ("w13", "w2"):

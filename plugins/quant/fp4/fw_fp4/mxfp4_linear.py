@@ -58,7 +58,10 @@ class Mxfp4LinearMethod(Fp4LinearMethodBase):
 
 
 class CompressedTensorsMxfp4Config(Fp4LinearConfig):
-    """compressed-tensors ``format: mxfp4-pack-quantized`` dense layers (llm-compressor's MXFP4 / MXFP4A16)."""
+    """compressed-tensors ``format: mxfp4-pack-quantized`` dense layers (llm-compressor's MXFP4 / MXFP4A16)
+    and MoE experts (``fw_fp4.experts``)."""
+
+    experts_layout = "compressed-tensors-mxfp4"
 
     @classmethod
     def get_name(cls) -> str:

@@ -1,4 +1,5 @@
-"""NVFP4 dense layers (e2m1 values, an fp8 e4m3 scale per 16 inputs, an fp32 global scale per tensor).
+"""NVFP4 dense layers (e2m1 values, an fp8 e4m3 scale per 16 inputs, an fp32 global scale per tensor);
+the configs here hand MoE experts to ``fw_fp4.experts``.
 
 Two checkpoint layouts, with opposite global-scale conventions::
 
@@ -88,6 +89,10 @@ class Nvfp4Config(Fp4LinearConfig):
     """NVFP4 linear layers of a modelopt or compressed-tensors checkpoint; ``skipped`` stay 16-bit."""
 
     layout = "modelopt"
+
+    @property
+    def experts_layout(self) -> str:
+        return self.layout
 
     def linear_method(self) -> Nvfp4LinearMethod:
         return Nvfp4LinearMethod(self.layout)

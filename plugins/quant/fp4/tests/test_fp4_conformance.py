@@ -1,7 +1,9 @@
 """The FP4 dense methods through framework.testing's conformance kit (every linear layer kind,
 tensor-parallel ranks, fused shards with their own global scales) against the test packer's
 table reading: the CPU's torch path (bf16), the Triton kernels interpreted (fp32) and on the GPU
-(bf16, fp16, with CUDA-graph replay)."""
+(bf16, fp16, with CUDA-graph replay); and the MoE experts of every layout (gate, up and down of
+each expert with their own NVFP4 global scales) through the MoE kit, interpreted and on the GPU
+(their CPU path: test_fp4_moe_qwen3)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 from tiny_fp4_llama import LAYOUTS, pack, quantization_config
 
-from framework.testing import check_linear_method, interpreted
+from framework.testing import check_linear_method, check_moe_method, interpreted
 
 
 @dataclass
@@ -25,7 +27,13 @@ class Fp4Scheme:
         return 32 if self.layout == "compressed-tensors-mxfp4" else 16
 
     def make_weight(self, name: str, shape: tuple[int, ...], generator: torch.Generator):
-        tensors, values = pack(torch.randn(shape, generator=generator), self.layout)
+        weight = torch.randn(shape, generator=generator)
+        if weight.dim() == 3:  # an expert stack: each expert packed alone (NVFP4: its own global scale)
+            per_expert = [pack(w * (1 + e), self.layout) for e, w in enumerate(weight)]
+            tensors = {key: torch.stack([t[key] for t, _ in per_expert]) for key in per_expert[0][0]}
+            values = torch.stack([v for _, v in per_expert])
+        else:
+            tensors, values = pack(weight, self.layout)
         stem = name.removesuffix(".weight")
         return {f"{stem}.{key}": value for key, value in tensors.items()}, values
 
@@ -62,16 +70,45 @@ def test_linear_method_passes_the_conformance_kit_on_cuda(layout):
     assert "qkv_proj tp=2 rank=1 float16" in cases
 
 
+@interpreted
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_moe_experts_of_the_dense_formats_are_clear_errors(layout):
-    from framework.errors import ConfigError
+def test_moe_method_passes_the_conformance_kit_through_the_interpreted_kernel(layout, monkeypatch):
+    monkeypatch.setenv("FW_KERNELS", "quantized_fused_moe=triton_fp4")
+    cases = check_moe_method(
+        Fp4Scheme(layout), num_experts=8, num_tokens=(1, 4, 40), tp_sizes=(2,), dtypes=(torch.float32,)
+    )
+    assert "experts tp=2 rank=1 float32" in cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_method_passes_the_conformance_kit_on_cuda(layout):
+    cases = check_moe_method(Fp4Scheme(layout), device="cuda", num_experts=16, tp_sizes=(1, 2))
+    assert "experts tp=2 rank=1 float16" in cases
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_experts_get_the_fp4_method_unless_skipped(layout):
+    from fw_fp4.experts import Fp4ExpertsMethod
+
     from framework.layers.fused_moe import FusedMoE
 
     config = Fp4Scheme(layout).quant_config({})
-    with pytest.raises(ConfigError, match="layer.experts: MoE experts in this format are not supported yet"):
-        FusedMoE(8, 2, 64, 128, renormalize=True, quant_config=config, prefix="layer.experts", tp_size=1, tp_rank=0)
+    experts = FusedMoE(
+        8, 2, 64, 128, renormalize=True, quant_config=config, prefix="layer.experts", tp_size=1, tp_rank=0
+    )
+    assert isinstance(experts.quant_method, Fp4ExpertsMethod)
     config.skipped = ["layer.experts"]  # listed as left unquantized: built as 16-bit experts
     experts = FusedMoE(
         8, 2, 64, 128, renormalize=True, quant_config=config, prefix="layer.experts", tp_size=1, tp_rank=0
     )
     assert type(experts.quant_method).__name__ == "UnquantizedFusedMoEMethod"
+
+
+def test_experts_whose_width_per_rank_is_not_whole_groups_are_refused():
+    from framework.errors import ConfigError
+    from framework.layers.fused_moe import FusedMoE
+
+    config = Fp4Scheme("modelopt").quant_config({})
+    with pytest.raises(ConfigError, match="intermediate size per rank 24 is not a multiple of NVFP4's group of 16"):
+        FusedMoE(8, 2, 64, 48, renormalize=True, quant_config=config, prefix="layer.experts", tp_size=2, tp_rank=0)

@@ -16,7 +16,7 @@ from framework.testing import interpreted, require_triton
 
 require_triton()
 
-from fw_fp4.kernels.mxfp4_moe import quantized_fused_moe  # noqa: E402
+from fw_fp4.kernels.fp4_moe import quantized_fused_moe  # noqa: E402
 
 
 def mxfp4_experts(num_experts, hidden_size, width, generator, device="cpu"):

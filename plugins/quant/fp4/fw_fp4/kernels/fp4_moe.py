@@ -1,12 +1,17 @@
-"""MXFP4 experts as two grouped GEMMs (:func:`framework.ops.quantized_fused_moe` for type ``"mxfp4"``).
+"""FP4 experts as two grouped GEMMs (:func:`framework.ops.quantized_fused_moe` for types ``"mxfp4"`` and ``"nvfp4"``).
 
 The (token, expert) pairs are grouped by expert into blocks of ``BLOCK_M`` rows as in
 ``fw_triton_ops.fused_moe`` (one expert per block). Each program streams ``BLOCK_N`` output rows
 of its expert, ``BLOCK_K / 2`` bytes of each per step, and decodes them in registers::
 
-    byte j of a row holds features 2j (low nibble) and 2j + 1 (high nibble), block (2j) // 32
-    w = fp16_bits((code & 8) << 12 | (code & 7) << 9) * f32_bits(scale_byte << 23)   (see fw_fp4.formats)
+    byte j of a row holds features 2j (low nibble) and 2j + 1 (high nibble), group (2j) // G
+    w = fp16_bits((code & 8) << 12 | (code & 7) << 9) * factor(scale_byte)        (see fw_fp4.fp4_decode)
     acc += x[:, even features] @ w_low + x[:, odd features] @ w_high               (two tensor-core dots)
+
+MXFP4 (``G = 32``): the scale bytes are e8m0 rebased by +14 at load, ``factor = f32_bits(byte << 23)``.
+NVFP4 (``G = 16``): the scale bytes are e4m3, ``factor = fp16_bits(e4m3 placed) * 2^22``; and each
+expert's projection has one float32 global scale (``PackedExperts.global_scales``, gate and up
+their own), constant along K: it multiplies the accumulator once, after the K loop.
 
 Splitting the dot into even and odd features keeps the decoded tiles in the bytes' order (no
 interleave in registers). Kernel 1 computes gate and up (biases added in float32), the activation
@@ -28,13 +33,14 @@ from torch import Tensor
 from framework import ops
 from framework.ops import PLAIN_SWIGLU, MoEActivation, PackedExperts
 
-from .fp4_decode import e2m1
+from .fp4_decode import e2m1, scale_factor
 
-QUANT_TYPE = "mxfp4"
+#: ``PackedExperts.quant_type`` -> (features per scale byte, scales are rebased e8m0): rows of K/2 bytes.
+QUANT_TYPES = {"mxfp4": (32, True), "nvfp4": (16, False)}
 
 
 @triton.jit
-def _mxfp4_dot(
+def _fp4_dot(
     acc,
     x_ptr,
     x_rows,
@@ -51,14 +57,17 @@ def _mxfp4_dot(
     BLOCK_K: tl.constexpr,
     CAST_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
 ):
-    """``acc += x[rows, k0:k0+BLOCK_K] @ W[cols, k0:k0+BLOCK_K].T`` with W's rows of MXFP4 bytes."""
+    """``acc += x[rows, k0:k0+BLOCK_K] @ W[cols, k0:k0+BLOCK_K].T`` with W's rows of FP4 bytes, one
+    scale byte per ``GROUP`` features (without the global scale)."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index along the row
     k_mask = half < K // 2
     both = k_mask[:, None] & col_mask[None, :]
     packed = tl.load(w_ptr + cols[None, :] * stride_wn + half[:, None], mask=both, other=0).to(tl.int32)
-    scale_bytes = tl.load(s_ptr + cols[None, :] * stride_sn + (half // 16)[:, None], mask=both, other=0)
-    scale = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # [BLOCK_K / 2, BLOCK_N]
+    scale_bytes = tl.load(s_ptr + cols[None, :] * stride_sn + (half // (GROUP // 2))[:, None], mask=both, other=0)
+    scale = scale_factor(scale_bytes.to(tl.int32), E8M0)  # [BLOCK_K / 2, BLOCK_N]
     w_even = e2m1(packed & 15) * scale
     w_odd = e2m1(packed >> 4) * scale
     x_mask2 = x_mask[:, None] & k_mask[None, :]
@@ -74,12 +83,14 @@ def _mxfp4_dot(
 
 
 @triton.jit
-def _mxfp4_gate_up_kernel(
+def _fp4_gate_up_kernel(
     x_ptr,
     gate_ptr,
     up_ptr,
     gate_s_ptr,
     up_s_ptr,
+    gate_g_ptr,
+    up_g_ptr,
     bias_ptr,
     act_ptr,
     sorted_ids_ptr,
@@ -102,6 +113,9 @@ def _mxfp4_gate_up_kernel(
     PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SWIGLU_OAI: tl.constexpr,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
 ):
     expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -112,7 +126,7 @@ def _mxfp4_gate_up_kernel(
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
-        acc_gate = _mxfp4_dot(
+        acc_gate = _fp4_dot(
             acc_gate,
             x_ptr,
             tokens,
@@ -129,8 +143,10 @@ def _mxfp4_gate_up_kernel(
             BLOCK_K,
             CAST_FP32,
             PRECISION,
+            GROUP,
+            E8M0,
         )
-        acc_up = _mxfp4_dot(
+        acc_up = _fp4_dot(
             acc_up,
             x_ptr,
             tokens,
@@ -147,7 +163,12 @@ def _mxfp4_gate_up_kernel(
             BLOCK_K,
             CAST_FP32,
             PRECISION,
+            GROUP,
+            E8M0,
         )
+    if HAS_GLOBAL:  # one factor per expert and projection
+        acc_gate *= tl.load(gate_g_ptr + expert)
+        acc_up *= tl.load(up_g_ptr + expert)
     out_dtype = act_ptr.dtype.element_ty
     act = gate_up_activation(
         acc_gate,
@@ -169,10 +190,11 @@ def _mxfp4_gate_up_kernel(
 
 
 @triton.jit
-def _mxfp4_down_kernel(
+def _fp4_down_kernel(
     act_ptr,
     w_ptr,
     s_ptr,
+    g_ptr,
     bias_ptr,
     out_ptr,
     weights_ptr,
@@ -191,6 +213,9 @@ def _mxfp4_down_kernel(
     CAST_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
 ):
     expert, pairs, valid = _block_rows(sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if expert < 0:
@@ -199,7 +224,7 @@ def _mxfp4_down_kernel(
     col_mask = cols < HIDDEN
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        acc = _mxfp4_dot(
+        acc = _fp4_dot(
             acc,
             act_ptr,
             pairs,
@@ -216,7 +241,11 @@ def _mxfp4_down_kernel(
             BLOCK_K,
             CAST_FP32,
             PRECISION,
+            GROUP,
+            E8M0,
         )
+    if HAS_GLOBAL:
+        acc *= tl.load(g_ptr + expert)
     out_dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * HIDDEN + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -239,11 +268,26 @@ def quantized_fused_moe(
     topk_weights: Tensor,
     topk_ids: Tensor,
     activation: MoEActivation = PLAIN_SWIGLU,
+    tiles: dict | None = None,
 ) -> Tensor:
-    """:func:`framework.ops.quantized_fused_moe`; MXFP4 experts here, any other type by the reference."""
+    """:func:`framework.ops.quantized_fused_moe`; MXFP4 or NVFP4 experts (all three projections of
+    one type) here, any other type by the reference. ``tiles`` overrides the launch rule's
+    ``BLOCK_N`` / ``BLOCK_K`` / ``num_warps`` / ``num_stages`` (benchmark sweeps; ``BLOCK_M`` stays
+    the pairs' block size)."""
+    fmt = w1.quant_type
     # GeGLU experts (Gemma 4) take the reference: this kernel's epilogue is SwiGLU's
-    if any(p.quant_type != QUANT_TYPE for p in (w1, w3, w2)) or not _runs_here(hidden) or activation.gelu_tanh:
+    if (
+        fmt not in QUANT_TYPES
+        or any(p.quant_type != fmt for p in (w3, w2))
+        or not _runs_here(hidden)
+        or activation.gelu_tanh
+    ):
         return ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, activation)
+    group, e8m0 = QUANT_TYPES[fmt]
+    has_global = w1.global_scales is not None
+    if any((p.global_scales is not None) != has_global for p in (w3, w2)):
+        raise ValueError(f"{fmt} experts: gate, up and down must all have global scales or none")
+    formats = dict(GROUP=group, E8M0=e8m0, HAS_GLOBAL=has_global)
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate_size = w1.data.shape[0], w1.data.shape[1]
     top_k = topk_ids.shape[1]
@@ -252,14 +296,22 @@ def quantized_fused_moe(
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     num_pairs = num_tokens * top_k
     sorted_pair_ids, block_expert_ids, num_blocks, block_n, meta = plan_grouped_launch(hidden, topk_ids, num_experts)
+    if tiles:
+        unknown = set(tiles) - {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+        if unknown:
+            raise ValueError(f"tiles {sorted(unknown)}; valid: BLOCK_N, BLOCK_K, num_warps, num_stages")
+        meta = {**meta, **tiles}
+        block_n = meta["BLOCK_N"]
     w13_bias, w2_bias = activation.w13_bias, activation.w2_bias
     act = torch.empty(num_pairs, intermediate_size, dtype=hidden.dtype, device=hidden.device)
-    _mxfp4_gate_up_kernel[(num_blocks, triton.cdiv(intermediate_size, block_n))](
+    _fp4_gate_up_kernel[(num_blocks, triton.cdiv(intermediate_size, block_n))](
         hidden,
         w1.data,
         w3.data,
         w1.scales,
         w3.scales,
+        w1.global_scales if has_global else w1.scales,
+        w3.global_scales if has_global else w3.scales,
         w1.data if w13_bias is None else w13_bias.contiguous(),
         act,
         sorted_pair_ids,
@@ -277,13 +329,15 @@ def quantized_fused_moe(
         activation.swiglu_limit or 0.0,
         HAS_BIAS=w13_bias is not None,
         SWIGLU_OAI=activation.swiglu_limit is not None,
+        **formats,
         **meta,
     )
     per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _mxfp4_down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
+    _fp4_down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
         act,
         w2.data,
         w2.scales,
+        w2.global_scales if has_global else w2.scales,
         w2.data if w2_bias is None else w2_bias.contiguous(),
         per_pair,
         topk_weights.reshape(-1).float(),
@@ -297,6 +351,7 @@ def quantized_fused_moe(
         w2.scales.stride(0),
         w2.scales.stride(1),
         HAS_BIAS=w2_bias is not None,
+        **formats,
         **meta,
     )
     return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
