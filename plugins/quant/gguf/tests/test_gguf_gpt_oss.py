@@ -243,6 +243,15 @@ def test_a_layer_with_a_float_expert_stack_is_dequantized_at_load(model_with_mxf
     assert type(layers[1].mlp.experts.quant_method).__name__ == "Mxfp4FusedMoEMethod"
 
 
+def test_mxfp4_experts_without_fw_fp4_are_a_clear_error(gpt_oss_gguf, monkeypatch):
+    from framework import LLM
+    from framework.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "fw_fp4.moe", None)  # as if fw-fp4 were not installed
+    with pytest.raises(ConfigError, match=r"experts are MXFP4, which run on the fp4 plugin.*install fw-fp4"):
+        LLM(str(gpt_oss_gguf[0]), num_blocks=16)
+
+
 @pytest.mark.gpu
 def test_on_cuda_bf16_the_mxfp4_kernel_in_cuda_graphs_decodes_as_eager_and_tracks_fp32(gpt_oss_gguf):
     """On the GPU the GGUF experts run fw_fp4's Triton grouped GEMM; the decode steps replayed in
