@@ -209,9 +209,10 @@ def test_metadata_gives_the_gpt_oss_config():
     assert hf["rope_scaling"] == rope and hf["rope_theta"] == 150000.0
 
 
-def test_mxfp4_gguf_gives_the_logits_of_transformers_with_experts_packed(gpt_oss_gguf):
+def test_mxfp4_gguf_gives_the_logits_of_transformers_with_experts_packed(gpt_oss_gguf, model_with_mxfp4_experts):
     """Also through layer 1's dense MXFP4 o_proj (the gguf linear method's dequantizing path)."""
     path, reference = gpt_oss_gguf
+    checkpoint = model_with_mxfp4_experts[1]
     llm = check_logits_parity(path, reference, PARITY_PROMPTS)
     model = llm.engine.core.runner.model
     assert llm.engine.model_config.architecture == "GptOssForCausalLM"
@@ -220,6 +221,11 @@ def test_mxfp4_gguf_gives_the_logits_of_transformers_with_experts_packed(gpt_oss
     # gate rows then up rows, 64 inputs as 32 bytes each: the file's MXFP4, never expanded
     assert experts.mxfp4_w13.dtype == torch.uint8 and tuple(experts.mxfp4_w13.shape) == (4, 128, 32)
     assert not hasattr(experts, "w13_weight")
+    # exactly the bytes fw_fp4 keeps for the checkpoint itself: gate rows (even), then up rows (odd)
+    blocks, scales = checkpoint[0]["gate_up_proj_blocks"], checkpoint[0]["gate_up_proj_scales"]
+    assert torch.equal(experts.mxfp4_w13, torch.cat([blocks[:, ::2], blocks[:, 1::2]], 1).flatten(-2))
+    assert torch.equal(experts.mxfp4_w13_scales, torch.cat([scales[:, ::2], scales[:, 1::2]], 1).int().add(14).byte())
+    assert torch.equal(experts.mxfp4_w2, checkpoint[0]["down_proj_blocks"].flatten(-2))
     assert [layer.self_attn.attn.config.sliding_window for layer in model.model.layers] == [8, None]
     assert llm.engine.core.runner.model.model.layers[1].self_attn.o_proj.gguf_types[0].name == "MXFP4"
 
@@ -253,35 +259,44 @@ def test_mxfp4_experts_without_fw_fp4_are_a_clear_error(gpt_oss_gguf, monkeypatc
 
 
 @pytest.mark.gpu
-def test_on_cuda_bf16_the_mxfp4_kernel_in_cuda_graphs_decodes_as_eager_and_tracks_fp32(gpt_oss_gguf):
-    """On the GPU the GGUF experts run fw_fp4's Triton grouped GEMM; the decode steps replayed in
-    CUDA graphs give the ids of the eager engine, and bf16 prefill logits stay near transformers' fp32."""
+def test_on_cuda_bf16_the_mxfp4_kernel_in_cuda_graphs_matches_eager_and_the_torch_reference(gpt_oss_gguf, monkeypatch):
+    """On the GPU the GGUF experts run fw_fp4's Triton grouped GEMM: the decodes replayed in CUDA
+    graphs give the eager engine's ids, and its bf16 prefill logits stay within bf16 rounding of the
+    same engine running the experts through the torch reference op (``FW_KERNELS``)."""
     import gc
 
     from framework import LLM, SamplingParams
-    from framework.testing import capture_logits, reference_logits
+    from framework.testing import capture_logits
 
-    path, reference = gpt_oss_gguf
+    path, _ = gpt_oss_gguf
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ids = {}
-    for graphs in (True, False):
-        llm = LLM(str(path), device="cuda", dtype="bf16", num_blocks=64, enable_cuda_graphs=graphs)
+    runs = {"graphs": (True, ""), "eager": (False, ""), "reference": (False, "quantized_fused_moe=torch")}
+    ids, logits = {}, {}
+    for run, (graphs, forced) in runs.items():
+        monkeypatch.setenv("FW_KERNELS", forced)
+        # no prefix cache: the logits pass recomputes the prompts the decodes used
+        args = dict(device="cuda", dtype="bf16", num_blocks=64, enable_prefix_caching=False)
+        llm = LLM(str(path), enable_cuda_graphs=graphs, **args)
         assert ("decode graphs" in llm.engine.summary["cuda_graphs"]) == graphs
         experts = llm.engine.core.runner.model.model.layers[0].mlp.experts
-        assert experts.mxfp4_w13.is_cuda and experts.quant_method.fused_moe.__module__ == "fw_fp4.kernels.mxfp4_moe"
-        if graphs:
-            records = capture_logits(llm)
-            llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], SamplingParams(temperature=0, max_tokens=1))
-            for index, prompt in enumerate(PARITY_PROMPTS):
-                exact = reference_logits(reference, prompt)
-                got = torch.stack([records[(f"{index}-0", pos)] for pos in range(len(prompt))]).float().cpu()
-                assert (got - exact).abs().max().item() <= 3e-2 * exact.abs().max().item(), f"prompt {index}"
+        kernel = "framework.ops" if forced else "fw_fp4.kernels.mxfp4_moe"
+        assert experts.mxfp4_w13.is_cuda and experts.quant_method.fused_moe.__module__ == kernel
         results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], greedy)
-        ids[graphs] = [r.outputs[0].token_ids for r in results]
+        ids[run] = [r.outputs[0].token_ids for r in results]
+        records = capture_logits(llm)  # after the decodes: the hook is not in the graphs
+        prefills = llm.generate(
+            [{"prompt_token_ids": p} for p in PARITY_PROMPTS], SamplingParams(temperature=0, max_tokens=1)
+        )
+        logits[run] = [
+            torch.stack([records[(f"{r.request_id}-0", pos)] for pos in range(len(p))]).float().cpu()
+            for p, r in zip(PARITY_PROMPTS, prefills, strict=True)
+        ]
         del llm, experts
         gc.collect()
         torch.cuda.empty_cache()
-    assert ids[True] == ids[False] and all(len(t) == 16 for t in ids[True])
+    assert ids["graphs"] == ids["eager"] and all(len(t) == 16 for t in ids["graphs"])
+    for index, (ours, reference) in enumerate(zip(logits["graphs"], logits["reference"], strict=True)):
+        assert (ours - reference).abs().max() <= 3e-2 * reference.abs().max(), f"prompt {index}"
 
 
 class _KeyRecorder:
