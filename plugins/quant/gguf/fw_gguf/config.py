@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .gemma4 import GEMMA4_ARCHITECTURES, gemma4_config, gemma4_names, gemma4_tensors
+from .gpt_oss import GPT_OSS_ARCHITECTURES, gpt_oss_config, gpt_oss_names, gpt_oss_tensors
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, correction_bias_names, grouped_moe_config, grouped_moe_tensors
 from .hybrid import HYBRID_ARCHITECTURES, HYBRID_MOE, hybrid_config, hybrid_layer_names, hybrid_tensors
 from .llama4 import LLAMA4_ARCHITECTURES, llama4_config, llama4_tensors
@@ -42,6 +43,7 @@ HF_ARCHITECTURES = {
     **HYBRID_ARCHITECTURES,  # qwen35, qwen35moe, qwen3next (Gated DeltaNet hybrids)
     **LLAMA4_ARCHITECTURES,  # llama4 (text)
     **GEMMA4_ARCHITECTURES,  # gemma4 (text)
+    **GPT_OSS_ARCHITECTURES,  # gpt-oss (MXFP4 experts)
 }
 
 _GEMMA = ("gemma2", "gemma3")
@@ -97,7 +99,7 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
     qwen2vl, qwen3vl and qwen3vlmoe, as text: ``fw_gguf.mmproj`` adds the vision tower), qwen2moe, qwen3moe, gemma2,
     gemma3 (text: ``fw_gguf.mmproj`` adds Gemma 3's vision tower), phi3, stablelm, glm4, deepseek2 and glm4moe (``fw_gguf.grouped_moe``), qwen35,
     qwen35moe and qwen3next (``fw_gguf.hybrid``), llama4 (``fw_gguf.llama4``) and gemma4
-    (``fw_gguf.gemma4``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
+    (``fw_gguf.gemma4``) and gpt-oss (``fw_gguf.gpt_oss``); raises `ValueError` listing those for any other architecture and `KeyError` naming a
     missing required key. Keys follow transformers' config classes; RoPE is stated the
     `config.json` way (`rope_theta`, `rope_scaling`, plus `rope_local_base_freq` for Gemma 3),
     which transformers converts to `rope_parameters`. `tie_word_embeddings` needs `tensor_names`
@@ -129,7 +131,10 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         "hidden_size": hidden_size,
         # MoE files may omit the dense width (every layer sparse): the expert width stands in
         "intermediate_size": key(
-            "feed_forward_length", key("expert_feed_forward_length", None) if arch in (*_MOE, *HYBRID_MOE) else KeyError
+            "feed_forward_length",
+            key("expert_feed_forward_length", None)
+            if arch in (*_MOE, *HYBRID_MOE, *GPT_OSS_ARCHITECTURES)
+            else KeyError,
         ),
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
@@ -172,6 +177,8 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensor_names: Iterable[str] | 
         config.update(llama4_config(key, config, names))
         if names is not None:
             config["attention_bias"] = "blk.0.attn_q.bias" in names
+    elif arch in GPT_OSS_ARCHITECTURES:
+        config.update(gpt_oss_config(key, config, names))
     elif arch in GROUPED_MOE_ARCHITECTURES:
         config.update(grouped_moe_config(arch, key, config))
         if arch == "glm4moe" and names is not None:
@@ -302,6 +309,8 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
         per_layer.update(llama4_tensors())
     if arch in GEMMA4_ARCHITECTURES:
         per_layer.update(gemma4_tensors())
+    if arch in GPT_OSS_ARCHITECTURES:
+        per_layer.update(gpt_oss_tensors())
     if arch in HYBRID_ARCHITECTURES:
         per_layer.update({**(_MOE_LAYER_TENSORS if arch in HYBRID_MOE else {}), **hybrid_tensors(arch)})
     names = {
@@ -320,6 +329,8 @@ def tensor_name_map(arch: str, num_layers: int) -> dict[str, str]:
         names.update(hybrid_layer_names(num_layers))
     if arch in GEMMA4_ARCHITECTURES:
         names.update(gemma4_names(num_layers))
+    if arch in GPT_OSS_ARCHITECTURES:
+        names.update(gpt_oss_names(num_layers))
     return names
 
 

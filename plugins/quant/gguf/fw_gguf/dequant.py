@@ -26,7 +26,7 @@ _MAX_CHUNK_ELEMENTS = 1 << 22
 
 
 class UnsupportedQuantTypeError(ValueError):
-    """A GGUF tensor uses a ggml type fw cannot dequantize (IQ*, TQ*, MXFP4, integer types...)."""
+    """A GGUF tensor uses a ggml type fw cannot dequantize (IQ1-3, TQ*, NVFP4, integer types...)."""
 
 
 def _shifts(count: int, step: int, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
@@ -212,6 +212,34 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
+def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes ``e`` -> ``2^(e - 128)`` as fp32 (ggml's ``ggml_e8m0_to_fp32_half``): the fp32 whose
+    exponent field is ``e - 1``; for ``e < 2`` the subnormal ``0x00200000 << e``. Exact for every byte
+    (255 gives ``2^127``: ggml has no NaN scale)."""
+    e = exponents.to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
+def mxfp4_doubled_values(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (0..15) -> twice their value as int32 (ggml's ``kvalues_mxfp4``: 0, 1, 2, 3, 4, 6,
+    8, 12, then the negatives; code 8 is +0), computed from the code's bits, no table::
+
+        code = sign | exponent (2 bits) | mantissa (1 bit)
+        2 * value = exponent ? (2 + mantissa) << (exponent - 1) : mantissa
+    """
+    codes = codes.to(torch.int32)
+    exponent, mantissa = (codes >> 1) & 3, codes & 1
+    magnitude = torch.where(exponent == 0, mantissa, (2 + mantissa) << (exponent - 1).clamp(min=0))
+    return magnitude * (1 - ((codes >> 2) & 2))  # sign bit 3 -> factor -1
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # | e 1 | qs 16 |  -- 32 e2m1 codes: value i in the low nibble of qs[i], value 16 + i in its high
+    # nibble (ggml's 4-bit order); ggml multiplies the doubled values by half the scale, 2^(e - 128)
+    d = e8m0_half(blocks[:, :1])
+    return d * mxfp4_doubled_values(_nibbles(blocks[:, 1:])).to(torch.float32)
+
+
 DEQUANTIZE_BLOCKS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.F32: _f32,
     Q.F16: _f16_values,
@@ -228,6 +256,7 @@ DEQUANTIZE_BLOCKS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Ten
     Q.Q6_K: _q6_k,
     Q.IQ4_NL: _iq4_nl,
     Q.IQ4_XS: _iq4_xs,
+    Q.MXFP4: _mxfp4,
 }
 """Per-type block dequantizers: uint8 `[num_blocks, type_size]` -> fp32 `[num_blocks, block_size]`."""
 

@@ -23,6 +23,7 @@ from .config import (
 )
 from .dequant import UnsupportedQuantTypeError, as_quant_type
 from .gemma4 import GEMMA4_ARCHITECTURES, complete_gemma4_config, gemma4_tensor_types, split_gate_up
+from .gpt_oss import GPT_OSS_ARCHITECTURES, experts_are_mxfp4, mxfp4_expert_tensors
 from .grouped_moe import GROUPED_MOE_ARCHITECTURES, kv_b_from_split, loads_as_float
 from .hybrid import HYBRID_ARCHITECTURES, HybridLayout, fuse_qkvz, norm_is_shifted, to_hf_layout
 from .lazy import GGUFTensorSlice
@@ -233,6 +234,9 @@ class GGUFFormat(WeightFormat):
                 yield hf_name, fuse_qkvz(self._hybrid, *parts)
                 continue
             if len(info.shape) == 3:  # an expert stack
+                if self._is_mxfp4_gpt_oss_stack(hf_name):  # fw_fp4's method takes the checkpoint layout
+                    yield from mxfp4_expert_tensors(hf_name, info.data)
+                    continue
                 if hf_name.endswith(".gate_up_proj.weight"):  # Gemma 4: gate and up in one stack
                     yield from split_gate_up(hf_name, GGUFTensorSlice(info))
                     continue
@@ -255,13 +259,21 @@ class GGUFFormat(WeightFormat):
         if self.projector is not None:
             yield from self.projector.iter_weights()
 
+    def _is_mxfp4_gpt_oss_stack(self, hf_name: str) -> bool:
+        """A gpt-oss expert stack of a layer whose three stacks are MXFP4 (``fw_gguf.gpt_oss``)."""
+        if self.arch not in GPT_OSS_ARCHITECTURES or not hf_name.endswith(".weight") or ".experts." not in hf_name:
+            return False
+        if getattr(self, "_tensor_types", None) is None:
+            self._tensor_types = self.quantization_config()["tensor_types"]
+        return experts_are_mxfp4(self._tensor_types, hf_name.rsplit(".", 2)[0])
+
     def _joins_qkvz(self, hf_name: str) -> bool:
         """Qwen3-Next's ``attn_gate`` (``in_proj_z``), read with ``attn_qkv`` into ``in_proj_qkvz``."""
         return self.arch == "qwen3next" and hf_name.endswith(".linear_attn.in_proj_z.weight")
 
     def num_weights(self) -> int | None:
         return (self.projector.num_weights() if self.projector is not None else 0) + sum(
-            2 if name.endswith(".ffn_gate_up_exps.weight") else 1
+            2 if name.endswith(".ffn_gate_up_exps.weight") or self._is_mxfp4_gpt_oss_stack(self._names[name]) else 1
             for name in self.model.tensors
             if name in self._names and ".attn_v_b." not in name and not self._joins_qkvz(self._names[name])
         )

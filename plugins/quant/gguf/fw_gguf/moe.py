@@ -49,12 +49,16 @@ def keep_packed_on_cpu() -> bool:
     return os.environ.get("FW_GGUF_KEEP_PACKED", "") not in ("", "0")
 
 
-def gguf_moe_method(tensor_types: dict[str, str], layer: nn.Module, prefix: str) -> GGUFFusedMoEMethod | None:
+def gguf_moe_method(tensor_types: dict[str, str], layer: nn.Module, prefix: str) -> FusedMoEMethod | None:
     """The packed method for the FusedMoE ``layer`` at ``prefix`` when the file holds its three stacks
     in quantized types and the layer will run where packed experts pay (not the CPU, unless
-    ``FW_GGUF_KEEP_PACKED=1``); None otherwise (plain weights, dequantized at load)."""
-    if layer.has_bias or layer.swiglu_limit is not None:  # gpt-oss style experts: not a GGUF layout
-        return None
+    ``FW_GGUF_KEEP_PACKED=1``); None otherwise (plain weights, dequantized at load). gpt-oss's
+    biased, clamped experts in MXFP4 take fw_fp4's MXFP4 method on every device
+    (:func:`fw_gguf.gpt_oss.mxfp4_moe_method`)."""
+    if layer.has_bias or layer.swiglu_limit is not None:  # gpt-oss: its MXFP4 stacks run on fw_fp4's method
+        from .gpt_oss import mxfp4_moe_method
+
+        return mxfp4_moe_method(tensor_types, prefix)
     names = {shard: f"{prefix}.{projection}.weight" for shard, projection in EXPERT_PROJECTIONS.items()}
     if any(name not in tensor_types or tensor_types[name] in _FLOAT_TYPES for name in names.values()):
         return None

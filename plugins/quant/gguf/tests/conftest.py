@@ -83,6 +83,7 @@ F16_FIELDS = {
     Q.Q6_K: (208,),
     Q.IQ4_NL: (0,),
     Q.IQ4_XS: (0,),
+    Q.MXFP4: (),  # its scale is an e8m0 byte (offset 0): kept finite below
 }
 
 
@@ -103,6 +104,8 @@ def _random_packed(
     for offset in F16_FIELDS[qtype]:
         scale = rng.standard_normal((blocks.shape[0], 1)) * 10.0 ** rng.integers(*scale_exponents, (blocks.shape[0], 1))
         blocks[:, offset : offset + 2] = scale.astype(np.float16).view(np.uint8)
+    if qtype == Q.MXFP4:  # powers 2^-127 .. 2^9: subnormal to large, never ggml's overflowing 2^127
+        blocks[:, 0] = rng.integers(0, 136, blocks.shape[0])
     return blocks.reshape(rows, -1)
 
 

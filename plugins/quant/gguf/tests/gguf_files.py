@@ -20,10 +20,12 @@ def write_gguf(
     metadata: Callable[[gguf.GGUFWriter], None],
     vocab_size: int,
     quantized: tuple[str, ...] = (),
+    prepacked: dict[str, tuple[np.ndarray, Q]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``tensors`` (GGUF names) as a GGUF of ``arch``: float32, or Q8_0 where a name contains one of
-    ``quantized``; ``metadata(writer)`` adds the architecture's keys, this a tiny GPT-2 style
-    vocabulary of ``vocab_size`` tokens. Returns the values the file holds, by GGUF name."""
+    ``quantized``; ``prepacked`` adds tensors already packed by the caller (uint8 rows of blocks, their
+    type) as they are; ``metadata(writer)`` adds the architecture's keys, this a tiny GPT-2 style
+    vocabulary of ``vocab_size`` tokens. Returns the values of ``tensors`` the file holds, by GGUF name."""
     writer = gguf.GGUFWriter(path, arch)
     metadata(writer)
     writer.add_tokenizer_model("gpt2")
@@ -42,6 +44,8 @@ def write_gguf(
         else:
             writer.add_tensor(name, np.ascontiguousarray(array))
         stored[name] = torch.from_numpy(np.array(array))
+    for name, (data, qtype) in (prepacked or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
