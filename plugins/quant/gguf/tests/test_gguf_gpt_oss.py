@@ -279,7 +279,7 @@ def test_on_cuda_bf16_the_mxfp4_kernel_in_cuda_graphs_matches_eager_and_the_torc
         llm = LLM(str(path), enable_cuda_graphs=graphs, **args)
         assert ("decode graphs" in llm.engine.summary["cuda_graphs"]) == graphs
         experts = llm.engine.core.runner.model.model.layers[0].mlp.experts
-        kernel = "framework.ops" if forced else "fw_fp4.kernels.mxfp4_moe"
+        kernel = "framework.ops" if forced else "fw_fp4.kernels.fp4_moe"
         assert experts.mxfp4_w13.is_cuda and experts.quant_method.fused_moe.__module__ == kernel
         results = llm.generate([{"prompt_token_ids": p} for p in PARITY_PROMPTS], greedy)
         ids[run] = [r.outputs[0].token_ids for r in results]
