@@ -114,7 +114,13 @@ from framework.testing.vision_checks import (
     image_chat,
     qwen_vl_inputs,
 )
-from framework.testing.vision_gemma3 import GEMMA3_SPECIALS, gemma3_inputs, write_tiny_gemma3
+from framework.testing.vision_gemma3 import (
+    GEMMA3_CHAT_TEMPLATE,
+    GEMMA3_SPECIALS,
+    gemma3_inputs,
+    write_gemma3_tokenizer,
+    write_tiny_gemma3,
+)
 from framework.testing.vision_llama4 import LLAMA4_SPECIALS, write_tiny_llama4
 
 #: everything here, importable as ``framework.testing.NAME`` (the fixtures are also seen by pytest here)
@@ -169,6 +175,7 @@ __all__ = [
     "IMAGE_TOKEN",
     "IMAGE_TOKEN_ID",
     "LLAMA4_SPECIALS",
+    "GEMMA3_CHAT_TEMPLATE",
     "GEMMA3_SPECIALS",
     "MISTRAL3_SPECIALS",
     "TINY_PREPROCESSOR",
@@ -193,6 +200,7 @@ __all__ = [
     "image_chat",
     "qwen_vl_inputs",
     "gemma3_inputs",
+    "write_gemma3_tokenizer",
     "tiny_llama4_text",
     "QuantScheme",
     "check_linear_method",

@@ -30,7 +30,7 @@ from framework.testing import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_files import model_holding, write_gguf  # noqa: E402
+from gguf_test_writer import model_holding, write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

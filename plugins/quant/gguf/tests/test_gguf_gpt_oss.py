@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from framework.testing import PARITY_PROMPTS, check_greedy_parity, check_logits_parity, random_causal_lm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_files import write_gguf  # noqa: E402
+from gguf_test_writer import write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,7 +24,7 @@ from framework import LLM, SamplingParams
 from framework.testing import PARITY_PROMPTS, check_logits_parity, reference_greedy, write_grouped_moe_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gguf_files  # noqa: E402
+import gguf_test_writer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -220,7 +220,7 @@ def write_gguf(path, arch: str, model, quantized: tuple[str, ...] = ()) -> dict[
                 writer.add_rope_scaling_yarn_beta_slow(YARN["beta_slow"])
                 writer.add_rope_scaling_yarn_log_mul(0.1 * YARN["mscale_all_dim"])
 
-    return gguf_files.write_gguf(path, arch, tensors, metadata, config.vocab_size, quantized)
+    return gguf_test_writer.write_gguf(path, arch, tensors, metadata, config.vocab_size, quantized)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

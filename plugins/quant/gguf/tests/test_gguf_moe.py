@@ -20,7 +20,7 @@ from framework import LLM, SamplingParams
 from framework.testing import capture_logits, check_logits_parity, interpreted, reference_greedy, write_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gguf_files  # noqa: E402
+import gguf_test_writer  # noqa: E402
 
 SMALL = dict(
     vocab_size=160,
@@ -124,7 +124,7 @@ def write_gguf(path, arch: str, model, quantized: tuple[str, ...] = ()) -> dict[
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
     tensors = {name: tensor for name, (_, _, tensor) in gguf_tensors(model).items()}
-    return gguf_files.write_gguf(path, arch, tensors, metadata, config.vocab_size, quantized)
+    return gguf_test_writer.write_gguf(path, arch, tensors, metadata, config.vocab_size, quantized)
 
 
 def engine_logits(path, prompts) -> torch.Tensor:
@@ -167,7 +167,7 @@ def test_quantized_router_and_experts_match_transformers_on_the_same_values(tiny
     state = hf_state_from(reference, stored)
     down = "model.layers.0.mlp.experts.down_proj"
     assert not torch.equal(state[down], reference.state_dict()[down])  # quantization changed the values
-    dequantized = gguf_files.model_holding(reference, state)  # transformers holding exactly the file's values
+    dequantized = gguf_test_writer.model_holding(reference, state)  # transformers holding exactly the file's values
     monkeypatch.setenv("FW_GGUF_KEEP_PACKED", "1")
     model = check_logits_parity(folder / "model-q8.gguf", dequantized, PROMPTS).engine.core.runner.model
     packed = check_kept_packed(model)
@@ -201,7 +201,7 @@ def test_quantized_moe_at_tp2_gives_the_greedy_ids_of_transformers(tiny_moe):
     blocks, the dequantized expert stacks sliced along their intermediate features per rank."""
     arch, folder, reference = tiny_moe
     stored = write_gguf(folder / "model-q8-tp.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
-    dequantized = gguf_files.model_holding(reference, hf_state_from(reference, stored))
+    dequantized = gguf_test_writer.model_holding(reference, hf_state_from(reference, stored))
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(str(folder / "model-q8-tp.gguf"), device="cpu", num_blocks=16, tensor_parallel_size=2) as llm:
         assert llm.engine.summary["tensor_parallel_size"] == 2
@@ -245,7 +245,7 @@ def test_packed_experts_in_cuda_graphs_give_the_greedy_ids_of_transformers(tiny_
         pytest.skip("needs a CUDA device")
     arch, folder, reference = tiny_moe
     stored = write_gguf(folder / "model-q8-gpu.gguf", arch, reference, quantized=("ffn_gate_inp", "_exps", "_shexp"))
-    dequantized = gguf_files.model_holding(reference, hf_state_from(reference, stored))
+    dequantized = gguf_test_writer.model_holding(reference, hf_state_from(reference, stored))
     prompts = [*PROMPTS, *([3 + i, 17, 29 + i] for i in range(4))]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm = LLM(str(folder / "model-q8-gpu.gguf"), device="cuda", dtype="f32", num_blocks=64)
