@@ -401,6 +401,6 @@ def media_sources(local_path: str | None, domains: list[str] | None, fetch_timeo
     from framework.multimodal.sources import MediaSources
 
     try:
-        return MediaSources.from_flags(local_path, domains, fetch_timeout)
+        return MediaSources.from_flags(local_path, _split(domains), fetch_timeout)
     except ValueError as error:
         raise ConfigError(str(error)) from None

@@ -39,7 +39,8 @@ class MediaSources:
     def from_flags(
         cls, local_path: str | None, domains: list[str] | None, fetch_timeout_s: float = 10.0
     ) -> MediaSources:
-        """The sources of the CLI flags; ``ValueError`` for a directory that does not exist or a bad timeout."""
+        """The sources of the CLI flags (``domains`` one host each); ``ValueError`` for a directory
+        that does not exist or a bad timeout."""
         root = None
         if local_path:
             root = Path(local_path).expanduser().resolve()
@@ -47,8 +48,7 @@ class MediaSources:
                 raise ValueError(f"--allowed-local-media-path {local_path!r} is not a directory")
         if fetch_timeout_s <= 0:
             raise ValueError(f"--media-fetch-timeout must be positive, got {fetch_timeout_s}")
-        hosts = tuple(h.strip().lower() for item in domains or [] for h in item.split(",") if h.strip())
-        return cls(root, hosts, fetch_timeout_s)
+        return cls(root, tuple(host.lower() for host in domains or []), fetch_timeout_s)
 
 
 #: Only data URLs (the default of ``LLM.chat`` and of ``fw serve`` without the flags).
