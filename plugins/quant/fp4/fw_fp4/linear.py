@@ -13,6 +13,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from framework.errors import ConfigError
 from framework.layers.linear import set_weight_attrs
 from framework.quantization import LinearMethod, QuantConfig, QuantMethodBase
 
@@ -110,3 +111,20 @@ class Fp4LinearConfig(QuantConfig):
             ):
                 return True
         return prefix in self.skipped
+
+
+def compressed_tensors_fp4_weights(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """The ``weights`` scheme of a compressed-tensors FP4 checkpoint (``name``: ``"compressed-tensors
+    nvfp4"`` / ``"... mxfp4"``, for the messages): one config group of 4-bit float weights, else a
+    ConfigError. The caller checks its format's group size."""
+    groups = list((config.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ConfigError(f"{name}: {len(groups)} config_groups; fw supports one scheme")
+    weights = groups[0].get("weights") or {}
+    if weights.get("type") != "float" or weights.get("num_bits") != 4:
+        kind = name.split()[-1]
+        raise ConfigError(
+            f"{name}: weights {weights.get('num_bits')}-bit {weights.get('type')!r}; "
+            f"{kind}-pack-quantized stores 4-bit float"
+        )
+    return weights

@@ -21,7 +21,13 @@ from framework.errors import ConfigError
 
 from .formats import MXFP4_BLOCK, fold_scale_bias
 from .kernels.layout import to_kernel_layout
-from .linear import Fp4LinearConfig, Fp4LinearMethodBase, register_checkpoint_param, register_kernel_weight
+from .linear import (
+    Fp4LinearConfig,
+    Fp4LinearMethodBase,
+    compressed_tensors_fp4_weights,
+    register_checkpoint_param,
+    register_kernel_weight,
+)
 
 
 class Mxfp4LinearMethod(Fp4LinearMethodBase):
@@ -69,15 +75,7 @@ class CompressedTensorsMxfp4Config(Fp4LinearConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any], model_config: Any = None) -> CompressedTensorsMxfp4Config:
-        groups = list((config.get("config_groups") or {}).values())
-        if len(groups) != 1:
-            raise ConfigError(f"compressed-tensors mxfp4: {len(groups)} config_groups; fw supports one scheme")
-        weights = groups[0].get("weights") or {}
-        if weights.get("type") != "float" or weights.get("num_bits") != 4:
-            raise ConfigError(
-                f"compressed-tensors mxfp4: weights {weights.get('num_bits')}-bit "
-                f"{weights.get('type')!r}; mxfp4-pack-quantized stores 4-bit float"
-            )
+        weights = compressed_tensors_fp4_weights(config, "compressed-tensors mxfp4")
         if weights.get("group_size") != MXFP4_BLOCK:
             raise ConfigError(
                 f"compressed-tensors mxfp4: MXFP4 group size {weights.get('group_size')} is not "

@@ -28,7 +28,13 @@ from framework.errors import ConfigError
 
 from .formats import NVFP4_GROUP, nvfp4_row_scale
 from .kernels.layout import to_kernel_layout
-from .linear import Fp4LinearConfig, Fp4LinearMethodBase, register_checkpoint_param, register_kernel_weight
+from .linear import (
+    Fp4LinearConfig,
+    Fp4LinearMethodBase,
+    compressed_tensors_fp4_weights,
+    register_checkpoint_param,
+    register_kernel_weight,
+)
 
 #: Per layout: the packed tensor's name, the global scale's, the input scale's, and the convention.
 LAYOUTS = {
@@ -136,14 +142,6 @@ class CompressedTensorsNvfp4Config(Nvfp4Config):
 
     @classmethod
     def from_config(cls, config: dict[str, Any], model_config: Any = None) -> CompressedTensorsNvfp4Config:
-        groups = list((config.get("config_groups") or {}).values())
-        if len(groups) != 1:
-            raise ConfigError(f"compressed-tensors nvfp4: {len(groups)} config_groups; fw supports one scheme")
-        weights = groups[0].get("weights") or {}
-        if weights.get("type") != "float" or weights.get("num_bits") != 4:
-            raise ConfigError(
-                f"compressed-tensors nvfp4: weights {weights.get('num_bits')}-bit "
-                f"{weights.get('type')!r}; nvfp4-pack-quantized stores 4-bit float"
-            )
+        weights = compressed_tensors_fp4_weights(config, "compressed-tensors nvfp4")
         _check_group("compressed-tensors nvfp4", weights.get("group_size"))
         return cls(config.get("ignore"))
