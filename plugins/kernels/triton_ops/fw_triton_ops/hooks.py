@@ -23,11 +23,6 @@ TRITON_KERNELS = {
         "fw_triton_ops.gemv:linear",
         "split-K GEMV for one row (bf16/fp16, Hopper+, at the shapes measured faster than cuBLAS); F.linear otherwise",
     ),
-}
-
-#: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
-#: so they run only when forced (``FW_KERNELS="op=triton"``) until a GPU run shows them ahead.
-OPT_IN_KERNELS: dict[str, tuple[str, str]] = {
     "gated_delta_rule": (
         "fw_triton_ops.gated_delta_net:gated_delta_rule",
         "decodes: one program per (sequence, value head, v block), the state in registers; "
@@ -48,6 +43,12 @@ OPT_IN_KERNELS: dict[str, tuple[str, str]] = {
     ),
     "rms_norm_gated": ("fw_triton_ops.norm:rms_norm_gated", "RMS norm times silu(gate), one program per row"),
 }
+
+#: Implementations not yet measured inside a model: ranked below the torch reference (priority 0),
+#: so they run only when forced (``FW_KERNELS="op=triton"``) until a GPU run shows them ahead. Empty
+#: now: the DeltaNet, router and gate kernels became defaults once Qwen3.5-35B-A3B measured them inside
+#: the model (batch 1: 249.8 tok/s, against 168.7 with only the two DeltaNet kernels; docs/benchmarks.md).
+OPT_IN_KERNELS: dict[str, tuple[str, str]] = {}
 
 
 @hookimpl
