@@ -94,13 +94,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def kernel_can_run(hidden: Tensor, activation: MoEActivation) -> bool:
-    """Whether the kernels take these activations: plain SwiGLU (no clamp, no GeGLU, no biases), a
-    float dtype of :data:`ACT_DTYPES`, on CUDA (or anywhere under ``TRITON_INTERPRET=1``). The format
-    adds its own test of the stacks."""
+def kernel_can_run(hidden: Tensor, activation: MoEActivation, *, gelu_tanh: bool = False) -> bool:
+    """Whether the kernels take these activations: plain SwiGLU (no clamp, no biases; GeGLU too
+    where the format's kernel has its epilogue: ``gelu_tanh=True``), a float dtype of
+    :data:`ACT_DTYPES`, on CUDA (or anywhere under ``TRITON_INTERPRET=1``). The format adds its own
+    test of the stacks."""
     return (
         activation.swiglu_limit is None
-        and not activation.gelu_tanh
+        and (gelu_tanh or not activation.gelu_tanh)
         and activation.w13_bias is None
         and activation.w2_bias is None
         and hidden.dtype in ACT_DTYPES

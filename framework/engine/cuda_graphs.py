@@ -139,11 +139,20 @@ class CUDAGraphRunner:
     def bucket_for(self, num_reqs: int) -> int | None:
         return next((size for size in self.buckets if size >= num_reqs), None)
 
+    def replays(self, positions: torch.Tensor, metadata: AttentionMetadata) -> int | None:
+        """The bucket whose graph runs this step, or None (run it eagerly): a decode-only step of at
+        most the largest bucket's requests, with ``[T]`` positions as captured. M-RoPE's ``[3, T]``
+        positions come with prompt tokens of a prompt with images, which a decode-only step also
+        has when each request's next chunk is its prompt's last token."""
+        if not metadata.is_decode_only or positions.dim() != 1:
+            return None
+        return self.bucket_for(metadata.num_reqs)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Replay the bucket for a decode-only step; returns hidden states of the real rows."""
+        """Replay the bucket for a step that it :meth:`replays`; returns hidden states of the real rows."""
         num = metadata.num_reqs
-        size = self.bucket_for(num)
-        assert size is not None and metadata.is_decode_only
+        size = self.replays(positions, metadata)
+        assert size is not None
         self.input_ids[:num].copy_(input_ids, non_blocking=True)
         self.positions[:num].copy_(positions, non_blocking=True)
         self.slot_mapping[:num].copy_(metadata.slot_mapping, non_blocking=True)

@@ -304,12 +304,7 @@ class ModelRunner:
         """The model (or the decode graph of its bucket) on prepared inputs; ``inputs_embeds``
         (a vision model's step over image tokens) replaces the token embeddings."""
         graphs = self.graph_runner
-        if (
-            inputs_embeds is None
-            and graphs is not None
-            and metadata.is_decode_only
-            and graphs.bucket_for(metadata.num_reqs)
-        ):
+        if inputs_embeds is None and graphs is not None and graphs.replays(positions, metadata):
             return graphs.run(input_ids, positions, metadata)
         self.backend.prepare(metadata)
         with forward_context(ForwardContext(metadata, self.backend, self.kv_caches, self.state_caches)):

@@ -116,8 +116,14 @@ def _checkpoint(
 
 def _check_close(what: str, out: Tensor, reference: Tensor, dtype: torch.dtype, rounding: Tensor | None = None) -> None:
     """``out`` within the dtype's tolerance of the largest reference output, plus ``rounding`` (per
-    output: what a declared rounding of the activations can change, :func:`activation_rounding_bound`)."""
+    output: what a declared rounding of the activations can change, :func:`activation_rounding_bound`).
+    A reference beyond ``dtype``'s finite range is the scheme's test data's fault, said so."""
     scale = reference.abs().max().clamp_min(1e-12)
+    if scale.item() > torch.finfo(dtype).max:
+        raise AssertionError(
+            f"{what}: the float32 reference reaches {scale.item():.3g}, beyond {dtype}'s largest value "
+            f"{torch.finfo(dtype).max:g}: the scheme's weights are too large for this dtype"
+        )
     excess = (out.float() - reference).abs() - (0 if rounding is None else rounding)
     error = (excess.max() / scale).item()
     if not error <= RELATIVE_TOLERANCE[dtype]:

@@ -199,6 +199,16 @@ def test_the_kit_fails_a_method_that_drops_a_shard_scale():
         check_linear_method(Scheme(), dtypes=(torch.float32,), num_rows=(1,), tp_sizes=(1,))
 
 
+def test_the_kit_says_when_the_schemes_reference_outputs_overflow_the_dtype():
+    class Huge(DenseScheme):
+        def make_weight(self, name, shape, generator):
+            weight = 1000 * torch.randn(shape, generator=generator)  # outputs far beyond 65504
+            return {name: weight}, weight
+
+    with pytest.raises(AssertionError, match=r"reference reaches .* beyond torch.float16's largest value 65504"):
+        check_moe_method(Huge(), dtypes=(torch.float16,), num_tokens=(1,), tp_sizes=(1,))
+
+
 def _rounded_to_int8(x, group, levels=127):
     """An independent form of int8 rounding per ``group`` features (scale max|x|/127, half away from 0);
     fewer ``levels``: a coarser rounding."""

@@ -28,8 +28,9 @@ class Fp4Scheme:
 
     def make_weight(self, name: str, shape: tuple[int, ...], generator: torch.Generator):
         weight = torch.randn(shape, generator=generator)
-        if weight.dim() == 3:  # an expert stack: each expert packed alone (NVFP4: its own global scale)
-            per_expert = [pack(w * (1 + e), self.layout) for e, w in enumerate(weight)]
+        if weight.dim() == 3:  # an expert stack: each expert packed alone (NVFP4: its own global scale),
+            # scaled by (1 + e) / E so that the outputs stay within float16
+            per_expert = [pack(w * (1 + e) / len(weight), self.layout) for e, w in enumerate(weight)]
             tensors = {key: torch.stack([t[key] for t, _ in per_expert]) for key in per_expert[0][0]}
             values = torch.stack([v for _, v in per_expert])
         else:
@@ -75,7 +76,7 @@ def test_linear_method_passes_the_conformance_kit_on_cuda(layout):
 def test_moe_method_passes_the_conformance_kit_through_the_interpreted_kernel(layout, monkeypatch):
     monkeypatch.setenv("FW_KERNELS", "quantized_fused_moe=triton_fp4")
     cases = check_moe_method(
-        Fp4Scheme(layout), num_experts=8, num_tokens=(1, 4, 40), tp_sizes=(2,), dtypes=(torch.float32,)
+        Fp4Scheme(layout), num_experts=8, num_tokens=(1, 4, 40), tp_sizes=(2,), dtypes=(torch.float32, torch.float16)
     )
     assert "experts tp=2 rank=1 float32" in cases
 

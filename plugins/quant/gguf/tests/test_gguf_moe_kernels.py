@@ -171,17 +171,24 @@ def test_other_formats_and_activations_go_to_the_reference(monkeypatch, random_p
 
 
 @interpreted
-def test_geglu_experts_are_multiplied_as_geglu(random_packed):
-    """The kernels compute SiLU-and-mul only: a GeGLU activation (Gemma 4's experts) gets GeGLU's values."""
+@pytest.mark.parametrize("config", [GEMV, DOT], ids=["gemv", "dot"])
+def test_geglu_experts_are_multiplied_as_geglu_in_the_kernels(config, random_packed, monkeypatch):
+    """A GeGLU activation (Gemma 4's experts) runs in the kernels (no reference call: CUDA graphs
+    can capture it) in both forms and gets GeGLU's values, not SwiGLU's."""
     w1, w3, w2 = (_stack(Q.Q8_0, 2, 32, 32, seed, random_packed) for seed in (1, 2, 3))
     hidden, (topk_weights, topk_ids) = (
         torch.randn(2, 32, generator=torch.Generator().manual_seed(0)),
-        _routing(2, 1, [0, 1], 0),
+        _routing(2, 2, [0, 1], 0),
     )
     geglu = MoEActivation(gelu_tanh=True)
-    got = quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, geglu, config=GEMV)
     reference = ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, geglu)
     assert (reference - ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids)).abs().max() > 1e-3
+
+    def no_reference(*args):
+        raise AssertionError("the GeGLU experts went to the torch reference")
+
+    monkeypatch.setattr(ops, "quantized_fused_moe", no_reference)
+    got = quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, geglu, config=config)
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
 
 
@@ -240,7 +247,7 @@ def _meta(qtype: Q, suffix: str = "") -> dict:
     }
 
 
-def _gate_up(qtype, block_m, block_n, warps):
+def _gate_up(qtype, block_m, block_n, warps, gelu_tanh=False):
     return HopperCompile(
         "fw_gguf.kernels.moe:_gate_up_kernel",
         {
@@ -251,7 +258,15 @@ def _gate_up(qtype, block_m, block_n, warps):
             "sorted_ids_ptr": "*i32",
             "expert_ids_ptr": "*i64",
         },
-        dict(PLANAR=True, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32", **_meta(qtype, "1"), **_meta(qtype, "3")),
+        dict(
+            PLANAR=True,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            PRECISION="tf32",
+            GELU_TANH=gelu_tanh,
+            **_meta(qtype, "1"),
+            **_meta(qtype, "3"),
+        ),
         options=dict(num_warps=warps, num_stages=2),
         divisible_by_16=tuple(a for a in ALIGNED if a not in ("w2_ptr", "stride_w2e")),
     )
@@ -289,8 +304,10 @@ def test_moe_kernels_compile_for_hopper_with_16_byte_weight_loads():
     16-byte loads: at least a thread's share of them in ``ld.global.v4`` in the GEMV (128 threads;
     Q4_K: 16 rows x 128 bytes x 2 projections, Q6_K: 32 rows x 192 bytes) and in 16-byte
     ``cp.async`` in the tiles (256 threads, 32 rows); bytes loaded one by one are at most Q4_K's
-    three scale bytes a projection."""
+    three scale bytes a projection. The GeGLU epilogue (Gemma 4's experts) compiles with the
+    tiles' loads unchanged."""
     cases = [_gate_up(Q.Q4_K, 1, 16, 4), _down(Q.Q6_K, 1, 32, 4), _gate_up(Q.Q4_K, 16, 32, 8), _down(Q.Q6_K, 32, 32, 8)]
+    cases.append(_gate_up(Q.Q4_K, 16, 32, 8, gelu_tanh=True))
     ptx = compile_for_hopper(cases)
     loads = [_loads(text) for text in ptx]
     assert all(".target sm_90" in text for text in ptx)
@@ -301,6 +318,7 @@ def test_moe_kernels_compile_for_hopper_with_16_byte_weight_loads():
     assert loads[3].get("cp.async.cg.shared.global 16", 0) >= 32 * 192 // 256 // 16, loads[3]
     assert all(counts.get("ld.global.b8", 0) <= 6 for counts in loads), loads
     assert loads[1].get("ld.global.b8", 0) == loads[3].get("ld.global.b8", 0) == 0  # Q6_K: none
+    assert "mma" in ptx[4] and loads[4] == loads[2] and ptx[4] != ptx[2]
 
 
 # --- compiled on CUDA -------------------------------------------------------------------------------------------

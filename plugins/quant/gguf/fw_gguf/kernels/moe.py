@@ -10,8 +10,8 @@ are decoded in registers by :func:`decode`, as :mod:`.matmul`'s. Two launches, a
     gate/up:  act[p]      = silu(x[t] @ w1[e]^T) * (x[t] @ w3[e]^T)      pair p = t * top_k + j, e = topk_ids[t, j]
     down:     per_pair[p] = (act[p] @ w2[e]^T) * topk_weights[t, j]
 
-with the projections rounded to x's dtype before SiLU-and-mul and before the routing weight, as
-the reference rounds them. Two forms, by the constexpr ``BLOCK_M`` (:class:`MoEKernelConfig`):
+(GeGLU experts, Gemma 4's: ``gelu_tanh`` in place of ``silu``), with the projections rounded to
+x's dtype before the activation and before the routing weight, as the reference rounds them. Two forms, by the constexpr ``BLOCK_M`` (:class:`MoEKernelConfig`):
 
 * ``BLOCK_M == 1`` (decode): one program per (pair, ``BLOCK_N`` rows), the pair's expert read
   from ``topk_ids``: no sort; the rows are streamed once per pair and multiplied elementwise in
@@ -153,6 +153,13 @@ def _reduced(acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _sigmoid(z):
+    """``sigmoid(z)`` in float32 by ``exp`` of a non-positive argument only: no overflow."""
+    e = tl.exp(-tl.abs(z))
+    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w1_ptr,
@@ -179,8 +186,10 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    GELU_TANH: tl.constexpr,
 ):
-    """Program (block of pairs, block of ``BLOCK_N`` intermediate features): ``act = silu(gate) * up``."""
+    """Program (block of pairs, block of ``BLOCK_N`` intermediate features): ``act = silu(gate) * up``
+    (``GELU_TANH``: ``gelu_tanh(gate) * up``)."""
     tl.static_assert(NB1 * G1 * S1 == NB3 * G3 * S3, "gate and up step over the same K values")
     BLOCK_K: tl.constexpr = NB1 * G1 * S1
     expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
@@ -209,10 +218,12 @@ def _gate_up_kernel(
     out_dtype = act_ptr.dtype.element_ty
     gate = _reduced(acc1, BLOCK_M).to(out_dtype).to(tl.float32)
     up = _reduced(acc3, BLOCK_M).to(out_dtype).to(tl.float32)
-    # silu(gate) rounded as F.silu's result is, then the product (the reference's two roundings)
-    e = tl.exp(-tl.abs(gate))  # exp of a non-positive argument only: no overflow
-    sigmoid = tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-    act = (gate * sigmoid).to(out_dtype).to(tl.float32) * up
+    if GELU_TANH:  # 0.5 g (1 + tanh(z)) == g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3)
+        gated = gate * _sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    else:
+        gated = gate * _sigmoid(gate)
+    # the activation rounded as F.silu's / F.gelu's result is, then the product (the reference's two roundings)
+    act = gated.to(out_dtype).to(tl.float32) * up
     tl.store(
         act_ptr + rows[:, None] * INTER + n[None, :], act.to(out_dtype), mask=valid[:, None] & (n[None, :] < INTER)
     )
@@ -278,10 +289,10 @@ def supports(
 ) -> bool:
     """Whether :func:`quantized_fused_moe` runs these in its kernels (else it calls the reference):
     GGUF stacks of kernel types, gate and up in one layout, and what
-    :func:`framework.quantized_moe.kernel_can_run` takes (plain SwiGLU without biases, float
-    activations, on CUDA or under ``TRITON_INTERPRET=1``)."""
+    :func:`framework.quantized_moe.kernel_can_run` takes with GeGLU (SwiGLU or GeGLU without
+    biases, float activations, on CUDA or under ``TRITON_INTERPRET=1``)."""
     parsed = [parse_quant_type(p.quant_type) for p in (w1, w3, w2)]
-    return all(parsed) and parsed[0][0] == parsed[1][0] and kernel_can_run(hidden, activation)
+    return all(parsed) and parsed[0][0] == parsed[1][0] and kernel_can_run(hidden, activation, gelu_tanh=True)
 
 
 def launch_setting(w1: PackedExperts, w2: PackedExperts, num_pairs: int, device: torch.device) -> MoEKernelConfig:
@@ -399,6 +410,7 @@ def quantized_fused_moe(
             w3.data.stride(0),
             PLANAR=planar13,
             BLOCK_N=config.block_n_gate_up,
+            GELU_TANH=activation.gelu_tanh,
             **_type_meta(type1, config.k_step, "1"),
             **_type_meta(type3, config.k_step, "3"),
             **common,
