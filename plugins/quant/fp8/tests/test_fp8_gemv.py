@@ -133,7 +133,7 @@ def _w8a8_case(n: int, k: int, rows: int, setting: dict, scale: tuple[int, int])
 def hopper_cases() -> list[HopperCompile]:
     """Every distinct W8A8 block variant (and split sum) the dispatch launches at the layer shapes."""
     device_name, sms = H200
-    variants, splits = {}, set()
+    variants = {}
     for n, k in (shape for shapes in LAYER_SHAPES.values() for shape in shapes):
         for setting in w8a8_settings(n, k, sms, device_name):
             rows = setting["BLOCK_M"] if setting["BLOCK_M"] > 16 else 1
@@ -145,20 +145,14 @@ def hopper_cases() -> list[HopperCompile]:
                     case.pointer_types["out_ptr"],
                 )
                 variants.setdefault(key, case)
-            split_k = split_groups(-(-k // GROUP), setting["SPLIT_K"])[1]
-            if split_k > 1:
-                splits.add(split_k)
-    sums = [
-        HopperCompile(
-            "fw_fp8.kernels.splits:sum_splits_kernel",
-            {"partial_ptr": "*fp32", "out_ptr": "*bf16"},
-            {"SPLIT_K": split_k, "BLOCK": 1024},
-            options={"num_warps": 4},
-            divisible_by_16=("partial_ptr", "out_ptr", "N", "stride_ps", "stride_pm", "stride_om"),
-        )
-        for split_k in sorted(splits)
-    ]
-    return [*variants.values(), *sums]
+    split_sum = HopperCompile(  # the split count is a launch argument: one variant for every split
+        "fw_fp8.kernels.splits:sum_splits_kernel",
+        {"partial_ptr": "*fp32", "out_ptr": "*bf16"},
+        {"BLOCK": 1024},
+        options={"num_warps": 4},
+        divisible_by_16=("partial_ptr", "out_ptr", "N", "stride_ps", "stride_pm", "stride_om"),
+    )
+    return [*variants.values(), split_sum]
 
 
 @pytest.mark.slow

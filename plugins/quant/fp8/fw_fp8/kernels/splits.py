@@ -18,15 +18,14 @@ SUM_BLOCK = 1024
 
 
 @triton.jit
-def sum_splits_kernel(
-    partial_ptr, out_ptr, N, stride_ps, stride_pm, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
-):
-    """``out[m, n] = sum_s partial[s, m, n]`` in split order; program (row, block of N)."""
+def sum_splits_kernel(partial_ptr, out_ptr, N, stride_ps, stride_pm, stride_om, splits, BLOCK: tl.constexpr):
+    """``out[m, n] = sum_s partial[s, m, n]`` in split order; program (row, block of N). ``splits`` is
+    a launch argument: one compiled variant per output dtype serves every split count."""
     row, pid = tl.program_id(0), tl.program_id(1)
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     acc = tl.load(partial_ptr + row * stride_pm + cols, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):
+    for split in range(1, splits):
         acc += tl.load(partial_ptr + split * stride_ps + row * stride_pm + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -39,6 +38,6 @@ def sum_splits(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if m and n:
         block = min(SUM_BLOCK, triton.next_power_of_2(n))
         sum_splits_kernel[(m, triton.cdiv(n, block))](
-            partial, out, n, partial.stride(0), partial.stride(1), out.stride(0), SPLIT_K=splits, BLOCK=block
+            partial, out, n, partial.stride(0), partial.stride(1), out.stride(0), splits, BLOCK=block
         )
     return out
