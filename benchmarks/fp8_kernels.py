@@ -19,7 +19,8 @@ activation groups, sm_89+, its setting from ``choose_config``: the tuned table o
 between one and 16 programs on each SM (at least two 128-input groups a split); more rows 32 / 64 x
 64 / 128 tiles and up to four splits. Split-K is a launch argument, not a compile-time constant, so
 the whole ``--rows 1`` sweep compiles about ten variants (under 60 s on the H200). Each line is
-printed as it is timed; at the end, the fastest setting of each decode case as lines of
+printed as it is timed (one more: the rule's setting with the activation quantizer as a separate
+launch, what the fused quantization saves); at the end, the fastest setting of each decode case as lines of
 ``fw_fp8/kernels/w8a8_tuned.py``'s table (with the rule's time beside it).
 """
 
@@ -72,8 +73,12 @@ def sweep_settings(rows: int, tiny: bool) -> list[dict]:
 def w8a8_sweep_settings(rows: int, n: int, k: int, num_sms: int, tiny: bool) -> list[dict]:
     """The W8A8 block settings ``--sweep`` times (the module docstring says which), without repeats:
     two splits that launch the same grid are one setting."""
+    fused = rows <= GEMV_MAX_ROWS  # the decode rows quantize x inside the GEMM
     if tiny:
-        return [{"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": s, "num_warps": 4, "num_stages": 2} for s in (1, 2)]
+        return [
+            {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": s, "FUSED_QUANT": False, "num_warps": 4, "num_stages": 2}
+            for s in (1, 2)
+        ]
     if rows <= GEMV_MAX_ROWS:
         tiles, splits, most = [(16, 32, 4), (16, 64, 3), (16, 64, 4), (16, 128, 4)], (1, 2, 4, 8, 16), 16
     else:
@@ -88,8 +93,17 @@ def w8a8_sweep_settings(rows: int, n: int, k: int, num_sms: int, tiny: bool) -> 
             continue
         grids.add((block_m, block_n, launched, num_stages))
         settings.append(
-            {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": launched, "num_warps": 4, "num_stages": num_stages}
+            {
+                "BLOCK_M": block_m,
+                "BLOCK_N": block_n,
+                "SPLIT_K": launched,
+                "FUSED_QUANT": fused,
+                "num_warps": 4,
+                "num_stages": num_stages,
+            }
         )
+    if fused:  # the rule's setting with the quantizer launched before the GEMM: what fusing saves
+        settings.append({**w8a8_config(rows, n, k, num_sms), "FUSED_QUANT": False})
     return settings
 
 
@@ -105,8 +119,10 @@ def measure(n: int, k: int, rows: int, tiny: bool, sweep: str | None = None, lab
     expected = x.double() @ dense.double().t()
     paths = {"w8a16": lambda w: w8a16_matmul(x, w)}
     fp8_cores = not tiny and has_fp8_tensor_cores(x.device)
+    # the interpreter mis-rounds float -> FP8 (0.49 -> 0.25): on the CPU the torch quantizer, not the fused one
+    unfused = {**w8a8_config(rows, n, k), "FUSED_QUANT": False} if tiny else None
     if fp8_cores or tiny:
-        paths["w8a8_block"] = lambda w: w8a8_block_matmul(x, w)
+        paths["w8a8_block"] = lambda w: w8a8_block_matmul(x, w, config=unfused)
     channel = None
     if fp8_cores:  # the per-channel layout _scaled_mm takes
         row_scale = dense.float().abs().amax(1, keepdim=True) / FP8_MAX

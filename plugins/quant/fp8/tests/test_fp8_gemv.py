@@ -4,7 +4,8 @@ rule and table give at real layer shapes, and every one of them compiled for sm_
 Under the Triton interpreter (fp32) the kernel, split or not, equals the float32 product of the
 quantized activations (the torch reference of the 1x128 group quantizer) and the dequantized weight,
 for block (per 128-row block and per output feature), channel and tensor weights, including K that
-ends inside a group and splits that do not divide the groups evenly."""
+ends inside a group and splits that do not divide the groups evenly; quantizing the activations
+inside the GEMM (the decode rows' default) equals the quantizer kernel run before it."""
 
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ from fw_fp8.kernels.dispatch import w8a8_settings  # noqa: E402
 from fw_fp8.kernels.layout import Fp8Weight, dequantize_fp8_weight  # noqa: E402
 from fw_fp8.kernels.splits import sum_splits  # noqa: E402
 from fw_fp8.kernels.w8a8_block import (  # noqa: E402
+    GEMV_MAX_ROWS,
     GROUP,
+    MIN_AMAX,
     ONE_SCALE_COLUMN,
     choose_config,
+    quantize_activations_kernel,
     quantize_activations_reference,
     split_groups,
     w8a8_block_matmul,
 )
+from fw_fp8.quantize import FP8_MAX  # noqa: E402
 
 #: The FP8-quantized linear layers (N, K) of one rank at TP 1: Llama-3-8B's fused qkv, o, fused
 #: gate_up, down and LM head; Qwen3-30B-A3B's fused qkv, o and LM head (its experts run fused_moe).
@@ -68,11 +73,40 @@ def test_split_k_gemv_equals_the_product_of_quantized_operands(case):
     weight = fp8_weight(n, k, granularity, per_feature, seed=n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     expected = reference(x, weight)
-    base = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    base = {"BLOCK_M": 16, "BLOCK_N": 32, "FUSED_QUANT": False, "num_warps": 4, "num_stages": 2}
     for split_k in (1, 2, 4):
         out = w8a8_block_matmul(x, weight, config={**base, "SPLIT_K": split_k})
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4, msg=f"SPLIT_K={split_k}")
-    torch.testing.assert_close(w8a8_block_matmul(x, weight), expected, rtol=1e-4, atol=1e-4)  # the rule
+    rule = {**choose_config(rows, n, k), "FUSED_QUANT": False}
+    torch.testing.assert_close(w8a8_block_matmul(x, weight, config=rule), expected, rtol=1e-4, atol=1e-4)
+
+
+def interpreted_quantizer_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """The product with the activations quantized by the (interpreted) Triton quantizer kernel: the
+    interpreter's float -> FP8 conversion mis-rounds some values (0.49 -> 0.25), and a kernel quantizing
+    its own tiles under the interpreter rounds the same way; on the GPU both equal the torch reference."""
+    m, k = x.shape
+    groups = -(-k // GROUP)
+    q, s = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(m, groups)
+    quantize_activations_kernel[(m, groups)](
+        x, q, s, k, x.stride(0), groups, GROUP=GROUP, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX
+    )
+    x_values = q.float() * s.repeat_interleave(GROUP, 1)[:, :k]
+    return x_values @ dequantize_fp8_weight(weight, torch.float32).t()
+
+
+@interpreted
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"n{c[0]}-k{c[1]}-{c[2]}-m{c[4]}")
+def test_fused_activation_quantization_equals_the_quantizer_kernel(case):
+    n, k, granularity, per_feature, rows = case
+    weight = fp8_weight(n, k, granularity, per_feature, seed=n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * torch.logspace(-2, 1, k)
+    expected = interpreted_quantizer_reference(x, weight)
+    for split_k in (1, 3):
+        config = {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": split_k, "FUSED_QUANT": True, "num_stages": 2}
+        torch.testing.assert_close(w8a8_block_matmul(x, weight, config=config), expected, rtol=1e-4, atol=1e-4)
+    assert choose_config(rows, n, k)["FUSED_QUANT"]  # the decode rows fuse by default
+    torch.testing.assert_close(w8a8_block_matmul(x, weight), expected, rtol=1e-4, atol=1e-4)
 
 
 @interpreted
@@ -104,10 +138,12 @@ def _w8a8_case(n: int, k: int, rows: int, setting: dict, scale: tuple[int, int])
     options = {"num_warps": setting.pop("num_warps"), "num_stages": setting.pop("num_stages")}
     groups = -(-k // GROUP)
     groups_per_split, split_k = split_groups(groups, setting.pop("SPLIT_K"))
+    fused = setting.pop("FUSED_QUANT", rows <= GEMV_MAX_ROWS)  # the launcher's default
     ints = {
         "M": rows,
         "N": n,
         "K": k,
+        "stride_am": k,
         "stride_om": n,
         "stride_os": rows * n,
         "stride_sn": -(-k // scale[1]) if scale[1] != ONE_SCALE_COLUMN else 1,
@@ -118,13 +154,21 @@ def _w8a8_case(n: int, k: int, rows: int, setting: dict, scale: tuple[int, int])
     return HopperCompile(
         "fw_fp8.kernels.w8a8_block:w8a8_block_matmul_kernel",
         {
-            "a_ptr": "*fp8e4nv",
-            "a_scale_ptr": "*fp32",
+            "a_ptr": "*bf16" if fused else "*fp8e4nv",  # fused: the kernel quantizes x itself
+            "a_scale_ptr": "*bf16" if fused else "*fp32",  # (then unread: the launcher passes x)
             "w_ptr": "*fp8e4nv",
             "scale_ptr": "*fp32",
             "out_ptr": "*fp32" if split_k > 1 else "*bf16",  # split-K stores float32 partial sums
         },
-        {"SCALE_ROWS": scale[0], "SCALE_COLS": scale[1], "BLOCK_K": GROUP, **setting},
+        {
+            "SCALE_ROWS": scale[0],
+            "SCALE_COLS": scale[1],
+            "BLOCK_K": GROUP,
+            "FUSED_QUANT": fused,
+            "FP8_MAX": FP8_MAX,
+            "MIN_AMAX": MIN_AMAX,
+            **setting,
+        },
         options=options,
         divisible_by_16=_divisible(ints, pointers),
     )
@@ -142,7 +186,7 @@ def hopper_cases() -> list[HopperCompile]:
                 key = (
                     tuple(sorted(case.constexprs.items())),
                     tuple(sorted(case.options.items())),
-                    case.pointer_types["out_ptr"],
+                    tuple(sorted(case.pointer_types.items())),
                 )
                 variants.setdefault(key, case)
     split_sum = HopperCompile(  # the split count is a launch argument: one variant for every split
@@ -184,6 +228,8 @@ def test_decode_gemv_on_the_gpu_is_deterministic_and_replays_in_a_cuda_graph(n, 
     assert setting["SPLIT_K"] > 1, setting  # these small-N shapes split
     out = w8a8_block_matmul(x, weight)
     unsplit = w8a8_block_matmul(x, weight, config={**setting, "SPLIT_K": 1})
+    assert setting["FUSED_QUANT"]  # the same bits as the quantizer kernel's launch before the GEMM
+    assert torch.equal(out, w8a8_block_matmul(x, weight, config={**setting, "FUSED_QUANT": False}))
     expected = reference(x.float().cpu(), Fp8Weight(*(t.cpu() for t in weight[:2]), *weight[2:])).cuda()
     torch.testing.assert_close(out.float(), unsplit.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)

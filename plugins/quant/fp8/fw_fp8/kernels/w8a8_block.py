@@ -6,6 +6,7 @@
     quantize_activations:  x [M, K] -> q float8_e4m3fn [M, K], s float32 [M, ceil(K / GROUP)]
                            s[m, g] = max |x[m, g*GROUP:(g+1)*GROUP]| / 448,   q = x / s
     w8a8_block_matmul:     grid (N / BLOCK_N, M / BLOCK_M, SPLIT_K), BLOCK_K = GROUP
+                           (up to 16 rows each program quantizes its own x tiles: FUSED_QUANT)
         for each group kb of the program's 1/SPLIT_K of K:
             acc += tl.dot(q tile, W tile.T) * s[m, kb] * scale[n // SCALE_ROWS, kb * GROUP // SCALE_COLS]
 
@@ -100,6 +101,7 @@ def w8a8_block_matmul_kernel(
     M,
     N,
     K,
+    stride_am,
     stride_om,
     stride_os,
     stride_sn,
@@ -110,7 +112,13 @@ def w8a8_block_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FUSED_QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
 ):
+    """``a_ptr`` holds the FP8 activations and ``a_scale_ptr`` their group scales, or with ``FUSED_QUANT``
+    the 16-bit (or fp32) activations themselves (``a_scale_ptr`` unread), quantized per row and group
+    here exactly as :func:`quantize_activations_kernel` does."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,9 +129,15 @@ def w8a8_block_matmul_kernel(
     for kb in range(kb_begin, tl.minimum(kb_begin + groups_per_split, num_groups)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        mask_a = mask_m[:, None] & mask_k[None, :]
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=mask_a, other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        a_scale = tl.load(a_scale_ptr + offs_m * num_groups + kb, mask=mask_m, other=0.0)
+        if FUSED_QUANT:  # padding rows and inputs load as 0 and quantize to 0
+            a = a.to(tl.float32)
+            a_scale = tl.maximum(tl.max(tl.abs(a), axis=1), MIN_AMAX) / FP8_MAX
+            a = tl.clamp(a / a_scale[:, None], -FP8_MAX, FP8_MAX).to(w.dtype)
+        else:
+            a_scale = tl.load(a_scale_ptr + offs_m * num_groups + kb, mask=mask_m, other=0.0)
         w_scale = tl.load(scale_row + (kb * BLOCK_K) // SCALE_COLS, mask=mask_n, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -139,7 +153,11 @@ def choose_config(rows: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, dev
       64 x 128, more rows 128 x 128 (8 warps); 3 stages above 16 rows;
     * split-K: doubled (up to :data:`MAX_SPLIT_K`) while the tiles fill under two programs per SM,
       each split keeps at least :data:`MIN_SPLIT_GROUPS` groups of 128 inputs, and the float32
-      partial sums (written and read once) stay under an eighth of the weight bytes; only up to 64 rows.
+      partial sums (written and read once) stay under an eighth of the weight bytes; only up to 64 rows;
+    * ``FUSED_QUANT`` up to 16 rows: each program quantizes its own activation tiles (the same
+      arithmetic as :func:`quantize_activations`, so the same bits), saving the quantizer's launch,
+      which at one row costs about as much as a small layer's matmul; more rows quantize once, as
+      every N block would repeat the work.
     """
     if rows <= GEMV_MAX_ROWS:
         tuned = TUNED_W8A8.get(device_name, {}).get((n, k))
@@ -160,6 +178,7 @@ def choose_config(rows: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, dev
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "SPLIT_K": split_k,
+        "FUSED_QUANT": rows <= GEMV_MAX_ROWS,
         "num_warps": 8 if block_m >= 128 else 4,
         "num_stages": 4 if rows <= GEMV_MAX_ROWS else 3,
     }
@@ -174,18 +193,24 @@ def split_groups(groups: int, split_k: int) -> tuple[int, int]:
 
 def w8a8_block_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, N]`` in ``x.dtype``, ``x`` quantized per token and group of 128 inputs.
-    ``config`` (keys of :func:`choose_config`; ``SPLIT_K`` defaults to 1) overrides the choice; a
-    ``SPLIT_K`` above the groups of K is lowered so that no split is empty."""
+    ``config`` (keys of :func:`choose_config`; ``SPLIT_K`` defaults to 1, ``FUSED_QUANT`` to up to 16
+    rows) overrides the choice; a ``SPLIT_K`` above the groups of K is lowered so that no split is empty.
+
+    Under the Triton interpreter a fused quantization rounds as the interpreted quantizer kernel does
+    (some values into the wrong binade, see :func:`quantize_activations`); the unfused path uses the
+    torch quantizer on the CPU."""
     m, k = x.shape
     n = weight.out_features
     if x.stride(-1) != 1:
         x = x.contiguous()
-    q, s = quantize_activations(x)
     scale_cols = weight.scale_cols if weight.scale.shape[1] > 1 else ONE_SCALE_COLUMN
     assert scale_cols % GROUP == 0, scale_cols
     cfg = dict(config or choose_config(m, n, k, _num_sms(x.device), _device_name(x.device)))
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
-    groups = s.shape[1]
+    fused = bool(cfg.pop("FUSED_QUANT", m <= GEMV_MAX_ROWS))
+    # fused: the kernel reads x itself (the scale pointer is unread)
+    (q, s), stride_am = ((x, x), x.stride(0)) if fused else (quantize_activations(x), k)
+    groups = triton.cdiv(k, GROUP)
     groups_per_split, split_k = split_groups(groups, cfg.pop("SPLIT_K", 1))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
@@ -199,6 +224,7 @@ def w8a8_block_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = 
         m,
         n,
         k,
+        stride_am,
         n,
         m * n,
         weight.scale.stride(0),
@@ -207,6 +233,9 @@ def w8a8_block_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = 
         SCALE_ROWS=weight.scale_rows,
         SCALE_COLS=scale_cols,
         BLOCK_K=GROUP,
+        FUSED_QUANT=fused,
+        FP8_MAX=FP8_MAX,
+        MIN_AMAX=MIN_AMAX,
         num_warps=num_warps,
         num_stages=num_stages,
         **cfg,
