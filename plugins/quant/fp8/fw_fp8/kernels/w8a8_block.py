@@ -91,7 +91,12 @@ def quantize_activations_reference(x: torch.Tensor, group: int = GROUP) -> tuple
     return q.contiguous(), s
 
 
-@triton.jit
+#: Launch arguments that vary with the split and the shape but not the code: not specialized (Triton
+#: would compile again whenever one turns a multiple of 16), so a split setting compiles once.
+UNSPECIALIZED = ("num_groups", "groups_per_split")
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def w8a8_block_matmul_kernel(
     a_ptr,
     a_scale_ptr,
