@@ -16,6 +16,10 @@ same weight bytes as 16. At small N (o, down, qkv of an 8B model: 64-96 blocks o
 SMs) too few programs stream the weights, so K is split (:func:`choose_config`): each split stores
 float32 partial sums that :func:`fw_fp8.kernels.splits.sum_splits` adds in a fixed order
 (deterministic, no atomics). No host syncs: graph-capturable.
+
+On sm_90 the 16-row decode tiles lower to ``mma.sync`` m16n8k16 on f16 operands, the FP8 bytes
+upcast in registers (exact; compute is not what bounds a GEMV); the weight tiles still arrive by
+16-byte ``cp.async`` copies (``tests/test_fp8_gemv.py`` compiles every dispatched variant).
 """
 
 from __future__ import annotations
@@ -160,9 +164,9 @@ def choose_config(rows: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, dev
       each split keeps at least :data:`MIN_SPLIT_GROUPS` groups of 128 inputs, and the float32
       partial sums (written and read once) stay under an eighth of the weight bytes; only up to 64 rows;
     * ``FUSED_QUANT`` up to 16 rows: each program quantizes its own activation tiles (the same
-      arithmetic as :func:`quantize_activations`, so the same bits), saving the quantizer's launch,
-      which at one row costs about as much as a small layer's matmul; more rows quantize once, as
-      every N block would repeat the work.
+      arithmetic as :func:`quantize_activations`), saving the quantizer's launch (four a decoder
+      layer, each a node of the decode graph; not yet timed apart: the sweep times the rule unfused);
+      more rows quantize once, as every N block would repeat the work.
     """
     if rows <= GEMV_MAX_ROWS:
         tuned = TUNED_W8A8.get(device_name, {}).get((n, k))
