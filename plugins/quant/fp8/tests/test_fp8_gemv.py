@@ -219,7 +219,7 @@ def test_every_dispatched_w8a8_setting_compiles_for_sm90():
     for case, text in zip(cases, ptx, strict=True):
         assert ".target sm_90" in text
         if case.kernel.endswith("w8a8_block_matmul_kernel"):
-            assert "mma" in text and "e4m3" in text, case  # FP8 on tensor cores
+            assert "mma" in text and "e4m3" in text, case  # FP8 operands into tensor-core mma
 
 
 @pytest.mark.gpu
@@ -227,8 +227,9 @@ def test_every_dispatched_w8a8_setting_compiles_for_sm90():
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 def test_decode_gemv_on_the_gpu_is_deterministic_and_replays_in_a_cuda_graph(n, k, granularity):
     """bf16, one row, small-N shapes: the dispatched setting and a 4-way split equal the unsplit
-    unfused kernel (up to the float32 summation order and one bf16 rounding) and the quantized-operand
-    product; the same bits on every call; no host sync, and the same result replayed from a CUDA graph."""
+    unfused kernel (up to the summation order, a bf16 rounding and the GPU's fp32 division) and the
+    quantized-operand product; the same bits on every call; no host sync, and the same result
+    replayed from a CUDA graph."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from framework.testing import check_no_sync_and_cuda_graph_replay
@@ -243,7 +244,7 @@ def test_decode_gemv_on_the_gpu_is_deterministic_and_replays_in_a_cuda_graph(n, 
     plain = w8a8_block_matmul(x, weight, config={**setting, "SPLIT_K": 1, "FUSED_QUANT": False})
     split = w8a8_block_matmul(x, weight, config={**setting, "SPLIT_K": 4})
     for got in (out, split):
-        torch.testing.assert_close(got.float(), plain.float(), rtol=8e-3, atol=1e-3)
+        torch.testing.assert_close(got.float(), plain.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
     assert all(torch.equal(out, w8a8_block_matmul(x, weight)) for _ in range(3))
     check_no_sync_and_cuda_graph_replay(lambda x: w8a8_block_matmul(x, weight), [x], lambda: [torch.randn_like(x)])
