@@ -15,6 +15,7 @@ from framework.testing import HopperCompile, compile_for_hopper, interpreted, re
 require_triton()
 
 from fw_fp8.kernels.layout import Fp8Weight, collapse_row_scales, dequantize_fp8_weight  # noqa: E402
+from fw_fp8.kernels.w8a8_block import choose_config as w8a8_config  # noqa: E402
 from fw_fp8.kernels.w8a8_block import (  # noqa: E402
     quantize_activations,
     quantize_activations_reference,
@@ -92,7 +93,8 @@ def test_w8a8_block_gemm_equals_the_product_of_quantized_operands(n, k, granular
     q, s = quantize_activations_reference(x)
     x_values = q.float() * s.repeat_interleave(128, 1)[:, :k]
     expected = x_values @ dequantize_fp8_weight(weight, torch.float32).t()
-    torch.testing.assert_close(w8a8_block_matmul(x, weight), expected, rtol=1e-4, atol=1e-4)
+    config = {**w8a8_config(rows, n, k), "FUSED_QUANT": False}  # the torch quantizer: exact on the CPU
+    torch.testing.assert_close(w8a8_block_matmul(x, weight, config=config), expected, rtol=1e-4, atol=1e-4)
 
 
 def _hopper_w8a16(block_m: int, block_n: int, block_k: int, scale_rows: int, stages: int) -> HopperCompile:
@@ -114,16 +116,8 @@ def _hopper_w8a16(block_m: int, block_n: int, block_k: int, scale_rows: int, sta
 
 
 @pytest.mark.slow
-def test_main_kernel_variants_compile_for_sm90():
-    w8a8 = HopperCompile(
-        "fw_fp8.kernels.w8a8_block:w8a8_block_matmul_kernel",
-        {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"},
-        {"SCALE_ROWS": 128, "SCALE_COLS": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128},
-        options={"num_warps": 4, "num_stages": 3},
-        divisible_by_16=("a_ptr", "w_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_om"),
-    )
-    ptx = compile_for_hopper([_hopper_w8a16(16, 64, 512, 128, 4), _hopper_w8a16(64, 128, 128, 1, 3), w8a8])
-    assert len(ptx) == 3
-    assert "mma" in ptx[2] and "e4m3" in ptx[2]  # the W8A8 tiles multiply FP8 on tensor cores
-    for w8a16 in ptx[:2]:  # wgmma with the upcast weight as its register operand, fed by 16-byte async copies
+def test_main_kernel_variants_compile_for_sm90():  # the W8A8 block GEMM's variants: test_fp8_gemv.py
+    ptx = compile_for_hopper([_hopper_w8a16(16, 64, 512, 128, 4), _hopper_w8a16(64, 128, 128, 1, 3)])
+    assert len(ptx) == 2
+    for w8a16 in ptx:  # wgmma with the upcast weight as its register operand, fed by 16-byte async copies
         assert "wgmma" in w8a16 and "cp.async.cg.shared.global" in w8a16 and "ld.global.b8" not in w8a16

@@ -3,10 +3,16 @@
 ::
 
     no FP8 tensor cores (below sm_89)                               -> w8a16        (Triton, any weight layout)
-    rows <= SMALL_MAX_ROWS                                          -> w8a8_block   (Triton, 1x128 activation groups)
+    rows <= SMALL_MAX_ROWS                                          -> w8a8_block   (Triton, 1x128 activation groups,
+                                                                                     split-K where N is small)
     more rows, channel / tensor weights, bf16, N and K % 16 == 0    -> scaled_mm    (torch._scaled_mm, row-wise)
     more rows, other weights                                        -> w8a8_block
     CPU (no Triton interpreter)                                     -> torch        (dequantize, then F.linear)
+
+Within a path the kernel's settings follow the rows and the shape too: the W8A8 block GEMM's tiles and
+split-K come from :func:`fw_fp8.kernels.w8a8_block.choose_config` (a table measured per GPU model for
+the decode rows, :mod:`fw_fp8.kernels.w8a8_tuned`, else a rule), W8A16's from
+:func:`fw_fp8.kernels.w8a16.choose_config`; :func:`w8a8_settings` lists what a layer can launch.
 
 ``FW_FP8_KERNEL`` forces a family: ``auto`` (the table), ``w8a16`` (every call), ``w8a8`` (the W8A8
 kernels for every row count; refused below sm_89, and on the CPU unless ``TRITON_INTERPRET=1``, where
@@ -92,3 +98,17 @@ def choose_paths(device: torch.device, weights: str, dtype: torch.dtype, n: int,
     if weights != "block" and device.type == "cuda" and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
         return Fp8Paths("w8a8_block", "scaled_mm")
     return Fp8Paths("w8a8_block", "w8a8_block")
+
+
+def w8a8_settings(n: int, k: int, num_sms: int, device_name: str) -> list[dict[str, int]]:
+    """The distinct W8A8 block settings a layer ``[n, k]`` launches for ``rows <= SMALL_MAX_ROWS`` and
+    above (a representative of each row bucket of the rule, and every tuned row count): the compile
+    test builds each for sm_90."""
+    from .w8a8_block import choose_config  # Triton: imported only where kernels run
+
+    settings = []
+    for rows in (1, 2, 4, 8, 16, 32, 64, SMALL_MAX_ROWS * 2):
+        setting = choose_config(rows, n, k, num_sms, device_name)
+        if setting not in settings:
+            settings.append(setting)
+    return settings

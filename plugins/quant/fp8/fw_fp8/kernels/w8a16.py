@@ -18,7 +18,8 @@ inputs of ``BLOCK_N`` rows (up to 512 bytes a row: ``SUB_K`` 128-input slices ag
 and ``num_stages`` steps are in flight, so each program keeps enough bytes in flight to stream HBM.
 
 The scales multiply each slice's partial sums, so the weights are never materialised. With
-``SPLIT_K > 1`` each program writes a float32 partial sum that the launcher adds. No host syncs:
+``SPLIT_K > 1`` each program writes a float32 partial sum; :func:`fw_fp8.kernels.splits.sum_splits`
+adds them in a fixed order. No host syncs:
 graph-capturable. This is also the path of every batch below sm_89.
 """
 
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .layout import Fp8Weight
+from .splits import sum_splits
 
 #: Streaming multiprocessors assumed where the device cannot be asked (the interpreter): an H200's.
 DEFAULT_NUM_SMS = 132
@@ -164,9 +166,7 @@ def w8a16_matmul(x: torch.Tensor, weight: Fp8Weight, config: dict | None = None)
         num_stages=num_stages,
         **cfg,
     )
-    if split_k > 1:
-        torch.sum(partial, 0, out=out) if out.dtype == torch.float32 else out.copy_(partial.sum(0))
-    return out
+    return out if split_k == 1 else sum_splits(partial, out)
 
 
 def _num_sms(device: torch.device) -> int:
