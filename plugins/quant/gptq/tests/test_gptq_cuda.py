@@ -87,7 +87,7 @@ LLAMA3_8B = {
 
 
 @pytest.mark.parametrize("bits, asymmetric", [(4, False), (4, True), (8, False)], ids=["gptq4", "awq4", "gptq8"])
-def test_int8_gemv_at_the_llama3_8b_shapes_is_its_reference_deterministic_and_graph_safe(bits, asymmetric):
+def test_int8_gemv_at_the_llama3_8b_shapes_is_its_reference_deterministic_and_graph_safe(bits, asymmetric, monkeypatch):
     """The one-row default (the integer GEMV) at every Llama-3-8B shape, at its default setting (split-K
     on the small ones): its reference's values, the same bits on a second run, no host sync, graph replay."""
     from fw_gptq.kernels.gemv_int8 import gemv_setting, int8_gemv, quantize_x_reference
@@ -95,13 +95,15 @@ def test_int8_gemv_at_the_llama3_8b_shapes_is_its_reference_deterministic_and_gr
     from fw_gptq.kernels.wna16 import int8_gemv_chosen, wna16_matmul
     from fw_gptq.packing import IntWeight
 
+    monkeypatch.setenv("FW_GPTQ_GEMV", "int8")  # whatever the default is now
     generator = torch.Generator("cuda").manual_seed(bits)
     splits = set()
     for n, k in LLAMA3_8B.values():
-        q = torch.randint(0, 2**bits, (k, n), device="cuda", generator=generator, dtype=torch.uint8)
+        q = torch.randint(0, 2**bits, (k, n), device="cuda", generator=generator, dtype=torch.int32).to(torch.uint8)
         scales = 1e-3 + 1e-2 * torch.rand(k // 128, n, device="cuda", generator=generator)
-        zeros = torch.randint(0, 2**bits, (k // 128, n), device="cuda", generator=generator, dtype=torch.uint8)
-        weight = to_kernel_layout(IntWeight(q, scales, zeros if asymmetric else None, None, bits, 128), torch.bfloat16)
+        zeros = torch.randint(0, 2**bits, (k // 128, n), device="cuda", generator=generator, dtype=torch.int32)
+        zeros = zeros.to(torch.uint8) if asymmetric else None
+        weight = to_kernel_layout(IntWeight(q, scales, zeros, None, bits, 128), torch.bfloat16)
         del q
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=generator)
         assert int8_gemv_chosen(weight, x)
