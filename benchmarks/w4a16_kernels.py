@@ -1,7 +1,8 @@
 """The W4A16 / W8A16 Triton core (``fw_gptq.kernels.wna16``) against bf16 cuBLAS, Llama-3-8B shapes.
 
     python benchmarks/w4a16_kernels.py                      # table; JSON to $OUT/w4a16_kernels.json if $OUT is set
-    python benchmarks/w4a16_kernels.py --sweep --layers down --rows 1 16 --out sweep.json
+    python benchmarks/w4a16_kernels.py --variants gptq4 gptq8 awq4 --rows 1 [--sweep]   # the one-row GEMVs
+    python benchmarks/w4a16_kernels.py --sweep --layers down --rows 16 --out sweep.json
     python benchmarks/w4a16_kernels.py --tiny               # the script itself on a CPU (TRITON_INTERPRET=1)
     python benchmarks/w4a16_kernels.py --moe [--tokens 1 8 64 512] [--sweep]   # the MoE kernel: quant_moe_kernels.py
     python benchmarks/w4a16_kernels.py --moe --variants nvfp4 mxfp4          # the FP4 MoE kernel (fw_fp4)
@@ -12,8 +13,13 @@ MXFP4 through ``fw_fp4``), layer
 (fused qkv, o, fused gate_up, down, LM head) and row count (1..512) it checks the kernel against
 ``x @ W^T`` on the dequantized weight, then times, replayed from a CUDA graph over copies of the
 weight that fill several times the L2 (every call reads HBM, as a decode step does): the kernel at
-its heuristic setting (``choose_config``), and bf16 cuBLAS on the dense matrix. ``--sweep`` also
-times a grid of block sizes / split-K / warps and reports the fastest (to fit ``choose_config`` to).
+its heuristic setting (``choose_config``), and bf16 cuBLAS on the dense matrix. At one row it also
+times the integer GEMV (``fw_gptq.kernels.gemv_int8``, the one-row default on CUDA unless
+``FW_GPTQ_GEMV=tile``) against its own reference (x rounded to int8 per 32 inputs), and after each
+variant prints a Llama-3-8B layer's four GEMVs (qkv + o + gate_up + down) and the head. ``--sweep``
+also times a grid of settings and reports the fastest: at one row a few integer-GEMV candidates (to
+fill ``gemv_int8.GEMV_TUNED``), at more rows the tile kernel's block sizes / split-K / warps (to fit
+``choose_config`` to).
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common import copies_timer, time_kernel_settings, write_kernel_report  # noqa: E402
+from fw_gptq.kernels.gemv_int8 import GemvConfig, gemv_setting, int8_gemv_supported, quantize_x_reference  # noqa: E402
 from fw_gptq.kernels.gemv_int8 import int8_gemv as int8_gemv_kernel  # noqa: E402
-from fw_gptq.kernels.gemv_int8 import int8_gemv_supported, quantize_x_reference  # noqa: E402
 from fw_gptq.kernels.layout import dequantize_kernel_weight, to_kernel_layout  # noqa: E402
 from fw_gptq.kernels.wna16 import choose_config, wna16_matmul  # noqa: E402
 from fw_gptq.packing import IntWeight  # noqa: E402
@@ -99,7 +105,9 @@ def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) ->
     dense = dequantize_kernel_weight(weight, dtype)
     x = torch.randn(rows, k, device=device, dtype=dtype)
     expected = x.double() @ dense.double().t()
-    error = ((wna16_matmul(x, weight).double() - expected).abs().max() / expected.abs().max()).item()
+    rule = choose_config(rows, n, k, group, bits=bits)
+    tile = rule if rows <= 16 else None  # forced: one row would otherwise go to the integer GEMV
+    error = ((wna16_matmul(x, weight, config=tile).double() - expected).abs().max() / expected.abs().max()).item()
     if error > (1e-4 if tiny else 2e-2):
         raise AssertionError(f"{variant} {rows}x{k} @ [{n}, {k}]: relative error {error:.3g}")
     packed_bytes = sum(t.nbytes for t in (weight.qweight, weight.scales, weight.zeros, weight.g_idx) if t is not None)
@@ -109,8 +117,7 @@ def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) ->
     ]
     dense_copies = [dense] + [dense.clone() for _ in range(0 if tiny else -(-COLD_BYTES // dense.nbytes) - 1)]
     time_it = copies_timer(tiny)
-    rule = choose_config(rows, n, k, group, bits=bits)
-    kernel_s = time_it(lambda w: wna16_matmul(x, w), copies)
+    kernel_s = time_it(lambda w: wna16_matmul(x, w, config=tile), copies)
     cublas_s = time_it(lambda w: torch.nn.functional.linear(x, w), dense_copies)
     result = {
         "variant": variant,
@@ -127,14 +134,18 @@ def measure(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool) ->
     }
     if rows == 1 and int8_gemv_supported(weight):  # the integer GEMV (FW_GPTQ_GEMV=int8), its own rounding
         result.update(int8_gemv(x, weight, copies, time_it, sweep))
-    if sweep:
+    if sweep and rows > 1:
         run = lambda w, config: wna16_matmul(x, w, config=config)  # noqa: E731
         result.update(time_kernel_settings(run, sweep_settings(rows), expected, copies, time_it, packed_bytes))
     return result
 
 
+#: ``--sweep``'s integer-GEMV candidates ``(block_n, step, num_warps)``, each at split-K 1, 2, 4 and 8
+GEMV_CANDIDATES = [(16, 1024, 4), (32, 1024, 4), (64, 1024, 4), (32, 512, 8)]
+
+
 def int8_gemv(x, weight, copies, time_it, sweep: bool) -> dict:
-    """Time the one-row integer GEMV (rule, and with ``sweep`` a grid of its settings) against its reference."""
+    """Time the one-row integer GEMV (its default setting, and with ``sweep`` the candidates) against its reference."""
     if weight.perm is not None:  # act-order: the kernel takes x in its (sorted) input order, as wna16_matmul gives it
         x = x.index_select(1, weight.perm)
     dense = dequantize_kernel_weight(weight, torch.float32, permuted=True)
@@ -145,24 +156,45 @@ def int8_gemv(x, weight, copies, time_it, sweep: bool) -> dict:
         raise AssertionError(f"int8 GEMV {weight.in_features} -> {weight.out_features}: relative error {error:.3g}")
     packed = sum(t.nbytes for t in (weight.qweight, weight.scales, weight.zeros) if t is not None)
     seconds = time_it(lambda w: int8_gemv_kernel(x, w), copies)
-    out = {"int8_gemv_us": seconds * 1e6, "int8_gemv_gb_s": packed / seconds / 1e9, "int8_gemv_rel_error": error}
+    setting = gemv_setting(weight, x.device)
+    out = {
+        "int8_gemv_us": seconds * 1e6,
+        "int8_gemv_gb_s": packed / seconds / 1e9,
+        "int8_gemv_rel_error": error,
+        "int8_gemv_setting": setting._asdict(),
+    }
     if sweep:
         grid = []
-        for block_n, split_k, warps in itertools.product((32, 64, 128), (1, 2, 4, 8), (4, 8)):
-            run = functools.partial(int8_gemv_kernel, block_n=block_n, split_k=split_k, num_warps=warps)
-            if (run(x, weight).double() - expected).abs().max() > 0.05 * expected.abs().max():
+        k = weight.in_features
+        for (block_n, step, warps), split_k in itertools.product(GEMV_CANDIDATES, (1, 2, 4, 8)):
+            if k % step or k // step < split_k:
                 continue
-            grid.append(
-                {
-                    "block_n": block_n,
-                    "split_k": split_k,
-                    "num_warps": warps,
-                    "us": time_it(lambda w, run=run: run(x, w), copies) * 1e6,
-                }
-            )
-        out["int8_gemv_best"] = min(grid, key=lambda g: g["us"])
-        out["int8_gemv_settings"] = grid
+            config = GemvConfig(block_n, step, split_k, warps)
+            run = functools.partial(int8_gemv_kernel, config=config)
+            if (run(x, weight).double() - expected).abs().max() > 0.05 * expected.abs().max():
+                raise AssertionError(f"int8 GEMV at {config}: wrong result")
+            grid.append({**config._asdict(), "us": time_it(lambda w, run=run: run(x, w), copies) * 1e6})
+        if grid:  # none where K has no candidate's step (the --tiny shapes)
+            out["int8_gemv_best"] = min(grid, key=lambda g: g["us"])
+            out["int8_gemv_settings"] = grid
     return out
+
+
+def layer_sums(results: list[dict]) -> None:
+    """Print, per variant timed at one row on all five layers, a layer's four GEMVs and the head (µs)."""
+    for variant in dict.fromkeys(r["variant"] for r in results):
+        one = {r["layer"]: r for r in results if r["variant"] == variant and r["rows"] == 1}
+        if set(one) != set(LAYERS) or "int8_gemv_us" not in one["qkv"]:
+            continue
+        for key in ("int8_gemv_us", "kernel_us", "cublas_bf16_us"):
+            layer = sum(one[name][key] for name in ("qkv", "o", "gate_up", "down"))
+            print(f"{variant:10s} {key:15s} qkv+o+gate_up+down {layer:7.1f} us   head {one['head'][key]:7.1f} us")
+        if "int8_gemv_best" in one["qkv"]:
+            layer = sum(one[name]["int8_gemv_best"]["us"] for name in ("qkv", "o", "gate_up", "down"))
+            print(
+                f"{variant:10s} {'int8 best':15s} qkv+o+gate_up+down {layer:7.1f} us   head {one['head']['int8_gemv_best']['us']:7.1f} us"
+            )
+    print(flush=True)
 
 
 def main() -> None:
@@ -189,7 +221,8 @@ def main() -> None:
     results = []
     print(
         f"{'variant':10s} {'layer':8s} {'N':>6s} {'K':>6s} {'rows':>4s} {'kernel us':>10s} {'GB/s':>7s} "
-        f"{'bf16 cuBLAS us':>14s} {'x bf16':>7s} {'best us':>8s}"
+        f"{'bf16 cuBLAS us':>14s} {'x bf16':>7s} {'best us':>8s}",
+        flush=True,
     )
     for variant, (name, (n, k)), rows in itertools.product(args.variants, layers.items(), rows_list):
         result = {"layer": name, **measure(variant, n, k, rows, args.sweep, tiny)}
@@ -197,6 +230,9 @@ def main() -> None:
         best = f"{result['best']['us']:8.1f}" if "best" in result else "-"
         if "int8_gemv_us" in result:
             best += f"  int8 GEMV {result['int8_gemv_us']:.1f} us ({result['int8_gemv_gb_s']:.0f} GB/s)"
+            if "int8_gemv_best" in result:
+                g = result["int8_gemv_best"]
+                best += f", best {g['us']:.1f} at block_n={g['block_n']} step={g['step']} split_k={g['split_k']} warps={g['num_warps']}"
         print(
             f"{variant:10s} {name:8s} {n:6d} {k:6d} {rows:4d} {result['kernel_us']:10.1f} {result['kernel_gb_s']:7.0f} "
             f"{result['cublas_bf16_us']:14.1f} {result['speedup_vs_bf16']:7.2f} {best:>8s}",
@@ -204,6 +240,7 @@ def main() -> None:
         )
         if not tiny:
             torch.cuda.empty_cache()
+    layer_sums(results)
     if args.out:
         write_kernel_report(args.out, results, tiny=tiny)
         print(f"wrote {args.out}")

@@ -324,6 +324,8 @@ def test_w4a16_kernels_checks_and_times_every_case(benchmarks, tmp_path, monkeyp
         (v, layer, rows) for v in ("gptq4", "awq4", "gptq4-act") for layer in ("qkv", "down") for rows in (1, 3, 17)
     ]
     assert all(r["check_rel_error"] < 1e-4 and r["kernel_us"] > 0 for r in report["results"])
+    one_row = [r for r in report["results"] if r["rows"] == 1]  # the integer GEMV too, against its own reference
+    assert all(r["int8_gemv_us"] > 0 and r["int8_gemv_rel_error"] < 1e-4 for r in one_row)
 
 
 def test_w4a16_kernels_checks_and_times_the_fp4_variants(benchmarks, tmp_path, monkeypatch):

@@ -130,6 +130,10 @@ class WNA16LinearMethod(LinearMethod):
             layer.wna16_dense = weight.dequantize(layer.params_dtype)
             return
         packed = to_kernel_layout(weight, layer.params_dtype)
+        if packed.qweight.is_cuda:
+            from .kernels.gemv_int8 import reserve_counters  # before any CUDA-graph capture uses them
+
+            reserve_counters(packed.qweight.device)
         for name, tensor in zip(KERNEL_BUFFERS, packed[:5]):
             layer.register_buffer(f"wna16_{name}", tensor)
         layer.wna16_weight = packed._replace(qweight=None, scales=None, zeros=None, g_idx=None, perm=None)
@@ -165,6 +169,15 @@ class WNA16LinearMethod(LinearMethod):
         if layer.wna16_dense is not None:
             return layer.wna16_dense
         return dequantize_kernel_weight(self.kernel_weight(layer), layer.params_dtype)
+
+    def activation_group(self, layer: nn.Module, x: Tensor) -> int | None:
+        """32 where :meth:`apply` runs the integer GEMV (one row on CUDA, see
+        :func:`~fw_gptq.kernels.wna16.int8_gemv_chosen`: x rounded to int8 per 32 inputs), else ``None``."""
+        if layer.wna16_dense is not None or x.numel() != x.shape[-1] or not kernels_run_here(x):
+            return None
+        from .kernels.wna16 import int8_gemv_chosen
+
+        return 32 if int8_gemv_chosen(self.kernel_weight(layer), x.reshape(1, -1)) else None
 
     def apply(self, layer: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
         if layer.wna16_dense is not None:

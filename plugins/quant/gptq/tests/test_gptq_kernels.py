@@ -70,7 +70,7 @@ def test_many_rows_multiply_the_dequantized_weight_with_the_reference_values(cas
     n, k, bits, group, symmetric, act_order, _ = case
     weight, w = kernel_weight(n, k, bits, group, symmetric, act_order, seed=n + k)
     permuted = dequantize_kernel_weight(weight, torch.float32, permuted=True)
-    assert torch.equal(wna16_dequantize(weight, torch.float32), permuted.t())  # bit for bit
+    assert torch.equal(wna16_dequantize(weight, torch.float32), permuted)  # bit for bit
     x = torch.randn(DEQUANT_MIN_ROWS + 3, weight.in_features, generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(wna16_matmul(x, weight), x @ w.t(), rtol=1e-4, atol=1e-4)
 
@@ -125,6 +125,7 @@ def _hopper_case(bits, block_m, block_n, block_k, has_zeros, scale_per_slice, ha
             "out_ptr",
             "N",
             "K",
+            "stride_qn",
             "stride_xm",
             "stride_om",
             "k_per_split",

@@ -1,31 +1,37 @@
 """The one-row W4A16 / W8A16 GEMV on integer dot products: ``out[1, N] = x[1, K] @ W.T``, ``W`` in
-:mod:`fw_gptq.kernels.layout`.
+:mod:`fw_gptq.kernels.layout` (each output's weights one contiguous run over K).
 
 A decode step's GEMV is bound by the weight bytes it reads, but decoding each 4-bit value to a float
 and multiplying (what the tile kernel of :mod:`~fw_gptq.kernels.wna16` does) takes ~6 instructions a
 value, more than an H200 SM issues while its memory streams. As llama.cpp's GPU GEMV (and
 ``fw_gguf``'s) does, this kernel rounds x to int8 with one fp32 scale per 32 inputs (round half away
-from zero, scale ``max|x| / 127``) and multiplies four weight quants by four x quants in one ``dp4a``:
+from zero, scale ``max|x| / 127``) and multiplies four weight quants by four x quants in one ``dp4a``::
 
-    4 bits: a word holds inputs 8w .. 8w + 7 of one column (nibble i = input 8w + i);
-            ``word & 0x0F0F0F0F`` are the even inputs, ``(word >> 4) & 0x0F0F0F0F`` the odd ones, each
-            multiplied by the x quants of the same positions packed into a word
-    8 bits: a word holds inputs 4w .. 4w + 3 (byte i = input 4w + i), multiplied as it is
-
-    out[n] = sum_g scale[g, n] * sum_{j in g} d_x[j] * (sum_{k in j} q[k, n] x_q[k] - zero[g, n] sum_{k in j} x_q[k])
+    program (BLOCK_N outputs, one split of K); a step is STEP inputs = STEP / 32 x-groups j
+    words [BLOCK_N, STEP / 32, 4] = qweight[n, k / pf]           a thread's 16-byte runs of its rows
+    4 bits: word m of x-group j holds inputs 32 j + 8 m + i in nibble i;
+            word & 0x0F0F0F0F    = inputs 8m + 0, 2, 4, 6  -> dp4a with x quants (8m + 0, 2, 4, 6)
+            word >> 4 & 0x0F0F.. = inputs 8m + 1, 3, 5, 7  -> dp4a with x quants (8m + 1, 3, 5, 7)
+    8 bits: word m of x-group j holds inputs 32 j + 4 m + i in byte i: words 0-3 times x quants 0-15,
+            words 4-7 times x quants 16-31
+    acc[n, j] += d_x[j] * scale[g(j), n] * (sum_{k in j} q[n, k] x_q[k] - zero[g(j), n] * sum_{k in j} x_q[k])
+    out[n] = sum_j acc[n, j]                                    (one cross-thread sum, after the K loop)
 
 So the result is the exact dequantized weights times x rounded to 8 bits per 32 inputs:
-:func:`quantize_x_reference` is that rounding in torch, for tests. The weights are read in their
-``[K / pf, N]`` layout: a program covers ``BLOCK_N`` columns, so each row of words it loads is a
-contiguous run. ``g_idx`` (groups out of order after act-order's sort) is not taken: see
-:func:`int8_gemv_supported`. K may be split so that small-N layers fill the SMs: fp32 partial sums per
+:func:`quantize_x_reference` is that rounding in torch, for tests. A group of weights is any
+multiple of 32 inputs (each x-group reads its own group's scale and zero), channel-wise included;
+``g_idx`` (groups out of order, one rank of an act-order weight) is not taken: see
+:func:`int8_gemv_supported` (a whole act-order weight's groups are contiguous after the load's sort,
+and the caller permutes x). K may be split so that small-N layers fill the SMs: fp32 partial sums per
 split, added in a fixed order by the split that arrives last (one launch). No host synchronisation:
-CUDA-graph safe. Under the Triton interpreter ``dp4a`` is computed with shifts and multiplies.
+CUDA-graph safe once :func:`reserve_counters` ran. Under the Triton interpreter ``dp4a`` is computed
+with shifts and multiplies, the same integers.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,6 +42,16 @@ from .layout import KernelWeight
 #: Counters the split GEMV's programs arrive on, per device; each launch sets its own back to zero.
 COUNTERS = 1 << 14
 _counters: dict[torch.device, torch.Tensor] = {}
+
+
+class GemvConfig(NamedTuple):
+    """One launch shape: outputs a program, inputs a step, K splits, warps, pipeline stages."""
+
+    block_n: int
+    step: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 @triton.jit
@@ -53,13 +69,6 @@ def _dp4a(w, x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _pack_bytes(quants):
-    """``[R, 4]`` int32 values in -128..127 -> ``[R]`` words (value i in byte i)."""
-    shifts = (tl.arange(0, 4) * 8)[None, :]
-    return tl.sum((quants & 255) << shifts, axis=1)  # disjoint bytes: the sum is the OR
-
-
-@triton.jit
 def _int8_gemv_kernel(
     x_ptr,
     qweight_ptr,
@@ -70,6 +79,7 @@ def _int8_gemv_kernel(
     counter_ptr,
     N,
     K,
+    stride_qn,
     split_k,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -79,49 +89,65 @@ def _int8_gemv_kernel(
     SPLIT: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """Program (block of ``BLOCK_N`` columns, split of K out of ``split_k``); each step is ``STEP``
-    inputs (one group or a part of one). ``SPLIT``: as ``fw_gguf``'s GEMV, partial sums in
-    ``partial [split_k, N]``, the last split to count itself in ``counter[pid_n]`` adds them in order."""
+    """Program (block of ``BLOCK_N`` outputs, split of K out of ``split_k``); K is whole steps of
+    ``STEP`` inputs. ``stride_qn``: words a row of ``qweight``. ``SPLIT``: as ``fw_gguf``'s GEMV, partial
+    sums in ``partial [split_k, N]``, the last split to count itself in ``counter[pid_n]`` adds them in order."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    J: tl.constexpr = STEP // 32  # x's groups of 32 a step
-    PACK: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = STEP // PACK  # weight words per column a step
+    J: tl.constexpr = STEP // 32  # x-groups a step
+    WPJ: tl.constexpr = BITS  # weight words an x-group: 32 inputs at 32 / BITS a word
     steps = K // STEP
     per_split = tl.cdiv(steps, split_k)
     step_lo = pid_k * per_split
     step_hi = tl.minimum(step_lo + per_split, steps)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # each thread multiplies whole 16-byte runs ([.., .., 4] words, its own) so that the sum over them
+    # stays in the thread: no shuffles in the loop
+    word_of = tl.arange(0, J)[None, :, None] * WPJ + tl.arange(0, 4)[None, None, :]  # [1, J, 4]
+    row = qweight_ptr + n.to(tl.int64)[:, None, None] * stride_qn + word_of  # [BN, J, 4]
+    if BITS == 4:  # x's halves: the even and the odd inputs of each x-group (low / high nibbles)
+        x_at = tl.arange(0, J)[:, None] * 32 + tl.arange(0, 16)[None, :] * 2
+        OTHER: tl.constexpr = 1
+    else:  # the first and the last 16 inputs of each x-group (its first / last 4 words)
+        x_at = tl.arange(0, J)[:, None] * 32 + tl.arange(0, 16)[None, :]
+        OTHER: tl.constexpr = 16
+    byte_shift = (tl.arange(0, 4) * 8)[None, None, :]
+    acc = tl.zeros((BLOCK_N, J), dtype=tl.float32)
     for step in range(step_lo, step_hi):
         k0 = step * STEP
-        x = tl.reshape(tl.load(x_ptr + k0 + tl.arange(0, STEP)).to(tl.float32), (J, 32))
-        amax = tl.max(tl.abs(x), axis=1)
-        inverse = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-        scaled = x * inverse[:, None]
-        quants = (scaled + tl.where(scaled >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero
-        x_sums = tl.sum(quants, axis=1).to(tl.float32)  # [J]
-        rows = k0 // PACK + tl.arange(0, WORDS)
-        words = tl.load(qweight_ptr + rows[:, None] * N + n[None, :], mask=live[None, :], other=0)  # [WORDS, BN]
+        xa = tl.load(x_ptr + k0 + x_at).to(tl.float32)  # [J, 16]
+        xb = tl.load(x_ptr + k0 + x_at + OTHER).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xa), axis=1), tl.max(tl.abs(xb), axis=1))  # [J]
+        inverse = (tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0))[:, None]
+        qa, qb = xa * inverse, xb * inverse
+        qa = (qa + tl.where(qa >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero
+        qb = (qb + tl.where(qb >= 0, 0.5, -0.5)).to(tl.int32)
+        x_sums = (tl.sum(qa, axis=1) + tl.sum(qb, axis=1)).to(tl.float32)  # [J]
+        # four quants a word, byte b of word m = quant 4 m + b of the half; disjoint bytes: the sum is the OR
+        wa = tl.sum(tl.reshape(qa & 255, (J, 4, 4)) << byte_shift, axis=2)[None, :, :]  # [1, J, 4]
+        wb = tl.sum(tl.reshape(qb & 255, (J, 4, 4)) << byte_shift, axis=2)[None, :, :]
+        at = row + (k0 * BITS // 32)
         if BITS == 4:
-            even, odd = tl.split(tl.reshape(quants, (WORDS, 4, 2)))  # inputs 8w + 2i and 8w + 2i + 1
-            products = _dp4a(words & 0x0F0F0F0F, _pack_bytes(even)[:, None], EMULATE) + _dp4a(
-                (words >> 4) & 0x0F0F0F0F, _pack_bytes(odd)[:, None], EMULATE
-            )
+            words = tl.load(at, mask=live[:, None, None], other=0)  # [BN, J, 4]: inputs 8 m + i, nibble i
+            low = _dp4a(words & 0x0F0F0F0F, wa, EMULATE)
+            products = low + _dp4a((words >> 4) & 0x0F0F0F0F, wb, EMULATE)
         else:
             tl.static_assert(BITS == 8, "_int8_gemv_kernel: 4 or 8 bits")
-            products = _dp4a(words, _pack_bytes(tl.reshape(quants, (WORDS, 4)))[:, None], EMULATE)
-        sums = tl.sum(tl.reshape(products, (J, WORDS // J, BLOCK_N)), axis=1).to(tl.float32)  # [J, BN]
-        group = k0 // GROUP_SIZE
-        scale = tl.load(scales_ptr + group * N + n, mask=live, other=0.0).to(tl.float32)
+            first = _dp4a(tl.load(at, mask=live[:, None, None], other=0), wa, EMULATE)
+            products = first + _dp4a(tl.load(at + 4, mask=live[:, None, None], other=0), wb, EMULATE)
+        sums = tl.sum(products, axis=2)  # [BN, J]
+        group = (k0 + tl.arange(0, J) * 32) // GROUP_SIZE  # each x-group's weight group
+        at = group[None, :] * N + n[:, None]
+        scale = tl.load(scales_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)  # [BN, J]
         if HAS_ZEROS:
-            zero = tl.load(zeros_ptr + group * N + n, mask=live, other=0.0).to(tl.float32)
+            zero = tl.load(zeros_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
         else:
-            zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
-        d_x = (amax / 127.0)[:, None]
-        acc += scale * tl.sum(d_x * (sums - zero[None, :] * x_sums[:, None]), axis=0)
+            zero = tl.full((BLOCK_N, J), 1 << (BITS - 1), tl.float32)
+        d_x = (amax / 127.0)[None, :]
+        acc += scale * d_x * (sums.to(tl.float32) - zero * x_sums[None, :])
+    total = tl.sum(acc, axis=1)
     if SPLIT:
-        tl.store(partial_ptr + pid_k * N + n, acc, mask=live)
+        tl.store(partial_ptr + pid_k * N + n, total, mask=live)
         tl.debug_barrier()  # every thread's partial sums before the release below
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
@@ -131,26 +157,20 @@ def _int8_gemv_kernel(
             tl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty), mask=live)
             tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=live)
-
-
-def step_of(weight: KernelWeight) -> int:
-    """Inputs a step: the group (at most 256), so that a step never crosses a group."""
-    return min(weight.group_size, 256)
+        tl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty), mask=live)
 
 
 def int8_gemv_supported(weight: KernelWeight) -> bool:
     """Whether :func:`int8_gemv` takes ``weight``: 4 or 8 bits, groups in input order (no ``g_idx``),
-    a group a multiple of 32 inputs (or, over 256, of 256) and K whole steps."""
-    if weight.bits not in (4, 8) or weight.g_idx is not None:
-        return False
-    step = step_of(weight)
-    return step % 32 == 0 and weight.group_size % step == 0 and weight.in_features % step == 0
+    a group a multiple of 32 inputs and K a multiple of 32."""
+    return (
+        weight.bits in (4, 8) and weight.g_idx is None and weight.group_size % 32 == 0 and weight.in_features % 32 == 0
+    )
 
 
 def reserve_counters(device: torch.device) -> torch.Tensor:
     """The device's split counters, allocated (zeroed) on first use, which must come before any
-    CUDA-graph capture (the first eager forward does it)."""
+    CUDA-graph capture (:meth:`~fw_gptq.method.WNA16LinearMethod.process_weights_after_loading` does it)."""
     device = torch.device(device)
     if device not in _counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -159,34 +179,61 @@ def reserve_counters(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
-def gemv_config(n: int, k: int, step: int, num_sms: int) -> tuple[int, int]:
-    """``(BLOCK_N, split_k)``: 64 columns a program; K split (up to 8, each at least 2 steps) until
-    the programs cover twice the SMs."""
-    block_n = 64
-    programs, split_k = triton.cdiv(n, block_n), 1
-    while split_k < 8 and programs * split_k < 2 * num_sms and (k // step) >= 4 * split_k:
+def largest_step(k: int, max_step: int) -> int:
+    """The longest power-of-two step of at most ``max_step`` inputs (at least 32) that divides ``k``."""
+    step = max_step
+    while step > 32 and k % step:
+        step //= 2
+    return step
+
+
+def gemv_config(n: int, k: int, bits: int, num_sms: int) -> GemvConfig:
+    """The static rule, ``fw_gguf``'s measured Q4_K / Q8_0 settings carried over (the same bytes a
+    value, the same instructions): at 4 bits 64 outputs a program where that gives three programs an
+    SM, else 32; at 8 bits 16 (a thread then holds 32 bytes of each row); 1024-input steps (512 bytes
+    of a row at 4 bits); K split until the programs cover three times the SMs (at most 8 splits,
+    each at least one step)."""
+    fill = 3 * num_sms
+    block_n = (64 if triton.cdiv(n, 64) >= fill else 32) if bits == 4 else 16
+    step = largest_step(k, 1024)
+    split_k, programs, steps = 1, triton.cdiv(n, block_n), k // step
+    while split_k < 8 and programs * split_k < fill and steps // (2 * split_k) >= 1:
         split_k *= 2
-    return block_n, split_k
+    return GemvConfig(block_n, step, split_k)
+
+
+#: Settings measured per GPU model (``benchmarks/w4a16_kernels.py --rows 1 --sweep`` prints
+#: ``int8_gemv_best``): ``(device name, bits, N, K) -> GemvConfig``; other shapes use :func:`gemv_config`.
+GEMV_TUNED: dict[tuple[str, int, int, int], GemvConfig] = {}
+
+
+def gemv_setting(weight: KernelWeight, device: torch.device) -> GemvConfig:
+    """What :func:`int8_gemv` launches by default: the measured setting for this GPU and shape, else the rule's."""
+    from .wna16 import _num_sms
+
+    n, k = weight.out_features, weight.in_features
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return GEMV_TUNED.get((name, weight.bits, n, k)) or gemv_config(n, k, weight.bits, _num_sms(device))
 
 
 def int8_gemv(
-    x: torch.Tensor,
-    weight: KernelWeight,
-    out: torch.Tensor | None = None,
-    block_n: int | None = None,
-    split_k: int | None = None,
-    num_warps: int = 4,
+    x: torch.Tensor, weight: KernelWeight, out: torch.Tensor | None = None, config: GemvConfig | None = None
 ) -> torch.Tensor:
-    """``x [1, K] @ W.T -> [1, N]`` in ``x.dtype``; ``x`` in the kernel's input order (act-order
-    already applied by the caller), contiguous. ``block_n`` / ``split_k`` override the rule."""
-    assert x.shape[0] == 1 and int8_gemv_supported(weight), "int8_gemv: one row of a supported weight"
+    """``x [1, K] @ W.T -> [1, N]`` in ``x.dtype`` (``out``: where to write it, a row of contiguous
+    columns); ``x`` in the kernel's input order (act-order already applied by the caller), contiguous.
+    ``config`` overrides :func:`gemv_setting` (its ``step`` must divide K and be a power of two >= 32)."""
+    if x.shape[0] != 1 or not int8_gemv_supported(weight):
+        raise ValueError(
+            f"int8_gemv: one row of a 4/8-bit weight with contiguous groups of a multiple of 32 inputs; got "
+            f"{tuple(x.shape)} rows, {weight.bits} bits, group {weight.group_size}, g_idx "
+            f"{'set' if weight.g_idx is not None else 'None'}"
+        )
     n, k = weight.out_features, weight.in_features
-    step = step_of(weight)
-    from .wna16 import _num_sms
-
-    rule_n, rule_split = gemv_config(n, k, step, _num_sms(x.device))
-    block_n, split_k = block_n or rule_n, split_k or rule_split
-    blocks = triton.cdiv(n, block_n)
+    config = config or gemv_setting(weight, x.device)
+    if k % config.step or config.step < 32 or config.step & (config.step - 1):
+        raise ValueError(f"int8_gemv: step {config.step} must be a power of two >= 32 dividing K = {k}")
+    blocks = triton.cdiv(n, config.block_n)
+    split_k = min(config.split_k, k // config.step)
     split = split_k > 1
     if split and blocks > COUNTERS:
         raise ValueError(f"a split GEMV over {blocks} column blocks needs more than {COUNTERS} counters")
@@ -203,15 +250,17 @@ def int8_gemv(
         reserve_counters(x.device),
         n,
         k,
+        weight.qweight.stride(0),
         split_k,
         BITS=weight.bits,
         GROUP_SIZE=weight.group_size,
         HAS_ZEROS=weight.zeros is not None,
-        STEP=step,
-        BLOCK_N=block_n,
+        STEP=config.step,
+        BLOCK_N=config.block_n,
         SPLIT=split,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=num_warps,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return target
 

@@ -2,14 +2,17 @@
 
 ::
 
-    qweight  int32 [K/pf, N]   value k of column n in word k // pf, bits (k % pf) * bits   (pf = 32 // bits)
+    qweight  int32 [N, K/pf]   input k of output n in word k // pf of row n, bits (k % pf) * bits   (pf = 32 // bits)
     scales   [G, N]            in the activations' dtype
     zeros    [G, N] or None    zero points as values of that dtype; None: all 2 ** (bits - 1)
     g_idx    int32 [K] or None group of each (permuted) input feature; None: k // group_size
     perm     int64 [K] or None act-order: input k of the kernel is input perm[k] of the layer
 
-Rows of ``qweight`` are runs of N contiguous words, so a program covering a block of output
-features streams its columns row after row. Act-order weights are permuted at load so that their
+Each output feature's weights are one contiguous run over K (the planar layout of ``fw_gguf``'s
+quants, and compressed-tensors' ``weight_packed``): the one-row GEMV (:mod:`~fw_gptq.kernels.gemv_int8`)
+streams a long run of each of its rows and sums a row's 32-input groups inside a thread; the tile
+kernel loads ``[BLOCK_N, SUB_K / pf]`` words a slice, runs of ``SUB_K / pf`` words. Scales and zeros
+stay ``[G, N]``: a block of outputs reads a contiguous run of each group. Act-order weights are permuted at load so that their
 groups are contiguous (``perm = argsort(g_idx)``); the activations are permuted in ``apply``. When
 the sorted groups are the plain ``k // group_size`` (always for one rank of a GPTQ checkpoint) the
 kernel reads each group's scales once per block; otherwise it looks every row's group up.
@@ -36,11 +39,11 @@ class KernelWeight(NamedTuple):
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[0] * (32 // self.bits)
+        return self.qweight.shape[1] * (32 // self.bits)
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[1]
+        return self.qweight.shape[0]
 
 
 def to_kernel_layout(weight: IntWeight, dtype: torch.dtype) -> KernelWeight:
@@ -59,7 +62,7 @@ def to_kernel_layout(weight: IntWeight, dtype: torch.dtype) -> KernelWeight:
     if zeros is not None and bool((zeros == 2 ** (weight.bits - 1)).all()):
         zeros = None
     return KernelWeight(
-        pack_along(q, weight.bits, 0),
+        pack_along(q.t(), weight.bits, 1),
         weight.scales.to(dtype).contiguous(),
         None if zeros is None else zeros.to(dtype).contiguous(),
         g_idx.contiguous() if g_idx is not None else None,
@@ -72,7 +75,7 @@ def to_kernel_layout(weight: IntWeight, dtype: torch.dtype) -> KernelWeight:
 def dequantize_kernel_weight(weight: KernelWeight, dtype: torch.dtype, *, permuted: bool = False) -> Tensor:
     """``W`` ``[N, K]`` in ``dtype`` from the kernel layout: the torch reference of the kernel. With
     ``permuted`` the columns stay in the kernel's (act-order) input order."""
-    q = unpack_along(weight.qweight, weight.bits, 0)
+    q = unpack_along(weight.qweight, weight.bits, 1).t()  # [K, N]
     groups = (
         weight.g_idx.long()
         if weight.g_idx is not None

@@ -4,7 +4,7 @@ Up to :data:`DEQUANT_MIN_ROWS` rows, one fused kernel::
 
     grid (N / BLOCK_N, M / BLOCK_M, SPLIT_K)      program: BLOCK_M rows x BLOCK_N outputs, 1/SPLIT_K of K
     for each BLOCK_K step of its K range, for each SUB_K slice of it:
-        words [SUB_K / pf, BLOCK_N] = qweight[k / pf, n]                 each 32-bit word loaded once
+        words [SUB_K / pf, BLOCK_N] = qweight[n, k / pf]^T               each 32-bit word loaded once
         q [SUB_K, BLOCK_N] = (words >> (k % pf) * bits) & mask           unpacked in registers (pf = 32 / bits)
         w = ((q - zero[g, n]) * scale[g, n]).to(x.dtype)                 the reference's rounding, exactly
         acc^T += tl.dot(w^T, x tile^T)                                   tensor cores, fp32 accumulation
@@ -21,7 +21,7 @@ divides the group size), else per input feature through ``g_idx``. With ``SPLIT_
 blocks) each program writes float32 partial sums that the launcher adds.
 
 More rows (prefill, large batches) are bound by the multiplications, not the weight bytes: the weight
-is dequantized into a transient ``[K, N]`` matrix of x's dtype (:func:`wna16_dequantize`, one pass)
+is dequantized into a transient ``[N, K]`` matrix of x's dtype (:func:`wna16_dequantize`, one pass)
 and cuBLAS multiplies it. Everything is graph-capturable: no host syncs.
 """
 
@@ -41,6 +41,11 @@ DEFAULT_NUM_SMS = 132
 GEMV_MAX_ROWS = 16
 #: From this many rows the weight is dequantized once and multiplied by cuBLAS.
 DEQUANT_MIN_ROWS = 128
+#: The kernels that can multiply one row on CUDA: the integer GEMV of :mod:`~fw_gptq.kernels.gemv_int8`
+#: (x rounded to int8 per 32 inputs) or this module's tile kernel (x as it is).
+GEMV_CHOICES = ("int8", "tile")
+#: The one-row kernel when ``FW_GPTQ_GEMV`` is unset (one constant to flip after a GPU timing).
+DEFAULT_GEMV = "int8"
 
 
 @triton.jit
@@ -54,6 +59,7 @@ def _dequantized_slice(
     offs_n,
     mask_n,
     N,
+    stride_qn,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
@@ -64,6 +70,11 @@ def _dequantized_slice(
 ):
     """``W^T[ks0 : ks0 + SUB_K, offs_n]`` in float32, ``(q - zero) * scale`` exactly (zero where
     ``k >= k_end`` or masked out): the reference's values before the cast to the activations' dtype.
+    ``stride_qn``: words a row of ``qweight`` (``K / pf``); ``ks0`` a multiple of ``SUB_K``.
+
+    The words are loaded as ``[SUB_K / pf, BLOCK_N]`` (each column a contiguous run of its row) and
+    unpacked along K: the transposed orientation keeps the unpacked values in the registers of the
+    dot's left operand (loading ``[BLOCK_N, SUB_K / pf]`` sends them through shared memory, sm_90 PTX).
 
     No integer-to-float conversion runs (a quarter-rate instruction on Hopper, which would bound the
     GEMV): a quant ORed into the bits of 2**23 is ``2**23 + q`` as a float32, ``(2**23 + q) - (2**23 +
@@ -74,10 +85,11 @@ def _dequantized_slice(
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     BIASED_ZERO: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
-    offs_w = ks0 // PACK + tl.arange(0, SUB_K // PACK)
+    # ks0 is a multiple of SUB_K: said, the row's words are copied 16 bytes at a time
+    offs_w = tl.multiple_of(ks0 // PACK, SUB_K // PACK) + tl.arange(0, SUB_K // PACK)
     words = tl.load(
-        qweight_ptr + offs_w[:, None] * N + offs_n[None, :],
-        mask=(offs_w[:, None] < k_end // PACK) & mask_n[None, :],
+        qweight_ptr + offs_w[:, None] + offs_n[None, :] * stride_qn,
+        mask=(offs_w[:, None] < stride_qn) & mask_n[None, :],  # stride_qn = K / pf, known divisible by 16
         other=0,
     )
     shifts = tl.arange(0, PACK) * BITS
@@ -118,6 +130,7 @@ def wna16_matmul_kernel(
     M,
     N,
     K,
+    stride_qn,
     stride_xm,
     stride_om,
     k_per_split,
@@ -153,6 +166,7 @@ def wna16_matmul_kernel(
                 offs_n,
                 mask_n,
                 N,
+                stride_qn,
                 BITS,
                 GROUP_SIZE,
                 HAS_ZEROS,
@@ -184,6 +198,7 @@ def wna16_dequantize_kernel(
     out_ptr,
     N,
     K,
+    stride_qn,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
@@ -192,7 +207,7 @@ def wna16_dequantize_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """``out [K, N] = W^T`` in ``out``'s dtype; program (block of K, block of N)."""
+    """``out [N, K] = W`` in ``out``'s dtype; program (block of K, block of N)."""
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -207,6 +222,7 @@ def wna16_dequantize_kernel(
         offs_n,
         mask_n,
         N,
+        stride_qn,
         BITS,
         GROUP_SIZE,
         HAS_ZEROS,
@@ -217,7 +233,7 @@ def wna16_dequantize_kernel(
     )
     offs_k = ks0 + tl.arange(0, BLOCK_K)
     tl.store(
-        out_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
+        out_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
         w.to(out_ptr.dtype.element_ty),
         mask=(offs_k < K)[:, None] & mask_n[None, :],
     )
@@ -278,14 +294,21 @@ def _pointers(weight: KernelWeight) -> tuple:
     )
 
 
-def wna16_dequantize(weight: KernelWeight, dtype: torch.dtype, block_k: int = 64, block_n: int = 128) -> torch.Tensor:
-    """``W^T`` ``[K, N]`` in ``dtype``, in the kernel's (act-order permuted) input order: the same values as
-    :func:`~fw_gptq.kernels.layout.dequantize_kernel_weight` with ``permuted=True``, transposed."""
+def wna16_dequantize(weight: KernelWeight, dtype: torch.dtype, block_k: int = 128, block_n: int = 64) -> torch.Tensor:
+    """``W`` ``[N, K]`` in ``dtype``, in the kernel's (act-order permuted) input order: the same values as
+    :func:`~fw_gptq.kernels.layout.dequantize_kernel_weight` with ``permuted=True``."""
     k, n = weight.in_features, weight.out_features
-    out = torch.empty(k, n, dtype=dtype, device=weight.qweight.device)
+    out = torch.empty(n, k, dtype=dtype, device=weight.qweight.device)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     wna16_dequantize_kernel[grid](
-        *_pointers(weight), out, n, k, BLOCK_K=block_k, BLOCK_N=block_n, **_launch_args(weight, block_k)
+        *_pointers(weight),
+        out,
+        n,
+        k,
+        weight.qweight.stride(0),
+        BLOCK_K=block_k,
+        BLOCK_N=block_n,
+        **_launch_args(weight, block_k),
     )
     return out
 
@@ -308,7 +331,7 @@ def wna16_matmul(
 
         return int8_gemv(x, weight, out)
     if config is None and m >= DEQUANT_MIN_ROWS:
-        product = torch.mm(x, wna16_dequantize(weight, x.dtype))
+        product = torch.mm(x, wna16_dequantize(weight, x.dtype).t())
         if out is None:
             return product
         out.copy_(product)
@@ -331,6 +354,7 @@ def wna16_matmul(
         m,
         n,
         k,
+        weight.qweight.stride(0),
         x.stride(0),
         n if split_k > 1 else target.stride(0),
         k_per_split,
@@ -345,11 +369,20 @@ def wna16_matmul(
     return target
 
 
+def gemv_choice() -> str:
+    """Which kernel multiplies one row on CUDA: ``FW_GPTQ_GEMV`` (``int8`` or ``tile``), else
+    :data:`DEFAULT_GEMV`. An unknown value is an error naming the valid ones."""
+    choice = os.environ.get("FW_GPTQ_GEMV", "") or DEFAULT_GEMV
+    if choice not in GEMV_CHOICES:
+        raise ValueError(f"FW_GPTQ_GEMV={choice!r}: valid values are {', '.join(GEMV_CHOICES)}")
+    return choice
+
+
 def int8_gemv_chosen(weight: KernelWeight, x: torch.Tensor) -> bool:
     """Whether one row goes to the integer GEMV (:mod:`~fw_gptq.kernels.gemv_int8`: x rounded to int8
-    per 32 inputs, as llama.cpp's GPU GEMV): with ``FW_GPTQ_GEMV=int8``, on CUDA, in bf16/fp16, for a
-    weight it takes. Off by default until a GPU run measures it ahead of the tile kernel."""
-    if os.environ.get("FW_GPTQ_GEMV", "tile") != "int8" or x.device.type != "cuda":
+    per 32 inputs, as llama.cpp's GPU GEMV): on CUDA, in bf16/fp16, for a weight it takes, when
+    :func:`gemv_choice` is ``int8``."""
+    if x.device.type != "cuda" or gemv_choice() != "int8":
         return False
     from .gemv_int8 import int8_gemv_supported
 
