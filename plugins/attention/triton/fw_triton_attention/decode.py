@@ -44,6 +44,14 @@ from fw_triton_attention.tile_math import INTERPRET, online_softmax_step
 #: A split streams at least this many keys (fewer would spend more on the reduce than it saves).
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+#: Decode tiles of a model-dtype cache: (keys per tile, warps, programs per SM the splits aim for).
+MODEL_DTYPE_TILES = (64, 4, 2)
+#: The same per key format code of a quantized cache (head size <= 128). A decode step is bound by
+#: the bytes in flight: a tile of 64 fp8 rows carries half a bf16 tile's bytes and an int4 tile a
+#: quarter, so with bf16's tiles and split count the quantized caches streamed no faster than bf16
+#: (ddb3fb2 on the H200: fp8 at 0.97x auto at 32k). Longer tiles and more programs per SM keep as
+#: many bytes in flight; ``benchmarks/kv_decode_kernels.py`` sweeps them on the GPU.
+QUANT_DECODE_TILES = {8: (128, 8, 4), 4: (128, 8, 4), 3: (64, 4, 2)}
 
 
 @triton.jit
@@ -255,15 +263,23 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per (request, KV head): enough programs for ~2 per SM, each with >= MIN_SPLIT_TOKENS keys.
+def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, programs_per_sm: int = 2) -> int:
+    """Splits per (request, KV head): enough programs for ``programs_per_sm`` per SM, each with
+    >= MIN_SPLIT_TOKENS keys.
 
     Depends on host ints only. For a CUDA graph captured once for all contexts, pass the model's
     maximum length as ``max_seq_len``: the split count then depends on the batch shape alone.
     """
-    wanted = triton.cdiv(2 * num_sms, max(1, num_reqs * num_kv_heads))
+    wanted = triton.cdiv(programs_per_sm * num_sms, max(1, num_reqs * num_kv_heads))
     useful = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
     return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def decode_tiles(key_format: int, head_size: int) -> tuple[int, int, int]:
+    """Default ``(block_n, num_warps, programs per SM)`` of a decode over a cache whose key format
+    code is ``key_format`` (0: model dtype); heads over 128 take half the keys per tile."""
+    block_n, num_warps, programs_per_sm = QUANT_DECODE_TILES.get(key_format, MODEL_DTYPE_TILES)
+    return (block_n if head_size <= 128 else block_n // 2), num_warps, programs_per_sm
 
 
 def _check_new_kv(
@@ -305,7 +321,7 @@ def decode_attention(
     num_splits: int | None = None,
     num_sms: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
@@ -317,7 +333,8 @@ def decode_attention(
     """Attention of one query token per request (``query`` ``[R, H, D]``) over the paged cache.
 
     ``num_splits`` defaults to :func:`num_kv_splits`; ``block_n``/``num_warps``/``num_stages`` tune
-    the tiles (the defaults suit an H200: 64 keys × head 128 per tile, 4 warps, 2 stages).
+    the tiles (the defaults, :data:`MODEL_DTYPE_TILES` and :data:`QUANT_DECODE_TILES` by the cache's
+    key format, suit an H200: bf16 64 keys × head 128 per tile, 4 warps, 2 stages).
 
     With ``key``/``value`` (``[R, H_kv, D]``, last dim contiguous: the step's new token of each
     request) and ``slot_mapping`` (``[R]``), the kernel also does ``store_kv``'s work for the step:
@@ -347,10 +364,13 @@ def decode_attention(
         max_seq_len = min(max_seq_len, sliding_window)
     if chunk_size:
         max_seq_len = min(max_seq_len, chunk_size)
+    tile_n, tile_warps, programs_per_sm = decode_tiles(cache.constexprs["KEY_FORMAT"], head_size)
     if num_splits is None:
-        num_splits = num_kv_splits(num_reqs, num_kv_heads, max_seq_len, num_sms or _num_sms(query.device))
+        num_sms = num_sms or _num_sms(query.device)
+        num_splits = num_kv_splits(num_reqs, num_kv_heads, max_seq_len, num_sms, programs_per_sm)
     block_d = max(16, triton.next_power_of_2(head_size))
-    block_n = block_n or (64 if head_size <= 128 else 32)
+    block_n = block_n or tile_n
+    num_warps = num_warps or tile_warps
     if num_splits > 1:
         part_acc = torch.empty(num_reqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_reqs, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)

@@ -5,9 +5,9 @@ The layout and the codes are :mod:`framework.kv_cache`'s (the torch reference is
 two log-coded scale bytes beside it. Formats are constexpr codes: ``8`` fp8 e4m3, ``4`` int4 (two
 per byte, even dim low), ``3`` int3 (dim ``d`` at bits ``3d..3d+2`` of the row's byte stream).
 
-A tile load reads each position's page once, gathers the packed bytes of every dim (int4/int3
-dims share bytes: the repeated loads hit L1), turns codes into scale units and multiplies by the
-row's scale, so the attention kernels run their usual online softmax on the tiles. The query is
+A tile load reads each position's page once, loads the row's bytes (fp8 and int4: one contiguous,
+vectorised run per row, an int4 byte split into its two nibbles; int3 dims gather the bytes they
+straddle), turns codes into scale units and multiplies by the row's scale, so the attention kernels run their usual online softmax on the tiles. The query is
 rotated by the caller for rotated-key dtypes (scores are taken in the rotated space).
 """
 
@@ -33,14 +33,33 @@ def decode_scale(code):
 
 
 @triton.jit
-def _row_units(row_ptrs, dims, tile_mask, FORMAT: tl.constexpr, ROW_BYTES: tl.constexpr):
-    """Codes of ``dims`` of the rows at ``row_ptrs`` ``[N]`` as float32 scale units ``[N, BLOCK_D]``."""
+def _row_units(row_ptrs, dims, kv_mask, tile_mask, FORMAT: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """Codes of ``dims`` of the rows at ``row_ptrs`` ``[N]`` as float32 scale units ``[N, BLOCK_D]``.
+
+    fp8 and int4 rows are read as one contiguous run of bytes per row (row starts are 16-byte
+    aligned: every row width is a multiple of 16 for head sizes that are, and Triton sees it from
+    the strides), so the loads vectorise; an int4 byte is loaded once and split into its two
+    nibbles, interleaved back into dim order. Masked rows read finite units (callers mask their
+    scores); dims past the row read 0."""
+    BLOCK_D: tl.constexpr = dims.shape[0]
     if FORMAT == 8:
-        raw = tl.load(row_ptrs[:, None] + dims[None, :], mask=tile_mask, other=0)
+        if ROW_BYTES == BLOCK_D:  # no padded dims: the row mask alone (vector loads need no dim mask)
+            raw = tl.load(row_ptrs[:, None] + dims[None, :], mask=kv_mask[:, None], other=0)
+        else:
+            raw = tl.load(row_ptrs[:, None] + dims[None, :], mask=tile_mask, other=0)
         units = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     elif FORMAT == 4:
-        raw = tl.load(row_ptrs[:, None] + (dims // 2)[None, :], mask=tile_mask, other=0).to(tl.int32)
-        units = ((raw >> ((dims % 2) * 4)[None, :]) & 15).to(tl.float32) - 7.5
+        pairs = tl.arange(0, BLOCK_D // 2)
+        pair_ptrs = row_ptrs[:, None] + pairs[None, :]
+        if ROW_BYTES * 2 == BLOCK_D:
+            raw = tl.load(pair_ptrs, mask=kv_mask[:, None], other=0)
+        else:
+            raw = tl.load(pair_ptrs, mask=kv_mask[:, None] & (pairs < ROW_BYTES)[None, :], other=0)
+        raw = raw.to(tl.int32)
+        # byte j holds dim 2j (low nibble) and dim 2j + 1 (high): interleaving restores dim order
+        units = tl.interleave((raw & 15).to(tl.float32), (raw >> 4).to(tl.float32)) - 7.5
+        if ROW_BYTES * 2 != BLOCK_D:
+            units = tl.where(tile_mask, units, 0.0)
     else:
         bit = dims * 3
         byte = bit // 8
@@ -48,7 +67,8 @@ def _row_units(row_ptrs, dims, tile_mask, FORMAT: tl.constexpr, ROW_BYTES: tl.co
         high_mask = tile_mask & ((byte + 1) < ROW_BYTES)[None, :]
         high = tl.load(row_ptrs[:, None] + (byte + 1)[None, :], mask=high_mask, other=0).to(tl.int32)
         units = (((low | (high << 8)) >> (bit % 8)[None, :]) & 7).to(tl.float32) - 3.5
-    return tl.where(tile_mask, units, 0.0)
+        units = tl.where(tile_mask, units, 0.0)
+    return units
 
 
 @triton.jit
@@ -82,8 +102,8 @@ def load_quant_kv_tile(
     key_scale = decode_scale(tl.load(scale_rows, mask=kv_mask, other=0))
     value_scale = decode_scale(tl.load(scale_rows + 1, mask=kv_mask, other=0))
     tile_mask = kv_mask[:, None] & dim_mask[None, :]
-    k = _row_units(rows, dims, tile_mask, KEY_FORMAT, KEY_BYTES) * key_scale[:, None]
-    v = _row_units(rows + KEY_BYTES, dims, tile_mask, VALUE_FORMAT, VALUE_BYTES) * value_scale[:, None]
+    k = _row_units(rows, dims, kv_mask, tile_mask, KEY_FORMAT, KEY_BYTES) * key_scale[:, None]
+    v = _row_units(rows + KEY_BYTES, dims, kv_mask, tile_mask, VALUE_FORMAT, VALUE_BYTES) * value_scale[:, None]
     return k, v
 
 

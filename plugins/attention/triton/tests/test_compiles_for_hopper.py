@@ -10,6 +10,8 @@ from framework.testing import HopperCompile, compile_for_hopper, require_triton
 
 require_triton()
 
+from fw_triton_attention.decode import decode_tiles  # noqa: E402
+
 POINTERS = {
     "q_ptr": "*bf16",
     "cache_ptr": "*bf16",
@@ -24,6 +26,19 @@ POINTERS = {
     "scales_ptr": "*u8",
     "sinks_ptr": "*bf16",
 }
+#: the pointer and stride arguments a quantized cache's launch gets as multiples of 16
+ALIGNED_CACHE_ARGS = (
+    "q_ptr",
+    "cache_ptr",
+    "scales_ptr",
+    "stride_q_token",
+    "stride_q_head",
+    "stride_cache_block",
+    "stride_cache_offset",
+    "stride_cache_head",
+    "stride_scales_block",
+    "stride_scales_offset",
+)
 MODEL_DTYPE_CACHE = dict(KEY_FORMAT=0, VALUE_FORMAT=0, KEY_BYTES=0, VALUE_BYTES=0)
 
 
@@ -100,7 +115,7 @@ def test_quantized_cache_kernels_compile_for_hopper():
             dict(
                 GROUP=4,
                 BLOCK_H=16,
-                BLOCK_N=64,
+                BLOCK_N=decode_tiles(key, 128)[0],
                 BLOCK_D=128,
                 PAGE=16,
                 IS_SPLIT=True,
@@ -116,7 +131,8 @@ def test_quantized_cache_kernels_compile_for_hopper():
                 VALUE_BYTES=value_bytes,
             ),
             float_args=("sm_scale", "soft_cap"),
-            options=dict(num_warps=4, num_stages=2),
+            options=dict(num_warps=decode_tiles(key, 128)[1], num_stages=2),
+            divisible_by_16=ALIGNED_CACHE_ARGS,  # as a launch on a real cache specializes it
         )
         for key, value, key_bytes, value_bytes in QUANTIZED_ROWS
     ]
@@ -176,6 +192,12 @@ def test_quantized_cache_kernels_compile_for_hopper():
     ptx = compile_for_hopper(decode + prefill + store)
     assert all(".target sm_90" in text for text in ptx)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx[len(decode) + len(prefill)]  # fp8 keys: the hardware conversion
+    # fp8 and int4 rows are read as 16-byte async copies into shared memory, not byte by byte (at
+    # ddb3fb2 the fp8 decode made 136 byte loads a tile); what bytes are left are the scale codes
+    for text, (key, value, _, _) in zip(ptx[: len(decode)], QUANTIZED_ROWS, strict=True):
+        if key != 3:
+            assert "cp.async.cg.shared.global" in text, (key, value)
+            assert text.count("ld.global.b8") <= 8, (key, value)
 
 
 def test_kernels_with_attention_sinks_compile_for_hopper():
