@@ -38,8 +38,14 @@ import triton
 import triton.language as tl
 
 from framework.kv_cache import KVCache
-from fw_triton_attention.quant_tiles import cache_geometry, load_cache_tile
-from fw_triton_attention.tile_math import INTERPRET, online_softmax_step
+from fw_triton_attention.quant_tiles import cache_geometry, load_quant_units_tile
+from fw_triton_attention.tile_math import (
+    INTERPRET,
+    SCALED_P_BOOST,
+    load_kv_tile,
+    online_softmax_step,
+    scaled_softmax_step,
+)
 
 #: A split streams at least this many keys (fewer would spend more on the reduce than it saves).
 MIN_SPLIT_TOKENS = 256
@@ -135,7 +141,9 @@ def _decode_attention_kernel(
     if FP32:
         q = q.to(tl.float32)
     elif KEY_FORMAT == 0:
-        q = q.to(cache_ptr.dtype.element_ty)  # a quantized cache's tiles are dequantized to q's dtype
+        q = q.to(cache_ptr.dtype.element_ty)
+    else:
+        q = q.to(tl.float16)  # a quantized cache's tiles are float16 scale units (exact)
 
     last = seq_len - 1  # the query's own position: the new token's K/V when STORE_NEW_KV
     if STORE_NEW_KV:
@@ -162,36 +170,58 @@ def _decode_attention_kernel(
         kv_pos = tile + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < end
         load_mask = kv_mask & (kv_pos != last) if STORE_NEW_KV else kv_mask  # the new row is not in the cache yet
-        k, v = load_cache_tile(
-            cache_ptr,
-            scales_ptr,
-            q_ptr,
-            table_row,
-            kv_pos,
-            load_mask,
-            kv_head,
-            dims,
-            dim_mask,
-            stride_cache_kv,
-            stride_cache_block,
-            stride_cache_offset,
-            stride_cache_head,
-            stride_scales_block,
-            stride_scales_offset,
-            stride_scales_head,
-            PAGE,
-            FP32,
-            KEY_FORMAT,
-            VALUE_FORMAT,
-            KEY_BYTES,
-            VALUE_BYTES,
-        )
-        if STORE_NEW_KV:
-            is_new = (kv_pos == last)[:, None]
-            k = tl.where(is_new, new_k[None, :].to(k.dtype), k)
-            v = tl.where(is_new, new_v[None, :].to(v.dtype), v)
         allowed = row_mask[:, None] & kv_mask[None, :]
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
+        if KEY_FORMAT == 0:
+            k, v = load_kv_tile(
+                cache_ptr,
+                table_row,
+                kv_pos,
+                load_mask,
+                kv_head,
+                dims,
+                dim_mask,
+                stride_cache_block,
+                stride_cache_offset,
+                stride_cache_head,
+                stride_cache_kv,
+                PAGE,
+                FP32,
+            )
+            if STORE_NEW_KV:
+                is_new = (kv_pos == last)[:, None]
+                k = tl.where(is_new, new_k[None, :].to(k.dtype), k)
+                v = tl.where(is_new, new_v[None, :].to(v.dtype), v)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
+        else:  # float16 units, the row scales applied to scores and probabilities
+            k, v, key_scale, value_scale = load_quant_units_tile(
+                cache_ptr,
+                scales_ptr,
+                table_row,
+                kv_pos,
+                load_mask,
+                kv_head,
+                dims,
+                dim_mask,
+                stride_cache_block,
+                stride_cache_offset,
+                stride_cache_head,
+                stride_scales_block,
+                stride_scales_offset,
+                stride_scales_head,
+                PAGE,
+                KEY_FORMAT,
+                VALUE_FORMAT,
+                KEY_BYTES,
+                VALUE_BYTES,
+            )
+            if FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            acc, m_i, l_i = scaled_softmax_step(
+                acc, m_i, l_i, q, k, v, key_scale, value_scale, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32
+            )
+    if KEY_FORMAT != 0:
+        acc = acc * (1.0 / SCALED_P_BOOST)
 
     if STORE_NEW_KV:
         # exactly one split's segment [start, end) holds seq_len - 1; negative slots are padding

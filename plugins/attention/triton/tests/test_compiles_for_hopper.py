@@ -198,6 +198,10 @@ def test_quantized_cache_kernels_compile_for_hopper():
         if key != 3:
             assert "cp.async.cg.shared.global" in text, (key, value)
             assert text.count("ld.global.b8") <= 8, (key, value)
+            # tiles in float16 units: e4m3 pairs by one conversion each, int4 by integer ops alone
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text, (key, value)
+            assert ("cvt.rn.f16x2.e4m3x2" in text) == (8 in (key, value)), (key, value)
+            assert "cvt.rn.f32.s32" not in text and "cvt.rn.f16.u32" not in text, (key, value)
 
 
 def test_kernels_with_attention_sinks_compile_for_hopper():
