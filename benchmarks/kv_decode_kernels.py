@@ -81,6 +81,7 @@ def kernel_call(cache, metadata, query, **tiles):
         num_reqs=1,
         max_seq_len=metadata.max_seq_len,
         sm_scale=query.shape[-1] ** -0.5,
+        fp32_math=False,
         **tiles,
     )
 
@@ -112,7 +113,9 @@ def run_dtype(args, kv_dtype: str, device: str, time_it) -> list[dict]:
         view = (1, layer.num_heads, layer.head_size)
         backend.prepare(metadata)
         step_s = time_it(functools.partial(backend.forward, layer, query, key, value, cache, metadata))
-        rotated = kv_quant.query_space(cache, query.view(view)) if cache.is_quantized else query.view(view)
+        rotated = query.view(view)  # as the backend passes it: turbo dtypes rotated, in float32
+        if cache.is_quantized and cache.spec.rotate_keys:
+            rotated = kv_quant.rotate(rotated, cache.rotation_signs)
         expected = kernel_call(cache, metadata, rotated)()
         kernel_s = time_it(kernel_call(cache, metadata, rotated))
         cache_bytes = cache.spec.bytes_per_token * context  # the rows and their scales

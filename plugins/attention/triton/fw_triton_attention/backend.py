@@ -209,15 +209,18 @@ class TritonAttentionBackend(AttentionBackend):
         """Store the step's K/V as packed rows, then decode or prefill straight from them (turbo dtypes:
         query, keys and values rotated first, scores and outputs taken in the rotated space, the
         output rotated back)."""
-        num_tokens = query.shape[0]
+        num_tokens, dtype = query.shape[0], query.dtype
         spec, signs = kv_cache.spec, kv_cache.rotation_signs
-        query = kv_quant.query_space(kv_cache, query)
         # rotated K/V stay float32 up to the quantizer, as kv_quant.quantize_kv has them: rounded
         # to a bf16 model dtype first, 1-2 % of the stored bytes would differ from the reference's
         key = kv_quant.rotate(key, signs) if spec.rotate_keys else key
         value = kv_quant.rotate(value, signs) if spec.rotate_values else value
         quant_store(key, value, kv_cache, metadata.slot_mapping)
         if metadata.is_decode_only or metadata.max_query_len == 1:
+            # the rotated query goes in as float32 and a rotated output comes out in float32: no
+            # rounding casts around the kernel (two launches a layer fewer at batch 1)
+            query = kv_quant.rotate(query, signs) if spec.rotate_keys else query
+            out_dtype = torch.float32 if spec.rotate_values else dtype
             output = decode_attention(
                 query,
                 kv_cache,
@@ -226,11 +229,13 @@ class TritonAttentionBackend(AttentionBackend):
                 num_reqs=metadata.num_reqs,
                 max_seq_len=metadata.max_seq_len,
                 num_sms=self.num_sms,
+                out=torch.empty(query.shape, dtype=out_dtype, device=query.device),
+                fp32_math=dtype == torch.float32,
                 **common,
             )
         else:
             output = prefill_attention(
-                query,
+                kv_quant.query_space(kv_cache, query),
                 kv_cache,
                 metadata.cu_seqlens_q,
                 metadata.seq_lens,
@@ -240,4 +245,6 @@ class TritonAttentionBackend(AttentionBackend):
                 span_ends=metadata.span_ends,
                 **common,
             )
-        return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)
+        if spec.rotate_values:
+            output = kv_quant.unrotate(output, signs)
+        return output.to(dtype).reshape(num_tokens, layer.num_heads * layer.head_size)

@@ -359,6 +359,7 @@ def decode_attention(
     slot_mapping: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    fp32_math: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request (``query`` ``[R, H, D]``) over the paged cache.
 
@@ -375,6 +376,9 @@ def decode_attention(
     Without them the cache is only read, and position ``seq_len - 1`` must be stored already.
     ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``). ``chunk_size``:
     chunked local attention (Llama 4), keys from the start of the query's chunk only.
+    ``fp32_math``: float32 tiles and dots (default: for a float32 query, and always under the
+    interpreter); False lets a float32 query (a turbo dtype's rotated query, as it comes from the
+    rotation) run the tensor-core path of a bf16 model. ``out`` may be float32 either way.
 
     ``kv_cache`` may be a quantized :class:`~framework.kv_cache.KVCache`: tiles are then read from
     its packed rows (:mod:`fw_triton_attention.quant_tiles`; the query rotated by the caller for
@@ -449,7 +453,7 @@ def decode_attention(
         USE_CHUNK=bool(chunk_size),
         USE_SOFT_CAP=bool(soft_cap),
         USE_SINKS=sinks is not None,
-        FP32=INTERPRET or query.dtype == torch.float32,
+        FP32=INTERPRET or (query.dtype == torch.float32 if fp32_math is None else fp32_math),
         **cache.constexprs,
         num_warps=num_warps,
         num_stages=num_stages,
