@@ -217,11 +217,10 @@ class TritonAttentionBackend(AttentionBackend):
         value = kv_quant.rotate(value, signs) if spec.rotate_values else value
         quant_store(key, value, kv_cache, metadata.slot_mapping)
         if metadata.is_decode_only or metadata.max_query_len == 1:
-            # the rotated query goes in as float32 and a rotated output comes out in float32: no
-            # rounding casts around the kernel (two launches a layer fewer at batch 1)
+            # the rotated query goes in as float32 and the reduce kernel rotates the output back:
+            # no torch ops around the kernel but the query's rotation
             query = kv_quant.rotate(query, signs) if spec.rotate_keys else query
-            out_dtype = torch.float32 if spec.rotate_values else dtype
-            output = decode_attention(
+            return decode_attention(
                 query,
                 kv_cache,
                 metadata.seq_lens,
@@ -229,22 +228,20 @@ class TritonAttentionBackend(AttentionBackend):
                 num_reqs=metadata.num_reqs,
                 max_seq_len=metadata.max_seq_len,
                 num_sms=self.num_sms,
-                out=torch.empty(query.shape, dtype=out_dtype, device=query.device),
+                out=torch.empty(query.shape, dtype=dtype, device=query.device),
                 fp32_math=dtype == torch.float32,
+                output_signs=signs if spec.rotate_values else None,
                 **common,
-            )
-        else:
-            output = prefill_attention(
-                kv_quant.query_space(kv_cache, query),
-                kv_cache,
-                metadata.cu_seqlens_q,
-                metadata.seq_lens,
-                metadata.block_table,
-                num_reqs=metadata.num_reqs,
-                max_query_len=metadata.max_query_len,
-                span_ends=metadata.span_ends,
-                **common,
-            )
-        if spec.rotate_values:
-            output = kv_quant.unrotate(output, signs)
-        return output.to(dtype).reshape(num_tokens, layer.num_heads * layer.head_size)
+            ).view(num_tokens, layer.num_heads * layer.head_size)
+        output = prefill_attention(
+            kv_quant.query_space(kv_cache, query),
+            kv_cache,
+            metadata.cu_seqlens_q,
+            metadata.seq_lens,
+            metadata.block_table,
+            num_reqs=metadata.num_reqs,
+            max_query_len=metadata.max_query_len,
+            span_ends=metadata.span_ends,
+            **common,
+        )
+        return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from framework import kv_quant
 from framework.kv_cache import KVCache
 from fw_triton_attention.quant_tiles import cache_geometry, load_quant_units_tile
 from fw_triton_attention.tile_math import (
@@ -254,6 +255,8 @@ def _decode_reduce_kernel(
     part_ml_ptr,
     out_ptr,
     sinks_ptr,
+    signs_ptr,
+    rotation_ptr,
     stride_out_token,
     stride_out_head,
     head_size,
@@ -262,6 +265,8 @@ def _decode_reduce_kernel(
     SPLITS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    UNROTATE: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     request = tl.program_id(0)
     head = tl.program_id(1)
@@ -281,6 +286,12 @@ def _decode_reduce_kernel(
     dims = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    if UNROTATE:  # kv_quant.unrotate: out @ W, then the KV head's sign flips
+        inner = tl.arange(0, BLOCK_D)
+        rotation_mask = (inner < head_size)[:, None] & (dims < head_size)[None, :]
+        rotation = tl.load(rotation_ptr + inner[:, None] * head_size + dims[None, :], mask=rotation_mask, other=0.0)
+        out = tl.sum(tl.reshape(out, (BLOCK_D, 1)) * rotation, 0)
+        out = out * tl.load(signs_ptr + (head // GROUP) * head_size + dims, mask=dims < head_size, other=0.0)
     tl.store(
         out_ptr + request.to(tl.int64) * stride_out_token + head * stride_out_head + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -360,6 +371,7 @@ def decode_attention(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     fp32_math: bool | None = None,
+    output_signs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request (``query`` ``[R, H, D]``) over the paged cache.
 
@@ -379,6 +391,8 @@ def decode_attention(
     ``fp32_math``: float32 tiles and dots (default: for a float32 query, and always under the
     interpreter); False lets a float32 query (a turbo dtype's rotated query, as it comes from the
     rotation) run the tensor-core path of a bf16 model. ``out`` may be float32 either way.
+    ``output_signs`` (``[H_kv, D]`` float32, a cache whose values are rotated): the output is
+    rotated back (:func:`framework.kv_quant.unrotate`) in the reduce kernel, which then always runs.
 
     ``kv_cache`` may be a quantized :class:`~framework.kv_cache.KVCache`: tiles are then read from
     its packed rows (:mod:`fw_triton_attention.quant_tiles`; the query rotated by the caller for
@@ -405,7 +419,8 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(head_size))
     block_n = block_n or tile_n
     num_warps = num_warps or tile_warps
-    if num_splits > 1:
+    reduce = num_splits > 1 or output_signs is not None
+    if reduce:
         part_acc = torch.empty(num_reqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_reqs, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
     else:
@@ -447,7 +462,7 @@ def decode_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         PAGE=cache.page,
-        IS_SPLIT=num_splits > 1,
+        IS_SPLIT=reduce,
         STORE_NEW_KV=store_new_kv,
         USE_WINDOW=bool(sliding_window),
         USE_CHUNK=bool(chunk_size),
@@ -458,12 +473,15 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if reduce:
+        unrotate = output_signs is not None
         _decode_reduce_kernel[(num_reqs, num_heads)](
             part_acc,
             part_ml,
             out,
             seq_lens if sinks is None else sinks,
+            output_signs if unrotate else part_ml,
+            kv_quant.hadamard(head_size, query.device) if unrotate else part_ml,
             out.stride(0),
             out.stride(1),
             head_size,
@@ -472,6 +490,8 @@ def decode_attention(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
             USE_SINKS=sinks is not None,
-            num_warps=4,
+            UNROTATE=unrotate,
+            GROUP=group,
+            num_warps=8 if unrotate else 4,
         )
     return out

@@ -39,6 +39,14 @@ ALIGNED_CACHE_ARGS = (
     "stride_scales_block",
     "stride_scales_offset",
 )
+REDUCE_POINTERS = {
+    "part_acc_ptr": "*fp32",
+    "part_ml_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "sinks_ptr": "*i32",
+    "signs_ptr": "*fp32",
+    "rotation_ptr": "*fp32",
+}
 MODEL_DTYPE_CACHE = dict(KEY_FORMAT=0, VALUE_FORMAT=0, KEY_BYTES=0, VALUE_BYTES=0)
 
 
@@ -190,7 +198,16 @@ def test_quantized_cache_kernels_compile_for_hopper():
         )
         for key, value, key_bytes, _ in QUANTIZED_ROWS
     ]
-    ptx = compile_for_hopper(decode + prefill + store)
+    # turbo dtypes: the reduce rotates the output back (kv_quant.unrotate), for one split too
+    reduce = [
+        HopperCompile(
+            "fw_triton_attention.decode:_decode_reduce_kernel",
+            REDUCE_POINTERS,
+            dict(SPLITS_P2=64, BLOCK_D=128, USE_SINKS=False, UNROTATE=True, GROUP=4),
+            options=dict(num_warps=8),
+        )
+    ]
+    ptx = compile_for_hopper(decode + prefill + store + reduce)
     assert all(".target sm_90" in text for text in ptx)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx[len(decode) + len(prefill)]  # fp8 keys: the hardware conversion
     # fp8 and int4 rows are read as 16-byte async copies into shared memory, not byte by byte (at
@@ -232,8 +249,8 @@ def test_kernels_with_attention_sinks_compile_for_hopper():
     cases.append(
         HopperCompile(
             "fw_triton_attention.decode:_decode_reduce_kernel",
-            {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "sinks_ptr": "*bf16"},
-            dict(SPLITS_P2=8, BLOCK_D=64, USE_SINKS=True),
+            {**REDUCE_POINTERS, "sinks_ptr": "*bf16"},
+            dict(SPLITS_P2=8, BLOCK_D=64, USE_SINKS=True, UNROTATE=False, GROUP=8),
             options=dict(num_warps=4),
         )
     )
