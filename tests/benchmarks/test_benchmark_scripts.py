@@ -286,11 +286,11 @@ def test_kv_cache_dtypes_times_steady_decode_of_what_fits_on_a_scaled_budget(ben
     benchmarks(
         "kv_cache_dtypes.py",
         *("--shape", "tiny", "--dtype", "f32", "--dtypes", "auto", "turbo4", "--context", "192"),
-        *("--requests", "12", "--mem", "2", "--layers", "1", "--cases", "many", "--many-steps", "3"),
+        *("--requests", "12", "--mem", "4", "--layers", "1", "--cases", "many", "--many-steps", "3"),
         *("--out", str(out)),
     )
     report = json.loads(out.read_text())
-    assert report["layers"] == 1 and report["mem_mb"] == 1  # tiny has 2 layers: 2 MB -> 1
+    assert report["layers"] == 1 and report["mem_mb"] == 1  # tiny has 4 layers: 4 MB -> 1
     auto, turbo4 = report["results"]
     for result in (auto, turbo4):
         assert "batch1" not in result and "batch1_short" not in result
