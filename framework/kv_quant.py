@@ -54,19 +54,20 @@ def random_signs(num_heads: int, head_size: int, seed: int, device: torch.device
 
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``x`` ``[T, H, D]`` rotated per head: ``W (s * x)`` in float32. ``signs`` ``[H_kv, D]`` serve
-    ``H / H_kv`` consecutive heads each (queries of a KV head share its rotation)."""
-    group = x.shape[1] // signs.shape[0]
-    if group > 1:
-        signs = signs.repeat_interleave(group, 0)
-    return (x.float() * signs) @ hadamard(x.shape[-1], x.device)
+    ``H / H_kv`` consecutive heads each (queries of a KV head share its rotation).
+
+    Two kernels on the decode hot path: the sign flip, broadcast over a KV head's queries, also
+    casts to float32 (exact either way), then the one GEMM by ``W``."""
+    num_tokens, num_heads, head_size = x.shape
+    flipped = x.view(num_tokens, signs.shape[0], num_heads // signs.shape[0], head_size) * signs[:, None]
+    return flipped.view(num_tokens, num_heads, head_size) @ hadamard(head_size, x.device)
 
 
 def unrotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`rotate` (``s * (W x)``)."""
-    group = x.shape[1] // signs.shape[0]
-    if group > 1:
-        signs = signs.repeat_interleave(group, 0)
-    return (x.float() @ hadamard(x.shape[-1], x.device)) * signs
+    num_tokens, num_heads, head_size = x.shape
+    turned = (x.float() @ hadamard(head_size, x.device)).view(num_tokens, signs.shape[0], -1, head_size)
+    return (turned * signs[:, None]).view(num_tokens, num_heads, head_size)
 
 
 def encode_scale(scale: torch.Tensor) -> torch.Tensor:

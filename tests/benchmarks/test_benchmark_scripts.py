@@ -279,6 +279,35 @@ def test_decode_attention_sweep_checks_fused_against_unfused_and_skips_surplus_s
     assert len(sweep_settings(4096)) == 3 * 3 * 3 * 4
 
 
+def test_kv_cache_dtypes_times_steady_decode_of_what_fits_on_a_scaled_budget(benchmarks, tmp_path, capsys):
+    """``kv_cache_dtypes.py --cases many --many-steps N --layers L``: only the case asked for, the KV
+    budget scaled by L / layers, N timed decode steps of the requests that fit, more of them for turbo4."""
+    out = tmp_path / "kv.json"
+    benchmarks(
+        "kv_cache_dtypes.py",
+        *("--shape", "tiny", "--dtype", "f32", "--dtypes", "auto", "turbo4", "--context", "192"),
+        *("--requests", "12", "--mem", "4", "--layers", "1", "--cases", "many", "--many-steps", "3"),
+        *("--out", str(out)),
+    )
+    report = json.loads(out.read_text())
+    assert report["layers"] == 1 and report["mem_mb"] == 1  # tiny has 4 layers: 4 MB -> 1
+    auto, turbo4 = report["results"]
+    for result in (auto, turbo4):
+        assert "batch1" not in result and "batch1_short" not in result
+        assert result["many"]["steady_steps"] == 3 and result["many"]["output_tokens"] > 0
+    assert turbo4["kv_tokens"] > auto["kv_tokens"]
+    assert auto["many"]["most_running"] < 12 == turbo4["many"]["most_running"]  # 1 MB holds 5 of auto's
+    assert "turbo4 many:" in capsys.readouterr().out  # printed as it comes
+
+
+def test_kv_decode_kernels_checks_its_sweep_against_the_defaults(benchmarks, capsys):
+    """``kv_decode_kernels.py --check``: the backend step, the kernel and the swept settings run on
+    the quantized caches (under TRITON_INTERPRET=1 here) and agree with the default tiles."""
+    benchmarks("kv_decode_kernels.py", "--check", "--dtypes", "fp8", "turbo4")
+    printed = capsys.readouterr().out
+    assert printed.count("3 settings run, 0 refused") == 2
+
+
 def test_kernel_reports_carry_date_device_commit_command_and_versions(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setenv("FW_COMMIT", "abc1234")

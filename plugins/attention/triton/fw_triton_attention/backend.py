@@ -209,16 +209,18 @@ class TritonAttentionBackend(AttentionBackend):
         """Store the step's K/V as packed rows, then decode or prefill straight from them (turbo dtypes:
         query, keys and values rotated first, scores and outputs taken in the rotated space, the
         output rotated back)."""
-        num_tokens = query.shape[0]
+        num_tokens, dtype = query.shape[0], query.dtype
         spec, signs = kv_cache.spec, kv_cache.rotation_signs
-        query = kv_quant.query_space(kv_cache, query)
         # rotated K/V stay float32 up to the quantizer, as kv_quant.quantize_kv has them: rounded
         # to a bf16 model dtype first, 1-2 % of the stored bytes would differ from the reference's
         key = kv_quant.rotate(key, signs) if spec.rotate_keys else key
         value = kv_quant.rotate(value, signs) if spec.rotate_values else value
         quant_store(key, value, kv_cache, metadata.slot_mapping)
         if metadata.is_decode_only or metadata.max_query_len == 1:
-            output = decode_attention(
+            # the rotated query goes in as float32 and the reduce kernel rotates the output back:
+            # no torch ops around the kernel but the query's rotation
+            query = kv_quant.rotate(query, signs) if spec.rotate_keys else query
+            return decode_attention(
                 query,
                 kv_cache,
                 metadata.seq_lens,
@@ -226,18 +228,20 @@ class TritonAttentionBackend(AttentionBackend):
                 num_reqs=metadata.num_reqs,
                 max_seq_len=metadata.max_seq_len,
                 num_sms=self.num_sms,
+                out=torch.empty(query.shape, dtype=dtype, device=query.device),
+                fp32_math=dtype == torch.float32,
+                output_signs=signs if spec.rotate_values else None,
                 **common,
-            )
-        else:
-            output = prefill_attention(
-                query,
-                kv_cache,
-                metadata.cu_seqlens_q,
-                metadata.seq_lens,
-                metadata.block_table,
-                num_reqs=metadata.num_reqs,
-                max_query_len=metadata.max_query_len,
-                span_ends=metadata.span_ends,
-                **common,
-            )
+            ).view(num_tokens, layer.num_heads * layer.head_size)
+        output = prefill_attention(
+            kv_quant.query_space(kv_cache, query),
+            kv_cache,
+            metadata.cu_seqlens_q,
+            metadata.seq_lens,
+            metadata.block_table,
+            num_reqs=metadata.num_reqs,
+            max_query_len=metadata.max_query_len,
+            span_ends=metadata.span_ends,
+            **common,
+        )
         return kv_quant.output_space(kv_cache, output).reshape(num_tokens, layer.num_heads * layer.head_size)

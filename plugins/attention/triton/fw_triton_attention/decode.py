@@ -37,13 +37,28 @@ import torch
 import triton
 import triton.language as tl
 
+from framework import kv_quant
 from framework.kv_cache import KVCache
-from fw_triton_attention.quant_tiles import cache_geometry, load_cache_tile
-from fw_triton_attention.tile_math import INTERPRET, online_softmax_step
+from fw_triton_attention.quant_tiles import cache_geometry, load_quant_units_tile
+from fw_triton_attention.tile_math import (
+    INTERPRET,
+    SCALED_P_BOOST,
+    load_kv_tile,
+    online_softmax_step,
+    scaled_softmax_step,
+)
 
 #: A split streams at least this many keys (fewer would spend more on the reduce than it saves).
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+#: Decode tiles of a model-dtype cache: (keys per tile, warps, programs per SM the splits aim for).
+MODEL_DTYPE_TILES = (64, 4, 2)
+#: The same per key format code of a quantized cache (head size <= 128). A decode step is bound by
+#: the bytes in flight: a tile of 64 fp8 rows carries half a bf16 tile's bytes and an int4 tile a
+#: quarter, so with bf16's tiles and split count the quantized caches streamed no faster than bf16
+#: (ddb3fb2 on the H200: fp8 at 0.97x auto at 32k). Longer tiles and more programs per SM keep as
+#: many bytes in flight; ``benchmarks/kv_decode_kernels.py`` sweeps them on the GPU.
+QUANT_DECODE_TILES = {8: (128, 8, 4), 4: (128, 8, 4), 3: (64, 4, 2)}
 
 
 @triton.jit
@@ -127,7 +142,9 @@ def _decode_attention_kernel(
     if FP32:
         q = q.to(tl.float32)
     elif KEY_FORMAT == 0:
-        q = q.to(cache_ptr.dtype.element_ty)  # a quantized cache's tiles are dequantized to q's dtype
+        q = q.to(cache_ptr.dtype.element_ty)
+    else:
+        q = q.to(tl.float16)  # a quantized cache's tiles are float16 scale units (exact)
 
     last = seq_len - 1  # the query's own position: the new token's K/V when STORE_NEW_KV
     if STORE_NEW_KV:
@@ -154,36 +171,58 @@ def _decode_attention_kernel(
         kv_pos = tile + tl.arange(0, BLOCK_N)
         kv_mask = kv_pos < end
         load_mask = kv_mask & (kv_pos != last) if STORE_NEW_KV else kv_mask  # the new row is not in the cache yet
-        k, v = load_cache_tile(
-            cache_ptr,
-            scales_ptr,
-            q_ptr,
-            table_row,
-            kv_pos,
-            load_mask,
-            kv_head,
-            dims,
-            dim_mask,
-            stride_cache_kv,
-            stride_cache_block,
-            stride_cache_offset,
-            stride_cache_head,
-            stride_scales_block,
-            stride_scales_offset,
-            stride_scales_head,
-            PAGE,
-            FP32,
-            KEY_FORMAT,
-            VALUE_FORMAT,
-            KEY_BYTES,
-            VALUE_BYTES,
-        )
-        if STORE_NEW_KV:
-            is_new = (kv_pos == last)[:, None]
-            k = tl.where(is_new, new_k[None, :].to(k.dtype), k)
-            v = tl.where(is_new, new_v[None, :].to(v.dtype), v)
         allowed = row_mask[:, None] & kv_mask[None, :]
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
+        if KEY_FORMAT == 0:
+            k, v = load_kv_tile(
+                cache_ptr,
+                table_row,
+                kv_pos,
+                load_mask,
+                kv_head,
+                dims,
+                dim_mask,
+                stride_cache_block,
+                stride_cache_offset,
+                stride_cache_head,
+                stride_cache_kv,
+                PAGE,
+                FP32,
+            )
+            if STORE_NEW_KV:
+                is_new = (kv_pos == last)[:, None]
+                k = tl.where(is_new, new_k[None, :].to(k.dtype), k)
+                v = tl.where(is_new, new_v[None, :].to(v.dtype), v)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, q, k, v, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32)
+        else:  # float16 units, the row scales applied to scores and probabilities
+            k, v, key_scale, value_scale = load_quant_units_tile(
+                cache_ptr,
+                scales_ptr,
+                table_row,
+                kv_pos,
+                load_mask,
+                kv_head,
+                dims,
+                dim_mask,
+                stride_cache_block,
+                stride_cache_offset,
+                stride_cache_head,
+                stride_scales_block,
+                stride_scales_offset,
+                stride_scales_head,
+                PAGE,
+                KEY_FORMAT,
+                VALUE_FORMAT,
+                KEY_BYTES,
+                VALUE_BYTES,
+            )
+            if FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            acc, m_i, l_i = scaled_softmax_step(
+                acc, m_i, l_i, q, k, v, key_scale, value_scale, allowed, sm_scale, soft_cap, USE_SOFT_CAP, FP32
+            )
+    if KEY_FORMAT != 0:
+        acc = acc * (1.0 / SCALED_P_BOOST)
 
     if STORE_NEW_KV:
         # exactly one split's segment [start, end) holds seq_len - 1; negative slots are padding
@@ -216,6 +255,8 @@ def _decode_reduce_kernel(
     part_ml_ptr,
     out_ptr,
     sinks_ptr,
+    signs_ptr,
+    rotation_ptr,
     stride_out_token,
     stride_out_head,
     head_size,
@@ -224,6 +265,8 @@ def _decode_reduce_kernel(
     SPLITS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    UNROTATE: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     request = tl.program_id(0)
     head = tl.program_id(1)
@@ -243,6 +286,12 @@ def _decode_reduce_kernel(
     dims = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    if UNROTATE:  # kv_quant.unrotate: out @ W, then the KV head's sign flips
+        inner = tl.arange(0, BLOCK_D)
+        rotation_mask = (inner < head_size)[:, None] & (dims < head_size)[None, :]
+        rotation = tl.load(rotation_ptr + inner[:, None] * head_size + dims[None, :], mask=rotation_mask, other=0.0)
+        out = tl.sum(tl.reshape(out, (BLOCK_D, 1)) * rotation, 0)
+        out = out * tl.load(signs_ptr + (head // GROUP) * head_size + dims, mask=dims < head_size, other=0.0)
     tl.store(
         out_ptr + request.to(tl.int64) * stride_out_token + head * stride_out_head + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -255,15 +304,23 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per (request, KV head): enough programs for ~2 per SM, each with >= MIN_SPLIT_TOKENS keys.
+def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, programs_per_sm: int = 2) -> int:
+    """Splits per (request, KV head): enough programs for ``programs_per_sm`` per SM, each with
+    >= MIN_SPLIT_TOKENS keys.
 
     Depends on host ints only. For a CUDA graph captured once for all contexts, pass the model's
     maximum length as ``max_seq_len``: the split count then depends on the batch shape alone.
     """
-    wanted = triton.cdiv(2 * num_sms, max(1, num_reqs * num_kv_heads))
+    wanted = triton.cdiv(programs_per_sm * num_sms, max(1, num_reqs * num_kv_heads))
     useful = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
     return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def decode_tiles(key_format: int, head_size: int) -> tuple[int, int, int]:
+    """Default ``(block_n, num_warps, programs per SM)`` of a decode over a cache whose key format
+    code is ``key_format`` (0: model dtype); heads over 128 take half the keys per tile."""
+    block_n, num_warps, programs_per_sm = QUANT_DECODE_TILES.get(key_format, MODEL_DTYPE_TILES)
+    return (block_n if head_size <= 128 else block_n // 2), num_warps, programs_per_sm
 
 
 def _check_new_kv(
@@ -305,7 +362,7 @@ def decode_attention(
     num_splits: int | None = None,
     num_sms: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
@@ -313,11 +370,14 @@ def decode_attention(
     slot_mapping: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    fp32_math: bool | None = None,
+    output_signs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request (``query`` ``[R, H, D]``) over the paged cache.
 
     ``num_splits`` defaults to :func:`num_kv_splits`; ``block_n``/``num_warps``/``num_stages`` tune
-    the tiles (the defaults suit an H200: 64 keys × head 128 per tile, 4 warps, 2 stages).
+    the tiles (the defaults, :data:`MODEL_DTYPE_TILES` and :data:`QUANT_DECODE_TILES` by the cache's
+    key format, suit an H200: bf16 64 keys × head 128 per tile, 4 warps, 2 stages).
 
     With ``key``/``value`` (``[R, H_kv, D]``, last dim contiguous: the step's new token of each
     request) and ``slot_mapping`` (``[R]``), the kernel also does ``store_kv``'s work for the step:
@@ -328,6 +388,11 @@ def decode_attention(
     Without them the cache is only read, and position ``seq_len - 1`` must be stored already.
     ``sinks`` ``[H]``: per-head sink logits (see ``AttentionBackend.forward``). ``chunk_size``:
     chunked local attention (Llama 4), keys from the start of the query's chunk only.
+    ``fp32_math``: float32 tiles and dots (default: for a float32 query, and always under the
+    interpreter); False lets a float32 query (a turbo dtype's rotated query, as it comes from the
+    rotation) run the tensor-core path of a bf16 model. ``out`` may be float32 either way.
+    ``output_signs`` (``[H_kv, D]`` float32, a cache whose values are rotated): the output is
+    rotated back (:func:`framework.kv_quant.unrotate`) in the reduce kernel, which then always runs.
 
     ``kv_cache`` may be a quantized :class:`~framework.kv_cache.KVCache`: tiles are then read from
     its packed rows (:mod:`fw_triton_attention.quant_tiles`; the query rotated by the caller for
@@ -347,11 +412,15 @@ def decode_attention(
         max_seq_len = min(max_seq_len, sliding_window)
     if chunk_size:
         max_seq_len = min(max_seq_len, chunk_size)
+    tile_n, tile_warps, programs_per_sm = decode_tiles(cache.constexprs["KEY_FORMAT"], head_size)
     if num_splits is None:
-        num_splits = num_kv_splits(num_reqs, num_kv_heads, max_seq_len, num_sms or _num_sms(query.device))
+        num_sms = num_sms or _num_sms(query.device)
+        num_splits = num_kv_splits(num_reqs, num_kv_heads, max_seq_len, num_sms, programs_per_sm)
     block_d = max(16, triton.next_power_of_2(head_size))
-    block_n = block_n or (64 if head_size <= 128 else 32)
-    if num_splits > 1:
+    block_n = block_n or tile_n
+    num_warps = num_warps or tile_warps
+    reduce = num_splits > 1 or output_signs is not None
+    if reduce:
         part_acc = torch.empty(num_reqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_reqs, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
     else:
@@ -393,23 +462,26 @@ def decode_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         PAGE=cache.page,
-        IS_SPLIT=num_splits > 1,
+        IS_SPLIT=reduce,
         STORE_NEW_KV=store_new_kv,
         USE_WINDOW=bool(sliding_window),
         USE_CHUNK=bool(chunk_size),
         USE_SOFT_CAP=bool(soft_cap),
         USE_SINKS=sinks is not None,
-        FP32=INTERPRET or query.dtype == torch.float32,
+        FP32=INTERPRET or (query.dtype == torch.float32 if fp32_math is None else fp32_math),
         **cache.constexprs,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if reduce:
+        unrotate = output_signs is not None
         _decode_reduce_kernel[(num_reqs, num_heads)](
             part_acc,
             part_ml,
             out,
             seq_lens if sinks is None else sinks,
+            output_signs if unrotate else part_ml,
+            kv_quant.hadamard(head_size, query.device) if unrotate else part_ml,
             out.stride(0),
             out.stride(1),
             head_size,
@@ -418,6 +490,8 @@ def decode_attention(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
             USE_SINKS=sinks is not None,
-            num_warps=4,
+            UNROTATE=unrotate,
+            GROUP=group,
+            num_warps=8 if unrotate else 4,
         )
     return out

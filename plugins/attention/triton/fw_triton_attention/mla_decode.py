@@ -292,6 +292,8 @@ def mla_decode(
             part_ml,
             out,
             seq_lens,  # no sinks
+            part_ml,  # no rotation: signs and rotation unused
+            part_ml,
             out.stride(0),
             out.stride(1),
             rank,
@@ -300,6 +302,8 @@ def mla_decode(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             BLOCK_D=block_l,
             USE_SINKS=False,
+            UNROTATE=False,
+            GROUP=1,
             num_warps=4,
         )
     return out

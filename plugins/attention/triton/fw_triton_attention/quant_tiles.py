@@ -5,9 +5,9 @@ The layout and the codes are :mod:`framework.kv_cache`'s (the torch reference is
 two log-coded scale bytes beside it. Formats are constexpr codes: ``8`` fp8 e4m3, ``4`` int4 (two
 per byte, even dim low), ``3`` int3 (dim ``d`` at bits ``3d..3d+2`` of the row's byte stream).
 
-A tile load reads each position's page once, gathers the packed bytes of every dim (int4/int3
-dims share bytes: the repeated loads hit L1), turns codes into scale units and multiplies by the
-row's scale, so the attention kernels run their usual online softmax on the tiles. The query is
+A tile load reads each position's page once, loads the row's bytes (fp8 and int4: one contiguous,
+vectorised run per row, an int4 byte split into its two nibbles; int3 dims gather the bytes they
+straddle), turns codes into scale units and multiplies by the row's scale, so the attention kernels run their usual online softmax on the tiles. The query is
 rotated by the caller for rotated-key dtypes (scores are taken in the rotated space).
 """
 
@@ -33,14 +33,38 @@ def decode_scale(code):
 
 
 @triton.jit
-def _row_units(row_ptrs, dims, tile_mask, FORMAT: tl.constexpr, ROW_BYTES: tl.constexpr):
-    """Codes of ``dims`` of the rows at ``row_ptrs`` ``[N]`` as float32 scale units ``[N, BLOCK_D]``."""
+def _row_units(row_ptrs, dims, kv_mask, tile_mask, FORMAT: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """Codes of ``dims`` of the rows at ``row_ptrs`` ``[N]`` as float16 scale units ``[N, BLOCK_D]``
+    (exact: fp8 values and the half-integer units of int codes are all float16 numbers).
+
+    fp8 and int4 rows are read as one contiguous run of bytes per row (row starts are 16-byte
+    aligned: every row width is a multiple of 16 for head sizes that are, and Triton sees it from
+    the strides), so the loads vectorise; an int4 byte is loaded once and split into its two
+    nibbles, interleaved back into dim order. No float conversion for int4 (conversions issue at
+    an eighth of the FMA rate, and they bounded the dequantizing decode): a nibble ``n`` or'ed
+    into ``0x6400`` is the float16 ``1024 + n``. e4m3 -> float16 is one conversion per two values.
+    Masked rows read finite units (callers mask their scores); dims past the row read 0."""
+    BLOCK_D: tl.constexpr = dims.shape[0]
     if FORMAT == 8:
-        raw = tl.load(row_ptrs[:, None] + dims[None, :], mask=tile_mask, other=0)
-        units = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if ROW_BYTES == BLOCK_D:  # no padded dims: the row mask alone (vector loads need no dim mask)
+            raw = tl.load(row_ptrs[:, None] + dims[None, :], mask=kv_mask[:, None], other=0)
+        else:
+            raw = tl.load(row_ptrs[:, None] + dims[None, :], mask=tile_mask, other=0)
+        units = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     elif FORMAT == 4:
-        raw = tl.load(row_ptrs[:, None] + (dims // 2)[None, :], mask=tile_mask, other=0).to(tl.int32)
-        units = ((raw >> ((dims % 2) * 4)[None, :]) & 15).to(tl.float32) - 7.5
+        pairs = tl.arange(0, BLOCK_D // 2)
+        pair_ptrs = row_ptrs[:, None] + pairs[None, :]
+        if ROW_BYTES * 2 == BLOCK_D:
+            raw = tl.load(pair_ptrs, mask=kv_mask[:, None], other=0)
+        else:
+            raw = tl.load(pair_ptrs, mask=kv_mask[:, None] & (pairs < ROW_BYTES)[None, :], other=0)
+        raw = raw.to(tl.int16)
+        # byte j holds dim 2j (low nibble) and dim 2j + 1 (high): interleaving restores dim order
+        low = ((raw & 15) | 0x6400).to(tl.float16, bitcast=True)
+        high = (((raw >> 4) & 15) | 0x6400).to(tl.float16, bitcast=True)
+        units = (tl.interleave(low, high) - 1032.0) + 0.5  # 1024 + n -> n - 7.5, exact in float16
+        if ROW_BYTES * 2 != BLOCK_D:
+            units = tl.where(tile_mask, units, 0.0)
     else:
         bit = dims * 3
         byte = bit // 8
@@ -48,7 +72,45 @@ def _row_units(row_ptrs, dims, tile_mask, FORMAT: tl.constexpr, ROW_BYTES: tl.co
         high_mask = tile_mask & ((byte + 1) < ROW_BYTES)[None, :]
         high = tl.load(row_ptrs[:, None] + (byte + 1)[None, :], mask=high_mask, other=0).to(tl.int32)
         units = (((low | (high << 8)) >> (bit % 8)[None, :]) & 7).to(tl.float32) - 3.5
-    return tl.where(tile_mask, units, 0.0)
+        units = tl.where(tile_mask, units, 0.0).to(tl.float16)
+    return units
+
+
+@triton.jit
+def load_quant_units_tile(
+    cache_ptr,
+    scales_ptr,
+    table_row,
+    kv_pos,
+    kv_mask,
+    kv_head,
+    dims,
+    dim_mask,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_scales_block,
+    stride_scales_offset,
+    stride_scales_head,
+    PAGE: tl.constexpr,
+    KEY_FORMAT: tl.constexpr,
+    VALUE_FORMAT: tl.constexpr,
+    KEY_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+):
+    """Keys and values ``[BLOCK_N, BLOCK_D]`` of positions ``kv_pos`` in float16 scale units and
+    their float32 scales ``[BLOCK_N]``: the decode kernel multiplies the scores by the key scales
+    and the probabilities by the value scales instead of every element of the tiles."""
+    page = tl.load(table_row + kv_pos // PAGE, mask=kv_mask, other=0).to(tl.int64)
+    offset = kv_pos % PAGE
+    rows = cache_ptr + page * stride_cache_block + offset * stride_cache_offset + kv_head * stride_cache_head
+    scale_rows = scales_ptr + page * stride_scales_block + offset * stride_scales_offset + kv_head * stride_scales_head
+    key_scale = decode_scale(tl.load(scale_rows, mask=kv_mask, other=0))
+    value_scale = decode_scale(tl.load(scale_rows + 1, mask=kv_mask, other=0))
+    tile_mask = kv_mask[:, None] & dim_mask[None, :]
+    k = _row_units(rows, dims, kv_mask, tile_mask, KEY_FORMAT, KEY_BYTES)
+    v = _row_units(rows + KEY_BYTES, dims, kv_mask, tile_mask, VALUE_FORMAT, VALUE_BYTES)
+    return k, v, key_scale, value_scale
 
 
 @triton.jit
@@ -82,8 +144,9 @@ def load_quant_kv_tile(
     key_scale = decode_scale(tl.load(scale_rows, mask=kv_mask, other=0))
     value_scale = decode_scale(tl.load(scale_rows + 1, mask=kv_mask, other=0))
     tile_mask = kv_mask[:, None] & dim_mask[None, :]
-    k = _row_units(rows, dims, tile_mask, KEY_FORMAT, KEY_BYTES) * key_scale[:, None]
-    v = _row_units(rows + KEY_BYTES, dims, tile_mask, VALUE_FORMAT, VALUE_BYTES) * value_scale[:, None]
+    k = _row_units(rows, dims, kv_mask, tile_mask, KEY_FORMAT, KEY_BYTES).to(tl.float32) * key_scale[:, None]
+    v = _row_units(rows + KEY_BYTES, dims, kv_mask, tile_mask, VALUE_FORMAT, VALUE_BYTES).to(tl.float32)
+    v = v * value_scale[:, None]
     return k, v
 
 

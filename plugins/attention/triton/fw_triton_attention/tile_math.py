@@ -99,6 +99,55 @@ def online_softmax_step(
     return fold_scores(acc, m_i, l_i, scores, v, allowed, FP32)
 
 
+#: The decode over quantized tiles multiplies its probabilities by this (and divides the sums
+#: back at the end) before rounding them to float16 for the dot: a probability times a small
+#: value scale then stays a normal float16, not a subnormal that keeps few bits.
+SCALED_P_BOOST: tl.constexpr = tl.constexpr(64.0)
+
+
+@triton.jit
+def scaled_softmax_step(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    key_scale,
+    value_scale,
+    allowed,
+    sm_scale,
+    soft_cap,
+    USE_SOFT_CAP: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """:func:`online_softmax_step` over tiles in scale units (``k``/``v`` ``[N, D]``, float16, or
+    float32 with ``FP32``; ``q`` in their dtype) with per-row scales ``[N]``: the scores are
+    multiplied by ``key_scale`` and the probabilities by ``value_scale`` (and
+    :data:`SCALED_P_BOOST`: the caller divides ``acc`` by it once, at the end), so no element of a
+    tile is scaled."""
+    if FP32:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))  # float16 tensor cores, fp32 accumulation
+    scores = scores * key_scale[None, :]
+    if USE_SOFT_CAP:
+        scores = soft_cap_scores(scores * sm_scale, soft_cap) * 1.4426950408889634
+    else:
+        scores = scores * (sm_scale * 1.4426950408889634)
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    weights = p * (value_scale * SCALED_P_BOOST)[None, :]
+    if FP32:
+        pv = tl.dot(weights, v, input_precision="ieee")
+    else:
+        pv = tl.dot(weights.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
 @triton.jit
 def load_latent_tile(
     cache_ptr,

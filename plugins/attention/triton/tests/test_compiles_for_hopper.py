@@ -10,6 +10,8 @@ from framework.testing import HopperCompile, compile_for_hopper, require_triton
 
 require_triton()
 
+from fw_triton_attention.decode import decode_tiles  # noqa: E402
+
 POINTERS = {
     "q_ptr": "*bf16",
     "cache_ptr": "*bf16",
@@ -23,6 +25,27 @@ POINTERS = {
     "slot_mapping_ptr": "*i64",
     "scales_ptr": "*u8",
     "sinks_ptr": "*bf16",
+}
+#: the pointer and stride arguments a quantized cache's launch gets as multiples of 16
+ALIGNED_CACHE_ARGS = (
+    "q_ptr",
+    "cache_ptr",
+    "scales_ptr",
+    "stride_q_token",
+    "stride_q_head",
+    "stride_cache_block",
+    "stride_cache_offset",
+    "stride_cache_head",
+    "stride_scales_block",
+    "stride_scales_offset",
+)
+REDUCE_POINTERS = {
+    "part_acc_ptr": "*fp32",
+    "part_ml_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "sinks_ptr": "*i32",
+    "signs_ptr": "*fp32",
+    "rotation_ptr": "*fp32",
 }
 MODEL_DTYPE_CACHE = dict(KEY_FORMAT=0, VALUE_FORMAT=0, KEY_BYTES=0, VALUE_BYTES=0)
 
@@ -96,11 +119,12 @@ def test_quantized_cache_kernels_compile_for_hopper():
     decode = [
         HopperCompile(
             "fw_triton_attention.decode:_decode_attention_kernel",
-            quantized,
+            # turbo dtypes: the backend passes the rotated query and takes the rotated output in float32
+            quantized if key == value == 8 else {**quantized, "q_ptr": "*fp32", "out_ptr": "*fp32"},
             dict(
                 GROUP=4,
                 BLOCK_H=16,
-                BLOCK_N=64,
+                BLOCK_N=decode_tiles(key, 128)[0],
                 BLOCK_D=128,
                 PAGE=16,
                 IS_SPLIT=True,
@@ -116,7 +140,8 @@ def test_quantized_cache_kernels_compile_for_hopper():
                 VALUE_BYTES=value_bytes,
             ),
             float_args=("sm_scale", "soft_cap"),
-            options=dict(num_warps=4, num_stages=2),
+            options=dict(num_warps=decode_tiles(key, 128)[1], num_stages=2),
+            divisible_by_16=ALIGNED_CACHE_ARGS,  # as a launch on a real cache specializes it
         )
         for key, value, key_bytes, value_bytes in QUANTIZED_ROWS
     ]
@@ -173,9 +198,28 @@ def test_quantized_cache_kernels_compile_for_hopper():
         )
         for key, value, key_bytes, _ in QUANTIZED_ROWS
     ]
-    ptx = compile_for_hopper(decode + prefill + store)
+    # turbo dtypes: the reduce rotates the output back (kv_quant.unrotate), for one split too
+    reduce = [
+        HopperCompile(
+            "fw_triton_attention.decode:_decode_reduce_kernel",
+            REDUCE_POINTERS,
+            dict(SPLITS_P2=64, BLOCK_D=128, USE_SINKS=False, UNROTATE=True, GROUP=4),
+            options=dict(num_warps=8),
+        )
+    ]
+    ptx = compile_for_hopper(decode + prefill + store + reduce)
     assert all(".target sm_90" in text for text in ptx)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx[len(decode) + len(prefill)]  # fp8 keys: the hardware conversion
+    # fp8 and int4 rows are read as 16-byte async copies into shared memory, not byte by byte (at
+    # ddb3fb2 the fp8 decode made 136 byte loads a tile); what bytes are left are the scale codes
+    for text, (key, value, _, _) in zip(ptx[: len(decode)], QUANTIZED_ROWS, strict=True):
+        if key != 3:
+            assert "cp.async.cg.shared.global" in text, (key, value)
+            assert text.count("ld.global.b8") <= 8, (key, value)
+            # tiles in float16 units: e4m3 pairs by one conversion each, int4 by integer ops alone
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text, (key, value)
+            assert ("cvt.rn.f16x2.e4m3x2" in text) == (8 in (key, value)), (key, value)
+            assert "cvt.rn.f32.s32" not in text and "cvt.rn.f16.u32" not in text, (key, value)
 
 
 def test_kernels_with_attention_sinks_compile_for_hopper():
@@ -205,8 +249,8 @@ def test_kernels_with_attention_sinks_compile_for_hopper():
     cases.append(
         HopperCompile(
             "fw_triton_attention.decode:_decode_reduce_kernel",
-            {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "sinks_ptr": "*bf16"},
-            dict(SPLITS_P2=8, BLOCK_D=64, USE_SINKS=True),
+            {**REDUCE_POINTERS, "sinks_ptr": "*bf16"},
+            dict(SPLITS_P2=8, BLOCK_D=64, USE_SINKS=True, UNROTATE=False, GROUP=8),
             options=dict(num_warps=4),
         )
     )
