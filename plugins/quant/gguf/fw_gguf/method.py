@@ -344,7 +344,7 @@ def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     rows, n = x2d.shape[0], sum(layer.gguf_rows)
-    if rows >= DEQUANTIZE_MIN_ROWS:
+    if rows >= DEQUANTIZE_MIN_ROWS and not _all_mmq(layer, rows, k):
         weight = torch.empty(n, k, dtype=x.dtype, device=x.device)
         for index, start, group_rows in _group_slices(layer):
             gguf_dequantize(
@@ -372,6 +372,22 @@ def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)
+
+
+def _all_mmq(layer: nn.Module, rows: int, k: int) -> bool:
+    """Whether every shard group of ``layer`` multiplies ``rows`` rows on the int8 MMQ (then no dequantization)."""
+    from .kernels.mmq import mmq_takes
+
+    return all(
+        mmq_takes(
+            layer.gguf_types[index],
+            rows,
+            k,
+            group_rows * k // gguf.GGML_QUANT_SIZES[layer.gguf_types[index]][0],
+            layer.gguf_planar[index],
+        )
+        for index, _, group_rows in _group_slices(layer)
+    )
 
 
 def _group_slices(layer: nn.Module) -> list[tuple[int, int, int]]:
