@@ -190,27 +190,30 @@ def _mmq_kernel(
             blk = n * blocks_per_row + step
             d = _f16(w_ptr + blk * 2, n_live)
             dmin = _f16(w_ptr + 2 * T + blk * 2, n_live)
-            scales = w_ptr + 4 * T + blk * 12
+            # the 12 scale bytes as 3 words (4-byte aligned: the plane starts at 4 T, blocks are 12 bytes)
+            scales = (w_ptr + 4 * T).to(tl.pointer_type(tl.int32)) + blk * 3
+            a = tl.load(scales, mask=n_live, other=0)
+            bm = tl.load(scales + 1, mask=n_live, other=0)
+            c = tl.load(scales + 2, mask=n_live, other=0)
             qs = w_ptr + 16 * T + blk[:, None] * 128 + s[None, :]
             for pair in tl.static_range(4):
                 byte = _u8(qs + pair * 32, n_live[:, None])  # [BN, 32]: groups 2 pair (low), 2 pair + 1 (high)
                 for half in tl.static_range(2):
                     g = 2 * pair + half
-                    a = _u8(scales + g % 4, n_live)
-                    bm = _u8(scales + 4 + g % 4, n_live)
+                    shift = 8 * (g % 4)  # group g's byte of each word
                     if g < 4:
-                        sc, mn = a & 63, bm & 63
+                        sc, mn = (a >> shift) & 63, (bm >> shift) & 63
                     else:
-                        c = _u8(scales + 8 + g % 4, n_live)
-                        sc, mn = (c & 15) | ((a >> 2) & 48), (c >> 4) | ((bm >> 2) & 48)
+                        sc = ((c >> shift) & 15) | (((a >> shift) >> 2) & 48)
+                        mn = ((c >> shift) >> 4 & 15) | (((bm >> shift) >> 2) & 48)
                     wq = ((byte >> (4 * half)) & 15).to(tl.int8)
                     kg = step * 8 + g
                     xq = tl.load(x_rows + kg * 32, mask=row_live[:, None], other=0)
                     dx = tl.load(dx_ptr + rows * groups + kg, mask=row_live, other=0.0)
                     sx = tl.load(sx_ptr + rows * groups + kg, mask=row_live, other=0)
                     dot = tl.dot(xq, tl.trans(wq), out_dtype=tl.int32)
-                    acc = tl.fma(_int_to_float(dot) * dx[:, None], (d * sc.to(tl.float32))[None, :], acc)
-                    acc = tl.fma((-dx * sx.to(tl.float32))[:, None], (dmin * mn.to(tl.float32))[None, :], acc)
+                    acc = tl.fma(_int_to_float(dot) * dx[:, None], (d * _int_to_float(sc))[None, :], acc)
+                    acc = tl.fma((-dx * _int_to_float(sx))[:, None], (dmin * _int_to_float(mn))[None, :], acc)
         else:
             tl.static_assert(QTYPE == _Q6_K, "_mmq_kernel: Q8_0, Q4_K or Q6_K")
             # 32-value group j = 4 h + i of the superblock (h its half): low nibbles from ql byte
@@ -219,7 +222,7 @@ def _mmq_kernel(
             blocks_per_row = K // 256
             blk = n * blocks_per_row + step
             d = _f16(w_ptr + 208 * T + blk * 2, n_live)
-            sc_ptr = (w_ptr + 192 * T).to(tl.pointer_type(tl.int8)) + blk * 16
+            sc_words = (w_ptr + 192 * T).to(tl.pointer_type(tl.int32)) + blk * 4  # 16 int8 scales as 4 words
             first_half = (s < 16)[None, :]
             for h in tl.static_range(2):
                 ql0 = _u8(w_ptr + blk[:, None] * 128 + 64 * h + s[None, :], n_live[:, None])
@@ -238,10 +241,18 @@ def _mmq_kernel(
                     w_t = tl.trans(wq)
                     dot_lo = tl.dot(tl.where(first_half, xq, 0).to(tl.int8), w_t, out_dtype=tl.int32)
                     dot_hi = tl.dot(tl.where(first_half, 0, xq).to(tl.int8), w_t, out_dtype=tl.int32)
-                    sc_lo = tl.load(sc_ptr + 2 * j, mask=n_live, other=0).to(tl.int32)
-                    sc_hi = tl.load(sc_ptr + 2 * j + 1, mask=n_live, other=0).to(tl.int32)
-                    total = dot_lo * sc_lo[None, :] + dot_hi * sc_hi[None, :]  # |total| < 2**24: exact in fp32
-                    acc = tl.fma(total.to(tl.float32) * dx[:, None], d[None, :], acc)
+                    word = tl.load(
+                        sc_words + j // 2, mask=n_live, other=0
+                    )  # scales 2 j, 2 j + 1: bytes 2 (j % 2) + 0, 1
+                    sc_lo = (word << (24 - 16 * (j % 2))) >> 24  # arithmetic shift: the signed byte
+                    sc_hi = (word << (16 - 16 * (j % 2))) >> 24
+                    # each half's sum (|.| < 2**16) converted alone, in full-rate operations
+                    both = tl.fma(
+                        _int_to_float(dot_lo),
+                        (d * _int_to_float(sc_lo))[None, :],
+                        _int_to_float(dot_hi) * (d * _int_to_float(sc_hi))[None, :],
+                    )
+                    acc = tl.fma(both, dx[:, None], acc)
     mask = row_live[:, None] & n_live[None, :]
     offsets = rows[:, None] * stride_om + n[None, :]
     if SPLIT_K == 1:
