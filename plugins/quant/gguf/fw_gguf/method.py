@@ -10,7 +10,9 @@ On CUDA the shards stay packed and ``apply`` runs the Triton kernels of :mod:`fw
 for bf16/fp16 activations: one launch per shard into its column slice of one output; fewer than
 :data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (a GEMV for one row — for
 Q8_0 / Q4_K / Q6_K the integer one, which rounds x to int8 per 32 values as llama.cpp does —
-tensor-core tiles for more), more dequantize the shards into one matrix and use cuBLAS. After
+tensor-core tiles for more; 2..``MMQ_MAX_ROWS`` rows of planar Q8_0 / Q4_K / Q6_K the int8 MMQ of
+:mod:`fw_gguf.kernels.mmq`, x rounded the same way), more dequantize the shards into one matrix and
+use cuBLAS (unless every shard takes the MMQ at that row count: then no dequantization). After
 loading, a matrix layer's shards are regrouped into the kernels' planar layout (same bytes, same
 size, ``fw_gguf.kernels.decode``; ``layer.gguf_planar`` says which); the token embedding keeps the
 file's layout for its row lookups (a tied head multiplies it as it is). Other activation dtypes

@@ -2,8 +2,9 @@
 
 * :func:`gguf_matmul`: ``out[M, N] = x[M, K] @ W[N, K]^T`` with ``W`` packed. One row of a planar
   Q8_0 / Q4_K / Q6_K matrix (the decode step of most files) goes to the integer GEMV of
-  :mod:`fw_gguf.kernels.gemv` (x rounded to int8 per 32 values, as llama.cpp does); everything
-  else to one kernel, two forms by the constexpr ``BLOCK_M``:
+  :mod:`fw_gguf.kernels.gemv` (x rounded to int8 per 32 values, as llama.cpp does), 2..``MMQ_MAX_ROWS``
+  rows of one to the int8 tensor-core MMQ of :mod:`fw_gguf.kernels.mmq` (x rounded the same way;
+  ``FW_GGUF_MMQ=0`` turns it off); everything else to one kernel, two forms by the constexpr ``BLOCK_M``:
 
   - ``BLOCK_M == 1`` (one row of the other types, or asked for with a ``GGUFKernelConfig``: exact
     in x): each program streams ``BLOCK_N`` weight rows over

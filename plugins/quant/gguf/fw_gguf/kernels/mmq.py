@@ -65,8 +65,9 @@ class MmqConfig:
 
 
 def mmq_supported(qtype: GGMLQuantizationType, k: int, total_blocks: int) -> bool:
-    """Whether :func:`gguf_mmq` multiplies this planar matrix: a built type, K whole blocks, and the
-    fp16 fields 2-byte aligned (Q8_0's quant plane starts at byte ``2 T``: any T)."""
+    """Whether :func:`gguf_mmq` multiplies this planar matrix: a built type and K whole steps of the
+    kernel's (256-value superblocks; 32-value blocks for Q8_0). Any block count ``T``: the word-wide
+    loads (Q4_K / Q6_K scales) are 4-byte aligned for every ``T``."""
     return qtype in MMQ_TYPES and k % (32 if qtype == Q.Q8_0 else 256) == 0
 
 
