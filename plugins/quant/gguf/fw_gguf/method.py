@@ -10,7 +10,9 @@ On CUDA the shards stay packed and ``apply`` runs the Triton kernels of :mod:`fw
 for bf16/fp16 activations: one launch per shard into its column slice of one output; fewer than
 :data:`DEQUANTIZE_MIN_ROWS` rows multiply the packed blocks directly (a GEMV for one row — for
 Q8_0 / Q4_K / Q6_K the integer one, which rounds x to int8 per 32 values as llama.cpp does —
-tensor-core tiles for more), more dequantize the shards into one matrix and use cuBLAS. After
+tensor-core tiles for more; 2..``MMQ_MAX_ROWS`` rows of planar Q8_0 / Q4_K / Q6_K the int8 MMQ of
+:mod:`fw_gguf.kernels.mmq`, x rounded the same way), more dequantize the shards into one matrix and
+use cuBLAS (unless every shard takes the MMQ at that row count: then no dequantization). After
 loading, a matrix layer's shards are regrouped into the kernels' planar layout (same bytes, same
 size, ``fw_gguf.kernels.decode``; ``layer.gguf_planar`` says which); the token embedding keeps the
 file's layout for its row lookups (a tied head multiplies it as it is). Other activation dtypes
@@ -344,7 +346,7 @@ def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     rows, n = x2d.shape[0], sum(layer.gguf_rows)
-    if rows >= DEQUANTIZE_MIN_ROWS:
+    if rows >= DEQUANTIZE_MIN_ROWS and not _all_mmq(layer, rows, k):
         weight = torch.empty(n, k, dtype=x.dtype, device=x.device)
         for index, start, group_rows in _group_slices(layer):
             gguf_dequantize(
@@ -372,6 +374,22 @@ def linear_packed(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)
+
+
+def _all_mmq(layer: nn.Module, rows: int, k: int) -> bool:
+    """Whether every shard group of ``layer`` multiplies ``rows`` rows on the int8 MMQ (then no dequantization)."""
+    from .kernels.mmq import mmq_takes
+
+    return all(
+        mmq_takes(
+            layer.gguf_types[index],
+            rows,
+            k,
+            group_rows * k // gguf.GGML_QUANT_SIZES[layer.gguf_types[index]][0],
+            layer.gguf_planar[index],
+        )
+        for index, _, group_rows in _group_slices(layer)
+    )
 
 
 def _group_slices(layer: nn.Module) -> list[tuple[int, int, int]]:

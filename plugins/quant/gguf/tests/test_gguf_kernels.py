@@ -19,6 +19,7 @@ require_triton()
 
 from fw_gguf.dequant import dequantize  # noqa: E402
 from fw_gguf.kernels import matmul as matmul_module  # noqa: E402
+from fw_gguf.kernels import mmq as mmq_module  # noqa: E402
 from fw_gguf.kernels.gemv import GEMV_TYPES, GemvConfig, gemv_config, gemv_supported, quantize_x_reference  # noqa: E402
 from fw_gguf.kernels.layout import FIELDS, GROUPS, KERNEL_TYPES, from_planar, to_planar  # noqa: E402
 from fw_gguf.kernels.matmul import (  # noqa: E402
@@ -28,6 +29,7 @@ from fw_gguf.kernels.matmul import (  # noqa: E402
     kernel_config,
     matmul_config,
 )
+from fw_gguf.kernels.mmq import MmqConfig, mmq_takes  # noqa: E402
 
 TYPES = sorted(KERNEL_TYPES, key=int)
 # gguf-py quantizes these itself: blocks from an independent packer; the others are random bytes
@@ -118,8 +120,10 @@ def test_matmul_tiles_hold_the_reference_values_exactly(qtype, random_packed):
 
 def _uses_gemv(qtype, planar, rows, n, k, config) -> bool:
     total_blocks = n * k // _block_size(qtype)
-    return isinstance(config, GemvConfig) or (
-        rows == 1 and planar and config is None and gemv_supported(qtype, k, total_blocks)
+    return (
+        isinstance(config, (GemvConfig, MmqConfig))
+        or (rows == 1 and planar and config is None and gemv_supported(qtype, k, total_blocks))
+        or (config is None and mmq_takes(qtype, rows, k, total_blocks, planar))  # the int8 MMQ: test_gguf_mmq.py
     )
 
 
@@ -141,10 +145,12 @@ def _check_matmul(qtype, planar, rows, n, k, seed, random_packed, config=None):
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 64])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_matmul_matches_dequantize_then_matmul_for_every_row_count(qtype, rows, random_packed):
-    # odd N (partial N tile), K = 3 blocks (partial K step for 32-value types)
-    _check_matmul(
-        qtype, True, rows, 37, 3 * _block_size(qtype) if _block_size(qtype) == 256 else 96, rows, random_packed
-    )
+    # odd N (partial N tile), K = 3 blocks (partial K step for 32-value types); 2+ rows: the int8 MMQ by
+    # default, and the bf16 tile kernel (exact in x) when its setting is asked for
+    k = 3 * _block_size(qtype) if _block_size(qtype) == 256 else 96
+    _check_matmul(qtype, True, rows, 37, k, rows, random_packed)
+    if rows > 1:
+        _check_matmul(qtype, True, rows, 37, k, rows, random_packed, config=matmul_config(qtype, 37, k, rows))
 
 
 @interpreted
@@ -445,6 +451,8 @@ def test_method_merges_same_type_shards_and_launches_once_per_group(gemma3_gguf_
     torch.testing.assert_close(method.linear_packed(qkv, x), expected, **tol)
     assert launches == qkv.gguf_rows  # one per shard in the file's layout
     file_bytes = [getattr(qkv, f"gguf_weight_{i}").clone() for i in range(3)]
+    # the tile kernel, exact in x (planar Q8_0 / Q4_K / Q6_K take the int8 MMQ by default: test_gguf_mmq.py)
+    monkeypatch.setattr(mmq_module, "MMQ_ENABLED", False)
     qkv.linear_method._to_kernel_layout(qkv)
     assert qkv.gguf_groups == [(0, 2), (2, 3)] and qkv.gguf_planar == [True] * 3 and qkv.gguf_weight_1 is None
     assert qkv.gguf_weight_0.shape == (qkv.gguf_rows[0] + qkv.gguf_rows[1], file_bytes[0].shape[1])

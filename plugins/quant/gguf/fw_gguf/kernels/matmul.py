@@ -2,8 +2,9 @@
 
 * :func:`gguf_matmul`: ``out[M, N] = x[M, K] @ W[N, K]^T`` with ``W`` packed. One row of a planar
   Q8_0 / Q4_K / Q6_K matrix (the decode step of most files) goes to the integer GEMV of
-  :mod:`fw_gguf.kernels.gemv` (x rounded to int8 per 32 values, as llama.cpp does); everything
-  else to one kernel, two forms by the constexpr ``BLOCK_M``:
+  :mod:`fw_gguf.kernels.gemv` (x rounded to int8 per 32 values, as llama.cpp does), 2..``MMQ_MAX_ROWS``
+  rows of one to the int8 tensor-core MMQ of :mod:`fw_gguf.kernels.mmq` (x rounded the same way;
+  ``FW_GGUF_MMQ=0`` turns it off); everything else to one kernel, two forms by the constexpr ``BLOCK_M``:
 
   - ``BLOCK_M == 1`` (one row of the other types, or asked for with a ``GGUFKernelConfig``: exact
     in x): each program streams ``BLOCK_N`` weight rows over
@@ -48,6 +49,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from fw_gguf.kernels.decode import GROUPS, decode, decode_weights
 from fw_gguf.kernels.gemv import GEMV_TYPES, GemvConfig, gemv_setting, gemv_supported, gguf_gemv
+from fw_gguf.kernels.mmq import MMQ_TUNED, MMQ_TYPES, MmqConfig, gguf_mmq, mmq_config, mmq_supported, mmq_takes
 
 #: Streaming multiprocessors assumed where the device cannot be asked (the interpreter): an H200's.
 DEFAULT_NUM_SMS = 132
@@ -258,6 +260,16 @@ def kernel_config(qtype: GGMLQuantizationType, n: int, k: int, rows: int, device
     return matmul_config(qtype, n, k, rows, _num_sms(device))
 
 
+def mmq_setting(qtype: GGMLQuantizationType, n: int, k: int, rows: int, device: torch.device) -> MmqConfig:
+    """What :func:`gguf_matmul` launches for the MMQ on ``device``: :data:`fw_gguf.kernels.mmq.MMQ_TUNED`'s
+    setting for the shape and :func:`row_bucket`, else :func:`fw_gguf.kernels.mmq.mmq_config`'s rule."""
+    if MMQ_TUNED:
+        tuned = MMQ_TUNED.get((_device_name(device), qtype.name, n, k, row_bucket(rows)))
+        if tuned is not None:
+            return tuned
+    return mmq_config(qtype, n, k, rows, _num_sms(device))
+
+
 def _check(weight: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> tuple[int, int]:
     if qtype not in GROUPS:
         raise ValueError(f"no GGUF kernel for {qtype.name}; kernels exist for {', '.join(t.name for t in GROUPS)}")
@@ -287,17 +299,28 @@ def gguf_matmul(
     *,
     planar: bool = False,
     out: torch.Tensor | None = None,
-    config: GGUFKernelConfig | GemvConfig | None = None,
+    config: GGUFKernelConfig | GemvConfig | MmqConfig | None = None,
 ) -> torch.Tensor:
     """``x @ W^T`` for a 2-D ``x`` ``[rows, k]`` (unit column stride) and ``W`` ``[n, k]`` packed as
     ``qtype`` (contiguous uint8, GGUF or planar layout). Writes into ``out`` (``[rows, n]`` of x's
     dtype, unit column stride: a column slice of a fused layer's output works) or a new tensor,
     and returns it. Raises ``ValueError`` for a type without a kernel or a byte count that does not
-    match ``[n, k]``."""
+    match ``[n, k]``, and for a ``GemvConfig`` / ``MmqConfig`` the integer kernels cannot take.
+
+    A config chooses the kernel; without one, 1 row of a planar Q8_0 / Q4_K / Q6_K matrix runs the
+    integer GEMV, 2..``MMQ_MAX_ROWS`` rows of one the int8 tensor-core MMQ (:mod:`fw_gguf.kernels.mmq`,
+    while ``MMQ_ENABLED``), the rest the tile kernel."""
     total_blocks, _ = _check(weight, qtype, n, k)
     rows = x.shape[0]
     if out is None:
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if isinstance(config, MmqConfig) or (config is None and mmq_takes(qtype, rows, k, total_blocks, planar)):
+        if not planar or not mmq_supported(qtype, k, total_blocks):
+            raise ValueError(
+                f"the int8 MMQ multiplies a planar {', '.join(sorted(t.name for t in MMQ_TYPES))} matrix; got a "
+                f"{'planar' if planar else 'GGUF-layout'} {qtype.name} [{n}, {k}]"
+            )
+        return gguf_mmq(x, weight, qtype, n, k, total_blocks, out, config or mmq_setting(qtype, n, k, rows, x.device))
     if isinstance(config, GemvConfig) or (
         rows == 1 and planar and config is None and gemv_supported(qtype, k, total_blocks)
     ):
