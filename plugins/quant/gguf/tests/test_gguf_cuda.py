@@ -101,8 +101,12 @@ def _generate(path, prompts, steps):
 
 def test_kquant_engine_with_cuda_graphs_matches_the_dequantized_path(tmp_path, monkeypatch):
     import fw_gguf.kernels.matmul as matmul
+    import fw_gguf.kernels.mmq as mmq
     import fw_gguf.method as method
 
+    # the tile kernels are exact in x; the MMQ that 2..16 rows take by default rounds x to int8 (its own
+    # tests compare it against that rounding), so it would part from the dequantized path at near-ties
+    monkeypatch.setattr(mmq, "MMQ_ENABLED", False)
     path = tmp_path / "tiny-llama-q4_k_m.gguf"
     write_kquant_llama(path)
     gen = torch.Generator().manual_seed(1)

@@ -62,8 +62,10 @@ def test_quantize_rows_is_the_documented_rounding():
 @interpreted
 @pytest.mark.parametrize("rows", [2, 17, 64])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_mmq_matches_dequantize_then_matmul_of_rounded_x(qtype, rows, random_packed):
-    """The default dispatch (no config) of 2..64 rows: the rule's tiles, N and rows not multiples of them."""
+def test_mmq_matches_dequantize_then_matmul_of_rounded_x(qtype, rows, random_packed, monkeypatch):
+    """The dispatch (no config) of 2..64 rows, with the row limit raised past the default 16: the rule's
+    tiles, N and rows not multiples of them."""
+    monkeypatch.setattr(mmq, "MMQ_MAX_ROWS", 64)
     planar, reference, n, k = _matrix(qtype, random_packed, seed=int(qtype) + rows)
     assert mmq_takes(qtype, rows, k, planar.numel() // gguf.GGML_QUANT_SIZES[qtype][1], True)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -110,13 +112,14 @@ def test_method_prefill_takes_the_mmq_instead_of_dequantizing(random_packed, mon
 
 
 def test_dispatch_and_refusals(monkeypatch):
-    assert mmq_takes(Q.Q4_K, 2, 4096, 16 * 4096, True) and mmq_takes(Q.Q8_0, 512, 96, 3 * 40, True)
+    assert mmq.MMQ_MAX_ROWS == 16  # the default: faster than the tiles at 16 rows, slower at 64 (H200)
+    assert mmq_takes(Q.Q4_K, 2, 4096, 16 * 4096, True) and mmq_takes(Q.Q8_0, 16, 96, 3 * 40, True)
     assert not mmq_takes(Q.Q4_K, 1, 4096, 16 * 4096, True)  # one row: the integer GEMV
-    assert not mmq_takes(Q.Q4_K, 513, 4096, 16 * 4096, True)  # past MMQ_MAX_ROWS
-    assert not mmq_takes(Q.Q4_K, 64, 4096, 16 * 4096, False)  # the file's layout
-    assert not mmq_takes(Q.Q5_K, 64, 4096, 16 * 4096, True)  # no MMQ for the type
+    assert not mmq_takes(Q.Q4_K, 17, 4096, 16 * 4096, True)  # past MMQ_MAX_ROWS
+    assert not mmq_takes(Q.Q4_K, 8, 4096, 16 * 4096, False)  # the file's layout
+    assert not mmq_takes(Q.Q5_K, 8, 4096, 16 * 4096, True)  # no MMQ for the type
     monkeypatch.setattr(mmq, "MMQ_ENABLED", False)
-    assert not mmq_takes(Q.Q4_K, 64, 4096, 16 * 4096, True)
+    assert not mmq_takes(Q.Q4_K, 8, 4096, 16 * 4096, True)
     with pytest.raises(ValueError, match="int8 MMQ multiplies a planar Q4_K, Q6_K, Q8_0 matrix; got a GGUF-layout"):
         gguf_matmul(torch.zeros(2, 256), torch.zeros(144, dtype=torch.uint8), Q.Q4_K, 1, 256, config=MmqConfig())
     with pytest.raises(ValueError, match="at least 16 x 16"):

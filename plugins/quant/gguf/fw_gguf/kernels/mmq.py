@@ -42,7 +42,12 @@ Q = GGMLQuantizationType
 MMQ_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q8_0, Q.Q4_K, Q.Q6_K})
 #: Whether :func:`fw_gguf.kernels.matmul.gguf_matmul` runs 2..MMQ_MAX_ROWS rows here (else the tile kernel).
 MMQ_ENABLED: bool = os.environ.get("FW_GGUF_MMQ", "1") != "0"
-MMQ_MAX_ROWS: int = int(os.environ.get("FW_GGUF_MMQ_MAX_ROWS", "512"))
+#: Up to this many rows the MMQ serves by default: on the H200 (9cab9cc, ``benchmarks/gguf_kernels.py --rows 16
+#: 64 512``) it beat the tile kernel at 16 rows on every Llama-3-8B layer of Q4_K, Q6_K and Q8_0 (Q4_K gate_up
+#: 86.8 against 115.6 us, Q8_0 77.9 against 150.9) and lost at 64 (Q4_K gate_up 237.0 against 153.1) and at
+#: 512 rows to dequantize + cuBLAS (1553.9 against 244.2): its per-group scaling after every 32-deep int8 dot
+#: serialises the tensor cores once the tiles are 64 rows high.
+MMQ_MAX_ROWS: int = int(os.environ.get("FW_GGUF_MMQ_MAX_ROWS", "16"))
 _Q8_0: tl.constexpr = tl.constexpr(int(Q.Q8_0))
 _Q4_K: tl.constexpr = tl.constexpr(int(Q.Q4_K))
 _Q6_K: tl.constexpr = tl.constexpr(int(Q.Q6_K))
