@@ -1,11 +1,14 @@
 """The FP4 dense kernels (``fw_fp4.kernels.fp4_linear``) for ``w4a16_kernels.py --variants nvfp4 mxfp4``.
 
     python benchmarks/w4a16_kernels.py --variants nvfp4                 # Llama-3-8B shapes, rows 1..512
-    python benchmarks/w4a16_kernels.py --variants nvfp4 --sweep --layers down --rows 1 16
+    python benchmarks/w4a16_kernels.py --variants nvfp4 mxfp4 --rows 1      # the one-row integer GEMV (< 60 s)
+    python benchmarks/w4a16_kernels.py --variants nvfp4 --rows 1 --sweep    # its 18 settings per layer (< 90 s)
+    python benchmarks/w4a16_kernels.py --variants nvfp4 --sweep --layers down --rows 16
     python benchmarks/w4a16_kernels.py --variants nvfp4 mxfp4 --tiny    # the script itself on a CPU
 
-Each case checks the kernel against ``x @ W^T`` on the dequantized weight, then times it (and bf16
-cuBLAS on the dense matrix) replayed from a CUDA graph over weight copies that overflow the L2,
+Each case checks the kernel against ``x @ W^T`` on the dequantized weight (one row on CUDA: the
+integer GEMV, against x rounded to int8 per 32 inputs as it rounds it; its float GEMV is timed
+beside it as ``exact_gemv_us``), then times it (and bf16 cuBLAS on the dense matrix) replayed from a CUDA graph over weight copies that overflow the L2,
 with the result keys of ``w4a16_kernels.py``. Weights are random codes with scales of about 1e-2.
 """
 
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import torch
 from common import copies_timer, time_kernel_settings
-from fw_fp4.kernels.fp4_linear import choose_config, fp4_matmul
+from fw_fp4.kernels.fp4_gemv import int8_gemv_config, int8_gemv_supported
+from fw_fp4.kernels.fp4_linear import DEFAULT_NUM_SMS, choose_config, fp4_matmul, int8_gemv_default
+from fw_fp4.kernels.int8_dot import quantize_x_reference
 from fw_fp4.kernels.layout import GROUP_SIZES, Fp4KernelWeight, dequantize_kernel_weight, to_kernel_layout
 
 VARIANTS = tuple(GROUP_SIZES)
@@ -32,14 +37,24 @@ def random_fp4_weight(fmt: str, n: int, k: int, device: str) -> Fp4KernelWeight:
     return to_kernel_layout(packed, scales, None, fmt)  # already rebased (+14)
 
 
+def num_sms(device: str) -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else DEFAULT_NUM_SMS
+
+
 def sweep_settings(rows: int) -> list[dict]:
-    """The grid ``--sweep`` times: ``w4a16_kernels.py``'s tl.dot settings, and for rows up to
+    """The grid ``--sweep`` times: for one row the integer GEMV's (outputs a program = 128 per warp,
+    K step, split-K: 18 settings); else ``w4a16_kernels.py``'s tl.dot settings, and for rows up to
     ``GEMV_MAX_ROWS`` the tensor-core-free GEMV's (output block, K step, split-K, warps)."""
     import itertools
 
     from fw_fp4.kernels.fp4_linear import GEMV_MAX_ROWS
     from w4a16_kernels import sweep_settings as dot_settings
 
+    if rows == 1:
+        return [
+            {"KIND": "int8", "BLOCK_N": 128 * warps, "STEP": step, "SPLIT_K": split_k, "num_warps": warps}
+            for warps, step, split_k in itertools.product((1, 2, 4), (64, 128, 256), (1, 8))
+        ]
     grid = [{"KIND": "dot", **setting} for setting in dot_settings(rows)]
     if rows <= 2 * GEMV_MAX_ROWS:
         for block_n, block_k, split_k, warps in itertools.product(
@@ -64,7 +79,10 @@ def measure_fp4(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool
     weight = random_fp4_weight(variant, n, k, device)
     dense = dequantize_kernel_weight(weight, dtype)
     x = torch.randn(rows, k, device=device, dtype=dtype)
-    expected = x.double() @ dense.double().t()
+    exact = x.double() @ dense.double().t()
+    # one row on CUDA: the integer GEMV, which multiplies x rounded to int8 per 32 inputs
+    int8 = rows == 1 and int8_gemv_default(x) and int8_gemv_supported(weight)
+    expected = quantize_x_reference(x).double() @ dense.double().t() if int8 else exact
     error = ((fp4_matmul(x, weight).double() - expected).abs().max() / expected.abs().max()).item()
     if error > (1e-4 if tiny else 2e-2):
         raise AssertionError(f"{variant} {rows}x{k} @ [{n}, {k}]: relative error {error:.3g}")
@@ -82,12 +100,15 @@ def measure_fp4(variant: str, n: int, k: int, rows: int, sweep: bool, tiny: bool
         "rows": rows,
         "packed_bytes": packed_bytes,
         "check_rel_error": error,
-        "rule": choose_config(rows, n, k),
+        "rule": int8_gemv_config(n, k, num_sms(device)) if int8 else choose_config(rows, n, k),
         "kernel_us": kernel_s * 1e6,
         "kernel_gb_s": packed_bytes / kernel_s / 1e9,
         "cublas_bf16_us": cublas_s * 1e6,
         "speedup_vs_bf16": cublas_s / kernel_s,
     }
+    if int8:  # the float GEMV it replaces, exact in x
+        gemv = {**choose_config(1, n, k, num_sms(device)), "KIND": "gemv"}
+        result["exact_gemv_us"] = time_it(lambda w: fp4_matmul(x, w, config=gemv), copies) * 1e6
     if sweep:
         run = lambda w, config: fp4_matmul(x, w, config=config)  # noqa: E731
         result.update(time_kernel_settings(run, sweep_settings(rows), expected, copies, time_it, packed_bytes))

@@ -7,6 +7,7 @@
     python benchmarks/w4a16_kernels.py --moe --tokens 1 8 --sweep --out $OUT/w4a16_moe_sweep.json
     python benchmarks/fp8_kernels.py --moe --tiny     # the script itself on a CPU (TRITON_INTERPRET=1)
     python benchmarks/w4a16_kernels.py --moe --variants nvfp4 mxfp4 [--tokens 1 8] [--sweep] --out $OUT/fp4_moe.json
+    python benchmarks/w4a16_kernels.py --moe --variants mxfp4 --moe-shape gpt-oss-20b --tokens 1 64 [--sweep]
 
 One MoE layer of the Qwen3-30B-A3B shape (128 experts, 8 per token, hidden 2048, expert width 768)
 with random experts in the format's kernel layout (4-bit group 128: symmetric, with zero points,
@@ -16,7 +17,10 @@ in float32 (within bf16 tolerance), then times, replayed from a CUDA graph over 
 that overflow the L2 (every call reads HBM): the kernel at its rule's setting, the bf16 Triton
 ``fused_moe`` on the dequantized stacks (what a bf16 model runs) and, where it is graph-safe (pairs
 <= experts), the torch reference. Bandwidth is of the chosen experts' bytes (weights and scales).
-``--sweep`` times a grid of ``MoEKernelConfig`` settings too and reports the fastest.
+``--sweep`` times a grid of ``MoEKernelConfig`` settings too and reports the fastest (FP4 at one
+token: the one-token integer kernels' tiles, ``fw_fp4.kernels.fp4_moe_gemv``). FP4 at one token
+on CUDA is those kernels (x and the activations rounded to int8 per 32). ``--moe-shape
+gpt-oss-20b``: 32 experts, top-4, 2880 x 2880, random biases and the clamped SwiGLU (FP4 only).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from framework import ops
 from framework.ops import PackedExperts
 
 QWEN3_30B_A3B = (128, 8, 2048, 768)
+GPT_OSS_20B = (32, 4, 2880, 2880)
+MOE_SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}
 TINY = (8, 2, 256, 128)
 #: Bytes the chosen experts of the stack copies a timing cycles through must reach (several L2s).
 COLD_BYTES = 256 * 2**20
@@ -108,7 +114,12 @@ def _module(fmt: str):
     return moe
 
 
-def sweep_settings(fmt: str, num_pairs: int) -> list:
+def sweep_settings(fmt: str, num_pairs: int, tokens: int = 0) -> list:
+    if fmt == "fp4" and tokens == 1:  # fw_fp4's one-token integer kernels (fp4_moe_gemv.ONE_TOKEN_TILES)
+        return [
+            {"ONE_TOKEN": True, "BLOCK_N": n, "STEP": k, "num_warps": w, "num_stages": 2}
+            for n, k, w in itertools.product((16, 32, 64), (128, 256, 512), (2, 4))
+        ]
     if fmt == "fp4":  # fw_fp4's kernel: tiles as a dict (BLOCK_M stays the pairs' block)
         return [
             {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
@@ -148,6 +159,11 @@ def measure(fmt: str, variant: str, tokens: int, shape, sweep: bool, tiny: bool,
     hidden = (torch.randn(tokens, hidden_size, device=device, generator=generator) * 0.5).to(dtype)
     logits = torch.randn(tokens, experts, device=device, generator=generator)
     topk_weights, topk_ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+    activation = activation_fp32 = ops.PLAIN_SWIGLU
+    if shape == GPT_OSS_20B:  # its expert biases and clamped SwiGLU
+        biases = [torch.randn(experts, n, device=device, generator=generator) * 0.1 for n in (2 * inter, hidden_size)]
+        activation_fp32 = ops.MoEActivation(*biases, swiglu_alpha=1.702, swiglu_limit=7.0)
+        activation = activation_fp32._replace(w13_bias=biases[0].to(dtype), w2_bias=biases[1].to(dtype))
     chosen = torch.unique(topk_ids).numel()
     touched = chosen * stack_bytes // experts
     num_copies = 1 if tiny else min(16, max(2, -(-COLD_BYTES // touched)))
@@ -156,15 +172,27 @@ def measure(fmt: str, variant: str, tokens: int, shape, sweep: bool, tiny: bool,
     ]
 
     def run(copy, config=None):
-        if fmt == "fp4":  # the tile rule (fw_triton_ops.fused_moe.launch_config), or a swept setting
+        if fmt == "fp4" and config and config.get("ONE_TOKEN"):
+            from fw_fp4.kernels.fp4_moe_gemv import one_token_moe
+
+            tiles = {key: value for key, value in config.items() if key != "ONE_TOKEN"}
+            return one_token_moe(hidden, *copy, topk_weights, topk_ids, activation, tiles=tiles)
+        if fmt == "fp4":  # the rule (one token: the integer kernels, fp4_moe_gemv), or a swept setting
             from fw_fp4.kernels.fp4_moe import quantized_fused_moe
 
-            return quantized_fused_moe(hidden, *copy, topk_weights, topk_ids, tiles=config)
+            return quantized_fused_moe(hidden, *copy, topk_weights, topk_ids, activation, tiles=config)
         if tiny and config is None:  # the rule's form, tiles as wide as the tiny shape (interpreter time)
             config = dataclasses.replace(moe.moe_config(tokens * top_k), block_n=128)
         return moe.quantized_fused_moe(hidden, *copy, topk_weights, topk_ids, config=config)
 
-    exact = ops.quantized_fused_moe(hidden.float(), *stacks, topk_weights, topk_ids)
+    reference = ops.quantized_fused_moe
+    if fmt == "fp4" and tokens == 1:
+        from fw_fp4.kernels.fp4_moe import one_token_default
+        from fw_fp4.kernels.fp4_moe_gemv import one_token_reference
+
+        if one_token_default(hidden, hidden_size, inter, None):  # x and the activations rounded to int8
+            reference = one_token_reference
+    exact = reference(hidden.float(), *stacks, topk_weights, topk_ids, activation_fp32)
     got = run(stacks).float()
     error = ((got - exact).abs().max() / exact.abs().max()).item()
     if not error <= (1e-5 if tiny else 3e-2):  # NaN fails too
@@ -189,15 +217,17 @@ def measure(fmt: str, variant: str, tokens: int, shape, sweep: bool, tiny: bool,
         ids = torch.arange(experts, device=device)
         w13 = torch.cat([stacks[0].experts(ids, dtype), stacks[1].experts(ids, dtype)], dim=1)
         dense = [(w13, stacks[2].experts(ids, dtype))]
-        result["bf16_fused_moe_us"] = time_it(lambda w: fused_moe(hidden, *w, topk_weights, topk_ids), dense) * 1e6
+        result["bf16_fused_moe_us"] = (
+            time_it(lambda w: fused_moe(hidden, *w, topk_weights, topk_ids, activation), dense) * 1e6
+        )
         del dense, w13
         if tokens * top_k <= experts:  # the reference's gather path: graph-safe
             result["torch_reference_us"] = (
-                time_it(lambda c: ops.quantized_fused_moe(hidden, *c, topk_weights, topk_ids), copies) * 1e6
+                time_it(lambda c: ops.quantized_fused_moe(hidden, *c, topk_weights, topk_ids, activation), copies) * 1e6
             )
     if sweep:
         settings, refused = [], []
-        for config in sweep_settings(fmt, tokens * top_k):
+        for config in sweep_settings(fmt, tokens * top_k, tokens):
             try:
                 error = ((run(stacks, config).float() - got).abs().max() / got.abs().max()).item()
             except Exception as exc:  # noqa: BLE001 (Triton's OutOfResources and compile errors alike)
@@ -220,7 +250,9 @@ def run_moe(args, fmt: str) -> None:
     """``--moe`` of w4a16_kernels.py (``fmt`` "wna16") or fp8_kernels.py ("fp8"): a table and the report."""
     tiny = args.tiny or not torch.cuda.is_available()
     device = "cpu" if tiny else "cuda"
-    shape = TINY if tiny else QWEN3_30B_A3B
+    shape = TINY if tiny else MOE_SHAPES[getattr(args, "moe_shape", "qwen3-30b-a3b")]
+    if shape == GPT_OSS_20B and fmt != "fp4":
+        raise SystemExit("--moe-shape gpt-oss-20b: its MXFP4 / NVFP4 experts only (--variants nvfp4 mxfp4)")
     token_counts = [1, 40] if tiny else args.tokens  # per pair, and sorted 16-row blocks
     if fmt == "fp4":
         variants = list(args.variants)

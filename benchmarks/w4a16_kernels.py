@@ -207,6 +207,12 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU under the interpreter")
     parser.add_argument("--moe", action="store_true", help="the MoE kernel at the Qwen3-30B-A3B shape instead")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512], help="--moe: token counts")
+    parser.add_argument(
+        "--moe-shape",
+        default="qwen3-30b-a3b",
+        choices=["qwen3-30b-a3b", "gpt-oss-20b"],
+        help="--moe: the layer (gpt-oss-20b: 32 experts top-4, 2880 x 2880, with its biases and clamped SwiGLU)",
+    )
     parser.add_argument("--out", help="the JSON report (default: $OUT/w4a16_kernels.json or w4a16_moe.json)")
     args = parser.parse_args()
     if args.out is None and os.environ.get("OUT"):
@@ -228,6 +234,8 @@ def main() -> None:
         result = {"layer": name, **measure(variant, n, k, rows, args.sweep, tiny)}
         results.append(result)
         best = f"{result['best']['us']:8.1f}" if "best" in result else "-"
+        if "exact_gemv_us" in result:
+            best += f"  float GEMV {result['exact_gemv_us']:.1f} us"
         if "int8_gemv_us" in result:
             best += f"  int8 GEMV {result['int8_gemv_us']:.1f} us ({result['int8_gemv_gb_s']:.0f} GB/s)"
             if "int8_gemv_best" in result:

@@ -15,6 +15,9 @@ field it is (``byte << 23``). Three forms, by row count (:func:`choose_config`):
     from DEQUANT_MIN_ROWS rows: fp4_dequantize_kernel into a transient [K, N] matrix of x's dtype
         (global scale included), then cuBLAS
 
+One row on CUDA takes the integer GEMV of :mod:`fw_fp4.kernels.fp4_gemv` instead (x rounded to
+int8 per 32 inputs, ``dp4a``; :func:`int8_gemv_default`).
+
 In both fused kernels NVFP4's global scale multiplies the fp32 sums once per output (its one rounding). The GEMV
 streams each weight byte once per row (the rows of a block run side by side, so their re-reads
 hit L2) and keeps every product of a word in one thread; the ``tl.dot`` form follows
@@ -25,12 +28,15 @@ partial sums added by the launcher). Grids come from shapes; nothing syncs with 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from .fp4_decode import e2m1, scale_factor
+from .fp4_gemv import fp4_int8_gemv, int8_gemv_config, int8_gemv_supported
 from .layout import GROUP_SIZES, Fp4KernelWeight
 
 #: Streaming multiprocessors assumed where the device cannot be asked (the interpreter): an H200's.
@@ -271,11 +277,23 @@ def fp4_dequantize(weight: Fp4KernelWeight, dtype: torch.dtype, block_k: int = 6
     return out
 
 
+def int8_gemv_default(x: Tensor) -> bool:
+    """Whether one row takes the integer GEMV (:mod:`fw_fp4.kernels.fp4_gemv`, x rounded to int8 per
+    32 inputs) without a forced config: on CUDA unless ``FW_FP4_GEMV=exact``; under the interpreter
+    only with ``FW_FP4_GEMV=int8`` (the CPU tests keep the exact kernels' results)."""
+    choice = os.environ.get("FW_FP4_GEMV", "")
+    if choice not in ("", "int8", "exact"):
+        raise ValueError(f"FW_FP4_GEMV={choice!r}; valid: int8, exact (unset: int8 on CUDA)")
+    return choice == "int8" or (choice == "" and x.is_cuda)
+
+
 def fp4_matmul(x: Tensor, weight: Fp4KernelWeight, config: dict | None = None) -> Tensor:
     """``x [M, K] @ W.T -> [M, N]`` in ``x.dtype``. ``config`` (keys of :func:`choose_config`;
-    ``KIND`` defaults to ``dot``, a missing ``SUB_K`` is ``min(BLOCK_K, 128)``) forces that kernel
-    and setting; without it, :data:`DEQUANT_MIN_ROWS` rows or more go through :func:`fp4_dequantize`
-    and cuBLAS."""
+    ``KIND`` defaults to ``dot``, a missing ``SUB_K`` is ``min(BLOCK_K, 128)``; ``KIND: int8`` the
+    one-row integer GEMV with the keys of :func:`fw_fp4.kernels.fp4_gemv.int8_gemv_config`) forces
+    that kernel and setting; without it one row takes the integer GEMV where
+    :func:`int8_gemv_default` says so, and :data:`DEQUANT_MIN_ROWS` rows or more go through
+    :func:`fp4_dequantize` and cuBLAS."""
     m, k = x.shape
     n = weight.out_features
     assert k == weight.in_features, (x.shape, weight.in_features)
@@ -284,6 +302,10 @@ def fp4_matmul(x: Tensor, weight: Fp4KernelWeight, config: dict | None = None) -
     if config is None and m >= DEQUANT_MIN_ROWS:
         return torch.mm(x, fp4_dequantize(weight, x.dtype))
     device_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else DEFAULT_NUM_SMS
+    if config is None and m == 1 and int8_gemv_default(x) and int8_gemv_supported(weight):
+        config = int8_gemv_config(n, k, device_sms)
+    if config is not None and config.get("KIND") == "int8":
+        return fp4_int8_gemv(x, weight, config)
     cfg = dict(config or choose_config(m, n, k, device_sms))
     cfg.setdefault("SUB_K", min(cfg["BLOCK_K"], 128))
     kind, split_k = cfg.pop("KIND", "dot"), cfg.pop("SPLIT_K", 1)

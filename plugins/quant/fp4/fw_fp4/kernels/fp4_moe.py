@@ -34,6 +34,7 @@ from framework import ops
 from framework.ops import PLAIN_SWIGLU, MoEActivation, PackedExperts
 
 from .fp4_decode import e2m1, scale_factor
+from .fp4_moe_gemv import one_token_moe, one_token_supported
 
 #: ``PackedExperts.quant_type`` -> (features per scale byte, scales are rebased e8m0): rows of K/2 bytes.
 QUANT_TYPES = {"mxfp4": (32, True), "nvfp4": (16, False)}
@@ -256,6 +257,15 @@ def _fp4_down_kernel(
     )
 
 
+def one_token_default(hidden: Tensor, hidden_size: int, intermediate_size: int, tiles: dict | None) -> bool:
+    """Whether one token takes :func:`fw_fp4.kernels.fp4_moe_gemv.one_token_moe` (x rounded to int8
+    per 32 inputs): on CUDA without forced ``tiles`` unless ``FW_FP4_GEMV=exact``; under the
+    interpreter only with ``FW_FP4_GEMV=int8``."""
+    from .fp4_linear import int8_gemv_default
+
+    return tiles is None and int8_gemv_default(hidden) and one_token_supported(hidden_size, intermediate_size)
+
+
 def _runs_here(hidden: Tensor) -> bool:
     return hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -294,6 +304,8 @@ def quantized_fused_moe(
     if num_tokens == 0:
         return torch.empty_like(hidden)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    if num_tokens == 1 and one_token_default(hidden, hidden_size, intermediate_size, tiles):
+        return one_token_moe(hidden.contiguous(), w1, w3, w2, topk_weights, topk_ids, activation)
     num_pairs = num_tokens * top_k
     sorted_pair_ids, block_expert_ids, num_blocks, block_n, meta = plan_grouped_launch(hidden, topk_ids, num_experts)
     if tiles:
