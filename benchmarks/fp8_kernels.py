@@ -40,6 +40,7 @@ from fw_fp8.kernels.dispatch import SMALL_MAX_ROWS, choose_paths, has_fp8_tensor
 from fw_fp8.kernels.layout import Fp8Weight, dequantize_fp8_weight  # noqa: E402
 from fw_fp8.kernels.w8a8_block import GEMV_MAX_ROWS, GROUP, split_groups, w8a8_block_matmul  # noqa: E402
 from fw_fp8.kernels.w8a8_block import choose_config as w8a8_config  # noqa: E402
+from fw_fp8.kernels.w8a8_tuned import row_bucket  # noqa: E402
 from fw_fp8.kernels.w8a16 import choose_config, w8a16_matmul  # noqa: E402
 from fw_fp8.quantize import FP8_DTYPE, FP8_MAX, quantize_weight_fp8  # noqa: E402
 
@@ -182,18 +183,20 @@ def measure(n: int, k: int, rows: int, tiny: bool, sweep: str | None = None, lab
 
 
 def tuned_lines(results: list[dict]) -> list[str]:
-    """The fastest W8A8 setting of each decode case as lines of ``w8a8_tuned.TUNED_W8A8`` (one per shape:
-    the fewest rows swept), with its time, the dispatched setting's and bf16 cuBLAS's."""
+    """The fastest W8A8 setting of each swept row bucket and shape as lines of ``w8a8_tuned.TUNED_W8A8``
+    (a bucket's line from the fewest rows swept in it), with its time, the dispatched setting's and
+    bf16 cuBLAS's."""
     lines, seen = [], set()
     for result in sorted(results, key=lambda r: r["rows"]):
-        shape = (result["n"], result["k"])
-        if not result.get("w8a8_sweep") or result["rows"] > GEMV_MAX_ROWS or shape in seen:
+        key = (row_bucket(result["rows"]), result["n"], result["k"])
+        if not result.get("w8a8_sweep") or key[0] is None or key in seen:
             continue
-        seen.add(shape)
-        best = {key: value for key, value in result["w8a8_sweep"][0].items() if key != "us"}
+        seen.add(key)
+        best = {name: value for name, value in result["w8a8_sweep"][0].items() if name != "us"}
         lines.append(
-            f"        {shape}: {best},  # {result['w8a8_sweep'][0]['us']:.1f} us, dispatched "
-            f"{result['w8a8_block']['us']:.1f}, bf16 cuBLAS {result['cublas_bf16_us']:.1f}: {result['layer']}"
+            f"        {key}: {best},  # {result['w8a8_sweep'][0]['us']:.1f} us, dispatched "
+            f"{result['w8a8_block']['us']:.1f}, bf16 cuBLAS {result['cublas_bf16_us']:.1f}: "
+            f"{result['layer']} at {result['rows']} rows"
         )
     return lines
 

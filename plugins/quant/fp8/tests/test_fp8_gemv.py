@@ -9,6 +9,8 @@ inside the GEMM (the decode rows' default) equals the quantizer kernel run befor
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from fp8_reference import quantize_reference, random_weight
@@ -27,6 +29,7 @@ from fw_fp8.kernels.w8a8_block import (  # noqa: E402
     ONE_SCALE_COLUMN,
     UNSPECIALIZED,
     choose_config,
+    quantize_activations,
     quantize_activations_kernel,
     quantize_activations_reference,
     split_groups,
@@ -226,25 +229,29 @@ def test_every_dispatched_w8a8_setting_compiles_for_sm90():
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336), (2048, 4096)])
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 def test_decode_gemv_on_the_gpu_is_deterministic_and_replays_in_a_cuda_graph(n, k, granularity):
-    """bf16, one row, small-N shapes: the dispatched setting and a 4-way split equal the unsplit
-    unfused kernel (up to the summation order, a bf16 rounding and the GPU's fp32 division) and the
-    quantized-operand product; the same bits on every call; no host sync, and the same result
-    replayed from a CUDA graph."""
+    """bf16, one row, small-N shapes. At one quantization, every split sums the same product: the
+    quantizer kernel's codes through the unfused GEMM unsplit, split 4 ways and at the dispatched
+    setting, and the fused quantization's codes (read back as ``test_fp8_quantizer_codes`` does)
+    through the fused GEMM unsplit and split, each equal the float64 product of those codes and the
+    dequantized weight up to fp32 summation order and the bf16 rounding. (The two quantizations may
+    differ by a code at near-ties: ``test_fp8_quantizer_codes`` bounds that.) The same bits on every
+    call; no host sync, and the same result replayed from a CUDA graph."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    from fp8_codes import assert_sums_the_product, fused_quantization, product
+
     from framework.testing import check_no_sync_and_cuda_graph_replay
 
     weight = fp8_weight(n, k, granularity, seed=3)
-    expected = reference(torch.randn(1, k, generator=torch.Generator().manual_seed(4)).bfloat16().float(), weight)
+    dense = dequantize_fp8_weight(weight, torch.float32)
     weight = Fp8Weight(weight.qweight.cuda(), weight.scale.cuda(), weight.scale_rows, weight.scale_cols)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
     setting = choose_config(1, n, k, torch.cuda.get_device_properties(0).multi_processor_count, "NVIDIA H200")
-    assert setting["FUSED_QUANT"]  # one row quantizes inside the GEMM
+    quantized = {False: product(*quantize_activations(x), dense), True: product(*fused_quantization(x), dense)}
+    for fused, split_k in itertools.product((False, True), (1, 4)):
+        out = w8a8_block_matmul(x, weight, config={**setting, "SPLIT_K": split_k, "FUSED_QUANT": fused})
+        assert_sums_the_product(out, quantized[fused], f"FUSED_QUANT={fused}, SPLIT_K={split_k}")
     out = w8a8_block_matmul(x, weight)
-    plain = w8a8_block_matmul(x, weight, config={**setting, "SPLIT_K": 1, "FUSED_QUANT": False})
-    split = w8a8_block_matmul(x, weight, config={**setting, "SPLIT_K": 4})
-    for got in (out, split):
-        torch.testing.assert_close(got.float(), plain.float(), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+    assert_sums_the_product(out, quantized[setting["FUSED_QUANT"]], f"dispatched {setting}")
     assert all(torch.equal(out, w8a8_block_matmul(x, weight)) for _ in range(3))
     check_no_sync_and_cuda_graph_replay(lambda x: w8a8_block_matmul(x, weight), [x], lambda: [torch.randn_like(x)])

@@ -6,7 +6,7 @@
     quantize_activations:  x [M, K] -> q float8_e4m3fn [M, K], s float32 [M, ceil(K / GROUP)]
                            s[m, g] = max |x[m, g*GROUP:(g+1)*GROUP]| / 448,   q = x / s
     w8a8_block_matmul:     grid (N / BLOCK_N, M / BLOCK_M, SPLIT_K), BLOCK_K = GROUP
-                           (up to 16 rows each program quantizes its own x tiles: FUSED_QUANT)
+                           (few rows, few N blocks: each program quantizes its own x tiles, FUSED_QUANT)
         for each group kb of the program's 1/SPLIT_K of K:
             acc += tl.dot(q tile, W tile.T) * s[m, kb] * scale[n // SCALE_ROWS, kb * GROUP // SCALE_COLS]
 
@@ -33,7 +33,7 @@ import triton.language as tl
 from ..quantize import FP8_DTYPE, FP8_MAX
 from .layout import Fp8Weight
 from .splits import sum_splits
-from .w8a8_tuned import TUNED_W8A8
+from .w8a8_tuned import TUNED_W8A8, row_bucket
 
 #: Inputs per activation scale (DeepSeek's 1x128 groups); the GEMM's BLOCK_K.
 GROUP = 128
@@ -43,9 +43,13 @@ MIN_AMAX = 1e-10
 DEFAULT_NUM_SMS = 132
 #: Up to this many rows the GEMV tiles (16 rows, 64 outputs, 4 stages).
 GEMV_MAX_ROWS = 16
-#: Split K into at most this many parts, each of at least ``MIN_SPLIT_GROUPS`` groups of 128 inputs.
+#: Split K into at most this many parts, each of at least ``MIN_SPLIT_GROUPS`` groups of 128 inputs,
+#: for at most ``SPLIT_MAX_ROWS`` rows.
 MAX_SPLIT_K = 8
 MIN_SPLIT_GROUPS = 2
+SPLIT_MAX_ROWS = 64
+#: Quantize inside the GEMM only where at most this many blocks of N repeat each group's quantization.
+MAX_FUSED_QUANT_BLOCKS = 32
 #: ``SCALE_COLS`` of a one-column scale (channel / tensor weights): above any K, so every group reads
 #: column 0, and one compiled variant serves every K.
 ONE_SCALE_COLUMN = 1 << 30
@@ -154,29 +158,32 @@ def w8a8_block_matmul_kernel(
 
 
 def choose_config(rows: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, device_name: str = "") -> dict[str, int]:
-    """Tiles, split-K, warps and stages for ``rows`` x ``[n, k]``: the setting measured for this GPU
-    and shape (:data:`fw_fp8.kernels.w8a8_tuned.TUNED_W8A8`, up to :data:`GEMV_MAX_ROWS` rows), else a
-    rule (``benchmarks/fp8_kernels.py --sweep`` times it beside its candidates):
+    """Tiles, split-K, warps and stages for ``rows`` x ``[n, k]``: the setting measured for this GPU,
+    row bucket and shape (:data:`fw_fp8.kernels.w8a8_tuned.TUNED_W8A8`, up to 64 rows), else a rule
+    shaped by what the sweeps measured (``benchmarks/fp8_kernels.py --sweep`` times it beside its
+    candidates):
 
     * tiles: up to 16 rows 16 x 64 with 4 stages (the GEMV), up to 32 rows 32 x 64, up to 64 rows
       64 x 128, more rows 128 x 128 (8 warps); 3 stages above 16 rows;
     * split-K: doubled (up to :data:`MAX_SPLIT_K`) while the tiles fill under two programs per SM,
       each split keeps at least :data:`MIN_SPLIT_GROUPS` groups of 128 inputs, and the float32
-      partial sums (written and read once) stay under an eighth of the weight bytes; only up to 64 rows;
-    * ``FUSED_QUANT`` up to 16 rows: each program quantizes its own activation tiles (the same
-      arithmetic as :func:`quantize_activations`), saving the quantizer's launch (four a decoder
-      layer, each a node of the decode graph; not yet timed apart: the sweep times the rule unfused);
-      more rows quantize once, as every N block would repeat the work.
+      partial sums (written and read once) stay under an eighth of the weight bytes; only up to
+      :data:`SPLIT_MAX_ROWS` rows;
+    * ``FUSED_QUANT`` (each program quantizes its own activation tiles, the arithmetic of
+      :func:`quantize_activations`, saving the quantizer's launch) up to 16 rows and only where at
+      most :data:`MAX_FUSED_QUANT_BLOCKS` blocks of N repeat each group's quantization: on more (the
+      H200's qkv, gate_up, head) the repeated quantization in the weight loop cost more than the
+      launch it saves.
     """
-    if rows <= GEMV_MAX_ROWS:
-        tuned = TUNED_W8A8.get(device_name, {}).get((n, k))
-        if tuned is not None:
-            return dict(tuned)
+    bucket = row_bucket(rows)
+    tuned = TUNED_W8A8.get(device_name, {}).get((bucket, n, k)) if bucket is not None else None
+    if tuned is not None:
+        return dict(tuned)
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     block_n = 128 if block_m >= 64 else 64
     programs, groups, split_k = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m), triton.cdiv(k, GROUP), 1
     while (
-        rows <= 64
+        rows <= SPLIT_MAX_ROWS
         and programs * split_k < 2 * num_sms
         and split_k < MAX_SPLIT_K
         and groups // (split_k * 2) >= MIN_SPLIT_GROUPS
@@ -187,7 +194,7 @@ def choose_config(rows: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, dev
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "SPLIT_K": split_k,
-        "FUSED_QUANT": rows <= GEMV_MAX_ROWS,
+        "FUSED_QUANT": rows <= GEMV_MAX_ROWS and triton.cdiv(n, block_n) <= MAX_FUSED_QUANT_BLOCKS,
         "num_warps": 8 if block_m >= 128 else 4,
         "num_stages": 4 if rows <= GEMV_MAX_ROWS else 3,
     }
