@@ -7,14 +7,16 @@ value, more than an H200 SM issues while its memory streams. As llama.cpp's GPU 
 ``fw_gguf``'s) does, this kernel rounds x to int8 with one fp32 scale per 32 inputs (round half away
 from zero, scale ``max|x| / 127``) and multiplies four weight quants by four x quants in one ``dp4a``::
 
-    program (BLOCK_N outputs, one split of K); a step is STEP inputs = STEP / 32 x-groups j
-    words [BLOCK_N, STEP / 32, 4] = qweight[n, k / pf]           a thread's 16-byte runs of its rows
+    program (BLOCK_N outputs, one split of K); a step is STEP inputs = STEP / 32 x-groups j = (g, jg)
+    words [BLOCK_N, NG, JG, 4] = qweight[n, k / pf]       loaded first: in flight while x is rounded
     4 bits: word m of x-group j holds inputs 32 j + 8 m + i in nibble i;
             word & 0x0F0F0F0F    = inputs 8m + 0, 2, 4, 6  -> dp4a with x quants (8m + 0, 2, 4, 6)
             word >> 4 & 0x0F0F.. = inputs 8m + 1, 3, 5, 7  -> dp4a with x quants (8m + 1, 3, 5, 7)
     8 bits: word m of x-group j holds inputs 32 j + 4 m + i in byte i: words 0-3 times x quants 0-15,
             words 4-7 times x quants 16-31
-    acc[n, j] += d_x[j] * scale[g(j), n] * (sum_{k in j} q[n, k] x_q[k] - zero[g(j), n] * sum_{k in j} x_q[k])
+    x: one contiguous load of the step, split into the two halves above, rounded per x-group
+    sums[n, j] = the eight dp4a of row n's x-group, chained through one accumulator (one thread)
+    acc[n, j] += scale[g, n] * (d_x[j] * sums[n, j] - zero[g, n] * d_x[j] * sum_{k in j} x_q[k])
     out[n] = sum_j acc[n, j]                                    (one cross-thread sum, after the K loop)
 
 So the result is the exact dequantized weights times x rounded to 8 bits per 32 inputs:
@@ -55,20 +57,35 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _dp4a(w, x, EMULATE: tl.constexpr):
-    """Per 32-bit lane: the sum of the four products of ``w``'s unsigned bytes and ``x``'s signed ones."""
+def _dp4a(w, x, acc, EMULATE: tl.constexpr):
+    """Per 32-bit lane: ``acc`` plus the four products of ``w``'s unsigned bytes and ``x``'s signed ones."""
     if EMULATE:
-        total = tl.zeros_like(w)
+        total = acc
         for i in tl.static_range(4):
             total += ((w >> (8 * i)) & 255) * ((((x >> (8 * i)) & 255) ^ 128) - 128)
         return total
     else:
         return tl.inline_asm_elementwise(
-            "dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [w, x], dtype=tl.int32, is_pure=True, pack=1
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [w, x, acc], dtype=tl.int32, is_pure=True, pack=1
         )
 
 
 @triton.jit
+def _x_words(q, J: tl.constexpr):
+    """``[J, 16]`` int8 quants (as int32) -> ``[1, 1, J, 4]`` words, byte b of word m = quant 4 m + b."""
+    byte_shift = (tl.arange(0, 4) * 8)[None, None, :]
+    # disjoint bytes: the sum is the OR
+    return tl.sum(tl.reshape(q & 255, (J, 4, 4)) << byte_shift, axis=2)[None, None, :, :]
+
+
+@triton.jit
+def _word(words, i: tl.constexpr):
+    """Word ``i`` (0..3) of the last axis of ``words [.., 4]``, as a tensor without that axis."""
+    low, high = tl.split(tl.reshape(words, words.shape[:-1] + [2, 2]))
+    return tl.split(low if i < 2 else high)[i % 2]
+
+
+@triton.jit(do_not_specialize=["stride_sn"])
 def _int8_gemv_kernel(
     x_ptr,
     qweight_ptr,
@@ -80,6 +97,7 @@ def _int8_gemv_kernel(
     N,
     K,
     stride_qn,
+    stride_sn,
     split_k,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -95,57 +113,78 @@ def _int8_gemv_kernel(
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     J: tl.constexpr = STEP // 32  # x-groups a step
     WPJ: tl.constexpr = BITS  # weight words an x-group: 32 inputs at 32 / BITS a word
+    # a step's x-groups as [NG, JG]: NG scale groups of JG x-groups each (one scale row per group, loaded
+    # once); a group size that neither divides nor is a multiple of the step: a scale per x-group
+    if STEP % GROUP_SIZE == 0:
+        NG: tl.constexpr = STEP // GROUP_SIZE
+    elif GROUP_SIZE % STEP == 0:
+        NG: tl.constexpr = 1
+    else:
+        NG: tl.constexpr = J
+    JG: tl.constexpr = J // NG
     steps = K // STEP
     per_split = tl.cdiv(steps, split_k)
     step_lo = pid_k * per_split
     step_hi = tl.minimum(step_lo + per_split, steps)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live = n < N
-    # each thread multiplies whole 16-byte runs ([.., .., 4] words, its own) so that the sum over them
-    # stays in the thread: no shuffles in the loop
-    word_of = tl.arange(0, J)[None, :, None] * WPJ + tl.arange(0, 4)[None, None, :]  # [1, J, 4]
-    row = qweight_ptr + n.to(tl.int64)[:, None, None] * stride_qn + word_of  # [BN, J, 4]
-    if BITS == 4:  # x's halves: the even and the odd inputs of each x-group (low / high nibbles)
-        x_at = tl.arange(0, J)[:, None] * 32 + tl.arange(0, 16)[None, :] * 2
-        OTHER: tl.constexpr = 1
-    else:  # the first and the last 16 inputs of each x-group (its first / last 4 words)
-        x_at = tl.arange(0, J)[:, None] * 32 + tl.arange(0, 16)[None, :]
-        OTHER: tl.constexpr = 16
-    byte_shift = (tl.arange(0, 4) * 8)[None, None, :]
-    acc = tl.zeros((BLOCK_N, J), dtype=tl.float32)
+    n4 = n[:, None, None, None]
+    live4 = live[:, None, None, None]
+    live3 = live[:, None, None]
+    # each thread multiplies whole 16-byte runs ([.., .., .., 4] words, its own) so that the sum over
+    # them stays in the thread: no shuffles in the loop
+    j3 = tl.arange(0, NG)[:, None] * JG + tl.arange(0, JG)[None, :]  # [NG, JG]: x-group of the step
+    word_of = j3[None, :, :, None] * WPJ + tl.arange(0, 4)[None, None, None, :]  # [1, NG, JG, 4]
+    row = qweight_ptr + n4.to(tl.int64) * stride_qn + word_of  # [BN, NG, JG, 4]
+    x_at = tl.arange(0, J * 32)
+    acc = tl.zeros((BLOCK_N, NG, JG), dtype=tl.float32)
     for step in range(step_lo, step_hi):
         k0 = step * STEP
-        xa = tl.load(x_ptr + k0 + x_at).to(tl.float32)  # [J, 16]
-        xb = tl.load(x_ptr + k0 + x_at + OTHER).to(tl.float32)
+        # the weights (and their scales) first: in flight while x is rounded below, whose cross-thread
+        # reductions and barriers would otherwise hold these loads back until x is done
+        at = row + (k0 * BITS // 32)
+        first = tl.load(at, mask=live4, other=0)  # [BN, NG, JG, 4]
+        if BITS == 8:
+            second = tl.load(at + 4, mask=live4, other=0)
+        # each x-group's scale, JG x-groups alike: loaded in the layout of the sums they multiply (with
+        # the stride along N a runtime value the compiler cannot vectorise these small loads along N,
+        # so it keeps them in that layout instead of moving the [BN, NG, JG] sums to theirs every step)
+        group = (k0 + j3 * 32) // GROUP_SIZE  # [NG, JG]
+        g_at = group[None, :, :] * N + n[:, None, None] * stride_sn  # [BN, NG, JG]
+        scale = tl.load(scales_ptr + g_at, mask=live3, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(zeros_ptr + g_at, mask=live3, other=0.0).to(tl.float32)
+        # x: one contiguous load, each x-group rounded to int8 with one scale
+        xs = tl.reshape(tl.load(x_ptr + k0 + x_at).to(tl.float32), (J, 16, 2))
+        if BITS == 4:  # the even and the odd inputs (low / high nibbles)
+            xa, xb = tl.split(xs)
+        else:  # the first and the last 16 inputs (the x-group's first / last 4 words)
+            xa, xb = tl.split(tl.permute(tl.reshape(xs, (J, 2, 16)), (0, 2, 1)))
         amax = tl.maximum(tl.max(tl.abs(xa), axis=1), tl.max(tl.abs(xb), axis=1))  # [J]
         inverse = (tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0))[:, None]
         qa, qb = xa * inverse, xb * inverse
         qa = (qa + tl.where(qa >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero
         qb = (qb + tl.where(qb >= 0, 0.5, -0.5)).to(tl.int32)
-        x_sums = (tl.sum(qa, axis=1) + tl.sum(qb, axis=1)).to(tl.float32)  # [J]
-        # four quants a word, byte b of word m = quant 4 m + b of the half; disjoint bytes: the sum is the OR
-        wa = tl.sum(tl.reshape(qa & 255, (J, 4, 4)) << byte_shift, axis=2)[None, :, :]  # [1, J, 4]
-        wb = tl.sum(tl.reshape(qb & 255, (J, 4, 4)) << byte_shift, axis=2)[None, :, :]
-        at = row + (k0 * BITS // 32)
-        if BITS == 4:
-            words = tl.load(at, mask=live[:, None, None], other=0)  # [BN, J, 4]: inputs 8 m + i, nibble i
-            low = _dp4a(words & 0x0F0F0F0F, wa, EMULATE)
-            products = low + _dp4a((words >> 4) & 0x0F0F0F0F, wb, EMULATE)
-        else:
-            tl.static_assert(BITS == 8, "_int8_gemv_kernel: 4 or 8 bits")
-            first = _dp4a(tl.load(at, mask=live[:, None, None], other=0), wa, EMULATE)
-            products = first + _dp4a(tl.load(at + 4, mask=live[:, None, None], other=0), wb, EMULATE)
-        sums = tl.sum(products, axis=2)  # [BN, J]
-        group = (k0 + tl.arange(0, J) * 32) // GROUP_SIZE  # each x-group's weight group
-        at = group[None, :] * N + n[:, None]
-        scale = tl.load(scales_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)  # [BN, J]
+        d_x = tl.reshape(amax / 127.0, (NG, JG))[None, :, :]
+        # d_x * sum of the quants: the zero point's term, x's alone
+        x_term = tl.reshape((amax / 127.0) * (tl.sum(qa, axis=1) + tl.sum(qb, axis=1)).to(tl.float32), (NG, JG))
+        wa = tl.reshape(_x_words(qa, J), (1, NG, JG, 4))  # four quants a word
+        wb = tl.reshape(_x_words(qb, J), (1, NG, JG, 4))
+        # the eight products of a row's x-group chained in one thread's accumulator
+        sums = tl.zeros((BLOCK_N, NG, JG), dtype=tl.int32)
+        for i in tl.static_range(4):
+            if BITS == 4:
+                w = _word(first, i)  # inputs 8 i + 2 b (low nibble of byte b), 8 i + 2 b + 1 (high nibble)
+                sums = _dp4a(w & 0x0F0F0F0F, _word(wa, i), sums, EMULATE)
+                sums = _dp4a((w >> 4) & 0x0F0F0F0F, _word(wb, i), sums, EMULATE)
+            else:
+                sums = _dp4a(_word(first, i), _word(wa, i), sums, EMULATE)
+                sums = _dp4a(_word(second, i), _word(wb, i), sums, EMULATE)
         if HAS_ZEROS:
-            zero = tl.load(zeros_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+            acc += scale * (d_x * sums.to(tl.float32) - zero * x_term[None, :, :])
         else:
-            zero = tl.full((BLOCK_N, J), 1 << (BITS - 1), tl.float32)
-        d_x = (amax / 127.0)[None, :]
-        acc += scale * d_x * (sums.to(tl.float32) - zero * x_sums[None, :])
-    total = tl.sum(acc, axis=1)
+            acc += scale * (d_x * sums.to(tl.float32) - (1 << (BITS - 1)) * x_term[None, :, :])
+    total = tl.sum(tl.reshape(acc, (BLOCK_N, J)), axis=1)
     if SPLIT:
         tl.store(partial_ptr + pid_k * N + n, total, mask=live)
         tl.debug_barrier()  # every thread's partial sums before the release below
@@ -251,6 +290,7 @@ def int8_gemv(
         n,
         k,
         weight.qweight.stride(0),
+        weight.scales.stride(1),
         split_k,
         BITS=weight.bits,
         GROUP_SIZE=weight.group_size,
