@@ -103,6 +103,102 @@ def _quantize_x(x_ptr, k0, K, GROUPS: tl.constexpr):
 
 
 @triton.jit
+def _step_sums(
+    w_ptr,
+    n,
+    N,
+    K,
+    T,
+    step,
+    xw,
+    dx,
+    sxq32,
+    sxq16,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """One step of the integer GEMV: the ``[BLOCK_N, 8 NB]`` fp32 sums, per group of 32 values of the
+    step, of rows ``n`` (``[BLOCK_N]``, live below ``N``) of the planar ``[N, K]`` matrix at ``w_ptr``
+    (``T`` blocks) times x's quants of step ``step`` (:func:`_quantize_x`'s ``words, scales, sums``)."""
+    G: tl.constexpr = 8 * NB  # groups of 32 values a step
+    row_live = (n < N)[:, None]
+    words = tl.pointer_type(tl.int32)
+    if QTYPE == _Q8_0:
+        blocks_per_row = K // 32
+        b = step * G + tl.arange(0, G)[None, :]
+        live = row_live & (b < blocks_per_row)
+        blk = n[:, None] * blocks_per_row + b  # [BN, G]
+        qs = (w_ptr + 2 * T).to(words) + blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        wq = tl.load(qs, mask=live[:, :, None], other=0)
+        sums = tl.sum(_dp4a(wq, tl.reshape(xw, (G, 8))[None, :, :], True, EMULATE), axis=2)
+        return sums.to(tl.float32) * _f16(w_ptr + blk * 2, live) * dx[None, :]
+    elif QTYPE == _Q4_K:
+        # superblock sb, quarter j (u = 4 sb + j): quant word 8 u + m holds elements 64 u + 4 m..
+        # in its low nibbles (group 2 u), 64 u + 32 + 4 m.. in its high ones (group 2 u + 1)
+        blocks_per_row = K // 256
+        sb = step * NB + tl.arange(0, NB)[None, :]
+        live = row_live & (sb < blocks_per_row)  # [BN, NB]
+        blk = n[:, None] * blocks_per_row + sb
+        first = n * blocks_per_row + step * NB  # [BN]: the step's first superblock of each row
+        u4 = tl.arange(0, 4 * NB)[None, :, None, None]
+        half = tl.arange(0, 2)[None, None, :, None]
+        m4 = tl.arange(0, 8)[None, None, None, :]
+        live4 = tl.reshape(tl.broadcast_to(live[:, :, None], (BLOCK_N, NB, 4)), (BLOCK_N, 4 * NB))
+        qs = (w_ptr + 16 * T).to(words) + first[:, None, None, None] * 32 + u4 * 8 + m4
+        wq = tl.load(qs, mask=live4[:, :, None, None], other=0)  # [BN, 4 NB, 1, 8]
+        nibbles = (wq >> (half * 4)) & 0x0F0F0F0F  # [BN, 4 NB, 2, 8]
+        sums = tl.reshape(
+            tl.sum(_dp4a(nibbles, tl.reshape(xw, (4 * NB, 2, 8))[None], False, EMULATE), axis=3), (BLOCK_N, G)
+        )
+        scales = (w_ptr + 4 * T).to(words) + blk[:, :, None] * 3
+        a = tl.load(scales, mask=live[:, :, None], other=0)
+        bw = tl.load(scales + 1, mask=live[:, :, None], other=0)
+        c = tl.load(scales + 2, mask=live[:, :, None], other=0)
+        g = tl.arange(0, 8)[None, None, :]
+        shift = (g % 4) * 8
+        low = g < 4
+        sc = (tl.where(low, a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030)) >> shift) & 255
+        mn = (tl.where(low, bw & 0x3F3F3F3F, ((c >> 4) & 0x0F0F0F0F) | ((bw >> 2) & 0x30303030)) >> shift) & 255
+        d = _f16(w_ptr + blk[:, :, None] * 2, live[:, :, None])
+        dmin = _f16(w_ptr + 2 * T + blk[:, :, None] * 2, live[:, :, None])
+        scale = tl.reshape(d * sc.to(tl.float32), (BLOCK_N, G))
+        offset = tl.reshape(dmin * mn.to(tl.float32), (BLOCK_N, G))
+        return (scale * sums.to(tl.float32) - offset * sxq32.to(tl.float32)[None, :]) * dx[None, :]
+    else:
+        tl.static_assert(QTYPE == _Q6_K, "_gemv_kernel: Q8_0, Q4_K or Q6_K")
+        # superblock sb, half h (u = 2 sb + h): element 128 u + 64 half + 32 a + 4 t (+0..3) has its
+        # low nibble in word 16 u + 8 a + t (nibble `half`), its 2 high bits in word 8 u + t (at
+        # 2 a + 4 half); its 16-value group is 8 u + 4 half + 2 a + t // 4
+        blocks_per_row = K // 256
+        sb = step * NB + tl.arange(0, NB)[None, :]
+        live = row_live & (sb < blocks_per_row)
+        blk = n[:, None] * blocks_per_row + sb
+        first = (n * blocks_per_row + step * NB)[:, None, None, None, None]
+        u5 = tl.arange(0, 2 * NB)[None, :, None, None, None]
+        half = tl.arange(0, 2)[None, None, :, None, None]
+        a5 = tl.arange(0, 2)[None, None, None, :, None]
+        t5 = tl.arange(0, 8)[None, None, None, None, :]
+        live2 = tl.reshape(tl.broadcast_to(live[:, :, None], (BLOCK_N, NB, 2)), (BLOCK_N, 2 * NB))
+        live5 = live2[:, :, None, None, None]
+        ql = tl.load(w_ptr.to(words) + first * 32 + u5 * 16 + a5 * 8 + t5, mask=live5, other=0)
+        qh = tl.load((w_ptr + 128 * T).to(words) + first * 16 + u5 * 8 + t5, mask=live5, other=0)
+        quants = ((ql >> (half * 4)) & 0x0F0F0F0F) | (((qh >> (a5 * 2 + half * 4)) & 0x03030303) << 4)
+        products = _dp4a(quants, tl.reshape(xw, (2 * NB, 2, 2, 8))[None], False, EMULATE)
+        sums = tl.sum(tl.reshape(products, (BLOCK_N, 2 * G, 4)), axis=2)  # [BN, 16 NB]
+        g16 = tl.arange(0, 16)[None, None, :]
+        sc = tl.load(
+            (w_ptr + 192 * T).to(tl.pointer_type(tl.int8)) + blk[:, :, None] * 16 + g16,
+            mask=live[:, :, None],
+            other=0,
+        ).to(tl.float32)
+        d = _f16(w_ptr + 208 * T + blk * 2, live)[:, :, None]
+        centred = (sums - 32 * sxq16[None, :]).to(tl.float32) * tl.reshape(d * sc, (BLOCK_N, 2 * G))
+        return tl.sum(tl.reshape(centred, (BLOCK_N, G, 2)), axis=2) * dx[None, :]  # quants are stored + 32
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -134,82 +230,10 @@ def _gemv_kernel(
     step_lo = pid_k * per_split
     step_hi = tl.minimum(step_lo + per_split, steps)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_live = (n < N)[:, None]
-    words = tl.pointer_type(tl.int32)
     acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     for step in range(step_lo, step_hi):
         xw, dx, sxq32, sxq16 = _quantize_x(x_ptr, step * STEP_K, K, G)
-        if QTYPE == _Q8_0:
-            blocks_per_row = K // 32
-            b = step * G + tl.arange(0, G)[None, :]
-            live = row_live & (b < blocks_per_row)
-            blk = n[:, None] * blocks_per_row + b  # [BN, G]
-            qs = (w_ptr + 2 * T).to(words) + blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-            wq = tl.load(qs, mask=live[:, :, None], other=0)
-            sums = tl.sum(_dp4a(wq, tl.reshape(xw, (G, 8))[None, :, :], True, EMULATE), axis=2)
-            acc += sums.to(tl.float32) * _f16(w_ptr + blk * 2, live) * dx[None, :]
-        elif QTYPE == _Q4_K:
-            # superblock sb, quarter j (u = 4 sb + j): quant word 8 u + m holds elements 64 u + 4 m..
-            # in its low nibbles (group 2 u), 64 u + 32 + 4 m.. in its high ones (group 2 u + 1)
-            blocks_per_row = K // 256
-            sb = step * NB + tl.arange(0, NB)[None, :]
-            live = row_live & (sb < blocks_per_row)  # [BN, NB]
-            blk = n[:, None] * blocks_per_row + sb
-            first = n * blocks_per_row + step * NB  # [BN]: the step's first superblock of each row
-            u4 = tl.arange(0, 4 * NB)[None, :, None, None]
-            half = tl.arange(0, 2)[None, None, :, None]
-            m4 = tl.arange(0, 8)[None, None, None, :]
-            live4 = tl.reshape(tl.broadcast_to(live[:, :, None], (BLOCK_N, NB, 4)), (BLOCK_N, 4 * NB))
-            qs = (w_ptr + 16 * T).to(words) + first[:, None, None, None] * 32 + u4 * 8 + m4
-            wq = tl.load(qs, mask=live4[:, :, None, None], other=0)  # [BN, 4 NB, 1, 8]
-            nibbles = (wq >> (half * 4)) & 0x0F0F0F0F  # [BN, 4 NB, 2, 8]
-            sums = tl.reshape(
-                tl.sum(_dp4a(nibbles, tl.reshape(xw, (4 * NB, 2, 8))[None], False, EMULATE), axis=3), (BLOCK_N, G)
-            )
-            scales = (w_ptr + 4 * T).to(words) + blk[:, :, None] * 3
-            a = tl.load(scales, mask=live[:, :, None], other=0)
-            bw = tl.load(scales + 1, mask=live[:, :, None], other=0)
-            c = tl.load(scales + 2, mask=live[:, :, None], other=0)
-            g = tl.arange(0, 8)[None, None, :]
-            shift = (g % 4) * 8
-            low = g < 4
-            sc = (tl.where(low, a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030)) >> shift) & 255
-            mn = (tl.where(low, bw & 0x3F3F3F3F, ((c >> 4) & 0x0F0F0F0F) | ((bw >> 2) & 0x30303030)) >> shift) & 255
-            d = _f16(w_ptr + blk[:, :, None] * 2, live[:, :, None])
-            dmin = _f16(w_ptr + 2 * T + blk[:, :, None] * 2, live[:, :, None])
-            scale = tl.reshape(d * sc.to(tl.float32), (BLOCK_N, G))
-            offset = tl.reshape(dmin * mn.to(tl.float32), (BLOCK_N, G))
-            acc += (scale * sums.to(tl.float32) - offset * sxq32.to(tl.float32)[None, :]) * dx[None, :]
-        else:
-            tl.static_assert(QTYPE == _Q6_K, "_gemv_kernel: Q8_0, Q4_K or Q6_K")
-            # superblock sb, half h (u = 2 sb + h): element 128 u + 64 half + 32 a + 4 t (+0..3) has its
-            # low nibble in word 16 u + 8 a + t (nibble `half`), its 2 high bits in word 8 u + t (at
-            # 2 a + 4 half); its 16-value group is 8 u + 4 half + 2 a + t // 4
-            blocks_per_row = K // 256
-            sb = step * NB + tl.arange(0, NB)[None, :]
-            live = row_live & (sb < blocks_per_row)
-            blk = n[:, None] * blocks_per_row + sb
-            first = (n * blocks_per_row + step * NB)[:, None, None, None, None]
-            u5 = tl.arange(0, 2 * NB)[None, :, None, None, None]
-            half = tl.arange(0, 2)[None, None, :, None, None]
-            a5 = tl.arange(0, 2)[None, None, None, :, None]
-            t5 = tl.arange(0, 8)[None, None, None, None, :]
-            live2 = tl.reshape(tl.broadcast_to(live[:, :, None], (BLOCK_N, NB, 2)), (BLOCK_N, 2 * NB))
-            live5 = live2[:, :, None, None, None]
-            ql = tl.load(w_ptr.to(words) + first * 32 + u5 * 16 + a5 * 8 + t5, mask=live5, other=0)
-            qh = tl.load((w_ptr + 128 * T).to(words) + first * 16 + u5 * 8 + t5, mask=live5, other=0)
-            quants = ((ql >> (half * 4)) & 0x0F0F0F0F) | (((qh >> (a5 * 2 + half * 4)) & 0x03030303) << 4)
-            products = _dp4a(quants, tl.reshape(xw, (2 * NB, 2, 2, 8))[None], False, EMULATE)
-            sums = tl.sum(tl.reshape(products, (BLOCK_N, 2 * G, 4)), axis=2)  # [BN, 16 NB]
-            g16 = tl.arange(0, 16)[None, None, :]
-            sc = tl.load(
-                (w_ptr + 192 * T).to(tl.pointer_type(tl.int8)) + blk[:, :, None] * 16 + g16,
-                mask=live[:, :, None],
-                other=0,
-            ).to(tl.float32)
-            d = _f16(w_ptr + 208 * T + blk * 2, live)[:, :, None]
-            centred = (sums - 32 * sxq16[None, :]).to(tl.float32) * tl.reshape(d * sc, (BLOCK_N, 2 * G))
-            acc += tl.sum(tl.reshape(centred, (BLOCK_N, G, 2)), axis=2) * dx[None, :]  # quants are stored + 32
+        acc += _step_sums(w_ptr, n, N, K, T, step, xw, dx, sxq32, sxq16, QTYPE, BLOCK_N, NB, EMULATE)
     total = tl.sum(acc, axis=1)
     n_live = n < N
     if SPLIT:

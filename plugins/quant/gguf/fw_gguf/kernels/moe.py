@@ -21,6 +21,11 @@ x's dtype before the activation and before the routing weight, as the reference 
   multiplied on the tensor cores (``tl.dot``, fp32 accumulation); an expert nobody chose has no
   block and is never read.
 
+Up to :data:`~fw_gguf.kernels.moe_int8.INT8_MAX_TOKENS` tokens, planar Q4_K / Q6_K / Q8_0 stacks
+go instead to :mod:`.moe_int8`'s form on integer dot products (x and the act rows rounded to int8
+per 32 values, as the dense GEMV rounds them) while :data:`~fw_gguf.kernels.moe_int8.INT8_DECODE`
+is on (``FW_GGUF_MOE_INT8=0`` turns it off): :func:`int8_form`.
+
 Grids come from shapes only and nothing syncs with the host or copies from it: every call can be
 captured in a CUDA graph. Launch settings are static per shape: :data:`MOE_TUNED` (measured per GPU
 model by ``benchmarks/gguf_kernels.py --moe --sweep``), else :func:`moe_config`'s rule.
@@ -39,7 +44,9 @@ from torch import Tensor
 from framework import ops
 from framework.ops import PLAIN_SWIGLU, MoEActivation, PackedExperts
 from framework.quantized_moe import kernel_can_run, pair_blocks, two_launches
+from fw_gguf.kernels import moe_int8
 from fw_gguf.kernels.decode import GROUPS, KERNEL_TYPES, decode_weights
+from fw_gguf.kernels.moe_int8 import Int8MoEConfig, int8_fused_moe, int8_supported
 
 #: ``PackedExperts.quant_type`` prefixes of GGUF stacks: the file's block layout, planar per expert.
 LAYOUTS = {"gguf": False, "gguf-planar": True}
@@ -316,6 +323,13 @@ def launch_setting(w1: PackedExperts, w2: PackedExperts, num_pairs: int, device:
     return moe_config(num_pairs)
 
 
+def int8_form(num_tokens: int, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts) -> bool:
+    """Whether :func:`quantized_fused_moe` (no ``config``) runs :mod:`.moe_int8`'s integer form for
+    ``num_tokens``: on (:data:`~fw_gguf.kernels.moe_int8.INT8_DECODE`), a decode batch (up to
+    :data:`~fw_gguf.kernels.moe_int8.INT8_MAX_TOKENS`) and stacks it takes."""
+    return moe_int8.INT8_DECODE and num_tokens <= moe_int8.INT8_MAX_TOKENS and int8_supported(w1, w3, w2)
+
+
 def _check_stack(packed: PackedExperts, qtype: GGMLQuantizationType) -> None:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     experts, rows, row_bytes = packed.data.shape
@@ -355,12 +369,14 @@ def quantized_fused_moe(
     topk_ids: Tensor,
     activation: MoEActivation = PLAIN_SWIGLU,
     *,
-    config: MoEKernelConfig | None = None,
+    config: MoEKernelConfig | Int8MoEConfig | None = None,
 ) -> Tensor:
     """:func:`framework.ops.quantized_fused_moe` for GGUF stacks (:func:`supports`); anything else
-    by the reference. ``config`` overrides :func:`launch_setting` (benchmarks, tests). Returns a new
-    ``[T, H]`` tensor of ``hidden.dtype``; raises ``ValueError`` for stacks whose bytes do not match
-    their ``in_features``."""
+    by the reference. ``config`` overrides :func:`int8_form` and :func:`launch_setting` (benchmarks,
+    tests): an :class:`~fw_gguf.kernels.moe_int8.Int8MoEConfig` runs the integer form, a
+    :class:`MoEKernelConfig` this module's. Returns a new ``[T, H]`` tensor of ``hidden.dtype``;
+    raises ``ValueError`` for stacks whose bytes do not match their ``in_features``, or an
+    ``Int8MoEConfig`` for stacks the integer form does not take."""
     if not supports(hidden, w1, w3, w2, activation):
         return ops.quantized_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, activation)
     (planar13, type1), (_, type3), (planar2, type2) = (parse_quant_type(p.quant_type) for p in (w1, w3, w2))
@@ -384,6 +400,13 @@ def quantized_fused_moe(
     if num_tokens == 0:
         return torch.empty_like(hidden)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    if isinstance(config, Int8MoEConfig) or (config is None and int8_form(num_tokens, w1, w3, w2)):
+        if not int8_supported(w1, w3, w2):
+            raise ValueError(
+                f"the integer MoE form takes planar Q4_K / Q6_K / Q8_0 stacks with 4-byte aligned planes; "
+                f"got {w1.quant_type}, {w3.quant_type}, {w2.quant_type}"
+            )
+        return int8_fused_moe(hidden, w1, w3, w2, topk_weights, topk_ids, activation, config)
     config = config or launch_setting(w1, w2, num_tokens * top_k, hidden.device)
     pairs = pair_blocks(topk_ids, num_experts, config.block_m, sorted=config.block_m != 1)
     common = dict(
