@@ -80,7 +80,7 @@ def assert_sums_the_product(out: torch.Tensor, expected: tuple[torch.Tensor, tor
     multiplied) within its dtype's rounding of the result plus an fp32 summation error of 2^-14 of the
     terms' magnitudes: any order of fp32 sums passes; a missing or repeated group or split does not."""
     exact, magnitude = expected
-    rounding = 2.0 ** -(torch.finfo(out.dtype).nmant) if out.dtype != torch.float64 else 0.0
+    rounding = torch.finfo(out.dtype).eps if out.dtype != torch.float64 else 0.0  # 2^-mantissa bits
     error = (out.cpu().double() - exact).abs()
     bound = rounding * exact.abs() + 2.0**-14 * magnitude
     worst = int((error - bound).argmax())
